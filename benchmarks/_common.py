@@ -1,0 +1,291 @@
+"""Shared helpers for the benchmark scripts: fresh-process measurements, resident memory, tables.
+
+Why a fresh process per measurement: resident memory (RSS) is a property of a whole process, and
+allocators keep freed memory; a measurement that follows another in the same process inherits its
+heap and its imported modules. Each measurement therefore runs as
+``python <script> --child '<json>'`` and sends one JSON line back.
+
+A benchmark script defines ``MEASUREMENTS = {"name": function}`` (each function takes keyword
+parameters and returns a JSON-able dict) and calls :func:`child_main` first thing in ``main``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import gc
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+import traceback
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+RESULT_TAG = "@@BENCH-RESULT@@ "
+MiB = 1024 * 1024
+LLAMA_70B = dict(
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    vocab_size=128256,
+)
+
+# --------------------------------------------------------------------------- resident memory
+
+
+def rss_bytes() -> int:
+    """Current resident set size of this process."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except OSError:
+        return peak_rss_bytes()
+
+
+def _reset_peak() -> bool:
+    """Reset the kernel's peak-RSS mark (Linux >= 4.0: ``echo 5 > /proc/self/clear_refs``)."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def peak_rss_bytes() -> int:
+    """Peak resident set size: VmHWM (resettable) when readable, else ``ru_maxrss``."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    maxrss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return maxrss if sys.platform == "darwin" else maxrss * 1024
+
+
+@dataclass
+class Meter:
+    """Wall time, peak extra RSS and retained extra RSS of the code inside ``with meter():``."""
+
+    seconds: float = 0.0
+    peak_extra: int = 0
+    retained_extra: int = 0
+    baseline: int = 0
+    peak_is_reset: bool = False
+    laps: dict[str, float] = field(default_factory=dict)
+    _t0: float = 0.0
+
+    @contextlib.contextmanager
+    def __call__(self) -> Iterator[Meter]:
+        gc.collect()
+        self.baseline = rss_bytes()
+        self.peak_is_reset = _reset_peak()
+        if not self.peak_is_reset:  # the peak so far counts: take the larger mark as baseline
+            self.baseline = max(self.baseline, peak_rss_bytes())
+        self._t0 = time.perf_counter()
+        yield self
+        self.seconds = time.perf_counter() - self._t0
+        self.peak_extra = max(0, peak_rss_bytes() - self.baseline)
+        self.retained_extra = rss_bytes() - self.baseline
+
+    def lap(self, name: str) -> None:
+        """Record the time elapsed since the block started under ``name``."""
+        self.laps[name] = time.perf_counter() - self._t0
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "seconds": self.seconds,
+            "peak_extra": self.peak_extra,
+            "retained_extra": self.retained_extra,
+            "laps": dict(self.laps),
+        }
+
+
+def tensor_bytes(obj: Any) -> int:
+    """Bytes that the parameters and buffers of a module (or a tensor) hold once real."""
+    import torch
+
+    if isinstance(obj, torch.Tensor):
+        return obj.numel() * obj.element_size()
+    tensors = list(obj.parameters()) + list(obj.buffers())
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+# --------------------------------------------------------------------------- the library under test
+
+
+def load_core() -> Any:
+    """``jupyter_metainit`` with the core API, or raise an ImportError saying what is missing."""
+    import jupyter_metainit
+
+    for name in ("meta_init", "materialize", "dematerialize", "is_deferred"):
+        if not hasattr(jupyter_metainit, name):
+            raise ImportError(f"jupyter_metainit.{name} is missing")
+    return jupyter_metainit
+
+
+def llama_config(**overrides: Any) -> Any:
+    """A ``transformers.LlamaConfig`` (float32, untied embeddings unless overridden)."""
+    from transformers import LlamaConfig
+
+    kw = dict(tie_word_embeddings=False)
+    kw.update(overrides)
+    return LlamaConfig(**kw)
+
+
+def build_causal_lm(config: Any) -> Any:
+    """``AutoModelForCausalLM.from_config(config)`` in float32."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+
+
+TINY_LLAMA = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=256,
+)
+
+# --------------------------------------------------------------------------- processes
+
+
+def child_main(measurements: dict[str, Callable[..., dict[str, Any]]]) -> None:
+    """If this process was started as a measurement child, run it, print its result and exit."""
+    if len(sys.argv) < 3 or sys.argv[1] != "--child":
+        return
+    jobs = json.loads(sys.argv[2])
+    results = []
+    for name, params in jobs:
+        try:
+            results.append(measurements[name](**params))
+        except Exception as exc:  # reported in the table, never hidden
+            last = traceback.extract_tb(exc.__traceback__)[-1]
+            where = f"{os.path.basename(last.filename)}:{last.lineno}"
+            results.append({"error": f"{type(exc).__name__}: {exc}".strip()[:300] + f" ({where})"})
+        gc.collect()
+    sys.stdout.flush()
+    print(RESULT_TAG + json.dumps(results), flush=True)
+    sys.exit(0)
+
+
+def run_children(
+    script: str,
+    jobs: Sequence[tuple[str, dict[str, Any]]],
+    *,
+    separate: bool = True,
+    timeout: float = 900,
+) -> list[dict[str, Any]]:
+    """Run ``jobs`` [(measurement, params)] in fresh processes: one each, or all in one if not
+    ``separate`` (the ``--quick`` smoke runs). A crashed or silent child yields an error dict."""
+    groups = [[job] for job in jobs] if separate else [list(jobs)]
+    out: list[dict[str, Any]] = []
+    for group in groups:
+        cmd = [sys.executable, script, "--child", json.dumps(group)]
+        try:
+            proc = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=timeout, stdin=subprocess.DEVNULL
+            )
+        except subprocess.TimeoutExpired:
+            out.extend({"error": f"timed out after {timeout:.0f} s"} for _ in group)
+            continue
+        lines = [ln for ln in proc.stdout.splitlines() if ln.startswith(RESULT_TAG)]
+        if lines:
+            out.extend(json.loads(lines[-1][len(RESULT_TAG) :]))
+        else:
+            tail = (proc.stderr or proc.stdout).strip().splitlines()[-3:]
+            msg = f"child exited {proc.returncode}: " + " | ".join(tail)
+            out.extend({"error": msg[:400]} for _ in group)
+    return out
+
+
+def repeat_jobs(name: str, params: dict[str, Any], repeats: int) -> list[tuple[str, dict]]:
+    return [(name, params)] * repeats
+
+
+def median_result(results: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """The result whose ``seconds`` is the median; one error makes the whole an error."""
+    for r in results:
+        if "error" in r:
+            return r
+    if any("seconds" not in r for r in results):
+        return dict(results[0])
+    ordered = sorted(results, key=lambda r: r["seconds"])
+    med = dict(ordered[(len(ordered) - 1) // 2])
+    med["all_seconds"] = [r["seconds"] for r in results]
+    if len(results) > 1:
+        med["stdev_seconds"] = statistics.pstdev(med["all_seconds"])
+    return med
+
+
+# --------------------------------------------------------------------------- printing
+
+
+def fmt_s(x: float | None) -> str:
+    if x is None:
+        return "n/a"
+    return f"{x * 1000:.1f} ms" if x < 1 else f"{x:.2f} s"
+
+
+def fmt_mb(x: float | None) -> str:
+    return "n/a" if x is None else f"{x / MiB:,.1f} MiB"
+
+
+def fmt_ratio(x: float | None) -> str:
+    return "n/a" if x is None else f"{x:.3f}x"
+
+
+def verdict(ok: bool | None) -> str:
+    return "n/a" if ok is None else ("PASS" if ok else "MISS")
+
+
+def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]]) -> None:
+    """A Markdown table (readable as text, pastes into the docs as is)."""
+    cells = [[str(c) for c in headers]] + [[str(c) for c in row] for row in rows]
+    widths = [max(len(r[i]) for r in cells) for i in range(len(headers))]
+
+    def line(row: Sequence[str]) -> str:
+        return "| " + " | ".join(c.ljust(w) for c, w in zip(row, widths, strict=True)) + " |"
+
+    print(f"\n### {title}\n")
+    print(line(cells[0]))
+    print("|" + "|".join("-" * (w + 2) for w in widths) + "|")
+    for row in cells[1:]:
+        print(line(row))
+    print(flush=True)
+
+
+def print_errors(named: dict[str, dict[str, Any]]) -> None:
+    for name, res in named.items():
+        if "error" in res:
+            print(f"- {name}: {res['error']}")
+
+
+def environment_line() -> str:
+    import platform
+
+    import torch
+
+    return (
+        f"python {platform.python_version()}, torch {torch.__version__}, "
+        f"{torch.get_num_threads()} threads, {os.cpu_count()} cpus"
+    )
+
+
+def base_parser(description: str) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=description)
+    p.add_argument("--quick", action="store_true", help="tiny sizes, one process: a smoke run")
+    p.add_argument("--repeats", type=int, default=None, help="fresh processes per measurement")
+    return p

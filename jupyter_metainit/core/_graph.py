@@ -1,0 +1,94 @@
+"""The recording: storages, the tensors that view them, and the operations that write them.
+
+A deferred tensor holds a :class:`TensorRecord` (its geometry over a :class:`StorageRecord`).
+Each storage keeps the ordered list of the operations that wrote it (the first one created it).
+Records reference each other only downwards in time, so a recording lives exactly as long as a
+deferred tensor (or a kept shadow) still needs it, and is freed by reference counting.
+"""
+
+from __future__ import annotations
+
+import itertools
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_seq = itertools.count()
+
+
+def next_seq() -> int:
+    return next(_seq)
+
+
+class StorageRecord:
+    """A storage that will exist after replay; ``writes`` are in recording order."""
+
+    __slots__ = ("__weakref__", "device", "dtype", "nbytes", "writes")
+
+    def __init__(self, nbytes: int, dtype: torch.dtype, device: torch.device) -> None:
+        self.writes: list[OpRecord] = []
+        self.nbytes = nbytes
+        self.dtype = dtype
+        self.device = device
+
+
+class TensorRecord:
+    """Geometry of one tensor over a storage: what ``as_strided`` needs to rebuild it."""
+
+    __slots__ = ("__weakref__", "dtype", "offset", "size", "storage", "stride")
+
+    def __init__(self, storage: StorageRecord, meta: torch.Tensor) -> None:
+        self.storage = storage
+        self.size = tuple(meta.shape)
+        self.stride = tuple(meta.stride())
+        self.offset = meta.storage_offset()
+        self.dtype = meta.dtype
+
+    @property
+    def nbytes(self) -> int:
+        n = 1
+        for s in self.size:
+            n *= s
+        return n * self.dtype.itemsize
+
+
+@dataclass(eq=False)
+class External:
+    """A real tensor used by a recorded op; its ``_version`` must not change before replay."""
+
+    tensor: torch.Tensor
+    version: int
+    where: str
+
+
+@dataclass(eq=False)
+class Constant:
+    """Data given by the user inside ``meta_init`` (``torch.tensor([...])``), kept as is."""
+
+    tensor: torch.Tensor
+
+
+@dataclass(eq=False)
+class RngUse:
+    """Position of a random op in its generator's stream (see ``_rng``)."""
+
+    segment: Any
+    index: int
+
+
+@dataclass(eq=False)
+class OpRecord:
+    """One recorded ATen call. ``args``/``kwargs`` hold records in place of tensors."""
+
+    seq: int
+    func: torch._ops.OpOverload
+    args: tuple
+    kwargs: dict
+    reads: tuple[StorageRecord, ...]
+    outputs: tuple[TensorRecord | None, ...]  # new storages created by this op, per return
+    rng: RngUse | None
+    where: str
+
+    def __hash__(self) -> int:
+        return self.seq

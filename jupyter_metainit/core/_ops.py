@@ -1,0 +1,88 @@
+"""What the recorder needs to know about an ATen operator, computed once per overload."""
+
+from __future__ import annotations
+
+import os
+import traceback
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+_RANDOM_TAG = torch.Tag.nondeterministic_seeded
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
+
+
+@dataclass(frozen=True)
+class OpInfo:
+    """Aliasing and randomness facts of one ``OpOverload``, read from its schema."""
+
+    arg_names: tuple[str, ...]
+    mutated: tuple[int, ...]  # indices of arguments the op writes (in-place self, out=)
+    return_alias: tuple[int | None, ...]  # per return: index of the argument it aliases
+    return_writes: tuple[bool, ...]  # per return: True if the alias is a write (in-place/out)
+    is_random: bool
+    has_generator: bool
+
+
+_CACHE: dict[Any, OpInfo] = {}
+
+
+def op_info(func: torch._ops.OpOverload) -> OpInfo:
+    info = _CACHE.get(func)
+    if info is not None:
+        return info
+    schema = func._schema
+    names = tuple(a.name for a in schema.arguments)
+    sets: dict[str, int] = {}
+    mutated = []
+    for i, a in enumerate(schema.arguments):
+        alias = a.alias_info
+        if alias is None:
+            continue
+        for s in alias.before_set:
+            sets.setdefault(s, i)
+        if alias.is_write:
+            mutated.append(i)
+    ret_alias: list[int | None] = []
+    ret_writes: list[bool] = []
+    for r in schema.returns:
+        alias = r.alias_info
+        if alias is None:
+            ret_alias.append(None)
+            ret_writes.append(False)
+            continue
+        idx = next((sets[s] for s in alias.before_set if s in sets), None)
+        ret_alias.append(idx)
+        ret_writes.append(bool(alias.is_write))
+    info = OpInfo(
+        arg_names=names,
+        mutated=tuple(mutated),
+        return_alias=tuple(ret_alias),
+        return_writes=tuple(ret_writes),
+        is_random=_RANDOM_TAG in func.tags,
+        has_generator="generator" in names,
+    )
+    _CACHE[func] = info
+    return info
+
+
+def bind_arguments(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> list[Any]:
+    """The op's arguments in schema order (defaults as ``None`` placeholders are not filled)."""
+    names = op_info(func).arg_names
+    bound = list(args) + [None] * (len(names) - len(args))
+    for k, v in kwargs.items():
+        if k in names:
+            bound[names.index(k)] = v
+    return bound
+
+
+def user_frame() -> str:
+    """``file:line in function`` of the innermost caller outside torch and this package."""
+    for frame in reversed(traceback.extract_stack()):
+        path = os.path.abspath(frame.filename)
+        if path.startswith((_PACKAGE_DIR, _TORCH_DIR)) or "importlib" in path:
+            continue
+        return f"{frame.filename}:{frame.lineno} in {frame.name}"
+    return "<unknown>"

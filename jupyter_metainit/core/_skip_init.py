@@ -1,0 +1,44 @@
+"""``skip_init``: a module with uninitialised (``torch.empty``) parameters and buffers."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from jupyter_metainit.core._materialize import iter_deferred
+from jupyter_metainit.core._plain import plain
+from jupyter_metainit.core._recorder import meta_init
+from jupyter_metainit.core._swap import swap_in_place
+from jupyter_metainit.core._tensor import INTERNAL_ATTRS
+
+
+def skip_init(module_cls: type[torch.nn.Module], *args: Any, **kwargs: Any) -> torch.nn.Module:
+    """Instantiate ``module_cls(*args, **kwargs)`` without initialising parameters or buffers.
+
+    Use it when you will overwrite every value anyway (loading weights, a custom init): the
+    constructor's initialisation is recorded and dropped instead of computed. Unlike
+    ``torch.nn.utils.skip_init`` the module needs no ``device`` argument.
+
+    Args:
+        module_cls: a ``torch.nn.Module`` subclass.
+        device: (keyword) where the empty tensors are allocated, default CPU.
+    """
+    if not (isinstance(module_cls, type) and issubclass(module_cls, torch.nn.Module)):
+        raise TypeError(f"skip_init expects a torch.nn.Module subclass; got {module_cls!r}")
+    device = torch.device(kwargs.pop("device", "cpu"))
+    with meta_init(device=device):
+        module = module_cls(*args, **kwargs)
+    for t in iter_deferred(module):
+        with plain():
+            empty = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
+        real: torch.Tensor
+        if getattr(t, "_is_param", False):
+            real = torch.nn.Parameter(empty, requires_grad=t._rg)
+        else:
+            real = empty
+        for k, v in t.__dict__.items():
+            if k not in INTERNAL_ATTRS and k != "_is_param":
+                setattr(real, k, v)
+        swap_in_place(t, real)
+    return module

@@ -1,0 +1,120 @@
+"""``DeferredTensor``: a tensor with no storage that reports the device it will really have."""
+
+from __future__ import annotations
+
+import copy
+from typing import Any
+
+import torch
+
+from jupyter_metainit.core._graph import TensorRecord
+
+__all__ = ["DeferredTensor"]
+
+# Attributes of ours in a deferred tensor's __dict__; everything else there is the user's
+# (e.g. transformers' ``_is_hf_initialized``) and is carried over on materialization.
+INTERNAL_ATTRS = frozenset({"_meta", "_rec", "_rg"})
+
+
+class DeferredTensor(torch.Tensor):
+    """A deferred tensor: shape, dtype, stride and device are real; the values are a recording.
+
+    It is a wrapper subclass over a ``meta`` tensor. ``requires_grad`` is kept in Python rather
+    than in autograd, because autograd would need a device implementation for the reported device
+    (CUDA on a CPU-only build) and would hold references that block in-place materialization.
+    """
+
+    _meta: torch.Tensor
+    _rec: TensorRecord
+    _rg: bool
+
+    @staticmethod
+    def __new__(
+        cls, meta: torch.Tensor, rec: TensorRecord, device: torch.device, requires_grad: bool = False
+    ) -> DeferredTensor:
+        t = torch.Tensor._make_wrapper_subclass(
+            cls,
+            meta.shape,
+            strides=meta.stride(),
+            storage_offset=meta.storage_offset(),
+            dtype=meta.dtype,
+            device=device,
+            requires_grad=False,
+        )
+        t._meta = meta
+        t._rec = rec
+        t._rg = requires_grad
+        return t
+
+    @classmethod
+    def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        from jupyter_metainit.core._recorder import handle_op
+
+        return handle_op(func, args, kwargs or {}, None)
+
+    @classmethod
+    def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+        from jupyter_metainit.core._recorder import handle_function
+
+        return handle_function(func, args, kwargs or {})
+
+    # requires_grad lives in Python (see class docstring).
+    @property
+    def requires_grad(self) -> bool:  # type: ignore[override]
+        return self._rg
+
+    @requires_grad.setter
+    def requires_grad(self, value: bool) -> None:
+        self._rg = bool(value)
+
+    def requires_grad_(self, requires_grad: bool = True) -> DeferredTensor:  # type: ignore[override]
+        self._rg = bool(requires_grad)
+        return self
+
+    @property
+    def data(self) -> torch.Tensor:  # type: ignore[override]
+        with torch.no_grad():
+            return self.detach()
+
+    @data.setter
+    def data(self, new: torch.Tensor) -> None:
+        from jupyter_metainit.core._recorder import set_data
+
+        set_data(self, new)
+
+    @property
+    def grad_fn(self) -> None:  # type: ignore[override]
+        return None
+
+    @property
+    def is_leaf(self) -> bool:  # type: ignore[override]
+        return True
+
+    def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
+        prefix = "Parameter containing:\n" if getattr(self, "_is_param", False) else ""
+        parts = [f"size={tuple(self.shape)}", f"device='{self.device}'"]
+        if self.dtype != torch.get_default_dtype():
+            parts.append(f"dtype={self.dtype}")
+        if self._rg:
+            parts.append("requires_grad=True")
+        return f"{prefix}tensor(..., {', '.join(parts)}, deferred)"
+
+    def __reduce_ex__(self, proto: Any) -> Any:
+        raise TypeError(
+            "a deferred tensor has no values to pickle or copy; materialize it first "
+            "(jupyter_metainit.materialize)"
+        )
+
+    def __deepcopy__(self, memo: dict) -> DeferredTensor:
+        # Eager deepcopy clones the values (nn.TransformerEncoder copies its layer this way);
+        # here the clone is recorded like any other op.
+        if id(self) in memo:
+            return memo[id(self)]
+        with torch.no_grad():
+            new = self.clone(memory_format=torch.preserve_format)
+        new._rg = self._rg
+        memo[id(self)] = new
+        for k, v in self.__dict__.items():
+            if k not in INTERNAL_ATTRS:
+                setattr(new, k, copy.deepcopy(v, memo))
+        return new

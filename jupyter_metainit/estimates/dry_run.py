@@ -1,0 +1,292 @@
+"""Run a model's forward pass on deferred inputs: shapes, activations and FLOPs, no memory.
+
+Use :func:`dry_run` to learn what a forward pass would produce and cost before allocating
+anything, and to infer the shapes of lazy modules (``nn.LazyLinear`` ...) on a deferred model.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+import time
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+from torch.nn.parameter import is_lazy
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils.flop_counter import FlopCounterMode
+
+from jupyter_metainit.estimates._state import tensor_state
+from jupyter_metainit.estimates.memory import _DRY_RUN_ATTR, MemoryTable, memory_table
+
+__all__ = ["dry_run"]
+
+
+def _core_meta_init() -> Callable[..., Any] | None:
+    try:
+        from jupyter_metainit.core import meta_init
+    except ImportError:
+        return None
+    return meta_init
+
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.dtype.itemsize
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Tensors in nested outputs (tuples, lists, dicts, transformers' ModelOutput)."""
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _tensors(item)
+    elif isinstance(obj, Mapping):
+        for item in obj.values():
+            yield from _tensors(item)
+
+
+def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, list):
+        return [_map_tensors(o, fn) for o in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(_map_tensors(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return {k: _map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def _is_shape(obj: Any) -> bool:
+    return isinstance(obj, (torch.Size, tuple, list)) and all(
+        isinstance(d, int) and not isinstance(d, bool) for d in obj
+    ) and len(obj) > 0
+
+
+class _ActivationTracker(TorchDispatchMode):
+    """Follows activations (tensors derived from the inputs) through every op.
+
+    Live bytes rise with each new activation and fall when Python drops the last reference
+    (checked with ``sys.getrefcount``; tensors are held strongly only during the run, never
+    through weakrefs). Views cost nothing and keep their base alive.
+    """
+
+    def __init__(self, stack: list[str]) -> None:
+        super().__init__()
+        self.stack = stack
+        self.tensors: list[torch.Tensor] = []  # tracked activations (strong refs, run only)
+        self.nbytes: list[int] = []
+        self.base: list[int] = []  # index of the tensor owning the bytes (itself for non-views)
+        self.index: dict[int, int] = {}  # id(tensor) -> position, valid while tracked
+        self.live = 0
+        self.peak = 0
+        self.module_peak: dict[str, int] = {}
+
+    def track(self, t: torch.Tensor, base: int | None = None) -> None:
+        i = len(self.tensors)
+        self.tensors.append(t)
+        self.index[id(t)] = i
+        if base is None:
+            self.base.append(i)
+            size = _tensor_bytes(t)
+        else:
+            self.base.append(self.base[base])
+            size = 0
+        self.nbytes.append(size)
+        self.live += size
+
+    def _collect(self) -> None:
+        """Drop activations nobody else references (3 = our list, the loop name, the call arg)."""
+        tensors = self.tensors
+        alive = [sys.getrefcount(t) > 3 for t in tensors]
+        for i, ok in enumerate(alive):
+            if ok and self.base[i] != i:
+                alive[self.base[i]] = True
+        if all(alive):
+            return
+        keep = [i for i, ok in enumerate(alive) if ok]
+        remap = {old: new for new, old in enumerate(keep)}
+        self.live -= sum(self.nbytes[i] for i, ok in enumerate(alive) if not ok)
+        self.tensors = [tensors[i] for i in keep]
+        self.nbytes = [self.nbytes[i] for i in keep]
+        self.base = [remap[self.base[i]] for i in keep]
+        self.index = {id(t): n for n, t in enumerate(self.tensors)}
+
+    def note_peak(self) -> None:
+        live = self.live
+        if live > self.peak:
+            self.peak = live
+        peaks = self.module_peak
+        for name in self.stack:
+            if live > peaks.get(name, -1):
+                peaks[name] = live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        out = func(*args, **kwargs)
+        index = self.index
+        sources = [index[id(a)] for a in _tensors((args, kwargs)) if id(a) in index]
+        if sources:
+            self._collect()
+            index = self.index
+            sources = [index[id(a)] for a in _tensors((args, kwargs)) if id(a) in index]
+            view_of = sources[0] if func.is_view and sources else None
+            for t in _tensors(out):
+                if id(t) not in index:
+                    self.track(t, view_of)
+            self.note_peak()
+        return out
+
+
+class _ModuleStack:
+    """Qualified names of the modules currently running, plus per-module outputs."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.names = {id(m): n for n, m in root.named_modules()}
+        self.stack: list[str] = []
+        self.shapes: dict[str, Any] = {}
+        self.out_bytes: dict[str, int] = {}
+        self.handles: list[Any] = []
+
+    def pre(self, mod: nn.Module, args: Any) -> None:
+        name = self.names.get(id(mod))
+        if name is not None:
+            self.stack.append(name)
+
+    def post(self, mod: nn.Module, args: Any, output: Any) -> None:
+        name = self.names.get(id(mod))
+        if name is None:
+            return
+        if self.stack and self.stack[-1] == name:
+            self.stack.pop()
+        elif name in self.stack:
+            del self.stack[len(self.stack) - 1 - self.stack[::-1].index(name)]
+        tensors = list(_tensors(output))
+        shapes = [tuple(t.shape) for t in tensors]
+        if name not in self.shapes:
+            self.shapes[name] = shapes[0] if len(shapes) == 1 else shapes
+        self.out_bytes[name] = self.out_bytes.get(name, 0) + sum(_tensor_bytes(t) for t in tensors)
+
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator[None]:
+        pre = nn.modules.module.register_module_forward_pre_hook(self.pre)
+        post = nn.modules.module.register_module_forward_hook(self.post)
+        try:
+            yield
+        finally:
+            pre.remove()
+            post.remove()
+
+
+def _default_input_dtype(module: nn.Module) -> torch.dtype:
+    """Token-id models (first leaf with parameters is an Embedding) take int64 inputs."""
+    for m in module.modules():
+        if next(iter(m._modules.values()), None) is None and m._parameters:
+            return torch.long if isinstance(m, nn.Embedding) else torch.get_default_dtype()
+    return torch.get_default_dtype()
+
+
+def _uses_meta(module: nn.Module) -> bool:
+    """True for models built on the ``meta`` device (uninitialized lazy tensors do not count)."""
+    tensors = [*module.parameters(), *module.buffers()]
+    return any(t.is_meta and not is_lazy(t) for t in tensors)
+
+
+def dry_run(
+    module: nn.Module,
+    *example_inputs: Any,
+    input_dtype: torch.dtype | None = None,
+    **kwargs: Any,
+) -> MemoryTable:
+    """Run ``module(*example_inputs, **kwargs)`` on deferred tensors and record what it costs.
+
+    When to use: to learn output shapes, activation sizes, FLOPs and peak forward memory of a
+    model (deferred, partially materialized or real) without allocating activations, and to
+    infer the shapes of lazy modules on a deferred model. Lazy modules' initialization is
+    recorded, so materializing them afterwards equals an eager forward with the same seed.
+
+    Inputs may be real tensors (converted with ``torch.empty_like`` inside ``meta_init``, dtype
+    kept), deferred tensors, or shapes (``(1, 4096)`` or ``torch.Size``), which become deferred
+    tensors of ``input_dtype`` (default: ``torch.long`` when the model starts with an
+    ``nn.Embedding``, else the default float dtype). Keyword arguments go to ``forward``
+    (tensors in them are converted the same way).
+
+    The forward runs under ``torch.no_grad()`` with forward hooks (output shapes and bytes per
+    module) and ``torch.utils.flop_counter.FlopCounterMode`` (FLOPs per module, subtree
+    inclusive). Live activation bytes are followed op by op; a module's peak is the largest
+    live activation total seen while it runs (including what its callers keep alive, e.g. the
+    KV cache and residual stream). Results are stored on ``module`` keyed by qualified name and
+    appear as columns ``output_shape``, ``activation_bytes``, ``flops``, ``peak_forward_bytes``
+    (= the subtree's weights + that peak) in later :func:`memory_table` calls.
+
+    Returns ``memory_table(module)`` with those columns.
+    """
+    meta_init = _core_meta_init()
+    use_meta = meta_init is None or _uses_meta(module)
+    shape_dtype = input_dtype or _default_input_dtype(module)
+    ctx: contextlib.AbstractContextManager[Any] = (
+        contextlib.nullcontext() if use_meta else meta_init()
+    )
+    modules = _ModuleStack(module)
+    tracker = _ActivationTracker(modules.stack)
+    start = time.perf_counter()
+    with ctx:
+        def convert(t: torch.Tensor) -> torch.Tensor:
+            if use_meta:
+                return t if t.is_meta else torch.empty_like(t, device="meta")
+            return t if tensor_state(t) == "deferred" else torch.empty_like(t)
+
+        def from_shape(shape: Any) -> torch.Tensor:
+            if use_meta:
+                return torch.empty(tuple(shape), dtype=shape_dtype, device="meta")
+            return torch.empty(tuple(shape), dtype=shape_dtype)
+
+        args = [from_shape(a) if _is_shape(a) else _map_tensors(a, convert) for a in example_inputs]
+        kw = {k: _map_tensors(v, convert) for k, v in kwargs.items()}
+        for t in _tensors((args, kw)):
+            tracker.track(t)
+        flops = FlopCounterMode(display=False)
+        with torch.no_grad(), modules.hooks(), flops, tracker:
+            tracker.note_peak()
+            output = module(*args, **kw)
+        out_shapes = [tuple(t.shape) for t in _tensors(output)]
+        del output, args, kw
+    seconds = time.perf_counter() - start
+    tracker.tensors.clear()
+    tracker.index.clear()
+
+    root_label = type(module).__name__
+    flop_by_name: dict[str, int] = {name: 0 for name in modules.shapes}
+    for key, per_op in flops.get_flop_counts().items():
+        if key == root_label:
+            name = ""
+        elif key.startswith(root_label + "."):
+            name = key[len(root_label) + 1 :]
+        else:
+            continue
+        if name in modules.names.values():
+            flop_by_name[name] = int(sum(per_op.values()))
+    record = {
+        "output_shape": modules.shapes,
+        "activation_bytes": modules.out_bytes,
+        "flops": flop_by_name,
+        "peak_activation_bytes": {n: tracker.module_peak.get(n, 0) for n in modules.shapes},
+        "meta": {
+            "inputs": [tuple(a) if _is_shape(a) else _describe(a) for a in example_inputs],
+            "output_shapes": out_shapes,
+            "flops": int(flops.get_total_flops()),
+            "peak_activation_bytes": tracker.peak,
+            "seconds": seconds,
+        },
+    }
+    object.__setattr__(module, _DRY_RUN_ATTR, record)
+    return memory_table(module)
+
+
+def _describe(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return f"{tuple(obj.shape)} {str(obj.dtype).removeprefix('torch.')}"
+    return type(obj).__name__

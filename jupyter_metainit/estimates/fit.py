@@ -1,0 +1,111 @@
+"""Which parts of a model fit a device's memory, at the dtype you would materialize them in."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+from pathlib import Path
+from typing import Any
+
+import pandas as pd
+import torch
+from torch import nn
+
+from jupyter_metainit.estimates.memory import memory_table
+
+__all__ = ["fits"]
+
+_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?i?b?)\s*$", re.IGNORECASE)
+_FACTORS = {"": 1, "b": 1}
+for _i, _p in enumerate("kmgtp", start=1):
+    _FACTORS[_p] = _FACTORS[_p + "b"] = 1000**_i
+    _FACTORS[_p + "i"] = _FACTORS[_p + "ib"] = 1024**_i
+
+
+def parse_bytes(budget: int | float | str) -> int:
+    """``"24GiB"`` -> 25769803776, ``"80GB"`` -> 80000000000, numbers are bytes."""
+    if isinstance(budget, (int, float)):
+        return int(budget)
+    match = _SIZE.match(budget)
+    if not match:
+        raise ValueError(f"cannot read a memory size from {budget!r} (e.g. '24GiB', '80GB')")
+    return int(float(match.group(1)) * _FACTORS[match.group(2).lower()])
+
+
+def device_budget(device: str | torch.device) -> int:
+    """Free memory of ``device`` in bytes: CUDA free memory, or the host's available memory."""
+    dev = torch.device(device)
+    if dev.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"no CUDA device here to measure {dev}; pass budget= (e.g. '80GiB')")
+        free, _total = torch.cuda.mem_get_info(dev)
+        return int(free)
+    if dev.type == "cpu":
+        with contextlib.suppress(OSError):
+            for line in Path("/proc/meminfo").read_text().splitlines():
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+        raise ValueError("cannot read the available host memory; pass budget=")
+    raise ValueError(f"cannot measure free memory of {dev}; pass budget=")
+
+
+def _model_from_path(path: str) -> nn.Module:
+    """An empty (deferred) model from a local directory or hub name with a transformers config."""
+    import transformers
+
+    config = transformers.AutoConfig.from_pretrained(path)
+    arch = (getattr(config, "architectures", None) or [None])[0]
+    cls = getattr(transformers, arch, None) if arch else None
+    try:
+        from jupyter_metainit.core import meta_init
+    except ImportError:
+        ctx: contextlib.AbstractContextManager[Any] = torch.device("meta")
+    else:
+        ctx = meta_init()
+    with ctx:
+        if cls is None:
+            return transformers.AutoModel.from_config(config)
+        return cls(config)
+
+
+def fits(
+    module_or_path: nn.Module | str,
+    device: str | torch.device = "cuda:0",
+    budget: int | float | str | None = None,
+    *,
+    dtype: torch.dtype | str | None = None,
+    depth: int | None = None,
+) -> pd.DataFrame:
+    """Say which subtrees of a model fit a memory budget.
+
+    When to use: before materializing, to choose what can go on a GPU (or into host memory).
+    ``module_or_path``: a model (deferred, partial or real) or a local directory / hub name with
+    a transformers config (an empty model is built from it, as ``accelerate estimate-memory``
+    does). ``budget``: bytes, or a size such as ``"24GiB"``/``"80GB"``; ``None`` uses the free
+    memory of ``device`` (CUDA free memory, or available host memory for ``"cpu"``).
+    ``dtype``: the dtype you will materialize in (``torch.bfloat16``, ``"int8"`` ...); floating
+    tensors are counted at that size.
+
+    Returns one row per module (tree order, ``depth=`` limits rows) with ``type``, ``depth``,
+    ``children``, ``total_bytes`` (weights + buffers at ``dtype``), ``fits`` (bool) and
+    ``headroom_bytes`` (budget - size, negative when it does not fit). ``attrs`` hold the
+    budget and device. Weights only: add activations from :func:`dry_run`
+    (``peak_forward_bytes``) when the module will also run there.
+    """
+    module = _model_from_path(module_or_path) if isinstance(module_or_path, str) else module_or_path
+    limit = parse_bytes(budget) if budget is not None else device_budget(device)
+    table = memory_table(module, depth=depth, dtype=dtype)
+    result = pd.DataFrame(
+        {
+            "type": table["type"],
+            "depth": table["depth"],
+            "children": table["children"],
+            "total_bytes": table["total_bytes"],
+            "fits": table["total_bytes"] <= limit,
+            "headroom_bytes": limit - table["total_bytes"],
+        }
+    )
+    result.attrs.update(
+        {"budget_bytes": limit, "device": str(device), "dtype": table.attrs.get("dtype")}
+    )
+    return result

@@ -1,0 +1,251 @@
+"""Human-readable rendering of a memory table (HTML for Jupyter, text for printing).
+
+The table itself keeps raw numbers; these functions only change how it looks.
+"""
+
+from __future__ import annotations
+
+import html
+from collections.abc import Sequence
+from typing import Any
+
+import pandas as pd
+
+__all__ = ["format_bytes", "format_count", "format_table", "render_html", "to_text"]
+
+_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+
+BYTE_COLUMNS = (
+    "param_bytes",
+    "buffer_bytes",
+    "nonpersistent_bytes",
+    "total_bytes",
+    "shared_bytes",
+    "grad_fp32_bytes",
+    "optim_fp32_bytes",
+    "train_fp32_bytes",
+    "grad_mixed_bytes",
+    "optim_mixed_bytes",
+    "train_mixed_bytes",
+    "activation_bytes",
+    "peak_forward_bytes",
+    "headroom_bytes",
+    "budget_bytes",
+)
+COUNT_COLUMNS = ("params_own", "params", "params_trainable", "flops", "children", "depth")
+DEFAULT_COLUMNS = (
+    "type",
+    "params",
+    "params_trainable",
+    "param_bytes",
+    "buffer_bytes",
+    "nonpersistent_bytes",
+    "total_bytes",
+    "shared_bytes",
+    "dtypes",
+    "state",
+    "train_fp32_bytes",
+    "train_mixed_bytes",
+    "output_shape",
+    "activation_bytes",
+    "flops",
+    "peak_forward_bytes",
+    "fits",
+    "headroom_bytes",
+)
+HEADERS = {
+    "type": "type",
+    "params": "params",
+    "params_own": "own params",
+    "params_trainable": "trainable",
+    "param_bytes": "param bytes",
+    "buffer_bytes": "buffers",
+    "nonpersistent_bytes": "non-persistent",
+    "total_bytes": "total",
+    "shared_bytes": "shared",
+    "dtypes": "dtypes",
+    "state": "state",
+    "grad_fp32_bytes": "grads fp32",
+    "optim_fp32_bytes": "optim fp32",
+    "train_fp32_bytes": "train fp32",
+    "grad_mixed_bytes": "grads mixed",
+    "optim_mixed_bytes": "optim mixed",
+    "train_mixed_bytes": "train mixed",
+    "output_shape": "output shape",
+    "activation_bytes": "activations",
+    "flops": "FLOPs",
+    "peak_forward_bytes": "peak forward",
+    "fits": "fits",
+    "headroom_bytes": "headroom",
+}
+_HIGHLIGHT = "background-color: rgba(255, 165, 0, 0.25); font-weight: bold"
+_BAR_COLOR = "rgba(100, 149, 237, 0.35)"
+
+
+def format_bytes(n: Any) -> str:
+    """``1536`` -> ``"1.50 KiB"`` (binary units); missing values -> ``""``."""
+    if n is None or pd.isna(n):
+        return ""
+    value = float(n)
+    unit = 0
+    while abs(value) >= 1024 and unit < len(_UNITS) - 1:
+        value /= 1024
+        unit += 1
+    if unit == 0:
+        return f"{int(value):,} B"
+    return f"{value:,.2f} {_UNITS[unit]}"
+
+
+def format_count(n: Any) -> str:
+    """``1234567`` -> ``"1,234,567"``; missing values -> ``""``."""
+    if n is None or pd.isna(n):
+        return ""
+    return f"{int(n):,}"
+
+
+def format_shape(shape: Any) -> str:
+    """``(1, 4096, 8192)`` -> ``"1x4096x8192"`` (multiplication sign); outputs comma-separated."""
+    if shape is None or (isinstance(shape, float) and pd.isna(shape)):
+        return ""
+    if isinstance(shape, list):
+        return ", ".join(format_shape(s) for s in shape)
+    if len(shape) == 0:
+        return "scalar"
+    return "\u00d7".join(str(d) for d in shape)
+
+
+def _format_cell(column: str, value: Any) -> str:
+    if column in BYTE_COLUMNS:
+        return format_bytes(value)
+    if column in COUNT_COLUMNS:
+        return format_count(value)
+    if column == "output_shape":
+        return format_shape(value)
+    if column == "fits":
+        return "" if value is None or pd.isna(value) else ("✓" if value else "✗")
+    return "" if value is None or (isinstance(value, float) and pd.isna(value)) else str(value)
+
+
+def _labels(table: pd.DataFrame) -> list[str]:
+    """Index labels indented by depth, showing the last name component."""
+    depths = table["depth"] if "depth" in table.columns else None
+    labels = []
+    for pos, name in enumerate(table.index):
+        depth = int(depths.iloc[pos]) if depths is not None else str(name).count(".") + bool(name)
+        if not name:
+            labels.append("(root)")
+            continue
+        leaf = str(name).rsplit(".", 1)[-1]
+        labels.append("\u00a0\u00a0" * (depth - 1) + "└\u00a0" + leaf)
+    return labels
+
+
+def _pick_rows(table: pd.DataFrame, max_rows: int | None) -> tuple[pd.DataFrame, str]:
+    if max_rows is None or len(table) <= max_rows:
+        return table, ""
+    if "depth" in table.columns:
+        depths = table["depth"]
+        for d in range(int(depths.max()), -1, -1):
+            shown = table[depths <= d]
+            if len(shown) <= max_rows:
+                note = (
+                    f"showing depth ≤ {d}: {len(shown):,} of {len(table):,} rows "
+                    "(pass depth= to memory_table, or max_rows=None)"
+                )
+                return shown, note
+    return table.iloc[:max_rows], f"showing {max_rows:,} of {len(table):,} rows"
+
+
+def _columns(table: pd.DataFrame, columns: Sequence[str] | str | None) -> list[str]:
+    if columns == "all":
+        return list(table.columns)
+    wanted = DEFAULT_COLUMNS if columns is None else columns
+    return [c for c in wanted if c in table.columns]
+
+
+def format_table(
+    table: pd.DataFrame, *, columns: Sequence[str] | str | None = None
+) -> pd.DataFrame:
+    """A copy of ``table`` with every cell formatted as text (units, separators, shapes).
+
+    Use it to print a table (e.g. from the ``%%meta_init`` magic); keep the original for sums.
+    """
+    cols = _columns(table, columns)
+    out = pd.DataFrame(
+        {HEADERS.get(c, c): [_format_cell(c, v) for v in table[c]] for c in cols},
+    )
+    out.index = pd.Index(_labels(table), name="module")
+    return out
+
+
+def to_text(
+    table: pd.DataFrame,
+    *,
+    columns: Sequence[str] | str | None = None,
+    max_rows: int | None = 60,
+) -> str:
+    """Plain-text rendering with units and a summary line, for terminals and magics."""
+    from jupyter_metainit.estimates.summary import summary
+
+    shown, note = _pick_rows(table, max_rows)
+    text = format_table(shown, columns=columns).to_string()
+    lines = [summary(table)] if "" in table.index else []
+    lines.append(text)
+    if note:
+        lines.append(note)
+    return "\n".join(lines)
+
+
+def render_html(
+    table: pd.DataFrame,
+    *,
+    columns: Sequence[str] | str | None = None,
+    max_rows: int | None = 200,
+    highlight: int = 3,
+) -> str:
+    """HTML for Jupyter: units, indentation by depth, bars and the largest leaves highlighted.
+
+    ``highlight``: how many of the largest leaf modules (by ``total_bytes``) to highlight.
+    ``max_rows``: past this many rows, only the deepest levels that fit are shown.
+    """
+    from jupyter_metainit.estimates.summary import summary
+
+    if table.empty:
+        return "<p><em>empty memory table</em></p>"
+    shown, note = _pick_rows(table, max_rows)
+    cols = _columns(shown, columns)
+    display = pd.DataFrame({c: shown[c].to_numpy() for c in cols}, index=pd.RangeIndex(len(shown)))
+    labels = _labels(shown)
+
+    top: set[int] = set()
+    if highlight and "total_bytes" in shown.columns:
+        leaf = (shown["children"] == 0).to_numpy() if "children" in shown.columns else None
+        sizes = shown["total_bytes"].to_numpy()
+        order = [i for i in sizes.argsort()[::-1] if leaf is None or leaf[i]]
+        top = {int(i) for i in order[:highlight] if sizes[i] > 0}
+
+    styler = display.style
+    styler.format({c: (lambda v, c=c: html.escape(_format_cell(c, v))) for c in cols})
+    styler.format_index(lambda i: html.escape(labels[i]), axis=0)
+    styler.relabel_index([HEADERS.get(c, c) for c in cols], axis=1)
+    if "total_bytes" in cols and "" in shown.index:
+        root_total = float(shown.loc["", "total_bytes"])
+        if root_total > 0:
+            styler.bar(subset=["total_bytes"], color=_BAR_COLOR, vmin=0, vmax=root_total)
+    if top:
+        styler.apply(
+            lambda row: [_HIGHLIGHT if row.name in top else "" for _ in row], axis=1
+        )
+    styler.set_table_styles(
+        [
+            {"selector": "th.row_heading", "props": "text-align: left; font-family: monospace;"},
+            {"selector": "td", "props": "text-align: right; white-space: nowrap;"},
+            {"selector": "caption", "props": "caption-side: top; text-align: left;"},
+        ]
+    )
+    caption = summary(table) if "" in table.index else ""
+    if note:
+        caption = f"{caption} — {note}" if caption else note
+    if caption:
+        styler.set_caption(html.escape(caption))
+    return styler.to_html()

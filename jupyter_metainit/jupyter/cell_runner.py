@@ -1,0 +1,130 @@
+"""Run the body of a cell magic exactly like a normal notebook cell.
+
+Used by ``%%meta_init``: the body goes through IPython's input transformers (so ``!cmd``,
+``%line_magics`` and nested cell magics work), its last expression is displayed, names land in
+the user namespace, and an exception shows one traceback that names the user's line and fails
+the *enclosing* cell (so "Run All" and ``nbclient`` stop there) without being raised a second time.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Coroutine
+from typing import Any
+
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import ExecutionResult, InteractiveShell
+
+__all__ = ["CellFailed", "run_cell_body"]
+
+
+class CellFailed(Exception):
+    """The cell body raised; its traceback was already shown and the enclosing cell marked failed.
+
+    Only raised when there is no enclosing cell to mark (the magic was called from Python code,
+    e.g. ``get_ipython().run_cell_magic(...)``), so that such callers still see an exception.
+    """
+
+
+def _drive(coro: Coroutine[Any, Any, bool]) -> bool:
+    """Run a coroutine that never suspends (IPython's own ``_pseudo_sync_runner`` contract)."""
+    try:
+        coro.send(None)
+    except StopIteration as stop:
+        return bool(stop.value)
+    coro.close()
+    raise RuntimeError("the cell body tried to suspend; top-level await is not supported")
+
+
+def _is_async(code: str) -> bool:
+    try:
+        from IPython.core.async_helpers import _should_be_async
+    except ImportError:  # pragma: no cover - older/newer IPython without the helper
+        return False
+    return _should_be_async(code)
+
+
+def _prefix_lines(enclosing: ExecutionResult | None, body: str) -> list[str]:
+    """Lines that precede the body in the notebook cell (``%%meta_init ...`` and blank lines).
+
+    The body is cached with these lines in front of it, so tracebacks say "Cell In[5], line 3"
+    for the third line of the notebook cell, as for any other cell.
+    """
+    raw = enclosing.info.raw_cell if enclosing is not None and enclosing.info else None
+    prefix: list[str] = []
+    if raw:
+        for line in raw.splitlines():
+            prefix.append(line)
+            if line.lstrip().startswith("%%"):
+                break
+        else:
+            prefix = ["%%"]
+    else:
+        prefix = ["%%"]
+    # IPython strips the body's leading blank lines before compiling it: keep them as padding.
+    for line in body.splitlines():
+        if line.strip():
+            break
+        prefix.append("")
+    return prefix
+
+
+def run_cell_body(shell: InteractiveShell, body: str) -> bool:
+    """Run ``body`` as the code of the cell currently executing; return True if it succeeded.
+
+    On failure the traceback has been shown once and the enclosing cell's ``ExecutionResult``
+    carries the error, so the front-end reports the cell as failed.
+    """
+    __tracebackhide__ = True
+    enclosing: ExecutionResult | None = shell.displayhook.exec_result
+    result = enclosing if enclosing is not None else ExecutionResult(None)
+
+    try:
+        transformed = shell.transform_cell(body)
+    except Exception as exc:
+        shell.showtraceback()
+        result.error_before_exec = exc
+        return _finish(result, enclosing)
+    if _is_async(transformed):
+        raise UsageError("top-level `await` is not supported inside %%meta_init")
+
+    prefix = _prefix_lines(enclosing, body)
+    number = enclosing.execution_count if enclosing is not None else shell.execution_count
+    number = number if number is not None else shell.execution_count
+    compiler = shell.compile
+    cell_name = compiler.cache("\n".join(prefix) + "\n" + transformed, number, raw_code=body)
+    try:
+        tree = compiler.ast_parse("\n" * len(prefix) + transformed, filename=cell_name)
+    except IndentationError as exc:
+        shell.showindentationerror()
+        result.error_before_exec = exc
+        return _finish(result, enclosing)
+    except (OverflowError, SyntaxError, ValueError, TypeError, MemoryError) as exc:
+        shell.showsyntaxerror()
+        result.error_before_exec = exc
+        return _finish(result, enclosing)
+    try:
+        tree = shell.transform_ast(tree)
+    except Exception as exc:
+        shell.showtraceback()
+        result.error_before_exec = exc
+        return _finish(result, enclosing)
+
+    interactivity = shell.ast_node_interactivity
+    _drive(
+        shell.run_ast_nodes(
+            tree.body, cell_name, interactivity=interactivity, compiler=compiler, result=result
+        )
+    )
+    # The nested display of the last expression must keep filling the enclosing result.
+    shell.displayhook.exec_result = enclosing
+    return _finish(result, enclosing)
+
+
+def _finish(result: ExecutionResult, enclosing: ExecutionResult | None) -> bool:
+    __tracebackhide__ = True
+    if result.success:
+        return True
+    if enclosing is None:
+        error = result.error_in_exec or result.error_before_exec
+        raise CellFailed(f"the cell raised {type(error).__name__}: {error}") from error
+    return False

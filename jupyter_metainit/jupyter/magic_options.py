@@ -1,0 +1,99 @@
+"""Parse and validate the values given to the magics' options, with one-line ``UsageError``s."""
+
+from __future__ import annotations
+
+import torch
+from IPython.core.error import UsageError
+
+__all__ = ["parse_depth", "parse_device", "parse_dtype", "split_expression"]
+
+_DTYPE_ALIASES = {
+    "bf16": "bfloat16",
+    "fp16": "float16",
+    "half": "float16",
+    "fp32": "float32",
+    "float": "float32",
+    "fp64": "float64",
+    "double": "float64",
+}
+#: dtypes ``meta_init`` can use as the default floating dtype of a block.
+DEFAULT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+
+
+def parse_dtype(text: str | None, *, default_dtypes_only: bool = False) -> torch.dtype | None:
+    """``"bfloat16"``, ``"torch.bfloat16"`` or ``"bf16"`` -> ``torch.bfloat16``; None stays None."""
+    if text is None:
+        return None
+    name = text.strip().removeprefix("torch.")
+    name = _DTYPE_ALIASES.get(name.lower(), name)
+    value = getattr(torch, name, None)
+    allowed = DEFAULT_DTYPES if default_dtypes_only else None
+    if (
+        not isinstance(value, torch.dtype)
+        or not value.is_floating_point
+        or (allowed is not None and value not in allowed)
+    ):
+        raise UsageError(
+            f"--dtype: {text!r} is not a usable floating dtype "
+            "(try bfloat16, float16, float32 or float64)"
+        )
+    return value
+
+
+def parse_device(text: str | None) -> torch.device | None:
+    """``"cpu"``, ``"cuda"``, ``"cuda:1"`` -> ``torch.device``; None stays None."""
+    if text is None:
+        return None
+    try:
+        device = torch.device(text.strip())
+    except (RuntimeError, ValueError, TypeError):
+        raise UsageError(f"--device: {text!r} is not a device (try cpu, cuda, cuda:1)") from None
+    if device.type == "meta":
+        raise UsageError("--device: 'meta' is not a real device; deferred tensors need one")
+    return device
+
+
+def parse_depth(value: int | None) -> int | None:
+    """Check ``--depth`` (already an int from argparse) is not negative."""
+    if value is not None and value < 0:
+        raise UsageError(f"--depth: must be 0 or more, got {value}")
+    return value
+
+
+def split_expression(line: str) -> tuple[str, str]:
+    """Split ``"model.layers[0] --device cpu"`` into the Python expression and the options.
+
+    The expression ends at the first `` -x``/`` --x`` outside brackets and string literals,
+    so expressions keep their quotes and spaces (``d["a b"]``, ``[m.a, m.b]``, ``layers[-1]``).
+    """
+    depth = 0
+    quote: str | None = None
+    i = 0
+    while i < len(line):
+        char = line[i]
+        if quote is not None:
+            if char == "\\":
+                i += 2
+                continue
+            if line.startswith(quote, i):
+                i += len(quote)
+                quote = None
+                continue
+        elif char in "\"'":
+            quote = line[i : i + 3] if line[i : i + 3] in ('"""', "'''") else char
+            i += len(quote)
+            continue
+        elif char in "([{":
+            depth += 1
+        elif char in ")]}":
+            depth -= 1
+        elif (
+            depth == 0
+            and char == "-"
+            and (i == 0 or line[i - 1].isspace())
+            and i + 1 < len(line)
+            and (line[i + 1].isalpha() or line[i + 1] == "-")
+        ):
+            return line[:i].strip(), line[i:].strip()
+        i += 1
+    return line.strip(), ""

@@ -1,0 +1,318 @@
+"""IPython magics: ``%%meta_init`` and ``%materialize`` / ``%dematerialize`` / ``%meta_table``.
+
+Load them with ``%load_ext jupyter_metainit``. Each magic is a thin layer over the core API:
+``%%meta_init`` runs its cell under :func:`meta_init` (with normal cell semantics) and then shows
+every ``torch.nn.Module`` the cell bound to a new top-level name; the line magics evaluate an
+expression in the user namespace and call :func:`materialize`, :func:`dematerialize` or
+``memory_table`` on it.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
+from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.display import display
+from torch import nn
+
+from jupyter_metainit.jupyter.cell_runner import run_cell_body
+from jupyter_metainit.jupyter.magic_options import (
+    parse_depth,
+    parse_device,
+    parse_dtype,
+    split_expression,
+)
+
+__all__ = ["MetaInitMagics", "load_ipython_extension", "unload_ipython_extension"]
+
+_EVAL_ERRORS = (NameError, AttributeError, LookupError, SyntaxError)
+
+
+def _human_bytes(n: int) -> str:
+    value = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if value < 1024 or unit == "TiB":
+            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
+        value /= 1024
+    raise AssertionError("unreachable")
+
+
+def _human_count(n: int) -> str:
+    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return str(n)
+
+
+def _tensors(obj: Any) -> list[torch.Tensor]:
+    """Parameters and buffers of a module (shared ones once), or the tensor(s) themselves."""
+    if isinstance(obj, nn.Module):
+        seen: dict[int, torch.Tensor] = {}
+        for t in [*obj.parameters(), *obj.buffers()]:
+            seen.setdefault(id(t), t)
+        return list(seen.values())
+    if isinstance(obj, torch.Tensor):
+        return [obj]
+    return [t for item in obj for t in _tensors(item)]
+
+
+def _state(t: torch.Tensor) -> str:
+    try:
+        from jupyter_metainit.core import tensor_state
+    except ImportError:  # pragma: no cover - the core is always there in a real install
+        return "deferred" if t.is_meta else str(t.device)
+    return tensor_state(t)
+
+
+def summary_line(name: str, obj: Any) -> str:
+    """One line for people: ``model: LlamaForCausalLM, 70.55 B parameters, 131.4 GiB, deferred``."""
+    tensors = _tensors(obj)
+    params = sum(t.numel() for t in (obj.parameters() if isinstance(obj, nn.Module) else tensors))
+    size = sum(t.numel() * t.element_size() for t in tensors)
+    states = sorted({_state(t) for t in tensors}) or ["no tensors"]
+    kind = type(obj).__name__
+    return f"{name}: {kind}, {_human_count(params)} parameters, {_human_bytes(size)}, " + ", ".join(
+        states
+    )
+
+
+def new_modules(before: dict[str, Any], after: dict[str, Any]) -> dict[str, nn.Module]:
+    """Top-level ``nn.Module``s bound or rebound by a cell, minus submodules of another new one.
+
+    ``before`` holds the objects themselves (not their ids) so an id cannot be reused in between.
+    """
+    found: dict[str, nn.Module] = {}
+    seen: set[int] = set()
+    for name, obj in after.items():
+        if name.startswith("_") or not isinstance(obj, nn.Module):
+            continue
+        if name in before and before[name] is obj:
+            continue
+        if id(obj) not in seen:
+            seen.add(id(obj))
+            found[name] = obj
+    inner: set[int] = set()
+    for module in found.values():
+        inner.update(id(sub) for sub in module.modules() if sub is not module)
+    return {name: m for name, m in found.items() if id(m) not in inner}
+
+
+def _memory_table(module: nn.Module, depth: int | None, dtype: str | None) -> Any:
+    """``memory_table(module, depth=, dtype=)``; an unknown ``dtype`` is a one-line UsageError."""
+    from jupyter_metainit.estimates import memory_table
+
+    kwargs: dict[str, Any] = {}
+    if depth is not None:
+        kwargs["depth"] = depth
+    if dtype is not None:
+        kwargs["dtype"] = dtype
+    try:
+        return memory_table(module, **kwargs)
+    except ValueError as exc:
+        if dtype is not None and str(exc).startswith("unknown dtype"):
+            raise UsageError(f"--dtype: {str(exc).splitlines()[0]}") from None
+        raise
+
+
+def _show(name: str, module: nn.Module, *, table: bool, depth: int | None) -> None:
+    """Display a module: the tree widget, else (or with ``table``) the memory table, else text."""
+    print(summary_line(name, module))
+    if not table:
+        try:
+            from jupyter_metainit.jupyter.widget import explore
+        except ImportError:
+            explore = None
+        if explore is not None:
+            widget = explore(module, depth=depth) if depth is not None else explore(module)
+            if widget is not None:
+                display(widget)
+            return
+    try:
+        frame = _memory_table(module, depth, None)
+    except ImportError:
+        return
+    display(frame)
+
+
+@magics_class
+class MetaInitMagics(Magics):
+    """The magics of ``jupyter_metainit``; registered by ``%load_ext jupyter_metainit``."""
+
+    shell: InteractiveShell
+
+    def _evaluate(self, magic: str, expr: str) -> Any:
+        """Evaluate ``expr`` in the user namespace; a bad name is a UsageError, not a traceback."""
+        if not expr:
+            raise UsageError(f"%{magic}: missing EXPR (e.g. %{magic} model.layers[0])")
+        try:
+            return self.shell.ev(expr)
+        except _EVAL_ERRORS as exc:
+            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            raise UsageError(f"%{magic}: cannot evaluate {expr!r}: {message}") from None
+
+    def _target(self, magic: str, line: str) -> tuple[str, Any, Any]:
+        """Split ``line`` into EXPR and options, evaluate EXPR, check it is a module/tensor."""
+        expr, options = split_expression(line)
+        args = parse_argstring(getattr(self, magic), options)
+        if args.expr:
+            raise UsageError(f"%{magic}: unexpected argument(s) {' '.join(args.expr)!r}")
+        obj = self._evaluate(magic, expr)
+        items = obj if isinstance(obj, (list, tuple)) else [obj]
+        if not items or not all(isinstance(o, (nn.Module, torch.Tensor)) for o in items):
+            raise UsageError(
+                f"%{magic}: {expr} is a {type(obj).__name__}, "
+                "not a torch.nn.Module, a Tensor or a list of them"
+            )
+        return expr, obj, args
+
+    @magic_arguments()
+    @argument("--no-display", action="store_true", help="Do not show anything after the cell.")
+    @argument(
+        "--table",
+        action="store_true",
+        help="Show the memory table (pandas) instead of the interactive tree widget.",
+    )
+    @argument(
+        "--device",
+        metavar="DEV",
+        help="Device the deferred tensors report and materialize to by default "
+        "(cpu, cuda, cuda:1). Default: the device each factory names, else cpu.",
+    )
+    @argument(
+        "--dtype",
+        metavar="DT",
+        help="Default floating dtype while the cell runs (bfloat16, float16, float32, float64).",
+    )
+    @argument("--depth", metavar="N", type=int, help="Depth of the tree/table shown (0 = root).")
+    @cell_magic
+    def meta_init(self, line: str, cell: str) -> None:
+        """Run the cell with every tensor deferred (no memory), then show the new models.
+
+        The cell runs like any other cell (magics, ``!cmd``, last expression displayed,
+        variables in your namespace), but inside ``jupyter_metainit.meta_init()``: parameters
+        and buffers get their shape, dtype and device without storage. Afterwards each
+        ``torch.nn.Module`` bound to a new top-level name is shown as a tree you can explore and
+        materialize from (or as a memory table with ``--table``). If the cell raises, it fails
+        like a normal cell; whatever it had built before the error stays deferred and usable.
+
+        Example::
+
+            %%meta_init --dtype bfloat16
+            model = AutoModelForCausalLM.from_config(config)
+        """
+        __tracebackhide__ = True
+        from jupyter_metainit.core import meta_init
+
+        args = parse_argstring(self.meta_init, line)
+        device = parse_device(args.device)
+        dtype = parse_dtype(args.dtype, default_dtypes_only=True)
+        depth = parse_depth(args.depth)
+
+        before = dict(self.shell.user_ns)
+        with meta_init(device=device, dtype=dtype):
+            ok = run_cell_body(self.shell, cell)
+        if not ok or args.no_display:
+            return
+        for name, module in new_modules(before, self.shell.user_ns).items():
+            _show(name, module, table=args.table, depth=depth)
+
+    @magic_arguments()
+    @argument("expr", nargs="*", metavar="EXPR", help="Module, tensor or list of them.")
+    @argument("--device", metavar="DEV", help="Target device (default: the reported device).")
+    @argument("--dtype", metavar="DT", help="Cast floating tensors to this dtype.")
+    @argument(
+        "--rng",
+        choices=("exact", "fast"),
+        default="exact",
+        help="exact: bit-identical to eager construction (default); "
+        "fast: independent per-op random streams, parallel.",
+    )
+    @line_magic
+    def materialize(self, line: str) -> None:
+        """Materialize EXPR in place: allocate and compute its deferred tensors exactly.
+
+        EXPR is evaluated in your namespace, e.g. ``%materialize model.model.layers[0]``.
+        Prints what it did; the module/tensor itself is changed in place.
+        """
+        __tracebackhide__ = True
+        from jupyter_metainit.core import materialize
+
+        expr, obj, args = self._target("materialize", line)
+        device = parse_device(args.device)
+        dtype = parse_dtype(args.dtype)
+        start = time.perf_counter()
+        materialize(obj, device, dtype=dtype, rng=args.rng)
+        elapsed = time.perf_counter() - start
+        print(f"materialized {summary_line(expr, obj)} in {elapsed:.1f} s")
+
+    @magic_arguments()
+    @argument("expr", nargs="*", metavar="EXPR", help="Module, tensor or list of them.")
+    @argument(
+        "--force",
+        action="store_true",
+        help="Drop tensors even if they were modified since materialization.",
+    )
+    @line_magic
+    def dematerialize(self, line: str) -> None:
+        """Make EXPR deferred again and free its memory; it can be materialized again later.
+
+        Refuses (with an error) if a tensor was modified since it was materialized, unless
+        ``--force`` is given.
+        """
+        __tracebackhide__ = True
+        from jupyter_metainit.core import dematerialize
+
+        expr, obj, args = self._target("dematerialize", line)
+        dematerialize(obj, force=args.force)
+        print(f"dematerialized {summary_line(expr, obj)}")
+
+    @magic_arguments()
+    @argument("expr", nargs="*", metavar="EXPR", help="Module to tabulate.")
+    @argument("--depth", metavar="N", type=int, help="Module depth of the rows (0 = root).")
+    @argument(
+        "--dtype",
+        metavar="DT",
+        help="Estimate sizes as if floating tensors had this dtype (bf16, fp16, int8, int4...).",
+    )
+    @line_magic
+    def meta_table(self, line: str) -> Any:
+        """Return the memory table (a pandas DataFrame) of the module EXPR.
+
+        Works on deferred, partly and fully materialized modules: one row per submodule down to
+        ``--depth``, with parameter counts, bytes and where the tensors are. Use
+        ``df = %meta_table model --depth 2`` to keep the DataFrame.
+        """
+        __tracebackhide__ = True
+        expr, obj, args = self._target("meta_table", line)
+        if not isinstance(obj, nn.Module):
+            raise UsageError(f"%meta_table: {expr} is a {type(obj).__name__}, not a Module")
+        return _memory_table(obj, parse_depth(args.depth), args.dtype)
+
+
+def _magic_names() -> Iterable[tuple[str, str]]:
+    for kind, names in MetaInitMagics.magics.items():
+        for name in names:
+            yield kind, name
+
+
+def load_ipython_extension(ipython: InteractiveShell) -> None:
+    """Register the magics (``%load_ext jupyter_metainit``); loading twice replaces them."""
+    unload_ipython_extension(ipython)
+    ipython.register_magics(MetaInitMagics)
+
+
+def unload_ipython_extension(ipython: InteractiveShell) -> None:
+    """Remove the magics again (``%unload_ext``); nothing else is left registered."""
+    manager = ipython.magics_manager
+    for kind, name in _magic_names():
+        bound = manager.magics[kind].get(name)
+        owner = getattr(bound, "__self__", None)
+        if owner is not None and type(owner).__name__ == MetaInitMagics.__name__:
+            del manager.magics[kind][name]
+    manager.registry.pop(MetaInitMagics.__name__, None)

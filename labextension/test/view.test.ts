@@ -1,0 +1,124 @@
+import { describe, expect, it } from "vitest";
+import { TreeView, type WidgetModel } from "../src/view";
+import { bigTree, smallTree } from "./fixture";
+import type { TreeJSON } from "../src/tree";
+
+/** An in-memory stand-in for anywidget's model (plain state + events), not a mock of a library. */
+class FakeModel implements WidgetModel {
+  state: Record<string, any>;
+  sent: any[] = [];
+  saved = 0;
+  private handlers = new Map<string, Set<(...a: any[]) => void>>();
+  constructor(tree: TreeJSON, extra: Record<string, any> = {}) {
+    this.state = {
+      tree, selected: [], selection: {}, expand_depth: 1, busy: "", progress: [0, 0], error: "",
+      status: "", rng: "exact", dtype: "", devices: [], no_cuda_reason: "no GPU here",
+      show_table: false, table_html: "", ...extra,
+    };
+  }
+  get(k: string) { return this.state[k]; }
+  set(k: string, v: unknown) { this.state[k] = v; this.emit(`change:${k}`); }
+  save_changes() { this.saved++; }
+  send(c: unknown) { this.sent.push(c); }
+  on(ev: string, cb: (...a: any[]) => void) {
+    if (!this.handlers.has(ev)) this.handlers.set(ev, new Set());
+    this.handlers.get(ev)!.add(cb);
+  }
+  off(ev?: string | null, cb?: ((...a: any[]) => void) | null) {
+    if (ev && cb) this.handlers.get(ev)?.delete(cb);
+  }
+  emit(ev: string, ...args: any[]) { for (const cb of this.handlers.get(ev) ?? []) cb(...args); }
+}
+
+function mount(tree: TreeJSON, extra: Record<string, any> = {}) {
+  const model = new FakeModel(tree, extra);
+  const root = document.createElement("div");
+  document.body.append(root);
+  const view = new TreeView(model, root);
+  return { model, root, view };
+}
+
+const rowNames = (root: HTMLElement) =>
+  [...root.querySelectorAll(".jmi-rows .jmi-row .jmi-name")].map((e) => e.textContent);
+
+describe("TreeView", () => {
+  it("renders the first level with totals and badges", () => {
+    const { root } = mount(smallTree());
+    expect(rowNames(root)).toEqual(["(model)", "embed", "layers", "norm"]);
+    expect(root.querySelector(".jmi-totals")!.textContent).toContain("Net");
+    expect(root.querySelector(".jmi-rows .jmi-badge")!.textContent).toBe("deferred");
+    expect(root.querySelector(".jmi-chip")!.textContent).toBe("2 × Block");
+  });
+
+  it("expands a node on click", () => {
+    const { root } = mount(smallTree());
+    const layers = [...root.querySelectorAll<HTMLElement>(".jmi-rows .jmi-row")][2];
+    layers.querySelector<HTMLElement>(".jmi-caret")!.click();
+    expect(rowNames(root)).toEqual(["(model)", "embed", "layers", "0", "1", "norm"]);
+  });
+
+  it("sends the selection when a checkbox is ticked", () => {
+    const { root, model } = mount(smallTree());
+    const embed = [...root.querySelectorAll<HTMLElement>(".jmi-rows .jmi-row")][1];
+    embed.querySelector<HTMLInputElement>(".jmi-check")!.click();
+    expect(model.state.selected).toEqual(["embed"]);
+    expect(model.saved).toBe(1);
+    const root0 = root.querySelector<HTMLInputElement>(".jmi-rows .jmi-row .jmi-check")!;
+    expect(root0.indeterminate).toBe(true);
+  });
+
+  it("materializes the selection with an action message, never code", () => {
+    const { root, model } = mount(smallTree(), { selected: ["norm"] });
+    model.set("selected", ["norm"]);
+    root.querySelector<HTMLButtonElement>(".jmi-mat-cpu")!.click();
+    expect(model.sent).toEqual([{ action: "materialize", device: "cpu", names: ["norm"] }]);
+  });
+
+  it("disables the CUDA button with a reason when there is no GPU", () => {
+    const { root } = mount(smallTree());
+    const b = root.querySelector<HTMLButtonElement>(".jmi-mat-cuda")!;
+    expect(b.disabled).toBe(true);
+    expect(b.title).toBe("no GPU here");
+  });
+
+  it("disables buttons and shows progress while busy", () => {
+    const { root, model } = mount(smallTree(), { selected: ["norm"] });
+    model.set("busy", "materialize cpu");
+    model.set("progress", [50, 200]);
+    expect(root.querySelector<HTMLButtonElement>(".jmi-mat-cpu")!.disabled).toBe(true);
+    expect(root.querySelector<HTMLElement>(".jmi-progress")!.hidden).toBe(false);
+    expect(root.querySelector<HTMLElement>(".jmi-progress-fill")!.style.width).toBe("25.0%");
+    root.querySelector<HTMLButtonElement>(".jmi-cancel")!.click();
+    expect(model.sent).toEqual([{ action: "cancel" }]);
+  });
+
+  it("updates badges from a patch", () => {
+    const { root, model } = mount(smallTree());
+    model.emit("msg:custom", { kind: "patch", nodes: [[9, 5, 20, "cpu"], [0, 165, 660, "mixed"]] });
+    const badges = [...root.querySelectorAll(".jmi-rows .jmi-badge")].map((b) => b.textContent);
+    expect(badges).toEqual(["mixed", "deferred", "deferred", "cpu"]);
+  });
+
+  it("shows errors in plain words", () => {
+    const { root, model } = mount(smallTree());
+    model.set("error", "Out of memory: cpu has no room.");
+    const msg = root.querySelector<HTMLElement>(".jmi-message")!;
+    expect(msg.hidden).toBe(false);
+    expect(msg.classList.contains("jmi-error")).toBe(true);
+  });
+
+  it("keeps only the rows in view in the DOM", () => {
+    const { root, view } = mount(bigTree());
+    view.expandToDepth(99);
+    expect(view.rows.length).toBeGreaterThan(1000);
+    expect(root.querySelectorAll(".jmi-rows .jmi-row").length).toBeLessThan(60);
+  });
+
+  it("filters as one types", () => {
+    const { root } = mount(bigTree());
+    const input = root.querySelector<HTMLInputElement>(".jmi-search")!;
+    input.value = "lm_head";
+    input.dispatchEvent(new Event("input"));
+    expect(rowNames(root)).toEqual(["(model)", "lm_head"]);
+  });
+});

@@ -1,0 +1,414 @@
+"""The IPython extension on a real ``InteractiveShell``: %%meta_init and the line magics."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from IPython.core.error import UsageError
+from IPython.core.interactiveshell import InteractiveShell
+from IPython.utils.capture import capture_output
+
+from jupyter_metainit import is_deferred, is_meta_init
+
+EXT = "jupyter_metainit"
+MAGICS = {"cell": ["meta_init"], "line": ["materialize", "dematerialize", "meta_table"]}
+WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
+
+
+@pytest.fixture
+def ip():
+    shell = InteractiveShell.instance()
+    shell.colors = "nocolor"
+    shell.run_cell(f"%load_ext {EXT}")
+    shell.run_cell("import torch\nfrom torch import nn")
+    yield shell
+    shell.run_cell(f"%unload_ext {EXT}")
+    shell.reset(new_session=False)
+
+
+def run(shell, code):
+    """Run ``code`` as a notebook cell; return its ExecutionResult and captured output."""
+    with capture_output() as out:
+        result = shell.run_cell(code, store_history=True)
+    return result, out
+
+
+def ok(shell, code):
+    result, out = run(shell, code)
+    assert result.success, out.stdout
+    return out
+
+
+def usage_error(shell, code) -> str:
+    """Run a cell that must fail with a one-line UsageError; return the message."""
+    result, out = run(shell, code)
+    error = result.error_in_exec
+    assert isinstance(error, UsageError), (error, out.stdout)
+    assert "\n" not in str(error)
+    assert "Traceback" not in out.stdout
+    return str(error)
+
+
+def registered(shell) -> dict[str, list[str]]:
+    manager = shell.magics_manager
+    return {kind: [n for n in names if n in manager.magics[kind]] for kind, names in MAGICS.items()}
+
+
+def mimes(out) -> list[str]:
+    return [mime for output in out.outputs for mime in output.data]
+
+
+# --------------------------------------------------------------------------- extension
+
+
+def test_load_ext_registers_all_magics(ip):
+    assert registered(ip) == MAGICS
+
+
+def test_reload_ext_keeps_a_single_registration(ip):
+    ok(ip, f"%reload_ext {EXT}")
+    assert registered(ip) == MAGICS
+    owners = {type(ip.magics_manager.magics[k][n].__self__) for k, ns in MAGICS.items() for n in ns}
+    assert len(owners) == 1
+    assert sum(name == "MetaInitMagics" for name in ip.magics_manager.registry) == 1
+
+
+def test_reload_ext_magics_still_work(ip):
+    ok(ip, f"%reload_ext {EXT}")
+    ok(ip, "%%meta_init --no-display\nm = nn.Linear(3, 3)")
+    assert is_deferred(ip.user_ns["m"])
+
+
+def test_unload_ext_removes_magics(ip):
+    ok(ip, f"%unload_ext {EXT}")
+    assert registered(ip) == {"cell": [], "line": []}
+    assert "MetaInitMagics" not in ip.magics_manager.registry
+    message = usage_error(ip, "%%meta_init\nx = 1")
+    assert "not found" in message
+    ok(ip, f"%load_ext {EXT}")  # the fixture unloads again
+
+
+def test_load_unload_leaves_no_event_callbacks():
+    shell = InteractiveShell.instance()
+    before = {event: list(cbs) for event, cbs in shell.events.callbacks.items()}
+    shell.run_cell(f"%load_ext {EXT}")
+    shell.run_cell(f"%reload_ext {EXT}")
+    shell.run_cell(f"%unload_ext {EXT}")
+    assert {event: list(cbs) for event, cbs in shell.events.callbacks.items()} == before
+    assert registered(shell) == {"cell": [], "line": []}
+
+
+# --------------------------------------------------------------------------- %%meta_init cell
+
+
+def test_cell_defers_the_model(ip):
+    ok(ip, "%%meta_init --no-display\nm = nn.Sequential(nn.Linear(4096, 4096), nn.ReLU())")
+    assert is_deferred(ip.user_ns["m"])
+    assert ip.user_ns["m"][0].weight.shape == (4096, 4096)
+
+
+def test_meta_init_ends_with_the_cell(ip):
+    ok(ip, "%%meta_init --no-display\nm = nn.Linear(2, 2)")
+    assert not is_meta_init()
+    ok(ip, "t = torch.ones(2)")
+    assert not is_deferred(ip.user_ns["t"])
+
+
+def test_last_expression_is_displayed(ip):
+    result, out = run(ip, "%%meta_init --no-display\nm = nn.Linear(4, 3)\nm.weight.shape")
+    assert result.success
+    assert result.result == torch.Size([3, 4])
+    assert "Out[" in out.stdout and "torch.Size([3, 4])" in out.stdout
+
+
+def test_print_works(ip):
+    out = ok(ip, "%%meta_init --no-display\nprint('hello from the cell')")
+    assert "hello from the cell" in out.stdout
+
+
+def test_nested_line_magic_runs(ip):
+    ok(ip, "%%meta_init --no-display\n%alias_magic jm_test_alias time\nx = 1")
+    assert "jm_test_alias" in ip.magics_manager.magics["line"]
+    del ip.magics_manager.magics["line"]["jm_test_alias"]
+    del ip.magics_manager.magics["cell"]["jm_test_alias"]
+
+
+def test_shell_command_runs(ip):
+    ok(ip, "%%meta_init --no-display\nlines = !echo shell-ok")
+    assert list(ip.user_ns["lines"]) == ["shell-ok"]
+
+
+def test_variables_land_in_user_namespace(ip):
+    ok(ip, "%%meta_init --no-display\nm = nn.Linear(2, 2)\nn_out = m.out_features")
+    assert ip.user_ns["n_out"] == 2
+
+
+def test_shows_summary_and_widget_for_new_module(ip):
+    out = ok(ip, "%%meta_init\nm = nn.Linear(8, 4)")
+    assert "m: Linear, 36 parameters, 144 B, deferred" in out.stdout
+    assert WIDGET_MIME in mimes(out)
+
+
+def test_shows_only_top_level_new_modules(ip):
+    ok(ip, "%%meta_init --no-display\nold = nn.Linear(2, 2)")
+    out = ok(ip, "%%meta_init\nm = nn.Sequential(nn.Linear(2, 2))\nfirst = m[0]\nalias = m\n")
+    lines = [line for line in out.stdout.splitlines() if ": " in line]
+    assert [line.split(":")[0] for line in lines] == ["m"]
+    assert mimes(out).count(WIDGET_MIME) == 1
+
+
+def test_rebound_name_is_shown_again(ip):
+    ok(ip, "%%meta_init --no-display\nm = nn.Linear(2, 2)")
+    out = ok(ip, "%%meta_init\nm = nn.Linear(3, 3)")
+    assert "m: Linear, 12 parameters" in out.stdout
+
+
+def test_two_new_models_are_both_shown(ip):
+    out = ok(ip, "%%meta_init\na = nn.Linear(2, 2)\nb = nn.Linear(3, 3)")
+    assert "a: Linear" in out.stdout and "b: Linear" in out.stdout
+    assert mimes(out).count(WIDGET_MIME) == 2
+
+
+def test_no_display_option_shows_nothing(ip):
+    out = ok(ip, "%%meta_init --no-display\nm = nn.Linear(2, 2)")
+    assert out.stdout == "" and out.outputs == []
+
+
+def test_table_option_shows_memory_table(ip):
+    out = ok(ip, "%%meta_init --table\nm = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 3))")
+    assert WIDGET_MIME not in mimes(out)
+    html = next(o.data["text/html"] for o in out.outputs if "text/html" in o.data)
+    assert "<table" in html
+
+
+def test_depth_option_limits_table_rows(ip):
+    code = "%%meta_init --table --depth {}\nm = nn.Sequential(nn.Sequential(nn.Linear(2, 2)))"
+    shallow = ok(ip, code.format(0)).outputs[-1].data["text/plain"]
+    deep = ok(ip, code.format(2)).outputs[-1].data["text/plain"]
+    assert len(shallow.splitlines()) < len(deep.splitlines())
+
+
+def test_depth_option_opens_widget_to_depth(ip):
+    from ipywidgets.widgets.widget import _instances
+
+    out = ok(ip, "%%meta_init --depth 3\nm = nn.Linear(2, 2)")
+    (view,) = [o.data[WIDGET_MIME] for o in out.outputs if WIDGET_MIME in o.data]
+    assert _instances[view["model_id"]].expand_depth == 3
+
+
+def test_device_option_sets_reported_device(ip):
+    ok(ip, "%%meta_init --no-display --device cuda:1\nm = nn.Linear(2, 2)")
+    assert ip.user_ns["m"].weight.device == torch.device("cuda", 1)
+    assert is_deferred(ip.user_ns["m"])
+
+
+@pytest.mark.parametrize("spelling", ["bfloat16", "torch.bfloat16", "bf16"])
+def test_dtype_option_sets_default_dtype(ip, spelling):
+    ok(ip, f"%%meta_init --no-display --dtype {spelling}\nm = nn.Linear(2, 2)")
+    assert ip.user_ns["m"].weight.dtype == torch.bfloat16
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_help_lists_every_option(ip):
+    out = ok(ip, "%%meta_init?")
+    for option in ("--no-display", "--table", "--device DEV", "--dtype DT", "--depth N"):
+        assert option in out.stdout
+
+
+@pytest.mark.parametrize(
+    ("options", "expected"),
+    [
+        ("--bogus", "unrecognized arguments: --bogus"),
+        ("--dtype int8", "--dtype: 'int8' is not a usable floating dtype"),
+        ("--dtype float8_e4m3fn", "--dtype: 'float8_e4m3fn' is not a usable floating dtype"),
+        ("--dtype nonsense", "--dtype: 'nonsense' is not a usable floating dtype"),
+        ("--device gpu7", "--device: 'gpu7' is not a device"),
+        ("--device meta", "--device: 'meta' is not a real device"),
+        ("--depth two", "argument --depth: invalid int value: 'two'"),
+        ("--depth -1", "--depth: must be 0 or more, got -1"),
+        ("--device", "argument --device: expected one argument"),
+    ],
+)
+def test_bad_option_is_one_line_usage_error(ip, options, expected):
+    message = usage_error(ip, f"%%meta_init {options}\nran = True")
+    assert message.startswith(expected)
+    assert "ran" not in ip.user_ns
+
+
+# --------------------------------------------------------------------------- errors in the cell
+
+
+def test_exception_fails_the_cell(ip):
+    result, _ = run(ip, "%%meta_init\nm = nn.Linear(2, 2)\n1 / 0")
+    assert not result.success
+    assert isinstance(result.error_in_exec, ZeroDivisionError)
+
+
+def test_traceback_is_shown_once_and_names_the_user_line(ip):
+    _, out = run(ip, "%%meta_init\n\nm = nn.Linear(2, 2)\nboom = 1 / 0\n")
+    assert out.stdout.count("Traceback (most recent call last)") == 1
+    assert out.stdout.count("ZeroDivisionError: division by zero") == 1
+    assert "----> 4 boom = 1 / 0" in out.stdout
+    assert "run_cell_magic" not in out.stdout
+
+
+def test_error_in_called_function_points_into_it(ip):
+    ok(ip, "def build():\n    return nn.Linear(2, 2, bias='nope') + 1")
+    _, out = run(ip, "%%meta_init\nm = build()")
+    assert "----> 2 m = build()" in out.stdout
+    assert out.stdout.count("Traceback (most recent call last)") == 1
+
+
+def test_syntax_error_fails_the_cell(ip):
+    result, out = run(ip, "%%meta_init\nx = (\n")
+    assert not result.success
+    assert isinstance(result.error_before_exec, SyntaxError)
+    assert out.stdout.count("SyntaxError") == 1
+
+
+def test_failed_cell_shows_no_model(ip):
+    _, out = run(ip, "%%meta_init\nm = nn.Linear(2, 2)\nraise RuntimeError('stop')")
+    assert "m: Linear" not in out.stdout
+    assert WIDGET_MIME not in mimes(out)
+
+
+def test_meta_init_ends_after_a_failed_cell(ip):
+    run(ip, "%%meta_init\nraise RuntimeError('stop')")
+    assert not is_meta_init()
+
+
+def test_models_built_before_the_error_stay_valid(ip):
+    run(ip, "%%meta_init\ntorch.manual_seed(0)\nm = nn.Linear(16, 8)\nraise RuntimeError('x')")
+    m = ip.user_ns["m"]
+    assert is_deferred(m)
+    ok(ip, "%materialize m")
+    torch.manual_seed(0)
+    eager = torch.nn.Linear(16, 8)
+    assert torch.equal(m.weight, eager.weight) and torch.equal(m.bias, eager.bias)
+
+
+# --------------------------------------------------------------------------- line magics
+
+
+@pytest.fixture
+def model(ip):
+    ok(
+        ip,
+        "%%meta_init --no-display\ntorch.manual_seed(0)\n"
+        "m = nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Linear(16, 4))",
+    )
+    torch.manual_seed(0)
+    eager = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+    return ip.user_ns["m"], eager
+
+
+def test_materialize_expression_equals_eager(ip, model):
+    m, eager = model
+    out = ok(ip, "%materialize m[2]")
+    assert "materialized m[2]: Linear, 68 parameters" in out.stdout
+    assert not is_deferred(m[2]) and is_deferred(m[0])
+    assert torch.equal(m[2].weight, eager[2].weight) and torch.equal(m[2].bias, eager[2].bias)
+
+
+def test_materialize_list_expression(ip, model):
+    m, _ = model
+    ok(ip, "%materialize [m[0], m[2]]")
+    assert not is_deferred(m)
+
+
+def test_materialize_dtype_option(ip, model):
+    m, eager = model
+    ok(ip, "%materialize m[0] --dtype float64")
+    assert m[0].weight.dtype == torch.float64
+    assert torch.equal(m[0].weight, eager[0].weight.double())
+
+
+def test_materialize_device_option(ip, model):
+    m, _ = model
+    ok(ip, "%materialize m[0] --device cpu")
+    assert m[0].weight.device == torch.device("cpu") and not is_deferred(m[0])
+
+
+def test_materialize_rng_fast(ip, model):
+    m, _ = model
+    ok(ip, "%materialize m --rng fast")
+    assert not is_deferred(m)
+    assert m[0].weight.std() > 0
+
+
+@pytest.mark.parametrize(
+    ("line", "expected"),
+    [
+        ("%materialize nothere", "%materialize: cannot evaluate 'nothere': name 'nothere'"),
+        ("%materialize m.nope", "%materialize: cannot evaluate 'm.nope'"),
+        ("%materialize m[7]", "%materialize: cannot evaluate 'm[7]'"),
+        ("%materialize", "%materialize: missing EXPR"),
+        ("%materialize m.training", "%materialize: m.training is a bool, not a torch.nn.Module"),
+        ("%materialize m --rng slow", "argument --rng: invalid choice: 'slow'"),
+        ("%materialize m --dtype int4", "--dtype: 'int4' is not a usable floating dtype"),
+        ("%materialize m --device nowhere", "--device: 'nowhere' is not a device"),
+        ("%materialize m --bogus", "unrecognized arguments: --bogus"),
+        ("%materialize m --rng fast extra", "%materialize: unexpected argument(s) 'extra'"),
+        ("%dematerialize nothere", "%dematerialize: cannot evaluate 'nothere'"),
+        ("%meta_table nothere", "%meta_table: cannot evaluate 'nothere'"),
+        ("%meta_table m[0].weight", "%meta_table: m[0].weight is a Parameter, not a Module"),
+        ("%meta_table m --depth x", "argument --depth: invalid int value: 'x'"),
+        ("%meta_table m --dtype int3", "--dtype: unknown dtype 'int3'"),
+    ],
+)
+def test_line_magic_usage_errors(ip, model, line, expected):
+    assert usage_error(ip, line).startswith(expected)
+
+
+def test_expression_keeps_quotes_and_spaces(ip, model):
+    m, _ = model
+    ok(ip, "layers = {'first layer': m[0]}")
+    ok(ip, "%materialize layers['first layer'] --rng exact")
+    assert not is_deferred(m[0])
+
+
+def test_dematerialize_makes_deferred_again(ip, model):
+    m, eager = model
+    ok(ip, "%materialize m")
+    out = ok(ip, "%dematerialize m[0]")
+    assert "dematerialized m[0]: Linear, 144 parameters" in out.stdout
+    assert is_deferred(m[0]) and not is_deferred(m[2])
+    ok(ip, "%materialize m[0]")
+    assert torch.equal(m[0].weight, eager[0].weight)
+
+
+def test_dematerialize_refuses_modified_tensor(ip, model):
+    m, _ = model
+    ok(ip, "%materialize m[0]\nwith torch.no_grad():\n    m[0].weight.add_(1)")
+    result, _ = run(ip, "%dematerialize m[0]")
+    assert not result.success and not is_deferred(m[0])
+
+
+def test_dematerialize_force_drops_modified_tensor(ip, model):
+    m, _ = model
+    ok(ip, "%materialize m[0]\nwith torch.no_grad():\n    m[0].weight.add_(1)")
+    ok(ip, "%dematerialize m[0] --force")
+    assert is_deferred(m[0])
+
+
+def test_meta_table_returns_the_dataframe(ip, model):
+    ok(ip, "df = %meta_table m")
+    df = ip.user_ns["df"]
+    assert int(df.loc["", "params"]) == sum(p.numel() for p in model[0].parameters())
+
+
+def test_meta_table_depth_option(ip, model):
+    ok(ip, "df = %meta_table m --depth 0")
+    assert list(ip.user_ns["df"].index) == [""]
+
+
+def test_meta_table_dtype_option(ip, model):
+    ok(ip, "full = %meta_table m\nhalf = %meta_table m --dtype bfloat16")
+    full, half = ip.user_ns["full"], ip.user_ns["half"]
+    assert int(half.loc["", "param_bytes"]) * 2 == int(full.loc["", "param_bytes"])
+
+
+def test_line_magic_help_lists_options(ip):
+    out = ok(ip, "%materialize?")
+    for option in ("EXPR", "--device DEV", "--dtype DT", "--rng {exact,fast}"):
+        assert option in out.stdout

@@ -1,0 +1,183 @@
+from __future__ import annotations
+
+import time
+
+import pytest
+import torch
+import transformers
+from accelerate.commands.estimate import estimate_training_usage
+from accelerate.utils import compute_module_sizes
+from torch import nn
+
+from jupyter_metainit.estimates import memory_table
+
+
+class Tied(nn.Module):
+    """Hand-computable: a tied embedding/head, a persistent and a non-persistent buffer."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4)  # 40 params
+        self.head = nn.Linear(4, 10, bias=False)
+        self.head.weight = self.emb.weight  # tied: counted once
+        self.norm = nn.LayerNorm(4)  # 8 params
+        self.register_buffer("pos", torch.arange(6), persistent=False)  # int64: 48 bytes
+        self.register_buffer("scale", torch.ones(3))  # float32: 12 bytes
+
+
+def tiny_llama(tie: bool = True) -> nn.Module:
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=tie,
+    )
+    with torch.device("meta"):
+        return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def test_hand_computed_root_counts_tied_weight_once():
+    row = memory_table(Tied()).loc[""]
+    assert (row["params"], row["param_bytes"]) == (48, 192)
+    assert (row["buffer_bytes"], row["nonpersistent_bytes"], row["total_bytes"]) == (12, 48, 252)
+    assert row["shared_bytes"] == 0
+    assert row["dtypes"] == "float32, int64"
+
+
+def test_hand_computed_rows_report_bytes_shared_outside():
+    table = memory_table(Tied())
+    assert table.loc["emb", "total_bytes"] == 160 and table.loc["emb", "shared_bytes"] == 160
+    assert table.loc["head", "params"] == 40 and table.loc["head", "shared_bytes"] == 160
+    assert table.loc["norm", "shared_bytes"] == 0 and table.loc["norm", "params"] == 8
+
+
+def test_buffer_shared_between_modules_counted_once():
+    a, b = nn.Module(), nn.Module()
+    shared = torch.zeros(5)
+    a.register_buffer("x", shared)
+    b.register_buffer("x", shared)
+    root = nn.Sequential(a, b)
+    table = memory_table(root)
+    assert table.loc["", "buffer_bytes"] == 20
+    assert table.loc["0", "shared_bytes"] == 20 and table.loc["1", "shared_bytes"] == 20
+
+
+def test_rows_in_tree_order_root_first():
+    model = tiny_llama()
+    table = memory_table(model)
+    assert list(table.index) == [name for name, _ in model.named_modules()]
+    assert table.loc["model.layers", "children"] == 2
+    assert table.loc["model.layers.1.mlp", "depth"] == 4
+
+
+def test_params_match_torch_count_with_tied_weights():
+    model = tiny_llama(tie=True)
+    table = memory_table(model)
+    assert table.loc["", "params"] == sum(p.numel() for p in model.parameters())
+    assert table.loc["", "params_trainable"] == table.loc["", "params"]
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_totals_match_accelerate_compute_module_sizes(tie):
+    model = tiny_llama(tie=tie)
+    table = memory_table(model)
+    sizes = compute_module_sizes(model)
+    assert table.loc["", "total_bytes"] == sizes[""]
+    unshared = table[table["shared_bytes"] == 0]
+    assert all(unshared.loc[name, "total_bytes"] == sizes[name] for name in unshared.index)
+
+
+def test_tied_llama_reports_shared_embedding():
+    table = memory_table(tiny_llama(tie=True))
+    assert table.loc["lm_head", "shared_bytes"] == 1000 * 64 * 4
+    assert table.loc["model.embed_tokens", "shared_bytes"] == 1000 * 64 * 4
+
+
+def test_dtype_whatif_matches_accelerate_and_leaves_model_alone():
+    model = tiny_llama()
+    table = memory_table(model, dtype=torch.bfloat16)
+    assert table.loc["", "total_bytes"] == compute_module_sizes(model, dtype=torch.bfloat16)[""]
+    assert table.loc["", "dtypes"] == "bfloat16"
+    assert all(p.dtype == torch.float32 for p in model.parameters())
+
+
+def test_dtype_whatif_keeps_integer_buffers():
+    table = memory_table(Tied(), dtype="int8")
+    assert table.loc["", "param_bytes"] == 48  # 1 byte per float element
+    assert table.loc["", "nonpersistent_bytes"] == 48  # int64 buffer untouched
+
+
+def test_dtype_whatif_int4_is_half_a_byte():
+    assert memory_table(nn.Linear(8, 8, bias=False), dtype="int4").loc["", "total_bytes"] == 32
+
+
+def test_fp32_adam_training_matches_accelerate_estimate():
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    row = memory_table(model).loc[""]
+    usage = estimate_training_usage(compute_module_sizes(model)[""], "float32")
+    assert row["train_fp32_bytes"] == max(usage.values()) == 16 * row["params"]
+    assert row["grad_fp32_bytes"] == usage["gradients"]
+    assert row["optim_fp32_bytes"] == usage["optimizer"]
+
+
+def test_mixed_precision_components_match_accelerate_rule():
+    model = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Linear(64, 8))
+    row = memory_table(model).loc[""]
+    usage = estimate_training_usage(compute_module_sizes(model)[""], "bfloat16")
+    assert row["grad_mixed_bytes"] == usage["gradients"]
+    assert row["optim_mixed_bytes"] == usage["optimizer"] == max(usage.values())
+    assert row["train_mixed_bytes"] == 20 * row["params"]
+
+
+def test_frozen_parameters_need_no_gradients():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+    model[0].requires_grad_(False)
+    row = memory_table(model).loc[""]
+    assert row["params_trainable"] == 20 and row["params"] == 40
+    assert row["grad_fp32_bytes"] == 80
+    assert row["train_fp32_bytes"] == 4 * 40 + 4 * 20 + 8 * 20
+
+
+def test_optimizer_choice_changes_state_bytes():
+    model = nn.Linear(4, 4)
+    assert memory_table(model, optimizer="sgd").loc["", "optim_fp32_bytes"] == 0
+    assert memory_table(model, optimizer=12).loc["", "optim_fp32_bytes"] == 240
+
+
+def test_depth_limits_rows_but_not_totals():
+    model = tiny_llama()
+    full, shallow = memory_table(model), memory_table(model, depth=1)
+    assert list(shallow.index) == ["", "model", "lm_head"]
+    assert shallow.loc["", "total_bytes"] == full.loc["", "total_bytes"]
+
+
+def test_state_deferred_for_meta_model():
+    assert memory_table(tiny_llama()).loc["", "state"] == "deferred"
+
+
+def test_state_real_and_mixed():
+    model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
+    table = memory_table(model)
+    assert list(table["state"]) == ["mixed", "cpu", "deferred"]
+
+
+def test_state_under_meta_init_and_after_partial_materialize():
+    from jupyter_metainit import materialize, meta_init
+
+    with meta_init():
+        model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+    assert memory_table(model).loc["", "state"] == "deferred"
+    materialize(model[0])
+    assert list(memory_table(model)["state"]) == ["mixed", "cpu", "deferred"]
+
+
+def test_seventy_b_table_is_fast():
+    cfg = transformers.LlamaConfig(
+        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+    )
+    with torch.device("meta"):
+        model = transformers.AutoModelForCausalLM.from_config(cfg)
+    memory_table(model)
+    start = time.perf_counter()
+    table = memory_table(model)
+    assert time.perf_counter() - start < 0.5  # benchmark target 0.2 s; slack for CI
+    assert table.loc["", "params"] == sum(p.numel() for p in model.parameters())

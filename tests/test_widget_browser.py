@@ -1,0 +1,314 @@
+"""The widget in a real browser (Debian's Chromium driven by Playwright).
+
+Two tests: the built front end alone on a page, timing a 70B-sized tree; and the whole flow in
+JupyterLab — run a notebook, expand, tick a decoder layer, Materialize → CPU, and check both
+the page and the kernel.  Screenshots go to ``test-artifacts/``.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+
+import pytest
+
+CHROMIUM = "/usr/bin/chromium"
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+ROOT = pathlib.Path(__file__).resolve().parents[1]
+STATIC = ROOT / "jupyter_metainit" / "jupyter" / "static"
+ARTIFACTS = ROOT / "test-artifacts"
+
+pytestmark = [
+    pytest.mark.browser,
+    pytest.mark.skipif(
+        not os.path.exists(CHROMIUM),
+        reason=f"{CHROMIUM} is missing (install it with: apt-get install -y chromium)",
+    ),
+]
+
+
+@pytest.fixture
+def browser():
+    from playwright.sync_api import sync_playwright
+
+    with sync_playwright() as p:
+        b = p.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS, headless=True)
+        try:
+            yield b
+        finally:
+            b.close()
+
+
+def llama70b_meta():
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    )
+    with torch.device("meta"):
+        return LlamaForCausalLM(cfg)
+
+
+# A page with the built ES module and CSS, and a minimal in-page model (state + events),
+# the way anywidget hands them to render().
+_HARNESS = """<!doctype html><html><head><meta charset="utf-8">
+<link rel="stylesheet" href="/widget.css"><style>body{margin:16px;background:#fff}</style>
+</head><body><div id="host"></div><script type="module">
+import widget from "/widget.js";
+class Model {
+  constructor(state) { this.state = state; this.h = {}; this.sent = []; }
+  get(k) { return this.state[k]; }
+  set(k, v) { this.state[k] = v; (this.h["change:" + k] || []).forEach((f) => f()); }
+  save_changes() {}
+  send(c) { this.sent.push(c); }
+  on(e, f) { (this.h[e] = this.h[e] || []).push(f); }
+  off() {}
+}
+const frame = () => new Promise((r) => requestAnimationFrame(() => setTimeout(r, 0)));
+window.mount = async (state) => {
+  const model = new Model(state);
+  window.model = model;
+  const el = document.getElementById("host");
+  const t0 = performance.now();
+  widget.initialize?.({ model });
+  widget.render({ model, el });
+  el.getBoundingClientRect();
+  await frame();
+  return performance.now() - t0;
+};
+window.timed = async (fn) => { const t0 = performance.now(); fn(); document.body.getBoundingClientRect(); await frame(); return performance.now() - t0; };
+</script></body></html>"""
+
+
+def _serve_static(page) -> None:
+    files = {
+        "/": ("text/html", _HARNESS.encode()),
+        "/widget.js": ("text/javascript", (STATIC / "widget.js").read_bytes()),
+        "/widget.css": ("text/css", (STATIC / "widget.css").read_bytes()),
+    }
+
+    def handle(route) -> None:
+        path = "/" + route.request.url.split("/", 3)[3]
+        ctype, body = files.get(path, ("text/plain", b""))
+        route.fulfill(status=200 if path in files else 404, content_type=ctype, body=body)
+
+    page.route("http://jmi.test/**", handle)
+    page.goto("http://jmi.test/")
+    page.wait_for_function("typeof window.mount === 'function'")
+
+
+def test_70b_tree_renders_and_responds_fast(browser):
+    from jupyter_metainit.jupyter.widget import explore
+
+    w = explore(llama70b_meta())
+    state = {k: v for k, v in w.get_state().items() if not k.startswith("_")}
+    first_message = len(json.dumps(w.get_state(), default=str).encode())
+    assert first_message <= 500_000
+    page = browser.new_page(viewport={"width": 1200, "height": 820})
+    _serve_static(page)
+    render_ms = page.evaluate("(s) => window.mount(s)", state)
+    expand_ms = page.evaluate(
+        """() => window.timed(() => [...document.querySelectorAll('.jmi-rows .jmi-row')]
+             .find((r) => r.querySelector('.jmi-name').textContent === 'layers')
+             .querySelector('.jmi-caret').click())"""
+    )
+    assert page.locator(".jmi-rows .jmi-row .jmi-name", has_text="79").count() == 0  # virtual
+    filter_ms = page.evaluate(
+        """() => window.timed(() => { const i = document.querySelector('.jmi-search');
+             i.value = 'down_proj'; i.dispatchEvent(new Event('input')); })"""
+    )
+    matches = page.locator(".jmi-count").inner_text()
+    ARTIFACTS.mkdir(exist_ok=True)
+    page.evaluate(
+        """() => { const i = document.querySelector('.jmi-search'); i.value = '';
+             i.dispatchEvent(new Event('input')); }"""
+    )
+    page.screenshot(path=str(ARTIFACTS / "widget-70b.png"), full_page=True)
+    (ARTIFACTS / "widget-70b-timings.json").write_text(
+        json.dumps(
+            {"render_ms": render_ms, "expand_ms": expand_ms, "filter_ms": filter_ms,
+             "first_message_bytes": first_message, "modules": len(w.tree["nodes"])},
+            indent=1,
+        )
+    )
+    assert matches == "80 matches"
+    assert render_ms <= 1000, render_ms
+    assert expand_ms <= 100, expand_ms
+    assert filter_ms <= 100, filter_ms
+
+
+# ---------------------------------------------------------------------------- JupyterLab
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+_SETUP = """\
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+from jupyter_metainit import meta_init
+from jupyter_metainit.jupyter.widget import explore
+
+cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256)
+with meta_init():
+    model = LlamaForCausalLM(cfg)
+w = explore(model)
+w"""
+
+_CHECK = """\
+from jupyter_metainit.core import tensor_state
+layer = model.model.layers[1]
+inside = {tensor_state(p) for p in layer.parameters()}
+outside = {tensor_state(p) for n, p in model.named_parameters()
+           if not n.startswith("model.layers.1.")}
+print("CHECK", sorted(inside), sorted(outside), w.selected,
+      torch.count_nonzero(layer.mlp.up_proj.weight).item() > 0)"""
+
+
+def _notebook(path: pathlib.Path) -> None:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(_SETUP), nbformat.v4.new_code_cell(_CHECK)]
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nbformat.write(nb, str(path))
+
+
+@pytest.fixture
+def jupyterlab():
+    """A JupyterLab server on a free port, with its own config, data and runtime dirs."""
+    tmp = pathlib.Path(tempfile.mkdtemp(prefix="jmi-lab-"))
+    (tmp / "work").mkdir()
+    port, token = _free_port(), "jmi-test-token"
+    env = dict(os.environ)
+    env.update(
+        JUPYTER_CONFIG_DIR=str(tmp / "config"),
+        JUPYTER_RUNTIME_DIR=str(tmp / "runtime"),
+        JUPYTERLAB_SETTINGS_DIR=str(tmp / "settings"),
+        JUPYTERLAB_WORKSPACES_DIR=str(tmp / "workspaces"),
+        IPYTHONDIR=str(tmp / "ipython"),
+        PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
+    )
+    # no "what's new"/news popups, no announcements
+    (tmp / "settings" / "@jupyterlab" / "apputils-extension").mkdir(parents=True)
+    (tmp / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings").write_text(
+        json.dumps({"fetchNews": "false", "checkForUpdates": False})
+    )
+    log = open(tmp / "server.log", "wb")
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}",
+         "--ServerApp.ip=127.0.0.1", f"--IdentityProvider.token={token}",
+         "--ServerApp.open_browser=False", f"--ServerApp.root_dir={tmp / 'work'}",
+         "--LabApp.news_url=", "--ServerApp.disable_check_xsrf=False"],
+        cwd=tmp / "work", env=env, stdout=log, stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    deadline = time.monotonic() + 60
+    import urllib.request
+
+    while True:
+        try:
+            urllib.request.urlopen(f"{url}/api/status?token={token}", timeout=2)
+            break
+        except OSError:
+            if proc.poll() is not None or time.monotonic() > deadline:
+                log.close()
+                raise RuntimeError((tmp / "server.log").read_text()[-3000:]) from None
+            time.sleep(0.3)
+    try:
+        yield {"url": url, "token": token, "dir": tmp / "work", "settings": tmp / "settings"}
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _set_theme(settings: pathlib.Path, theme: str) -> None:
+    d = settings / "@jupyterlab" / "apputils-extension"
+    d.mkdir(parents=True, exist_ok=True)
+    (d / "themes.jupyterlab-settings").write_text(json.dumps({"theme": theme}))
+
+
+def _run_all_and_wait_widget(page, lab: dict, name: str) -> object:
+    page.goto(f"{lab['url']}/lab/tree/{name}?token={lab['token']}")
+    page.wait_for_selector(".jp-Notebook", timeout=60_000)
+    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
+    # run only the first cell: the second is run after the click
+    page.locator(".jp-Cell").first.click()
+    page.keyboard.press("Shift+Enter")
+    widget = page.locator(".jmi-root")
+    widget.wait_for(timeout=90_000)
+    return widget
+
+
+def test_materialize_a_decoder_layer_in_jupyterlab(browser, jupyterlab):
+    _notebook(jupyterlab["dir"] / "flow.ipynb")
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    widget = _run_all_and_wait_widget(page, jupyterlab, "flow.ipynb")
+
+    def row(qname: str):
+        return widget.locator(f".jmi-rows .jmi-row:has(.jmi-name[title='{qname}'])")
+
+    row("model.layers").locator(".jmi-caret").click()
+    layer = row("model.layers.1")
+    layer.locator(".jmi-check").check()
+    widget.locator(".jmi-seltotals", has_text="1 subtree").wait_for(timeout=20_000)
+    widget.locator(".jmi-mat-cpu").click()
+    layer.locator(".jmi-badge", has_text="cpu").wait_for(timeout=60_000)
+    widget.locator(".jmi-message.jmi-ok").wait_for(timeout=20_000)
+    assert widget.locator(".jmi-progress").is_hidden()
+    assert row("model.layers.0").locator(".jmi-badge").inner_text() == "deferred"
+    assert row("model").locator(".jmi-badge").inner_text() == "mixed"
+    ARTIFACTS.mkdir(exist_ok=True)
+    widget.screenshot(path=str(ARTIFACTS / "widget-jupyterlab.png"))
+
+    page.locator(".jp-Cell").nth(1).click()
+    page.keyboard.press("Shift+Enter")
+    out = page.locator(".jp-Cell").nth(1).locator(".jp-OutputArea-output", has_text="CHECK")
+    out.wait_for(timeout=60_000)
+    text = out.inner_text()
+    assert "CHECK ['cpu'] ['deferred'] ['model.layers.1'] True" in text, text
+
+
+def test_dark_theme_screenshot(browser, jupyterlab):
+    _set_theme(jupyterlab["settings"], "JupyterLab Dark")
+    _notebook(jupyterlab["dir"] / "dark.ipynb")
+    page = browser.new_page(viewport={"width": 1280, "height": 900})
+    widget = _run_all_and_wait_widget(page, jupyterlab, "dark.ipynb")
+    widget.locator(".jmi-rows .jmi-row:has(.jmi-name[title='model.layers']) .jmi-caret").click()
+    ARTIFACTS.mkdir(exist_ok=True)
+    widget.screenshot(path=str(ARTIFACTS / "widget-jupyterlab-dark.png"))
+    bg = page.evaluate(
+        "() => getComputedStyle(document.querySelector('.jmi-root')).backgroundColor"
+    )
+    assert bg != "rgb(255, 255, 255)"
