@@ -267,10 +267,14 @@ def print_table(title: str, headers: Sequence[str], rows: Sequence[Sequence[Any]
     print(flush=True)
 
 
+ERROR_PREFIX = "measurement failed: "
+
+
 def print_errors(named: dict[str, dict[str, Any]]) -> None:
+    """One line per failed measurement (tests/test_benchmarks.py looks for ERROR_PREFIX)."""
     for name, res in named.items():
         if "error" in res:
-            print(f"- {name}: {res['error']}")
+            print(f"{ERROR_PREFIX}{name}: {res['error']}")
 
 
 def environment_line() -> str:

@@ -277,7 +277,7 @@ def main() -> None:
         [
             "materialize",
             "time",
-            "budget whole/80+50ms",
+            f"budget whole/{layers}+50ms",
             "bytes",
             "peak extra RSS",
             "peak RSS / bytes",

@@ -351,7 +351,7 @@ def test_materialize_rng_fast(ip, model):
         ("%materialize m --rng fast extra", "%materialize: unexpected argument(s) 'extra'"),
         ("%dematerialize nothere", "%dematerialize: cannot evaluate 'nothere'"),
         ("%meta_table nothere", "%meta_table: cannot evaluate 'nothere'"),
-        ("%meta_table m[0].weight", "%meta_table: m[0].weight is a Parameter, not a Module"),
+        ("%meta_table m[0].weight", "%meta_table: m[0].weight is a tensor, not a torch.nn.Module"),
         ("%meta_table m --depth x", "argument --depth: invalid int value: 'x'"),
         ("%meta_table m --dtype int3", "--dtype: unknown dtype 'int3'"),
     ],

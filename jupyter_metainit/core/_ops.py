@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-import traceback
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +24,7 @@ class OpInfo:
     return_writes: tuple[bool, ...]  # per return: True if the alias is a write (in-place/out)
     is_random: bool
     has_generator: bool
+    returns_tensors: bool
 
 
 _CACHE: dict[Any, OpInfo] = {}
@@ -63,6 +64,7 @@ def op_info(func: torch._ops.OpOverload) -> OpInfo:
         return_writes=tuple(ret_writes),
         is_random=_RANDOM_TAG in func.tags,
         has_generator="generator" in names,
+        returns_tensors=any("Tensor" in str(r.type) for r in schema.returns),
     )
     _CACHE[func] = info
     return info
@@ -78,11 +80,27 @@ def bind_arguments(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> li
     return bound
 
 
+_internal_files: dict[str, bool] = {}
+
+
+def _is_internal(filename: str) -> bool:
+    internal = _internal_files.get(filename)
+    if internal is None:
+        path = os.path.abspath(filename)
+        internal = path.startswith((_PACKAGE_DIR, _TORCH_DIR)) or "importlib" in path
+        _internal_files[filename] = internal
+    return internal
+
+
 def user_frame() -> str:
-    """``file:line in function`` of the innermost caller outside torch and this package."""
-    for frame in reversed(traceback.extract_stack()):
-        path = os.path.abspath(frame.filename)
-        if path.startswith((_PACKAGE_DIR, _TORCH_DIR)) or "importlib" in path:
-            continue
-        return f"{frame.filename}:{frame.lineno} in {frame.name}"
+    """``file:line in function`` of the innermost caller outside torch and this package.
+
+    Called for every recorded op, so it walks raw frames and reads no source lines.
+    """
+    frame = sys._getframe(1)
+    while frame is not None:
+        code = frame.f_code
+        if not _is_internal(code.co_filename):
+            return f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+        frame = frame.f_back
     return "<unknown>"

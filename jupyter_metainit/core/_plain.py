@@ -2,18 +2,54 @@
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
+from typing import Any
 
 import torch
 
 
-@contextlib.contextmanager
-def plain() -> Iterator[None]:
+class plain:  # noqa: N801 - used like a function: ``with plain():``
     """No torch-function modes/subclasses, no dispatch modes, no autograd: real kernels only.
 
     Replay and internal bookkeeping use it so that an active ``meta_init`` (or a user's own mode,
-    such as a FLOP counter) neither records nor counts our own work.
+    such as a FLOP counter) neither records nor counts our own work. A class rather than a
+    ``contextlib`` generator because it wraps every recorded op.
     """
-    with torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch(), torch.no_grad():
-        yield
+
+    __slots__ = ("_guards", "_grad")
+
+    def __enter__(self) -> None:
+        self._guards = (torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch())
+        for g in self._guards:
+            g.__enter__()
+        self._grad = torch.is_grad_enabled()
+        torch._C._set_grad_enabled(False)
+
+    def __exit__(self, *exc: Any) -> None:
+        torch._C._set_grad_enabled(self._grad)
+        for g in reversed(self._guards):
+            g.__exit__(*exc)
+
+
+def map_args(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """Apply ``fn`` to every argument of an ATen call, one list level deep (``Tensor[]``).
+
+    ATen schemas nest no deeper, and this runs for every recorded op (pytree is too slow).
+    """
+
+    def one(x: Any) -> Any:
+        if type(x) is list or type(x) is tuple:
+            return type(x)(fn(v) for v in x)
+        return fn(x)
+
+    return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+
+
+def iter_args(args: tuple, kwargs: dict) -> list[Any]:
+    """Every argument of an ATen call, lists flattened one level."""
+    out: list[Any] = []
+    for x in (*args, *kwargs.values()):
+        if type(x) is list or type(x) is tuple:
+            out.extend(x)
+        else:
+            out.append(x)
+    return out

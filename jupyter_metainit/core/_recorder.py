@@ -24,7 +24,6 @@ from typing import Any
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from jupyter_metainit.core._graph import (
     Constant,
@@ -36,7 +35,7 @@ from jupyter_metainit.core._graph import (
     next_seq,
 )
 from jupyter_metainit.core._ops import bind_arguments, op_info, user_frame
-from jupyter_metainit.core._plain import plain
+from jupyter_metainit.core._plain import iter_args, map_args, plain
 from jupyter_metainit.core._rng import make_spec, record_random
 from jupyter_metainit.core._tensor import INTERNAL_ATTRS, DeferredTensor
 from jupyter_metainit.core.errors import DeferredDataError, UnsupportedOperatorError
@@ -72,6 +71,11 @@ _FACTORIES = {
 _LIKE = {
     torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like,
     torch.randn_like, torch.randint_like,
+}  # fmt: skip
+_OVERWRITES_SELF = {
+    aten.normal_.default, aten.uniform_.default, aten.bernoulli_.float, aten.random_.default,
+    getattr(aten.random_, "from"), aten.random_.to, aten.exponential_.default, aten.geometric_.default,
+    aten.log_normal_.default, aten.cauchy_.default, aten.fill_.Scalar, aten.zero_.default,
 }  # fmt: skip
 _TO_METHODS = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.type}
 
@@ -261,7 +265,7 @@ def _output_device(kwargs: dict, flat: list, mode: Any) -> torch.device:
 
 
 def handle_op(func: Any, args: tuple, kwargs: dict, mode: Any) -> Any:
-    flat, spec = tree_flatten((args, kwargs))
+    flat = iter_args(args, kwargs)
     deferred = [x for x in flat if isinstance(x, DeferredTensor)]
     info = op_info(func) if isinstance(func, torch._ops.OpOverload) else None
     if info is None:
@@ -276,20 +280,12 @@ def handle_op(func: Any, args: tuple, kwargs: dict, mode: Any) -> Any:
         # Only reached through the dispatch mode, inside meta_init.
         if func is aten.lift_fresh.default:
             return _wrap_constant(args[0], _output_device(kwargs, flat, mode))
-        if mutated_real or func.is_view or not _returns_tensors(func):
+        if mutated_real or func.is_view or not info.returns_tensors:
             with plain():
                 return func(*args, **kwargs)
-    elif mutated_real or not _returns_tensors(func):
+    elif mutated_real or not info.returns_tensors:
         return _run_on_values(func, args, kwargs)
-    return _record(func, info, bound, flat, spec, args, kwargs, mode)
-
-
-def _returns_tensors(func: Any) -> bool:
-    for r in func._schema.returns:
-        t = r.type
-        if isinstance(t, torch.TensorType) or "Tensor" in str(t):
-            return True
-    return False
+    return _record(func, info, bound, flat, args, kwargs, mode)
 
 
 def _run_on_values(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -297,12 +293,10 @@ def _run_on_values(func: Any, args: tuple, kwargs: dict) -> Any:
     deferred inputs' exact values by replay, on the CPU, leaving them deferred."""
     from jupyter_metainit.core._replay import compute_values
 
-    flat, spec = tree_flatten((args, kwargs))
-    deferred = [x for x in flat if isinstance(x, DeferredTensor)]
+    deferred = [x for x in iter_args(args, kwargs) if isinstance(x, DeferredTensor)]
     values = compute_values([d._rec for d in deferred])
     by_id = {id(d): v for d, v in zip(deferred, values)}
-    flat = [by_id.get(id(x), x) if isinstance(x, DeferredTensor) else x for x in flat]
-    a, k = tree_unflatten(flat, spec)
+    a, k = map_args(lambda x: by_id.get(id(x), x), args, kwargs)
     with plain():
         return func(*a, **k)
 
@@ -315,7 +309,7 @@ def read_value(t: DeferredTensor) -> torch.Tensor:
 
 
 def _record(
-    func: Any, info: Any, bound: list, flat: list, spec: Any, args: tuple, kwargs: dict, mode: Any
+    func: Any, info: Any, bound: list, flat: list, args: tuple, kwargs: dict, mode: Any
 ) -> Any:
     device = _output_device(kwargs, flat, mode)
     where = user_frame()
@@ -327,13 +321,17 @@ def _record(
             return _META
         return x
 
-    meta_flat = [meta_of(x) for x in flat]
-    meta_args, meta_kwargs = tree_unflatten(meta_flat, spec)
+    meta_args, meta_kwargs = map_args(meta_of, args, kwargs)
     if "device" in meta_kwargs and meta_kwargs["device"] is not None:
         meta_kwargs["device"] = _META
     try:
-        with plain():
-            out = func(*meta_args, **meta_kwargs)
+        if func in _OVERWRITES_SELF and isinstance(bound[0], DeferredTensor):
+            # The output is `self`, unchanged in shape; the meta kernels of random fills are
+            # slow Python decompositions, and they are the bulk of model initialisation.
+            out = meta_args[0]
+        else:
+            with plain():
+                out = func(*meta_args, **meta_kwargs)
     except NotImplementedError as e:
         raise UnsupportedOperatorError(
             f"{func} cannot run on deferred tensors (it has no meta kernel); called at {where}. "
@@ -360,11 +358,10 @@ def _record(
             return device
         return x
 
-    rec_flat = [record_arg(x) for x in flat]
-    rec_args, rec_kwargs = tree_unflatten(rec_flat, spec)
+    rec_args, rec_kwargs = map_args(record_arg, args, kwargs)
     if "device" in rec_kwargs:
         rec_kwargs["device"] = device
-    reads = tuple({id(r.storage): r.storage for r in rec_flat if isinstance(r, TensorRecord)}.values())
+    reads = tuple({id(x._rec.storage): x._rec.storage for x in flat if isinstance(x, DeferredTensor)}.values())
 
     outs = out if isinstance(out, (tuple, list)) else (out,)
     results: list[Any] = []

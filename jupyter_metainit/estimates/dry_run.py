@@ -16,12 +16,25 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils.flop_counter import FlopCounterMode
+from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
 
 from jupyter_metainit.estimates._state import tensor_state
 from jupyter_metainit.estimates.memory import _DRY_RUN_ATTR, MemoryTable, memory_table
 
 __all__ = ["dry_run"]
+
+
+def _cpu_flash_sdpa_flops(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any,
+                          out_shape: Any = None, **kwargs: Any) -> int:
+    """FLOPs of the CPU flash-attention kernel, which FlopCounterMode does not map (torch 2.13)."""
+    return sdpa_flop_count(query_shape, key_shape, value_shape)
+
+
+def _extra_flop_formulas() -> dict[Any, Any]:
+    op = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+    if op is None or op in flop_registry:
+        return {}
+    return {op: _cpu_flash_sdpa_flops}
 
 
 def _core_meta_init() -> Callable[..., Any] | None:
@@ -248,7 +261,7 @@ def dry_run(
         kw = {k: _map_tensors(v, convert) for k, v in kwargs.items()}
         for t in _tensors((args, kw)):
             tracker.track(t)
-        flops = FlopCounterMode(display=False)
+        flops = FlopCounterMode(display=False, custom_mapping=_extra_flop_formulas())
         with torch.no_grad(), modules.hooks(), flops, tracker:
             tracker.note_peak()
             output = module(*args, **kw)
@@ -276,6 +289,7 @@ def dry_run(
         "peak_activation_bytes": {n: tracker.module_peak.get(n, 0) for n in modules.shapes},
         "meta": {
             "inputs": [tuple(a) if _is_shape(a) else _describe(a) for a in example_inputs],
+            "kwargs": {k: _describe(v) for k, v in kwargs.items()},
             "output_shapes": out_shapes,
             "flops": int(flops.get_total_flops()),
             "peak_activation_bytes": tracker.peak,

@@ -238,7 +238,8 @@ class MetaInitMagics(Magics):
         """Materialize EXPR in place: allocate and compute its deferred tensors exactly.
 
         EXPR is evaluated in your namespace, e.g. ``%materialize model.model.layers[0]``.
-        Prints what it did; the module/tensor itself is changed in place.
+        Prints what it did; the module/tensor itself is changed in place, and
+        ``%dematerialize EXPR`` can make it deferred again.
         """
         __tracebackhide__ = True
         from jupyter_metainit.core import materialize
@@ -247,7 +248,8 @@ class MetaInitMagics(Magics):
         device = parse_device(args.device)
         dtype = parse_dtype(args.dtype)
         start = time.perf_counter()
-        materialize(obj, device, dtype=dtype, rng=args.rng)
+        # keep_cache: so that %dematerialize can make it deferred again later.
+        materialize(obj, device, dtype=dtype, rng=args.rng, keep_cache=True)
         elapsed = time.perf_counter() - start
         print(f"materialized {summary_line(expr, obj)} in {elapsed:.1f} s")
 
@@ -291,7 +293,8 @@ class MetaInitMagics(Magics):
         __tracebackhide__ = True
         expr, obj, args = self._target("meta_table", line)
         if not isinstance(obj, nn.Module):
-            raise UsageError(f"%meta_table: {expr} is a {type(obj).__name__}, not a Module")
+            kind = "tensor" if isinstance(obj, torch.Tensor) else type(obj).__name__
+            raise UsageError(f"%meta_table: {expr} is a {kind}, not a torch.nn.Module")
         return _memory_table(obj, parse_depth(args.depth), args.dtype)
 
 

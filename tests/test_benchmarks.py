@@ -1,0 +1,39 @@
+"""Smoke runs of the core benchmarks: each script runs with --quick and prints its tables.
+
+Not timed tests: the figures are not checked, only that every measurement ran (ours included)
+and that the tables came out.
+"""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCHMARKS = Path(__file__).resolve().parent.parent / "benchmarks"
+ERROR_PREFIX = "measurement failed: "  # benchmarks/_common.py prints it for a failed measurement
+
+SCRIPTS = {
+    "bench_construction.py": ["### Construction", "jupyter_metainit.meta_init()"],
+    "bench_materialize.py": ["### Whole model", "meta_init + materialize", "torch.equal"],
+    "bench_selective.py": ["### (a)", "### (b)", "### (c)", "### (d)"],
+}
+
+
+@pytest.mark.parametrize("script", sorted(SCRIPTS))
+def test_quick_run_prints_its_tables(script):
+    proc = subprocess.run(
+        [sys.executable, str(BENCHMARKS / script), "--quick"],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        stdin=subprocess.DEVNULL,
+    )
+    out = proc.stdout
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "|---" in out, out
+    for needle in SCRIPTS[script]:
+        assert needle in out, out
+    assert ERROR_PREFIX not in out, out

@@ -1,0 +1,76 @@
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+from accelerate.commands.estimate import estimate_training_usage
+from accelerate.utils import compute_module_sizes
+from torch import nn
+
+from jupyter_metainit.estimates import fits, memory_table, summary
+from jupyter_metainit.estimates.fit import parse_bytes
+
+
+def model() -> nn.Module:
+    with torch.device("meta"):
+        return nn.Sequential(nn.Linear(100, 100), nn.Linear(100, 10))  # 40,400 B + 4,040 B
+
+
+def test_parse_bytes_reads_binary_and_decimal_units():
+    assert parse_bytes("24GiB") == 24 * 1024**3
+    assert parse_bytes("80 GB") == 80 * 1000**3
+    assert parse_bytes(1234) == 1234
+
+
+def test_fits_marks_subtrees_within_budget():
+    result = fits(model(), budget=10_000)
+    assert list(result["fits"]) == [False, False, True]
+    assert result.loc["1", "headroom_bytes"] == 10_000 - 4_040
+
+
+def test_fits_takes_materialization_dtype_into_account():
+    result = fits(model(), budget=25_000, dtype=torch.bfloat16)
+    assert list(result["fits"]) == [True, True, True]
+    assert result.loc["", "total_bytes"] == 44_440 // 2
+
+
+def test_fits_cpu_budget_is_available_host_memory():
+    result = fits(model(), device="cpu")
+    assert result.attrs["budget_bytes"] > 0
+    assert bool(result.loc["", "fits"])
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU message")
+def test_fits_without_gpu_asks_for_a_budget():
+    with pytest.raises(ValueError, match="budget="):
+        fits(model(), device="cuda:0")
+
+
+def test_fits_from_a_config_directory(tmp_path):
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1000, architectures=["LlamaForCausalLM"],
+    )
+    cfg.save_pretrained(tmp_path)
+    result = fits(str(tmp_path), budget="1MiB")
+    with torch.device("meta"):
+        reference = transformers.LlamaForCausalLM(cfg)
+    assert result.loc["", "total_bytes"] == compute_module_sizes(reference)[""]
+
+
+def test_summary_gives_params_largest_leaf_and_training():
+    text = summary(model())
+    assert text.startswith("Sequential: 11,110 params")
+    assert "largest leaf 0 (Linear, 39.45 KiB)" in text
+    usage = estimate_training_usage(44_440, "float32")
+    assert f"fp32 {max(usage.values()) / 1024:.2f} KiB" in text
+
+
+def test_summary_reports_bytes_per_dtype():
+    mixed = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.bfloat16))
+    assert "80 B float32" in summary(mixed) and "40 B bfloat16" in summary(mixed)
+
+
+def test_summary_accepts_a_table():
+    table = memory_table(model(), dtype="int8")
+    assert "10.85 KiB int8" in summary(table)

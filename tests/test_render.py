@@ -1,0 +1,81 @@
+from __future__ import annotations
+
+import re
+
+import torch
+import transformers
+from torch import nn
+
+from jupyter_metainit.estimates import MemoryTable, memory_table, render_html, to_text
+from jupyter_metainit.estimates.render import format_bytes, format_count, format_table
+
+
+def model() -> nn.Module:
+    with torch.device("meta"):
+        return nn.Sequential(nn.Embedding(50000, 1024), nn.Linear(1024, 4096), nn.Linear(4096, 8))
+
+
+def test_format_bytes_uses_binary_units():
+    assert format_bytes(512) == "512 B"
+    assert format_bytes(1536) == "1.50 KiB"
+    assert format_bytes(3 * 1024**3) == "3.00 GiB"
+
+
+def test_format_count_uses_thousands_separators():
+    assert format_count(1234567) == "1,234,567"
+
+
+def test_table_is_a_dataframe_of_raw_numbers():
+    table = memory_table(model())
+    assert isinstance(table, MemoryTable)
+    assert table["total_bytes"].dtype.kind == "i"
+    assert isinstance(table.sort_values("total_bytes"), MemoryTable)
+
+
+def test_html_shows_units_counts_and_tree():
+    html = memory_table(model())._repr_html_()
+    assert "MiB" in html and "KiB" in html
+    assert "51,200,000" in html  # embedding parameters
+    assert "(root)" in html and "└" in html
+
+
+def highlighted_rows(html: str) -> set[int]:
+    rows = set()
+    for selectors, props in re.findall(r"([^{}]+)\{([^}]*)\}", html):
+        if "rgba(255, 165, 0" in props:
+            rows |= {int(r) for r in re.findall(r"_row(\d+)_col", selectors)}
+    return rows
+
+
+def test_html_highlights_largest_leaves():
+    table = memory_table(model())  # rows: root, embedding (largest), linear, small linear
+    assert highlighted_rows(render_html(table, highlight=1)) == {1}
+    assert highlighted_rows(render_html(table, highlight=2)) == {1, 2}
+
+
+def test_html_caption_is_the_summary():
+    html = render_html(memory_table(model()))
+    assert "largest leaf 0 (Embedding, 195.31 MiB)" in html
+
+
+def test_large_table_shows_shallow_levels_within_max_rows():
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=30, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=1000,
+    )
+    with torch.device("meta"):
+        llama = transformers.AutoModelForCausalLM.from_config(cfg)
+    html = render_html(memory_table(llama), max_rows=50)
+    assert "showing depth ≤ 3: 37 of" in html
+    assert "q_proj" not in html
+
+
+def test_text_rendering_has_units():
+    text = to_text(memory_table(model()))
+    assert "MiB" in text and "params" in text.splitlines()[0]
+
+
+def test_format_table_keeps_selected_columns():
+    table = format_table(memory_table(model()), columns=["params", "total_bytes"])
+    assert list(table.columns) == ["params", "total"]
+    assert table.iloc[0, 0] == "55,431,176"
