@@ -55,6 +55,15 @@ def test_columns_persist_in_later_tables():
     assert table.loc["", "peak_forward_bytes"] >= table.loc["", "total_bytes"]
 
 
+def test_submodule_table_shows_its_dry_run_figures():
+    with meta_init():
+        model = nn.Sequential(nn.Linear(3, 5), nn.Sequential(nn.ReLU(), nn.Linear(5, 2)))
+    dry_run(model, (4, 3))
+    table = memory_table(model[1])
+    assert table.loc["1", "flops"] == 2 * 4 * 5 * 2
+    assert table.attrs["dry_run"] is None  # the run was on the parent
+
+
 def test_peak_counts_inputs_and_live_outputs():
     with meta_init():
         model = nn.Sequential(nn.Linear(3, 5, bias=False), nn.ReLU())

@@ -169,6 +169,12 @@ def test_state_under_meta_init_and_after_partial_materialize():
     assert list(memory_table(model)["state"]) == ["mixed", "cpu", "deferred"]
 
 
+def test_lazy_module_before_forward_counts_as_uninitialized():
+    table = memory_table(nn.Sequential(nn.LazyLinear(4), nn.Linear(4, 2)))
+    assert table.loc["0", "state"] == "uninitialized" and table.loc["0", "params"] == 0
+    assert table.loc["", "params"] == 10 and table.loc["", "state"] == "mixed"
+
+
 def test_seventy_b_table_is_fast():
     cfg = transformers.LlamaConfig(
         hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,

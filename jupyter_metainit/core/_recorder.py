@@ -148,7 +148,10 @@ def _data_factory(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
         real = func(*args, **kwargs)
         if real.device.type != "cpu":
             real = real.cpu()
-    return _wrap_constant(real.clone() if func is torch.from_numpy else real, target)
+        if func is not torch.tensor:
+            # as_tensor/from_numpy share the caller's memory: keep the values as they are now.
+            real = real.clone()
+    return _wrap_constant(real, target)
 
 
 def _retarget(func: Any, self: DeferredTensor, args: tuple, kwargs: dict) -> Any:

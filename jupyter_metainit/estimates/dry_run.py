@@ -79,6 +79,10 @@ def _is_shape(obj: Any) -> bool:
     ) and len(obj) > 0
 
 
+# Ops whose output shares its input's memory although their schema does not say so.
+_ALIASING_OPS = frozenset({torch.ops.aten._unsafe_view.default})
+
+
 class _ActivationTracker(TorchDispatchMode):
     """Follows activations (tensors derived from the inputs) through every op.
 
@@ -146,7 +150,8 @@ class _ActivationTracker(TorchDispatchMode):
             self._collect()
             index = self.index
             sources = [index[id(a)] for a in _tensors((args, kwargs)) if id(a) in index]
-            view_of = sources[0] if func.is_view and sources else None
+            aliases = func.is_view or func in _ALIASING_OPS
+            view_of = sources[0] if aliases and sources else None
             for t in _tensors(out):
                 if id(t) not in index:
                     self.track(t, view_of)
@@ -282,21 +287,29 @@ def dry_run(
             continue
         if name in modules.names.values():
             flop_by_name[name] = int(sum(per_op.values()))
-    record = {
-        "output_shape": modules.shapes,
-        "activation_bytes": modules.out_bytes,
-        "flops": flop_by_name,
-        "peak_activation_bytes": {n: tracker.module_peak.get(n, 0) for n in modules.shapes},
-        "meta": {
-            "inputs": [tuple(a) if _is_shape(a) else _describe(a) for a in example_inputs],
-            "kwargs": {k: _describe(v) for k, v in kwargs.items()},
-            "output_shapes": out_shapes,
-            "flops": int(flops.get_total_flops()),
-            "peak_activation_bytes": tracker.peak,
-            "seconds": seconds,
-        },
+    run = {
+        "inputs": [tuple(a) if _is_shape(a) else _describe(a) for a in example_inputs],
+        "kwargs": {k: _describe(v) for k, v in kwargs.items()},
+        "output_shapes": out_shapes,
+        "flops": int(flops.get_total_flops()),
+        "peak_activation_bytes": tracker.peak,
+        "seconds": seconds,
     }
-    object.__setattr__(module, _DRY_RUN_ATTR, record)
+    # Each module keeps its own figures (plain numbers and shapes, no tensors), so tables of
+    # submodules show them too; modules this forward did not reach lose stale figures.
+    for name, mod in module.named_modules():
+        if name in modules.shapes:
+            record = {
+                "output_shape": modules.shapes[name],
+                "activation_bytes": modules.out_bytes.get(name, 0),
+                "flops": flop_by_name.get(name, 0),
+                "peak_activation_bytes": tracker.module_peak.get(name, 0),
+            }
+            if mod is module:
+                record["run"] = run
+            object.__setattr__(mod, _DRY_RUN_ATTR, record)
+        else:
+            mod.__dict__.pop(_DRY_RUN_ATTR, None)
     return memory_table(module)
 
 

@@ -13,6 +13,7 @@ from collections.abc import Iterable
 import pandas as pd
 import torch
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from jupyter_metainit.estimates._state import tensor_state
 
@@ -152,7 +153,8 @@ def memory_table(
       (tied weights). Every shared tensor is counted once in every total, so the root's
       ``total_bytes`` is the real unique size;
     - ``dtypes`` (comma-separated dtypes present), ``state`` (``deferred``, ``cpu``,
-      ``cuda:0`` ... or ``mixed``; ``""`` for a subtree without tensors);
+      ``cuda:0`` ... or ``mixed``; ``uninitialized`` for lazy modules before their first
+      (dry) forward, which count as 0 parameters; ``""`` for a subtree without tensors);
     - training estimates for the subtree, with N its parameters, T the trainable ones, B its buffer
       bytes and S the optimizer's state bytes per trainable parameter (Adam/AdamW: 8, two fp32
       moments; SGD: 0; SGD with momentum: 4; or ``optimizer=<number>``):
@@ -237,8 +239,12 @@ def memory_table(
                 if kind == 0:
                     params_own[i] += info[key][0]
                 continue
-            numel = t.numel()
             tdtype = t.dtype
+            if is_lazy(t):  # shape unknown until a (dry) forward: counts as empty
+                info[key] = (0, 0, kind, False, _dtype_name(tdtype), "uninitialized")
+                owners[key] = [i]
+                continue
+            numel = t.numel()
             if bits is not None and (tdtype.is_floating_point or tdtype.is_complex):
                 nbytes = math.ceil(numel * bits / 8)
                 dname = whatif_name or _dtype_name(tdtype)
@@ -340,17 +346,16 @@ def memory_table(
              for i in range(n)]
         ),
     }
-    record = getattr(module, _DRY_RUN_ATTR, None)
-    if record:
-        kept_names = col(names)
+    records = [m.__dict__.get(_DRY_RUN_ATTR) for m in mods]
+    if any(r is not None for r in records):
+        kept = col(records)
         for column in ("output_shape", "activation_bytes", "flops"):
-            values = record.get(column, {})
-            data[column] = [values.get(nm) for nm in kept_names]
-        peaks = record.get("peak_activation_bytes", {})
+            data[column] = [None if r is None else r[column] for r in kept]
         data["peak_forward_bytes"] = [
-            None if nm not in peaks else peaks[nm] + total
-            for nm, total in zip(kept_names, data["total_bytes"], strict=True)
+            None if r is None else r["peak_activation_bytes"] + total
+            for r, total in zip(kept, data["total_bytes"], strict=True)
         ]
+    root_record = records[0] or {}
     table = MemoryTable(data, index=pd.Index(col(names), name="module"))
     for column in ("activation_bytes", "flops", "peak_forward_bytes"):
         if column in table.columns:
@@ -363,7 +368,7 @@ def memory_table(
             "bytes_by_dtype": dict(sorted(bytes_by_dtype.items())),
             "modules": n,
             "largest_leaf": _largest_leaf(names, mods, p_bytes, buf_all),
-            "dry_run": dict(record.get("meta", {})) if record else None,
+            "dry_run": dict(root_record["run"]) if "run" in root_record else None,
         }
     )
     return table

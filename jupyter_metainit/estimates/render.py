@@ -232,6 +232,9 @@ def render_html(
         root_total = float(shown.loc["", "total_bytes"])
         if root_total > 0:
             styler.bar(subset=["total_bytes"], color=_BAR_COLOR, vmin=0, vmax=root_total)
+    text_columns = [c for c in ("type", "dtypes", "state") if c in cols]
+    if text_columns:
+        styler.set_properties(subset=text_columns, **{"text-align": "left"})
     if top:
         styler.apply(
             lambda row: [_HIGHLIGHT if row.name in top else "" for _ in row], axis=1

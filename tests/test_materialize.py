@@ -1,0 +1,256 @@
+"""materialize / dematerialize: in place, exact, selective, safe on failure."""
+
+from __future__ import annotations
+
+import gc
+import weakref
+
+import pytest
+import torch
+from torch import nn
+
+from jupyter_metainit import (
+    clear_meta_init_cache,
+    dematerialize,
+    is_deferred,
+    materialize,
+    meta_init,
+)
+from jupyter_metainit.core import _replay, tensor_state
+from jupyter_metainit.core.errors import MaterializationError
+
+
+class Net(nn.Module):
+    def __init__(self, n: int = 4, width: int = 16):
+        super().__init__()
+        self.emb = nn.Embedding(32, width)
+        self.layers = nn.ModuleList(nn.Linear(width, width) for _ in range(n))
+        self.norm = nn.LayerNorm(width)
+        self.register_buffer("scale", torch.linspace(0, 1, width), persistent=False)
+        self.head = nn.Linear(width, 32, bias=False)
+        self.head.weight = self.emb.weight
+
+
+def eager_and_deferred(ctor, seed=0):
+    torch.manual_seed(seed)
+    eager = ctor()
+    torch.manual_seed(seed)
+    with meta_init():
+        deferred = ctor()
+    return eager, deferred
+
+
+def assert_same(a: nn.Module, b: nn.Module):
+    sa, sb = a.state_dict(), b.state_dict()
+    assert sa.keys() == sb.keys()
+    for k in sa:
+        assert torch.equal(sa[k], sb[k]), k
+
+
+def test_every_reference_sees_the_real_tensor():
+    eager, m = eager_and_deferred(Net)
+    w = m.layers[0].weight
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    materialize(m)
+    assert w is m.layers[0].weight and not is_deferred(w)
+    assert opt.param_groups[0]["params"][1] is w
+    assert torch.equal(w, eager.layers[0].weight)
+
+
+def test_parameter_stays_parameter_and_keeps_requires_grad():
+    with meta_init():
+        m = nn.Linear(3, 3)
+    m.bias.requires_grad_(False)
+    materialize(m)
+    assert type(m.weight) is nn.Parameter and m.weight.requires_grad
+    assert type(m.bias) is nn.Parameter and not m.bias.requires_grad
+
+
+def test_tied_weights_stay_one_object_and_non_persistent_buffers_materialize():
+    eager, m = eager_and_deferred(Net)
+    materialize(m)
+    assert m.head.weight is m.emb.weight
+    assert torch.equal(m.scale, eager.scale)
+    assert_same(eager, m)
+
+
+def test_materialized_model_trains():
+    _, m = eager_and_deferred(Net)
+    materialize(m)
+    out = m.head(m.norm(m.layers[0](m.emb(torch.tensor([1, 2])))))
+    out.sum().backward()
+    assert m.layers[0].weight.grad is not None
+
+
+def test_global_rng_state_is_untouched():
+    with meta_init():
+        m = Net()
+    state = torch.get_rng_state()
+    materialize(m.layers[2])
+    materialize(m)
+    assert torch.equal(state, torch.get_rng_state())
+
+
+def test_subtree_in_any_order_equals_whole_model():
+    eager, m = eager_and_deferred(lambda: Net(n=6))
+    materialize(m.layers[4])
+    assert is_deferred(m.layers[1]) and not is_deferred(m.layers[4])
+    materialize([m.head, m.layers[0]])
+    materialize(m.layers[5].bias)
+    materialize(m)
+    assert_same(eager, m)
+
+
+def test_only_the_dependency_closure_is_replayed():
+    with meta_init():
+        m = Net(n=8)
+    whole = len(_replay.plan([t._rec for t in [*m.parameters(), *m.buffers()]]))
+    one = len(_replay.plan([m.layers[3].weight._rec, m.layers[3].bias._rec]))
+    # a Linear layer: two empty() and their init ops (uniform_ x2 ...), never the other layers
+    assert one <= whole / 6
+    ops = _replay.plan([m.layers[3].weight._rec]).ops
+    assert len(ops) == 2  # empty + kaiming_uniform_'s uniform_
+
+
+def test_recording_is_freed_after_whole_model_materialization():
+    with meta_init():
+        m = Net()
+    storage_ref = weakref.ref(m.layers[0].weight._rec.storage)
+    op_ref = weakref.ref(m.layers[0].weight._rec.storage.writes[0])
+    materialize(m)
+    gc.collect()
+    assert storage_ref() is None and op_ref() is None
+
+
+def test_keep_cache_then_dematerialize_round_trip():
+    eager, m = eager_and_deferred(Net)
+    layer = m.layers[1]
+    materialize(layer, keep_cache=True)
+    first = layer.weight.detach().clone()
+    dematerialize(layer)
+    assert is_deferred(layer.weight) and layer.weight.shape == (16, 16)
+    materialize(layer)
+    assert torch.equal(layer.weight, first)
+    assert torch.equal(layer.weight, eager.layers[1].weight)
+
+
+def test_dematerialize_refuses_changed_tensors_without_force():
+    with meta_init():
+        m = nn.Linear(3, 3)
+    materialize(m, keep_cache=True)
+    with torch.no_grad():
+        m.weight.add_(1)
+    with pytest.raises(MaterializationError, match="force=True"):
+        dematerialize(m)
+    assert not is_deferred(m.weight)
+    dematerialize(m, force=True)
+    assert is_deferred(m.weight)
+
+
+def test_dematerialize_without_keep_cache_is_a_clear_error():
+    with meta_init():
+        t = torch.ones(2)
+    materialize(t)
+    with pytest.raises(MaterializationError, match="keep_cache=True"):
+        dematerialize(t)
+
+
+def test_clear_meta_init_cache_drops_dematerialization_shadows():
+    with meta_init():
+        t = torch.ones(2)
+    materialize(t, keep_cache=True)
+    clear_meta_init_cache()
+    with pytest.raises(MaterializationError):
+        dematerialize(t)
+
+
+def test_not_a_tensor_or_module_is_a_type_error():
+    with pytest.raises(TypeError, match="tensor, a module"):
+        materialize("model")
+    with pytest.raises(TypeError):
+        materialize([torch.ones(1), 3])
+
+
+def test_bad_device_and_bad_rng_leave_everything_deferred():
+    with meta_init():
+        m = nn.Linear(3, 3)
+    with pytest.raises(ValueError, match="not a device"):
+        materialize(m, device="gpu7")
+    with pytest.raises(ValueError, match="rng"):
+        materialize(m, rng="random")
+    if not torch.cuda.is_available():
+        with pytest.raises(MaterializationError, match="CUDA is not available"):
+            materialize(m, device="cuda:0")
+    assert is_deferred(m.weight) and is_deferred(m.bias)
+    materialize(m)
+    assert not is_deferred(m)
+
+
+def test_interrupt_during_replay_leaves_nothing_half_made():
+    eager, m = eager_and_deferred(Net)
+    calls = []
+
+    def interrupt(done, total):
+        calls.append(done)
+        if len(calls) == 3:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        materialize(m, progress=interrupt)
+    assert all(is_deferred(t) for t in [*m.parameters(), *m.buffers()])
+    materialize(m)
+    assert_same(eager, m)
+
+
+def test_progress_reports_bytes_up_to_total():
+    with meta_init():
+        m = nn.Linear(64, 64)
+    seen = []
+    materialize(m, progress=lambda done, total: seen.append((done, total)))
+    assert seen and seen[-1][0] == seen[-1][1] >= 64 * 64 * 4
+    assert all(d <= t for d, t in seen)
+
+
+def test_cuda_recorded_model_materializes_to_cpu_when_asked():
+    torch.manual_seed(0)
+    eager = nn.Linear(4, 4)
+    torch.manual_seed(0)
+    with meta_init(device="cuda"):
+        m = nn.Linear(4, 4)
+    assert m.weight.device.type == "cuda"
+    materialize(m, device="cpu")
+    assert m.weight.device == torch.device("cpu")
+    assert torch.equal(m.weight, eager.weight)
+
+
+def test_cuda_recorded_tensor_without_gpu_says_what_to_do():
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    with meta_init(device="cuda:0"):
+        t = torch.ones(2)
+    with pytest.raises(MaterializationError, match="device='cpu'"):
+        materialize(t)
+    assert is_deferred(t)
+
+
+def test_dtype_at_materialization():
+    eager, m = eager_and_deferred(lambda: nn.Linear(4, 4))
+    materialize(m, dtype=torch.bfloat16)
+    assert m.weight.dtype == torch.bfloat16
+    assert torch.equal(m.weight, eager.weight.to(torch.bfloat16))
+
+
+def test_tensor_state():
+    with meta_init():
+        m = nn.Linear(2, 2)
+    assert tensor_state(m.weight) == "deferred"
+    materialize(m.weight)
+    assert tensor_state(m.weight) == "cpu"
+
+
+def test_user_attributes_on_tensors_survive():
+    with meta_init():
+        m = nn.Linear(2, 2)
+    m.weight._is_hf_initialized = True
+    materialize(m)
+    assert m.weight._is_hf_initialized is True

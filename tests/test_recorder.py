@@ -1,0 +1,263 @@
+"""Recording: deferred tensors report real metadata, allocate nothing, and record every op."""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from jupyter_metainit import is_deferred, is_meta_init, materialize, meta_init
+from jupyter_metainit.core import DeferredTensor
+from jupyter_metainit.core.errors import UnsupportedOperatorError
+
+
+def test_reference_example_keep_cache():
+    with meta_init():
+        t1 = torch.ones([3])
+        t2 = t1 + 2
+    assert "deferred" in repr(t1)
+    materialize(t1, keep_cache=True)
+    assert repr(t1) == "tensor([1., 1., 1.])"
+    materialize(t2)
+    assert repr(t2) == "tensor([3., 3., 3.])"
+
+
+def test_is_meta_init_inside_and_outside():
+    assert not is_meta_init()
+    with meta_init():
+        assert is_meta_init()
+        with meta_init():
+            assert is_meta_init()
+        assert is_meta_init()
+    assert not is_meta_init()
+
+
+def test_meta_init_is_thread_local():
+    seen = {}
+
+    def worker():
+        seen["inside"] = is_meta_init()
+        seen["tensor"] = type(torch.ones(2))
+
+    with meta_init():
+        th = threading.Thread(target=worker)
+        th.start()
+        th.join()
+    assert seen == {"inside": False, "tensor": torch.Tensor}
+
+
+def test_reports_real_metadata():
+    with meta_init():
+        t = torch.empty(4, 6, dtype=torch.float16).t()
+        p = nn.Parameter(torch.empty(3, 5))
+    assert isinstance(t, DeferredTensor)
+    assert t.shape == (6, 4) and t.stride() == (1, 6) and t.dtype == torch.float16
+    assert t.device == torch.device("cpu") and not t.is_meta
+    assert isinstance(p, nn.Parameter) and p.requires_grad
+
+
+def test_explicit_cuda_device_is_reported_without_a_gpu():
+    with meta_init():
+        lin = nn.Linear(4, 4, device="cuda:1")
+        default = torch.zeros(2)
+    assert lin.weight.device == torch.device("cuda", 1)
+    assert lin.weight.is_cuda
+    assert default.device == torch.device("cpu")
+
+
+def test_meta_init_device_argument_sets_default_device():
+    with meta_init(device="cuda:0"):
+        t = torch.zeros(2)
+        c = torch.zeros(2, device="cpu")
+    assert t.device == torch.device("cuda", 0)
+    assert c.device == torch.device("cpu")
+
+
+def test_device_dependent_init_takes_the_eager_path():
+    class M(nn.Module):
+        def __init__(self):
+            super().__init__()
+            x = torch.ones(3)
+            self.register_buffer("b", x + (1 if x.is_cpu else 2))
+
+    with meta_init():
+        m = M()
+    materialize(m)
+    assert torch.equal(m.b, torch.full((3,), 2.0))
+
+
+def _rss() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * 4096
+
+
+def test_construction_allocates_no_storage():
+    before = _rss()
+    with meta_init():
+        m = nn.Linear(50_000, 50_000)  # 10 GB if it were real
+    assert m.weight.shape == (50_000, 50_000)
+    assert _rss() - before < 50 * 2**20
+
+
+def test_ops_after_construction_are_recorded_outside_the_context():
+    torch.manual_seed(0)
+    eager = nn.Linear(4, 3)
+    with torch.no_grad():
+        eager.weight.mul_(2)
+    eager = eager.half()
+    torch.manual_seed(0)
+    with meta_init():
+        m = nn.Linear(4, 3)
+    with torch.no_grad():
+        m.weight.mul_(2)
+    m = m.half()
+    assert m.weight.dtype == torch.float16 and is_deferred(m)
+    materialize(m)
+    assert torch.equal(m.weight, eager.weight) and torch.equal(m.bias, eager.bias)
+
+
+def test_to_cuda_retargets_and_allocates_nothing():
+    with meta_init():
+        m = nn.Linear(4, 3)
+    m.to("cuda")
+    assert m.weight.device == torch.device("cuda", 0) and is_deferred(m)
+
+
+def test_apply_and_requires_grad_after_construction():
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    eager.apply(lambda mod: nn.init.zeros_(mod.bias) if isinstance(mod, nn.Linear) else None)
+    eager.requires_grad_(False)
+    torch.manual_seed(0)
+    with meta_init():
+        m = nn.Sequential(nn.Linear(3, 3), nn.Linear(3, 3))
+    m.apply(lambda mod: nn.init.zeros_(mod.bias) if isinstance(mod, nn.Linear) else None)
+    m.requires_grad_(False)
+    materialize(m)
+    assert not m[0].weight.requires_grad
+    for a, b in zip(eager.parameters(), m.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_tying_after_construction_keeps_one_object():
+    with meta_init():
+        emb = nn.Embedding(10, 4)
+        head = nn.Linear(4, 10, bias=False)
+    head.weight = emb.weight
+    model = nn.ModuleDict({"emb": emb, "head": head})
+    materialize(model)
+    assert model["head"].weight is model["emb"].weight
+    assert not is_deferred(model)
+
+
+def test_view_then_inplace_through_base():
+    with meta_init():
+        a = torch.ones(2, 2)
+        b = a.view(-1)
+        a.add_(2)
+    materialize(b)
+    assert torch.equal(b, torch.full((4,), 3.0))
+
+
+def test_inplace_through_a_view_updates_the_base():
+    with meta_init():
+        w = torch.zeros(3, 4)
+        w[:, :2].fill_(5)
+        w[1].add_(1)
+    expected = torch.zeros(3, 4)
+    expected[:, :2] = 5
+    expected[1] += 1
+    materialize(w)
+    assert torch.equal(w, expected)
+
+
+def test_data_reads_and_assignment():
+    with meta_init():
+        p = nn.Parameter(torch.zeros(2, 3))
+        p.data.fill_(4)
+        p.data = torch.ones(3, 2)
+    assert p.shape == (3, 2) and isinstance(p, nn.Parameter)
+    materialize(p)
+    assert torch.equal(p, torch.ones(3, 2)) and isinstance(p, nn.Parameter)
+
+
+def test_tensor_from_list_and_numpy_are_captured():
+    arr = np.arange(4, dtype=np.float32)
+    with meta_init():
+        a = torch.tensor([1.0, 2.0])
+        b = torch.as_tensor(arr) * 2
+    assert is_deferred(a) and is_deferred(b)
+    arr[:] = 0  # the recording took the values at that time
+    materialize([a, b])
+    assert torch.equal(a, torch.tensor([1.0, 2.0]))
+    assert torch.equal(b, torch.tensor([0.0, 2.0, 4.0, 6.0]))
+
+
+def test_external_tensor_changed_in_place_is_a_clear_error():
+    outside = torch.ones(3)
+    with meta_init():
+        t = outside * 2
+    outside.add_(1)
+    with pytest.raises(RuntimeError, match="changed in place"):
+        materialize(t)
+    assert is_deferred(t)
+
+
+def test_explicit_generator_is_replayed_exactly():
+    g = torch.Generator().manual_seed(123)
+    eager = torch.empty(5).normal_(generator=g)
+    g2 = torch.Generator().manual_seed(123)
+    with meta_init():
+        t = torch.empty(5).normal_(generator=g2)
+    materialize(t)
+    assert torch.equal(t, eager)
+
+
+def test_item_computes_the_exact_value_and_keeps_the_tensor_deferred():
+    with meta_init():
+        t = torch.arange(5.0)
+        s = t.sum()
+        assert s.item() == 10.0
+        assert t.tolist() == [0.0, 1.0, 2.0, 3.0, 4.0]
+        assert bool(t[1] > 0)
+    assert is_deferred(t)
+
+
+def test_numpy_of_a_deferred_tensor_gives_values():
+    with meta_init():
+        t = torch.full((2,), 7.0)
+    assert t.numpy().tolist() == [7.0, 7.0]
+
+
+def test_unsupported_operator_names_op_and_caller():
+    with meta_init():
+        t = torch.ones(3)
+    op = torch.library.Library("jmi_test", "DEF")
+    op.define("noop(Tensor x) -> Tensor")
+    op.impl("noop", lambda x: x.clone(), "CPU")
+    with pytest.raises(UnsupportedOperatorError, match=r"jmi_test.noop.*test_recorder.py"):
+        torch.ops.jmi_test.noop(t)
+
+
+def test_no_grad_blocks_are_recorded():
+    with meta_init():
+        w = nn.Parameter(torch.ones(2))
+        with torch.no_grad():
+            w.mul_(3)
+    materialize(w)
+    assert torch.equal(w.detach(), torch.full((2,), 3.0))
+
+
+def test_deepcopy_of_a_deferred_module_clones_values():
+    import copy
+
+    torch.manual_seed(0)
+    with meta_init():
+        a = nn.Linear(3, 3)
+        b = copy.deepcopy(a)
+    assert b.weight is not a.weight
+    materialize([a, b])
+    assert torch.equal(a.weight, b.weight)
