@@ -53,7 +53,7 @@ _shadows: weakref.WeakSet[_Shadow] = weakref.WeakSet()
 def is_deferred(obj: Any) -> bool:
     """True for a deferred tensor, or a module with at least one deferred parameter or buffer."""
     if isinstance(obj, torch.Tensor):
-        return isinstance(obj, DeferredTensor) or _is_uninitialized(obj)
+        return isinstance(_deferred_local(obj), DeferredTensor) or _is_uninitialized(obj)
     if isinstance(obj, torch.nn.Module):
         return any(is_deferred(t) for t in _module_tensors(obj))
     return False
@@ -68,12 +68,29 @@ def _is_uninitialized(t: torch.Tensor) -> bool:
     return isinstance(t, torch.nn.parameter.UninitializedTensorMixin)
 
 
+def _deferred_local(t: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor's (DTensor's) deferred local shard, else ``t`` itself.
+
+    After ``fully_shard`` or ``distribute_tensor`` a deferred parameter is a DTensor wrapping a
+    deferred local tensor; materializing that local tensor in place materializes the shard.
+    Duck-typed, so the core needs no ``torch.distributed`` import.
+    """
+    if isinstance(t, DeferredTensor):
+        return t
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, DeferredTensor) else t
+
+
 def _module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
-    """Parameters, buffers (persistent or not) and plain tensor attributes, each object once."""
+    """Parameters, buffers (persistent or not) and plain tensor attributes, each object once.
+
+    A sharded parameter (DTensor) contributes its deferred local shard.
+    """
     seen: dict[int, torch.Tensor] = {}
     for m in module.modules():
         for t in list(m._parameters.values()) + list(m._buffers.values()):
             if t is not None:
+                t = _deferred_local(t)
                 seen.setdefault(id(t), t)
         for v in m.__dict__.values():
             if isinstance(v, DeferredTensor):
@@ -87,7 +104,7 @@ def _module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
 
 def _collect(obj: Any) -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
-        return [obj]
+        return [_deferred_local(obj)]
     if isinstance(obj, torch.nn.Module):
         return _module_tensors(obj)
     if isinstance(obj, (list, tuple)):
@@ -146,9 +163,10 @@ def _progress_callback(progress: Any) -> tuple[Callable[[int, int], None] | None
 
 
 def _build_real(
-    t: DeferredTensor, base: torch.Tensor, dtype: torch.dtype | None, used: set[int]
-) -> torch.Tensor:
-    real = real_view(base, t._rec)
+    t: DeferredTensor, base: torch.Tensor, dtype: torch.dtype | None, used: set[int],
+    exact_tensor: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    real = base if exact_tensor else real_view(base, t._rec)
     if dtype is not None and real.is_floating_point() and real.dtype != dtype:
         real = real.to(dtype)
     if id(real) in used:
@@ -174,6 +192,7 @@ def materialize(
     progress: Any = None,
     checkpoint: Any = None,
     missing: str = "error",
+    root: torch.nn.Module | None = None,
 ) -> Any:
     """Turn deferred tensors real, in place, with the values eager construction gives.
 
@@ -199,6 +218,8 @@ def materialize(
             values from instead of replaying the initialisation.
         missing: with ``checkpoint``: ``"error"`` (default) if a tensor is not in the checkpoint,
             or ``"init"`` to replay its recorded initialisation.
+        root: with ``checkpoint``, when ``obj`` is a part of a model: the whole model, whose
+            qualified names the checkpoint uses (``model.layers.3...``).
 
     Returns:
         ``obj``. A failed or interrupted call leaves every tensor deferred and materializable.
@@ -226,7 +247,7 @@ def materialize(
             if checkpoint is not None:
                 from jupyter_metainit.core._checkpoint import load_for
 
-                loaded = load_for(obj, tensors, checkpoint, target_device, missing)
+                loaded = load_for(obj, tensors, checkpoint, target_device, missing, dtype, root)
             to_replay = [t for t in tensors if id(t) not in loaded]
             p = plan([t._rec for t in to_replay])
             env = execute(p, target_device, rng, callback)
@@ -234,7 +255,7 @@ def materialize(
             reals = []
             for t in tensors:
                 if id(t) in loaded:
-                    reals.append(_build_real(t, loaded[id(t)], dtype, used))
+                    reals.append(_build_real(t, loaded[id(t)], dtype, used, exact_tensor=True))
                 else:
                     reals.append(_build_real(t, env[id(t._rec.storage)], dtype, used))
             del env

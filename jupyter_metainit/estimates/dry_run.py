@@ -277,6 +277,7 @@ def dry_run(
     tracker.index.clear()
 
     root_label = type(module).__name__
+    known = set(modules.names.values())
     flop_by_name: dict[str, int] = {name: 0 for name in modules.shapes}
     for key, per_op in flops.get_flop_counts().items():
         if key == root_label:
@@ -285,7 +286,7 @@ def dry_run(
             name = key[len(root_label) + 1 :]
         else:
             continue
-        if name in modules.names.values():
+        if name in known:
             flop_by_name[name] = int(sum(per_op.values()))
     run = {
         "inputs": [tuple(a) if _is_shape(a) else _describe(a) for a in example_inputs],

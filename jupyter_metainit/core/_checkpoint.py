@@ -1,0 +1,147 @@
+"""Load real weights for deferred tensors from ``.safetensors`` files instead of replaying init.
+
+Only the tensors asked for are read, memory-mapped by ``safetensors``; a sharded set is read
+through its index JSON (``model.safetensors.index.json``), opening only the shards it needs.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterable
+from typing import Any
+
+import torch
+
+from jupyter_metainit.core._plain import plain
+from jupyter_metainit.core._tensor import DeferredTensor
+from jupyter_metainit.core.errors import MaterializationError
+
+__all__ = ["load_for"]
+
+
+def _key_to_file(checkpoint: Any) -> dict[str, str]:
+    paths = [checkpoint] if isinstance(checkpoint, (str, os.PathLike)) else list(checkpoint)
+    if not paths:
+        raise ValueError("checkpoint= needs at least one .safetensors file or index JSON")
+    from safetensors import safe_open
+
+    mapping: dict[str, str] = {}
+    for p in map(os.fspath, paths):
+        if not os.path.exists(p):
+            raise FileNotFoundError(f"checkpoint file not found: {p}")
+        if p.endswith(".json"):
+            with open(p) as f:
+                index = json.load(f)
+            base = os.path.dirname(p)
+            for key, fname in index["weight_map"].items():
+                mapping[key] = os.path.join(base, fname)
+        else:
+            with safe_open(p, framework="pt") as f:
+                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                    mapping[key] = p
+    return mapping
+
+
+def _names(obj: Any, tensors: list[DeferredTensor]) -> dict[int, list[str]]:
+    """Qualified names (relative to ``obj``) of each requested tensor; tied ones have several."""
+    names: dict[int, list[str]] = {id(t): [] for t in tensors}
+    if isinstance(obj, torch.nn.Module):
+        modules: Iterable[tuple[str, torch.nn.Module]] = obj.named_modules(remove_duplicate=False)
+        for mname, m in modules:
+            for tname, t in [*m._parameters.items(), *m._buffers.items()]:
+                if t is not None and id(t) in names:
+                    names[id(t)].append(f"{mname}.{tname}" if mname else tname)
+    return names
+
+
+def _infer_prefix(names: dict[int, list[str]], keys: set[str]) -> str:
+    """The prefix under which a submodule's names appear in a whole-model checkpoint."""
+    candidates: dict[str, int] = {}
+    for ns in names.values():
+        for n in ns:
+            if n in keys:
+                candidates[""] = candidates.get("", 0) + 1
+                continue
+            suffix = "." + n
+            for k in keys:
+                if k.endswith(suffix):
+                    p = k[: -len(n)]
+                    candidates[p] = candidates.get(p, 0) + 1
+    if not candidates:
+        return ""
+    best = max(candidates.values())
+    winners = [p for p, c in candidates.items() if c == best]
+    if len(winners) > 1:
+        raise MaterializationError(
+            f"cannot tell which part of the checkpoint this module is: prefixes {winners[:4]} all "
+            "match; pass root=<the whole model> so that the part's qualified names are known"
+        )
+    return winners[0]
+
+
+def load_for(
+    obj: Any, tensors: list[DeferredTensor], checkpoint: Any, device: torch.device | None,
+    missing: str, dtype: torch.dtype | None = None, root: torch.nn.Module | None = None,
+) -> dict[int, torch.Tensor]:  # fmt: skip
+    """Real tensors for ``tensors`` (by ``id``) read from ``checkpoint``.
+
+    Tensors absent from the checkpoint raise unless ``missing="init"`` (then they are left out of
+    the result and replayed from their recorded initialisation).
+    """
+    if not isinstance(obj, torch.nn.Module) and root is None:
+        raise TypeError(
+            "checkpoint= needs a module, or root=<the whole model> (names come from the tree)"
+        )
+    from safetensors import safe_open
+
+    files = _key_to_file(checkpoint)
+    if root is not None and root is not obj:
+        names, prefix = _names(root, tensors), ""
+    else:
+        names = _names(obj, tensors)
+        prefix = _infer_prefix(names, set(files))
+    wanted: dict[int, str] = {}
+    absent: list[str] = []
+    for t in tensors:
+        hit = next((prefix + n for n in names[id(t)] if prefix + n in files), None)
+        if hit is None:
+            absent.extend(names[id(t)][:1] or ["<unnamed tensor>"])
+        else:
+            wanted[id(t)] = hit
+    if absent and missing == "error":
+        raise MaterializationError(
+            f"{len(absent)} tensor(s) are not in the checkpoint, e.g. {absent[:3]}; pass "
+            "missing='init' to use their recorded initialisation instead"
+        )
+    by_file: dict[str, list[DeferredTensor]] = {}
+    for t in tensors:
+        if id(t) in wanted:
+            by_file.setdefault(files[wanted[id(t)]], []).append(t)
+    out: dict[int, torch.Tensor] = {}
+    with plain():
+        for path, ts in by_file.items():
+            with safe_open(path, framework="pt", device="cpu") as f:
+                for t in ts:
+                    key = wanted[id(t)]
+                    sl = f.get_slice(key)
+                    shape = tuple(sl.get_shape())
+                    if shape != tuple(t.shape):
+                        raise MaterializationError(
+                            f"{key}: checkpoint shape {shape} does not match the model's "
+                            f"{tuple(t.shape)}"
+                        )
+                    value = f.get_tensor(key)
+                    if value.dtype not in (t.dtype, dtype):
+                        raise MaterializationError(
+                            f"{key}: checkpoint dtype {value.dtype} does not match the model's "
+                            f"{t.dtype}; build the model in that dtype (meta_init(dtype=...)) or "
+                            "convert it first (model.to(dtype))"
+                        )
+                    target = device or t.device
+                    real = torch.empty_strided(
+                        t.shape, t.stride(), dtype=value.dtype, device=target
+                    )
+                    real.copy_(value)
+                    out[id(t)] = real
+    return out

@@ -1,0 +1,10 @@
+"""Sharded materialization: FSDP2 / DTensor shards of a deferred model, made on each rank.
+
+Imports only the core and ``torch``; ``torch.distributed`` is needed at call time.
+"""
+
+from __future__ import annotations
+
+from jupyter_metainit.distributed._sharded import materialize_sharded
+
+__all__ = ["materialize_sharded"]

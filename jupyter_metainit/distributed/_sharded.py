@@ -1,0 +1,154 @@
+"""``materialize_sharded``: each rank materializes exactly its own shards of a deferred model.
+
+After FSDP2's ``fully_shard`` or DTensor's ``distribute_tensor`` / ``parallelize_module`` run on
+a deferred model, every sharded parameter is a DTensor whose local tensor is deferred: its
+recording is "run the parameter's own initialisation, then take this rank's slice (and pad it)".
+Replaying that recording gives each rank exactly the values that a single-process (or eager)
+construction has in its slice. Every rank records the same construction, so no communication
+is needed.
+
+Memory: shards are replayed one storage at a time, so a rank holds its finished shards plus the
+tensors that the shard being made is computed from (the parameter's full, unsharded value,
+which its initialisation produces as a whole: an ``nn.init`` call fills a whole tensor from one
+random stream, and the slice is taken afterwards), freed before the next shard.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from jupyter_metainit.core import materialize
+from jupyter_metainit.core._materialize import _progress_callback, iter_deferred
+from jupyter_metainit.core._tensor import DeferredTensor
+from jupyter_metainit.core.errors import MaterializationError
+
+__all__ = ["materialize_sharded"]
+
+# Ops that allocate without writing values: a shard whose storage saw nothing else was meant to
+# be filled by a collective (DTensor's scatter from ``src_data_rank``), which is not recorded.
+_UNINITIALIZED = frozenset({
+    "empty.memory_format", "empty_like.default", "empty_strided.default", "new_empty.default",
+    "new_empty_strided.default", "empty_permuted.default",
+})  # fmt: skip
+
+
+def _fsdp_params(module: torch.nn.Module) -> list[Any]:
+    """FSDP2's per-parameter state objects (``FSDPParam``) of every ``fully_shard``-ed module."""
+    try:
+        from torch.distributed.fsdp import FSDPModule
+    except ImportError:  # torch built without distributed support
+        return []
+    out: list[Any] = []
+    for m in module.modules():
+        if isinstance(m, FSDPModule):
+            for group in m._get_fsdp_state()._fsdp_param_groups:
+                out.extend(group.fsdp_params)
+    return out
+
+
+def _local(t: Any) -> DeferredTensor | None:
+    if isinstance(t, DeferredTensor):
+        return t
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, DeferredTensor) else None
+
+
+def _shard_names(module: torch.nn.Module) -> dict[int, str]:
+    """``id(deferred local tensor)`` -> qualified name, for DTensor parameters and buffers."""
+    names: dict[int, str] = {}
+    tensors = list(module.named_parameters(remove_duplicate=False))
+    tensors += list(module.named_buffers(remove_duplicate=False))
+    for name, t in tensors:
+        local = _local(t)
+        if local is not None and local is not t:
+            names.setdefault(id(local), name)
+    return names
+
+
+def _check_filled(t: DeferredTensor, name: str) -> None:
+    writes = t._rec.storage.writes
+    if writes and all(op.func.__name__ in _UNINITIALIZED for op in writes) and writes[0].reads:
+        raise MaterializationError(
+            f"the shard of {name!r} was to be filled by a collective (DTensor sends shards from "
+            "rank 0 by default), which a deferred tensor cannot record. Shard with "
+            "src_data_rank=None, e.g. parallelize_module(model, mesh, plan, src_data_rank=None) "
+            "or distribute_tensor(t, mesh, placements, src_data_rank=None): every rank records "
+            "the same construction, so each computes its own shard without communication."
+        )
+
+
+def _groups(tensors: list[DeferredTensor]) -> list[list[DeferredTensor]]:
+    """Tensors over the same storage go together, so that aliases stay aliases."""
+    by_storage: dict[int, list[DeferredTensor]] = {}
+    for t in tensors:
+        by_storage.setdefault(id(t._rec.storage), []).append(t)
+    return list(by_storage.values())
+
+
+def materialize_sharded(
+    module: torch.nn.Module,
+    *,
+    rng: str = "exact",
+    progress: bool | Callable[[int, int], None] | None = None,
+) -> torch.nn.Module:
+    """Materialize a deferred model after sharding it: each rank makes only its own shards.
+
+    Use it after ``fully_shard`` (FSDP2) and/or ``parallelize_module`` / ``distribute_tensor``
+    (tensor parallel, with ``src_data_rank=None``), on every rank, before the first forward
+    pass. Each shard gets exactly the values it has in a single-process materialization of the
+    same model (hence eager construction), so the model's own initialisation is kept: no
+    ``to_empty`` and no ``reset_parameters``. Unsharded buffers and parameters are materialized
+    too, each on the device it was recorded for (FSDP2 requires that to be the mesh's device:
+    build with ``meta_init(device=...)`` on GPUs).
+
+    Peak memory per rank: its shards plus, while one shard is made, the full tensor(s) that
+    shard is computed from (see the module docstring). ``materialize(model)`` gives the same
+    values but replays everything at once, holding every full tensor; prefer this function.
+
+    Args:
+        module: the sharded deferred model (the root passed to ``fully_shard``, or any module
+            whose parameters are DTensors with deferred local tensors).
+        rng: ``"exact"`` (default; bit-identical to a single-process materialization) or
+            ``"fast"`` (per-op streams seeded from the recording; shards agree across ranks
+            because every rank recorded the same seeds). Every rank must build the model from
+            the same seed (``torch.manual_seed`` before ``meta_init``).
+        progress: ``True`` for a progress bar, or ``callable(done_bytes, total_bytes)`` over
+            this rank's bytes.
+
+    Returns:
+        ``module``, with every parameter's shard real. If it fails part-way, the shards made so
+        far stay real and the rest stay deferred; calling it again finishes the job.
+    """
+    fsdp_params = _fsdp_params(module)
+    names = _shard_names(module)
+    tensors: dict[int, DeferredTensor] = {id(t): t for t in iter_deferred(module)}
+    for fp in fsdp_params:
+        # FSDP2 keeps the padded shard (the all-gather input) next to the parameter's local
+        # tensor, a view of the same storage; both must become real together.
+        for t in (fp.sharded_param._local_tensor, getattr(fp, "_sharded_param_data", None)):
+            if isinstance(t, DeferredTensor):
+                tensors.setdefault(id(t), t)
+    for t in tensors.values():
+        if id(t) in names:
+            _check_filled(t, names[id(t)])
+    groups = _groups(list(tensors.values()))
+    callback, bar = _progress_callback(progress)
+    sizes = [max(t._rec.storage.nbytes for t in g) for g in groups]
+    total, done = sum(sizes), 0
+    try:
+        for group, size in zip(groups, sizes):
+            materialize(group, rng=rng)
+            done += size
+            if callback is not None:
+                callback(done, total)
+    finally:
+        if bar is not None:
+            bar.close()
+    with torch.no_grad():
+        for fp in fsdp_params:
+            # Re-derive FSDP's views of the now-real shard (as after ``model.to_empty()``).
+            fp.reset_sharded_param()
+    return module

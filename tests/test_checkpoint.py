@@ -1,0 +1,100 @@
+"""Loading a subtree's real weights from safetensors files instead of replaying init."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import save_file
+from torch import nn
+
+from jupyter_metainit import is_deferred, materialize, meta_init
+from jupyter_metainit.core.errors import MaterializationError
+
+
+class Model(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.layers = nn.ModuleList(nn.Linear(8, 8) for _ in range(4))
+        self.head = nn.Linear(8, 2)
+
+
+@pytest.fixture
+def sharded(tmp_path):
+    torch.manual_seed(1)
+    real = Model()
+    sd = {k: v.detach().clone() for k, v in real.state_dict().items()}
+    keys = sorted(sd)
+    half = len(keys) // 2
+    shards = {"model-00001-of-00002.safetensors": keys[:half],
+              "model-00002-of-00002.safetensors": keys[half:]}  # fmt: skip
+    weight_map = {}
+    for fname, ks in shards.items():
+        save_file({k: sd[k] for k in ks}, str(tmp_path / fname))
+        weight_map.update({k: fname for k in ks})
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return real, index
+
+
+def test_subtree_from_a_sharded_set(sharded):
+    real, index = sharded
+    with meta_init():
+        m = Model()
+    with pytest.raises(MaterializationError, match="root="):
+        materialize(m.layers[2], checkpoint=index)
+    materialize(m.layers[2], checkpoint=index, root=m)
+    assert torch.equal(m.layers[2].weight, real.layers[2].weight)
+    assert torch.equal(m.layers[2].bias, real.layers[2].bias)
+    assert is_deferred(m.layers[1]) and is_deferred(m.head)
+
+
+def test_whole_model_from_one_file(tmp_path):
+    torch.manual_seed(3)
+    real = Model()
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.detach().clone() for k, v in real.state_dict().items()}, str(path))
+    with meta_init():
+        m = Model()
+    materialize(m, checkpoint=path)
+    for a, b in zip(real.state_dict().values(), m.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+def test_missing_keys_error_by_default_and_init_on_request(tmp_path):
+    torch.manual_seed(0)
+    eager = Model()
+    path = tmp_path / "partial.safetensors"
+    save_file({"head.weight": torch.zeros(2, 8)}, str(path))
+    torch.manual_seed(0)
+    with meta_init():
+        m = Model()
+    with pytest.raises(MaterializationError, match="missing='init'"):
+        materialize(m.head, checkpoint=path)
+    assert is_deferred(m.head)
+    materialize(m.head, checkpoint=path, missing="init")
+    assert torch.equal(m.head.weight, torch.zeros(2, 8))
+    assert torch.equal(m.head.bias, eager.head.bias)
+
+
+def test_shape_mismatch_is_a_clear_error(tmp_path):
+    path = tmp_path / "bad.safetensors"
+    save_file({"weight": torch.zeros(3, 3), "bias": torch.zeros(8)}, str(path))
+    with meta_init():
+        lin = nn.Linear(8, 8)
+    with pytest.raises(MaterializationError, match=r"weight: checkpoint shape \(3, 3\)"):
+        materialize(lin, checkpoint=path)
+    assert is_deferred(lin)
+
+
+def test_dtype_mismatch_is_a_clear_error(tmp_path):
+    path = tmp_path / "half.safetensors"
+    save_file({"weight": torch.zeros(8, 8, dtype=torch.float16),
+               "bias": torch.zeros(8, dtype=torch.float16)}, str(path))  # fmt: skip
+    with meta_init():
+        lin = nn.Linear(8, 8)
+    with pytest.raises(MaterializationError, match="dtype"):
+        materialize(lin, checkpoint=path)
+    materialize(lin, checkpoint=path, dtype=torch.float16)
+    assert lin.weight.dtype == torch.float16

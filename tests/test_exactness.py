@@ -1,0 +1,152 @@
+"""Whole-model materialization is bit-identical to eager construction with the same seed."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from jupyter_metainit import is_deferred, materialize, meta_init
+
+
+def assert_exact(ctor, seed=0):
+    torch.manual_seed(seed)
+    eager = ctor()
+    torch.manual_seed(seed)
+    with meta_init():
+        deferred = ctor()
+    state = torch.get_rng_state()
+    materialize(deferred)
+    assert torch.equal(state, torch.get_rng_state())
+    assert not is_deferred(deferred)
+    se, sd = eager.state_dict(), deferred.state_dict()
+    assert se.keys() == sd.keys()
+    for k in se:
+        assert torch.equal(se[k], sd[k]), k
+    return eager, deferred
+
+
+TORCH_MODULES = {
+    "linear": lambda: nn.Linear(7, 5),
+    "bilinear": lambda: nn.Bilinear(3, 4, 5),
+    "conv1d": lambda: nn.Conv1d(3, 6, 3, groups=3),
+    "conv2d": lambda: nn.Conv2d(3, 8, 3, padding=1),
+    "conv3d": lambda: nn.Conv3d(2, 4, 2),
+    "conv_transpose2d": lambda: nn.ConvTranspose2d(4, 2, 3, stride=2),
+    "batchnorm": lambda: nn.BatchNorm2d(8),
+    "groupnorm": lambda: nn.GroupNorm(2, 8),
+    "layernorm": lambda: nn.LayerNorm(16),
+    "rmsnorm": lambda: nn.RMSNorm(16),
+    "instancenorm": lambda: nn.InstanceNorm1d(4, affine=True, track_running_stats=True),
+    "embedding": lambda: nn.Embedding(20, 8, padding_idx=3),
+    "embedding_bag": lambda: nn.EmbeddingBag(20, 8),
+    "rnn": lambda: nn.RNN(6, 8, num_layers=2),
+    "lstm": lambda: nn.LSTM(6, 8, num_layers=2, bidirectional=True, proj_size=4),
+    "gru": lambda: nn.GRU(6, 8, batch_first=True),
+    "lstm_cell": lambda: nn.LSTMCell(6, 8),
+    "mha": lambda: nn.MultiheadAttention(16, 4, kdim=8, vdim=8),
+    "transformer_encoder": lambda: nn.TransformerEncoder(nn.TransformerEncoderLayer(16, 4, 32), 2),
+    "transformer": lambda: nn.Transformer(16, 2, 1, 1, 32),
+    "prelu": lambda: nn.PReLU(4),
+    "loss_with_weight": lambda: nn.CrossEntropyLoss(weight=torch.rand(5)),
+    "adaptive_softmax": lambda: nn.AdaptiveLogSoftmaxWithLoss(16, 40, [10, 20]),
+}
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_MODULES))
+def test_torch_nn_module(name):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert_exact(TORCH_MODULES[name])
+
+
+def test_custom_init_functions():
+    class Inits(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.a = nn.Parameter(torch.empty(6, 4))
+            self.b = nn.Parameter(torch.empty(5, 5))
+            self.c = nn.Parameter(torch.empty(8, 8))
+            self.d = nn.Parameter(torch.empty(4, 4))
+            nn.init.orthogonal_(self.a)
+            nn.init.trunc_normal_(self.b, std=0.02)
+            nn.init.sparse_(self.c, 0.5)
+            nn.init.xavier_normal_(self.d)
+            with torch.no_grad():
+                self.c[:, :3].normal_()
+                self.d.data.mul_(0.5)
+
+    assert_exact(Inits)
+
+
+def test_lazy_modules_after_a_dry_run_equal_the_eager_dry_run():
+    def ctor_and_run(ctx):
+        m = nn.Sequential(nn.LazyConv2d(4, 3), nn.Flatten(), nn.LazyLinear(5))
+        with ctx():
+            m(torch.ones(2, 3, 8, 8))
+        return m
+
+    torch.manual_seed(0)
+    eager = ctor_and_run(torch.no_grad)
+    torch.manual_seed(0)
+    with meta_init():
+        m = ctor_and_run(torch.no_grad)
+    assert m[2].weight.shape == (5, 144) and is_deferred(m)
+    materialize(m)
+    for a, b in zip(eager.state_dict().values(), m.state_dict().values()):
+        assert torch.equal(a, b)
+
+
+transformers = pytest.importorskip("transformers")
+
+
+def _cfg(cls, **kw):
+    return lambda: cls(**kw)
+
+
+TRANSFORMERS = {
+    "llama": lambda: transformers.AutoModelForCausalLM.from_config(transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, tie_word_embeddings=True)),
+    "gpt2": lambda: transformers.AutoModelForCausalLM.from_config(transformers.GPT2Config(
+        n_embd=64, n_layer=2, n_head=4, vocab_size=128, n_positions=64,
+        bos_token_id=0, eos_token_id=0)),
+    "bert": lambda: transformers.BertModel(transformers.BertConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        vocab_size=128)),
+    "t5": lambda: transformers.T5ForConditionalGeneration(transformers.T5Config(
+        d_model=64, d_ff=128, num_layers=2, num_heads=4, vocab_size=128, d_kv=16)),
+    "mistral": lambda: transformers.AutoModelForCausalLM.from_config(transformers.MistralConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128)),
+    "qwen2": lambda: transformers.AutoModelForCausalLM.from_config(transformers.Qwen2Config(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, tie_word_embeddings=True)),
+    "mixtral": lambda: transformers.AutoModelForCausalLM.from_config(transformers.MixtralConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, num_local_experts=4)),
+    "vit": lambda: transformers.ViTModel(transformers.ViTConfig(
+        hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+        image_size=32, patch_size=8)),
+    "whisper": lambda: transformers.WhisperForConditionalGeneration(transformers.WhisperConfig(
+        d_model=64, encoder_layers=1, decoder_layers=1, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=128,
+        num_mel_bins=16, max_source_positions=32, max_target_positions=32, pad_token_id=1,
+        bos_token_id=2, eos_token_id=2, decoder_start_token_id=2)),
+    "clip": lambda: transformers.CLIPModel(transformers.CLIPConfig(
+        text_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                         num_attention_heads=4, vocab_size=128, bos_token_id=0, eos_token_id=1),
+        vision_config=dict(hidden_size=64, intermediate_size=128, num_hidden_layers=1,
+                           num_attention_heads=4, image_size=32, patch_size=8),
+        projection_dim=32)),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(TRANSFORMERS))
+def test_transformers_model(name):
+    transformers.logging.set_verbosity_error()
+    eager, deferred = assert_exact(TRANSFORMERS[name])
+    if name in ("llama", "qwen2"):
+        assert deferred.lm_head.weight is deferred.model.embed_tokens.weight
