@@ -58,7 +58,7 @@ def test_whole_model_from_one_file(tmp_path):
     with meta_init():
         m = Model()
     materialize(m, checkpoint=path)
-    for a, b in zip(real.state_dict().values(), m.state_dict().values()):
+    for a, b in zip(real.state_dict().values(), m.state_dict().values(), strict=True):
         assert torch.equal(a, b)
 
 

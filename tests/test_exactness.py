@@ -95,7 +95,7 @@ def test_lazy_modules_after_a_dry_run_equal_the_eager_dry_run():
         m = ctor_and_run(torch.no_grad)
     assert m[2].weight.shape == (5, 144) and is_deferred(m)
     materialize(m)
-    for a, b in zip(eager.state_dict().values(), m.state_dict().values()):
+    for a, b in zip(eager.state_dict().values(), m.state_dict().values(), strict=True):
         assert torch.equal(a, b)
 
 
@@ -147,6 +147,6 @@ TRANSFORMERS = {
 @pytest.mark.parametrize("name", sorted(TRANSFORMERS))
 def test_transformers_model(name):
     transformers.logging.set_verbosity_error()
-    eager, deferred = assert_exact(TRANSFORMERS[name])
+    _eager, deferred = assert_exact(TRANSFORMERS[name])
     if name in ("llama", "qwen2"):
         assert deferred.lm_head.weight is deferred.model.embed_tokens.weight

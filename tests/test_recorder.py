@@ -138,7 +138,7 @@ def test_apply_and_requires_grad_after_construction():
     m.requires_grad_(False)
     materialize(m)
     assert not m[0].weight.requires_grad
-    for a, b in zip(eager.parameters(), m.parameters()):
+    for a, b in zip(eager.parameters(), m.parameters(), strict=True):
         assert torch.equal(a, b)
 
 

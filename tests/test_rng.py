@@ -82,7 +82,7 @@ def test_fast_mode_is_deterministic_and_order_independent():
     materialize(m2[4], rng="fast")
     materialize(m2[0], rng="fast")
     materialize(m2, rng="fast")
-    for a, b in zip(m1.parameters(), m2.parameters()):
+    for a, b in zip(m1.parameters(), m2.parameters(), strict=True):
         assert torch.equal(a, b)
 
 

@@ -112,7 +112,8 @@ def _collect(obj: Any) -> list[torch.Tensor]:
         for x in obj:
             if not isinstance(x, (torch.Tensor, torch.nn.Module)):
                 raise TypeError(
-                    f"materialize() takes tensors, modules or a list of them; got {type(x).__name__}"
+                    "materialize() takes tensors, modules or a list of them; "
+                    f"got {type(x).__name__}"
                 )
             for t in _collect(x):
                 out.setdefault(id(t), t)
@@ -139,7 +140,9 @@ def _parse_device(device: Any) -> torch.device | None:
                 f"cannot materialize to {d}: only {torch.cuda.device_count()} CUDA device(s)"
             )
     if d.type == "meta":
-        raise ValueError("materialize(device='meta') makes no sense; the tensor is deferred already")
+        raise ValueError(
+            "materialize(device='meta') makes no sense; the tensor is deferred already"
+        )
     return d
 
 
@@ -269,7 +272,7 @@ def materialize(
 def _swap_all(tensors: list[DeferredTensor], reals: list[torch.Tensor], keep: bool) -> None:
     done: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
-        for t, r in zip(tensors, reals):
+        for t, r in zip(tensors, reals, strict=True):
             swap_in_place(t, r)
             done.append((t, r))
     except BaseException:

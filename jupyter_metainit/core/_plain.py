@@ -7,7 +7,7 @@ from typing import Any
 import torch
 
 
-class plain:  # noqa: N801 - used like a function: ``with plain():``
+class plain:
     """No torch-function modes/subclasses, no dispatch modes, no autograd: real kernels only.
 
     Replay and internal bookkeeping use it so that an active ``meta_init`` (or a user's own mode,
@@ -15,7 +15,7 @@ class plain:  # noqa: N801 - used like a function: ``with plain():``
     ``contextlib`` generator because it wraps every recorded op.
     """
 
-    __slots__ = ("_guards", "_grad")
+    __slots__ = ("_grad", "_guards")
 
     def __enter__(self) -> None:
         self._guards = (torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch())

@@ -74,8 +74,9 @@ _LIKE = {
 }  # fmt: skip
 _OVERWRITES_SELF = {
     aten.normal_.default, aten.uniform_.default, aten.bernoulli_.float, aten.random_.default,
-    getattr(aten.random_, "from"), aten.random_.to, aten.exponential_.default, aten.geometric_.default,
-    aten.log_normal_.default, aten.cauchy_.default, aten.fill_.Scalar, aten.zero_.default,
+    getattr(aten.random_, "from"), aten.random_.to, aten.exponential_.default,
+    aten.geometric_.default, aten.log_normal_.default, aten.cauchy_.default, aten.fill_.Scalar,
+    aten.zero_.default,
 }  # fmt: skip
 _TO_METHODS = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.type}
 
@@ -199,7 +200,9 @@ def handle_function(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 class _FunctionMode(TorchFunctionMode):
-    def __torch_function__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
         kwargs = kwargs or {}
         if func in _DATA_FACTORIES:
             return _data_factory(func, args, dict(kwargs))
@@ -211,7 +214,9 @@ class _FunctionMode(TorchFunctionMode):
 
 
 class _DispatchMode(TorchDispatchMode):
-    def __torch_dispatch__(self, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
         return handle_op(func, args, kwargs or {}, self)
 
 
@@ -298,7 +303,7 @@ def _run_on_values(func: Any, args: tuple, kwargs: dict) -> Any:
 
     deferred = [x for x in iter_args(args, kwargs) if isinstance(x, DeferredTensor)]
     values = compute_values([d._rec for d in deferred])
-    by_id = {id(d): v for d, v in zip(deferred, values)}
+    by_id = {id(d): v for d, v in zip(deferred, values, strict=True)}
     a, k = map_args(lambda x: by_id.get(id(x), x), args, kwargs)
     with plain():
         return func(*a, **k)
@@ -364,7 +369,9 @@ def _record(
     rec_args, rec_kwargs = map_args(record_arg, args, kwargs)
     if "device" in rec_kwargs:
         rec_kwargs["device"] = device
-    reads = tuple({id(x._rec.storage): x._rec.storage for x in flat if isinstance(x, DeferredTensor)}.values())
+    reads = tuple(
+        {id(x._rec.storage): x._rec.storage for x in flat if isinstance(x, DeferredTensor)}.values()
+    )
 
     outs = out if isinstance(out, (tuple, list)) else (out,)
     results: list[Any] = []
@@ -374,7 +381,9 @@ def _record(
         alias = info.return_alias[i] if i < len(info.return_alias) else None
         if alias is None and len(info.return_alias) == 1 and isinstance(out, list):
             alias = info.return_alias[0]
-        writes = info.return_writes[min(i, len(info.return_writes) - 1)] if info.return_writes else False
+        writes = (
+            info.return_writes[min(i, len(info.return_writes) - 1)] if info.return_writes else False
+        )
         if not isinstance(o, torch.Tensor):
             results.append(o)
             new_records.append(None)
@@ -498,7 +507,11 @@ def _uninitialized_new(cls: type, requires_grad: bool = True, device: Any = None
 @contextlib.contextmanager
 def _lazy_module_support() -> Iterator[None]:
     global _lazy_patch_count, _orig_uninit_materialize
-    from torch.nn.parameter import UninitializedBuffer, UninitializedParameter, UninitializedTensorMixin
+    from torch.nn.parameter import (
+        UninitializedBuffer,
+        UninitializedParameter,
+        UninitializedTensorMixin,
+    )
 
     with _lazy_lock:
         if _lazy_patch_count == 0:
@@ -521,7 +534,9 @@ def _lazy_module_support() -> Iterator[None]:
 
 
 def _make_uninit_new(cls: type, orig: Any) -> Any:
-    def __new__(klass: type, requires_grad: bool = True, device: Any = None, dtype: Any = None) -> Any:
+    def __new__(
+        klass: type, requires_grad: bool = True, device: Any = None, dtype: Any = None
+    ) -> Any:
         if not is_meta_init():
             fn = orig.__func__ if hasattr(orig, "__func__") else orig
             return fn(klass, requires_grad, device, dtype)

@@ -52,7 +52,9 @@ def plan(records: Iterable[TensorRecord]) -> Plan:
             continue
         processed[id(storage)] = upto
         if not storage.writes:
-            raise DeferredDataError("a deferred tensor has no recorded origin; it cannot be replayed")
+            raise DeferredDataError(
+                "a deferred tensor has no recorded origin; it cannot be replayed"
+            )
         for op in storage.writes:
             if op.seq >= upto:
                 break
@@ -165,7 +167,7 @@ class _Run:
         self.advance(_op_bytes(op))
 
     def _store(self, op: OpRecord, outs: Any, device: torch.device) -> None:
-        for rec, o in zip(op.outputs, outs):
+        for rec, o in zip(op.outputs, outs, strict=True):
             if rec is None:
                 continue
             if not _geometry_matches(o, rec):
@@ -284,6 +286,7 @@ def execute(
             groups = _components(p.ops)
             workers = min(threads or os.cpu_count() or 1, len(groups))
             if workers > 1:
+
                 def replay_group(group: list[tuple[int, OpRecord]]) -> None:
                     with plain():
                         for i, op in group:

@@ -127,8 +127,9 @@ def record_random(generator: torch.Generator | None, spec: BurnSpec) -> tuple[Rn
     return segment, index
 
 
-def run_random(spec_or_call: Callable[[torch.Generator], Any], generator: torch.Generator,
-               has_generator: bool) -> Any:
+def run_random(
+    spec_or_call: Callable[[torch.Generator], Any], generator: torch.Generator, has_generator: bool
+) -> Any:
     """Run a random op with ``generator``; ops without a generator argument use the default
     generator, which is swapped in and restored so that the caller's RNG state is untouched."""
     if has_generator:
@@ -198,9 +199,7 @@ def burn_bytes(segment: RngSegment, index: int) -> int:
 
 def fast_generator(segment: RngSegment, index: int, device: torch.device) -> torch.Generator:
     """A generator of its own for op ``index``: seeded from the segment and the op's position."""
-    digest = hashlib.blake2b(
-        segment.seed_key + index.to_bytes(8, "little"), digest_size=8
-    ).digest()
+    digest = hashlib.blake2b(segment.seed_key + index.to_bytes(8, "little"), digest_size=8).digest()
     gen = torch.Generator(device=device)
     gen.manual_seed(int.from_bytes(digest, "little") & ((1 << 63) - 1))
     return gen

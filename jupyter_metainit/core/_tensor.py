@@ -30,7 +30,11 @@ class DeferredTensor(torch.Tensor):
 
     @staticmethod
     def __new__(
-        cls, meta: torch.Tensor, rec: TensorRecord, device: torch.device, requires_grad: bool = False
+        cls: type[DeferredTensor],
+        meta: torch.Tensor,
+        rec: TensorRecord,
+        device: torch.device,
+        requires_grad: bool = False,
     ) -> DeferredTensor:
         t = torch.Tensor._make_wrapper_subclass(
             cls,

@@ -139,7 +139,7 @@ def materialize_sharded(
     sizes = [max(t._rec.storage.nbytes for t in g) for g in groups]
     total, done = sum(sizes), 0
     try:
-        for group, size in zip(groups, sizes):
+        for group, size in zip(groups, sizes, strict=True):
             materialize(group, rng=rng)
             done += size
             if callback is not None:

@@ -1,0 +1,398 @@
+"""Sharded materialization with FSDP2 and DTensor, in 2 processes over gloo on the CPU.
+
+Each fixture spawns 2 ranks once (localhost only, bounded in time) and runs a few scenarios in
+them; the tests then check one behaviour each on what the ranks returned.
+"""
+
+from __future__ import annotations
+
+import gc
+import os
+import socket
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.multiprocessing as mp
+from torch import nn
+
+dist = pytest.importorskip("torch.distributed")
+if not dist.is_available() or not dist.is_gloo_available():
+    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+
+from jupyter_metainit import is_deferred, materialize, meta_init  # noqa: E402
+from jupyter_metainit.core.errors import MaterializationError  # noqa: E402
+from jupyter_metainit.distributed import materialize_sharded  # noqa: E402
+
+WORLD = 2
+SPAWN_TIMEOUT_S = 120
+MIB = 1 << 20
+
+
+# ---------------------------------------------------------------------------------------------
+# spawning
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank: int, port: int, scenarios: list[str], out_dir: str) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    if os.path.exists("/sys/class/net/lo"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    results: dict[str, Any] = {}
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh("cpu", (WORLD,))
+        for name in scenarios:
+            try:
+                results[name] = SCENARIOS[name](mesh)
+            except Exception:
+                results[name] = {"error": traceback.format_exc()}
+            dist.barrier()
+    finally:
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()
+        dist.destroy_process_group()
+
+
+def _spawn(scenarios: list[str], out_dir: Path) -> list[dict[str, Any]]:
+    ctx = mp.start_processes(
+        _worker, args=(_free_port(), scenarios, str(out_dir)), nprocs=WORLD, join=False,
+        start_method="spawn",
+    )  # fmt: skip
+    deadline = time.monotonic() + SPAWN_TIMEOUT_S
+    try:
+        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
+            if time.monotonic() >= deadline:
+                pytest.fail(f"the {WORLD} ranks did not finish within {SPAWN_TIMEOUT_S} s")
+    finally:
+        for p in ctx.processes:
+            if p.is_alive():
+                p.kill()
+    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
+
+
+def _result(results: list[dict[str, Any]], scenario: str, rank: int = 0) -> dict[str, Any]:
+    r = results[rank][scenario]
+    if "error" in r:
+        pytest.fail(f"rank {rank} failed in {scenario}:\n{r['error']}")
+    return r
+
+
+@pytest.fixture(scope="module")
+def nn_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    names = ["memory", "fsdp_exact", "fsdp_fast", "fsdp_core", "tp", "tp_default_src"]
+    return _spawn(names, tmp_path_factory.mktemp("nn"))
+
+
+@pytest.fixture(scope="module")
+def hf_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    pytest.importorskip("transformers")
+    return _spawn(["hf_fsdp"], tmp_path_factory.mktemp("hf"))
+
+
+# ---------------------------------------------------------------------------------------------
+# scenarios (run in each rank)
+
+
+def _mlp() -> nn.Module:
+    # 3 output rows over 2 ranks: FSDP2 pads rank 1's shard. BatchNorm brings unsharded buffers.
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 6), nn.BatchNorm1d(6), nn.ReLU(), nn.Linear(6, 3))
+
+
+def _deferred_mlp() -> nn.Module:
+    with meta_init():
+        return _mlp()
+
+
+def _fully_shard(model: nn.Module, mesh: Any) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in model:
+        if isinstance(layer, nn.Linear):
+            fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+
+
+def _gathered(model: nn.Module) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, t in model.state_dict().items():
+        out[name] = t.full_tensor() if hasattr(t, "full_tensor") else t
+    return {k: v.detach().clone() for k, v in out.items()}
+
+
+def _mismatches(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
+    assert a.keys() == b.keys()
+    return [k for k in a if not torch.equal(a[k], b[k])]
+
+
+def _train_step(model: nn.Module, x: torch.Tensor) -> float:
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(x).square().mean()
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def _x() -> torch.Tensor:
+    return torch.randn(4, 8, generator=torch.Generator().manual_seed(1))
+
+
+def _scenario_fsdp_exact(mesh: Any) -> dict[str, Any]:
+    model = _deferred_mlp()
+    _fully_shard(model, mesh)
+    deferred_before = is_deferred(model)
+    materialize_sharded(model)
+    single = materialize(_deferred_mlp())
+    result = {
+        "deferred_before": deferred_before,
+        "deferred_after": is_deferred(model),
+        "vs_single": _mismatches(_gathered(model), _gathered(single)),
+        "vs_eager": _mismatches(_gathered(model), _gathered(_mlp())),
+        "local_rows": model[0].weight._local_tensor.shape[0],
+    }
+    result["loss"] = _train_step(model, _x())
+    result["ref_loss"] = _train_step(single, _x())
+    result["trained"], result["ref_trained"] = _gathered(model), _gathered(single)
+    return result
+
+
+def _scenario_fsdp_fast(mesh: Any) -> dict[str, Any]:
+    model = _deferred_mlp()
+    _fully_shard(model, mesh)
+    materialize_sharded(model, rng="fast")
+    single = materialize(_deferred_mlp(), rng="fast")
+    return {"vs_single": _mismatches(_gathered(model), _gathered(single))}
+
+
+def _scenario_fsdp_core(mesh: Any) -> dict[str, Any]:
+    model = _deferred_mlp()
+    _fully_shard(model, mesh)
+    materialize(model)  # the core's materialize sees through DTensor parameters too
+    out = {"vs_eager": _mismatches(_gathered(model), _gathered(_mlp()))}
+    out["loss"], out["ref_loss"] = _train_step(model, _x()), _train_step(_mlp(), _x())
+    return out
+
+
+def _tp_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(nn.Linear(8, 6), nn.ReLU(), nn.Linear(6, 4))
+
+
+def _tp_plan() -> dict[str, Any]:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    # Linear 0: weight and bias Shard(0); linear 2: weight Shard(1), bias Replicate().
+    return {"0": ColwiseParallel(), "2": RowwiseParallel()}
+
+
+def _scenario_tp(mesh: Any) -> dict[str, Any]:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    with meta_init():
+        model = _tp_model()
+    parallelize_module(model, mesh, _tp_plan(), src_data_rank=None)
+    materialize_sharded(model)
+    ref = _tp_model()
+    result = {
+        "placements": {n: str(p.placements) for n, p in model.named_parameters()},
+        "vs_eager": _mismatches(_gathered(model), _gathered(ref)),
+    }
+    result["loss"], result["ref_loss"] = _train_step(model, _x()), _train_step(ref, _x())
+    result["trained"], result["ref_trained"] = _gathered(model), _gathered(ref)
+    return result
+
+
+def _scenario_tp_default_src(mesh: Any) -> dict[str, Any]:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    with meta_init():
+        model = _tp_model()
+    parallelize_module(model, mesh, _tp_plan())  # src_data_rank=0: a scatter we cannot record
+    try:
+        materialize_sharded(model)
+    except MaterializationError as e:
+        return {"raised": str(e), "still_deferred": is_deferred(model)}
+    return {"raised": None}
+
+
+def _rss_kib(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise RuntimeError(field)
+
+
+def _scenario_memory(mesh: Any) -> dict[str, Any]:
+    torch.manual_seed(0)
+    with meta_init():
+        model = nn.Sequential(*[nn.Linear(2048, 4096, bias=False) for _ in range(6)])
+    _fully_shard(model, mesh)
+    gc.collect()
+    Path("/proc/self/clear_refs").write_text("5")  # reset this process's peak RSS (VmHWM)
+    before = _rss_kib("VmRSS")
+    materialize_sharded(model)
+    peak = (_rss_kib("VmHWM") - before) * 1024
+    shards = sum(p._local_tensor.untyped_storage().nbytes() for p in model.parameters())
+    largest = max(p.numel() * p.element_size() for p in model.parameters())
+    full = sum(p.numel() * p.element_size() for p in model.parameters())
+    return {"peak": peak, "shards": shards, "largest": largest, "full": full}
+
+
+def _hf_model() -> nn.Module:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
+    torch.manual_seed(0)
+    cfg = transformers.LlamaConfig(
+        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, vocab_size=128, tie_word_embeddings=True,
+    )  # fmt: skip
+    return transformers.AutoModelForCausalLM.from_config(cfg)
+
+
+def _hf_step(model: nn.Module) -> float:
+    ids = torch.randint(0, 128, (2, 16), generator=torch.Generator().manual_seed(1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    opt.step()
+    return loss.item()
+
+
+def _scenario_hf_fsdp(mesh: Any) -> dict[str, Any]:
+    from torch.distributed.fsdp import fully_shard
+
+    with meta_init():
+        model = _hf_model()
+    for layer in model.model.layers:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    materialize_sharded(model)
+    eager = _hf_model()
+    result = {
+        "tied": model.lm_head.weight is model.model.embed_tokens.weight,
+        "vs_eager": _mismatches(_gathered(model), _gathered(eager)),
+    }
+    result["loss"], result["ref_loss"] = _hf_step(model), _hf_step(eager)
+    result["trained"], result["ref_trained"] = _gathered(model), _gathered(eager)
+    return result
+
+
+SCENARIOS = {
+    "memory": _scenario_memory,
+    "fsdp_exact": _scenario_fsdp_exact,
+    "fsdp_fast": _scenario_fsdp_fast,
+    "fsdp_core": _scenario_fsdp_core,
+    "tp": _scenario_tp,
+    "tp_default_src": _scenario_tp_default_src,
+    "hf_fsdp": _scenario_hf_fsdp,
+}
+
+
+# ---------------------------------------------------------------------------------------------
+# tests
+
+pytestmark = pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_fsdp_sharded_model_reports_deferred_until_materialized(nn_results, rank):
+    r = _result(nn_results, "fsdp_exact", rank)
+    assert (r["deferred_before"], r["deferred_after"]) == (True, False)
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_fsdp_rank_holds_only_its_shard(nn_results, rank):
+    assert _result(nn_results, "fsdp_exact", rank)["local_rows"] == [3, 3][rank]
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_fsdp_gathered_shards_equal_single_process_materialization(nn_results, rank):
+    assert _result(nn_results, "fsdp_exact", rank)["vs_single"] == []
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_fsdp_gathered_shards_equal_eager_construction(nn_results, rank):
+    assert _result(nn_results, "fsdp_exact", rank)["vs_eager"] == []
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_fsdp_training_step_matches_single_process(nn_results, rank):
+    r = _result(nn_results, "fsdp_exact", rank)
+    torch.testing.assert_close(r["loss"], r["ref_loss"])
+    torch.testing.assert_close(r["trained"], r["ref_trained"])
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_fsdp_fast_mode_shards_agree_with_single_process_fast_mode(nn_results, rank):
+    assert _result(nn_results, "fsdp_fast", rank)["vs_single"] == []
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_core_materialize_handles_fsdp_parameters(nn_results, rank):
+    r = _result(nn_results, "fsdp_core", rank)
+    assert r["vs_eager"] == []
+    torch.testing.assert_close(r["loss"], r["ref_loss"])
+
+
+def test_tp_plan_uses_shard0_shard1_and_replicate(nn_results):
+    placements = _result(nn_results, "tp")["placements"]
+    assert placements == {
+        "0.weight": "(Shard(dim=0),)", "0.bias": "(Shard(dim=0),)",
+        "2.weight": "(Shard(dim=1),)", "2.bias": "(Replicate(),)",
+    }  # fmt: skip
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_tp_gathered_shards_equal_eager_construction(nn_results, rank):
+    assert _result(nn_results, "tp", rank)["vs_eager"] == []
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_tp_training_step_matches_single_process(nn_results, rank):
+    r = _result(nn_results, "tp", rank)
+    torch.testing.assert_close(r["loss"], r["ref_loss"])
+    torch.testing.assert_close(r["trained"], r["ref_trained"])
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_tp_sharded_from_rank0_is_refused_with_a_fix(nn_results, rank):
+    r = _result(nn_results, "tp_default_src", rank)
+    assert r["raised"] is not None and "src_data_rank=None" in r["raised"]
+    assert r["still_deferred"]
+
+
+@pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_peak_memory_is_at_most_shards_plus_largest_tensor(nn_results, rank):
+    r = _result(nn_results, "memory", rank)
+    assert r["peak"] <= r["shards"] + r["largest"] + 8 * MIB, {k: v / MIB for k, v in r.items()}
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_hf_tied_weights_stay_tied(hf_results, rank):
+    assert _result(hf_results, "hf_fsdp", rank)["tied"]
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_hf_gathered_shards_equal_eager_construction(hf_results, rank):
+    assert _result(hf_results, "hf_fsdp", rank)["vs_eager"] == []
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_hf_training_step_matches_single_process(hf_results, rank):
+    r = _result(hf_results, "hf_fsdp", rank)
+    torch.testing.assert_close(r["loss"], r["ref_loss"])
+    torch.testing.assert_close(r["trained"], r["ref_trained"])
