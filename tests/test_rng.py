@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from torch import nn
 
@@ -119,3 +120,22 @@ def test_dropout_in_a_recorded_forward_is_exact():
         y = nn.functional.dropout(torch.ones(4, 4), 0.5)
     materialize(y)
     assert torch.equal(y, eager)
+
+
+@pytest.mark.parametrize("n", [1, 15, 16, 17, 33, 4103])
+@pytest.mark.parametrize("op", ["uniform_", "normal_"])
+def test_burn_through_reaches_the_same_generator_state_as_the_op(op, n):
+    func = getattr(torch.ops.aten, op).default
+    spec = _rng.BurnSpec(func, (("tensor", (n,), (1,), torch.float32),), {}, True, n * 4)
+    real, burnt = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    getattr(torch.empty(n), op)(generator=real)
+    _rng._burn(spec, burnt)
+    assert torch.equal(real.get_state(), burnt.get_state())
+
+
+def test_burn_through_of_large_fills_uses_bounded_scratch_memory():
+    spec = _rng.BurnSpec(
+        torch.ops.aten.normal_.default, (("tensor", (64, 1024), (1024, 1), torch.float32),),
+        {}, True, 0,
+    )  # fmt: skip
+    assert _rng._draws(spec) == 64 * 1024 and _rng._formula_holds(spec)
