@@ -1,6 +1,14 @@
-"""Build PyTorch models of any size without allocating them; materialize exactly the parts you need."""
+"""Build PyTorch models of any size without allocating them; materialize exactly the parts you need.
+
+The core (``meta_init``, ``materialize``, ...) imports only ``torch``. The estimates (pandas) and
+the Jupyter layer (IPython, anywidget) load on first use, so scripts and distributed launchers
+pay for neither.
+"""
 
 from __future__ import annotations
+
+import importlib
+from typing import Any
 
 from jupyter_metainit.core import (
     clear_meta_init_cache,
@@ -13,11 +21,43 @@ from jupyter_metainit.core import (
 )
 
 __all__ = [
+    "ModuleTreeWidget",
     "clear_meta_init_cache",
     "dematerialize",
+    "dry_run",
+    "explore",
+    "fits",
     "is_deferred",
     "is_meta_init",
+    "load_ipython_extension",
     "materialize",
+    "memory_table",
     "meta_init",
     "skip_init",
+    "summary",
+    "unload_ipython_extension",
 ]
+
+_LAZY = {
+    "memory_table": "jupyter_metainit.estimates",
+    "dry_run": "jupyter_metainit.estimates",
+    "fits": "jupyter_metainit.estimates",
+    "summary": "jupyter_metainit.estimates",
+    "explore": "jupyter_metainit.jupyter.widget",
+    "ModuleTreeWidget": "jupyter_metainit.jupyter.widget",
+    "load_ipython_extension": "jupyter_metainit.jupyter.magics",
+    "unload_ipython_extension": "jupyter_metainit.jupyter.magics",
+}
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        raise AttributeError(f"module 'jupyter_metainit' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -89,16 +89,33 @@ def _result(results: list[dict[str, Any]], scenario: str, rank: int = 0) -> dict
     return r
 
 
+def _has_transformers() -> bool:
+    try:
+        import transformers  # noqa: F401
+    except ImportError:
+        return False
+    return True
+
+
 @pytest.fixture(scope="module")
-def nn_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
+    """Every scenario, in one pair of ranks (starting processes is most of the cost)."""
     names = ["memory", "fsdp_exact", "fsdp_fast", "fsdp_core", "tp", "tp_default_src"]
-    return _spawn(names, tmp_path_factory.mktemp("nn"))
+    if _has_transformers():
+        names.append("hf_fsdp")
+    return _spawn(names, tmp_path_factory.mktemp("ranks"))
 
 
 @pytest.fixture(scope="module")
-def hf_results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
-    pytest.importorskip("transformers")
-    return _spawn(["hf_fsdp"], tmp_path_factory.mktemp("hf"))
+def nn_results(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return results
+
+
+@pytest.fixture(scope="module")
+def hf_results(results: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    if "hf_fsdp" not in results[0]:
+        pytest.skip("transformers is not installed")
+    return results
 
 
 # ---------------------------------------------------------------------------------------------
