@@ -284,7 +284,8 @@ def environment_line() -> str:
 
     return (
         f"python {platform.python_version()}, torch {torch.__version__}, "
-        f"{torch.get_num_threads()} threads, {os.cpu_count()} cpus"
+        f"{torch.get_num_threads()} threads, {os.cpu_count()} cpus, "
+        f"load average {os.getloadavg()[0]:.2f} at start"
     )
 
 

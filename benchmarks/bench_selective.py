@@ -15,6 +15,7 @@ Every measurement runs in a fresh process.
 
 from __future__ import annotations
 
+import gc
 import time
 from typing import Any
 
@@ -85,7 +86,8 @@ def _deferred_model(mi: Any, torch: Any, config: dict[str, Any]) -> Any:
 # (a) and (b) ------------------------------------------------------------------------------
 
 
-def one_layer(config: dict[str, Any], index: int, rng: str) -> dict[str, Any]:
+def one_layer(config: dict[str, Any], index: int, rng: str, check: bool = False) -> dict[str, Any]:
+    """Materialize layer ``index`` alone; with ``check``, compare it to an eager build's."""
     torch, mi = _setup()
     model = _deferred_model(mi, torch, config)
     layer = model.model.layers[index]
@@ -96,6 +98,12 @@ def one_layer(config: dict[str, Any], index: int, rng: str) -> dict[str, Any]:
     out["others_deferred"] = all(
         mi.is_deferred(other) for i, other in enumerate(model.model.layers) if i != index
     )
+    if check:
+        got = layer.state_dict()
+        del model, layer
+        torch.manual_seed(0)
+        ref = build_causal_lm(llama_config(**config)).model.layers[index].state_dict()
+        out["equal"] = ref.keys() == got.keys() and all(torch.equal(ref[k], got[k]) for k in ref)
     return out
 
 
@@ -118,19 +126,6 @@ def eager_whole(config: dict[str, Any]) -> dict[str, Any]:
     with meter():
         model = build_causal_lm(llama_config(**config))
     return meter.as_dict() | {"bytes": tensor_bytes(model)}
-
-
-def exact_last_equal(config: dict[str, Any]) -> dict[str, Any]:
-    """torch.equal of the last layer materialized alone (exact) vs the eager model's."""
-    torch, mi = _setup()
-    model = _deferred_model(mi, torch, config)
-    layer = model.model.layers[-1]
-    mi.materialize(layer)
-    got = layer.state_dict()
-    del model
-    torch.manual_seed(0)
-    ref = build_causal_lm(llama_config(**config)).model.layers[-1].state_dict()
-    return {"equal": all(torch.equal(ref[k], got[k]) for k in ref) and ref.keys() == got.keys()}
 
 
 # (c) ---------------------------------------------------------------------------------------
@@ -164,35 +159,45 @@ def rng_bound(width: int, depth: int, mode: str) -> dict[str, Any]:
 # (d) ---------------------------------------------------------------------------------------
 
 
-def cycles(config: dict[str, Any], n: int) -> dict[str, Any]:
+def cycles(config: dict[str, Any], n: int, rng: str) -> dict[str, Any]:
+    """``materialize(layer, keep_cache=True)`` then ``dematerialize(layer)``, ``n`` times."""
     torch, mi = _setup()
     model = _deferred_model(mi, torch, config)
     layer = model.model.layers[0]
-    mi.materialize(layer)
+    gc.collect()
+    base = rss_bytes()
+    t0 = time.perf_counter()
+    mi.materialize(layer, rng=rng, keep_cache=True)
+    first_seconds = time.perf_counter() - t0
     first = {k: v.clone() for k, v in layer.state_dict().items()}
     mi.dematerialize(layer)
-    base = rss_bytes()
+    kept = rss_bytes() - base  # the clone of the first values, plus whatever is cached
     marks: dict[int, int] = {}
+    all_deferred = True
     t0 = time.perf_counter()
     for i in range(1, n + 1):
-        mi.materialize(layer)
+        mi.materialize(layer, rng=rng, keep_cache=True)
         if i == n:
             last = layer.state_dict()
             same = all(torch.equal(first[k], last[k]) for k in first)
             del last
         mi.dematerialize(layer)
-        marks[i] = rss_bytes() - base
+        all_deferred = all_deferred and all(
+            mi.is_deferred(t) for t in (*layer.parameters(), *layer.buffers())
+        )
+        marks[i] = rss_bytes() - base - kept
     seconds = time.perf_counter() - t0
     early = min(10, n)
     return {
         "seconds": seconds / n,
+        "first_seconds": first_seconds,
         "bytes": tensor_bytes(layer),
         "drift_from_start": marks[n],
         "drift_after_warmup": marks[n] - marks[early],
         "early": early,
         "marks": {str(k): marks[k] for k in sorted({1, early, n // 2 or 1, n})},
         "same_values": same,
-        "deferred_after": bool(mi.is_deferred(layer)),
+        "all_deferred": all_deferred,
     }
 
 
@@ -200,7 +205,6 @@ MEASUREMENTS = {
     "one_layer": one_layer,
     "whole": whole,
     "eager_whole": eager_whole,
-    "exact_last_equal": exact_last_equal,
     "rng_bound": rng_bound,
     "cycles": cycles,
 }
@@ -224,16 +228,18 @@ def main() -> None:
 
     plan: dict[str, list[tuple[str, dict[str, Any]]]] = {
         "layer_fast": [("one_layer", {"config": deep, "index": mid, "rng": "fast"})] * repeats,
-        "whole_fast": [("whole", {"config": deep, "rng": "fast"})] * max(1, repeats - 1),
-        "exact_first": [("one_layer", {"config": deep, "index": 0, "rng": "exact"})] * repeats,
-        "exact_last": [("one_layer", {"config": deep, "index": layers - 1, "rng": "exact"})]
-        * repeats,
+        "whole_fast": [("whole", {"config": deep, "rng": "fast"})],
+        # exact mode's first materialization is long (it replays the random stream): one each
+        "exact_first": [("one_layer", {"config": deep, "index": 0, "rng": "exact"})],
+        "exact_last": [
+            ("one_layer", {"config": deep, "index": layers - 1, "rng": "exact", "check": True})
+        ],
         "eager_whole": [("eager_whole", {"config": deep})],
-        "exact_last_equal": [("exact_last_equal", {"config": deep})],
         "rb_eager": [("rng_bound", dict(rb, mode="eager"))] * repeats,
         "rb_fast": [("rng_bound", dict(rb, mode="fast"))] * repeats,
         "rb_exact": [("rng_bound", dict(rb, mode="exact"))] * repeats,
-        "cycles": [("cycles", {"config": deep, "n": n_cycles})],
+        "cycles_fast": [("cycles", {"config": deep, "n": n_cycles, "rng": "fast"})],
+        "cycles_exact": [("cycles", {"config": deep, "n": n_cycles, "rng": "exact"})],
     }
     jobs = [job for group in plan.values() for job in group]
     flat = run_children(__file__, jobs, separate=not args.quick)
@@ -290,15 +296,10 @@ def main() -> None:
     print(f"target peak extra RSS <= 1.05 x layer bytes: {verdict(ok_a_mem)}")
 
     # (b)
-    ef, el, ew, eq = (
-        res["exact_first"],
-        res["exact_last"],
-        res["eager_whole"],
-        res["exact_last_equal"],
-    )
+    ef, el, ew = res["exact_first"], res["exact_last"], res["eager_whole"]
     rows = []
     if _ok(ew):
-        rows.append(["eager construction, whole model", fmt_s(ew["seconds"]), "-", "-"])
+        rows.append(["eager construction, whole model", fmt_s(ew["seconds"]), "-", "1.000x"])
     for label, r in (("exact, layer 0", ef), (f"exact, layer {layers - 1}", el)):
         if _ok(r):
             rows.append(
@@ -313,11 +314,11 @@ def main() -> None:
             rows.append([label, "n/a", "n/a", "n/a"])
     print_table(
         "(b) exact mode: reaching the generator state of the first vs the last layer",
-        ["materialize", "time", "vs layer 0", "vs eager whole model"],
+        ["materialize (fresh process)", "time", "vs layer 0", "vs eager whole model"],
         rows,
     )
-    if _ok(eq):
-        print(f"last layer alone (exact) torch.equal to eager: {eq['equal']}")
+    if _ok(el):
+        print(f"layer {layers - 1} alone (exact) torch.equal to eager: {el['equal']}")
 
     # (c)
     rbe, rbf, rbx = res["rb_eager"], res["rb_fast"], res["rb_exact"]
@@ -351,36 +352,47 @@ def main() -> None:
     print(f"target fast-mode speed-up >= 1.8x: {verdict(ok_c)}")
 
     # (d)
-    cy = res["cycles"]
     rows = []
-    if _ok(cy):
-        rows.append(
-            [
-                str(n_cycles),
-                fmt_s(cy["seconds"]),
-                fmt_mb(cy["bytes"]),
-                fmt_mb(cy["drift_from_start"]),
-                fmt_mb(cy["drift_after_warmup"]),
-                str(cy["same_values"]),
-            ]
-        )
+    for mode in ("fast", "exact"):
+        cy = res[f"cycles_{mode}"]
+        if _ok(cy):
+            rows.append(
+                [
+                    mode,
+                    str(n_cycles),
+                    fmt_s(cy["first_seconds"]),
+                    fmt_s(cy["seconds"]),
+                    fmt_mb(cy["bytes"]),
+                    fmt_mb(cy["drift_from_start"]),
+                    fmt_mb(cy["drift_after_warmup"]),
+                    str(cy["same_values"]),
+                    str(cy["all_deferred"]),
+                ]
+            )
+        else:
+            rows.append([mode] + ["n/a"] * 8)
     print_table(
-        "(d) materialize/dematerialize cycles of layer 0 (exact)",
+        "(d) materialize(layer 0, keep_cache=True) / dematerialize cycles",
         [
+            "rng",
             "cycles",
+            "first materialize",
             "time per cycle",
             "layer bytes",
-            "RSS drift from start",
-            f"RSS drift after cycle {cy.get('early', 10)}",
+            "RSS drift from cycle 0",
+            f"RSS drift after cycle {min(10, n_cycles)}",
             "same values",
+            "deferred after each",
         ],
-        rows or [["n/a"] * 6],
+        rows,
     )
-    if _ok(cy):
-        print(
-            "RSS after cycle k, relative to before cycle 1: "
-            + ", ".join(f"{k}: {fmt_mb(v)}" for k, v in cy["marks"].items())
-        )
+    for mode in ("fast", "exact"):
+        cy = res[f"cycles_{mode}"]
+        if _ok(cy):
+            print(
+                f"{mode}: RSS after cycle k, relative to after cycle 0: "
+                + ", ".join(f"{k}: {fmt_mb(v)}" for k, v in cy["marks"].items())
+            )
     print_errors(res)
 
 

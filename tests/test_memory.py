@@ -60,6 +60,16 @@ def test_buffer_shared_between_modules_counted_once():
     assert table.loc["0", "shared_bytes"] == 20 and table.loc["1", "shared_bytes"] == 20
 
 
+def test_module_reachable_twice_gets_a_row_per_path():
+    shared = nn.Linear(4, 4)
+    root = nn.Module()
+    root.a, root.b = shared, shared
+    table = memory_table(root)
+    assert list(table.index) == ["", "a", "b"]
+    assert table.loc["", "params"] == 20
+    assert table.loc["b", "params"] == 20 and table.loc["b", "shared_bytes"] == 80
+
+
 def test_rows_in_tree_order_root_first():
     model = tiny_llama()
     table = memory_table(model)

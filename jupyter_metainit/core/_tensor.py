@@ -62,6 +62,36 @@ class DeferredTensor(torch.Tensor):
 
         return handle_function(func, args, kwargs or {})
 
+    # Metadata reads answered in Python, skipping __torch_function__: estimates and trees read
+    # them for every tensor of a 70B model.
+    @property
+    def dtype(self) -> torch.dtype:  # type: ignore[override]
+        return self._meta.dtype
+
+    @property
+    def shape(self) -> torch.Size:  # type: ignore[override]
+        return self._meta.shape
+
+    @property
+    def ndim(self) -> int:  # type: ignore[override]
+        return self._meta.ndim
+
+    @property
+    def is_meta(self) -> bool:  # type: ignore[override]
+        return False
+
+    def numel(self) -> int:  # type: ignore[override]
+        return self._meta.numel()
+
+    def dim(self) -> int:  # type: ignore[override]
+        return self._meta.dim()
+
+    def element_size(self) -> int:  # type: ignore[override]
+        return self._meta.element_size()
+
+    def is_floating_point(self) -> bool:  # type: ignore[override]
+        return self._meta.is_floating_point()
+
     # requires_grad lives in Python (see class docstring).
     @property
     def requires_grad(self) -> bool:  # type: ignore[override]

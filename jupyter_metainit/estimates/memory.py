@@ -142,7 +142,8 @@ def memory_table(
     It reads only shapes/dtypes, never data, so deferred models cost nothing to inspect.
 
     The index is the module's qualified name (``""`` for the root, as in
-    ``accelerate.utils.compute_module_sizes``). Columns hold raw numbers (counts, bytes):
+    ``accelerate.utils.compute_module_sizes``); a submodule reachable by two paths gets a row
+    for each. Columns hold raw numbers (counts, bytes):
 
     - ``type``, ``depth`` (root 0), ``children`` (number of direct submodules);
     - ``params_own`` (the module's own parameters), ``params`` (its subtree),
@@ -191,7 +192,9 @@ def memory_table(
     mods: list[nn.Module] = []
     parent: list[int] = []
     index_of: dict[str, int] = {}
-    for name, mod in module.named_modules():
+    # Every path, also to a module reachable twice (shared submodule): each gets its row and
+    # its tensors count once per total like any other shared tensor.
+    for name, mod in module.named_modules(remove_duplicate=False):
         i = len(names)
         index_of[name] = i
         names.append(name)
