@@ -34,3 +34,10 @@ def test_uninitialized_lazy_module_says_to_run_a_forward_pass():
         m = nn.LazyLinear(3)
     with pytest.raises(MaterializationError, match="forward pass"):
         materialize(m)
+
+
+def test_plain_meta_device_tensors_say_how_to_record_them():
+    with torch.device("meta"):
+        m = nn.Linear(2, 2)
+    with pytest.raises(MaterializationError, match="meta_init"):
+        materialize(m)

@@ -242,6 +242,12 @@ def materialize(
             "first (inside meta_init, or with jupyter_metainit.dry_run)"
         )
     if not tensors:
+        if any(t.is_meta for t in _collect(obj)):
+            raise MaterializationError(
+                "these tensors are on PyTorch's meta device, with no recording of their values; "
+                "build the model inside `with jupyter_metainit.meta_init():` instead of "
+                "`torch.device('meta')` to materialize it"
+            )
         return obj
     callback, bar = _progress_callback(progress)
     try:
