@@ -74,9 +74,11 @@ def peak_rss_bytes() -> int:
 
 @dataclass
 class Meter:
-    """Wall time, peak extra RSS and retained extra RSS of the code inside ``with meter():``."""
+    """Wall time, CPU time (all threads), peak extra RSS and retained extra RSS of the code
+    inside ``with meter():``. CPU time / wall time shows how many cores the code kept busy."""
 
     seconds: float = 0.0
+    cpu_seconds: float = 0.0
     peak_extra: int = 0
     retained_extra: int = 0
     baseline: int = 0
@@ -92,8 +94,10 @@ class Meter:
         if not self.peak_is_reset:  # the peak so far counts: take the larger mark as baseline
             self.baseline = max(self.baseline, peak_rss_bytes())
         self._t0 = time.perf_counter()
+        c0 = time.process_time()
         yield self
         self.seconds = time.perf_counter() - self._t0
+        self.cpu_seconds = time.process_time() - c0
         self.peak_extra = max(0, peak_rss_bytes() - self.baseline)
         self.retained_extra = rss_bytes() - self.baseline
 
@@ -104,10 +108,24 @@ class Meter:
     def as_dict(self) -> dict[str, Any]:
         return {
             "seconds": self.seconds,
+            "cpu_seconds": self.cpu_seconds,
             "peak_extra": self.peak_extra,
             "retained_extra": self.retained_extra,
             "laps": dict(self.laps),
         }
+
+
+def malloc_trim() -> bool:
+    """Ask glibc to return freed heap memory to the system; False where there is no glibc."""
+    import ctypes
+    import ctypes.util
+
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        libc.malloc_trim(0)
+        return True
+    except (OSError, AttributeError):
+        return False
 
 
 def tensor_bytes(obj: Any) -> int:

@@ -12,6 +12,7 @@ Target: ``materialize_sharded`` peak <= this rank's shards + the largest unshard
 
     .venv/bin/python benchmarks/bench_distributed.py            # ~2 min
     .venv/bin/python benchmarks/bench_distributed.py --quick    # tiny model, smoke run
+    .venv/bin/python benchmarks/bench_distributed.py --only exact,core   # some rows only
 """
 
 from __future__ import annotations
@@ -133,11 +134,15 @@ def _measure(method: str, cfg: dict[str, Any], timeout: float = 300) -> list[dic
 
 
 def main() -> None:
-    args = base_parser(__doc__.splitlines()[0]).parse_args()
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--only", default="", help="comma-separated words: run matching methods")
+    args = parser.parse_args()
     cfg = dict(TINY_LLAMA) if args.quick else dict(MODEL)
+    words = [w for w in args.only.split(",") if w]
+    methods = [m for m in METHODS if not words or any(w in m for w in words)]
     print(environment_line())
     rows, errors = [], {}
-    for method in METHODS:
+    for method in methods:
         for rank, r in enumerate(_measure(method, cfg)):
             if "error" in r:
                 errors[f"{method} rank {rank}"] = r

@@ -128,13 +128,21 @@ def main() -> None:
     repeats = args.repeats or (1 if args.quick else 3)
     calls = 3 if args.quick else 11
     print("# bench_estimates: memory_table and dry_run on a Llama-3-70B-sized deferred model")
-    print(f"{environment_line()}; config {config}; tokens {tokens}; "
-          f"{repeats} fresh process(es) per method")
+    print(
+        f"{environment_line()}; config {config}; tokens {tokens}; "
+        f"{repeats} fresh process(es) per method"
+    )
 
-    jobs = [("table_time", {"method": m, "config": config, "calls": calls})
-            for m in TABLE_METHODS for _ in range(repeats)]
-    jobs += [("forward", {"method": m, "config": config, "tokens": tokens})
-             for m in FORWARD_METHODS for _ in range(repeats)]
+    jobs = [
+        ("table_time", {"method": m, "config": config, "calls": calls})
+        for m in TABLE_METHODS
+        for _ in range(repeats)
+    ]
+    jobs += [
+        ("forward", {"method": m, "config": config, "tokens": tokens})
+        for m in FORWARD_METHODS
+        for _ in range(repeats)
+    ]
     results = run_children(__file__, jobs, separate=not args.quick)
     names = list(TABLE_METHODS) + list(FORWARD_METHODS)
     by = {m: median_result(results[i * repeats : (i + 1) * repeats]) for i, m in enumerate(names)}
@@ -162,14 +170,16 @@ def main() -> None:
             rows.append([label, "n/a", "n/a", "n/a", "n/a", "n/a"])
             continue
         ratio = r["seconds"] / bare["seconds"] if "error" not in bare else None
-        rows.append([
-            label,
-            fmt_s(r["seconds"]),
-            fmt_ratio(ratio),
-            fmt_mb(r["peak_extra"]),
-            fmt_mb(r["process_peak"]),
-            f"{r['flops']:,}" if "flops" in r else "",
-        ])
+        rows.append(
+            [
+                label,
+                fmt_s(r["seconds"]),
+                fmt_ratio(ratio),
+                fmt_mb(r["peak_extra"]),
+                fmt_mb(r["process_peak"]),
+                f"{r['flops']:,}" if "flops" in r else "",
+            ]
+        )
     print_table(
         f"Forward at {tokens[0]} x {tokens[1]} tokens (median of fresh processes)",
         ["method", "time", "time vs bare forward", "peak extra RSS", "process peak RSS", "FLOPs"],
@@ -179,8 +189,10 @@ def main() -> None:
     ok_table = None if "error" in ours_table else ours_table["seconds"] <= 0.2
     ok_rss = None if "error" in ours else ours["process_peak"] < 1024 * MiB
     if "error" not in ours:
-        print(f"dry_run: logits {ours['output_shape']}, peak activations "
-              f"{fmt_mb(ours['peak_activation'])} (what a real forward would hold)")
+        print(
+            f"dry_run: logits {ours['output_shape']}, peak activations "
+            f"{fmt_mb(ours['peak_activation'])} (what a real forward would hold)"
+        )
     print(f"target memory_table <= 0.2 s: {verdict(ok_table)}")
     print(f"target dry_run process peak RSS < 1 GB: {verdict(ok_rss)}")
     print_errors({label: by[m] for m, label in {**TABLE_METHODS, **FORWARD_METHODS}.items()})

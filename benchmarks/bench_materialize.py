@@ -187,6 +187,12 @@ def main() -> None:
         ],
         rows,
     )
+    if "error" not in ev and "error" not in ou:
+        print(
+            f"CPU time (all threads; steadier than wall time on a busy machine): eager "
+            f"{fmt_s(ev['cpu_seconds'])}, deferred construction + materialize "
+            f"{fmt_s(ou['cpu_seconds'])} ({fmt_ratio(ou['cpu_seconds'] / ev['cpu_seconds'])})"
+        )
     ok_eq = None
     if "error" not in eq:
         ok_eq = eq["n_differ"] == 0

@@ -32,6 +32,7 @@ from _common import (
     fmt_s,
     llama_config,
     load_core,
+    malloc_trim,
     median_result,
     print_errors,
     print_table,
@@ -187,8 +188,12 @@ def cycles(config: dict[str, Any], n: int, rng: str) -> dict[str, Any]:
         )
         marks[i] = rss_bytes() - base - kept
     seconds = time.perf_counter() - t0
+    trimmed = None
+    if malloc_trim():  # glibc keeps freed heap pages; how much of the drift is that?
+        trimmed = rss_bytes() - base - kept
     early = min(10, n)
     return {
+        "after_trim": trimmed,
         "seconds": seconds / n,
         "first_seconds": first_seconds,
         "bytes": tensor_bytes(layer),
@@ -216,7 +221,10 @@ def _ok(*results: dict[str, Any]) -> bool:
 
 def main() -> None:
     child_main(MEASUREMENTS)
-    args = base_parser(__doc__.splitlines()[0]).parse_args()
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--parts", default="abcd", help="which of (a)-(d) to run, e.g. --parts ac")
+    args = parser.parse_args()
+    parts = set(args.parts)
     deep = QUICK_DEEP if args.quick else DEEP
     rb = QUICK_RNG_BOUND if args.quick else RNG_BOUND
     n_cycles = 10 if args.quick else 100
@@ -241,6 +249,8 @@ def main() -> None:
         "cycles_fast": [("cycles", {"config": deep, "n": n_cycles, "rng": "fast"})],
         "cycles_exact": [("cycles", {"config": deep, "n": n_cycles, "rng": "exact"})],
     }
+    part_of = {"layer": "a", "whole": "a", "exact": "b", "eager": "b", "rb": "c", "cycles": "d"}
+    plan = {k: v for k, v in plan.items() if part_of[k.split("_")[0]] in parts}
     jobs = [job for group in plan.values() for job in group]
     flat = run_children(__file__, jobs, separate=not args.quick)
     res: dict[str, dict[str, Any]] = {}
@@ -250,149 +260,157 @@ def main() -> None:
         i += len(group)
 
     # (a)
-    lf, wf = res["layer_fast"], res["whole_fast"]
-    ok_a_time = ok_a_mem = None
-    rows = []
-    if _ok(wf):
-        rows.append(
+    if "a" in parts:
+        lf, wf = res["layer_fast"], res["whole_fast"]
+        ok_a_time = ok_a_mem = None
+        rows = []
+        if _ok(wf):
+            rows.append(
+                [
+                    f"whole model ({layers} layers)",
+                    fmt_s(wf["seconds"]),
+                    "-",
+                    fmt_mb(wf["bytes"]),
+                    fmt_mb(wf["peak_extra"]),
+                    fmt_ratio(wf["peak_extra"] / wf["bytes"]),
+                ]
+            )
+        if _ok(lf):
+            budget = wf["seconds"] / layers + 0.05 if _ok(wf) else None
+            ok_a_time = lf["seconds"] <= budget if budget is not None else None
+            ok_a_mem = lf["peak_extra"] <= 1.05 * lf["bytes"]
+            rows.append(
+                [
+                    f"layer {mid} alone",
+                    fmt_s(lf["seconds"]),
+                    fmt_s(budget),
+                    fmt_mb(lf["bytes"]),
+                    fmt_mb(lf["peak_extra"]),
+                    fmt_ratio(lf["peak_extra"] / lf["bytes"]),
+                ]
+            )
+        print_table(
+            "(a) fast mode: one decoder layer vs the whole model",
             [
-                f"whole model ({layers} layers)",
-                fmt_s(wf["seconds"]),
-                "-",
-                fmt_mb(wf["bytes"]),
-                fmt_mb(wf["peak_extra"]),
-                fmt_ratio(wf["peak_extra"] / wf["bytes"]),
-            ]
+                "materialize",
+                "time",
+                f"budget whole/{layers}+50ms",
+                "bytes",
+                "peak extra RSS",
+                "peak RSS / bytes",
+            ],
+            rows or [["n/a"] * 6],
         )
-    if _ok(lf):
-        budget = wf["seconds"] / layers + 0.05 if _ok(wf) else None
-        ok_a_time = lf["seconds"] <= budget if budget is not None else None
-        ok_a_mem = lf["peak_extra"] <= 1.05 * lf["bytes"]
-        rows.append(
-            [
-                f"layer {mid} alone",
-                fmt_s(lf["seconds"]),
-                fmt_s(budget),
-                fmt_mb(lf["bytes"]),
-                fmt_mb(lf["peak_extra"]),
-                fmt_ratio(lf["peak_extra"] / lf["bytes"]),
-            ]
-        )
-    print_table(
-        "(a) fast mode: one decoder layer vs the whole model",
-        [
-            "materialize",
-            "time",
-            f"budget whole/{layers}+50ms",
-            "bytes",
-            "peak extra RSS",
-            "peak RSS / bytes",
-        ],
-        rows or [["n/a"] * 6],
-    )
-    if _ok(lf):
-        print(f"other layers still deferred: {lf['others_deferred']}")
-    print(f"target time <= whole/{layers} + 50 ms: {verdict(ok_a_time)}")
-    print(f"target peak extra RSS <= 1.05 x layer bytes: {verdict(ok_a_mem)}")
+        if _ok(lf):
+            print(f"other layers still deferred: {lf['others_deferred']}")
+        print(f"target time <= whole/{layers} + 50 ms: {verdict(ok_a_time)}")
+        print(f"target peak extra RSS <= 1.05 x layer bytes: {verdict(ok_a_mem)}")
 
     # (b)
-    ef, el, ew = res["exact_first"], res["exact_last"], res["eager_whole"]
-    rows = []
-    if _ok(ew):
-        rows.append(["eager construction, whole model", fmt_s(ew["seconds"]), "-", "1.000x"])
-    for label, r in (("exact, layer 0", ef), (f"exact, layer {layers - 1}", el)):
-        if _ok(r):
-            rows.append(
-                [
-                    label,
-                    fmt_s(r["seconds"]),
-                    fmt_ratio(r["seconds"] / ef["seconds"]) if _ok(ef) else "n/a",
-                    fmt_ratio(r["seconds"] / ew["seconds"]) if _ok(ew) else "n/a",
-                ]
-            )
-        else:
-            rows.append([label, "n/a", "n/a", "n/a"])
-    print_table(
-        "(b) exact mode: reaching the generator state of the first vs the last layer",
-        ["materialize (fresh process)", "time", "vs layer 0", "vs eager whole model"],
-        rows,
-    )
-    if _ok(el):
-        print(f"layer {layers - 1} alone (exact) torch.equal to eager: {el['equal']}")
+    if "b" in parts:
+        ef, el, ew = res["exact_first"], res["exact_last"], res["eager_whole"]
+        rows = []
+        if _ok(ew):
+            rows.append(["eager construction, whole model", fmt_s(ew["seconds"]), "-", "1.000x"])
+        for label, r in (("exact, layer 0", ef), (f"exact, layer {layers - 1}", el)):
+            if _ok(r):
+                rows.append(
+                    [
+                        label,
+                        fmt_s(r["seconds"]),
+                        fmt_ratio(r["seconds"] / ef["seconds"]) if _ok(ef) else "n/a",
+                        fmt_ratio(r["seconds"] / ew["seconds"]) if _ok(ew) else "n/a",
+                    ]
+                )
+            else:
+                rows.append([label, "n/a", "n/a", "n/a"])
+        print_table(
+            "(b) exact mode: reaching the generator state of the first vs the last layer",
+            ["materialize (fresh process)", "time", "vs layer 0", "vs eager whole model"],
+            rows,
+        )
+        if _ok(el):
+            print(f"layer {layers - 1} alone (exact) torch.equal to eager: {el['equal']}")
 
     # (c)
-    rbe, rbf, rbx = res["rb_eager"], res["rb_fast"], res["rb_exact"]
-    ok_c = None
-    rows = []
-    for label, r in (
-        ("eager construction", rbe),
-        ('materialize rng="exact"', rbx),
-        ('materialize rng="fast"', rbf),
-    ):
-        if _ok(r):
-            speed = (rbe["seconds"] / r["seconds"]) if _ok(rbe) else None
-            rows.append(
-                [
-                    label,
-                    fmt_s(r["seconds"]),
-                    f"{r['bytes'] / MiB / r['seconds']:,.0f} MiB/s",
-                    fmt_ratio(speed),
-                ]
-            )
-        else:
-            rows.append([label, "n/a", "n/a", "n/a"])
-    if _ok(rbe, rbf):
-        ok_c = rbe["seconds"] / rbf["seconds"] >= 1.8
-    print_table(
-        f"(c) random-number-bound init: {rb['depth']} x Linear({rb['width']}, "
-        f"{rb['width']}), kaiming_uniform_",
-        ["method", "time", "throughput", "speed-up vs eager"],
-        rows,
-    )
-    print(f"target fast-mode speed-up >= 1.8x: {verdict(ok_c)}")
+    if "c" in parts:
+        rbe, rbf, rbx = res["rb_eager"], res["rb_fast"], res["rb_exact"]
+        ok_c = None
+        rows = []
+        for label, r in (
+            ("eager construction", rbe),
+            ('materialize rng="exact"', rbx),
+            ('materialize rng="fast"', rbf),
+        ):
+            if _ok(r):
+                speed = (rbe["seconds"] / r["seconds"]) if _ok(rbe) else None
+                rows.append(
+                    [
+                        label,
+                        fmt_s(r["seconds"]),
+                        f"{r['bytes'] / MiB / r['seconds']:,.0f} MiB/s",
+                        fmt_ratio(speed),
+                        fmt_s(r.get("cpu_seconds")),
+                        f"{r.get('cpu_seconds', 0.0) / r['seconds']:.2f}",
+                    ]
+                )
+            else:
+                rows.append([label] + ["n/a"] * 5)
+        if _ok(rbe, rbf):
+            ok_c = rbe["seconds"] / rbf["seconds"] >= 1.8
+        print_table(
+            f"(c) random-number-bound init: {rb['depth']} x Linear({rb['width']}, "
+            f"{rb['width']}), kaiming_uniform_",
+            ["method", "time", "throughput", "speed-up vs eager", "CPU time", "cores busy"],
+            rows,
+        )
+        print(f"target fast-mode speed-up >= 1.8x: {verdict(ok_c)}")
 
     # (d)
-    rows = []
-    for mode in ("fast", "exact"):
-        cy = res[f"cycles_{mode}"]
-        if _ok(cy):
-            rows.append(
-                [
-                    mode,
-                    str(n_cycles),
-                    fmt_s(cy["first_seconds"]),
-                    fmt_s(cy["seconds"]),
-                    fmt_mb(cy["bytes"]),
-                    fmt_mb(cy["drift_from_start"]),
-                    fmt_mb(cy["drift_after_warmup"]),
-                    str(cy["same_values"]),
-                    str(cy["all_deferred"]),
-                ]
-            )
-        else:
-            rows.append([mode] + ["n/a"] * 8)
-    print_table(
-        "(d) materialize(layer 0, keep_cache=True) / dematerialize cycles",
-        [
-            "rng",
-            "cycles",
-            "first materialize",
-            "time per cycle",
-            "layer bytes",
-            "RSS drift from cycle 0",
-            f"RSS drift after cycle {min(10, n_cycles)}",
-            "same values",
-            "deferred after each",
-        ],
-        rows,
-    )
-    for mode in ("fast", "exact"):
-        cy = res[f"cycles_{mode}"]
-        if _ok(cy):
-            print(
-                f"{mode}: RSS after cycle k, relative to after cycle 0: "
-                + ", ".join(f"{k}: {fmt_mb(v)}" for k, v in cy["marks"].items())
-            )
+    if "d" in parts:
+        rows = []
+        for mode in ("fast", "exact"):
+            cy = res[f"cycles_{mode}"]
+            if _ok(cy):
+                rows.append(
+                    [
+                        mode,
+                        str(n_cycles),
+                        fmt_s(cy["first_seconds"]),
+                        fmt_s(cy["seconds"]),
+                        fmt_mb(cy["bytes"]),
+                        fmt_mb(cy["drift_from_start"]),
+                        fmt_mb(cy["drift_after_warmup"]),
+                        fmt_mb(cy["after_trim"]),
+                        str(cy["same_values"]),
+                        str(cy["all_deferred"]),
+                    ]
+                )
+            else:
+                rows.append([mode] + ["n/a"] * 9)
+        print_table(
+            "(d) materialize(layer 0, keep_cache=True) / dematerialize cycles",
+            [
+                "rng",
+                "cycles",
+                "first materialize",
+                "time per cycle",
+                "layer bytes",
+                "RSS drift from cycle 0",
+                f"RSS drift after cycle {min(10, n_cycles)}",
+                "drift after malloc_trim",
+                "same values",
+                "deferred after each",
+            ],
+            rows,
+        )
+        for mode in ("fast", "exact"):
+            cy = res[f"cycles_{mode}"]
+            if _ok(cy):
+                print(
+                    f"{mode}: RSS after cycle k, relative to after cycle 0: "
+                    + ", ".join(f"{k}: {fmt_mb(v)}" for k, v in cy["marks"].items())
+                )
     print_errors(res)
 
 

@@ -1,7 +1,7 @@
 """Sharded materialization with FSDP2 and DTensor, in 2 processes over gloo on the CPU.
 
-Each fixture spawns 2 ranks once (localhost only, bounded in time) and runs a few scenarios in
-them; the tests then check one behaviour each on what the ranks returned.
+A module fixture spawns 2 ranks once (loopback only, bounded in time) and runs every scenario
+in them; the tests then check one behaviour each on what the ranks returned.
 """
 
 from __future__ import annotations
@@ -11,6 +11,8 @@ import ctypes
 import gc
 import os
 import socket
+import subprocess
+import sys
 import time
 import traceback
 from pathlib import Path
@@ -38,18 +40,22 @@ MIB = 1 << 20
 # spawning
 
 
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+def _loopback_interface() -> str | None:
+    for _, name in socket.if_nameindex():
+        if name in ("lo", "lo0"):
+            return name
+    return None
 
 
-def _worker(rank: int, port: int, scenarios: list[str], out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    if os.path.exists("/sys/class/net/lo"):
-        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+def _worker(rank: int, scenarios: list[str], out_dir: str) -> None:
+    # Rendezvous through a file (no listening port at all); gloo's own connections between the
+    # ranks on the loopback interface only, on ports the system picks free.
+    loopback = _loopback_interface()
+    if loopback is not None:
+        os.environ["GLOO_SOCKET_IFNAME"] = loopback
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", rank=rank, world_size=WORLD)
+    store = dist.FileStore(str(Path(out_dir) / "store"), WORLD)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
     results: dict[str, Any] = {}
     try:
         from torch.distributed.device_mesh import init_device_mesh
@@ -69,7 +75,7 @@ def _worker(rank: int, port: int, scenarios: list[str], out_dir: str) -> None:
 
 def _spawn(scenarios: list[str], out_dir: Path) -> list[dict[str, Any]]:
     ctx = mp.start_processes(
-        _worker, args=(_free_port(), scenarios, str(out_dir)), nprocs=WORLD, join=False,
+        _worker, args=(scenarios, str(out_dir)), nprocs=WORLD, join=False,
         start_method="spawn",
     )  # fmt: skip
     deadline = time.monotonic() + SPAWN_TIMEOUT_S
@@ -447,3 +453,38 @@ def test_hf_training_step_matches_single_process(hf_results, rank):
     r = _result(hf_results, "hf_fsdp", rank)
     torch.testing.assert_close(r["loss"], r["ref_loss"])
     torch.testing.assert_close(r["trained"], r["ref_trained"])
+
+
+@pytest.mark.timeout(200)
+def test_example_runs_under_torchrun():
+    example = Path(__file__).resolve().parent.parent / "examples" / "sharded_materialization.py"
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    env = dict(os.environ, OMP_NUM_THREADS="1")
+    if _loopback_interface() is not None:
+        env["GLOO_SOCKET_IFNAME"] = _loopback_interface()
+    proc = subprocess.run(
+        [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
+         "--master_addr", "127.0.0.1", "--master_port", str(port), str(example), "--check",
+         "--dim", "64", "--layers", "2"],
+        capture_output=True, text=True, timeout=180, env=env, stdin=subprocess.DEVNULL,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "gathered shards equal a one-process materialization" in proc.stdout, proc.stdout
+    assert "step 2: loss" in proc.stdout, proc.stdout
+
+
+# ---------------------------------------------------------------------------------------------
+# in this process (no process group)
+
+
+def test_unsharded_deferred_model_materializes_with_eager_values():
+    model = materialize_sharded(_deferred_mlp())
+    assert not is_deferred(model)
+    assert _mismatches(_gathered(model), _gathered(_mlp())) == []
+
+
+def test_unknown_rng_mode_is_refused():
+    with pytest.raises(ValueError, match="rng"):
+        materialize_sharded(_deferred_mlp(), rng="quick")

@@ -19,11 +19,14 @@ WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 def ip():
     shell = InteractiveShell.instance()
     shell.colors = "nocolor"
+    names = set(shell.user_ns)
     shell.run_cell(f"%load_ext {EXT}")
     shell.run_cell("import torch\nfrom torch import nn")
     yield shell
     shell.run_cell(f"%unload_ext {EXT}")
-    shell.reset(new_session=False)
+    for name in set(shell.user_ns) - names:
+        del shell.user_ns[name]
+    shell.user_ns["Out"].clear()
 
 
 def run(shell, code):
@@ -155,6 +158,26 @@ def test_shows_only_top_level_new_modules(ip):
     lines = [line for line in out.stdout.splitlines() if ": " in line]
     assert [line.split(":")[0] for line in lines] == ["m"]
     assert mimes(out).count(WIDGET_MIME) == 1
+
+
+def test_lazy_module_is_shown(ip):
+    out = ok(ip, "%%meta_init\nm = nn.Sequential(nn.LazyLinear(4), nn.Linear(4, 2))")
+    assert "m: Sequential, 10 parameters, 40 B, 2 lazy tensors, deferred" in out.stdout
+    assert WIDGET_MIME in mimes(out)
+
+
+def test_display_failure_does_not_fail_the_cell(ip):
+    code = (
+        "class Broken(nn.Module):\n"
+        "    def parameters(self, recurse=True):\n"
+        "        raise RuntimeError('cannot list')\n"
+    )
+    ok(ip, code)
+    result, out = run(ip, "%%meta_init\nm = Broken()")
+    assert result.success and "m" in ip.user_ns
+    assert "jupyter_metainit: could not show m as a summary (RuntimeError: cannot list)" in (
+        out.stderr
+    )
 
 
 def test_rebound_name_is_shown_again(ip):
@@ -380,8 +403,9 @@ def test_dematerialize_makes_deferred_again(ip, model):
 def test_dematerialize_refuses_modified_tensor(ip, model):
     m, _ = model
     ok(ip, "%materialize m[0]\nwith torch.no_grad():\n    m[0].weight.add_(1)")
-    result, _ = run(ip, "%dematerialize m[0]")
+    result, out = run(ip, "%dematerialize m[0]")
     assert not result.success and not is_deferred(m[0])
+    assert "With the magic: %dematerialize m[0] --force" in out.stdout
 
 
 def test_dematerialize_force_drops_modified_tensor(ip, model):

@@ -56,6 +56,17 @@ def _local(t: Any) -> DeferredTensor | None:
     return local if isinstance(local, DeferredTensor) else None
 
 
+def _module_locals(module: torch.nn.Module) -> list[DeferredTensor]:
+    """Deferred parameters and buffers, with DTensors replaced by their local tensors."""
+    out = []
+    for m in module.modules():
+        for t in [*m._parameters.values(), *m._buffers.values()]:
+            local = _local(t)
+            if local is not None:
+                out.append(local)
+    return out
+
+
 def _shard_names(module: torch.nn.Module) -> dict[int, str]:
     """``id(deferred local tensor)`` -> qualified name, for DTensor parameters and buffers."""
     names: dict[int, str] = {}
@@ -122,15 +133,22 @@ def materialize_sharded(
         ``module``, with every parameter's shard real. If it fails part-way, the shards made so
         far stay real and the rest stay deferred; calling it again finishes the job.
     """
-    fsdp_params = _fsdp_params(module)
+    if rng not in ("exact", "fast"):
+        raise ValueError(f"rng must be 'exact' or 'fast', not {rng!r}")
     names = _shard_names(module)
-    tensors: dict[int, DeferredTensor] = {id(t): t for t in iter_deferred(module)}
-    for fp in fsdp_params:
+    tensors: dict[int, DeferredTensor] = {}
+    for t in [*_module_locals(module), *iter_deferred(module)]:
+        tensors.setdefault(id(t), t)
+    fsdp_params = []
+    for fp in _fsdp_params(module):
         # FSDP2 keeps the padded shard (the all-gather input) next to the parameter's local
         # tensor, a view of the same storage; both must become real together.
-        for t in (fp.sharded_param._local_tensor, getattr(fp, "_sharded_param_data", None)):
-            if isinstance(t, DeferredTensor):
-                tensors.setdefault(id(t), t)
+        inner = [fp.sharded_param._local_tensor, getattr(fp, "_sharded_param_data", None)]
+        inner = [t for t in inner if isinstance(t, DeferredTensor)]
+        if inner:
+            fsdp_params.append(fp)
+        for t in inner:
+            tensors.setdefault(id(t), t)
     for t in tensors.values():
         if id(t) in names:
             _check_filled(t, names[id(t)])

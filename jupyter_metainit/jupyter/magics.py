@@ -9,6 +9,7 @@ expression in the user namespace and call :func:`materialize`, :func:`dematerial
 
 from __future__ import annotations
 
+import sys
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -20,6 +21,7 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from IPython.display import display
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from jupyter_metainit.jupyter.cell_runner import run_cell_body
 from jupyter_metainit.jupyter.magic_options import (
@@ -71,15 +73,24 @@ def _state(t: torch.Tensor) -> str:
 
 
 def summary_line(name: str, obj: Any) -> str:
-    """One line for people: ``model: LlamaForCausalLM, 70.55 B parameters, 131.4 GiB, deferred``."""
+    """One line for people: ``model: LlamaForCausalLM, 70.55 B parameters, 131.4 GiB, deferred``.
+
+    Lazy parameters (``nn.LazyLinear`` before its first forward) have no shape yet: they are
+    counted apart, as ``3 lazy tensors``.
+    """
     tensors = _tensors(obj)
-    params = sum(t.numel() for t in (obj.parameters() if isinstance(obj, nn.Module) else tensors))
-    size = sum(t.numel() * t.element_size() for t in tensors)
-    states = sorted({_state(t) for t in tensors}) or ["no tensors"]
-    kind = type(obj).__name__
-    return f"{name}: {kind}, {_human_count(params)} parameters, {_human_bytes(size)}, " + ", ".join(
-        states
-    )
+    known = [t for t in tensors if not is_lazy(t)]
+    lazy = len(tensors) - len(known)
+    if isinstance(obj, nn.Module):
+        params = sum(p.numel() for p in obj.parameters() if not is_lazy(p))
+    else:
+        params = sum(t.numel() for t in known)
+    size = sum(t.numel() * t.element_size() for t in known)
+    parts = [type(obj).__name__, f"{_human_count(params)} parameters", _human_bytes(size)]
+    if lazy:
+        parts.append(f"{lazy} lazy tensor{'s' if lazy > 1 else ''}")
+    parts.extend(sorted({_state(t) for t in known}) or ([] if lazy else ["no tensors"]))
+    return f"{name}: " + ", ".join(parts)
 
 
 def new_modules(before: dict[str, Any], after: dict[str, Any]) -> dict[str, nn.Module]:
@@ -121,23 +132,41 @@ def _memory_table(module: nn.Module, depth: int | None, dtype: str | None) -> An
 
 
 def _show(name: str, module: nn.Module, *, table: bool, depth: int | None) -> None:
-    """Display a module: the tree widget, else (or with ``table``) the memory table, else text."""
-    print(summary_line(name, module))
-    if not table:
+    """Print the summary line, then display the tree widget, else (or with ``table``) the table.
+
+    The cell itself has run fine by now, so a failure to display is reported in one line on
+    stderr (and the next view is tried) instead of failing the cell.
+    """
+    views = [_summary] if table else [_summary, _widget]
+    views.append(_table)
+    for view in views:
         try:
-            from jupyter_metainit.jupyter.widget import explore
-        except ImportError:
-            explore = None
-        if explore is not None:
-            widget = explore(module, depth=depth) if depth is not None else explore(module)
-            if widget is not None:
-                display(widget)
+            shown = view(name, module, depth)
+        except Exception as exc:
+            message = (str(exc).splitlines() or [""])[0][:120]
+            print(
+                f"jupyter_metainit: could not show {name} as a {view.__name__.strip('_')} "
+                f"({type(exc).__name__}: {message})",
+                file=sys.stderr,
+            )
+            continue
+        if shown is not None:
+            display(shown)
             return
-    try:
-        frame = _memory_table(module, depth, None)
-    except ImportError:
-        return
-    display(frame)
+
+
+def _summary(name: str, module: nn.Module, depth: int | None) -> None:
+    print(summary_line(name, module))
+
+
+def _widget(name: str, module: nn.Module, depth: int | None) -> Any:
+    from jupyter_metainit.jupyter.widget import explore
+
+    return explore(module) if depth is None else explore(module, depth=depth)
+
+
+def _table(name: str, module: nn.Module, depth: int | None) -> Any:
+    return _memory_table(module, depth, None)
 
 
 @magics_class
@@ -269,9 +298,15 @@ class MetaInitMagics(Magics):
         """
         __tracebackhide__ = True
         from jupyter_metainit.core import dematerialize
+        from jupyter_metainit.core.errors import MetaInitError
 
         expr, obj, args = self._target("dematerialize", line)
-        dematerialize(obj, force=args.force)
+        try:
+            dematerialize(obj, force=args.force)
+        except MetaInitError as exc:
+            if hasattr(exc, "add_note") and "force" in str(exc):
+                exc.add_note(f"With the magic: %dematerialize {expr} --force")
+            raise
         print(f"dematerialized {summary_line(expr, obj)}")
 
     @magic_arguments()
