@@ -273,6 +273,7 @@ def main() -> None:
                     fmt_mb(wf["bytes"]),
                     fmt_mb(wf["peak_extra"]),
                     fmt_ratio(wf["peak_extra"] / wf["bytes"]),
+                    fmt_s(wf["cpu_seconds"]),
                 ]
             )
         if _ok(lf):
@@ -287,6 +288,7 @@ def main() -> None:
                     fmt_mb(lf["bytes"]),
                     fmt_mb(lf["peak_extra"]),
                     fmt_ratio(lf["peak_extra"] / lf["bytes"]),
+                    fmt_s(lf["cpu_seconds"]),
                 ]
             )
         print_table(
@@ -298,8 +300,9 @@ def main() -> None:
                 "bytes",
                 "peak extra RSS",
                 "peak RSS / bytes",
+                "CPU time",
             ],
-            rows or [["n/a"] * 6],
+            rows or [["n/a"] * 7],
         )
         if _ok(lf):
             print(f"other layers still deferred: {lf['others_deferred']}")
@@ -311,7 +314,16 @@ def main() -> None:
         ef, el, ew = res["exact_first"], res["exact_last"], res["eager_whole"]
         rows = []
         if _ok(ew):
-            rows.append(["eager construction, whole model", fmt_s(ew["seconds"]), "-", "1.000x"])
+            rows.append(
+                [
+                    "eager construction, whole model",
+                    fmt_s(ew["seconds"]),
+                    "-",
+                    "1.000x",
+                    fmt_s(ew["cpu_seconds"]),
+                    fmt_mb(ew["peak_extra"]),
+                ]
+            )
         for label, r in (("exact, layer 0", ef), (f"exact, layer {layers - 1}", el)):
             if _ok(r):
                 rows.append(
@@ -320,13 +332,22 @@ def main() -> None:
                         fmt_s(r["seconds"]),
                         fmt_ratio(r["seconds"] / ef["seconds"]) if _ok(ef) else "n/a",
                         fmt_ratio(r["seconds"] / ew["seconds"]) if _ok(ew) else "n/a",
+                        fmt_s(r["cpu_seconds"]),
+                        fmt_mb(r["peak_extra"]),
                     ]
                 )
             else:
-                rows.append([label, "n/a", "n/a", "n/a"])
+                rows.append([label] + ["n/a"] * 5)
         print_table(
             "(b) exact mode: reaching the generator state of the first vs the last layer",
-            ["materialize (fresh process)", "time", "vs layer 0", "vs eager whole model"],
+            [
+                "materialize (fresh process)",
+                "time",
+                "vs layer 0",
+                "vs eager whole model",
+                "CPU time",
+                "peak extra RSS",
+            ],
             rows,
         )
         if _ok(el):

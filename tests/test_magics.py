@@ -282,6 +282,20 @@ def test_error_in_called_function_points_into_it(ip):
     assert out.stdout.count("Traceback (most recent call last)") == 1
 
 
+def test_traceback_line_inside_nested_cell_magic(ip):
+    result, out = run(ip, "%%time\n%%meta_init\nx = 1\nboom = 1 / 0")
+    assert not result.success
+    assert "----> 4 boom = 1 / 0" in out.stdout
+
+
+def test_failure_raises_when_called_from_python(ip):
+    from jupyter_metainit.jupyter.cell_runner import CellFailed
+
+    with capture_output(), pytest.raises(CellFailed, match="ZeroDivisionError"):
+        ip.run_cell_magic("meta_init", "--no-display", "m = nn.Linear(2, 2)\n1 / 0")
+    assert is_deferred(ip.user_ns["m"])
+
+
 def test_syntax_error_fails_the_cell(ip):
     result, out = run(ip, "%%meta_init\nx = (\n")
     assert not result.success

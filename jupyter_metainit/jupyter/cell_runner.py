@@ -50,16 +50,10 @@ def _prefix_lines(enclosing: ExecutionResult | None, body: str) -> list[str]:
     for the third line of the notebook cell, as for any other cell.
     """
     raw = enclosing.info.raw_cell if enclosing is not None and enclosing.info else None
-    prefix: list[str] = []
-    if raw:
-        for line in raw.splitlines():
-            prefix.append(line)
-            if line.lstrip().startswith("%%"):
-                break
-        else:
-            prefix = ["%%"]
-    else:
-        prefix = ["%%"]
+    lines = raw.splitlines() if raw else []
+    starts = [i for i, line in enumerate(lines) if line.lstrip().startswith("%%meta_init")]
+    starts = starts or [i for i, line in enumerate(lines) if line.lstrip().startswith("%%")]
+    prefix = lines[: starts[0] + 1] if starts else ["%%"]
     # IPython strips the body's leading blank lines before compiling it: keep them as padding.
     for line in body.splitlines():
         if line.strip():
@@ -115,7 +109,7 @@ def run_cell_body(shell: InteractiveShell, body: str) -> bool:
             tree.body, cell_name, interactivity=interactivity, compiler=compiler, result=result
         )
     )
-    # The nested display of the last expression must keep filling the enclosing result.
+    # A nested magic that runs a cell of its own (``%%capture``) resets this; restore it.
     shell.displayhook.exec_result = enclosing
     return _finish(result, enclosing)
 
