@@ -41,12 +41,15 @@ if [ ! -x "$VPY" ]; then
     log "creating .venv with $("$PYTHON" --version 2>&1)"
     "$PYTHON" -m venv "$VENV"
 fi
-PIP=("$VPY" -m pip install --quiet)
+# pip, minus the warnings some machines' pip configuration prints for every package
+pip_install() {
+    "$VPY" -m pip install --quiet "$@" 2> >(grep -v 'is neither a file nor a directory' >&2)
+}
 
 # 2. torch first, at an exact CPU version ------------------------------------------------------
 if ! "$VPY" -c 'import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(not (2, 6) <= v < (2, 15))' >/dev/null 2>&1; then
     log "installing $TORCH_SPEC (before anything that depends on torch)"
-    "${PIP[@]}" "$TORCH_SPEC"
+    pip_install "$TORCH_SPEC"
 fi
 
 # 3. the package with its test extras (skipped when pyproject.toml did not change) -------------
@@ -56,7 +59,7 @@ if [ "${SETUP_FORCE:-0}" = 1 ] || [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$
         || ! "$VPY" -c 'import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in
             ("jupyter_metainit", "pytest", "transformers", "accelerate", "nbclient", "ipykernel")))'; then
     log "installing jupyter_metainit (editable) with its test extras"
-    "${PIP[@]}" -e ".[test]"
+    pip_install -e ".[test]"
     printf '%s\n' "$WANT" >"$STAMP"
 else
     log "python packages up to date"

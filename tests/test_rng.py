@@ -139,3 +139,13 @@ def test_burn_through_of_large_fills_uses_bounded_scratch_memory():
         {}, True, 0,
     )  # fmt: skip
     assert _rng._draws(spec) == 64 * 1024 and _rng._formula_holds(spec)
+
+
+def test_long_burn_through_jumps_ahead_exactly():
+    n = 64 * 1024 * 1024 + 5  # above the jump threshold
+    spec = _rng.BurnSpec(torch.ops.aten.uniform_.default, (("tensor", (n,), (1,), torch.float32),),
+                         {}, True, n * 4)  # fmt: skip
+    real, jumped = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    torch.empty(n).uniform_(generator=real)
+    _rng._burn(spec, jumped)
+    assert torch.equal(real.get_state(), jumped.get_state())

@@ -98,7 +98,13 @@ window.mount = async (state) => {
   await frame();
   return performance.now() - t0;
 };
-window.timed = async (fn) => { const t0 = performance.now(); fn(); document.body.getBoundingClientRect(); await frame(); return performance.now() - t0; };
+window.timed = async (fn) => {
+  const t0 = performance.now();
+  fn();
+  document.body.getBoundingClientRect();
+  await frame();
+  return performance.now() - t0;
+};
 </script></body></html>"""
 
 
@@ -148,8 +154,13 @@ def test_70b_tree_renders_and_responds_fast(browser):
     page.screenshot(path=str(ARTIFACTS / "widget-70b.png"), full_page=True)
     (ARTIFACTS / "widget-70b-timings.json").write_text(
         json.dumps(
-            {"render_ms": render_ms, "expand_ms": expand_ms, "filter_ms": filter_ms,
-             "first_message_bytes": first_message, "modules": len(w.tree["nodes"])},
+            {
+                "render_ms": render_ms,
+                "expand_ms": expand_ms,
+                "filter_ms": filter_ms,
+                "first_message_bytes": first_message,
+                "modules": len(w.tree["nodes"]),
+            },
             indent=1,
         )
     )
@@ -196,7 +207,11 @@ def _notebook(path: pathlib.Path) -> None:
 
     nb = nbformat.v4.new_notebook()
     nb.cells = [nbformat.v4.new_code_cell(_SETUP), nbformat.v4.new_code_cell(_CHECK)]
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
     nbformat.write(nb, str(path))
 
 
@@ -216,17 +231,31 @@ def jupyterlab():
         PYTHONPATH=os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")]),
     )
     # no "what's new"/news popups, no announcements
-    (tmp / "settings" / "@jupyterlab" / "apputils-extension").mkdir(parents=True)
-    (tmp / "settings" / "@jupyterlab" / "apputils-extension" / "notification.jupyterlab-settings").write_text(
+    apputils = tmp / "settings" / "@jupyterlab" / "apputils-extension"
+    apputils.mkdir(parents=True)
+    (apputils / "notification.jupyterlab-settings").write_text(
         json.dumps({"fetchNews": "false", "checkForUpdates": False})
     )
-    log = open(tmp / "server.log", "wb")
+    log = open(tmp / "server.log", "wb")  # noqa: SIM115 - open while the server runs
     proc = subprocess.Popen(
-        [sys.executable, "-m", "jupyterlab", "--no-browser", f"--port={port}",
-         "--ServerApp.ip=127.0.0.1", f"--IdentityProvider.token={token}",
-         "--ServerApp.open_browser=False", f"--ServerApp.root_dir={tmp / 'work'}",
-         "--LabApp.news_url=", "--ServerApp.disable_check_xsrf=False"],
-        cwd=tmp / "work", env=env, stdout=log, stderr=subprocess.STDOUT,
+        [
+            sys.executable,
+            "-m",
+            "jupyterlab",
+            "--no-browser",
+            f"--port={port}",
+            "--ServerApp.ip=127.0.0.1",
+            "--allow-root",
+            f"--IdentityProvider.token={token}",
+            "--ServerApp.open_browser=False",
+            f"--ServerApp.root_dir={tmp / 'work'}",
+            "--LabApp.news_url=",
+            "--ServerApp.disable_check_xsrf=False",
+        ],
+        cwd=tmp / "work",
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
     )
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -259,22 +288,36 @@ def _set_theme(settings: pathlib.Path, theme: str) -> None:
     (d / "themes.jupyterlab-settings").write_text(json.dumps({"theme": theme}))
 
 
-def _run_all_and_wait_widget(page, lab: dict, name: str) -> object:
-    page.goto(f"{lab['url']}/lab/tree/{name}?token={lab['token']}")
+def _run_first_cell_and_wait_widget(page, lab: dict, name: str) -> object:
+    page.goto(f"{lab['url']}/lab/tree/{name}?token={lab['token']}", wait_until="load")
     page.wait_for_selector(".jp-Notebook", timeout=60_000)
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
-    # run only the first cell: the second is run after the click
-    page.locator(".jp-Cell").first.click()
-    page.keyboard.press("Shift+Enter")
+    # run only the first cell (the second is run after the click); a key press that lands
+    # before the kernel is connected is lost, so press again while the prompt stays empty
+    first = page.locator(".jp-Cell").first
     widget = page.locator(".jmi-root")
-    widget.wait_for(timeout=90_000)
+    for _ in range(6):
+        if first.locator(".jp-InputPrompt").inner_text().strip() in ("[ ]:", ""):
+            first.click()
+            page.keyboard.press("Shift+Enter")
+        try:
+            widget.wait_for(timeout=15_000)
+            break
+        except Exception:
+            continue
+    try:
+        widget.wait_for(timeout=1_000)
+    except Exception:
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / f"failure-{name}.png"))
+        raise
     return widget
 
 
 def test_materialize_a_decoder_layer_in_jupyterlab(browser, jupyterlab):
     _notebook(jupyterlab["dir"] / "flow.ipynb")
     page = browser.new_page(viewport={"width": 1280, "height": 900})
-    widget = _run_all_and_wait_widget(page, jupyterlab, "flow.ipynb")
+    widget = _run_first_cell_and_wait_widget(page, jupyterlab, "flow.ipynb")
 
     def row(qname: str):
         return widget.locator(f".jmi-rows .jmi-row:has(.jmi-name[title='{qname}'])")
@@ -291,6 +334,9 @@ def test_materialize_a_decoder_layer_in_jupyterlab(browser, jupyterlab):
     assert row("model").locator(".jmi-badge").inner_text() == "mixed"
     ARTIFACTS.mkdir(exist_ok=True)
     widget.screenshot(path=str(ARTIFACTS / "widget-jupyterlab.png"))
+    widget.locator(".jmi-toggle").click()
+    widget.locator(".jmi-tablewrap table").first.wait_for(timeout=30_000)
+    widget.screenshot(path=str(ARTIFACTS / "widget-jupyterlab-table.png"))
 
     page.locator(".jp-Cell").nth(1).click()
     page.keyboard.press("Shift+Enter")
@@ -304,7 +350,7 @@ def test_dark_theme_screenshot(browser, jupyterlab):
     _set_theme(jupyterlab["settings"], "JupyterLab Dark")
     _notebook(jupyterlab["dir"] / "dark.ipynb")
     page = browser.new_page(viewport={"width": 1280, "height": 900})
-    widget = _run_all_and_wait_widget(page, jupyterlab, "dark.ipynb")
+    widget = _run_first_cell_and_wait_widget(page, jupyterlab, "dark.ipynb")
     widget.locator(".jmi-rows .jmi-row:has(.jmi-name[title='model.layers']) .jmi-caret").click()
     ARTIFACTS.mkdir(exist_ok=True)
     widget.screenshot(path=str(ARTIFACTS / "widget-jupyterlab-dark.png"))

@@ -5,11 +5,13 @@ Recording draws nothing, so each random op is stored as ``(segment, index)``: a 
 run of deferred random ops that would have consumed one generator back to back, starting from
 ``start_state``.
 
-* ``exact`` mode replays op ``index`` from the generator state it would have had eagerly. The CPU
-  generator (mt19937) cannot jump ahead, so reaching a later state means re-running the earlier
-  ops on scratch memory, one at a time (memory bounded by the largest single random tensor). The
-  state before every op reached that way is kept as a checkpoint, so later calls start from the
-  nearest one.
+* ``exact`` mode replays op ``index`` from the generator state it would have had eagerly. Reaching
+  it means moving the generator past every earlier op of the segment: for ``uniform_``/``normal_``
+  fills, whose consumption is a known number of draws (checked against the real kernel once per
+  process), by MT19937 jump-ahead in milliseconds; for other random ops by re-running them on
+  scratch memory, one at a time (memory bounded by the largest single random tensor). The state
+  before every op reached that way is kept as a checkpoint, so later calls start from the nearest
+  one.
 * ``fast`` mode gives op ``index`` its own generator seeded from a hash of the segment's start
   state and ``index``: deterministic, independent of order and grouping, parallel-friendly, and
   usable on any device.
@@ -222,8 +224,20 @@ def _formula_holds(spec: BurnSpec) -> bool:
     return ok
 
 
+_JUMP_ABOVE = 4 << 20  # below this many draws, generating them is faster than jumping
+
+
 def _advance(generator: torch.Generator, draws: int) -> None:
-    """Consume ``draws`` 32-bit outputs in fixed-size chunks: memory stays at 4 MiB."""
+    """Move ``generator`` past ``draws`` 32-bit outputs.
+
+    Large distances use MT19937 jump-ahead (``_mt19937``: milliseconds for any distance); small
+    ones consume the draws in 4 MiB chunks.
+    """
+    if draws > _JUMP_ABOVE and generator.device.type == "cpu":
+        from jupyter_metainit.core._mt19937 import jump_state
+
+        generator.set_state(jump_state(generator.get_state(), draws))
+        return
     buf = torch.empty(min(draws, _CHUNK), dtype=torch.float32, device=generator.device)
     while draws > 0:
         k = min(draws, _CHUNK)

@@ -228,8 +228,18 @@ class ModuleTree:
                     info = info[: _EXTRA_REPR_MAX - 1] + "…"
             st = stats[node]
             rows.append(
-                [parent, name.rpartition(".")[2], type_index[tname], st.params, st.bytes,
-                 st.state, 0, 1, info, int(bool(self.own_tensors(node)))]
+                [
+                    parent,
+                    name.rpartition(".")[2],
+                    type_index[tname],
+                    st.params,
+                    st.bytes,
+                    st.state,
+                    0,
+                    1,
+                    info,
+                    int(bool(self.own_tensors(node))),
+                ]
             )
         for node, (i, n) in enumerate(self.repeats()):
             rows[node][6], rows[node][7] = i, n

@@ -12,6 +12,7 @@ import pathlib
 import threading
 import time
 from collections.abc import Iterable, Sequence
+from html import escape
 from typing import Any
 
 import anywidget
@@ -178,17 +179,14 @@ class ModuleTreeWidget(anywidget.AnyWidget):
         except ImportError:
             memory_table = None
         if memory_table is not None:
-            import pandas as pd
-
-            frames = []
+            parts = []
             for name in names:
-                kwargs = {"depth": 1} if dtype is None else {"depth": 1, "dtype": dtype}
-                df = memory_table(self.module.get_submodule(name), **kwargs)
+                table = memory_table(self.module.get_submodule(name), depth=1, dtype=dtype)
+                html = table._repr_html_() if hasattr(table, "_repr_html_") else None
                 if len(names) > 1:
-                    df = pd.concat({name or "(model)": df}, names=["selected"])
-                frames.append(df)
-            df = frames[0] if len(frames) == 1 else pd.concat(frames)
-            return df.to_html(border=0, classes="jmi-table")
+                    parts.append(f"<h4 class='jmi-table-title'>{escape(name or '(model)')}</h4>")
+                parts.append(html or table.to_html(border=0))
+            return "\n".join(parts)
         return self._fallback_table(names).to_html(border=0, index=False, classes="jmi-table")
 
     def _fallback_table(self, names: Sequence[str]) -> Any:
@@ -248,7 +246,9 @@ class ModuleTreeWidget(anywidget.AnyWidget):
         self.progress = [0, self._tree.selection_stats(self._tree.index[n] for n in names)["bytes"]]
         self.busy = f"{action} {device}".strip()
         self._worker = threading.Thread(
-            target=self._run, args=(action, names, device), name="jupyter_metainit-widget",
+            target=self._run,
+            args=(action, names, device),
+            name="jupyter_metainit-widget",
             daemon=True,
         )
         self._worker.start()
@@ -296,7 +296,11 @@ class ModuleTreeWidget(anywidget.AnyWidget):
             core = _core()
             if action == "materialize":
                 core.materialize(
-                    modules, device, dtype=_DTYPES[self.dtype], rng=self.rng,
+                    modules,
+                    device,
+                    dtype=_DTYPES[self.dtype],
+                    rng=self.rng,
+                    keep_cache=True,  # so that Free can make them deferred again
                     progress=self._progress,
                 )
             else:
@@ -315,6 +319,13 @@ class ModuleTreeWidget(anywidget.AnyWidget):
         else:
             self.refresh()
             self.progress = [self.progress[1], self.progress[1]]
+            left = {self._stats[self._tree.index[n]].state for n in names} - {"deferred", ""}
+            if action == "free" and left:
+                self.error = (
+                    f"Could not make all of {what} deferred again: parts were materialized "
+                    "outside this widget without keep_cache=True, so their recipe is gone."
+                )
+                return
             took = time.monotonic() - t0
             self.status = (
                 f"Materialized {what} to {device} in {took:.1f} s."

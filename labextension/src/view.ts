@@ -90,6 +90,7 @@ export class TreeView {
     this.listen("change:selection", () => this.renderSelection());
     this.listen("change:busy change:devices change:no_cuda_reason", () => this.renderActions());
     this.listen("change:progress change:busy", () => this.renderProgress());
+    this.listen("change:busy", () => this.renderRows());
     this.listen("change:error change:status", () => this.renderMessage());
     this.listen("change:show_table change:table_html", () => this.renderTable());
     this.listen("change:rng change:dtype", () => this.syncSelects());
@@ -426,7 +427,11 @@ export class TreeView {
     name.title = t.qname[n] || "the whole model";
     nameCell.append(caret, name);
     const rep = t.repeatedChildren(n);
-    if (rep) nameCell.append(h("span", "jmi-chip", `${rep[0]} × ${rep[1]}`));
+    if (rep) {
+      const chip = h("span", "jmi-chip", `${rep[0]} × ${rep[1]}`);
+      chip.title = `${rep[0]} identical ${rep[1]} blocks`;
+      nameCell.append(chip);
+    }
     else if (t.repN[n] > 1 && t.repI[n] === 0 && t.children[t.parent[n]].length !== t.repN[n]) {
       nameCell.append(h("span", "jmi-chip", `×${t.repN[n]} identical`));
     }

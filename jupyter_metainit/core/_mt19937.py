@@ -1,0 +1,237 @@
+"""Jump-ahead for PyTorch's CPU generator (MT19937): move a state by N draws in about O(log N).
+
+Used by the core's ``exact`` RNG mode: to replay a deferred random op from the state it would
+have had eagerly, the CPU generator must skip the draws of every earlier op of its segment.
+Consuming them one by one costs N / (~10^8 per second); :func:`jump_state` computes the state
+after N 32-bit draws directly, in well under a second for any N (the first call also derives
+MT19937's characteristic polynomial, a one-off fraction of a second).
+
+The state
+    ``torch.Generator().get_state()`` (CPU) is the 5056 bytes of ``CPUGeneratorImplState``:
+    ``uint64 seed @0, int32 left @8, int32 seeded @12, uint64 next @16, uint64 state[624] @24``
+    (32-bit words, zero-extended), then the Box-Muller caches (``normal_x/y/rho``,
+    ``normal_is_valid``, ``next_float_normal_sample`` and its flag) from byte 5016 on. Only
+    ``left``, ``next`` and the 624 words change; every other byte is copied unchanged.
+
+The engine (``aten/src/ATen/core/MT19937RNGEngine.h``)
+    A draw is ``if (--left == 0) twist(); y = state[next++]; return temper(y)``. ``twist``
+    replaces the 624-word block in place by the next 624 words of the sequence
+    ``x[k+624] = x[k+397] ^ ((upper1(x[k]) | lower31(x[k+1])) >> 1) ^ (lsb(x[k+1]) * 0x9908B0DF)``
+    and sets ``left = 624, next = 0``; seeding sets ``left = 1, next = 0``. So a jump of
+    ``N < left`` only moves ``next`` and ``left``; a larger one performs ``t = ceil(N'/624)``
+    twists (``N' = N - (left - 1)``), i.e. maps the block by ``T^(624 t)`` where ``T`` slides
+    the 624-word window one word along the sequence, and ends with ``next = N' - 624 (t - 1)``,
+    ``left = 625 - next``.
+
+The jump (Haramoto, Matsumoto, L'Ecuyer, "A fast jump ahead algorithm for linear recurrences
+in a polynomial space", 2008)
+    ``T`` is linear over GF(2) on the 19968-bit window. Its minimal polynomial is
+    ``t * phi(t)``, where ``phi`` (degree 19937) is MT19937's characteristic polynomial and the
+    extra ``t`` accounts for the 31 low bits of the window's first word, which one step kills.
+    Hence ``T^J x = h(T) (T x)`` with ``h = t^(J-1) mod phi``. ``phi`` is found once, by
+    Berlekamp-Massey on 2 * 19937 bits of one bit position of the sequence (cached at module
+    level). ``h`` comes from square-and-multiply in GF(2)[t] on Python ints used as bit vectors
+    (squaring spreads bits through a byte table; reduction clears 8 bits at a time with a
+    256-entry table of multiples of ``phi``). Finally ``h(T)(T x) = XOR of the windows
+    x[1+j .. 1+j+623] over the set bits j of h``: the sequence is extended 19937 words with
+    numpy and the selected windows are XOR-reduced.
+"""
+
+from __future__ import annotations
+
+import threading
+
+import numpy as np
+import torch
+
+__all__ = ["jump_generator", "jump_state"]
+
+_N = 624  # words in a block
+_M = 397  # recurrence offset
+_DEGREE = 19937  # degree of the characteristic polynomial
+_MATRIX_A = np.uint32(0x9908B0DF)
+_UPPER = np.uint32(0x80000000)
+_LOWER = np.uint32(0x7FFFFFFF)
+
+# Byte layout of CPUGeneratorImplState (x86-64 / aarch64, little-endian).
+_STATE_BYTES = 5056
+_OFF_LEFT = 8
+_OFF_NEXT = 16
+_OFF_WORDS = 24
+_WORDS_END = _OFF_WORDS + 8 * _N
+
+# Jumps up to this many words are done by running the recurrence directly.
+_DIRECT_LIMIT = 4 * _DEGREE
+_WINDOW_CHUNK = 2048  # windows XOR-reduced at a time (5 MiB of scratch)
+
+_SPREAD = np.array([int(f"{b:08b}", 4) for b in range(256)], dtype="<u2")  # bit i -> bit 2i
+
+
+def _extend(seq: np.ndarray, start: int) -> None:
+    """Fill ``seq[start:]`` from the words before it with the MT19937 recurrence, in place.
+
+    Word ``k + 624`` depends on words ``k``, ``k + 1`` and ``k + 397``, so up to 227 words can
+    be computed at once from those already known."""
+    end_all = len(seq)
+    pos = start
+    step = _N - _M
+    while pos < end_all:
+        end = min(pos + step, end_all)
+        lo = pos - _N
+        hi = end - _N
+        mix = (seq[lo:hi] & _UPPER) | (seq[lo + 1 : hi + 1] & _LOWER)
+        seq[pos:end] = (
+            seq[lo + _M : hi + _M] ^ (mix >> np.uint32(1)) ^ ((mix & np.uint32(1)) * _MATRIX_A)
+        )
+        pos = end
+
+
+def _sequence(block: np.ndarray, length: int) -> np.ndarray:
+    """The first ``length`` words of the sequence whose first window is ``block``."""
+    seq = np.empty(max(length, _N), dtype=np.uint32)
+    seq[:_N] = block
+    _extend(seq, _N)
+    return seq[:length]
+
+
+def _berlekamp_massey(bits: np.ndarray) -> tuple[int, int]:
+    """Shortest LFSR of a GF(2) sequence: ``(C, L)`` with ``C`` as an int, bit i = c_i (c_0 = 1),
+    such that ``s[n] = XOR_{i=1..L} c_i s[n-i]``."""
+    n_bits = len(bits)
+    # r: bit (n_bits - 1 - j) holds s[j], so (r >> (n_bits - 1 - n)) has bit i = s[n - i].
+    r = int.from_bytes(np.packbits(bits.astype(np.uint8)).tobytes(), "big")
+    r >>= (-n_bits) % 8
+    c, b, length, m = 1, 1, 0, 1
+    for n in range(n_bits):
+        if (c & (r >> (n_bits - 1 - n))).bit_count() & 1:
+            previous = c
+            c ^= b << m
+            if 2 * length <= n:
+                length = n + 1 - length
+                b = previous
+                m = 1
+                continue
+        m += 1
+    return c, length
+
+
+def _square(x: int) -> int:
+    """``x(t)^2`` in GF(2)[t]: bit i moves to bit 2i (cross terms cancel)."""
+    raw = np.frombuffer(x.to_bytes((x.bit_length() + 7) // 8, "little"), np.uint8)
+    return int.from_bytes(_SPREAD[raw].tobytes(), "little")
+
+
+class _Poly:
+    """MT19937's characteristic polynomial and the tables for arithmetic modulo it."""
+
+    def __init__(self) -> None:
+        block = np.random.default_rng(0).integers(0, 2**32, _N, dtype=np.uint32)
+        seq = _sequence(block, _N + 2 * _DEGREE)
+        c, length = _berlekamp_massey(seq[_N:] & np.uint32(1))
+        if length != _DEGREE:  # pragma: no cover - would mean a broken recurrence
+            raise RuntimeError(f"MT19937 characteristic polynomial has degree {length}")
+        # phi(t) = t^L C(1/t): reverse the L + 1 coefficients.
+        self.phi = int(f"{c:0{length + 1}b}"[::-1], 2)
+        # reduce_table[b]: the multiple q * phi (deg q < 8) whose bits DEGREE..DEGREE+7 are b.
+        self.reduce_table = [0] * 256
+        for q in range(256):
+            product = 0
+            for i in range(8):
+                if q >> i & 1:
+                    product ^= self.phi << i
+            self.reduce_table[product >> _DEGREE] = product
+
+    def reduce(self, x: int) -> int:
+        table = self.reduce_table
+        while True:
+            top = x.bit_length()
+            if top <= _DEGREE:
+                return x
+            p = max(_DEGREE, top - 8)
+            x ^= table[(x >> p) & 0xFF] << (p - _DEGREE)
+
+    def power_of_t(self, k: int) -> int:
+        """``t^k mod phi`` as an int (bit i = coefficient of t^i)."""
+        if k < _DEGREE:
+            return 1 << k
+        shift = k.bit_length() - 14  # the top 14 bits of k give an exponent < DEGREE
+        x = 1 << (k >> shift)
+        for i in range(shift - 1, -1, -1):
+            x = self.reduce(_square(x))
+            if k >> i & 1:
+                x <<= 1
+                if x >> _DEGREE:
+                    x ^= self.phi
+        return x
+
+
+_poly: _Poly | None = None
+_poly_lock = threading.Lock()
+
+
+def _get_poly() -> _Poly:
+    global _poly
+    if _poly is None:
+        with _poly_lock:
+            if _poly is None:
+                _poly = _Poly()
+    return _poly
+
+
+def _advance_block(block: np.ndarray, steps: int, direct_limit: int = _DIRECT_LIMIT) -> np.ndarray:
+    """The window ``steps`` words further along the sequence whose window is ``block``."""
+    if steps <= direct_limit:
+        return _sequence(block, steps + _N)[steps:].copy()
+    h = _get_poly().power_of_t(steps - 1)
+    coefficients = np.unpackbits(
+        np.frombuffer(h.to_bytes((_DEGREE + 7) // 8, "little"), np.uint8), bitorder="little"
+    )
+    offsets = np.flatnonzero(coefficients) + 1  # window j of T x starts at word 1 + j
+    windows = np.lib.stride_tricks.sliding_window_view(_sequence(block, _DEGREE + _N), _N)
+    out = np.zeros(_N, dtype=np.uint32)
+    for i in range(0, len(offsets), _WINDOW_CHUNK):
+        out ^= np.bitwise_xor.reduce(windows[offsets[i : i + _WINDOW_CHUNK]], axis=0)
+    return out
+
+
+def jump_state(state: torch.Tensor, draws: int) -> torch.Tensor:
+    """The CPU generator state after ``draws`` more 32-bit outputs from ``state``.
+
+    ``state`` is ``generator.get_state()`` of a CPU ``torch.Generator``; the result is
+    byte-for-byte what ``get_state()`` would return after ``draws`` real draws (one per element
+    of e.g. ``uniform_`` on float32, ``random_`` on int32), with the seed and the normal-sampling
+    caches untouched. ``state`` itself is not modified."""
+    if not isinstance(state, torch.Tensor) or state.dtype != torch.uint8:
+        raise TypeError("state must be a uint8 tensor from torch.Generator().get_state()")
+    if state.device.type != "cpu" or state.numel() != _STATE_BYTES:
+        raise ValueError(f"expected the {_STATE_BYTES}-byte state of a CPU generator")
+    draws = int(draws)
+    if draws < 0:
+        raise ValueError("draws must be >= 0")
+    out = state.detach().reshape(-1).clone()
+    raw = out.numpy()
+    left_view = raw[_OFF_LEFT : _OFF_LEFT + 4].view("<i4")
+    next_view = raw[_OFF_NEXT : _OFF_NEXT + 8].view("<u8")
+    words_view = raw[_OFF_WORDS:_WORDS_END].view("<u8")
+    left = int(left_view[0])
+    if not 1 <= left <= _N:
+        raise ValueError(f"invalid generator state (left = {left})")
+    if draws < left:
+        left_view[0] = left - draws
+        next_view[0] = int(next_view[0]) + draws
+        return out
+    words = words_view.astype(np.uint32)
+    rest = draws - (left - 1)  # outputs taken from blocks after the current one
+    twists = -(-rest // _N)
+    words_view[:] = _advance_block(words, _N * twists)
+    new_next = rest - _N * (twists - 1)
+    next_view[0] = new_next
+    left_view[0] = _N + 1 - new_next
+    return out
+
+
+def jump_generator(generator: torch.Generator, draws: int) -> None:
+    """Advance a CPU ``generator`` in place by ``draws`` 32-bit outputs (see :func:`jump_state`)."""
+    if generator.device.type != "cpu":
+        raise ValueError("jump-ahead is implemented for the CPU generator (MT19937) only")
+    generator.set_state(jump_state(generator.get_state(), draws))

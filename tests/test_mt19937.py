@@ -1,0 +1,148 @@
+"""MT19937 jump-ahead: ``jump_state`` equals real draws of torch's CPU generator, byte for byte."""
+
+from __future__ import annotations
+
+import random
+import time
+
+import numpy as np
+import pytest
+import torch
+
+from jupyter_metainit.core import _mt19937
+from jupyter_metainit.core._mt19937 import jump_generator, jump_state
+
+SIZES = [0, 1, 2, 623, 624, 625, 1247, 1248, 1249, 19_937, 100_000, 10**6 + 7]
+RANDOM_SIZES = random.Random(20261122).sample(range(2, 3_000_000), 8)
+
+
+def draw(g: torch.Generator, n: int) -> torch.Tensor:
+    """``n`` real 32-bit draws (uniform_ on float32 takes exactly one per element)."""
+    return torch.empty(n, dtype=torch.float32).uniform_(generator=g)
+
+
+def seeded(seed: int, skip: int = 0) -> torch.Generator:
+    g = torch.Generator()
+    g.manual_seed(seed)
+    draw(g, skip)
+    return g
+
+
+def fields(state: torch.Tensor) -> tuple[int, int, np.ndarray]:
+    raw = state.numpy()
+    left = int(raw[8:12].view("<i4")[0])
+    nxt = int(raw[16:24].view("<u8")[0])
+    return left, nxt, raw[24 : 24 + 8 * 624].view("<u8").astype(np.uint32)
+
+
+def temper(y: np.ndarray) -> np.ndarray:
+    y = y ^ (y >> np.uint32(11))
+    y = y ^ ((y << np.uint32(7)) & np.uint32(0x9D2C5680))
+    y = y ^ ((y << np.uint32(15)) & np.uint32(0xEFC60000))
+    return y ^ (y >> np.uint32(18))
+
+
+def reference_outputs(state: torch.Tensor, n: int) -> np.ndarray:
+    """The next ``n`` raw 32-bit outputs, from a pure-numpy model of at::mt19937."""
+    left, _, words = fields(state)
+    seq = _mt19937._sequence(words, 624 + n + 624)
+    # Outputs still in the current block are words[625 - left ..]; then the next blocks follow.
+    first = 624 - (left - 1)
+    return temper(seq[first : first + n])
+
+
+def test_state_layout_and_reference_model():
+    g = seeded(1234)
+    s = g.get_state()
+    assert s.dtype == torch.uint8 and s.numel() == 5056
+    raw = s.numpy()
+    assert int(raw[0:8].view("<u8")[0]) == 1234
+    assert fields(s)[:2] == (1, 0)  # seeding: left = 1, next = 0
+    assert int(raw[12:16].view("<i4")[0]) == 1  # seeded
+    assert fields(s)[2][0] == 1234  # MT init: word 0 is the seed
+    for skip in (0, 5, 623, 624, 700):
+        g = seeded(99, skip)
+        s = g.get_state()
+        expected = reference_outputs(s, 2000)
+        got = draw(g, 2000).numpy()
+        # uniform_ on float32 is (y & (2^24 - 1)) / 2^24 of one draw y per element, in order
+        assert np.array_equal(got, (expected & np.uint32(0xFFFFFF)).astype(np.float32) / 2**24)
+        left, nxt, _ = fields(g.get_state())
+        assert left + nxt == 625
+
+
+def check(g: torch.Generator, n: int) -> None:
+    start = g.get_state()
+    jumped = jump_state(start, n)
+    assert torch.equal(start, g.get_state())  # input untouched
+    draw(g, n)
+    assert torch.equal(jumped, g.get_state()), n
+    h = torch.Generator()
+    h.set_state(jumped)
+    assert torch.equal(draw(h, 1500), draw(g, 1500)), n
+    assert torch.equal(h.get_state(), g.get_state())
+
+
+@pytest.mark.parametrize("n", SIZES + RANDOM_SIZES)
+def test_jump_from_freshly_seeded(n):
+    check(seeded(n % 1000 + 1), n)
+
+
+@pytest.mark.parametrize("n", SIZES + RANDOM_SIZES)
+@pytest.mark.parametrize("skip", [1, 300, 623, 624, 1000])
+def test_jump_from_mid_block(n, skip):
+    check(seeded(42, skip), n)
+
+
+def test_jump_from_default_seed_and_random_offsets():
+    rnd = random.Random(7)
+    for _ in range(10):
+        g = seeded(rnd.randrange(2**63), rnd.randrange(5000))
+        check(g, rnd.randrange(2_000_000))
+
+
+def test_other_fields_untouched():
+    g = seeded(5, 10)
+    torch.randn(3, generator=g)  # leaves a cached normal sample in the state
+    s = g.get_state()
+    assert s[5016:].any()
+    for n in (3, 10_000, 10**9):
+        j = jump_state(s, n)
+        assert torch.equal(j[:8], s[:8]) and torch.equal(j[12:16], s[12:16])
+        assert torch.equal(j[5016:], s[5016:])
+    check(g, 77_777)
+
+
+def test_polynomial_path_matches_recurrence():
+    block = np.random.default_rng(3).integers(0, 2**32, 624, dtype=np.uint32)
+    for steps in (1, 623, 624, 625, 19_936, 19_937, 19_938, 50_000, 123_457):
+        direct = _mt19937._advance_block(block, steps, direct_limit=10**9)
+        assert np.array_equal(_mt19937._advance_block(block, steps, direct_limit=0), direct)
+
+
+def test_jump_generator_in_place():
+    g, h = seeded(3, 17), seeded(3, 17)
+    jump_generator(g, 2_345_678)
+    draw(h, 2_345_678)
+    assert torch.equal(g.get_state(), h.get_state())
+
+
+def test_bad_input():
+    with pytest.raises(ValueError):
+        jump_state(torch.Generator().get_state(), -1)
+    with pytest.raises(ValueError):
+        jump_state(torch.zeros(100, dtype=torch.uint8), 1)
+    with pytest.raises(TypeError):
+        jump_state(torch.zeros(5056, dtype=torch.int32), 1)
+
+
+def test_huge_jump_is_fast_and_composes():
+    s = seeded(11, 321).get_state()
+    t0 = time.perf_counter()
+    once = jump_state(s, 10**11)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 5, elapsed
+    twice = jump_state(jump_state(s, 5 * 10**10), 5 * 10**10)
+    assert torch.equal(once, twice)
+    # a different split, landing mid-block on the way
+    assert torch.equal(once, jump_state(jump_state(s, 12_345), 10**11 - 12_345))

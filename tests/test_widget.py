@@ -1,0 +1,225 @@
+"""The model tree widget's kernel side, without a browser: messages in, state out."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+import traitlets
+from torch import nn
+
+from jupyter_metainit import meta_init
+from jupyter_metainit.core import tensor_state
+from jupyter_metainit.jupyter.widget import ModuleTreeWidget, explore
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.Linear(16, 16)
+        self.mlp = nn.Linear(16, 32)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.layers = nn.ModuleList([Block() for _ in range(3)])
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 50, bias=False)
+        self.head.weight = self.embed.weight  # tied
+
+
+@pytest.fixture
+def net():
+    with meta_init():
+        return Net()
+
+
+def rows(w: ModuleTreeWidget) -> dict[str, list]:
+    """Qualified name -> row of the synced tree."""
+    nodes = w.tree["nodes"]
+    names: list[str] = []
+    for parent, local, *_ in nodes:
+        names.append("" if parent < 0 else (local if parent == 0 else f"{names[parent]}.{local}"))
+    return dict(zip(names, nodes, strict=True))
+
+
+def test_tree_lists_every_module_once(net):
+    w = explore(net)
+    assert list(rows(w)) == [n for n, _ in net.named_modules()]
+
+
+def test_tied_weights_count_once(net):
+    w = explore(net)
+    root = rows(w)[""]
+    unique = {id(p): p for p in net.parameters()}.values()
+    assert root[3] == sum(p.numel() for p in unique)
+    assert root[4] == sum(p.numel() * p.element_size() for p in unique)
+
+
+def test_deferred_model_reads_deferred(net):
+    assert {r[5] for r in rows(explore(net)).values() if r[9] or r[3]} == {"deferred"}
+
+
+def test_repeated_blocks_are_marked(net):
+    r = rows(explore(net))
+    assert (r["layers.0"][6], r["layers.0"][7]) == (0, 3)
+    assert (r["layers.2"][6], r["layers.2"][7]) == (2, 3)
+
+
+def test_selected_is_normalized(net):
+    w = explore(net)
+    w.selected = ["layers.1.mlp", "layers.1", "norm"]
+    assert w.selected == ["layers.1", "norm"]
+    w.selected = ["layers.0", "layers.1", "layers.2"]
+    assert w.selected == ["layers"]
+
+
+def test_unknown_selection_is_refused(net):
+    w = explore(net)
+    with pytest.raises(traitlets.TraitError):
+        w.selected = ["nope"]
+
+
+def test_selection_totals(net):
+    w = explore(net)
+    w.selected = ["layers.0"]
+    expected = sum(p.numel() for p in net.layers[0].parameters())
+    assert w.selection["params"] == expected
+    w.dtype = "bfloat16"
+    assert w.selection["bytes_as"] == w.selection["bytes"] // 2
+
+
+def test_materialize_message_materializes_only_the_selection(net):
+    w = explore(net)
+    sent = []
+    w.send = sent.append  # observe the patches the page would get
+    w.handle_action({"action": "materialize", "device": "cpu", "names": ["layers.1"]})
+    assert w.wait(60)
+    assert w.error == ""
+    assert {tensor_state(p) for p in net.layers[1].parameters()} == {"cpu"}
+    assert {tensor_state(p) for p in net.layers[0].parameters()} == {"deferred"}
+    r = rows(w)
+    assert (r["layers.1"][5], r["layers"][5], r[""][5]) == ("cpu", "mixed", "mixed")
+    assert r["layers.0"][5] == "deferred"
+    assert w.busy == ""
+    assert w.progress[0] == w.progress[1] > 0
+    assert "layers.1" in w.status
+
+
+def test_patch_holds_only_changed_rows(net):
+    w = explore(net)
+    sent = []
+    w.send = sent.append
+    w.handle_action({"action": "materialize", "device": "cpu", "names": ["norm"]})
+    w.wait(60)
+    (patch,) = sent
+    changed = {w.tree["nodes"][node][1] for node, *_ in patch["nodes"]}
+    assert patch["kind"] == "patch"
+    assert changed == {"norm", ""}
+
+
+def test_free_message_dematerializes(net):
+    w = explore(net)
+    w.selected = ["norm"]
+    w.materialize("cpu")
+    w.free()
+    assert w.error == ""
+    assert {tensor_state(p) for p in net.norm.parameters()} == {"deferred"}
+    assert rows(w)["norm"][5] == "deferred"
+
+
+def test_unknown_names_are_refused_visibly(net):
+    w = explore(net)
+    w.handle_action({"action": "materialize", "device": "cpu", "names": ["__import__('os')"]})
+    assert w.busy == ""
+    assert "not a module of this model" in w.error
+
+
+def test_unknown_device_is_refused(net):
+    w = explore(net)
+    w.handle_action({"action": "materialize", "device": "cuda:7", "names": ["norm"]})
+    assert "not a device this kernel can use" in w.error
+    assert {tensor_state(p) for p in net.norm.parameters()} == {"deferred"}
+
+
+def test_unknown_action_is_refused(net):
+    w = explore(net)
+    w.handle_action({"action": "exec", "code": "print(1)"})
+    assert "Unknown action" in w.error
+
+
+def test_cancel_leaves_the_model_as_it_was(net):
+    w = explore(net)
+    report = w._progress
+
+    def click_cancel(done: int, total: int) -> None:  # Cancel arrives mid-way
+        w.handle_action({"action": "cancel"})
+        report(done, total)
+
+    w._progress = click_cancel
+    w.handle_action({"action": "materialize", "device": "cpu", "names": ["layers"]})
+    w.wait(60)
+    assert w.status.startswith("Cancelled")
+    assert w.error == ""
+    assert {tensor_state(p) for p in net.layers.parameters()} == {"deferred"}
+    assert rows(w)["layers"][5] == "deferred"
+
+
+def test_error_is_shown_and_model_unchanged(net):
+    w = explore(net)
+    w.dtype = "float16"
+    w.rng = "fast"
+
+    def boom(done: int, total: int) -> None:
+        raise MemoryError("simulated")
+
+    w._progress = boom
+    w.handle_action({"action": "materialize", "device": "cpu", "names": ["layers.0"]})
+    w.wait(60)
+    assert w.error.startswith("Out of memory")
+    assert "left as it was" in w.error
+    assert {tensor_state(p) for p in net.layers[0].parameters()} == {"deferred"}
+
+
+def test_cuda_button_reason_without_gpu(net):
+    w = explore(net)
+    if not torch.cuda.is_available():
+        assert w.devices == []
+        assert w.no_cuda_reason
+
+
+def test_table_html_for_selection(net):
+    w = explore(net)
+    w.selected = ["layers.0"]
+    w.show_table = True
+    assert "<table" in w.table_html
+    assert "attn" in w.table_html
+    w.show_table = False
+    assert w.table_html == ""
+
+
+def test_first_message_is_small_for_a_70b_model():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    cfg = LlamaConfig(
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
+    )
+    with torch.device("meta"):
+        model = LlamaForCausalLM(cfg)
+    w = explore(model)
+    assert len(w.tree["nodes"]) > 1000
+    assert len(json.dumps(w.get_state(), default=str).encode()) <= 500_000
+    assert w.tree["nodes"][0][3] == sum(p.numel() for p in model.parameters())
+
+
+def test_not_a_module_is_refused():
+    with pytest.raises(TypeError):
+        explore(torch.zeros(3))
