@@ -178,8 +178,8 @@ def _scratch_op(spec: BurnSpec, generator: torch.Generator) -> None:
 
 # Draws (32-bit outputs of mt19937) that common CPU random fills consume, by element count.
 # uniform_ takes one draw per element below double precision; normal_ on a contiguous tensor of
-# at least 16 elements fills uniforms, then redraws the last 16 when the size is not a multiple of
-# 16 (ATen's normal_fill). Each formula is checked against the real kernel once per process
+# at least 16 elements draws in blocks of 16: float32 fills uniforms, then redraws the last 16
+# when the size is not a multiple of 16 (ATen's normal_fill); half types round up to a block. Each formula is checked against the real kernel once per process
 # before it is trusted (see _formula_holds), so a different PyTorch build falls back safely.
 _CHUNK = 1 << 20
 
@@ -201,7 +201,9 @@ def _draws(spec: BurnSpec) -> int | None:
     contiguous = torch.empty_strided(size, stride, device="meta").is_contiguous()
     if n < 16 or not contiguous:
         return None
-    return n + (16 if n % 16 else 0)
+    if dtype == torch.float32:
+        return n + (16 if n % 16 else 0)
+    return -(-n // 16) * 16  # half types: whole blocks of 16
 
 
 _verified: dict[tuple, bool] = {}
@@ -245,10 +247,15 @@ def _advance(generator: torch.Generator, draws: int) -> None:
         draws -= k
 
 
+def _known_draws(spec: BurnSpec, generator: torch.Generator) -> int | None:
+    draws = _draws(spec) if generator.device.type == "cpu" else None
+    return draws if draws is not None and _formula_holds(spec) else None
+
+
 def _burn(spec: BurnSpec, generator: torch.Generator) -> None:
     """Move ``generator`` past ``spec`` as the op itself would."""
-    draws = _draws(spec) if generator.device.type == "cpu" else None
-    if draws is not None and _formula_holds(spec):
+    draws = _known_draws(spec, generator)
+    if draws is not None:
         _advance(generator, draws)
     else:
         _scratch_op(spec, generator)
@@ -257,18 +264,37 @@ def _burn(spec: BurnSpec, generator: torch.Generator) -> None:
 def state_before(
     segment: RngSegment, index: int, progress: Callable[[int], None] | None = None
 ) -> torch.Tensor:
-    """The generator state right before op ``index`` of ``segment`` would run eagerly."""
+    """The generator state right before op ``index`` of ``segment`` would run eagerly.
+
+    Consecutive ops with a known draw count are skipped with a single jump; only the state
+    reached at ``index`` (and after ops that had to be re-run) is kept as a checkpoint.
+    """
     with segment.lock, plain():
         start = segment.nearest_checkpoint(index)
         if start == index:
             return segment.checkpoints[index]
         gen = torch.Generator(device=segment.device)
         gen.set_state(segment.checkpoints[start])
+        pending = pending_bytes = 0
         for i in range(start, index):
-            _burn(segment.specs[i], gen)
+            spec = segment.specs[i]
+            draws = _known_draws(spec, gen)
+            if draws is not None:
+                pending += draws
+                pending_bytes += spec.nbytes
+                continue
+            if pending:
+                _advance(gen, pending)
+            _scratch_op(spec, gen)
             segment.add_checkpoint(i + 1, gen.get_state())
             if progress is not None:
-                progress(segment.specs[i].nbytes)
+                progress(pending_bytes + spec.nbytes)
+            pending = pending_bytes = 0
+        if pending:
+            _advance(gen, pending)
+            if progress is not None:
+                progress(pending_bytes)
+        segment.add_checkpoint(index, gen.get_state())
         return segment.checkpoints[index]
 
 
