@@ -37,8 +37,15 @@ def tensor_state(t: torch.Tensor) -> str:
     return "deferred" if t.is_meta else str(t.device)
 
 
+def _numel(t: torch.Tensor) -> int:
+    # A lazy module's parameters have no shape before their first forward pass.
+    if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
+        return 0
+    return t.numel()
+
+
 def _nbytes(t: torch.Tensor) -> int:
-    return t.numel() * t.dtype.itemsize
+    return _numel(t) * t.dtype.itemsize
 
 
 @dataclass
@@ -107,7 +114,7 @@ class ModuleTree:
             states = set()
             for t, is_param in tensors.values():
                 if is_param:
-                    st.params += t.numel()
+                    st.params += _numel(t)
                 st.bytes += _nbytes(t)
                 states.add(tensor_state(t))
             st.state = states.pop() if len(states) == 1 else ("mixed" if states else "")
@@ -125,11 +132,11 @@ class ModuleTree:
         states: dict[str, int] = {}
         for t, is_param in union.values():
             if is_param:
-                params += t.numel()
+                params += _numel(t)
             b = _nbytes(t)
             nbytes += b
             if dtype is not None and t.is_floating_point():
-                nbytes_as += t.numel() * dtype.itemsize
+                nbytes_as += _numel(t) * dtype.itemsize
             else:
                 nbytes_as += b
             s = tensor_state(t)
@@ -174,7 +181,9 @@ class ModuleTree:
             h = hashlib.blake2b(digest_size=8)
             h.update(type(self.modules[node]).__qualname__.encode())
             for t, _ in self.own_tensors(node):
-                h.update(f"{tuple(t.shape)}{t.dtype}".encode())
+                lazy = isinstance(t, torch.nn.parameter.UninitializedTensorMixin)
+                shape = "lazy" if lazy else tuple(t.shape)
+                h.update(f"{shape}{t.dtype}".encode())
             for child in self.children[node]:
                 local = self.names[child].rpartition(".")[2]
                 h.update(("#" if local.isdigit() else local).encode())
