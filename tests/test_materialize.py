@@ -254,3 +254,24 @@ def test_user_attributes_on_tensors_survive():
     m.weight._is_hf_initialized = True
     materialize(m)
     assert m.weight._is_hf_initialized is True
+
+
+def test_dematerialize_a_module_without_keep_cache_changes_nothing_and_says_why():
+    with meta_init():
+        m = nn.Linear(3, 3)
+    materialize(m)
+    with pytest.raises(MaterializationError, match="keep_cache=True"):
+        dematerialize(m)
+    assert not is_deferred(m.weight)
+
+
+def test_dematerialize_frees_the_memory():
+    with meta_init():
+        m = nn.Linear(1024, 1024)
+    materialize(m, keep_cache=True)
+    storage = m.weight.untyped_storage()
+    ref = weakref.ref(storage)
+    del storage
+    dematerialize(m)
+    gc.collect()
+    assert ref() is None

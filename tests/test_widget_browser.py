@@ -288,8 +288,23 @@ def _set_theme(settings: pathlib.Path, theme: str) -> None:
     (d / "themes.jupyterlab-settings").write_text(json.dumps({"theme": theme}))
 
 
+def _dismiss_dialogs(page) -> None:
+    """Accept any JupyterLab dialog (e.g. kernel selection) that would block clicks."""
+    dialog = page.locator(".jp-Dialog")
+    if dialog.count():
+        ARTIFACTS.mkdir(exist_ok=True)
+        page.screenshot(path=str(ARTIFACTS / "dialog-dismissed.png"))
+        accept = dialog.locator(".jp-Dialog-button.jp-mod-accept")
+        if accept.count():
+            accept.first.click()
+        else:
+            page.keyboard.press("Escape")
+        dialog.first.wait_for(state="detached", timeout=10_000)
+
+
 def _run_first_cell_and_wait_widget(page, lab: dict, name: str) -> object:
-    page.goto(f"{lab['url']}/lab/tree/{name}?token={lab['token']}", wait_until="load")
+    # ?reset: a fresh workspace, so nothing from an earlier test's page is restored
+    page.goto(f"{lab['url']}/lab/tree/{name}?reset&token={lab['token']}", wait_until="load")
     page.wait_for_selector(".jp-Notebook", timeout=60_000)
     page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
     # run only the first cell (the second is run after the click); a key press that lands
@@ -297,6 +312,7 @@ def _run_first_cell_and_wait_widget(page, lab: dict, name: str) -> object:
     first = page.locator(".jp-Cell").first
     widget = page.locator(".jmi-root")
     for _ in range(6):
+        _dismiss_dialogs(page)
         if first.locator(".jp-InputPrompt").inner_text().strip() in ("[ ]:", ""):
             first.click()
             page.keyboard.press("Shift+Enter")

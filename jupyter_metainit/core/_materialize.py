@@ -307,15 +307,16 @@ def dematerialize(obj: Any, *, force: bool = False) -> Any:
     for t in tensors:
         holder = t.__dict__.get("_jmi_shadow")
         if holder is None or holder.deferred is None:
-            lost += holder is not None or not _is_uninitialized(t)
+            lost += not _is_uninitialized(t)
             continue
         if not force and (t._version != holder.version or t.data_ptr() != holder.data_ptr):
             changed.append(f"{tuple(t.shape)} {t.dtype}")
         pairs.append((t, holder))
-    if isinstance(obj, torch.Tensor) and not pairs and not isinstance(obj, DeferredTensor):
+    if lost:
         raise MaterializationError(
-            "this tensor cannot be made deferred again: it was not materialized with "
-            "keep_cache=True (or the cache was cleared). Use materialize(..., keep_cache=True)."
+            f"{lost} tensor(s) cannot be made deferred again: they were not materialized with "
+            "keep_cache=True (or the cache was cleared, or they were never deferred). Nothing was "
+            "changed. Use materialize(..., keep_cache=True) to be able to free them."
         )
     if changed:
         raise MaterializationError(
@@ -328,7 +329,20 @@ def dematerialize(obj: Any, *, force: bool = False) -> Any:
             del t.__dict__["_jmi_shadow"]
             holder.deferred = None
             swap_in_place(t, deferred)
+        pairs.clear()
+        deferred = None  # the real storages' last references go with these
+    _return_memory_to_the_os()
     return obj
+
+
+def _return_memory_to_the_os() -> None:
+    """glibc keeps freed heap pages; give them back so the process's memory visibly drops."""
+    try:
+        import ctypes
+
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 def clear_meta_init_cache() -> None:
