@@ -127,8 +127,11 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=4)
     parser.add_argument("--tp", action="store_true", help="tensor parallel instead of FSDP2")
     parser.add_argument("--rng", choices=["exact", "fast"], default="exact")
-    parser.add_argument("--check", action="store_true",
-                        help="compare the gathered shards with a one-process materialization")
+    parser.add_argument(
+        "--check",
+        action="store_true",
+        help="compare the gathered shards with a one-process materialization",
+    )
     args = parser.parse_args()
 
     if torch.cuda.is_available():

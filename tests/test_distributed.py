@@ -108,8 +108,15 @@ def _has_transformers() -> bool:
 @pytest.fixture(scope="module")
 def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     """Every scenario, in one pair of ranks (starting processes is most of the cost)."""
-    names = ["memory", "fsdp_exact", "fsdp_fast", "fsdp_core", "tp", "tp_default_src",
-             "fsdp_over_tp"]
+    names = [
+        "memory",
+        "fsdp_exact",
+        "fsdp_fast",
+        "fsdp_core",
+        "tp",
+        "tp_default_src",
+        "fsdp_over_tp",
+    ]
     if _has_transformers():
         names.append("hf_fsdp")
     return _spawn(names, tmp_path_factory.mktemp("ranks"))

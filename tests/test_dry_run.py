@@ -15,8 +15,12 @@ from jupyter_metainit.estimates import dry_run, memory_table
 
 def tiny_llama_config() -> transformers.LlamaConfig:
     return transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
     )
 
 
@@ -161,6 +165,7 @@ def test_seventy_b_dry_run_allocates_no_activations():
         print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         """
     )
-    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
-                          timeout=300, check=True)
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
+    )
     assert int(done.stdout.split()[-1]) < 1024**3

@@ -27,8 +27,13 @@ class Tied(nn.Module):
 
 def tiny_llama(tie: bool = True) -> nn.Module:
     cfg = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=1000, tie_word_embeddings=tie,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
+        tie_word_embeddings=tie,
     )
     with torch.device("meta"):
         return transformers.AutoModelForCausalLM.from_config(cfg)
@@ -187,8 +192,12 @@ def test_lazy_module_before_forward_counts_as_uninitialized():
 
 def test_seventy_b_table_is_fast():
     cfg = transformers.LlamaConfig(
-        hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
-        num_attention_heads=64, num_key_value_heads=8, vocab_size=128256,
+        hidden_size=8192,
+        intermediate_size=28672,
+        num_hidden_layers=80,
+        num_attention_heads=64,
+        num_key_value_heads=8,
+        vocab_size=128256,
     )
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)

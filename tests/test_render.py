@@ -60,8 +60,12 @@ def test_html_caption_is_the_summary():
 
 def test_large_table_shows_shallow_levels_within_max_rows():
     cfg = transformers.LlamaConfig(
-        hidden_size=64, intermediate_size=128, num_hidden_layers=30, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=1000,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=30,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=1000,
     )
     with torch.device("meta"):
         llama = transformers.AutoModelForCausalLM.from_config(cfg)

@@ -179,8 +179,9 @@ def _scratch_op(spec: BurnSpec, generator: torch.Generator) -> None:
 # Draws (32-bit outputs of mt19937) that common CPU random fills consume, by element count.
 # uniform_ takes one draw per element below double precision; normal_ on a contiguous tensor of
 # at least 16 elements draws in blocks of 16: float32 fills uniforms, then redraws the last 16
-# when the size is not a multiple of 16 (ATen's normal_fill); half types round up to a block. Each formula is checked against the real kernel once per process
-# before it is trusted (see _formula_holds), so a different PyTorch build falls back safely.
+# when the size is not a multiple of 16 (ATen's normal_fill); half types round up to a block.
+# Each formula is checked against the real kernel once per process before it is trusted (see
+# _formula_holds), so a different PyTorch build falls back safely.
 _CHUNK = 1 << 20
 
 

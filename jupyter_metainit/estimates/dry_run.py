@@ -24,8 +24,14 @@ from jupyter_metainit.estimates.memory import _DRY_RUN_ATTR, MemoryTable, memory
 __all__ = ["dry_run"]
 
 
-def _cpu_flash_sdpa_flops(query_shape: Any, key_shape: Any, value_shape: Any, *args: Any,
-                          out_shape: Any = None, **kwargs: Any) -> int:
+def _cpu_flash_sdpa_flops(
+    query_shape: Any,
+    key_shape: Any,
+    value_shape: Any,
+    *args: Any,
+    out_shape: Any = None,
+    **kwargs: Any,
+) -> int:
     """FLOPs of the CPU flash-attention kernel, which FlopCounterMode does not map (torch 2.13)."""
     return sdpa_flop_count(query_shape, key_shape, value_shape)
 
@@ -74,9 +80,11 @@ def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
 
 
 def _is_shape(obj: Any) -> bool:
-    return isinstance(obj, (torch.Size, tuple, list)) and all(
-        isinstance(d, int) and not isinstance(d, bool) for d in obj
-    ) and len(obj) > 0
+    return (
+        isinstance(obj, (torch.Size, tuple, list))
+        and all(isinstance(d, int) and not isinstance(d, bool) for d in obj)
+        and len(obj) > 0
+    )
 
 
 # Ops whose output shares its input's memory although their schema does not say so.
@@ -252,6 +260,7 @@ def dry_run(
     tracker = _ActivationTracker(modules.stack)
     start = time.perf_counter()
     with ctx:
+
         def convert(t: torch.Tensor) -> torch.Tensor:
             if use_meta:
                 return t if t.is_meta else torch.empty_like(t, device="meta")

@@ -105,8 +105,15 @@ def _whatif_bits(dtype: torch.dtype | str | None) -> tuple[int | None, str | Non
         raise ValueError(
             f"unknown dtype {dtype!r}; use a torch.dtype or one of {sorted(_WHATIF_BITS)}"
         )
-    canonical = {"fp64": "float64", "fp32": "float32", "bf16": "bfloat16", "fp16": "float16",
-                 "half": "float16", "fp8": "float8", "nf4": "int4"}.get(key, key)
+    canonical = {
+        "fp64": "float64",
+        "fp32": "float32",
+        "bf16": "bfloat16",
+        "fp16": "float16",
+        "half": "float16",
+        "fp8": "float8",
+        "nf4": "int4",
+    }.get(key, key)
     return _WHATIF_BITS[key], canonical
 
 
@@ -345,8 +352,10 @@ def memory_table(
         "grad_mixed_bytes": col([6 * t for t in p_train]),
         "optim_mixed_bytes": col(optim),
         "train_mixed_bytes": col(
-            [2 * p_num[i] + 4 * p_train[i] + buf_all[i] + 6 * p_train[i] + optim[i]
-             for i in range(n)]
+            [
+                2 * p_num[i] + 4 * p_train[i] + buf_all[i] + 6 * p_train[i] + optim[i]
+                for i in range(n)
+            ]
         ),
     }
     records = [m.__dict__.get(_DRY_RUN_ATTR) for m in mods]

@@ -236,9 +236,7 @@ def render_html(
     if text_columns:
         styler.set_properties(subset=text_columns, **{"text-align": "left"})
     if top:
-        styler.apply(
-            lambda row: [_HIGHLIGHT if row.name in top else "" for _ in row], axis=1
-        )
+        styler.apply(lambda row: [_HIGHLIGHT if row.name in top else "" for _ in row], axis=1)
     styler.set_table_styles(
         [
             {"selector": "th.row_heading", "props": "text-align: left; font-family: monospace;"},

@@ -37,14 +37,19 @@ def summary(
         parts[0] += f" ({int(root['params_trainable']):,} trainable)"
     by_dtype = attrs.get("bytes_by_dtype") or {}
     sizes = ", ".join(f"{format_bytes(b)} {d}" for d, b in by_dtype.items())
-    parts.append(f"{format_bytes(root['total_bytes'])}" + (f" ({sizes})" if len(by_dtype) > 1
-                                                            else f" {next(iter(by_dtype), '')}"))
+    parts.append(
+        f"{format_bytes(root['total_bytes'])}"
+        + (f" ({sizes})" if len(by_dtype) > 1 else f" {next(iter(by_dtype), '')}")
+    )
     leaf = attrs.get("largest_leaf")
     if leaf is not None and leaf[2] > 0:
         parts.append(f"largest leaf {leaf[0] or '(root)'} ({leaf[1]}, {format_bytes(leaf[2])})")
     opt = attrs.get("optimizer", optimizer)
-    opt_name = "no optimizer" if opt is None else str(opt).replace("adamw", "AdamW").replace(
-        "adam", "Adam")
+    opt_name = (
+        "no optimizer"
+        if opt is None
+        else str(opt).replace("adamw", "AdamW").replace("adam", "Adam")
+    )
     parts.append(
         f"training ({opt_name}): fp32 {format_bytes(root['train_fp32_bytes'])}, "
         f"mixed {format_bytes(root['train_mixed_bytes'])}"
