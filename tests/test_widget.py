@@ -223,3 +223,9 @@ def test_first_message_is_small_for_a_70b_model():
 def test_not_a_module_is_refused():
     with pytest.raises(TypeError):
         explore(torch.zeros(3))
+
+
+def test_plain_text_repr_summarizes_the_model():
+    with meta_init():
+        m = torch.nn.Sequential(torch.nn.Linear(40, 4), torch.nn.Linear(4, 2))
+    assert repr(explore(m)) == "ModuleTreeWidget(Sequential: 174 params, 696 B, deferred)"

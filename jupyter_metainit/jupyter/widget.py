@@ -132,6 +132,16 @@ class ModuleTreeWidget(anywidget.AnyWidget):
         self.selection = self._selection_summary()
         self.on_msg(self._on_msg)
 
+    def __repr__(self) -> str:
+        # What plain-text front ends (terminals, nbconvert to text) show instead of the tree.
+        from jupyter_metainit.estimates.render import format_bytes, format_count
+
+        root = self._stats[0]
+        return (
+            f"ModuleTreeWidget({type(self.module).__name__}: {format_count(root.params)} params, "
+            f"{format_bytes(root.bytes)}, {root.state})"
+        )
+
     # ------------------------------------------------------------------ selection
     @traitlets.validate("selected")
     def _validate_selected(self, proposal: dict) -> list[str]:
