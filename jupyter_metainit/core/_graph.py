@@ -69,6 +69,11 @@ class Constant:
     tensor: torch.Tensor
 
 
+def constant_op(c: Constant) -> torch.Tensor:
+    """The "op" that created a constant: replay hands back the kept tensor."""
+    return c.tensor
+
+
 @dataclass(eq=False)
 class RngUse:
     """Position of a random op in its generator's stream (see ``_rng``)."""

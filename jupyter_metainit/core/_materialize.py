@@ -234,15 +234,16 @@ def materialize(
     if dtype is not None and not isinstance(dtype, torch.dtype):
         raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16), not {dtype!r}")
     target_device = _parse_device(device)
-    tensors = [t for t in _collect(obj) if isinstance(t, DeferredTensor)]
-    uninit = [t for t in _collect(obj) if _is_uninitialized(t)]
+    collected = _collect(obj)
+    tensors = [t for t in collected if isinstance(t, DeferredTensor)]
+    uninit = [t for t in collected if _is_uninitialized(t)]
     if uninit:
         raise MaterializationError(
             "a lazy module's parameters have no shape yet; run a forward pass on example inputs "
             "first (inside meta_init, or with jupyter_metainit.dry_run)"
         )
     if not tensors:
-        if any(t.is_meta for t in _collect(obj)):
+        if any(t.is_meta for t in collected):
             raise MaterializationError(
                 "these tensors are on PyTorch's meta device, with no recording of their values; "
                 "build the model inside `with jupyter_metainit.meta_init():` instead of "

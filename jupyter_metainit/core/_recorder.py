@@ -32,15 +32,16 @@ from jupyter_metainit.core._graph import (
     RngUse,
     StorageRecord,
     TensorRecord,
+    constant_op,
     next_seq,
 )
 from jupyter_metainit.core._ops import bind_arguments, op_info, user_frame
 from jupyter_metainit.core._plain import iter_args, map_args, plain
 from jupyter_metainit.core._rng import make_spec, record_random
 from jupyter_metainit.core._tensor import INTERNAL_ATTRS, DeferredTensor
-from jupyter_metainit.core.errors import DeferredDataError, UnsupportedOperatorError
+from jupyter_metainit.core.errors import UnsupportedOperatorError
 
-__all__ = ["is_meta_init", "meta_init"]
+__all__ = ["handle_function", "handle_op", "is_meta_init", "meta_init", "read_value", "set_data"]
 
 aten = torch.ops.aten
 _META = torch.device("meta")
@@ -238,16 +239,9 @@ def _wrap_constant(real: torch.Tensor, device: torch.device) -> DeferredTensor:
         meta = _to_meta(real)
     storage = StorageRecord(_storage_nbytes(meta), meta.dtype, device)
     rec = TensorRecord(storage, meta)
-    op = OpRecord(next_seq(), _CONSTANT, (Constant(real),), {}, (), (rec,), None, user_frame())
+    op = OpRecord(next_seq(), constant_op, (Constant(real),), {}, (), (rec,), None, user_frame())
     storage.writes.append(op)
     return DeferredTensor(meta, rec, device)
-
-
-def _constant_op(c: Constant) -> torch.Tensor:  # replayed by _replay
-    return c.tensor
-
-
-_CONSTANT = _constant_op
 
 
 def _storage_nbytes(meta: torch.Tensor) -> int:
@@ -584,7 +578,3 @@ def meta_init(device: Any = None, dtype: torch.dtype | None = None) -> Iterator[
         _tls.devices.pop()
         if dtype is not None:
             torch.set_default_dtype(saved_dtype)
-
-
-__all__ += ["read_value"]
-_unused = DeferredDataError

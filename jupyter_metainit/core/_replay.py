@@ -17,7 +17,14 @@ import torch
 from torch.utils._pytree import tree_map
 
 from jupyter_metainit.core import _rng
-from jupyter_metainit.core._graph import Constant, External, OpRecord, StorageRecord, TensorRecord
+from jupyter_metainit.core._graph import (
+    Constant,
+    External,
+    OpRecord,
+    StorageRecord,
+    TensorRecord,
+    constant_op,
+)
 from jupyter_metainit.core._plain import plain
 from jupyter_metainit.core.errors import DeferredDataError, MaterializationError
 
@@ -148,7 +155,7 @@ class _Run:
                 f"this tensor was recorded for {device} but CUDA is not available here; "
                 "pass device='cpu' (or another available device) to materialize"
             )
-        if op.func.__name__ == "_constant_op":
+        if op.func is constant_op:
             out = op.args[0].tensor
             out = out.to(device) if out.device != device else out
             self._store(op, (out,), device)
