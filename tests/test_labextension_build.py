@@ -46,3 +46,14 @@ def test_rebuild_gives_the_same_bytes(tmp_path):
     )
     for name in BUILT:
         assert (tmp_path / name).read_bytes() == (STATIC / name).read_bytes(), name
+
+
+@pytest.mark.skipif(
+    shutil.which("npm") is None or not (LABEXT / "node_modules" / "vitest").exists(),
+    reason="needs npm and labextension/node_modules (cd labextension && npm ci)",
+)
+def test_front_end_unit_tests_and_type_check_pass():
+    out = subprocess.run(
+        ["npm", "test", "--silent"], cwd=LABEXT, capture_output=True, text=True, timeout=300
+    )
+    assert out.returncode == 0, out.stdout[-4000:] + out.stderr[-4000:]
