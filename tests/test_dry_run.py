@@ -6,6 +6,7 @@ import textwrap
 
 import torch
 import transformers
+from _models import llama_config
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -14,14 +15,7 @@ from jupyter_metainit.estimates import dry_run, memory_table
 
 
 def tiny_llama_config() -> transformers.LlamaConfig:
-    return transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1000,
-    )
+    return llama_config()
 
 
 def test_linear_flops_are_2mnk():

@@ -3,6 +3,7 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
+from _models import llama_config
 from accelerate.commands.estimate import estimate_training_usage
 from accelerate.utils import compute_module_sizes
 from torch import nn
@@ -47,15 +48,7 @@ def test_fits_without_gpu_asks_for_a_budget():
 
 
 def test_fits_from_a_config_directory(tmp_path):
-    cfg = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1000,
-        architectures=["LlamaForCausalLM"],
-    )
+    cfg = llama_config(architectures=["LlamaForCausalLM"])
     cfg.save_pretrained(tmp_path)
     result = fits(str(tmp_path), budget="1MiB")
     with torch.device("meta"):

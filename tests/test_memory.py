@@ -5,6 +5,7 @@ import time
 import pytest
 import torch
 import transformers
+from _models import LLAMA_70B, llama_config
 from accelerate.commands.estimate import estimate_training_usage
 from accelerate.utils import compute_module_sizes
 from torch import nn
@@ -26,15 +27,7 @@ class Tied(nn.Module):
 
 
 def tiny_llama(tie: bool = True) -> nn.Module:
-    cfg = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1000,
-        tie_word_embeddings=tie,
-    )
+    cfg = llama_config(tie_word_embeddings=tie)
     with torch.device("meta"):
         return transformers.AutoModelForCausalLM.from_config(cfg)
 
@@ -191,14 +184,7 @@ def test_lazy_module_before_forward_counts_as_uninitialized():
 
 
 def test_seventy_b_table_is_fast():
-    cfg = transformers.LlamaConfig(
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        vocab_size=128256,
-    )
+    cfg = llama_config(LLAMA_70B)
     with torch.device("meta"):
         model = transformers.AutoModelForCausalLM.from_config(cfg)
     memory_table(model)

@@ -4,6 +4,7 @@ import re
 
 import torch
 import transformers
+from _models import llama_config
 from torch import nn
 
 from jupyter_metainit.estimates import MemoryTable, memory_table, render_html, to_text
@@ -59,14 +60,7 @@ def test_html_caption_is_the_summary():
 
 
 def test_large_table_shows_shallow_levels_within_max_rows():
-    cfg = transformers.LlamaConfig(
-        hidden_size=64,
-        intermediate_size=128,
-        num_hidden_layers=30,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        vocab_size=1000,
-    )
+    cfg = llama_config(num_hidden_layers=30)
     with torch.device("meta"):
         llama = transformers.AutoModelForCausalLM.from_config(cfg)
     html = render_html(memory_table(llama), max_rows=50)

@@ -7,6 +7,7 @@ import json
 import pytest
 import torch
 import traitlets
+from _models import llama70b_on_meta
 from torch import nn
 
 from jupyter_metainit import meta_init
@@ -202,18 +203,7 @@ def test_table_html_for_selection(net):
 
 
 def test_first_message_is_small_for_a_70b_model():
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        vocab_size=128256,
-    )
-    with torch.device("meta"):
-        model = LlamaForCausalLM(cfg)
+    model = llama70b_on_meta()
     w = explore(model)
     assert len(w.tree["nodes"]) > 1000
     assert len(json.dumps(w.get_state(), default=str).encode()) <= 500_000

@@ -18,6 +18,7 @@ import tempfile
 import time
 
 import pytest
+from _models import llama70b_on_meta
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -53,22 +54,6 @@ def browser():
             yield b
         finally:
             b.close()
-
-
-def llama70b_meta():
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    cfg = LlamaConfig(
-        hidden_size=8192,
-        intermediate_size=28672,
-        num_hidden_layers=80,
-        num_attention_heads=64,
-        num_key_value_heads=8,
-        vocab_size=128256,
-    )
-    with torch.device("meta"):
-        return LlamaForCausalLM(cfg)
 
 
 # A page with the built ES module and CSS, and a minimal in-page model (state + events),
@@ -128,7 +113,7 @@ def _serve_static(page) -> None:
 def test_70b_tree_renders_and_responds_fast(browser):
     from jupyter_metainit.jupyter.widget import explore
 
-    w = explore(llama70b_meta())
+    w = explore(llama70b_on_meta())
     state = {k: v for k, v in w.get_state().items() if not k.startswith("_")}
     first_message = len(json.dumps(w.get_state(), default=str).encode())
     assert first_message <= 500_000

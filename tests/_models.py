@@ -1,0 +1,40 @@
+"""Model configurations shared by the tests (no weights: built under meta_init or meta)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+# The shapes of Llama-3-70B: the size the issues' targets are stated for.
+LLAMA_70B: dict[str, Any] = dict(
+    hidden_size=8192,
+    intermediate_size=28672,
+    num_hidden_layers=80,
+    num_attention_heads=64,
+    num_key_value_heads=8,
+    vocab_size=128256,
+)
+
+TINY_LLAMA: dict[str, Any] = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_hidden_layers=2,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    vocab_size=1000,
+)
+
+
+def llama_config(base: dict[str, Any] = TINY_LLAMA, **overrides: Any) -> Any:
+    """A ``transformers.LlamaConfig`` of ``base`` shapes with ``overrides``."""
+    import transformers
+
+    return transformers.LlamaConfig(**{**base, **overrides})
+
+
+def llama70b_on_meta() -> Any:
+    """The 70B-shaped ``LlamaForCausalLM`` on PyTorch's meta device (nothing recorded)."""
+    import torch
+    import transformers
+
+    with torch.device("meta"):
+        return transformers.LlamaForCausalLM(llama_config(LLAMA_70B))
