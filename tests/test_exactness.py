@@ -6,25 +6,19 @@ import warnings
 
 import pytest
 import torch
+from _twins import assert_same, eager_and_deferred
 from torch import nn
 
 from jupyter_metainit import is_deferred, materialize, meta_init
 
 
 def assert_exact(ctor, seed=0):
-    torch.manual_seed(seed)
-    eager = ctor()
-    torch.manual_seed(seed)
-    with meta_init():
-        deferred = ctor()
+    eager, deferred = eager_and_deferred(ctor, seed)
     state = torch.get_rng_state()
     materialize(deferred)
     assert torch.equal(state, torch.get_rng_state())
     assert not is_deferred(deferred)
-    se, sd = eager.state_dict(), deferred.state_dict()
-    assert se.keys() == sd.keys()
-    for k in se:
-        assert torch.equal(se[k], sd[k]), k
+    assert_same(eager, deferred)
     return eager, deferred
 
 

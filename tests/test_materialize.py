@@ -7,6 +7,7 @@ import weakref
 
 import pytest
 import torch
+from _twins import assert_same, eager_and_deferred
 from torch import nn
 
 from jupyter_metainit import (
@@ -29,22 +30,6 @@ class Net(nn.Module):
         self.register_buffer("scale", torch.linspace(0, 1, width), persistent=False)
         self.head = nn.Linear(width, 32, bias=False)
         self.head.weight = self.emb.weight
-
-
-def eager_and_deferred(ctor, seed=0):
-    torch.manual_seed(seed)
-    eager = ctor()
-    torch.manual_seed(seed)
-    with meta_init():
-        deferred = ctor()
-    return eager, deferred
-
-
-def assert_same(a: nn.Module, b: nn.Module):
-    sa, sb = a.state_dict(), b.state_dict()
-    assert sa.keys() == sb.keys()
-    for k in sa:
-        assert torch.equal(sa[k], sb[k]), k
 
 
 def test_every_reference_sees_the_real_tensor():
