@@ -232,14 +232,29 @@ def test_numpy_of_a_deferred_tensor_gives_values():
     assert t.numpy().tolist() == [7.0, 7.0]
 
 
-def test_unsupported_operator_names_op_and_caller():
+def test_operator_without_meta_kernel_is_computed_on_values_and_recorded():
     with meta_init():
-        t = torch.ones(3)
+        t = torch.arange(3.0)
     op = torch.library.Library("jmi_test", "DEF")
+    op.define("double(Tensor x) -> Tensor")
+    op.impl("double", lambda x: x * 2, "CPU")
+    with meta_init():
+        d = torch.ops.jmi_test.double(t)
+    assert is_deferred(d) and d.shape == (3,)
+    materialize(d)
+    assert torch.equal(d, torch.tensor([0.0, 2.0, 4.0]))
+
+
+def test_operator_without_meta_kernel_on_unreplayable_input_names_op_and_caller():
+    source = torch.ones(3)
+    with meta_init():
+        t = torch.zeros(3) + source
+    source.add_(1)  # the recording's input is gone
+    op = torch.library.Library("jmi_test2", "DEF")
     op.define("noop(Tensor x) -> Tensor")
     op.impl("noop", lambda x: x.clone(), "CPU")
-    with pytest.raises(UnsupportedOperatorError, match=r"jmi_test.noop.*test_recorder.py"):
-        torch.ops.jmi_test.noop(t)
+    with pytest.raises(UnsupportedOperatorError, match=r"jmi_test2.noop.*test_recorder.py"):
+        torch.ops.jmi_test2.noop(t)
 
 
 def test_no_grad_blocks_are_recorded():

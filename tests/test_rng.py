@@ -138,7 +138,7 @@ def test_burn_through_of_large_fills_uses_bounded_scratch_memory():
         torch.ops.aten.normal_.default, (("tensor", (64, 1024), (1024, 1), torch.float32),),
         {}, True, 0,
     )  # fmt: skip
-    assert _rng._draws(spec) == 64 * 1024 and _rng._formula_holds(spec)
+    assert _rng.known_draws(spec, torch.device("cpu")) == 64 * 1024
 
 
 def test_long_burn_through_jumps_ahead_exactly():

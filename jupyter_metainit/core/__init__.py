@@ -5,6 +5,7 @@ No Jupyter imports here: scripts, distributed launchers and the notebook layer s
 
 from __future__ import annotations
 
+from jupyter_metainit.core._context import is_meta_init, meta_init
 from jupyter_metainit.core._materialize import (
     clear_meta_init_cache,
     dematerialize,
@@ -12,7 +13,6 @@ from jupyter_metainit.core._materialize import (
     materialize,
     tensor_state,
 )
-from jupyter_metainit.core._recorder import is_meta_init, meta_init
 from jupyter_metainit.core._skip_init import skip_init
 from jupyter_metainit.core._tensor import DeferredTensor
 

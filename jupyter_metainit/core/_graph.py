@@ -94,6 +94,11 @@ class OpRecord:
     outputs: tuple[TensorRecord | None, ...]  # new storages created by this op, per return
     rng: RngUse | None
     where: str
+    # The default dtype this op's result dtype came from (an integer tensor divided by an int,
+    # ``int_tensor * 0.5``), so that replay does not depend on the default in force then; None
+    # for the ops (nearly all) whose result does not depend on it.
+    default_dtype: torch.dtype | None = None
+    mutates: tuple[StorageRecord, ...] = ()  # existing storages this op writes in place
 
     def __hash__(self) -> int:
         return self.seq

@@ -9,14 +9,17 @@ from typing import Any
 
 import torch
 
+__all__ = ["OpInfo", "bind_arguments", "op_info", "user_frame"]
+
 _RANDOM_TAG = torch.Tag.nondeterministic_seeded
+_INPLACE_VIEW_TAG = torch.Tag.inplace_view
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _TORCH_DIR = os.path.dirname(os.path.abspath(torch.__file__))
 
 
 @dataclass(frozen=True)
 class OpInfo:
-    """Aliasing and randomness facts of one ``OpOverload``, read from its schema."""
+    """Aliasing, randomness and factory facts of one ``OpOverload``, read from its schema."""
 
     arg_names: tuple[str, ...]
     mutated: tuple[int, ...]  # indices of arguments the op writes (in-place self, out=)
@@ -24,10 +27,38 @@ class OpInfo:
     return_writes: tuple[bool, ...]  # per return: True if the alias is a write (in-place/out)
     is_random: bool
     has_generator: bool
+    # The overload of the same op that takes ``generator=`` (``rand.default`` ->
+    # ``rand.generator``), for random ops without one; replay always passes its own generator.
+    generator_overload: torch._ops.OpOverload | None
     returns_tensors: bool
+    takes_tensors: bool  # False for factories (``empty``, ``arange``, ``full``, ...)
+    dtype_index: int | None  # position of the ``dtype`` argument, if any
+    is_inplace_view: bool  # ``t_``, ``squeeze_``, ``as_strided_``: change metadata, not data
+
+    def arg_index(self, name: str) -> int:
+        return self.arg_names.index(name)
 
 
 _CACHE: dict[Any, OpInfo] = {}
+
+
+def _is_tensor_type(t: Any) -> bool:
+    return "Tensor" in str(t)
+
+
+def _generator_overload(func: torch._ops.OpOverload, names: tuple[str, ...]) -> Any:
+    packet = getattr(torch.ops.aten, func._schema.name.split("::")[-1], None)
+    if packet is None:
+        return None
+    for name in packet.overloads():
+        other = getattr(packet, name)
+        other_names = tuple(a.name for a in other._schema.arguments)
+        if (
+            "generator" in other_names
+            and tuple(n for n in other_names if n != "generator") == names
+        ):
+            return other
+    return None
 
 
 def op_info(func: torch._ops.OpOverload) -> OpInfo:
@@ -57,14 +88,22 @@ def op_info(func: torch._ops.OpOverload) -> OpInfo:
         idx = next((sets[s] for s in alias.before_set if s in sets), None)
         ret_alias.append(idx)
         ret_writes.append(bool(alias.is_write))
+    is_random = _RANDOM_TAG in func.tags
+    has_generator = "generator" in names
     info = OpInfo(
         arg_names=names,
         mutated=tuple(mutated),
         return_alias=tuple(ret_alias),
         return_writes=tuple(ret_writes),
-        is_random=_RANDOM_TAG in func.tags,
-        has_generator="generator" in names,
-        returns_tensors=any("Tensor" in str(r.type) for r in schema.returns),
+        is_random=is_random,
+        has_generator=has_generator,
+        generator_overload=(
+            _generator_overload(func, names) if is_random and not has_generator else None
+        ),
+        returns_tensors=any(_is_tensor_type(r.type) for r in schema.returns),
+        takes_tensors=any(_is_tensor_type(a.type) for a in schema.arguments),
+        dtype_index=names.index("dtype") if "dtype" in names else None,
+        is_inplace_view=_INPLACE_VIEW_TAG in func.tags,
     )
     _CACHE[func] = info
     return info

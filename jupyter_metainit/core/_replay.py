@@ -4,13 +4,18 @@
 storages those ops read *before* they ran, so the work is proportional to the requested subtree.
 ``execute`` runs the plan on real memory in recording order (``fast`` mode: independent groups in
 parallel threads), freeing intermediates as soon as nothing later needs them.
+``compute_values`` is the read path used while recording (``.item()``, ``bool(t)``, ops without
+a meta kernel): exact, on the CPU, continuing from values computed by earlier reads.
 """
 
 from __future__ import annotations
 
+import bisect
 import concurrent.futures
+import contextlib
 import os
-from collections.abc import Callable, Iterable
+import threading
+from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
@@ -26,51 +31,115 @@ from jupyter_metainit.core._graph import (
     constant_op,
 )
 from jupyter_metainit.core._plain import plain
+from jupyter_metainit.core._values import ValueCache, value_cache
 from jupyter_metainit.core.errors import DeferredDataError, MaterializationError
 
-__all__ = ["Plan", "compute_values", "execute", "plan"]
+__all__ = ["Plan", "compute_values", "execute", "plan", "real_view"]
 
 Progress = Callable[[int, int], None]
 
 
 class Plan:
-    """The ops to replay (in recording order) and the storages that must come out."""
+    """The ops to replay (in recording order), the storages that must come out, and the
+    storages that start from a value already computed (``seeds``: id -> (record, value))."""
 
-    def __init__(self, ops: list[OpRecord], targets: list[StorageRecord]) -> None:
+    def __init__(
+        self,
+        ops: list[OpRecord],
+        targets: list[StorageRecord],
+        seeds: dict[int, tuple[StorageRecord, torch.Tensor]],
+        versions: dict[int, tuple[StorageRecord, int]],
+    ) -> None:
         self.ops = ops
         self.targets = targets
+        self.seeds = seeds
+        self.versions = versions  # id -> (record, writes applied once the plan has run)
 
     def __len__(self) -> int:
         return len(self.ops)
 
 
-def plan(records: Iterable[TensorRecord]) -> Plan:
+def _writes_before(storage: StorageRecord, seq: int) -> int:
+    """How many of ``storage``'s writes were recorded before op number ``seq``."""
+    return bisect.bisect_left(storage.writes, seq, key=lambda op: op.seq)
+
+
+class _CacheConflict(Exception):
+    def __init__(self, storage: StorageRecord) -> None:
+        self.storage = storage
+
+
+def plan(records: Iterable[TensorRecord], cache: ValueCache | None = None) -> Plan:
+    """The ops that produce the current values of ``records``' storages.
+
+    The rules it relies on, which the recorder (``_record.handle_op``) guarantees:
+
+    * **Storages, not tensors, have histories.** Every op that creates or writes memory is
+      appended to ``writes`` of each storage it creates or writes, in recording order; views
+      are not ops but geometries (``TensorRecord``) over a storage, so a write through any view
+      is a write of the storage.
+    * **Reads are as of the op.** An op's ``reads`` are the storages of its tensor inputs; it
+      saw each one after exactly the writes recorded before it (``seq`` order). So the value of
+      storage ``S`` "as op ``o`` read it" needs ``S``'s writes with ``seq < o.seq``, and,
+      recursively, what those writes read.
+    * **Recording order is a valid execution order** for any subset closed this way.
+
+    With ``cache`` (reads during recording), a storage whose value after its first ``k`` writes
+    is cached starts from it, unless some op of the plan reads it at an earlier version.
+    """
     targets: dict[int, StorageRecord] = {}
     for r in records:
         targets.setdefault(id(r.storage), r.storage)
-    processed: dict[int, int] = {}  # storage id -> ops with seq below this are included
-    included: dict[int, OpRecord] = {}
+    disabled: set[int] = set()
+    while True:
+        try:
+            return _closure(targets, cache, disabled)
+        except _CacheConflict as conflict:
+            disabled.add(id(conflict.storage))
+
+
+def _closure(
+    targets: dict[int, StorageRecord], cache: ValueCache | None, disabled: set[int]
+) -> Plan:
     inf = 1 << 62
+    reached: dict[int, int] = {}  # storage id -> writes included so far (a prefix of `writes`)
+    starts: dict[int, int] = {}  # storage id -> first write replayed (cached storages: k)
+    seeds: dict[int, tuple[StorageRecord, torch.Tensor]] = {}
+    storages: dict[int, StorageRecord] = {}
+    included: dict[int, OpRecord] = {}
     work: list[tuple[StorageRecord, int]] = [(s, inf) for s in targets.values()]
     while work:
         storage, upto = work.pop()
-        done = processed.get(id(storage), -1)
-        if upto <= done:
-            continue
-        processed[id(storage)] = upto
+        sid = id(storage)
         if not storage.writes:
             raise DeferredDataError(
                 "a deferred tensor has no recorded origin; it cannot be replayed"
             )
-        for op in storage.writes:
-            if op.seq >= upto:
-                break
-            if op.seq < done or op.seq in included:
+        need = len(storage.writes) if upto == inf else _writes_before(storage, upto)
+        if sid not in starts:
+            start = 0
+            cached = cache.get(storage) if cache is not None and sid not in disabled else None
+            if cached is not None and 0 < cached[0] <= need:
+                start = cached[0]
+                seeds[sid] = (storage, cached[1])
+            starts[sid] = start
+            reached[sid] = start
+            storages[sid] = storage
+        elif need < starts[sid]:
+            raise _CacheConflict(storage)
+        done = reached[sid]
+        if need <= done:
+            continue
+        reached[sid] = need
+        for op in storage.writes[done:need]:
+            if op.seq in included:
                 continue
             included[op.seq] = op
             for s in op.reads:
                 work.append((s, op.seq))
-    return Plan(sorted(included.values(), key=lambda o: o.seq), list(targets.values()))
+    versions = {sid: (storages[sid], n) for sid, n in reached.items()}
+    ops = sorted(included.values(), key=lambda o: o.seq)
+    return Plan(ops, list(targets.values()), seeds, versions)
 
 
 def _geometry_matches(t: torch.Tensor, r: TensorRecord) -> bool:
@@ -82,11 +151,44 @@ def _geometry_matches(t: torch.Tensor, r: TensorRecord) -> bool:
     )
 
 
+def real_view(base: torch.Tensor, r: TensorRecord) -> torch.Tensor:
+    """``r``'s geometry over the real storage ``base`` (any dtype: dtype views are views too)."""
+    if _geometry_matches(base, r):
+        return base
+    if base.dtype == r.dtype:
+        return base.as_strided(r.size, r.stride, r.offset)
+    out = torch.empty(0, dtype=r.dtype, device=base.device)
+    return out.set_(base.untyped_storage(), r.offset, r.size, r.stride)
+
+
+_default_dtype_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def default_dtype_as(dtype: torch.dtype | None) -> Iterator[None]:
+    """Run one op whose result dtype comes from the default dtype as it was recorded.
+
+    PyTorch's default dtype is process-wide; the few ops that depend on it (an integer tensor
+    divided by an int) switch it for their own duration only, under a lock.
+    """
+    if dtype is None or dtype == torch.get_default_dtype():
+        yield
+        return
+    with _default_dtype_lock:
+        saved = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(saved)
+
+
 class _Run:
     """State of one replay: real storages, generator positions, progress."""
 
     def __init__(self, p: Plan, device: torch.device | None, rng: str,
-                 progress: Progress | None) -> None:  # fmt: skip
+                 progress: Progress | None, retain: Callable[[StorageRecord], bool] | None,
+                 ) -> None:  # fmt: skip
         self.plan = p
         self.device = device
         self.rng = rng
@@ -95,12 +197,24 @@ class _Run:
         self.done = 0
         self.total = sum(_op_bytes(op) for op in p.ops)
         self.generators: dict[int, tuple[torch.Generator, int]] = {}
+        written = {id(r.storage) for op in p.ops for r in op.outputs if r is not None}
+        written |= {id(s) for op in p.ops for s in op.mutates}
         target_ids = {id(s) for s in p.targets}
+        for sid, (_storage, value) in p.seeds.items():
+            # A cached value is shared: copy it before anything writes it or hands it out.
+            if sid in written or sid in target_ids:
+                value = value.clone()
+            if device is not None and value.device != device:
+                value = value.to(device)
+            self.env[sid] = value
         self.last_use: dict[int, int] = {}
         for i, op in enumerate(p.ops):
             for s in op.reads:
                 self.last_use[id(s)] = i
-        for sid in target_ids:
+        keep = set(target_ids)
+        if retain is not None:
+            keep |= {sid for sid, (s, _n) in p.versions.items() if retain(s)}
+        for sid in keep:
             self.last_use[sid] = len(p.ops)
         if rng == "exact":
             self.total += _burn_estimate(p)
@@ -115,11 +229,7 @@ class _Run:
         base = self.env.get(id(r.storage))
         if base is None:
             raise MaterializationError("internal error: a storage was needed before it was made")
-        if _geometry_matches(base, r):
-            return base
-        if base.dtype != r.dtype:
-            base = base.view(r.dtype) if base.element_size() == r.dtype.itemsize else base
-        return base.as_strided(r.size, r.stride, r.offset)
+        return real_view(base, r)
 
     def op_device(self, op: OpRecord) -> torch.device:
         if self.device is not None:
@@ -158,23 +268,24 @@ class _Run:
         if op.func is constant_op:
             out = op.args[0].tensor
             out = out.to(device) if out.device != device else out
-            self._store(op, (out,), device)
+            self._store(op, (out,))
             self.advance(_op_bytes(op))
             return
         args = tree_map(lambda x: self.arg(x, device), op.args)
         kwargs = tree_map(lambda x: self.arg(x, device), op.kwargs)
         if "device" in kwargs:
             kwargs["device"] = device
-        if op.rng is not None:
-            out = self._run_random(op, args, kwargs, device)
-        else:
-            out = op.func(*args, **kwargs)
+        with default_dtype_as(op.default_dtype):
+            if op.rng is not None:
+                out = self._run_random(op, args, kwargs, device)
+            else:
+                out = op.func(*args, **kwargs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        self._store(op, outs, device)
+        self._store(op, outs)
         self.advance(_op_bytes(op))
 
-    def _store(self, op: OpRecord, outs: Any, device: torch.device) -> None:
-        for rec, o in zip(op.outputs, outs, strict=True):
+    def _store(self, op: OpRecord, outs: Any) -> None:
+        for rec, o in zip(op.outputs, outs, strict=False):
             if rec is None:
                 continue
             if not _geometry_matches(o, rec):
@@ -186,10 +297,10 @@ class _Run:
 
     def _run_random(self, op: OpRecord, args: tuple, kwargs: dict, device: torch.device) -> Any:
         seg, index = op.rng.segment, op.rng.index
-        info_has_gen = "generator" in [a.name for a in op.func._schema.arguments]
+        has_gen = "generator" in [a.name for a in op.func._schema.arguments]
         if self.rng == "fast":
-            gen = _rng.fast_generator(seg, index, device if info_has_gen else torch.device("cpu"))
-            return _rng.run_random(lambda g: _call(op, args, kwargs, g), gen, info_has_gen)
+            gen = _rng.fast_generator(seg, index, device)
+            return _rng.run_random(lambda g: _call(op, args, kwargs, g), gen, has_gen)
         gen_dev = seg.device
         current = self.generators.get(id(seg))
         if current is not None and current[1] == index:
@@ -198,14 +309,14 @@ class _Run:
             gen = torch.Generator(device=gen_dev)
             gen.set_state(_rng.state_before(seg, index, self._burn_progress))
         if device == gen_dev:
-            out = _rng.run_random(lambda g: _call(op, args, kwargs, g), gen, info_has_gen)
+            out = _rng.run_random(lambda g: _call(op, args, kwargs, g), gen, has_gen)
         else:
             # Exact values come from the recorded generator's device; then they are copied over.
             cpu_args = tree_map(lambda x: _to(x, gen_dev), args)
             cpu_kwargs = tree_map(lambda x: _to(x, gen_dev), kwargs)
             if "device" in cpu_kwargs:
                 cpu_kwargs["device"] = gen_dev
-            out = _rng.run_random(lambda g: _call(op, cpu_args, cpu_kwargs, g), gen, info_has_gen)
+            out = _rng.run_random(lambda g: _call(op, cpu_args, cpu_kwargs, g), gen, has_gen)
             for i, a in enumerate(op.func._schema.arguments):
                 if a.alias_info is not None and a.alias_info.is_write and i < len(args):
                     args[i].copy_(cpu_args[i])
@@ -273,29 +384,37 @@ def _components(ops: list[OpRecord]) -> list[list[tuple[int, OpRecord]]]:
 
     for op in ops:
         ids = [id(s) for s in op.reads] + [id(r.storage) for r in op.outputs if r is not None]
+        ids += [id(s) for s in op.mutates]
         for other in ids[1:]:
             parent[find(other)] = find(ids[0])
     groups: dict[int, list[tuple[int, OpRecord]]] = {}
     for i, op in enumerate(ops):
-        key = op.reads[0] if op.reads else next(r.storage for r in op.outputs if r is not None)
-        groups.setdefault(find(id(key)), []).append((i, op))
+        ids = [id(s) for s in op.reads] + [id(r.storage) for r in op.outputs if r is not None]
+        ids += [id(s) for s in op.mutates]
+        groups.setdefault(find(ids[0]), []).append((i, op))
     return list(groups.values())
 
 
 def execute(
     p: Plan, device: torch.device | None = None, rng: str = "exact",
     progress: Progress | None = None, threads: int | None = None,
+    retain: Callable[[StorageRecord], bool] | None = None,
 ) -> dict[int, torch.Tensor]:  # fmt: skip
-    """Run ``p`` and return the real storages of its targets, keyed by ``id(StorageRecord)``."""
-    run = _Run(p, device, rng, progress)
-    with plain():
+    """Run ``p``; return the real storages of its targets (and of the storages ``retain``
+    accepts), keyed by ``id(StorageRecord)``.
+
+    Runs with every interception off (``plain``), outside inference mode, and with each op's
+    recorded default dtype, so the result does not depend on what is in force at the time.
+    """
+    with plain(), torch.inference_mode(False):
+        run = _Run(p, device, rng, progress, retain)
         if rng == "fast" and len(p.ops) > 1 and (threads or os.cpu_count() or 1) > 1:
             groups = _components(p.ops)
             workers = min(threads or os.cpu_count() or 1, len(groups))
             if workers > 1:
 
                 def replay_group(group: list[tuple[int, OpRecord]]) -> None:
-                    with plain():
+                    with plain(), torch.inference_mode(False):
                         for i, op in group:
                             run.run(i, op)
                             run.release(i, op)
@@ -305,22 +424,34 @@ def execute(
                     groups.sort(key=lambda g: -sum(_op_bytes(o) for _, o in g))
                     for f in [pool.submit(replay_group, g) for g in groups]:
                         f.result()
-                return {id(s): run.env[id(s)] for s in p.targets}
+                return _results(run, p)
         for i, op in enumerate(p.ops):
             run.run(i, op)
             run.release(i, op)
-    return {id(s): run.env[id(s)] for s in p.targets}
+    return _results(run, p)
 
 
-def real_view(base: torch.Tensor, r: TensorRecord) -> torch.Tensor:
-    if _geometry_matches(base, r):
-        return base
-    return base.as_strided(r.size, r.stride, r.offset)
+def _results(run: _Run, p: Plan) -> dict[int, torch.Tensor]:
+    out = {id(s): run.env[id(s)] for s in p.targets}
+    for sid in run.last_use:
+        if sid in run.env and run.last_use[sid] == len(p.ops):
+            out.setdefault(sid, run.env[sid])
+    return out
 
 
 def compute_values(records: list[TensorRecord]) -> list[torch.Tensor]:
-    """Exact current values of deferred tensors on the CPU, without changing them."""
-    p = plan(records)
-    env = execute(p, torch.device("cpu"), "exact")
+    """Exact current values of deferred tensors on the CPU, without changing them.
+
+    Continues from values earlier reads computed (``_values``) and keeps what it computes for
+    the next read, within the cache's budget.
+    """
+    p = plan(records, value_cache)
+    env = execute(
+        p, torch.device("cpu"), "exact", retain=lambda s: s.nbytes <= value_cache.max_entry
+    )
+    for sid, (storage, writes) in p.versions.items():
+        value = env.get(sid)
+        if value is not None and writes > 0:
+            value_cache.put(storage, writes, value)
     with plain():
-        return [real_view(env[id(r.storage)], r) for r in records]
+        return [real_view(env[id(r.storage)], r).clone() for r in records]

@@ -6,20 +6,26 @@ run of deferred random ops that would have consumed one generator back to back, 
 ``start_state``.
 
 * ``exact`` mode replays op ``index`` from the generator state it would have had eagerly. Reaching
-  it means moving the generator past every earlier op of the segment: for ``uniform_``/``normal_``
-  fills, whose consumption is a known number of draws (checked against the real kernel once per
-  process), by MT19937 jump-ahead in milliseconds; for other random ops by re-running them on
-  scratch memory, one at a time (memory bounded by the largest single random tensor). The state
-  before every op reached that way is kept as a checkpoint, so later calls start from the nearest
-  one.
+  it means moving the generator past every earlier op of the segment: for ops whose consumption
+  is a known number of 32-bit draws (``uniform_``, ``normal_``, ``random_``, ``randint``, ...;
+  each formula is checked against the real kernel once per process), by MT19937 jump-ahead in
+  milliseconds; for other random ops by re-running them on scratch memory. The state before
+  every op reached that way is kept as a checkpoint, so later calls start from the nearest one.
 * ``fast`` mode gives op ``index`` its own generator seeded from a hash of the segment's start
-  state and ``index``: deterministic, independent of order and grouping, parallel-friendly, and
-  usable on any device.
+  state and ``index``: deterministic, independent of order, grouping and threads, and usable on
+  any device. It never touches a global generator.
 
-After each recorded random op the real generator is advanced by one draw. That marks the stream:
-if the next op finds the generator in the marked state, it continues the segment; if anything
-else touched the generator in between (``torch.manual_seed``, real random ops), a new segment
-starts from the generator's current state, exactly as eager code would see it.
+The real generator after a deferred build
+    is where eager construction leaves it. Recording keeps, per generator, the exact state at
+    the last op boundary it computed plus the draws of the known-count ops recorded since
+    (``pending``), and *flushes* (one jump-ahead for all of them) whenever the real state can be
+    observed: when the outermost ``meta_init`` block exits, before a real random op runs inside
+    one, when ``torch.get_rng_state()``/``fork_rng`` reads it, and after every op recorded
+    outside a block. An op whose draw count is not known is run on scratch memory at recording
+    time, from the exact state, so the stream stays exact. While draws are pending the real
+    generator is left one draw past the last exact state: a state no ``manual_seed`` produces,
+    so that reseeding (even with the same seed) or ``set_rng_state`` between two recorded ops
+    is seen, and starts a new segment from the state the user set, exactly as eager code sees it.
 """
 
 from __future__ import annotations
@@ -34,9 +40,21 @@ from typing import Any
 
 import torch
 
+from jupyter_metainit.core._mt19937 import jump_state
 from jupyter_metainit.core._plain import plain
 
-__all__ = ["RngSegment", "fast_generator", "record_random", "state_before"]
+__all__ = [
+    "BurnSpec",
+    "RngSegment",
+    "fast_generator",
+    "flush_all",
+    "flush_default",
+    "record_random",
+    "run_random",
+    "state_before",
+]
+
+aten = torch.ops.aten
 
 
 @dataclass(frozen=True)
@@ -76,186 +94,325 @@ class RngSegment:
         self._keys = [0]
 
 
-class _Tracker:
-    __slots__ = ("expected", "generator", "segment")
-
-    def __init__(self, generator: torch.Generator, segment: RngSegment) -> None:
-        self.generator = generator
-        self.segment = segment
-        self.expected: torch.Tensor | None = None
+# ---------------------------------------------------------------------------------------------
+# running random ops with a generator of our choosing
 
 
-_trackers: dict[int, _Tracker] = {}
-_lock = threading.Lock()
+def _device_default_generator(device: torch.device) -> torch.Generator:
+    if device.type == "cpu":
+        return torch.default_generator
+    if device.type == "cuda":
+        return torch.cuda.default_generators[device.index or 0]
+    raise RuntimeError(f"no default generator for {device}")
 
 
-def _scratch_spec(x: Any) -> Any:
-    if isinstance(x, torch.Tensor):
-        return ("tensor", tuple(x.shape), tuple(x.stride()), x.dtype)
-    if isinstance(x, torch.Generator):
-        return None
-    if isinstance(x, torch.device):
-        return None
-    if isinstance(x, (list, tuple)):
-        return type(x)(_scratch_spec(v) for v in x)
-    return x
-
-
-def make_spec(func: Any, args: tuple, kwargs: dict, has_generator: bool, nbytes: int) -> BurnSpec:
-    kw = {k: _scratch_spec(v) for k, v in kwargs.items() if k not in ("generator", "device")}
-    return BurnSpec(func, tuple(_scratch_spec(a) for a in args), kw, has_generator, nbytes)
-
-
-def record_random(generator: torch.Generator | None, spec: BurnSpec) -> tuple[RngSegment, int]:
-    """Place a new deferred random op in its generator's stream; returns (segment, index)."""
-    gen = generator if generator is not None else torch.default_generator
-    with _lock, plain():
-        state = gen.get_state()
-        tracker = _trackers.get(id(gen))
-        if (
-            tracker is None
-            or tracker.generator is not gen
-            or tracker.expected is None
-            or not torch.equal(tracker.expected, state)
-        ):
-            tracker = _Tracker(gen, RngSegment(state, gen.device))
-            _trackers[id(gen)] = tracker
-        segment = tracker.segment
-        index = len(segment.specs)
-        segment.specs.append(spec)
-        # Mark the stream (see module docstring): one real draw, then remember the state.
-        torch.empty(1, dtype=torch.int64, device=gen.device).random_(generator=gen)
-        tracker.expected = gen.get_state()
-    return segment, index
+# Random ops that have no ``generator`` argument at all (dropout, fused attention, RNNs) must
+# run on a device's default generator: it is swapped for ours and restored under this lock.
+_default_swap_lock = threading.Lock()
 
 
 def run_random(
-    spec_or_call: Callable[[torch.Generator], Any], generator: torch.Generator, has_generator: bool
+    call: Callable[[torch.Generator | None], Any],
+    generator: torch.Generator,
+    has_generator: bool,
 ) -> Any:
-    """Run a random op with ``generator``; ops without a generator argument use the default
-    generator, which is swapped in and restored so that the caller's RNG state is untouched."""
+    """Run a random op drawing from ``generator``.
+
+    Ops with a ``generator`` argument get it; the few without one (``native_dropout``) run on
+    the default generator of ``generator``'s device, set to ``generator``'s state and restored
+    afterwards, under a process-wide lock: the caller's RNG state is unchanged, but another
+    thread drawing from that default generator at that instant would be serialized with it
+    only if it also went through here.
+    """
     if has_generator:
-        return spec_or_call(generator)
-    default = torch.default_generator if generator.device.type == "cpu" else None
-    if default is None:
-        raise RuntimeError("random ops without a generator argument replay on the CPU only")
-    saved = default.get_state()
-    default.set_state(generator.get_state())
-    try:
-        out = spec_or_call(None)
-        generator.set_state(default.get_state())
-    finally:
-        default.set_state(saved)
+        return call(generator)
+    default = _device_default_generator(generator.device)
+    with _default_swap_lock:
+        saved = default.get_state()
+        default.set_state(generator.get_state())
+        try:
+            out = call(None)
+            generator.set_state(default.get_state())
+        finally:
+            default.set_state(saved)
     return out
 
 
+def _scratch_tensor(x: Any, device: torch.device, func: Any) -> Any:
+    if isinstance(x, tuple) and len(x) == 4 and x[0] == "tensor":
+        _, size, stride, dtype = x
+        t = torch.empty_strided(size, stride, dtype=dtype, device=device)
+        # Values every random op accepts as input (probabilities, bounds); multinomial needs
+        # weights that are not all zero.
+        return t.fill_(1) if func is aten.multinomial.default else t.zero_()
+    if isinstance(x, list):
+        return [_scratch_tensor(v, device, func) for v in x]
+    if isinstance(x, tuple):
+        return tuple(_scratch_tensor(v, device, func) for v in x)
+    return x
+
+
 def _scratch_op(spec: BurnSpec, generator: torch.Generator) -> None:
-    """Re-run the op on scratch memory of the same layout: exact for any op, memory = its size."""
+    """Re-run the op on scratch memory of the same layout: exact for any op whose consumption
+    does not depend on the values it reads, memory = its size."""
     device = generator.device
-
-    def build(x: Any) -> Any:
-        if isinstance(x, tuple) and len(x) == 4 and x[0] == "tensor":
-            _, size, stride, dtype = x
-            t = torch.empty_strided(size, stride, dtype=dtype, device=device)
-            return t.zero_() if spec.func is not torch.ops.aten.multinomial.default else t.fill_(1)
-        if isinstance(x, (list, tuple)):
-            return type(x)(build(v) for v in x)
-        return x
-
-    args = tuple(build(a) for a in spec.args)
-    kwargs = {k: build(v) for k, v in spec.kwargs.items()}
+    args = tuple(_scratch_tensor(a, device, spec.func) for a in spec.args)
+    kwargs = {k: _scratch_tensor(v, device, spec.func) for k, v in spec.kwargs.items()}
+    if any(a.name == "device" for a in spec.func._schema.arguments):
+        kwargs["device"] = device
 
     def call(gen: torch.Generator | None) -> Any:
         kw = dict(kwargs)
         if gen is not None:
             kw["generator"] = gen
-        if any(a.name == "device" for a in spec.func._schema.arguments):
-            kw["device"] = device
         return spec.func(*args, **kw)
 
     run_random(call, generator, spec.has_generator)
 
 
-# Draws (32-bit outputs of mt19937) that common CPU random fills consume, by element count.
-# uniform_ takes one draw per element below double precision; normal_ on a contiguous tensor of
-# at least 16 elements draws in blocks of 16: float32 fills uniforms, then redraws the last 16
-# when the size is not a multiple of 16 (ATen's normal_fill); half types round up to a block.
-# Each formula is checked against the real kernel once per process before it is trusted (see
-# _formula_holds), so a different PyTorch build falls back safely.
-_CHUNK = 1 << 20
+# ---------------------------------------------------------------------------------------------
+# known draw counts
+#
+# Draws (32-bit outputs of mt19937) that CPU random kernels consume, as a function of the
+# output's size, dtype and layout and of the op's scalar arguments. Measured on the kernels and,
+# since another PyTorch build may differ, checked against the real kernel once per process and
+# per (op, dtype, scalar arguments) before being trusted (``_formula_holds``); an op whose formula
+# does not hold is re-run on scratch memory instead.
+
+_HALF = (torch.float16, torch.bfloat16)
+_SINGLE = (torch.float32, *_HALF)
 
 
-def _draws(spec: BurnSpec) -> int | None:
-    if spec.func not in (torch.ops.aten.uniform_.default, torch.ops.aten.normal_.default):
-        return None
-    target = spec.args[0]
-    if not (isinstance(target, tuple) and len(target) == 4 and target[0] == "tensor"):
-        return None
-    _, size, stride, dtype = target
-    if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-        return None
+def _numel(size: tuple) -> int:
     n = 1
     for s in size:
         n *= s
-    if spec.func is torch.ops.aten.uniform_.default:
-        return n
-    contiguous = torch.empty_strided(size, stride, device="meta").is_contiguous()
+    return n
+
+
+def _normal_draws(n: int, dtype: torch.dtype, contiguous: bool) -> int | None:
+    # normal_fill: blocks of 16 from uniforms; a partial last block redraws the last 16.
+    # Below 16 elements (or strided) the serial kernel uses the generator's Box-Muller cache.
     if n < 16 or not contiguous:
         return None
     if dtype == torch.float32:
         return n + (16 if n % 16 else 0)
-    return -(-n // 16) * 16  # half types: whole blocks of 16
+    if dtype in _HALF:
+        return -(-n // 16) * 16
+    if dtype == torch.float64:
+        return 2 * n + (32 if n % 16 else 0)
+    return None
 
 
-_verified: dict[tuple, bool] = {}
+def _per_element(dtype: torch.dtype, single: int, double: int) -> int | None:
+    if dtype in _SINGLE:
+        return single
+    if dtype == torch.float64:
+        return double
+    return None
 
 
-def _formula_holds(spec: BurnSpec) -> bool:
-    key = (spec.func, spec.args[0][3])
+def _random_range_draws(low: Any, high: Any) -> int:
+    return 2 if (int(high) - int(low)) >= (1 << 32) else 1
+
+
+def _output_geometry(spec: BurnSpec) -> tuple[int, torch.dtype, bool] | None:
+    """(elements, dtype, contiguous) of the tensor a random op fills or creates."""
+    f = spec.func
+    if f in _FACTORY_SIZE_ARG:
+        size = spec.args[_FACTORY_SIZE_ARG[f]] if len(spec.args) > _FACTORY_SIZE_ARG[f] else None
+        if f is aten.randperm.generator:
+            size = (spec.args[0],)
+        dtype = spec.kwargs.get("dtype")
+        if size is None or dtype is None:
+            return None
+        return _numel(tuple(size)), dtype, True
+    target = spec.args[0] if spec.args else None
+    if not (isinstance(target, tuple) and len(target) == 4 and target[0] == "tensor"):
+        return None
+    _, size, stride, dtype = target
+    if f in _LIKE_OPS:
+        dtype = spec.kwargs.get("dtype") or dtype
+        return _numel(size), dtype, True
+    contiguous = torch.empty_strided(size, stride, device="meta").is_contiguous()
+    return _numel(size), dtype, contiguous
+
+
+_FACTORY_SIZE_ARG = {
+    aten.rand.generator: 0, aten.randn.generator: 0, aten.normal.float_float: 2,
+    aten.randint.generator: 1, aten.randint.low_generator: 2, aten.randperm.generator: 0,
+}  # fmt: skip
+_LIKE_OPS = {aten.rand_like.generator, aten.randn_like.generator}
+
+
+def _argument(spec: BurnSpec, name: str) -> Any:
+    for i, a in enumerate(spec.func._schema.arguments):
+        if a.name == name:
+            if i < len(spec.args):
+                return spec.args[i]
+            return spec.kwargs.get(name, a.default_value)
+    return None
+
+
+def _draws_nothing(spec: BurnSpec) -> bool:
+    """Random ops switched off by their arguments: no dropout probability, not training."""
+    names = {a.name for a in spec.func._schema.arguments}
+    if "dropout_p" in names:
+        return _argument(spec, "dropout_p") == 0
+    if "train" in names:
+        p = _argument(spec, "p" if "p" in names else "dropout")
+        return not _argument(spec, "train") or p == 0
+    if "training" in names:
+        return not _argument(spec, "training")
+    return False
+
+
+def _draws(spec: BurnSpec, nothing: bool = True) -> int | None:
+    """Draws ``spec`` consumes on the CPU generator, or None if not known. ``nothing``: check
+    first whether its arguments switch it off."""
+    if nothing and _draws_nothing(spec):
+        return 0
+    if spec.func is aten.native_dropout.default:
+        target = spec.args[0]
+        n, dtype = _numel(target[1]), target[3]
+        return 2 * n if dtype in (*_SINGLE, torch.float64) else None
+    geometry = _output_geometry(spec)
+    if geometry is None:
+        return None
+    n, dtype, contiguous = geometry
+    f = spec.func
+    if f in (aten.uniform_.default, aten.rand.generator, aten.rand_like.generator):
+        per = _per_element(dtype, 1, 2)
+        return None if per is None else per * n
+    if f in (aten.normal_.default, aten.randn.generator, aten.randn_like.generator,
+             aten.normal.float_float):  # fmt: skip
+        return _normal_draws(n, dtype, contiguous)
+    if f in (aten.exponential_.default, aten.cauchy_.default, aten.geometric_.default,
+             aten.bernoulli_.float):  # fmt: skip
+        return 2 * n if dtype in (*_SINGLE, torch.float64) else None
+    if f is aten.random_.default:
+        if dtype in (torch.int64, torch.float64):
+            return 2 * n
+        return n if dtype in (torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
+                              *_SINGLE) else None  # fmt: skip
+    if f is aten.random_.to:
+        return n * _random_range_draws(0, spec.args[1])
+    if f is getattr(aten.random_, "from"):
+        to = spec.args[2] if len(spec.args) > 2 else None
+        return None if to is None else n * _random_range_draws(spec.args[1], to)
+    if f is aten.randint.generator:
+        return n * _random_range_draws(0, spec.args[0])
+    if f is aten.randint.low_generator:
+        return n * _random_range_draws(spec.args[0], spec.args[1])
+    if f is aten.randperm.generator:
+        return max(n - 1, 0) if n < (1 << 24) else None
+    return None
+
+
+def _shrunk(x: Any) -> Any:
+    if isinstance(x, tuple) and len(x) == 4 and x[0] == "tensor":
+        size = tuple(min(d, 1) for d in x[1])
+        return ("tensor", size, torch.empty(size, device="meta").stride(), x[3])
+    if isinstance(x, (list, tuple)):
+        return type(x)(_shrunk(v) for v in x)
+    return x
+
+
+def _probe(spec: BurnSpec, n: int, nothing: bool) -> BurnSpec:
+    """``spec`` on a contiguous 1-D output of ``n`` elements (same op, dtype and scalars); for
+    an op switched off by its arguments, the same call with every tensor shrunk to one element."""
+    f = spec.func
+    if nothing:
+        kwargs = {k: _shrunk(v) for k, v in spec.kwargs.items()}
+        return BurnSpec(f, _shrunk(spec.args), kwargs, spec.has_generator, 0)
+    if f in _FACTORY_SIZE_ARG:
+        args = list(spec.args)
+        args[_FACTORY_SIZE_ARG[f]] = n if f is aten.randperm.generator else [n]
+        return BurnSpec(f, tuple(args), spec.kwargs, spec.has_generator, 0)
+    dtype = spec.args[0][3]
+    return BurnSpec(f, (("tensor", (n,), (1,), dtype), *spec.args[1:]), spec.kwargs,
+                    spec.has_generator, 0)  # fmt: skip
+
+
+_verified: dict[Any, bool] = {}
+
+
+def _formula_key(spec: BurnSpec, nothing: bool) -> Any:
+    if nothing:
+        scalars = tuple(a for a in spec.args if not isinstance(a, (tuple, list)))
+        return (spec.func, "draws nothing", scalars, tuple(sorted(map(str, spec.kwargs.items()))))
+    geometry = _output_geometry(spec) if spec.func is not aten.native_dropout.default else None
+    scalars = tuple(a for a in spec.args[1:] if not isinstance(a, (tuple, list)))
+    return (spec.func, geometry[1] if geometry else None, scalars,
+            tuple(sorted((k, str(v)) for k, v in spec.kwargs.items())))  # fmt: skip
+
+
+def _formula_holds(spec: BurnSpec, nothing: bool) -> bool:
+    key = _formula_key(spec, nothing)
     ok = _verified.get(key)
     if ok is None:
         ok = True
-        for n in (37, 64, 1000):
-            probe = BurnSpec(spec.func, (("tensor", (n,), (1,), key[1]),), {}, True, 0)
-            a, b = torch.Generator(), torch.Generator()
-            a.manual_seed(n)
-            b.manual_seed(n)
-            _scratch_op(probe, a)
-            _advance(b, _draws(probe) or 0)
-            ok = ok and torch.equal(a.get_state(), b.get_state())
+        with plain():
+            for n in (37, 64, 1000):
+                probe = _probe(spec, n, nothing)
+                expected = _draws(probe, nothing)
+                if expected is None:
+                    ok = False
+                    break
+                a = torch.Generator().manual_seed(n)
+                try:
+                    _scratch_op(probe, a)
+                except Exception:  # the probe's shapes do not suit the op: trust nothing
+                    ok = False
+                    break
+                b = jump_state(torch.Generator().manual_seed(n).get_state(), expected)
+                ok = ok and torch.equal(a.get_state(), b)
         _verified[key] = ok
     return ok
 
 
-_JUMP_ABOVE = 4 << 20  # below this many draws, generating them is faster than jumping
+def known_draws(spec: BurnSpec, device: torch.device) -> int | None:
+    """Draws the op consumes on ``device``'s generator, if known and verified (CPU only)."""
+    if device.type != "cpu":
+        return None
+    if _draws_nothing(spec) and _formula_holds(spec, nothing=True):
+        return 0
+    draws = _draws(spec, nothing=False)
+    return draws if draws is not None and _formula_holds(spec, nothing=False) else None
+
+
+# ---------------------------------------------------------------------------------------------
+# moving states
+
+
+_JUMP_ABOVE = 1 << 20  # below this many draws, generating them is faster than jumping
+_CHUNK = 1 << 20
+
+
+def advance_state(state: torch.Tensor, draws: int) -> torch.Tensor:
+    """The CPU generator state ``draws`` 32-bit outputs after ``state``."""
+    if draws <= 0:
+        return state
+    if draws > _JUMP_ABOVE:
+        return jump_state(state, draws)
+    gen = torch.Generator()
+    gen.set_state(state)
+    with plain():
+        buf = torch.empty(min(draws, _CHUNK), dtype=torch.float32)
+        while draws > 0:
+            k = min(draws, _CHUNK)
+            buf[:k].uniform_(generator=gen)
+            draws -= k
+    return gen.get_state()
 
 
 def _advance(generator: torch.Generator, draws: int) -> None:
-    """Move ``generator`` past ``draws`` 32-bit outputs.
-
-    Large distances use MT19937 jump-ahead (``_mt19937``: milliseconds for any distance); small
-    ones consume the draws in 4 MiB chunks.
-    """
-    if draws > _JUMP_ABOVE and generator.device.type == "cpu":
-        from jupyter_metainit.core._mt19937 import jump_state
-
-        generator.set_state(jump_state(generator.get_state(), draws))
-        return
-    buf = torch.empty(min(draws, _CHUNK), dtype=torch.float32, device=generator.device)
-    while draws > 0:
-        k = min(draws, _CHUNK)
-        buf[:k].uniform_(generator=generator)
-        draws -= k
-
-
-def _known_draws(spec: BurnSpec, generator: torch.Generator) -> int | None:
-    draws = _draws(spec) if generator.device.type == "cpu" else None
-    return draws if draws is not None and _formula_holds(spec) else None
+    generator.set_state(advance_state(generator.get_state(), draws))
 
 
 def _burn(spec: BurnSpec, generator: torch.Generator) -> None:
     """Move ``generator`` past ``spec`` as the op itself would."""
-    draws = _known_draws(spec, generator)
+    draws = known_draws(spec, generator.device)
     if draws is not None:
         _advance(generator, draws)
     else:
@@ -274,29 +431,30 @@ def state_before(
         start = segment.nearest_checkpoint(index)
         if start == index:
             return segment.checkpoints[index]
-        gen = torch.Generator(device=segment.device)
-        gen.set_state(segment.checkpoints[start])
+        state = segment.checkpoints[start]
         pending = pending_bytes = 0
         for i in range(start, index):
             spec = segment.specs[i]
-            draws = _known_draws(spec, gen)
+            draws = known_draws(spec, segment.device)
             if draws is not None:
                 pending += draws
                 pending_bytes += spec.nbytes
                 continue
-            if pending:
-                _advance(gen, pending)
+            state = advance_state(state, pending) if segment.device.type == "cpu" else state
+            gen = torch.Generator(device=segment.device)
+            gen.set_state(state)
             _scratch_op(spec, gen)
-            segment.add_checkpoint(i + 1, gen.get_state())
+            state = gen.get_state()
+            segment.add_checkpoint(i + 1, state)
             if progress is not None:
                 progress(pending_bytes + spec.nbytes)
             pending = pending_bytes = 0
         if pending:
-            _advance(gen, pending)
+            state = advance_state(state, pending)
             if progress is not None:
                 progress(pending_bytes)
-        segment.add_checkpoint(index, gen.get_state())
-        return segment.checkpoints[index]
+        segment.add_checkpoint(index, state)
+        return state
 
 
 def burn_bytes(segment: RngSegment, index: int) -> int:
@@ -313,9 +471,105 @@ def fast_generator(segment: RngSegment, index: int, device: torch.device) -> tor
     return gen
 
 
+# ---------------------------------------------------------------------------------------------
+# following the real generators while recording
+
+
+class _Tracker:
+    """What recording knows about one real generator (see the module docstring)."""
+
+    __slots__ = ("exact", "generator", "marked", "pending", "segment")
+
+    def __init__(self, generator: torch.Generator, state: torch.Tensor) -> None:
+        self.generator = generator
+        self.segment = RngSegment(state, generator.device)
+        self.exact = state  # the stream's state after the ops recorded so far, minus `pending`
+        self.pending = 0  # draws of known-count ops recorded after `exact`
+        self.marked = state  # the state we left the real generator in
+
+
+_trackers: dict[int, _Tracker] = {}
+_lock = threading.RLock()
+
+
+def _mark(tracker: _Tracker) -> None:
+    """Leave the real generator one draw past the exact state while draws are pending."""
+    state = tracker.exact if not tracker.pending else jump_state(tracker.exact, 1)
+    tracker.generator.set_state(state)
+    tracker.marked = state
+
+
+def record_random(
+    generator: torch.Generator | None, spec: BurnSpec, *, flush_now: bool
+) -> tuple[RngSegment, int]:
+    """Place a new deferred random op in its generator's stream; returns (segment, index).
+
+    ``flush_now``: bring the real generator to its exact state right away (ops recorded outside
+    ``meta_init``, where nothing tells us when the state is next observed).
+    """
+    gen = generator if generator is not None else torch.default_generator
+    with _lock, plain():
+        state = gen.get_state()
+        tracker = _trackers.get(id(gen))
+        if (
+            tracker is None
+            or tracker.generator is not gen
+            or not torch.equal(tracker.marked, state)
+        ):
+            tracker = _Tracker(gen, state)
+            _trackers[id(gen)] = tracker
+        segment = tracker.segment
+        index = len(segment.specs)
+        segment.specs.append(spec)
+        draws = known_draws(spec, gen.device)
+        if draws is not None:
+            tracker.pending += draws
+        else:
+            current = tracker.exact
+            if tracker.pending:
+                current = advance_state(current, tracker.pending)
+            scratch = torch.Generator(device=gen.device)
+            scratch.set_state(current)
+            _scratch_op(spec, scratch)
+            tracker.exact, tracker.pending = scratch.get_state(), 0
+            segment.add_checkpoint(index + 1, tracker.exact)
+        if flush_now:
+            _flush(tracker)
+        else:
+            _mark(tracker)
+    return segment, index
+
+
+def _flush(tracker: _Tracker) -> None:
+    gen = tracker.generator
+    if not torch.equal(gen.get_state(), tracker.marked):
+        return  # someone set the generator since: their state stands
+    if tracker.pending:
+        tracker.exact = advance_state(tracker.exact, tracker.pending)
+        tracker.pending = 0
+        tracker.segment.add_checkpoint(len(tracker.segment.specs), tracker.exact)
+    _mark(tracker)
+
+
+def flush_all() -> None:
+    """Bring every followed generator to the state eager construction would have left."""
+    with _lock, plain():
+        for tracker in list(_trackers.values()):
+            _flush(tracker)
+
+
+def flush_default() -> None:
+    """``flush_all`` for the default CPU generator only (``torch.get_rng_state`` reads it)."""
+    with _lock, plain():
+        tracker = _trackers.get(id(torch.default_generator))
+        if tracker is not None and tracker.generator is torch.default_generator:
+            _flush(tracker)
+
+
 def forget_generators() -> None:
     """Drop stream tracking (``clear_meta_init_cache``): the next random op starts a segment."""
     with _lock:
+        flush_all()
         _trackers.clear()
 
 

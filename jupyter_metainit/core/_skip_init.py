@@ -6,9 +6,9 @@ from typing import Any
 
 import torch
 
+from jupyter_metainit.core._context import meta_init
 from jupyter_metainit.core._materialize import iter_deferred
 from jupyter_metainit.core._plain import plain
-from jupyter_metainit.core._recorder import meta_init
 from jupyter_metainit.core._swap import swap_in_place
 from jupyter_metainit.core._tensor import INTERNAL_ATTRS
 

@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import copy
-from typing import Any
+from collections.abc import Callable
+from typing import Any, ClassVar
 
 import torch
 
@@ -13,7 +14,11 @@ __all__ = ["DeferredTensor"]
 
 # Attributes of ours in a deferred tensor's __dict__; everything else there is the user's
 # (e.g. transformers' ``_is_hf_initialized``) and is carried over on materialization.
-INTERNAL_ATTRS = frozenset({"_meta", "_rec", "_rg"})
+INTERNAL_ATTRS = frozenset({"_meta", "_rec", "_rg", "_derived"})
+
+
+def _not_registered(*_args: Any) -> Any:
+    raise RuntimeError("jupyter_metainit.core._record was not imported")
 
 
 class DeferredTensor(torch.Tensor):
@@ -27,6 +32,13 @@ class DeferredTensor(torch.Tensor):
     _meta: torch.Tensor
     _rec: TensorRecord
     _rg: bool
+    _derived: bool  # computed from tensors that require grad, in grad mode (not a leaf)
+
+    # The recorder (``_record``) installs its handlers here when it is imported: this module
+    # defines the tensor and imports nothing of the recorder, so the import graph has no cycle.
+    handle_op: ClassVar[Callable[..., Any]] = staticmethod(_not_registered)
+    handle_function: ClassVar[Callable[..., Any]] = staticmethod(_not_registered)
+    set_data: ClassVar[Callable[..., Any]] = staticmethod(_not_registered)
 
     @staticmethod
     def __new__(
@@ -35,6 +47,7 @@ class DeferredTensor(torch.Tensor):
         rec: TensorRecord,
         device: torch.device,
         requires_grad: bool = False,
+        derived: bool = False,
     ) -> DeferredTensor:
         t = torch.Tensor._make_wrapper_subclass(
             cls,
@@ -48,19 +61,16 @@ class DeferredTensor(torch.Tensor):
         t._meta = meta
         t._rec = rec
         t._rg = requires_grad
+        t._derived = derived
         return t
 
     @classmethod
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        from jupyter_metainit.core._recorder import handle_op
-
-        return handle_op(func, args, kwargs or {}, None)
+        return DeferredTensor.handle_op(func, args, kwargs or {})
 
     @classmethod
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
-        from jupyter_metainit.core._recorder import handle_function
-
-        return handle_function(func, args, kwargs or {})
+        return DeferredTensor.handle_function(func, args, kwargs or {})
 
     # Metadata reads answered in Python, skipping __torch_function__: estimates and trees read
     # them for every tensor of a 70B model.
@@ -112,9 +122,7 @@ class DeferredTensor(torch.Tensor):
 
     @data.setter
     def data(self, new: torch.Tensor) -> None:
-        from jupyter_metainit.core._recorder import set_data
-
-        set_data(self, new)
+        DeferredTensor.set_data(self, new)
 
     @property
     def grad_fn(self) -> None:  # type: ignore[override]
@@ -122,7 +130,9 @@ class DeferredTensor(torch.Tensor):
 
     @property
     def is_leaf(self) -> bool:  # type: ignore[override]
-        return True
+        # As in eager: a tensor computed (in grad mode) from tensors that require grad is not
+        # a leaf; every other tensor is.
+        return not (self._rg and self._derived)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         prefix = "Parameter containing:\n" if getattr(self, "_is_param", False) else ""

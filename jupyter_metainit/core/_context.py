@@ -1,0 +1,189 @@
+"""``meta_init``: the block inside which every new tensor is deferred.
+
+Entering the outermost block on a thread pushes two modes (thread-local, like every PyTorch
+mode): a torch-function mode that rewrites device arguments and keeps user data as constants
+(``_devices``), and a dispatch mode that sends every ATen call to the recorder (``_record``).
+While any block is active, a few process-wide functions are wrapped so that recording stays
+invisible (counted, so nested and concurrent blocks share one wrapping):
+
+* ``torch.get_rng_state`` (also what ``torch.random.fork_rng`` uses) first brings the default
+  generator to its exact state (``_rng``: draws are accounted lazily while recording);
+* ``torch.get_default_dtype``/``torch.set_default_dtype`` read and set the thread's own default
+  inside a ``meta_init(dtype=...)`` block, so such a block changes no other thread's dtype;
+* ``nn.Module`` lazy parameters become deferred when a dry run gives them a shape (``_lazy``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch.overrides import TorchFunctionMode
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from jupyter_metainit.core import _rng
+from jupyter_metainit.core._devices import (
+    DATA_FACTORIES,
+    FACTORIES,
+    TO_METHODS,
+    data_factory,
+    rewrite_device,
+)
+from jupyter_metainit.core._lazy import lazy_module_support
+from jupyter_metainit.core._record import handle_op
+from jupyter_metainit.core._state import (
+    _global_default_dtype,
+    canonical_device,
+    dtype_override,
+    tls,
+)
+from jupyter_metainit.core._tensor import DeferredTensor
+from jupyter_metainit.core._values import value_cache
+
+__all__ = ["is_meta_init", "meta_init"]
+
+
+def is_meta_init() -> bool:
+    """True inside a :func:`meta_init` block on this thread.
+
+    Module authors can use it to take another path while their module is being deferred, e.g. to
+    skip loading data from disk in ``__init__``.
+    """
+    return tls.depth > 0
+
+
+class _FunctionMode(TorchFunctionMode):
+    def __torch_function__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
+        kwargs = kwargs or {}
+        if func in DATA_FACTORIES:
+            return data_factory(func, args, dict(kwargs))
+        if func in TO_METHODS and args and isinstance(args[0], DeferredTensor):
+            return func(*args, **kwargs)  # handled by DeferredTensor.__torch_function__
+        if "device" in kwargs or func in FACTORIES:
+            return rewrite_device(func, args, kwargs, in_context=True)
+        return func(*args, **kwargs)
+
+
+class _DispatchMode(TorchDispatchMode):
+    def __torch_dispatch__(
+        self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
+    ) -> Any:
+        return handle_op(func, args, kwargs or {})
+
+
+# ---------------------------------------------------------------------------------------------
+# process-wide wrappers, active while any block is
+
+
+_orig_get_rng_state = torch.random.get_rng_state
+_orig_set_default_dtype = torch.set_default_dtype
+
+
+def _get_rng_state() -> torch.Tensor:
+    _rng.flush_default()
+    return _orig_get_rng_state()
+
+
+def _get_default_dtype() -> torch.dtype:
+    override = dtype_override()
+    return override if override is not None else _global_default_dtype()
+
+
+def _set_default_dtype(d: torch.dtype) -> None:
+    if dtype_override() is not None:
+        if not (isinstance(d, torch.dtype) and d.is_floating_point):
+            _orig_set_default_dtype(d)  # raises PyTorch's own error for a bad dtype
+        tls.dtypes[-1] = d
+        return
+    _orig_set_default_dtype(d)
+
+
+_wrapped = (
+    (torch, "get_rng_state", _get_rng_state),
+    (torch.random, "get_rng_state", _get_rng_state),
+    (torch, "get_default_dtype", _get_default_dtype),
+    (torch, "set_default_dtype", _set_default_dtype),
+)
+_wrap_count = 0
+_wrap_lock = threading.Lock()
+_saved: list[tuple[Any, str, Any]] = []
+
+
+@contextlib.contextmanager
+def _process_wrappers() -> Iterator[None]:
+    global _wrap_count
+    with _wrap_lock:
+        if _wrap_count == 0:
+            for owner, name, wrapper in _wrapped:
+                _saved.append((owner, name, getattr(owner, name)))
+                setattr(owner, name, wrapper)
+        _wrap_count += 1
+    try:
+        yield
+    finally:
+        with _wrap_lock:
+            _wrap_count -= 1
+            if _wrap_count == 0:
+                for owner, name, original in reversed(_saved):
+                    setattr(owner, name, original)
+                _saved.clear()
+
+
+def _check_dtype(dtype: Any) -> torch.dtype | None:
+    if dtype is None:
+        return None
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise TypeError(
+            f"meta_init(dtype=...) is the default floating dtype of the block; got {dtype!r} "
+            "(use torch.bfloat16, torch.float16, torch.float32 or torch.float64)"
+        )
+    return dtype
+
+
+@contextlib.contextmanager
+def meta_init(device: Any = None, dtype: torch.dtype | None = None) -> Iterator[None]:
+    """Defer every tensor created in the block: no memory, every operation recorded.
+
+    Use it to build a model of any size for inspection, sharding or partial use, then
+    :func:`materialize` the parts you need with exactly the values eager construction gives.
+    Tensors report the shape, dtype, stride, ``requires_grad`` and device they would really have
+    (an explicit ``device="cuda:1"`` is honoured even without a GPU).
+
+    Args:
+        device: device reported by tensors whose code names none (default: PyTorch's default).
+        dtype: default floating dtype inside the block, for this thread only: factories,
+            ``torch.tensor`` data and ``torch.get_default_dtype()`` see it, other threads keep
+            theirs. (PyTorch's default dtype is process-wide; the block never sets it, except
+            for the duration of a single op whose result dtype comes from it, such as an
+            integer tensor divided by an int, under a lock.)
+
+    Re-entrant and thread-local: other threads are unaffected. After the outermost block, the
+    random number generators are where eager construction would have left them.
+    """
+    target = canonical_device(device) if device is not None else None
+    dtype = _check_dtype(dtype)
+    outermost = tls.depth == 0
+    tls.devices.append(target)
+    tls.dtypes.append(dtype)
+    tls.depth += 1
+    stack = contextlib.ExitStack()
+    try:
+        if outermost:
+            stack.enter_context(_process_wrappers())
+            stack.enter_context(lazy_module_support())
+            stack.enter_context(_FunctionMode())
+            stack.enter_context(_DispatchMode())
+        with stack:
+            yield
+    finally:
+        tls.depth -= 1
+        tls.devices.pop()
+        tls.dtypes.pop()
+        if outermost:
+            _rng.flush_all()
+            value_cache.clear()

@@ -1,0 +1,180 @@
+"""Torch-function level: make calls that name a device create deferred tensors instead.
+
+PyTorch's argument parser turns ``device="cuda:1"`` into a real device before any dispatch
+happens (and fails without CUDA), so device arguments are rewritten to ``meta`` here, one level
+above ATen, while the device the result must *report* is remembered in ``tls.pending_device``
+for the recorder (``_record``) to pick up. Data handed over by the user (``torch.tensor([...])``,
+``from_numpy``) is copied and kept as a constant of the recording. ``t.to(...)``/``t.cuda()`` on
+a deferred tensor become a recorded copy that reports the new device.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+
+from jupyter_metainit.core._plain import plain
+from jupyter_metainit.core._record import read_value, wrap_constant
+from jupyter_metainit.core._state import canonical_device, default_device, dtype_override, tls
+from jupyter_metainit.core._tensor import DeferredTensor
+
+__all__ = [
+    "DATA_FACTORIES",
+    "FACTORIES",
+    "TO_METHODS",
+    "data_factory",
+    "handle_function",
+    "retarget",
+    "rewrite_device",
+]
+
+META = torch.device("meta")
+
+# Python functions that create tensors from data the user hands over: kept as constants.
+DATA_FACTORIES = {
+    torch.tensor, torch.as_tensor, torch.asarray, torch.from_numpy, torch.Tensor.new_tensor,
+}  # fmt: skip
+# torch functions whose default device is the current default device.
+FACTORIES = {
+    torch.empty, torch.empty_strided, torch.zeros, torch.ones, torch.full, torch.rand,
+    torch.randn, torch.randint, torch.randperm, torch.arange, torch.range, torch.linspace,
+    torch.logspace, torch.eye, torch.scalar_tensor, torch.tril_indices, torch.triu_indices,
+    torch.normal, torch.empty_permuted, torch.zeros_like, torch.ones_like, torch.empty_like,
+    torch.full_like, torch.rand_like, torch.randn_like, torch.randint_like,
+}  # fmt: skip
+_LIKE = {
+    torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like,
+    torch.randn_like, torch.randint_like,
+}  # fmt: skip
+TO_METHODS = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.type}
+
+
+@contextlib.contextmanager
+def pending(device: torch.device) -> Iterator[None]:
+    """Tensors recorded inside report ``device`` (their call was rewritten to ``meta``)."""
+    saved = tls.pending_device
+    tls.pending_device = device
+    try:
+        yield
+    finally:
+        tls.pending_device = saved
+
+
+def _has_tensor_argument(args: tuple, kwargs: dict) -> bool:
+    return any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values()))
+
+
+def rewrite_device(func: Any, args: tuple, kwargs: dict, in_context: bool) -> Any:
+    """Call ``func`` with ``device=meta``, remembering the device the result must report.
+
+    Inside ``meta_init`` a factory that names no device gets the block's default device. A
+    factory overload that takes tensors (``torch.normal(mean_t, std_t)``) has no ``device``
+    argument: its result follows its inputs, so it is left alone.
+    """
+    device = kwargs.get("device")
+    implicit = device is None
+    if implicit and not (in_context and func in FACTORIES and func not in _LIKE):
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    if implicit and _has_tensor_argument(args, kwargs):
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    target = canonical_device(device) if device is not None else default_device()
+    if target.type == "meta":
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    kwargs = dict(kwargs)
+    kwargs["device"] = META
+    with pending(target), torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+def _python_data(data: Any) -> bool:
+    """True for data whose floating values take the default dtype (lists, Python numbers)."""
+    if isinstance(data, (list, tuple)):
+        return all(_python_data(x) for x in data)
+    return isinstance(data, (bool, int, float, complex))
+
+
+def data_factory(func: Any, args: tuple, kwargs: dict) -> DeferredTensor:
+    """``torch.tensor(data)`` and friends inside ``meta_init``: a constant of the recording."""
+    if func is torch.Tensor.new_tensor:
+        self, data = args[0], args[1]
+        kwargs.setdefault("dtype", self.dtype)
+        kwargs.setdefault("device", self.device)
+        func, args = torch.tensor, (data,)
+    device = kwargs.pop("device", None)
+    target = canonical_device(device) if device is not None else default_device()
+    override = dtype_override()
+    if (
+        override is not None
+        and kwargs.get("dtype") is None
+        and func is torch.tensor
+        and args
+        and _python_data(args[0])
+    ):
+        with plain():
+            probe = torch.tensor(args[0])
+        if probe.is_floating_point():
+            kwargs["dtype"] = override
+    with plain():
+        real = func(*args, **kwargs)
+        if real.device.type != "cpu":
+            real = real.cpu()
+        if func is not torch.tensor:
+            # as_tensor/from_numpy share the caller's memory: keep the values as they are now.
+            real = real.clone()
+    return wrap_constant(real, target)
+
+
+def retarget(func: Any, self: DeferredTensor, args: tuple, kwargs: dict) -> Any:
+    """``t.to(...)``, ``t.cuda()``, ``t.cpu()``: a recorded copy that reports the new device."""
+    if func is torch.Tensor.cpu:
+        device, dtype, copy = torch.device("cpu"), None, False
+    elif func is torch.Tensor.cuda:
+        device = args[0] if args else kwargs.get("device")
+        device, dtype, copy = (
+            canonical_device(device if device is not None else "cuda"),
+            None,
+            False,
+        )
+    elif func is torch.Tensor.type:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(self, *args, **kwargs)
+    else:
+        copy = bool(kwargs.pop("copy", False))
+        device, dtype, _nb, memory_format = torch._C._nn._parse_to(*args, **kwargs)
+        if memory_format is not None and memory_format != torch.preserve_format:
+            with torch._C.DisableTorchFunctionSubclass():
+                return torch.ops.aten._to_copy.default(
+                    self, dtype=dtype or self.dtype, memory_format=memory_format
+                )
+        if device is not None:
+            device = canonical_device(device)
+    device = device or self.device
+    dtype = dtype or self.dtype
+    if device == self.device and dtype == self.dtype and not copy:
+        return self
+    with pending(device), torch._C.DisableTorchFunctionSubclass():
+        return torch.ops.aten._to_copy.default(self, dtype=dtype, device=META)
+
+
+def handle_function(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``DeferredTensor.__torch_function__``: device-changing calls, everything else unchanged."""
+    if func in TO_METHODS and args and isinstance(args[0], DeferredTensor):
+        return retarget(func, args[0], args[1:], dict(kwargs))
+    if func is torch.Tensor.numpy or func is torch.Tensor.tolist:
+        value = read_value(args[0])
+        return func(value, *args[1:], **kwargs)
+    if func is torch.Tensor.new_tensor:
+        return data_factory(func, args, dict(kwargs))
+    if "device" in kwargs:
+        return rewrite_device(func, args, kwargs, in_context=False)
+    with torch._C.DisableTorchFunctionSubclass():
+        return func(*args, **kwargs)
+
+
+DeferredTensor.handle_function = staticmethod(handle_function)

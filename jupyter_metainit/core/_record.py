@@ -1,0 +1,516 @@
+"""Recording: what happens to every ATen op that touches a deferred tensor.
+
+Two interception points feed :func:`handle_op`, as in ``torch._subclasses.fake_tensor``:
+
+* ``DeferredTensor.__torch_dispatch__`` sees every ATen op that has a deferred input, inside or
+  outside ``meta_init`` (so ``model.half()`` or ``model.apply(init)`` later are recorded too);
+* inside ``meta_init``, a dispatch mode (``_context``) also sees factory ops (``torch.ones``) and
+  ops on real tensors.
+
+An op is run on the ``meta`` tensors underneath to learn its outputs' metadata, then stored as an
+``OpRecord`` on the storages it creates or writes (see ``_graph``). Ops that need values
+(``.item()``, writing into a real tensor, ops with no meta kernel or a data-dependent output
+shape) get them by exact replay on the CPU (``_replay.compute_values``).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from jupyter_metainit.core import _rng
+from jupyter_metainit.core._graph import (
+    Constant,
+    External,
+    OpRecord,
+    RngUse,
+    StorageRecord,
+    TensorRecord,
+    constant_op,
+    next_seq,
+)
+from jupyter_metainit.core._ops import OpInfo, bind_arguments, op_info, user_frame
+from jupyter_metainit.core._plain import iter_args, map_args, plain
+from jupyter_metainit.core._replay import compute_values, default_dtype_as
+from jupyter_metainit.core._state import (
+    _global_default_dtype,
+    canonical_device,
+    default_device,
+    dtype_override,
+    tls,
+)
+from jupyter_metainit.core._swap import swap_in_place
+from jupyter_metainit.core._tensor import INTERNAL_ATTRS, DeferredTensor
+from jupyter_metainit.core._values import value_cache
+from jupyter_metainit.core.errors import MetaInitError, UnsupportedOperatorError
+
+__all__ = ["handle_op", "read_value", "set_data", "wrap_constant"]
+
+aten = torch.ops.aten
+META = torch.device("meta")
+
+# In-place random fills and fills: the output is ``self``, unchanged in shape; their meta
+# kernels are slow Python decompositions, and they are the bulk of model initialisation.
+_OVERWRITES_SELF = {
+    aten.normal_.default, aten.uniform_.default, aten.bernoulli_.float, aten.random_.default,
+    getattr(aten.random_, "from"), aten.random_.to, aten.exponential_.default,
+    aten.geometric_.default, aten.log_normal_.default, aten.cauchy_.default, aten.fill_.Scalar,
+    aten.zero_.default,
+}  # fmt: skip
+_NO_META_KERNEL = (
+    NotImplementedError,
+    torch._subclasses.fake_tensor.DynamicOutputShapeException,
+    torch._subclasses.fake_tensor.DataDependentOutputException,
+)
+
+
+def _to_meta(t: torch.Tensor) -> torch.Tensor:
+    if isinstance(t, DeferredTensor):
+        return t._meta
+    with plain():
+        n = t.untyped_storage().nbytes() // t.element_size() if t.element_size() else 0
+        base = torch.empty(max(n, 1), dtype=t.dtype, device=META)
+        return base.as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def _meta_like(t: torch.Tensor) -> torch.Tensor:
+    """A fresh meta tensor with ``t``'s geometry (for outputs computed on real values)."""
+    with plain():
+        return torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=META)
+
+
+def _storage_nbytes(meta: torch.Tensor) -> int:
+    try:
+        return meta.untyped_storage().nbytes()
+    except Exception:
+        return meta.numel() * meta.element_size()
+
+
+def wrap_constant(real: torch.Tensor, device: torch.device) -> DeferredTensor:
+    """A deferred tensor whose recording is "these values" (data the user handed over)."""
+    with plain():
+        meta = _to_meta(real)
+    storage = StorageRecord(_storage_nbytes(meta), meta.dtype, device)
+    rec = TensorRecord(storage, meta)
+    op = OpRecord(next_seq(), constant_op, (Constant(real),), {}, (), (rec,), None, user_frame())
+    storage.writes.append(op)
+    return DeferredTensor(meta, rec, device)
+
+
+def _output_device(kwargs: dict, flat: list) -> torch.device:
+    if tls.pending_device is not None:
+        return tls.pending_device
+    dev = kwargs.get("device")
+    if dev is not None and torch.device(dev).type != "meta":
+        return canonical_device(dev)
+    for x in flat:
+        if isinstance(x, DeferredTensor):
+            return x.device
+    for x in flat:
+        if isinstance(x, torch.Tensor):
+            return x.device
+    return default_device()
+
+
+def _requires_grad(t: torch.Tensor) -> bool:
+    return t._rg if isinstance(t, DeferredTensor) else t.requires_grad
+
+
+def _is_float(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
+def handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Record one ATen call that involves a deferred tensor (or any call inside ``meta_init``).
+
+    Use it only as the dispatch handler of ``DeferredTensor`` and of the ``meta_init`` mode.
+    What it does, and the rules replay (``_replay.plan``) relies on:
+
+    * **No deferred input** (only seen inside ``meta_init``): views of real tensors, ops that
+      write a real tensor and ops that return no tensor run for real; everything else (factory
+      calls, new tensors computed from real ones) is recorded, real inputs kept as ``External``
+      (their version is checked at replay).
+    * **Values needed**: an op that returns no tensor (``.item()``, ``equal``) or writes a real
+      tensor from deferred ones gets the deferred inputs' exact values by replay, and runs.
+    * **Views** are not recorded: the output is a new ``TensorRecord`` (geometry, dtype) over
+      the input's ``StorageRecord``, so everything done through any view lands on the storage.
+    * **In-place view ops** (``t_``, ``squeeze_``, ``as_strided_``, ``set_``) change the
+      tensor's own geometry: the same Python object gets the new metadata; no data is written.
+    * **Everything else** becomes one ``OpRecord`` appended to the ``writes`` of each storage
+      it creates (its non-aliasing outputs) or writes in place (``mutated`` arguments), in
+      recording order (``seq``), with the storages it ``reads`` as of that moment.
+
+    See :func:`_record` for what an ``OpRecord`` holds.
+    """
+    if not isinstance(func, torch._ops.OpOverload):
+        raise UnsupportedOperatorError(f"{func} is not an ATen operator; it cannot be deferred")
+    info = op_info(func)
+    flat = iter_args(args, kwargs)
+    has_deferred = any(isinstance(x, DeferredTensor) for x in flat)
+    bound = bind_arguments(func, args, kwargs)
+    mutated_real = any(
+        isinstance(t, torch.Tensor) and not isinstance(t, DeferredTensor)
+        for i in info.mutated
+        for t in (bound[i] if isinstance(bound[i], (list, tuple)) else [bound[i]])
+    )
+    if not has_deferred:
+        if func is aten.lift_fresh.default:
+            return wrap_constant(args[0], _output_device(kwargs, flat))
+        if mutated_real or func.is_view or not info.returns_tensors:
+            if info.is_random:
+                _rng.flush_all()  # real random work: the generator must be where eager has it
+            with plain():
+                return func(*args, **kwargs)
+    elif mutated_real or not info.returns_tensors:
+        return _run_on_values(func, args, kwargs)
+    if info.is_inplace_view:
+        return _inplace_view(func, info, bound, args, kwargs)
+    return _record(func, info, bound, flat, args, kwargs)
+
+
+def _run_on_values(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Ops that need data (``.item()``, ``bool(t)``, writing into a real tensor): compute the
+    deferred inputs' exact values by replay, on the CPU, leaving them deferred."""
+    deferred = [x for x in iter_args(args, kwargs) if isinstance(x, DeferredTensor)]
+    values = _values_of(deferred, func)
+    by_id = {id(d): v for d, v in zip(deferred, values, strict=True)}
+    a, k = map_args(lambda x: by_id.get(id(x), x), args, kwargs)
+    with plain():
+        return func(*a, **k)
+
+
+def _values_of(deferred: list[DeferredTensor], func: Any) -> list[torch.Tensor]:
+    try:
+        return compute_values([d._rec for d in deferred])
+    except MetaInitError as e:
+        raise UnsupportedOperatorError(
+            f"{func} needs the values of its deferred inputs, and they cannot be computed: {e}; "
+            f"called at {user_frame()}"
+        ) from e
+
+
+def read_value(t: DeferredTensor) -> torch.Tensor:
+    """The exact current values of a deferred tensor, as a new real CPU tensor."""
+    return compute_values([t._rec])[0]
+
+
+def _set_geometry(
+    t: DeferredTensor, meta: torch.Tensor, storage: StorageRecord | None = None
+) -> None:
+    """Give ``t`` (the same Python object) new metadata over ``storage`` (default: its own)."""
+    rec = TensorRecord(storage if storage is not None else t._rec.storage, meta)
+    new = DeferredTensor(meta, rec, t.device, t._rg, t._derived)
+    torch._C._swap_tensor_impl(t, new)
+    t._meta, t._rec = meta, rec
+
+
+def _inplace_view(func: Any, info: OpInfo, bound: list, args: tuple, kwargs: dict) -> Any:
+    """``t_()``, ``squeeze_()``, ``as_strided_()``, ``set_()``, ``resize_()``, ``detach_()``."""
+    self = bound[0]
+    where = user_frame()
+    if not isinstance(self, DeferredTensor):
+        source = bound[1] if len(bound) > 1 else None
+        if func in (aten.set_.source_Tensor, aten.set_.source_Tensor_storage_offset):
+            raise UnsupportedOperatorError(
+                f"a real tensor cannot be made to share a deferred tensor's memory ({func} at "
+                f"{where}); use `real.copy_(deferred)` or materialize the deferred one first"
+            )
+        raise UnsupportedOperatorError(f"{func} with these arguments ({source!r}) at {where}")
+    if func in (aten.set_.source_Storage, aten.set_.source_Storage_storage_offset):
+        raise UnsupportedOperatorError(
+            f"{func} with a storage object cannot be deferred (called at {where}); use "
+            "`t.set_(other_tensor)` or a view instead"
+        )
+    source = bound[1] if len(bound) > 1 else None
+    if func in (aten.set_.source_Tensor, aten.set_.source_Tensor_storage_offset) and not (
+        isinstance(source, DeferredTensor)
+    ):
+        set_data(self, source)  # `deferred.set_(real)`: the object now is that real tensor
+        return self
+    with plain():
+        meta = self._meta.detach()  # a new meta object; the old one may be held by views
+        meta_args = (meta, *(_to_meta(a) if isinstance(a, torch.Tensor) else a for a in args[1:]))
+        meta_kwargs = {
+            k: _to_meta(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()
+        }
+        func(*meta_args, **meta_kwargs)
+    storage = None
+    if func in (aten.set_.source_Tensor, aten.set_.source_Tensor_storage_offset):
+        storage = source._rec.storage
+    elif func is aten.set_.default:
+        storage = StorageRecord(0, meta.dtype, self.device)
+        created = TensorRecord(storage, meta)
+        empty = OpRecord(next_seq(), aten.empty.memory_format, ((0,),),
+                         {"dtype": meta.dtype, "device": self.device}, (), (created,), None, where)  # fmt: skip
+        storage.writes.append(empty)
+    elif _storage_nbytes(meta) > self._rec.storage.nbytes:
+        raise UnsupportedOperatorError(
+            f"{func} grows a deferred tensor beyond its memory (called at {where}); create a new "
+            "tensor of the size you need instead"
+        )
+    _set_geometry(self, meta, storage)
+    if func is aten.detach_.default:
+        self._rg = False
+    return self
+
+
+def _meta_outputs(func: Any, bound: list, meta_args: tuple, meta_kwargs: dict) -> Any:
+    if func in _OVERWRITES_SELF and isinstance(bound[0], DeferredTensor):
+        return meta_args[0]
+    with plain():
+        return func(*meta_args, **meta_kwargs)
+
+
+def _uses_default_dtype(flat: list, out: Any) -> bool:
+    """True if ``out``'s floating dtype can only have come from the default dtype."""
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    if not any(isinstance(o, torch.Tensor) and _is_float(o.dtype) for o in outs):
+        return False
+    return not any(isinstance(x, torch.Tensor) and _is_float(x.dtype) for x in flat)
+
+
+def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwargs: dict) -> Any:
+    """Record ``func(*args, **kwargs)`` and return its deferred outputs.
+
+    The ``OpRecord`` holds the op with tensors replaced by ``TensorRecord``s (deferred inputs),
+    ``External``s (real inputs) or ``Constant``s, and explicit where replay must not depend on
+    what is in force later: the device each output reports, the dtype of factories whose dtype
+    was left to the default, a generator slot for every random op (``rand`` is recorded as
+    ``rand.generator``), and the default dtype for the few ops whose result dtype comes from it.
+    Random ops also get their place in their generator's stream (``_rng.record_random``).
+    """
+    where = user_frame()
+    device = _output_device(kwargs, flat)
+    if info.generator_overload is not None:
+        func, kwargs = info.generator_overload, {**kwargs, "generator": None}
+        info = op_info(func)
+        bound = bind_arguments(func, args, kwargs)
+
+    def meta_of(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            return _to_meta(x)
+        if isinstance(x, torch.device):
+            return META
+        return x
+
+    meta_args, meta_kwargs = map_args(meta_of, args, kwargs)
+    if "device" in meta_kwargs and meta_kwargs["device"] is not None:
+        meta_kwargs["device"] = META
+    values: Any = None
+    default_dtype: torch.dtype | None = None
+    try:
+        out = _meta_outputs(func, bound, meta_args, meta_kwargs)
+    except _NO_META_KERNEL:
+        out, values = _outputs_from_values(func, info, args, kwargs, where)
+    else:
+        global_default = _global_default_dtype()
+        override = dtype_override()
+        if info.dtype_index is not None and not info.takes_tensors:
+            # A factory: replay gets the dtype explicitly, never the default in force then.
+            if bound[info.dtype_index] is None:
+                if (
+                    override is not None
+                    and override != global_default
+                    and isinstance(out, torch.Tensor)
+                    and out.dtype == global_default
+                ):
+                    meta_kwargs = {**meta_kwargs, "dtype": override}
+                    out = _meta_outputs(func, bound, meta_args, meta_kwargs)
+                kwargs = {**kwargs, "dtype": out.dtype}
+                meta_kwargs = {**meta_kwargs, "dtype": out.dtype}
+        elif _uses_default_dtype(flat, out):
+            default_dtype = override if override is not None else global_default
+            if default_dtype != global_default:
+                with default_dtype_as(default_dtype):
+                    out = _meta_outputs(func, bound, meta_args, meta_kwargs)
+
+    grad = torch.is_grad_enabled() and any(
+        _requires_grad(x) for x in flat if isinstance(x, torch.Tensor)
+    )
+
+    # Arguments as recorded: tensors become records, devices become the real one.
+    def record_arg(x: Any) -> Any:
+        if isinstance(x, DeferredTensor):
+            return x._rec
+        if isinstance(x, torch.Tensor):
+            return External(x, x._version, where)
+        if isinstance(x, torch.device) and x.type == "meta":
+            return device
+        return x
+
+    rec_args, rec_kwargs = map_args(record_arg, args, kwargs)
+    if "device" in rec_kwargs:
+        rec_kwargs["device"] = device
+    reads = tuple(
+        {id(x._rec.storage): x._rec.storage for x in flat if isinstance(x, DeferredTensor)}.values()
+    )
+
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    results: list[Any] = []
+    new_records: list[TensorRecord | None] = []
+    created: list[StorageRecord] = []
+    for i, o in enumerate(outs):
+        alias = info.return_alias[i] if i < len(info.return_alias) else None
+        if alias is None and len(info.return_alias) == 1 and isinstance(out, list):
+            alias = info.return_alias[0]
+        writes = (
+            info.return_writes[min(i, len(info.return_writes) - 1)] if info.return_writes else False
+        )
+        if not isinstance(o, torch.Tensor):
+            results.append(o)
+            new_records.append(None)
+            continue
+        if alias is not None:
+            src = bound[alias]
+            if isinstance(src, (list, tuple)):
+                src = src[i]
+            if writes:
+                results.append(src)
+                new_records.append(None)
+                continue
+            if isinstance(src, DeferredTensor):
+                rec = TensorRecord(src._rec.storage, o)
+                rg = grad and _is_float(o.dtype) and func is not aten.detach.default
+                results.append(DeferredTensor(o, rec, src.device, rg, rg))
+                new_records.append(None)
+                continue
+        storage = StorageRecord(_storage_nbytes(o), o.dtype, device)
+        rec = TensorRecord(storage, o)
+        rg = grad and _is_float(o.dtype)
+        results.append(DeferredTensor(o, rec, device, rg, rg))
+        new_records.append(rec)
+        created.append(storage)
+    mutates: list[StorageRecord] = []
+    for i in info.mutated:
+        targets = bound[i] if isinstance(bound[i], (list, tuple)) else [bound[i]]
+        for t in targets:
+            if isinstance(t, DeferredTensor):
+                if t._rec.storage not in mutates:
+                    mutates.append(t._rec.storage)
+                if grad and not t._rg:
+                    t._rg = t._derived = True
+
+    if created or mutates:
+        rng = None
+        if info.is_random:
+            gen = bound[info.arg_index("generator")] if info.has_generator else None
+            nbytes = sum(o.numel() * o.element_size() for o in outs if isinstance(o, torch.Tensor))
+            spec = _rng.BurnSpec(
+                func, _spec_args(meta_args), _spec_kwargs(meta_kwargs), info.has_generator, nbytes
+            )
+            segment, index = _rng.record_random(gen, spec, flush_now=tls.depth == 0)
+            rng = RngUse(segment, index)
+            if "generator" in rec_kwargs:
+                rec_kwargs["generator"] = None
+            elif info.has_generator:
+                gi = info.arg_index("generator")
+                if gi < len(rec_args):
+                    rec_args = tuple(None if j == gi else a for j, a in enumerate(rec_args))
+        op = OpRecord(
+            next_seq(), func, tuple(rec_args), rec_kwargs, reads, tuple(new_records), rng, where,
+            default_dtype, tuple(mutates),
+        )  # fmt: skip
+        for s in (*created, *mutates):
+            s.writes.append(op)
+        if values is not None:
+            # Computed anyway: later reads of these outputs start from here.
+            for rec, v in zip(new_records, values, strict=False):
+                if rec is not None and isinstance(v, torch.Tensor):
+                    value_cache.put(rec.storage, 1, v)
+
+    if isinstance(out, (tuple, list)):
+        return type(out)(results)
+    return results[0]
+
+
+def _outputs_from_values(
+    func: Any, info: OpInfo, args: tuple, kwargs: dict, where: str
+) -> tuple[Any, list[Any]]:
+    """Outputs' metadata for an op with no meta kernel (or a data-dependent output shape):
+    run it on the deferred inputs' exact values, on the CPU. Returns (meta outputs, values)."""
+    deferred = [x for x in iter_args(args, kwargs) if isinstance(x, DeferredTensor)]
+    try:
+        inputs = _values_of(deferred, func)
+    except UnsupportedOperatorError as e:
+        raise UnsupportedOperatorError(
+            f"{func} cannot run on deferred tensors (it has no meta kernel, and its inputs' "
+            f"values cannot be computed); called at {where}. Build this part outside meta_init, "
+            "or guard it with `if is_meta_init():`."
+        ) from e
+    by_id = {id(d): v for d, v in zip(deferred, inputs, strict=True)}
+
+    def real_of(x: Any) -> Any:
+        if isinstance(x, DeferredTensor):
+            return by_id[id(x)]
+        if isinstance(x, torch.device):
+            return torch.device("cpu")
+        return x
+
+    a, k = map_args(real_of, args, kwargs)
+    if info.is_random:
+        if not info.has_generator:
+            raise UnsupportedOperatorError(
+                f"{func} is random and has no meta kernel; it cannot be deferred (called at "
+                f"{where})"
+            )
+        k = {**k, "generator": torch.Generator()}  # for the output's shape only: values unused
+    with plain():
+        real = func(*a, **k)
+    reals = real if isinstance(real, (tuple, list)) else (real,)
+    metas = []
+    for i, r in enumerate(reals):
+        alias = info.return_alias[i] if i < len(info.return_alias) else None
+        if isinstance(r, torch.Tensor) and alias is not None:
+            src = _bound_value(info, args, kwargs, alias)
+            metas.append(src._meta if isinstance(src, DeferredTensor) else _meta_like(r))
+        elif isinstance(r, torch.Tensor):
+            metas.append(_meta_like(r))
+        else:
+            metas.append(r)
+    out = type(real)(metas) if isinstance(real, (tuple, list)) else metas[0]
+    return out, [None] * len(reals) if info.is_random else list(reals)
+
+
+def _bound_value(info: OpInfo, args: tuple, kwargs: dict, index: int) -> Any:
+    if index < len(args):
+        return args[index]
+    return kwargs.get(info.arg_names[index])
+
+
+def _spec_arg(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return ("tensor", tuple(x.shape), tuple(x.stride()), x.dtype)
+    if isinstance(x, (torch.Generator, torch.device)):
+        return None
+    if isinstance(x, (list, tuple)):
+        return type(x)(_spec_arg(v) for v in x)
+    return x
+
+
+def _spec_args(args: tuple) -> tuple:
+    return tuple(_spec_arg(a) for a in args)
+
+
+def _spec_kwargs(kwargs: dict) -> dict:
+    return {k: _spec_arg(v) for k, v in kwargs.items() if k not in ("generator", "device")}
+
+
+def set_data(self: DeferredTensor, new: torch.Tensor) -> None:
+    """``t.data = x`` on a deferred tensor: ``t`` now stands for ``x``'s values (same object)."""
+    if isinstance(new, DeferredTensor):
+        replacement = DeferredTensor(new._meta, new._rec, new.device, self._rg)
+    else:
+        replacement = new.detach()
+        if getattr(self, "_is_param", False):
+            replacement = torch.nn.Parameter(replacement, requires_grad=self._rg)
+        else:
+            replacement.requires_grad_(self._rg)
+    for k, v in self.__dict__.items():
+        if k not in INTERNAL_ATTRS:
+            setattr(replacement, k, v)
+    swap_in_place(self, replacement)
+
+
+DeferredTensor.handle_op = staticmethod(handle_op)
+DeferredTensor.set_data = staticmethod(set_data)

@@ -1,0 +1,69 @@
+"""Per-thread recording state: is this thread inside ``meta_init``, and with which defaults.
+
+Every ``meta_init`` block pushes its ``device``/``dtype`` here; the recorder reads them. Kept in
+its own module so that the recorder, the context manager and the device rewriting share it
+without importing each other.
+"""
+
+from __future__ import annotations
+
+import threading
+from typing import Any
+
+import torch
+
+__all__ = ["canonical_device", "default_device", "default_dtype", "dtype_override", "tls"]
+
+
+class RecordingState(threading.local):
+    """What the current thread's ``meta_init`` blocks asked for (innermost last)."""
+
+    def __init__(self) -> None:
+        self.depth = 0
+        self.devices: list[torch.device | None] = []
+        # Thread-local default dtype while a ``meta_init(dtype=...)`` block runs (innermost
+        # last); ``torch.set_default_dtype`` inside such a block changes the innermost entry.
+        self.dtypes: list[torch.dtype | None] = []
+        # Device the tensors of the torch-level call being recorded must report.
+        self.pending_device: torch.device | None = None
+
+
+tls = RecordingState()
+
+
+def canonical_device(device: Any) -> torch.device:
+    """``torch.device(device)`` with the index an eager tensor gets (``cuda`` -> ``cuda:0``)."""
+    d = torch.device(device)
+    if d.type in ("cuda", "xpu") and d.index is None:
+        # Mirrors eager: an index-less CUDA device means the current device (0 without CUDA).
+        current = 0
+        if d.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():
+            current = torch.cuda.current_device()
+        d = torch.device(d.type, current)
+    return d
+
+
+def default_device() -> torch.device:
+    """The device a new tensor reports when its code names none."""
+    if tls.devices and tls.devices[-1] is not None:
+        return tls.devices[-1]
+    return torch.get_default_device()
+
+
+def dtype_override() -> torch.dtype | None:
+    """The default dtype of the innermost ``meta_init(dtype=...)`` on this thread, if any."""
+    for d in reversed(tls.dtypes):
+        if d is not None:
+            return d
+    return None
+
+
+def default_dtype() -> torch.dtype:
+    """This thread's default floating dtype (the ``meta_init(dtype=)`` one inside such a block)."""
+    override = dtype_override()
+    return override if override is not None else _global_default_dtype()
+
+
+# ``torch.get_default_dtype`` may be replaced while a ``meta_init(dtype=)`` block runs (see
+# ``_context``); the real one is kept here.
+_global_default_dtype = torch.get_default_dtype
