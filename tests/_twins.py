@@ -11,11 +11,14 @@ from jupyter_metainit import meta_init
 
 
 def eager_and_deferred(ctor: Callable[[], nn.Module], seed: int = 0) -> tuple[nn.Module, nn.Module]:
+    """Both builds from ``seed``; the generator must be left where eager construction leaves it."""
     torch.manual_seed(seed)
     eager = ctor()
+    after_eager = torch.get_rng_state()
     torch.manual_seed(seed)
     with meta_init():
         deferred = ctor()
+    assert torch.equal(torch.get_rng_state(), after_eager), "RNG state differs after the build"
     return eager, deferred
 
 

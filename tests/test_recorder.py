@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import threading
+import warnings
 
 import numpy as np
 import pytest
@@ -276,3 +277,196 @@ def test_deepcopy_of_a_deferred_module_clones_values():
     assert b.weight is not a.weight
     materialize([a, b])
     assert torch.equal(a.weight, b.weight)
+
+
+@pytest.mark.parametrize(
+    "op",
+    [
+        lambda t: t.t_(),
+        lambda t: t.transpose_(0, 1),
+        lambda t: t.swapdims_(0, 1),
+        lambda t: t.unsqueeze_(1),
+        lambda t: t.squeeze_(0),
+        lambda t: t.as_strided_((3, 2), (1, 3)),
+        lambda t: t.resize_(3),
+    ],
+    ids=["t_", "transpose_", "swapdims_", "unsqueeze_", "squeeze_", "as_strided_", "resize_"],
+)
+def test_in_place_view_ops_update_the_metadata_of_the_same_object(op):
+    eager = torch.arange(6.0).reshape(2, 3)
+    op(eager)
+    with meta_init():
+        t = torch.arange(6.0).reshape(2, 3)
+        same = op(t)
+    assert same is t
+    assert t.shape == t.size() == eager.shape and t.stride() == eager.stride()
+    materialize(t)
+    assert t.shape == eager.shape and t.stride() == eager.stride()
+    assert torch.equal(t, eager)
+
+
+def test_orthogonal_init_of_a_wide_matrix_is_exact():
+    torch.manual_seed(0)
+    eager = nn.init.orthogonal_(torch.empty(3, 7))
+    torch.manual_seed(0)
+    with meta_init():
+        t = nn.init.orthogonal_(torch.empty(3, 7))
+    materialize(t)
+    assert torch.equal(t, eager)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.arange(4.0).view(torch.int32),
+        lambda: torch.arange(8.0).view(torch.int16)[1::3],
+        lambda: torch.arange(4, dtype=torch.int64).view(torch.uint8),
+        lambda: torch.view_as_complex(torch.arange(8.0).reshape(4, 2)),
+        lambda: torch.view_as_real(torch.randn(3, dtype=torch.cfloat)),
+        lambda: torch.view_as_complex(torch.randn(3, 2)).real,
+        lambda: torch.randn(4, 4, dtype=torch.cdouble).imag.view(torch.int64),
+    ],
+    ids=["f32_as_i32", "strided_i16", "i64_as_u8", "as_complex", "as_real", "complex_real",
+         "cdouble_imag_bits"],  # fmt: skip
+)
+def test_dtype_changing_views_materialize_with_their_own_dtype(make):
+    torch.manual_seed(0)
+    eager = make()
+    torch.manual_seed(0)
+    with meta_init():
+        t = make()
+    assert (t.dtype, t.shape, t.stride()) == (eager.dtype, eager.shape, eager.stride())
+    materialize(t)
+    assert t.dtype == eager.dtype and torch.equal(t, eager)
+
+
+def test_writes_through_a_dtype_view_reach_the_base():
+    def make():
+        base = torch.zeros(4)
+        base.view(torch.int32).fill_(0x3F800000)  # the bits of 1.0
+        return base
+
+    with meta_init():
+        t = make()
+    materialize(t)
+    assert torch.equal(t, make())
+
+
+def test_complex_parameters_are_exact():
+    class Spectral(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = nn.Parameter(torch.randn(4, 5, dtype=torch.cfloat) * 0.02)
+            self.u = nn.Parameter(torch.empty(6, dtype=torch.complex128).uniform_())
+
+    from _twins import assert_same, eager_and_deferred
+
+    eager, deferred = eager_and_deferred(Spectral)
+    assert deferred.w.dtype == torch.cfloat and deferred.w.requires_grad
+    materialize(deferred)
+    assert_same(eager, deferred)
+
+
+def test_requires_grad_of_derived_tensors_equals_eager():
+    def make():
+        w = nn.Parameter(torch.randn(6, 2))
+        with torch.no_grad():
+            frozen = w * 2
+        return [w.chunk(3)[0], w[1], w * 2, w.detach(), frozen, w.t(), torch.ones(2) + w]
+
+    eager = make()
+    with meta_init():
+        deferred = make()
+    assert [t.requires_grad for t in deferred] == [t.requires_grad for t in eager]
+    assert [t.is_leaf for t in deferred] == [t.is_leaf for t in eager]
+    materialize(deferred)
+    assert [t.requires_grad for t in deferred] == [t.requires_grad for t in eager]
+
+
+def test_legacy_weight_norm_attributes_require_grad():
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        eager = nn.utils.weight_norm(nn.Linear(4, 3))
+        with meta_init():
+            deferred = nn.utils.weight_norm(nn.Linear(4, 3))
+    assert deferred.weight.requires_grad == eager.weight.requires_grad is True
+
+
+def test_normal_with_tensor_mean_and_std():
+    torch.manual_seed(0)
+    eager = torch.normal(torch.zeros(5), torch.ones(5))
+    torch.manual_seed(0)
+    with meta_init():
+        t = torch.normal(torch.zeros(5), torch.ones(5))
+    materialize(t)
+    assert torch.equal(t, eager)
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda x: torch.nonzero(x > 0.5),
+        lambda x: torch.unique(torch.round(x * 4)),
+        lambda x: x[x > 0.5],
+        lambda x: torch.masked_select(x, x < 0.3),
+        lambda x: torch.linalg.qr(x.reshape(4, 4))[0],
+    ],
+    ids=["nonzero", "unique", "boolean_index", "masked_select", "qr"],
+)
+def test_data_dependent_and_meta_less_ops_are_deferred_and_exact(make):
+    torch.manual_seed(0)
+    eager = make(torch.rand(16))
+    torch.manual_seed(0)
+    with meta_init():
+        t = make(torch.rand(16))
+    assert is_deferred(t) and t.shape == eager.shape
+    materialize(t)
+    assert torch.equal(t, eager)
+
+
+@pytest.mark.parametrize("kind", ["orthogonal", "spectral_norm", "weight_norm"])
+def test_parametrizations_are_exact(kind):
+    from _twins import assert_same, eager_and_deferred
+
+    wrap = getattr(nn.utils.parametrizations, kind)
+
+    def ctor():
+        return wrap(nn.Linear(6, 4))
+
+    eager, deferred = eager_and_deferred(ctor)
+    materialize(deferred)
+    assert_same(eager, deferred)
+    assert torch.equal(eager.weight, deferred.weight)
+
+
+def test_register_parametrization_with_a_custom_module():
+    from torch.nn.utils import parametrize
+
+    class Symmetric(nn.Module):
+        def forward(self, x):
+            return x.triu() + x.triu(1).transpose(-1, -2)
+
+    def ctor():
+        m = nn.Linear(5, 5)
+        parametrize.register_parametrization(m, "weight", Symmetric())
+        return m
+
+    from _twins import assert_same, eager_and_deferred
+
+    eager, deferred = eager_and_deferred(ctor)
+    materialize(deferred)
+    assert_same(eager, deferred)
+    assert torch.equal(eager.weight, deferred.weight)
+
+
+def test_set_makes_a_deferred_tensor_share_another_ones_memory():
+    def make():
+        a, b = torch.arange(6.0), torch.zeros(2)
+        b.set_(a[2:])
+        a.add_(1)
+        return b
+
+    with meta_init():
+        t = make()
+    materialize(t)
+    assert torch.equal(t, make())

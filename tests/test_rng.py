@@ -149,3 +149,161 @@ def test_long_burn_through_jumps_ahead_exactly():
     torch.empty(n).uniform_(generator=real)
     _rng._burn(spec, jumped)
     assert torch.equal(real.get_state(), jumped.get_state())
+
+
+class _RandomFactories(nn.Module):
+    """Generator-less random factories: ``torch.rand``/``randn``/``randint``/``randperm``."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("a", torch.rand(64, 64))
+        self.register_buffer("b", torch.randn(64, 64))
+        self.register_buffer("c", torch.randint(0, 100, (64, 64)))
+        self.register_buffer("d", torch.randperm(257))
+        self.register_buffer("e", torch.rand_like(self.a))
+
+
+def test_fast_mode_is_deterministic_across_threads_and_leaves_the_callers_rng_alone():
+    import concurrent.futures
+
+    def build():
+        torch.manual_seed(0)
+        with meta_init():
+            return _RandomFactories()
+
+    models = [build() for _ in range(8)]
+    torch.manual_seed(1234)
+    state = torch.get_rng_state()
+    with concurrent.futures.ThreadPoolExecutor(4) as pool:
+        list(pool.map(lambda m: materialize(m, rng="fast"), models))
+    assert torch.equal(torch.get_rng_state(), state)
+    first = models[0].state_dict()
+    for m in models[1:]:
+        for k, v in m.state_dict().items():
+            assert torch.equal(v, first[k]), k
+
+
+def test_exact_mode_leaves_the_callers_rng_alone():
+    torch.manual_seed(0)
+    with meta_init():
+        m = _RandomFactories()
+    torch.manual_seed(99)
+    state = torch.get_rng_state()
+    materialize(m)
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_generator_less_random_factories_are_exact():
+    from _twins import assert_same, eager_and_deferred
+
+    eager, deferred = eager_and_deferred(_RandomFactories)
+    materialize(deferred)
+    assert_same(eager, deferred)
+
+
+def _rng_after(build):
+    torch.manual_seed(7)
+    build()
+    return torch.get_rng_state()
+
+
+@pytest.mark.parametrize(
+    "build",
+    [
+        lambda: build(4),
+        lambda: nn.LSTM(8, 8, num_layers=2),  # many small fills, counted draws
+        lambda: torch.randperm(1000),  # draws counted by formula
+        lambda: torch.empty(7).normal_(),  # fewer than 16 elements: run on scratch memory
+        lambda: torch.empty(40, 3)[:, 0].normal_(),  # strided: run on scratch memory
+        lambda: nn.functional.dropout(torch.ones(33), 0.3),
+        lambda: torch.empty(1000, dtype=torch.float64).uniform_(),
+        lambda: torch.empty(100, dtype=torch.int64).random_(),
+        lambda: torch.empty(5, 5).bernoulli_(0.5),
+    ],
+    ids=["linears", "lstm", "randperm", "small_normal", "strided_normal", "dropout", "f64",
+         "random_int64", "bernoulli"],  # fmt: skip
+)
+def test_rng_state_after_a_deferred_build_is_the_eager_one(build):
+    eager = _rng_after(build)
+    with meta_init():
+        deferred = _rng_after(build)
+    assert torch.equal(torch.get_rng_state(), eager)
+    assert torch.equal(deferred, eager)  # read inside the block, through torch.get_rng_state
+
+
+def test_random_numbers_drawn_after_a_deferred_build_are_the_eager_ones():
+    torch.manual_seed(3)
+    build()
+    eager_next = torch.rand(5)
+    torch.manual_seed(3)
+    with meta_init():
+        build()
+    assert torch.equal(torch.rand(5), eager_next)
+
+
+def test_ops_recorded_after_the_block_advance_the_generator_like_eager():
+    torch.manual_seed(0)
+    e = build(2)
+    for layer in e:
+        nn.init.normal_(layer.weight)
+    eager_next = torch.rand(3)
+    torch.manual_seed(0)
+    with meta_init():
+        d = build(2)
+    for layer in d:
+        nn.init.normal_(layer.weight)
+    assert torch.equal(torch.rand(3), eager_next)
+    materialize(d)
+    for a, b in zip(e.parameters(), d.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+class _SavesAndRestores(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        state = torch.get_rng_state()
+        self.b = nn.Linear(8, 8)  # drawn from the saved state ...
+        torch.set_rng_state(state)
+        self.c = nn.Linear(8, 8)  # ... and again: c equals b
+        with torch.random.fork_rng():
+            torch.manual_seed(5)
+            self.d = nn.Linear(8, 8)
+        self.e = nn.Linear(8, 8)  # continues after c, as if d never happened
+        torch.manual_seed(1)
+        self.f = nn.Linear(8, 8)
+        torch.manual_seed(1)
+        self.g = nn.Linear(8, 8)  # the same seed again: g equals f
+
+
+class _DirectGeneratorReseeding(nn.Module):
+    def __init__(self):
+        super().__init__()
+        g = torch.default_generator
+        g.manual_seed(11)
+        self.a = nn.Linear(8, 8)
+        g.manual_seed(11)
+        self.b = nn.Linear(8, 8)
+        own = torch.Generator().manual_seed(4)
+        self.register_buffer("c", torch.empty(20).normal_(generator=own))
+        own.manual_seed(4)
+        self.register_buffer("d", torch.empty(20).normal_(generator=own))
+
+
+@pytest.mark.parametrize("ctor", [_SavesAndRestores, _DirectGeneratorReseeding])
+def test_saving_restoring_and_reseeding_inside_constructors_replays_exactly(ctor):
+    from _twins import assert_same, eager_and_deferred
+
+    eager, deferred = eager_and_deferred(ctor)
+    materialize(deferred)
+    assert_same(eager, deferred)
+
+
+def test_dropout_without_probability_draws_nothing_and_is_not_rerun():
+    spec = _rng.BurnSpec(
+        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
+        tuple(("tensor", (1, 64, 4096, 128), (0, 0, 0, 0), torch.float32) for _ in range(3))
+        + (0.0,),
+        {}, False, 0,
+    )  # fmt: skip
+    assert _rng.known_draws(spec, torch.device("cpu")) == 0

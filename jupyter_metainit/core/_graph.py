@@ -59,7 +59,7 @@ class External:
 
     tensor: torch.Tensor
     version: int
-    where: str
+    where: Any  # _ops.Where: str() gives "file:line in function"
 
 
 @dataclass(eq=False)
@@ -93,12 +93,15 @@ class OpRecord:
     reads: tuple[StorageRecord, ...]
     outputs: tuple[TensorRecord | None, ...]  # new storages created by this op, per return
     rng: RngUse | None
-    where: str
+    where: Any  # _ops.Where: str() gives "file:line in function"
     # The default dtype this op's result dtype came from (an integer tensor divided by an int,
     # ``int_tensor * 0.5``), so that replay does not depend on the default in force then; None
     # for the ops (nearly all) whose result does not depend on it.
     default_dtype: torch.dtype | None = None
     mutates: tuple[StorageRecord, ...] = ()  # existing storages this op writes in place
+    # Storages this op writes completely without reading them (``normal_``, ``zero_``, a
+    # ``copy_`` into the whole storage): what was written there before is dead for later readers.
+    overwrites: tuple[StorageRecord, ...] = ()
 
     def __hash__(self) -> int:
         return self.seq

@@ -5,11 +5,12 @@ from __future__ import annotations
 import os
 import sys
 from dataclasses import dataclass
-from typing import Any
+from types import CodeType
+from typing import Any, NamedTuple
 
 import torch
 
-__all__ = ["OpInfo", "bind_arguments", "op_info", "user_frame"]
+__all__ = ["OpInfo", "Where", "bind_arguments", "op_info", "user_frame"]
 
 _RANDOM_TAG = torch.Tag.nondeterministic_seeded
 _INPLACE_VIEW_TAG = torch.Tag.inplace_view
@@ -119,27 +120,40 @@ def bind_arguments(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> li
     return bound
 
 
-_internal_files: dict[str, bool] = {}
+class Where(NamedTuple):
+    """Where user code made a call: formatted only when an error message needs it."""
+
+    code: CodeType | None
+    line: int
+
+    def __str__(self) -> str:
+        if self.code is None:
+            return "<unknown>"
+        return f"{self.code.co_filename}:{self.line} in {self.code.co_name}"
+
+
+_UNKNOWN = Where(None, 0)
+_internal_codes: dict[CodeType, bool] = {}
 
 
 def _is_internal(filename: str) -> bool:
-    internal = _internal_files.get(filename)
-    if internal is None:
-        path = os.path.abspath(filename)
-        internal = path.startswith((_PACKAGE_DIR, _TORCH_DIR)) or "importlib" in path
-        _internal_files[filename] = internal
-    return internal
+    path = os.path.abspath(filename)
+    return path.startswith((_PACKAGE_DIR, _TORCH_DIR)) or "importlib" in path
 
 
-def user_frame() -> str:
-    """``file:line in function`` of the innermost caller outside torch and this package.
+def user_frame() -> Where:
+    """The innermost caller outside torch and this package (``str()`` gives ``file:line in fn``).
 
-    Called for every recorded op, so it walks raw frames and reads no source lines.
+    Called for every recorded op, so it walks raw frames and remembers per code object.
     """
     frame = sys._getframe(1)
+    known = _internal_codes
     while frame is not None:
         code = frame.f_code
-        if not _is_internal(code.co_filename):
-            return f"{code.co_filename}:{frame.f_lineno} in {code.co_name}"
+        internal = known.get(code)
+        if internal is None:
+            internal = known[code] = _is_internal(code.co_filename)
+        if not internal:
+            return Where(code, frame.f_lineno)
         frame = frame.f_back
-    return "<unknown>"
+    return _UNKNOWN

@@ -30,7 +30,7 @@ from jupyter_metainit.core._graph import (
     constant_op,
     next_seq,
 )
-from jupyter_metainit.core._ops import OpInfo, bind_arguments, op_info, user_frame
+from jupyter_metainit.core._ops import OpInfo, Where, bind_arguments, op_info, user_frame
 from jupyter_metainit.core._plain import iter_args, map_args, plain
 from jupyter_metainit.core._replay import compute_values, default_dtype_as
 from jupyter_metainit.core._state import (
@@ -255,11 +255,92 @@ def _inplace_view(func: Any, info: OpInfo, bound: list, args: tuple, kwargs: dic
     return self
 
 
-def _meta_outputs(func: Any, bound: list, meta_args: tuple, meta_kwargs: dict) -> Any:
+class _Unkeyable(Exception):
+    pass
+
+
+_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+            torch.memory_format)  # fmt: skip
+
+
+def _arg_key(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return (x.shape, x.stride(), x.dtype, x.storage_offset())
+    if type(x) is list or type(x) is tuple:
+        return tuple(_arg_key(v) for v in x)
+    if isinstance(x, _SCALARS):
+        return (type(x), x)
+    raise _Unkeyable
+
+
+# Output geometry of ops that create new tensors, by (op, input geometry, scalars): a model's
+# repeated blocks run the same ops on the same shapes, and many meta kernels are slow Python.
+_meta_cache: dict[Any, tuple[type | None, tuple[tuple, ...]]] = {}
+_META_CACHE_SIZE = 8192
+
+
+def _meta_outputs(
+    func: Any, bound: list, meta_args: tuple, meta_kwargs: dict, info: OpInfo | None = None
+) -> Any:
     if func in _OVERWRITES_SELF and isinstance(bound[0], DeferredTensor):
         return meta_args[0]
+    key = None
+    if info is not None and not info.mutated and not any(a is not None for a in info.return_alias):
+        try:
+            key = (func, _global_default_dtype(), dtype_override(), _arg_key(meta_args), _arg_key(
+                tuple(meta_kwargs.items())))  # fmt: skip
+        except _Unkeyable:
+            key = None
+        hit = _meta_cache.get(key) if key is not None else None
+        if hit is not None:
+            container, outs = hit
+            with plain():
+                made = [torch.empty_strided(size, stride, dtype=dtype, device=META)
+                        for size, stride, dtype in outs]  # fmt: skip
+            return made[0] if container is None else container(made)
     with plain():
-        return func(*meta_args, **meta_kwargs)
+        out = func(*meta_args, **meta_kwargs)
+    if key is not None:
+        outs = out if isinstance(out, (tuple, list)) else (out,)
+        if all(isinstance(o, torch.Tensor) and o.storage_offset() == 0 for o in outs):
+            if len(_meta_cache) >= _META_CACHE_SIZE:
+                _meta_cache.clear()
+            _meta_cache[key] = (
+                type(out) if isinstance(out, (tuple, list)) else None,
+                tuple((tuple(o.shape), tuple(o.stride()), o.dtype) for o in outs),
+            )
+    return out
+
+
+def _full_overwrite(func: Any, bound: list) -> StorageRecord | None:
+    """The storage ``func`` writes completely without reading it, if any.
+
+    Fills (``normal_``, ``uniform_``, ``zero_``, ``fill_``) and ``copy_`` from another storage,
+    through a view that covers every byte of its storage.
+    """
+    self = bound[0] if bound else None
+    if not isinstance(self, DeferredTensor):
+        return None
+    if func is aten.copy_.default:
+        src = bound[1]
+        if isinstance(src, DeferredTensor) and src._rec.storage is self._rec.storage:
+            return None
+    elif func not in _OVERWRITES_SELF:
+        return None
+    meta, storage = self._meta, self._rec.storage
+    if meta.numel() * meta.element_size() != storage.nbytes:
+        return None
+    return storage if _dense(meta.shape, meta.stride()) else None
+
+
+def _dense(size: Any, stride: Any) -> bool:
+    """Non-overlapping and dense: the elements are one block of memory in some dim order."""
+    expected = 1
+    for st, sz in sorted((st, sz) for sz, st in zip(size, stride, strict=True) if sz != 1):
+        if st != expected:
+            return False
+        expected *= sz
+    return True
 
 
 def _uses_default_dtype(flat: list, out: Any) -> bool:
@@ -268,6 +349,48 @@ def _uses_default_dtype(flat: list, out: Any) -> bool:
     if not any(isinstance(o, torch.Tensor) and _is_float(o.dtype) for o in outs):
         return False
     return not any(isinstance(x, torch.Tensor) and _is_float(x.dtype) for x in flat)
+
+
+def _explicit_default_dtype(
+    func: Any, info: OpInfo, args: tuple, kwargs: dict, dtype: torch.dtype, out: Any
+) -> tuple[tuple, dict] | None:
+    """The same op with its result dtype made explicit, where that changes no value.
+
+    An op whose floating result comes from the default dtype (``int_t / 16``, ``int_t * 0.5``,
+    ``torch.sqrt(int_t)``) promotes its inputs to that dtype and computes in it. Giving it a
+    0-dim ``dtype`` tensor for each Python number, or (pointwise ops without numbers) its first
+    integer input cast to ``dtype``, promotes to the same dtype and computes the same values,
+    and makes replay independent of the default in force then. None when neither applies.
+    """
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    if any(isinstance(o, torch.Tensor) and o.is_complex() for o in outs):
+        return None
+    schema = func._schema.arguments
+    tensor_slots = {a.name for a in schema if str(a.type) in ("Tensor", "Optional[Tensor]")}
+
+    def number(x: Any) -> bool:
+        return isinstance(x, (int, float)) and not isinstance(x, bool)
+
+    def zero_dim(x: Any) -> torch.Tensor:
+        with plain():
+            return torch.tensor(x, dtype=dtype)
+
+    new_args = list(args)
+    new_kwargs = dict(kwargs)
+    changed = False
+    for i, x in enumerate(args):
+        if i < len(schema) and schema[i].name in tensor_slots and number(x):
+            new_args[i], changed = zero_dim(x), True
+    for k, x in kwargs.items():
+        if k in tensor_slots and number(x):
+            new_kwargs[k], changed = zero_dim(x), True
+    if not changed and torch.Tag.pointwise in func.tags:
+        for i, x in enumerate(args):
+            if i < len(schema) and schema[i].name in tensor_slots and isinstance(x, torch.Tensor):
+                new_args[i] = aten._to_copy.default(x, dtype=dtype)
+                changed = True
+                break
+    return (tuple(new_args), new_kwargs) if changed else None
 
 
 def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwargs: dict) -> Any:
@@ -300,7 +423,7 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
     values: Any = None
     default_dtype: torch.dtype | None = None
     try:
-        out = _meta_outputs(func, bound, meta_args, meta_kwargs)
+        out = _meta_outputs(func, bound, meta_args, meta_kwargs, info)
     except _NO_META_KERNEL:
         out, values = _outputs_from_values(func, info, args, kwargs, where)
     else:
@@ -321,6 +444,11 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
                 meta_kwargs = {**meta_kwargs, "dtype": out.dtype}
         elif _uses_default_dtype(flat, out):
             default_dtype = override if override is not None else global_default
+            explicit = _explicit_default_dtype(func, info, args, kwargs, default_dtype, out)
+            if explicit is not None:
+                args, kwargs = explicit
+                bound = bind_arguments(func, args, kwargs)
+                return _record(func, info, bound, iter_args(args, kwargs), args, kwargs)
             if default_dtype != global_default:
                 with default_dtype_as(default_dtype):
                     out = _meta_outputs(func, bound, meta_args, meta_kwargs)
@@ -342,8 +470,13 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
     rec_args, rec_kwargs = map_args(record_arg, args, kwargs)
     if "device" in rec_kwargs:
         rec_kwargs["device"] = device
+    overwrites = _full_overwrite(func, bound)
     reads = tuple(
-        {id(x._rec.storage): x._rec.storage for x in flat if isinstance(x, DeferredTensor)}.values()
+        {
+            id(x._rec.storage): x._rec.storage
+            for x in flat
+            if isinstance(x, DeferredTensor) and x._rec.storage is not overwrites
+        }.values()
     )
 
     outs = out if isinstance(out, (tuple, list)) else (out,)
@@ -409,7 +542,7 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
                     rec_args = tuple(None if j == gi else a for j, a in enumerate(rec_args))
         op = OpRecord(
             next_seq(), func, tuple(rec_args), rec_kwargs, reads, tuple(new_records), rng, where,
-            default_dtype, tuple(mutates),
+            default_dtype, tuple(mutates), () if overwrites is None else (overwrites,),
         )  # fmt: skip
         for s in (*created, *mutates):
             s.writes.append(op)
@@ -425,7 +558,7 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
 
 
 def _outputs_from_values(
-    func: Any, info: OpInfo, args: tuple, kwargs: dict, where: str
+    func: Any, info: OpInfo, args: tuple, kwargs: dict, where: Where
 ) -> tuple[Any, list[Any]]:
     """Outputs' metadata for an op with no meta kernel (or a data-dependent output shape):
     run it on the deferred inputs' exact values, on the CPU. Returns (meta outputs, values)."""

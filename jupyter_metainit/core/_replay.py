@@ -40,8 +40,10 @@ Progress = Callable[[int, int], None]
 
 
 class Plan:
-    """The ops to replay (in recording order), the storages that must come out, and the
-    storages that start from a value already computed (``seeds``: id -> (record, value))."""
+    """The ops to replay (in recording order), the storages that must come out, the storages
+    that start from a value already computed (``seeds``: id -> (record, value)), and the
+    storages whose creating op is skipped because a later op overwrites them completely
+    (``allocate``: id -> the creating op's output record, allocated empty instead)."""
 
     def __init__(
         self,
@@ -49,11 +51,13 @@ class Plan:
         targets: list[StorageRecord],
         seeds: dict[int, tuple[StorageRecord, torch.Tensor]],
         versions: dict[int, tuple[StorageRecord, int]],
+        allocate: dict[int, TensorRecord],
     ) -> None:
         self.ops = ops
         self.targets = targets
         self.seeds = seeds
         self.versions = versions  # id -> (record, writes applied once the plan has run)
+        self.allocate = allocate
 
     def __len__(self) -> int:
         return len(self.ops)
@@ -62,6 +66,16 @@ class Plan:
 def _writes_before(storage: StorageRecord, seq: int) -> int:
     """How many of ``storage``'s writes were recorded before op number ``seq``."""
     return bisect.bisect_left(storage.writes, seq, key=lambda op: op.seq)
+
+
+def _last_overwrite(storage: StorageRecord, lo: int, hi: int) -> int:
+    """Index of the last write in ``writes[lo:hi]`` that overwrites ``storage`` completely
+    without reading it (everything before it is dead), else ``lo``."""
+    writes = storage.writes
+    for i in range(hi - 1, lo, -1):
+        if storage in writes[i].overwrites:
+            return i
+    return lo
 
 
 class _CacheConflict(Exception):
@@ -82,6 +96,11 @@ def plan(records: Iterable[TensorRecord], cache: ValueCache | None = None) -> Pl
       saw each one after exactly the writes recorded before it (``seq`` order). So the value of
       storage ``S`` "as op ``o`` read it" needs ``S``'s writes with ``seq < o.seq``, and,
       recursively, what those writes read.
+    * **Dead writes are skipped.** Of those writes, only the ones from the last write that
+      ``overwrites`` ``S`` completely without reading it (``normal_`` after the constructor's
+      ``kaiming_uniform_``) are needed; such an op does not list ``S`` in its ``reads``. A
+      skipped random op costs nothing in ``fast`` mode, and in ``exact`` mode the generator is
+      moved past it by ``_rng.state_before`` (jump-ahead or regeneration) without filling memory.
     * **Recording order is a valid execution order** for any subset closed this way.
 
     With ``cache`` (reads during recording), a storage whose value after its first ``k`` writes
@@ -102,10 +121,11 @@ def _closure(
     targets: dict[int, StorageRecord], cache: ValueCache | None, disabled: set[int]
 ) -> Plan:
     inf = 1 << 62
-    reached: dict[int, int] = {}  # storage id -> writes included so far (a prefix of `writes`)
-    starts: dict[int, int] = {}  # storage id -> first write replayed (cached storages: k)
+    starts: dict[int, int] = {}  # storage id -> writes already in a cached value (0: none)
+    final: dict[int, int] = {}  # storage id -> writes applied once the plan has run
     seeds: dict[int, tuple[StorageRecord, torch.Tensor]] = {}
     storages: dict[int, StorageRecord] = {}
+    requested: set[tuple[int, int]] = set()
     included: dict[int, OpRecord] = {}
     work: list[tuple[StorageRecord, int]] = [(s, inf) for s in targets.values()]
     while work:
@@ -116,6 +136,9 @@ def _closure(
                 "a deferred tensor has no recorded origin; it cannot be replayed"
             )
         need = len(storage.writes) if upto == inf else _writes_before(storage, upto)
+        if (sid, need) in requested:
+            continue
+        requested.add((sid, need))
         if sid not in starts:
             start = 0
             cached = cache.get(storage) if cache is not None and sid not in disabled else None
@@ -123,23 +146,26 @@ def _closure(
                 start = cached[0]
                 seeds[sid] = (storage, cached[1])
             starts[sid] = start
-            reached[sid] = start
             storages[sid] = storage
-        elif need < starts[sid]:
+        start = starts[sid]
+        if need < start:
             raise _CacheConflict(storage)
-        done = reached[sid]
-        if need <= done:
-            continue
-        reached[sid] = need
-        for op in storage.writes[done:need]:
+        final[sid] = max(final.get(sid, 0), need)
+        for op in storage.writes[_last_overwrite(storage, start, need) : need]:
             if op.seq in included:
                 continue
             included[op.seq] = op
             for s in op.reads:
                 work.append((s, op.seq))
-    versions = {sid: (storages[sid], n) for sid, n in reached.items()}
     ops = sorted(included.values(), key=lambda o: o.seq)
-    return Plan(ops, list(targets.values()), seeds, versions)
+    allocate: dict[int, TensorRecord] = {}
+    for sid, storage in storages.items():
+        creator = storage.writes[0]
+        if sid not in seeds and creator.seq not in included:
+            out = next(r for r in creator.outputs if r is not None and r.storage is storage)
+            allocate[sid] = out
+    versions = {sid: (storages[sid], n) for sid, n in final.items()}
+    return Plan(ops, list(targets.values()), seeds, versions, allocate)
 
 
 def _geometry_matches(t: torch.Tensor, r: TensorRecord) -> bool:
@@ -225,10 +251,18 @@ class _Run:
             self.progress(self.done, max(self.total, self.done))
 
     # tensors -----------------------------------------------------------------------------
-    def real(self, r: TensorRecord) -> torch.Tensor:
+    def real(self, r: TensorRecord, device: torch.device) -> torch.Tensor:
         base = self.env.get(id(r.storage))
         if base is None:
-            raise MaterializationError("internal error: a storage was needed before it was made")
+            created = self.plan.allocate.get(id(r.storage))
+            if created is None:
+                raise MaterializationError(
+                    "internal error: a storage was needed before it was made"
+                )
+            # Its creating op was dead: a later op overwrites it completely.
+            base = torch.empty_strided(created.size, created.stride, dtype=created.dtype,
+                                       device=device)  # fmt: skip
+            self.env[id(r.storage)] = base
         return real_view(base, r)
 
     def op_device(self, op: OpRecord) -> torch.device:
@@ -243,7 +277,7 @@ class _Run:
 
     def arg(self, x: Any, device: torch.device) -> Any:
         if isinstance(x, TensorRecord):
-            return self.real(x)
+            return self.real(x, device)
         if isinstance(x, External):
             if x.tensor._version != x.version:
                 raise MaterializationError(

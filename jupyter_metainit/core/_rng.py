@@ -40,7 +40,7 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core._mt19937 import jump_state
+from jupyter_metainit.core._mt19937 import advance_by_generating, jump_state
 from jupyter_metainit.core._plain import plain
 
 __all__ = [
@@ -385,8 +385,8 @@ def known_draws(spec: BurnSpec, device: torch.device) -> int | None:
 # moving states
 
 
-_JUMP_ABOVE = 1 << 20  # below this many draws, generating them is faster than jumping
-_CHUNK = 1 << 20
+# Below this many draws, generating them (about 4 ms per million) is faster than jumping.
+_JUMP_ABOVE = 5 << 20
 
 
 def advance_state(state: torch.Tensor, draws: int) -> torch.Tensor:
@@ -395,15 +395,7 @@ def advance_state(state: torch.Tensor, draws: int) -> torch.Tensor:
         return state
     if draws > _JUMP_ABOVE:
         return jump_state(state, draws)
-    gen = torch.Generator()
-    gen.set_state(state)
-    with plain():
-        buf = torch.empty(min(draws, _CHUNK), dtype=torch.float32)
-        while draws > 0:
-            k = min(draws, _CHUNK)
-            buf[:k].uniform_(generator=gen)
-            draws -= k
-    return gen.get_state()
+    return advance_by_generating(state, draws)
 
 
 def _advance(generator: torch.Generator, draws: int) -> None:
@@ -492,8 +484,10 @@ _trackers: dict[int, _Tracker] = {}
 _lock = threading.RLock()
 
 
-def _mark(tracker: _Tracker) -> None:
+def _mark(tracker: _Tracker, was_pending: bool) -> None:
     """Leave the real generator one draw past the exact state while draws are pending."""
+    if was_pending and tracker.pending:
+        return  # already marked: the exact state has not moved
     state = tracker.exact if not tracker.pending else jump_state(tracker.exact, 1)
     tracker.generator.set_state(state)
     tracker.marked = state
@@ -521,6 +515,7 @@ def record_random(
         segment = tracker.segment
         index = len(segment.specs)
         segment.specs.append(spec)
+        was_pending = tracker.pending > 0
         draws = known_draws(spec, gen.device)
         if draws is not None:
             tracker.pending += draws
@@ -536,7 +531,7 @@ def record_random(
         if flush_now:
             _flush(tracker)
         else:
-            _mark(tracker)
+            _mark(tracker, was_pending)
     return segment, index
 
 
@@ -548,7 +543,7 @@ def _flush(tracker: _Tracker) -> None:
         tracker.exact = advance_state(tracker.exact, tracker.pending)
         tracker.pending = 0
         tracker.segment.add_checkpoint(len(tracker.segment.specs), tracker.exact)
-    _mark(tracker)
+    _mark(tracker, was_pending=False)
 
 
 def flush_all() -> None:

@@ -31,7 +31,9 @@ class ValueCache:
         self.budget = budget
         self._entries: OrderedDict[int, tuple[weakref.ref, int, torch.Tensor]] = OrderedDict()
         self._bytes = 0
-        self._lock = threading.Lock()
+        # Re-entrant: a storage's weakref callback (``_forget``) can run on this thread while
+        # the lock is held, whenever a garbage collection happens inside ``put``.
+        self._lock = threading.RLock()
 
     @property
     def max_entry(self) -> int:

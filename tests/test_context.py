@@ -1,0 +1,118 @@
+"""``meta_init``'s defaults are the block's own, and replay does not depend on what is in force."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from jupyter_metainit import materialize, meta_init
+
+
+class Positional(nn.Module):
+    """Factories that take the default dtype, and an integer division that produces it."""
+
+    def __init__(self):
+        super().__init__()
+        self.proj = nn.Linear(8, 8)
+        self.register_buffer("freq", torch.linspace(0, 1, 9))
+        self.register_buffer("steps", torch.arange(0, 1, 0.125))
+        self.register_buffer("ratio", torch.arange(0, 16, 2) / 16)
+        self.register_buffer("scale", torch.tensor([0.1, 0.2]))
+        self.register_buffer("full", torch.full((3,), 1 / 3))
+
+
+def _eager(dtype):
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        torch.manual_seed(0)
+        return Positional()
+    finally:
+        torch.set_default_dtype(saved)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64, torch.float16])
+def test_meta_init_dtype_equals_eager_construction_under_that_default(dtype):
+    eager = _eager(dtype)
+    torch.manual_seed(0)
+    with meta_init(dtype=dtype):
+        assert torch.get_default_dtype() == dtype
+        deferred = Positional()
+    assert torch.get_default_dtype() == torch.float32
+    materialize(deferred)
+    for k, v in eager.state_dict().items():
+        got = deferred.state_dict()[k]
+        assert got.dtype == v.dtype and torch.equal(got, v), k
+
+
+@pytest.mark.parametrize("ambient", [torch.bfloat16, torch.float64])
+def test_materialize_does_not_depend_on_the_default_dtype_in_force(ambient):
+    eager = _eager(torch.float32)
+    torch.manual_seed(0)
+    with meta_init():
+        deferred = Positional()
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(ambient)
+    try:
+        materialize(deferred)
+    finally:
+        torch.set_default_dtype(saved)
+    for k, v in eager.state_dict().items():
+        got = deferred.state_dict()[k]
+        assert got.dtype == v.dtype and torch.equal(got, v), k
+
+
+def test_materialize_does_not_depend_on_the_default_device_or_grad_mode():
+    eager = _eager(torch.float32)
+    torch.manual_seed(0)
+    with meta_init():
+        deferred = Positional()
+    torch.set_default_device("meta")
+    try:
+        with torch.inference_mode():
+            materialize(deferred)
+    finally:
+        torch.set_default_device(None)
+    assert deferred.proj.weight.device.type == "cpu" and deferred.proj.weight.requires_grad
+    assert not deferred.proj.weight.is_inference()
+    for k, v in eager.state_dict().items():
+        assert torch.equal(deferred.state_dict()[k], v), k
+
+
+def test_meta_init_dtype_leaves_other_threads_dtype_alone():
+    stop = threading.Event()
+    seen: set[torch.dtype] = set()
+
+    def eager_worker():
+        while not stop.is_set():
+            seen.add(torch.zeros(2).dtype)
+            seen.add(torch.get_default_dtype())
+            seen.add((torch.arange(4) / 2).dtype)
+
+    worker = threading.Thread(target=eager_worker)
+    worker.start()
+    try:
+        for _ in range(20):
+            with meta_init(dtype=torch.bfloat16):
+                Positional()
+                assert torch.zeros(1).dtype == torch.bfloat16
+    finally:
+        stop.set()
+        worker.join()
+    assert seen == {torch.float32}
+
+
+def test_set_default_dtype_inside_a_dtype_block_stays_in_the_block():
+    with meta_init(dtype=torch.bfloat16):
+        torch.set_default_dtype(torch.float16)
+        t = torch.zeros(1)
+    assert t.dtype == torch.float16
+    assert torch.get_default_dtype() == torch.float32
+
+
+def test_meta_init_dtype_must_be_floating():
+    with pytest.raises(TypeError, match="floating"), meta_init(dtype=torch.int8):
+        pass
