@@ -326,8 +326,15 @@ def test_orthogonal_init_of_a_wide_matrix_is_exact():
         lambda: torch.view_as_complex(torch.randn(3, 2)).real,
         lambda: torch.randn(4, 4, dtype=torch.cdouble).imag.view(torch.int64),
     ],
-    ids=["f32_as_i32", "strided_i16", "i64_as_u8", "as_complex", "as_real", "complex_real",
-         "cdouble_imag_bits"],  # fmt: skip
+    ids=[
+        "f32_as_i32",
+        "strided_i16",
+        "i64_as_u8",
+        "as_complex",
+        "as_real",
+        "complex_real",
+        "cdouble_imag_bits",
+    ],
 )
 def test_dtype_changing_views_materialize_with_their_own_dtype(make):
     torch.manual_seed(0)

@@ -127,10 +127,10 @@ def test_dropout_in_a_recorded_forward_is_exact():
 def test_burn_through_reaches_the_same_generator_state_as_the_op(op, n, dtype):
     func = getattr(torch.ops.aten, op).default
     spec = _rng.BurnSpec(func, (("tensor", (n,), (1,), dtype),), {}, True, n * 4)
-    real, burnt = torch.Generator().manual_seed(7), torch.Generator().manual_seed(7)
+    real = torch.Generator().manual_seed(7)
+    start = real.get_state()
     getattr(torch.empty(n, dtype=dtype), op)(generator=real)
-    _rng._burn(spec, burnt)
-    assert torch.equal(real.get_state(), burnt.get_state())
+    assert torch.equal(real.get_state(), _rng.state_after(spec, start, torch.device("cpu")))
 
 
 def test_burn_through_of_large_fills_uses_bounded_scratch_memory():
@@ -145,10 +145,10 @@ def test_long_burn_through_jumps_ahead_exactly():
     n = 64 * 1024 * 1024 + 5  # above the jump threshold
     spec = _rng.BurnSpec(torch.ops.aten.uniform_.default, (("tensor", (n,), (1,), torch.float32),),
                          {}, True, n * 4)  # fmt: skip
-    real, jumped = torch.Generator().manual_seed(3), torch.Generator().manual_seed(3)
+    real = torch.Generator().manual_seed(3)
+    start = real.get_state()
     torch.empty(n).uniform_(generator=real)
-    _rng._burn(spec, jumped)
-    assert torch.equal(real.get_state(), jumped.get_state())
+    assert torch.equal(real.get_state(), _rng.state_after(spec, start, torch.device("cpu")))
 
 
 class _RandomFactories(nn.Module):
@@ -220,8 +220,17 @@ def _rng_after(build):
         lambda: torch.empty(100, dtype=torch.int64).random_(),
         lambda: torch.empty(5, 5).bernoulli_(0.5),
     ],
-    ids=["linears", "lstm", "randperm", "small_normal", "strided_normal", "dropout", "f64",
-         "random_int64", "bernoulli"],  # fmt: skip
+    ids=[
+        "linears",
+        "lstm",
+        "randperm",
+        "small_normal",
+        "strided_normal",
+        "dropout",
+        "f64",
+        "random_int64",
+        "bernoulli",
+    ],
 )
 def test_rng_state_after_a_deferred_build_is_the_eager_one(build):
     eager = _rng_after(build)
@@ -300,10 +309,7 @@ def test_saving_restoring_and_reseeding_inside_constructors_replays_exactly(ctor
 
 
 def test_dropout_without_probability_draws_nothing_and_is_not_rerun():
-    spec = _rng.BurnSpec(
-        torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default,
-        tuple(("tensor", (1, 64, 4096, 128), (0, 0, 0, 0), torch.float32) for _ in range(3))
-        + (0.0,),
-        {}, False, 0,
-    )  # fmt: skip
+    qkv = ("tensor", (1, 64, 4096, 128), (0, 0, 0, 0), torch.float32)
+    sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
+    spec = _rng.BurnSpec(sdpa, (qkv, qkv, qkv, 0.0), {}, False, 0)
     assert _rng.known_draws(spec, torch.device("cpu")) == 0

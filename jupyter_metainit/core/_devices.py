@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core._plain import plain
-from jupyter_metainit.core._record import read_value, wrap_constant
+from jupyter_metainit.core._record import SUBCLASS_SENSITIVE, read_value, record_call, wrap_constant
 from jupyter_metainit.core._state import canonical_device, default_device, dtype_override, tls
 from jupyter_metainit.core._tensor import DeferredTensor
 
@@ -146,6 +146,10 @@ def retarget(func: Any, self: DeferredTensor, args: tuple, kwargs: dict) -> Any:
             return func(self, *args, **kwargs)
     else:
         copy = bool(kwargs.pop("copy", False))
+        bools = [i for i, a in enumerate(args) if isinstance(a, bool)]
+        if len(bools) > 1:  # to(dtype, non_blocking, copy): the second bool is `copy`
+            copy = copy or args[bools[1]]
+            args = args[: bools[1]] + args[bools[1] + 1 :]
         device, dtype, _nb, memory_format = torch._C._nn._parse_to(*args, **kwargs)
         if memory_format is not None and memory_format != torch.preserve_format:
             with torch._C.DisableTorchFunctionSubclass():
@@ -171,10 +175,38 @@ def handle_function(func: Any, args: tuple, kwargs: dict) -> Any:
         return func(value, *args[1:], **kwargs)
     if func is torch.Tensor.new_tensor:
         return data_factory(func, args, dict(kwargs))
+    if func in SUBCLASS_SENSITIVE:
+        return record_call(func, args, kwargs)
     if "device" in kwargs:
         return rewrite_device(func, args, kwargs, in_context=False)
+    try:
+        with torch._C.DisableTorchFunctionSubclass():
+            return func(*args, **kwargs)
+    except RuntimeError as e:
+        if "data is not allocated yet" not in str(e):
+            raise
+        return _with_index_values(func, args, kwargs, e)
+
+
+def _with_index_values(func: Any, args: tuple, kwargs: dict, error: Exception) -> Any:
+    """Some functions read an integer tensor argument's values in C++ before any op is
+    dispatched (``torch.tensor_split(x, indices_tensor)``): give them those values (exact, by
+    replay) and keep the data argument deferred."""
+    replaced = False
+
+    def value(x: Any) -> Any:
+        nonlocal replaced
+        if isinstance(x, DeferredTensor) and not (x.is_floating_point() or x.is_complex()):
+            replaced = True
+            return read_value(x)
+        return x
+
+    new_args = (args[0], *(value(a) for a in args[1:])) if args else ()
+    new_kwargs = {k: value(v) for k, v in kwargs.items()}
+    if not replaced:
+        raise error
     with torch._C.DisableTorchFunctionSubclass():
-        return func(*args, **kwargs)
+        return func(*new_args, **new_kwargs)
 
 
 DeferredTensor.handle_function = staticmethod(handle_function)

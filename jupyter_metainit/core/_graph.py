@@ -34,9 +34,10 @@ class StorageRecord:
 
 
 class TensorRecord:
-    """Geometry of one tensor over a storage: what ``as_strided`` needs to rebuild it."""
+    """Geometry of one tensor over a storage: what ``as_strided`` needs to rebuild it, plus the
+    lazy conjugate/negative bits of views such as ``x.conj()`` (``conj``, ``neg``)."""
 
-    __slots__ = ("__weakref__", "dtype", "offset", "size", "storage", "stride")
+    __slots__ = ("__weakref__", "conj", "dtype", "neg", "offset", "size", "storage", "stride")
 
     def __init__(self, storage: StorageRecord, meta: torch.Tensor) -> None:
         self.storage = storage
@@ -44,6 +45,8 @@ class TensorRecord:
         self.stride = tuple(meta.stride())
         self.offset = meta.storage_offset()
         self.dtype = meta.dtype
+        self.conj = meta.is_conj()
+        self.neg = meta.is_neg()
 
     @property
     def nbytes(self) -> int:

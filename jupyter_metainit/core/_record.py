@@ -45,7 +45,14 @@ from jupyter_metainit.core._tensor import INTERNAL_ATTRS, DeferredTensor
 from jupyter_metainit.core._values import value_cache
 from jupyter_metainit.core.errors import MetaInitError, UnsupportedOperatorError
 
-__all__ = ["handle_op", "read_value", "set_data", "wrap_constant"]
+__all__ = [
+    "SUBCLASS_SENSITIVE",
+    "handle_op",
+    "read_value",
+    "record_call",
+    "set_data",
+    "wrap_constant",
+]
 
 aten = torch.ops.aten
 META = torch.device("meta")
@@ -68,6 +75,11 @@ _NO_META_KERNEL = (
 def _to_meta(t: torch.Tensor) -> torch.Tensor:
     if isinstance(t, DeferredTensor):
         return t._meta
+    if t.layout != torch.strided:
+        raise UnsupportedOperatorError(
+            f"{t.layout} tensors cannot be used in deferred code (called at {user_frame()}); "
+            "build them outside meta_init, or use dense tensors"
+        )
     with plain():
         n = t.untyped_storage().nbytes() // t.element_size() if t.element_size() else 0
         base = torch.empty(max(n, 1), dtype=t.dtype, device=META)
@@ -241,8 +253,10 @@ def _inplace_view(func: Any, info: OpInfo, bound: list, args: tuple, kwargs: dic
     elif func is aten.set_.default:
         storage = StorageRecord(0, meta.dtype, self.device)
         created = TensorRecord(storage, meta)
-        empty = OpRecord(next_seq(), aten.empty.memory_format, ((0,),),
-                         {"dtype": meta.dtype, "device": self.device}, (), (created,), None, where)  # fmt: skip
+        kwargs = {"dtype": meta.dtype, "device": self.device}
+        empty = OpRecord(
+            next_seq(), aten.empty.memory_format, ((0,),), kwargs, (), (created,), None, where
+        )
         storage.writes.append(empty)
     elif _storage_nbytes(meta) > self._rec.storage.nbytes:
         raise UnsupportedOperatorError(
@@ -343,6 +357,76 @@ def _dense(size: Any, stride: Any) -> bool:
     return True
 
 
+# Outputs that PyTorch's meta kernels lay out row-major while the CPU kernels (LAPACK) return
+# them column-major; recording the CPU layout keeps the deferred tensor's strides eager's.
+_COLUMN_MAJOR_OUTPUTS = {aten._linalg_svd.default: (2,), aten.linalg_eig.default: (1,)}
+
+
+# Ops whose meta kernels give outputs another layout (FFTs, unpooling) or shape (the unused
+# statistics of batch_norm in eval mode, some outputs of embedding_bag) than the CPU kernels,
+# depending on the arguments: the CPU's is learned by running the real kernel on zeros of the
+# same geometry, when that is small, and remembered per geometry. (Larger ones keep the meta
+# kernel's; an output whose real shape then differs cannot be materialized, with a clear error.)
+_PROBED = {
+    aten._fft_r2c.default, aten._fft_c2r.default, aten._fft_c2c.default,
+    aten.max_unpool2d.default, aten.max_unpool3d.default, aten.native_batch_norm.default,
+    aten._native_batch_norm_legit.default, aten._native_batch_norm_legit_no_training.default,
+    aten._embedding_bag.default, aten._embedding_bag_forward_only.default,
+}  # fmt: skip
+_PROBE_BYTES = 16 << 20
+_probed: dict[Any, tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] | None] = {}
+
+
+def _probe_layout(func: Any, meta_args: tuple, meta_kwargs: dict, out: Any) -> Any:
+    try:
+        key = (func, _arg_key(meta_args), _arg_key(tuple(meta_kwargs.items())))
+    except _Unkeyable:
+        return out
+    if key not in _probed:
+        _probed[key] = None
+        tensors = [x for x in iter_args(meta_args, meta_kwargs) if isinstance(x, torch.Tensor)]
+        if sum(t.untyped_storage().nbytes() for t in tensors) <= _PROBE_BYTES:
+
+            def zeros(x: Any) -> Any:
+                if not isinstance(x, torch.Tensor):
+                    return x
+                base = torch.zeros(x.untyped_storage().nbytes() // x.element_size(),
+                                   dtype=x.dtype)  # fmt: skip
+                return base.as_strided(x.shape, x.stride(), x.storage_offset())
+
+            with plain():
+                try:
+                    real = func(*map_args(zeros, meta_args, meta_kwargs)[0],
+                                **map_args(zeros, meta_args, meta_kwargs)[1])  # fmt: skip
+                    reals = real if isinstance(real, (tuple, list)) else (real,)
+                    _probed[key] = tuple((tuple(r.shape), tuple(r.stride())) for r in reals)
+                except Exception:  # the real kernel rejects zeros: keep the meta layout
+                    _probed[key] = None
+    geometry = _probed[key]
+    if geometry is None:
+        return out
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    with plain():
+        fixed = [torch.empty_strided(size, stride, dtype=o.dtype, device=META)
+                 for o, (size, stride) in zip(outs, geometry, strict=True)]  # fmt: skip
+    return type(out)(fixed) if isinstance(out, (tuple, list)) else fixed[0]
+
+
+def _cpu_layout(func: Any, out: Any) -> Any:
+    indices = _COLUMN_MAJOR_OUTPUTS.get(func)
+    if indices is None:
+        return out
+    outs = list(out)
+    for i in indices:
+        t = outs[i]
+        if t.dim() >= 2 and t.numel() and t.is_contiguous():
+            size = tuple(t.shape)
+            stride = list(torch.empty(size, device=META).mT.contiguous().mT.stride())
+            with plain():
+                outs[i] = torch.empty_strided(size, stride, dtype=t.dtype, device=META)
+    return type(out)(outs)
+
+
 def _uses_default_dtype(flat: list, out: Any) -> bool:
     """True if ``out``'s floating dtype can only have come from the default dtype."""
     outs = out if isinstance(out, (tuple, list)) else (out,)
@@ -423,8 +507,16 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
     values: Any = None
     default_dtype: torch.dtype | None = None
     try:
-        out = _meta_outputs(func, bound, meta_args, meta_kwargs, info)
+        out = _cpu_layout(func, _meta_outputs(func, bound, meta_args, meta_kwargs, info))
+        if func in _PROBED:
+            out = _probe_layout(func, meta_args, meta_kwargs, out)
     except _NO_META_KERNEL:
+        out, values = _outputs_from_values(func, info, args, kwargs, where)
+    except RuntimeError:
+        # A meta kernel stricter than the real one (an in-place op that resizes): decide on
+        # the real kernel when that is cheap; an error eager code gets too is raised as is.
+        if _deferred_input_bytes(flat) > _VALUES_FOR_ERRORS:
+            raise
         out, values = _outputs_from_values(func, info, args, kwargs, where)
     else:
         global_default = _global_default_dtype()
@@ -557,6 +649,14 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
     return results[0]
 
 
+_VALUES_FOR_ERRORS = 64 << 20  # bytes of deferred inputs worth computing to check an error
+
+
+def _deferred_input_bytes(flat: list) -> int:
+    storages = {id(x._rec.storage): x._rec.storage for x in flat if isinstance(x, DeferredTensor)}
+    return sum(s.nbytes for s in storages.values())
+
+
 def _outputs_from_values(
     func: Any, info: OpInfo, args: tuple, kwargs: dict, where: Where
 ) -> tuple[Any, list[Any]]:
@@ -591,11 +691,21 @@ def _outputs_from_values(
     with plain():
         real = func(*a, **k)
     reals = real if isinstance(real, (tuple, list)) else (real,)
+    if any(isinstance(r, torch.Tensor) and r.layout != torch.strided for r in reals):
+        raise UnsupportedOperatorError(
+            f"{func} returns a {reals[0].layout} tensor, which cannot be deferred (called at "
+            f"{where}); build it outside meta_init"
+        )
     metas = []
     for i, r in enumerate(reals):
         alias = info.return_alias[i] if i < len(info.return_alias) else None
         if isinstance(r, torch.Tensor) and alias is not None:
             src = _bound_value(info, args, kwargs, alias)
+            if isinstance(src, DeferredTensor) and tuple(r.shape) != tuple(src.shape):
+                raise UnsupportedOperatorError(
+                    f"{func} changes the shape of a deferred tensor in place ({tuple(src.shape)} "
+                    f"-> {tuple(r.shape)}), called at {where}; use the out-of-place form"
+                )
             metas.append(src._meta if isinstance(src, DeferredTensor) else _meta_like(r))
         elif isinstance(r, torch.Tensor):
             metas.append(_meta_like(r))
@@ -627,6 +737,65 @@ def _spec_args(args: tuple) -> tuple:
 
 def _spec_kwargs(kwargs: dict) -> dict:
     return {k: _spec_arg(v) for k, v in kwargs.items() if k not in ("generator", "device")}
+
+
+# Composite functions whose C++ implementation takes another branch for tensor subclasses
+# (``_may_require_fw_or_bw_grad``: singular values computed with the singular vectors), which
+# changes the last bits of the result. They are recorded as one call and replayed as one call
+# on real tensors, so replay takes the branch eager code takes.
+SUBCLASS_SENSITIVE = {
+    torch.linalg.svdvals, torch.linalg.eigvalsh, torch.linalg.eigvals, torch.linalg.matrix_norm,
+    torch.linalg.norm, torch.linalg.cond, torch.linalg.matrix_rank, torch.linalg.pinv, torch.norm,
+    torch.Tensor.norm, torch.nuclear_norm, torch.svd, torch.Tensor.svd,
+}  # fmt: skip
+
+
+def record_call(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Record a whole torch-level call as one op (see ``SUBCLASS_SENSITIVE``)."""
+    where = user_frame()
+    flat = iter_args(args, kwargs)
+    device = _output_device(kwargs, flat)
+    with plain():
+        out = func(*map_args(_to_meta_or_same, args, kwargs)[0],
+                   **map_args(_to_meta_or_same, args, kwargs)[1])  # fmt: skip
+    outs = list(out) if isinstance(out, (tuple, list)) else [out]
+    grad = torch.is_grad_enabled() and any(
+        _requires_grad(x) for x in flat if isinstance(x, torch.Tensor)
+    )
+    records: list[TensorRecord | None] = []
+    results: list[Any] = []
+    for o in outs:
+        if not isinstance(o, torch.Tensor):
+            records.append(None)
+            results.append(o)
+            continue
+        rec = TensorRecord(StorageRecord(_storage_nbytes(o), o.dtype, device), o)
+        rg = grad and _is_float(o.dtype)
+        records.append(rec)
+        results.append(DeferredTensor(o, rec, device, rg, rg))
+
+    def record_arg(x: Any) -> Any:
+        if isinstance(x, DeferredTensor):
+            return x._rec
+        if isinstance(x, torch.Tensor):
+            return External(x, x._version, where)
+        return x
+
+    rec_args, rec_kwargs = map_args(record_arg, args, kwargs)
+    reads = tuple(
+        {id(x._rec.storage): x._rec.storage for x in flat if isinstance(x, DeferredTensor)}.values()
+    )
+    op = OpRecord(next_seq(), func, tuple(rec_args), rec_kwargs, reads, tuple(records), None, where)
+    for rec in records:
+        if rec is not None:
+            rec.storage.writes.append(op)
+    if isinstance(out, (tuple, list)):
+        return type(out)(results)
+    return results[0]
+
+
+def _to_meta_or_same(x: Any) -> Any:
+    return _to_meta(x) if isinstance(x, torch.Tensor) else x
 
 
 def set_data(self: DeferredTensor, new: torch.Tensor) -> None:

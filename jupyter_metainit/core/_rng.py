@@ -398,17 +398,21 @@ def advance_state(state: torch.Tensor, draws: int) -> torch.Tensor:
     return advance_by_generating(state, draws)
 
 
-def _advance(generator: torch.Generator, draws: int) -> None:
-    generator.set_state(advance_state(generator.get_state(), draws))
+def run_on_scratch(spec: BurnSpec, state: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The state after re-running ``spec`` on scratch memory from ``state``."""
+    gen = torch.Generator(device=device)
+    gen.set_state(state)
+    _scratch_op(spec, gen)
+    return gen.get_state()
 
 
-def _burn(spec: BurnSpec, generator: torch.Generator) -> None:
-    """Move ``generator`` past ``spec`` as the op itself would."""
-    draws = known_draws(spec, generator.device)
+def state_after(spec: BurnSpec, state: torch.Tensor, device: torch.device) -> torch.Tensor:
+    """The state after ``spec`` drew from ``state``: by its known draw count, else by running
+    it on scratch memory."""
+    draws = known_draws(spec, device)
     if draws is not None:
-        _advance(generator, draws)
-    else:
-        _scratch_op(spec, generator)
+        return advance_state(state, draws)
+    return run_on_scratch(spec, state, device)
 
 
 def state_before(
@@ -433,10 +437,7 @@ def state_before(
                 pending_bytes += spec.nbytes
                 continue
             state = advance_state(state, pending) if segment.device.type == "cpu" else state
-            gen = torch.Generator(device=segment.device)
-            gen.set_state(state)
-            _scratch_op(spec, gen)
-            state = gen.get_state()
+            state = run_on_scratch(spec, state, segment.device)
             segment.add_checkpoint(i + 1, state)
             if progress is not None:
                 progress(pending_bytes + spec.nbytes)
@@ -520,13 +521,8 @@ def record_random(
         if draws is not None:
             tracker.pending += draws
         else:
-            current = tracker.exact
-            if tracker.pending:
-                current = advance_state(current, tracker.pending)
-            scratch = torch.Generator(device=gen.device)
-            scratch.set_state(current)
-            _scratch_op(spec, scratch)
-            tracker.exact, tracker.pending = scratch.get_state(), 0
+            current = advance_state(tracker.exact, tracker.pending)
+            tracker.exact, tracker.pending = run_on_scratch(spec, current, gen.device), 0
             segment.add_checkpoint(index + 1, tracker.exact)
         if flush_now:
             _flush(tracker)

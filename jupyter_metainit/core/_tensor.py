@@ -58,6 +58,10 @@ class DeferredTensor(torch.Tensor):
             device=device,
             requires_grad=False,
         )
+        if meta.is_conj():
+            torch._C._set_conj(t, True)
+        if meta.is_neg():
+            torch._C._set_neg(t, True)
         t._meta = meta
         t._rec = rec
         t._rg = requires_grad
