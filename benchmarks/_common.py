@@ -177,6 +177,36 @@ TINY_LLAMA = dict(
     vocab_size=256,
 )
 
+
+def torchvision_models() -> Any:
+    """``torchvision.models``, for its model constructors only (pure Python).
+
+    PyPI's torchvision is a CUDA build whose op registrations fail beside the CPU torch, and
+    once in the venv it breaks ``transformers`` imports. So it is installed with ``--no-deps``
+    into ``.bench-deps/`` at the repository root (with pillow, which its import needs), kept out
+    of the venv, and its two registration modules are stubbed before it is imported.
+    """
+    import importlib
+    import types
+
+    import torch
+
+    root = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".bench-deps")
+    if not os.path.isdir(os.path.join(root, "torchvision")):
+        major, minor = (int(x) for x in torch.__version__.split("+")[0].split(".")[:2])
+        spec = f"torchvision=={major - 2}.{minor + 15}.*"  # torch 2.13 pairs with 0.28
+        subprocess.run(
+            [sys.executable, "-m", "pip", "install", "--quiet", "--no-deps", "--target", root,
+             spec, "pillow"],
+            check=True, stdin=subprocess.DEVNULL,
+        )  # fmt: skip
+    if root not in sys.path:
+        sys.path.insert(0, root)
+    for name in ("torchvision._meta_registrations", "torchvision._autograd_registrations"):
+        sys.modules.setdefault(name, types.ModuleType(name))
+    return importlib.import_module("torchvision.models")
+
+
 # --------------------------------------------------------------------------- processes
 
 

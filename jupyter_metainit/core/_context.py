@@ -28,11 +28,12 @@ from jupyter_metainit.core import _rng
 from jupyter_metainit.core._devices import (
     DATA_FACTORIES,
     FACTORIES,
-    TO_METHODS,
     data_factory,
+    handle_function,
     rewrite_device,
 )
 from jupyter_metainit.core._lazy import lazy_module_support
+from jupyter_metainit.core._ops import user_frame
 from jupyter_metainit.core._record import handle_op
 from jupyter_metainit.core._state import (
     _global_default_dtype,
@@ -59,17 +60,31 @@ class _FunctionMode(TorchFunctionMode):
     def __torch_function__(
         self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
     ) -> Any:
-        kwargs = kwargs or {}
+        if tls.where is not None:
+            return self._handle(func, types, args, kwargs or {})
+        tls.where = user_frame()  # for every op this call dispatches
+        try:
+            return self._handle(func, types, args, kwargs or {})
+        finally:
+            tls.where = None
+
+    @staticmethod
+    def _handle(func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
+        if DeferredTensor in types:
+            # What DeferredTensor.__torch_function__ would do next, one call earlier.
+            return handle_function(func, args, kwargs)
         if func in DATA_FACTORIES:
             return data_factory(func, args, dict(kwargs))
-        if func in TO_METHODS and args and isinstance(args[0], DeferredTensor):
-            return func(*args, **kwargs)  # handled by DeferredTensor.__torch_function__
         if "device" in kwargs or func in FACTORIES:
             return rewrite_device(func, args, kwargs, in_context=True)
         return func(*args, **kwargs)
 
 
 class _DispatchMode(TorchDispatchMode):
+    @classmethod
+    def _should_skip_dynamo(cls) -> bool:
+        return False  # no torch._disable_dynamo wrapper around every op: nothing compiles here
+
     def __torch_dispatch__(
         self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
     ) -> Any:

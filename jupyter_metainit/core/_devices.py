@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from jupyter_metainit.core._ops import user_frame
 from jupyter_metainit.core._plain import plain
 from jupyter_metainit.core._record import SUBCLASS_SENSITIVE, read_value, record_call, wrap_constant
 from jupyter_metainit.core._state import canonical_device, default_device, dtype_override, tls
@@ -168,6 +169,16 @@ def retarget(func: Any, self: DeferredTensor, args: tuple, kwargs: dict) -> Any:
 
 def handle_function(func: Any, args: tuple, kwargs: dict) -> Any:
     """``DeferredTensor.__torch_function__``: device-changing calls, everything else unchanged."""
+    if tls.where is not None:
+        return _handle_function(func, args, kwargs)
+    tls.where = user_frame()  # for every op this call dispatches
+    try:
+        return _handle_function(func, args, kwargs)
+    finally:
+        tls.where = None
+
+
+def _handle_function(func: Any, args: tuple, kwargs: dict) -> Any:
     if func in TO_METHODS and args and isinstance(args[0], DeferredTensor):
         return retarget(func, args[0], args[1:], dict(kwargs))
     if func is torch.Tensor.numpy or func is torch.Tensor.tolist:

@@ -56,7 +56,7 @@ class TensorRecord:
         return n * self.dtype.itemsize
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class External:
     """A real tensor used by a recorded op; its ``_version`` must not change before replay."""
 
@@ -65,7 +65,7 @@ class External:
     where: Any  # _ops.Where: str() gives "file:line in function"
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class Constant:
     """Data given by the user inside ``meta_init`` (``torch.tensor([...])``), kept as is."""
 
@@ -77,7 +77,7 @@ def constant_op(c: Constant) -> torch.Tensor:
     return c.tensor
 
 
-@dataclass(eq=False)
+@dataclass(eq=False, slots=True)
 class RngUse:
     """Position of a random op in its generator's stream (see ``_rng``)."""
 

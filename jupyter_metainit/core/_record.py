@@ -47,6 +47,7 @@ from jupyter_metainit.core.errors import MetaInitError, UnsupportedOperatorError
 
 __all__ = [
     "SUBCLASS_SENSITIVE",
+    "call_site",
     "handle_op",
     "read_value",
     "record_call",
@@ -72,12 +73,17 @@ _NO_META_KERNEL = (
 )
 
 
+def call_site() -> Where:
+    """Where user code made the call being recorded."""
+    return tls.where if tls.where is not None else user_frame()
+
+
 def _to_meta(t: torch.Tensor) -> torch.Tensor:
     if isinstance(t, DeferredTensor):
         return t._meta
     if t.layout != torch.strided:
         raise UnsupportedOperatorError(
-            f"{t.layout} tensors cannot be used in deferred code (called at {user_frame()}); "
+            f"{t.layout} tensors cannot be used in deferred code (called at {call_site()}); "
             "build them outside meta_init, or use dense tensors"
         )
     with plain():
@@ -105,7 +111,7 @@ def wrap_constant(real: torch.Tensor, device: torch.device) -> DeferredTensor:
         meta = _to_meta(real)
     storage = StorageRecord(_storage_nbytes(meta), meta.dtype, device)
     rec = TensorRecord(storage, meta)
-    op = OpRecord(next_seq(), constant_op, (Constant(real),), {}, (), (rec,), None, user_frame())
+    op = OpRecord(next_seq(), constant_op, (Constant(real),), {}, (), (rec,), None, call_site())
     storage.writes.append(op)
     return DeferredTensor(meta, rec, device)
 
@@ -157,6 +163,8 @@ def handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
     """
     if not isinstance(func, torch._ops.OpOverload):
         raise UnsupportedOperatorError(f"{func} is not an ATen operator; it cannot be deferred")
+    if func.is_view and args and type(args[0]) is DeferredTensor:
+        return _view(func, args, kwargs)
     info = op_info(func)
     flat = iter_args(args, kwargs)
     has_deferred = any(isinstance(x, DeferredTensor) for x in flat)
@@ -181,6 +189,29 @@ def handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
     return _record(func, info, bound, flat, args, kwargs)
 
 
+def _view(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A view of a deferred tensor: new geometry over the same storage, nothing recorded.
+
+    The most frequent op in model code (``view``, ``t``, slicing), so it skips everything else.
+    """
+    self: DeferredTensor = args[0]
+    meta_args = [self._meta]
+    for a in args[1:]:
+        meta_args.append(_to_meta(a) if isinstance(a, torch.Tensor) else a)
+    with plain():
+        out = func(*meta_args, **kwargs)
+    rg = self._rg and func is not aten.detach.default and torch.is_grad_enabled()
+    storage, device = self._rec.storage, self.device
+    if isinstance(out, torch.Tensor):
+        r = rg and _is_float(out.dtype)
+        return DeferredTensor(out, TensorRecord(storage, out), device, r, r)
+    results = []
+    for o in out:
+        r = rg and _is_float(o.dtype)
+        results.append(DeferredTensor(o, TensorRecord(storage, o), device, r, r))
+    return type(out)(results)
+
+
 def _run_on_values(func: Any, args: tuple, kwargs: dict) -> Any:
     """Ops that need data (``.item()``, ``bool(t)``, writing into a real tensor): compute the
     deferred inputs' exact values by replay, on the CPU, leaving them deferred."""
@@ -198,7 +229,7 @@ def _values_of(deferred: list[DeferredTensor], func: Any) -> list[torch.Tensor]:
     except MetaInitError as e:
         raise UnsupportedOperatorError(
             f"{func} needs the values of its deferred inputs, and they cannot be computed: {e}; "
-            f"called at {user_frame()}"
+            f"called at {call_site()}"
         ) from e
 
 
@@ -220,7 +251,7 @@ def _set_geometry(
 def _inplace_view(func: Any, info: OpInfo, bound: list, args: tuple, kwargs: dict) -> Any:
     """``t_()``, ``squeeze_()``, ``as_strided_()``, ``set_()``, ``resize_()``, ``detach_()``."""
     self = bound[0]
-    where = user_frame()
+    where = call_site()
     if not isinstance(self, DeferredTensor):
         source = bound[1] if len(bound) > 1 else None
         if func in (aten.set_.source_Tensor, aten.set_.source_Tensor_storage_offset):
@@ -427,6 +458,14 @@ def _cpu_layout(func: Any, out: Any) -> Any:
     return type(out)(outs)
 
 
+def _meta_of(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x._meta if type(x) is DeferredTensor else _to_meta(x)
+    if isinstance(x, torch.device):
+        return META
+    return x
+
+
 def _uses_default_dtype(flat: list, out: Any) -> bool:
     """True if ``out``'s floating dtype can only have come from the default dtype."""
     outs = out if isinstance(out, (tuple, list)) else (out,)
@@ -487,21 +526,14 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
     ``rand.generator``), and the default dtype for the few ops whose result dtype comes from it.
     Random ops also get their place in their generator's stream (``_rng.record_random``).
     """
-    where = user_frame()
+    where = call_site()
     device = _output_device(kwargs, flat)
     if info.generator_overload is not None:
         func, kwargs = info.generator_overload, {**kwargs, "generator": None}
         info = op_info(func)
         bound = bind_arguments(func, args, kwargs)
 
-    def meta_of(x: Any) -> Any:
-        if isinstance(x, torch.Tensor):
-            return _to_meta(x)
-        if isinstance(x, torch.device):
-            return META
-        return x
-
-    meta_args, meta_kwargs = map_args(meta_of, args, kwargs)
+    meta_args, meta_kwargs = map_args(_meta_of, args, kwargs)
     if "device" in meta_kwargs and meta_kwargs["device"] is not None:
         meta_kwargs["device"] = META
     values: Any = None
@@ -519,11 +551,10 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
             raise
         out, values = _outputs_from_values(func, info, args, kwargs, where)
     else:
-        global_default = _global_default_dtype()
-        override = dtype_override()
         if info.dtype_index is not None and not info.takes_tensors:
             # A factory: replay gets the dtype explicitly, never the default in force then.
             if bound[info.dtype_index] is None:
+                global_default, override = _global_default_dtype(), dtype_override()
                 if (
                     override is not None
                     and override != global_default
@@ -535,6 +566,7 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
                 kwargs = {**kwargs, "dtype": out.dtype}
                 meta_kwargs = {**meta_kwargs, "dtype": out.dtype}
         elif _uses_default_dtype(flat, out):
+            global_default, override = _global_default_dtype(), dtype_override()
             default_dtype = override if override is not None else global_default
             explicit = _explicit_default_dtype(func, info, args, kwargs, default_dtype, out)
             if explicit is not None:
@@ -545,31 +577,30 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
                 with default_dtype_as(default_dtype):
                     out = _meta_outputs(func, bound, meta_args, meta_kwargs)
 
-    grad = torch.is_grad_enabled() and any(
-        _requires_grad(x) for x in flat if isinstance(x, torch.Tensor)
-    )
-
     # Arguments as recorded: tensors become records, devices become the real one.
+    grad = False
+    reads: dict[int, StorageRecord] = {}
+
     def record_arg(x: Any) -> Any:
-        if isinstance(x, DeferredTensor):
+        nonlocal grad
+        if type(x) is DeferredTensor:
+            grad = grad or x._rg
+            reads[id(x._rec.storage)] = x._rec.storage
             return x._rec
         if isinstance(x, torch.Tensor):
+            grad = grad or x.requires_grad
             return External(x, x._version, where)
         if isinstance(x, torch.device) and x.type == "meta":
             return device
         return x
 
     rec_args, rec_kwargs = map_args(record_arg, args, kwargs)
+    grad = grad and torch.is_grad_enabled()
     if "device" in rec_kwargs:
         rec_kwargs["device"] = device
     overwrites = _full_overwrite(func, bound)
-    reads = tuple(
-        {
-            id(x._rec.storage): x._rec.storage
-            for x in flat
-            if isinstance(x, DeferredTensor) and x._rec.storage is not overwrites
-        }.values()
-    )
+    if overwrites is not None:
+        reads.pop(id(overwrites), None)
 
     outs = out if isinstance(out, (tuple, list)) else (out,)
     results: list[Any] = []
@@ -633,8 +664,9 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
                 if gi < len(rec_args):
                     rec_args = tuple(None if j == gi else a for j, a in enumerate(rec_args))
         op = OpRecord(
-            next_seq(), func, tuple(rec_args), rec_kwargs, reads, tuple(new_records), rng, where,
-            default_dtype, tuple(mutates), () if overwrites is None else (overwrites,),
+            next_seq(), func, tuple(rec_args), rec_kwargs, tuple(reads.values()),
+            tuple(new_records), rng, where, default_dtype, tuple(mutates),
+            () if overwrites is None else (overwrites,),
         )  # fmt: skip
         for s in (*created, *mutates):
             s.writes.append(op)
@@ -752,7 +784,7 @@ SUBCLASS_SENSITIVE = {
 
 def record_call(func: Any, args: tuple, kwargs: dict) -> Any:
     """Record a whole torch-level call as one op (see ``SUBCLASS_SENSITIVE``)."""
-    where = user_frame()
+    where = call_site()
     flat = iter_args(args, kwargs)
     device = _output_device(kwargs, flat)
     with plain():

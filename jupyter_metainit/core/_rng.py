@@ -234,8 +234,16 @@ def _output_geometry(spec: BurnSpec) -> tuple[int, torch.dtype, bool] | None:
     if f in _LIKE_OPS:
         dtype = spec.kwargs.get("dtype") or dtype
         return _numel(size), dtype, True
-    contiguous = torch.empty_strided(size, stride, device="meta").is_contiguous()
-    return _numel(size), dtype, contiguous
+    return _numel(size), dtype, _is_contiguous(size, stride)
+
+
+def _is_contiguous(size: tuple, stride: tuple) -> bool:
+    expected = 1
+    for n, st in zip(reversed(size), reversed(stride), strict=True):
+        if n != 1 and st != expected:
+            return False
+        expected *= n
+    return True
 
 
 _FACTORY_SIZE_ARG = {
@@ -371,14 +379,31 @@ def _formula_holds(spec: BurnSpec, nothing: bool) -> bool:
     return ok
 
 
+_known: dict[Any, int | None] = {}
+
+
 def known_draws(spec: BurnSpec, device: torch.device) -> int | None:
     """Draws the op consumes on ``device``'s generator, if known and verified (CPU only)."""
     if device.type != "cpu":
         return None
+    try:
+        key = (spec.func, spec.args, tuple(spec.kwargs.items()))
+        hash(key)
+    except TypeError:
+        key = None
+    if key is not None and key in _known:
+        return _known[key]
     if _draws_nothing(spec) and _formula_holds(spec, nothing=True):
-        return 0
-    draws = _draws(spec, nothing=False)
-    return draws if draws is not None and _formula_holds(spec, nothing=False) else None
+        draws: int | None = 0
+    else:
+        draws = _draws(spec, nothing=False)
+        if draws is not None and not _formula_holds(spec, nothing=False):
+            draws = None
+    if key is not None:
+        if len(_known) > 65536:
+            _known.clear()
+        _known[key] = draws
+    return draws
 
 
 # ---------------------------------------------------------------------------------------------

@@ -26,6 +26,9 @@ class RecordingState(threading.local):
         self.dtypes: list[torch.dtype | None] = []
         # Device the tensors of the torch-level call being recorded must report.
         self.pending_device: torch.device | None = None
+        # Where user code made the torch-level call being handled (``_ops.Where``): found once
+        # per call rather than once per ATen op it dispatches.
+        self.where: Any = None
 
 
 tls = RecordingState()
