@@ -20,7 +20,6 @@ from typing import Any
 
 from _common import (
     LLAMA_70B,
-    TINY_LLAMA,
     Meter,
     MiB,
     base_parser,
