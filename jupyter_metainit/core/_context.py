@@ -32,6 +32,7 @@ from jupyter_metainit.core._devices import (
     handle_function,
     rewrite_device,
 )
+from jupyter_metainit.core._interrupts import handling_interrupts
 from jupyter_metainit.core._lazy import lazy_module_support
 from jupyter_metainit.core._ops import user_frame
 from jupyter_metainit.core._record import handle_op
@@ -189,6 +190,7 @@ def meta_init(device: Any = None, dtype: torch.dtype | None = None) -> Iterator[
     stack = contextlib.ExitStack()
     try:
         if outermost:
+            stack.enter_context(handling_interrupts())
             stack.enter_context(_process_wrappers())
             stack.enter_context(lazy_module_support())
             stack.enter_context(_FunctionMode())

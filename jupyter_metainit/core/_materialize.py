@@ -1,19 +1,34 @@
-"""``materialize`` / ``dematerialize``: turn deferred tensors real in place, and back."""
+"""``materialize`` / ``dematerialize``: turn deferred tensors real in place, and back.
+
+Both are all-or-nothing: the work that can fail (replay, reading checkpoints, allocating) happens
+before any tensor changes, the swap into place is a critical section that Ctrl-C cannot cut
+(``_interrupts``), and a failure releases everything it allocated, whatever holds on to the
+exception (IPython keeps the last traceback).
+"""
 
 from __future__ import annotations
 
-import threading
+import os
+import traceback
 import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 
-from jupyter_metainit.core import _rng
+from jupyter_metainit.core import _events, _rng
+from jupyter_metainit.core._busy import exclusive
+from jupyter_metainit.core._digest import digest
+from jupyter_metainit.core._interrupts import critical, handling_interrupts
 from jupyter_metainit.core._replay import execute, plan, real_view
 from jupyter_metainit.core._swap import swap_in_place
 from jupyter_metainit.core._tensor import INTERNAL_ATTRS, DeferredTensor
-from jupyter_metainit.core.errors import MaterializationError
+from jupyter_metainit.core._values import value_cache
+from jupyter_metainit.core.errors import (
+    MaterializationError,
+    MetaInitError,
+    NotEnoughMemoryError,
+)
 
 __all__ = [
     "clear_meta_init_cache",
@@ -24,30 +39,37 @@ __all__ = [
 ]
 
 _RNG_MODES = ("exact", "fast")
-_lock = threading.RLock()
 
 
 class _Shadow:
-    """The deferred side of a materialized tensor, kept for :func:`dematerialize`.
+    """The deferred side of a materialized tensor, kept for :func:`dematerialize`, with what
+    the real tensor looked like then (version, address, digest of its memory).
 
     Stored in the real tensor's ``__dict__``; pickling or copying the tensor drops it.
     """
 
-    __slots__ = ("__weakref__", "data_ptr", "deferred", "version")
+    __slots__ = ("__weakref__", "data_ptr", "deferred", "digest", "version")
 
-    def __init__(self, deferred: DeferredTensor | None, version: int, data_ptr: int) -> None:
+    def __init__(
+        self, deferred: DeferredTensor | None, version: int, data_ptr: int, content: tuple
+    ) -> None:
         self.deferred = deferred
         self.version = version
         self.data_ptr = data_ptr
+        self.digest = content
 
     def __reduce__(self) -> Any:
-        return (_Shadow, (None, -1, 0))
+        return (_Shadow, (None, -1, 0, ()))
 
     def __deepcopy__(self, memo: Any) -> _Shadow:
-        return _Shadow(None, -1, 0)
+        return _Shadow(None, -1, 0, ())
 
 
 _shadows: weakref.WeakSet[_Shadow] = weakref.WeakSet()
+
+
+# ---------------------------------------------------------------------------------------------
+# what a tensor is
 
 
 def is_deferred(obj: Any) -> bool:
@@ -60,8 +82,16 @@ def is_deferred(obj: Any) -> bool:
 
 
 def tensor_state(t: torch.Tensor) -> str:
-    """``"deferred"`` or the device a real tensor lives on (``"cpu"``, ``"cuda:0"``)."""
-    return "deferred" if is_deferred(t) else str(t.device)
+    """Where a tensor's values are: ``"deferred"`` (recorded, materializable), ``"meta"``
+    (PyTorch's meta device: no values and no recording), ``"uninitialized"`` (a lazy module's
+    parameter before its first forward pass), or the device of a real tensor (``"cpu"``)."""
+    if _is_uninitialized(t):
+        return "uninitialized"
+    if isinstance(_deferred_local(t), DeferredTensor):
+        return "deferred"
+    if t.is_meta:
+        return "meta"
+    return str(t.device)
 
 
 def _is_uninitialized(t: torch.Tensor) -> bool:
@@ -102,7 +132,7 @@ def _module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     return list(seen.values())
 
 
-def _collect(obj: Any) -> list[torch.Tensor]:
+def _collect(obj: Any, verb: str = "materialize") -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         return [_deferred_local(obj)]
     if isinstance(obj, torch.nn.Module):
@@ -112,41 +142,76 @@ def _collect(obj: Any) -> list[torch.Tensor]:
         for x in obj:
             if not isinstance(x, (torch.Tensor, torch.nn.Module)):
                 raise TypeError(
-                    "materialize() takes tensors, modules or a list of them; "
-                    f"got {type(x).__name__}"
+                    f"{verb}() takes tensors, modules or a list of them; got a "
+                    f"{type(x).__name__} in the list"
                 )
-            for t in _collect(x):
+            for t in _collect(x, verb):
                 out.setdefault(id(t), t)
         return list(out.values())
     raise TypeError(
-        f"materialize() takes a tensor, a module or a list of them; got {type(obj).__name__}"
+        f"{verb}() takes a tensor, a module or a list of them; got {type(obj).__name__}"
     )
 
 
-def _parse_device(device: Any) -> torch.device | None:
+def iter_deferred(obj: Any) -> Iterable[DeferredTensor]:
+    return [t for t in _collect(obj) if isinstance(t, DeferredTensor)]
+
+
+# ---------------------------------------------------------------------------------------------
+# arguments
+
+
+def parse_device(device: Any) -> torch.device | None:
+    """Check a target device; every refusal says what would work instead."""
     if device is None:
         return None
     try:
         d = torch.device(device)
     except (RuntimeError, TypeError) as e:
         raise ValueError(f"not a device: {device!r} (use e.g. 'cpu' or 'cuda:0')") from e
-    if d.type == "cuda":
-        if not torch.cuda.is_available():
-            raise MaterializationError(f"cannot materialize to {d}: CUDA is not available here")
-        if d.index is None:
-            d = torch.device("cuda", torch.cuda.current_device())
-        if d.index >= torch.cuda.device_count():
-            raise MaterializationError(
-                f"cannot materialize to {d}: only {torch.cuda.device_count()} CUDA device(s)"
-            )
     if d.type == "meta":
         raise ValueError(
             "materialize(device='meta') makes no sense; the tensor is deferred already"
         )
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise MaterializationError(
+                f"cannot materialize to {device!r}: CUDA is not available here; use device='cpu'"
+            )
+        count = torch.cuda.device_count()
+        if d.index is None:
+            d = torch.device("cuda", torch.cuda.current_device())
+        if not 0 <= d.index < count:
+            raise MaterializationError(
+                f"cannot materialize to {device!r}: this machine has {count} CUDA device(s), "
+                f"cuda:0 to cuda:{count - 1}"
+            )
+        return d
+    if d.type != "cpu":
+        available = getattr(torch, d.type, None)
+        is_available = getattr(available, "is_available", None)
+        if not (callable(is_available) and is_available()):
+            raise MaterializationError(
+                f"cannot materialize to {device!r}: no {d.type} device is available here; "
+                "use 'cpu' or a CUDA device"
+            )
     return d
 
 
-def _progress_callback(progress: Any) -> tuple[Callable[[int, int], None] | None, Any]:
+def _check_dtype(dtype: Any) -> None:
+    if dtype is None:
+        return
+    if not isinstance(dtype, torch.dtype):
+        raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16), not {dtype!r}")
+    if not dtype.is_floating_point:
+        raise ValueError(
+            f"dtype={dtype} is not a floating-point dtype; dtype= casts the floating-point "
+            "tensors (torch.bfloat16, torch.float16, torch.float32, ...). Quantize after "
+            "materializing instead."
+        )
+
+
+def progress_callback(progress: Any) -> tuple[Callable[[int, int], None] | None, Any]:
     if progress is None or progress is False:
         return None, None
     if callable(progress):
@@ -165,24 +230,101 @@ def _progress_callback(progress: Any) -> tuple[Callable[[int, int], None] | None
     raise TypeError("progress must be None, a bool, or a callable(done_bytes, total_bytes)")
 
 
-def _build_real(
-    t: DeferredTensor, base: torch.Tensor, dtype: torch.dtype | None, used: set[int],
-    exact_tensor: bool = False,
-) -> torch.Tensor:  # fmt: skip
-    real = base if exact_tensor else real_view(base, t._rec)
-    if dtype is not None and real.is_floating_point() and real.dtype != dtype:
-        real = real.to(dtype)
-    if id(real) in used:
-        real = real.detach()  # a second object over the same storage (aliases stay aliases)
-    used.add(id(real))
-    if getattr(t, "_is_param", False):
-        real = torch.nn.Parameter(real, requires_grad=t._rg)
-    elif t._rg and (real.is_floating_point() or real.is_complex()):
-        real = real.detach().requires_grad_(True)
-    for k, v in t.__dict__.items():
-        if k not in INTERNAL_ATTRS and k != "_is_param":
-            setattr(real, k, v)
-    return real
+# ---------------------------------------------------------------------------------------------
+# failures
+
+
+def _is_oom(exc: BaseException) -> bool:
+    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
+        return True
+    text = str(exc).lower()
+    return isinstance(exc, RuntimeError) and (
+        "out of memory" in text or "can't allocate memory" in text
+    )
+
+
+def _free_bytes(device: torch.device) -> int | None:
+    try:
+        if device.type == "cuda":
+            return torch.cuda.mem_get_info(device)[0]
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except Exception:
+        return None
+    return None
+
+
+def format_bytes(n: float) -> str:
+    """``1536`` -> ``"1.5 KiB"``, ``1_000_000`` -> ``"977 KiB"``: three significant digits."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1000 or unit == "TiB":
+            if unit == "B":
+                return f"{n:.0f} B"
+            return f"{n:.3g} {unit}" if abs(n) >= 1 else f"{n:.2f} {unit}"
+        n /= 1024
+    raise AssertionError("unreachable")
+
+
+def _needed_bytes(tensors: list[DeferredTensor], dtype: torch.dtype | None) -> int:
+    storages: dict[int, int] = {}
+    for t in tensors:
+        size = t._rec.storage.nbytes
+        if dtype is not None and t.is_floating_point():
+            size = size // t.element_size() * dtype.itemsize
+        storages[id(t._rec.storage)] = size
+    return sum(storages.values())
+
+
+def _released(
+    exc: BaseException,
+    what: str,
+    device: torch.device | None,
+    tensors: list[DeferredTensor],
+    dtype: torch.dtype | None,
+) -> BaseException:
+    """The exception to raise for a failed materialization, holding no frame of the replay.
+
+    Tracebacks keep every frame's locals alive, and IPython keeps the last traceback: the
+    partial replay's tensors would stay in memory. The frames are dropped (their text is kept
+    as a note on unexpected errors), and running out of memory becomes one line that says what
+    was needed and what is free.
+    """
+    chained: BaseException | None = exc
+    while chained is not None:
+        chained.__traceback__ = None if chained is not exc else chained.__traceback__
+        chained = chained.__cause__ or chained.__context__
+    if _is_oom(exc):
+        exc.__traceback__ = None
+        target = device or (tensors[0].device if tensors else torch.device("cpu"))
+        free = _free_bytes(target)
+        need = _needed_bytes(tensors, dtype)
+        return NotEnoughMemoryError(
+            f"not enough memory on {target} to materialize {what}: it needs "
+            f"{format_bytes(need)}"
+            + (f" and {format_bytes(free)} is free" if free is not None else "")
+            + "; materialize a smaller part, a smaller dtype (dtype=torch.bfloat16), or "
+            "check first with jupyter_metainit.fits(...). Nothing was materialized."
+        )
+    if not isinstance(exc, (MetaInitError, KeyboardInterrupt, TypeError, ValueError)):
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-8))
+        if hasattr(exc, "add_note"):
+            exc.add_note("Raised while materializing, where:\n" + text.rstrip())
+    exc.__traceback__ = None
+    return exc
+
+
+def _describe(obj: Any) -> str:
+    if isinstance(obj, torch.nn.Module):
+        return type(obj).__name__
+    if isinstance(obj, torch.Tensor):
+        return f"a tensor of shape {tuple(obj.shape)}"
+    return f"{len(obj)} objects"
+
+
+# ---------------------------------------------------------------------------------------------
+# materialize
 
 
 def materialize(
@@ -218,65 +360,126 @@ def materialize(
         progress: ``True`` for a progress bar, or ``callable(done_bytes, total_bytes)``. If the
             callable raises (to cancel), nothing is materialized and the exception propagates.
         checkpoint: path(s) of ``.safetensors`` files (or a sharded set's index JSON) to load the
-            values from instead of replaying the initialisation.
+            values from instead of replaying the initialisation. Parts of ``obj`` that are real
+            already are loaded too, in place (same tensor objects, ties kept).
         missing: with ``checkpoint``: ``"error"`` (default) if a tensor is not in the checkpoint,
             or ``"init"`` to replay its recorded initialisation.
         root: with ``checkpoint``, when ``obj`` is a part of a model: the whole model, whose
             qualified names the checkpoint uses (``model.layers.3...``).
 
     Returns:
-        ``obj``. A failed or interrupted call leaves every tensor deferred and materializable.
+        ``obj``. A failed or interrupted call leaves every tensor as it was (deferred ones
+        deferred and materializable) and keeps nothing it allocated. Calls from several threads
+        on the same model are serialized (see ``_busy``).
     """
     if rng not in _RNG_MODES:
         raise ValueError(f"rng must be 'exact' or 'fast', not {rng!r}")
     if missing not in ("error", "init"):
         raise ValueError(f"missing must be 'error' or 'init', not {missing!r}")
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16), not {dtype!r}")
-    target_device = _parse_device(device)
-    collected = _collect(obj)
-    tensors = [t for t in collected if isinstance(t, DeferredTensor)]
-    uninit = [t for t in collected if _is_uninitialized(t)]
-    if uninit:
+    _check_dtype(dtype)
+    target_device = parse_device(device)
+    callback, bar = progress_callback(progress)
+    try:
+        with handling_interrupts(), exclusive(f"materializing {_describe(obj)}"):
+            collected = _collect(obj)
+            tensors = [t for t in collected if isinstance(t, DeferredTensor)]
+            _refuse_unmaterializable(collected, tensors)
+            reals = [
+                t for t in collected
+                if not isinstance(t, DeferredTensor) and not t.is_meta
+            ]  # fmt: skip
+            if not tensors and (checkpoint is None or not reals):
+                return obj
+            failure: BaseException | None = None
+            try:
+                swapped = _materialize_now(
+                    obj, tensors, reals, target_device, dtype, rng, keep_cache, callback,
+                    checkpoint, missing, root,
+                )  # fmt: skip
+            except BaseException as exc:
+                failure = _released(exc, _describe(obj), target_device, tensors, dtype)
+            if failure is not None:
+                raise failure  # outside the handler: no implicit link to the replay's frames
+    finally:
+        if bar is not None:
+            bar.close()
+    _events.publish("materialized", swapped)
+    return obj
+
+
+def _refuse_unmaterializable(collected: list[torch.Tensor], tensors: list) -> None:
+    if any(_is_uninitialized(t) for t in collected):
         raise MaterializationError(
             "a lazy module's parameters have no shape yet; run a forward pass on example inputs "
             "first (inside meta_init, or with jupyter_metainit.dry_run)"
         )
-    if not tensors:
-        if any(t.is_meta for t in collected):
-            raise MaterializationError(
-                "these tensors are on PyTorch's meta device, with no recording of their values; "
-                "build the model inside `with jupyter_metainit.meta_init():` instead of "
-                "`torch.device('meta')` to materialize it"
-            )
-        return obj
-    callback, bar = _progress_callback(progress)
-    try:
-        with _lock:
-            loaded: dict[int, torch.Tensor] = {}
-            if checkpoint is not None:
-                from jupyter_metainit.core._checkpoint import load_for
+    meta = [t for t in collected if not isinstance(t, DeferredTensor) and t.is_meta]
+    if meta:
+        which = "these tensors are" if not tensors else f"{len(meta)} of these tensors are"
+        raise MaterializationError(
+            f"{which} on PyTorch's meta device, with no recording of their values (built with "
+            "`torch.device('meta')`, not `jupyter_metainit.meta_init()`); nothing was "
+            "materialized. Build the model inside `with jupyter_metainit.meta_init():` to "
+            "materialize it, or leave those parts out."
+        )
 
-                loaded = load_for(obj, tensors, checkpoint, target_device, missing, dtype, root)
-            to_replay = [t for t in tensors if id(t) not in loaded]
-            p = plan([t._rec for t in to_replay])
-            env = execute(p, target_device, rng, callback)
-            used: set[int] = set()
-            reals = []
-            for t in tensors:
+
+def _build_real(
+    t: DeferredTensor, base: torch.Tensor, dtype: torch.dtype | None, used: set[int],
+    exact_tensor: bool = False,
+) -> torch.Tensor:  # fmt: skip
+    real = base if exact_tensor else real_view(base, t._rec)
+    if dtype is not None and real.is_floating_point() and real.dtype != dtype:
+        real = real.to(dtype)
+    if id(real) in used:
+        real = real.detach()  # a second object over the same storage (aliases stay aliases)
+    used.add(id(real))
+    if getattr(t, "_is_param", False):
+        real = torch.nn.Parameter(real, requires_grad=t._rg)
+    elif t._rg and (real.is_floating_point() or real.is_complex()):
+        real = real.detach().requires_grad_(True)
+    for k, v in t.__dict__.items():
+        if k not in INTERNAL_ATTRS and k != "_is_param":
+            setattr(real, k, v)
+    return real
+
+
+def _materialize_now(
+    obj: Any, tensors: list[DeferredTensor], reals: list[torch.Tensor],
+    device: torch.device | None, dtype: torch.dtype | None, rng: str, keep: bool,
+    callback: Any, checkpoint: Any, missing: str, root: torch.nn.Module | None,
+) -> list[torch.Tensor]:  # fmt: skip
+    """Compute everything, then swap it into place; nothing changes if anything fails."""
+    loaded: dict[int, torch.Tensor] = {}
+    if checkpoint is not None:
+        from jupyter_metainit.core._checkpoint import load_for
+
+        loaded = load_for(obj, [*tensors, *reals], checkpoint, device, missing, dtype, root)
+    to_replay = [t for t in tensors if id(t) not in loaded]
+    env = execute(plan([t._rec for t in to_replay]), device, rng, callback)
+    used: set[int] = set()
+    new = []
+    for t in tensors:
+        if id(t) in loaded:
+            new.append(_build_real(t, loaded[id(t)], dtype, used, exact_tensor=True))
+        else:
+            new.append(_build_real(t, env[id(t._rec.storage)], dtype, used))
+    del env
+    digests = [digest(r) for r in new] if keep else [()] * len(new)
+    with critical():
+        _swap_all(tensors, new, digests, keep)
+        with torch.no_grad():
+            for t in reals:
                 if id(t) in loaded:
-                    reals.append(_build_real(t, loaded[id(t)], dtype, used, exact_tensor=True))
-                else:
-                    reals.append(_build_real(t, env[id(t._rec.storage)], dtype, used))
-            del env
-            _swap_all(tensors, reals, keep_cache)
-    finally:
-        if bar is not None:
-            bar.close()
-    return obj
+                    value = loaded[id(t)]
+                    t.copy_(value if value.dtype == t.dtype else value.to(t.dtype))
+    return [*tensors, *(t for t in reals if id(t) in loaded)]
 
 
-def _swap_all(tensors: list[DeferredTensor], reals: list[torch.Tensor], keep: bool) -> None:
+def _swap_all(
+    tensors: list[DeferredTensor], reals: list[torch.Tensor], digests: list[tuple], keep: bool
+) -> None:
+    """Swap every tensor into place (a critical section: Ctrl-C waits until all are done)."""
     done: list[tuple[torch.Tensor, torch.Tensor]] = []
     try:
         for t, r in zip(tensors, reals, strict=True):
@@ -286,58 +489,78 @@ def _swap_all(tensors: list[DeferredTensor], reals: list[torch.Tensor], keep: bo
         for t, r in reversed(done):
             swap_in_place(t, r)
         raise
-    for t, shadow in done:
-        if keep:
-            holder = _Shadow(shadow, t._version, t.data_ptr())
+    if keep:
+        for (t, shadow), content in zip(done, digests, strict=True):
+            holder = _Shadow(shadow, t._version, t.data_ptr(), content)
             t.__dict__["_jmi_shadow"] = holder
             _shadows.add(holder)
+
+
+# ---------------------------------------------------------------------------------------------
+# dematerialize
 
 
 def dematerialize(obj: Any, *, force: bool = False) -> Any:
     """Make materialized tensors deferred again and free their memory.
 
     Works on tensors materialized with ``keep_cache=True`` (the widget and magics do that).
-    Materializing them again in ``exact`` mode gives the same values. A tensor changed since it
-    was materialized (trained, loaded into) is refused unless ``force=True``: its changes would
-    be lost.
+    Materializing them again in ``exact`` mode gives the same values. A tensor whose memory was
+    written since it was materialized (trained, loaded into, through ``.data`` or numpy too) is
+    refused unless ``force=True``: its changes would be lost. Refusals change nothing.
     """
-    tensors = [t for t in _collect(obj) if not isinstance(t, DeferredTensor)]
-    pairs: list[tuple[torch.Tensor, _Shadow]] = []
-    changed: list[str] = []
-    lost = 0
-    for t in tensors:
-        holder = t.__dict__.get("_jmi_shadow")
-        if holder is None or holder.deferred is None:
-            lost += not _is_uninitialized(t)
-            continue
-        if not force and (t._version != holder.version or t.data_ptr() != holder.data_ptr):
-            changed.append(f"{tuple(t.shape)} {t.dtype}")
-        pairs.append((t, holder))
-    if lost:
-        raise MaterializationError(
-            f"{lost} tensor(s) cannot be made deferred again: they were not materialized with "
-            "keep_cache=True (or the cache was cleared, or they were never deferred). Nothing was "
-            "changed. Use materialize(..., keep_cache=True) to be able to free them."
-        )
-    if changed:
-        raise MaterializationError(
-            f"{len(changed)} tensor(s) changed since they were materialized (e.g. {changed[0]}); "
-            "dematerializing would discard those changes. Pass force=True to do it anyway."
-        )
-    with _lock:
-        for t, holder in pairs:
-            deferred = holder.deferred
-            del t.__dict__["_jmi_shadow"]
-            holder.deferred = None
-            swap_in_place(t, deferred)
+    with handling_interrupts(), exclusive(f"freeing {_describe(obj)}"):
+        tensors = [
+            t for t in _collect(obj, "dematerialize")
+            if not isinstance(t, DeferredTensor) and not t.is_meta
+        ]  # fmt: skip
+        pairs: list[tuple[torch.Tensor, _Shadow]] = []
+        changed: list[str] = []
+        lost = 0
+        for t in tensors:
+            holder = t.__dict__.get("_jmi_shadow")
+            if holder is None or holder.deferred is None:
+                lost += not _is_uninitialized(t)
+                continue
+            if not force and _changed(t, holder):
+                changed.append(f"{tuple(t.shape)} {t.dtype}")
+            pairs.append((t, holder))
+        if lost:
+            raise MaterializationError(
+                f"{lost} tensor(s) cannot be made deferred again: they were not materialized "
+                "with keep_cache=True (or the cache was cleared, or they were never deferred). "
+                "Nothing was changed. Use materialize(..., keep_cache=True) to be able to free "
+                "them."
+            )
+        if changed:
+            raise MaterializationError(
+                f"{len(changed)} tensor(s) were written since they were materialized (e.g. "
+                f"{changed[0]}); dematerializing would discard those changes. Nothing was "
+                "changed. Pass force=True to do it anyway."
+            )
+        with critical():
+            for t, holder in pairs:
+                deferred = holder.deferred
+                del t.__dict__["_jmi_shadow"]
+                holder.deferred = None
+                swap_in_place(t, deferred)
+        freed = [t for t, _ in pairs]
         pairs.clear()
         deferred = None  # the real storages' last references go with these
     _return_memory_to_the_os()
+    _events.publish("dematerialized", freed)
     return obj
+
+
+def _changed(t: torch.Tensor, holder: _Shadow) -> bool:
+    if t._version != holder.version or t.data_ptr() != holder.data_ptr:
+        return True
+    return digest(t) != holder.digest
 
 
 def _return_memory_to_the_os() -> None:
     """glibc keeps freed heap pages; give them back so the process's memory visibly drops."""
+    if os.name != "posix":
+        return
     try:
         import ctypes
 
@@ -347,7 +570,8 @@ def _return_memory_to_the_os() -> None:
 
 
 def clear_meta_init_cache() -> None:
-    """Release what is kept for later calls: dematerialization shadows and RNG checkpoints.
+    """Release what is kept for later calls: dematerialization shadows, RNG checkpoints and
+    values computed for reads.
 
     Deferred tensors stay materializable (their recording lives with them); tensors materialized
     with ``keep_cache=True`` can no longer be dematerialized, and exact-mode calls may have to
@@ -358,7 +582,4 @@ def clear_meta_init_cache() -> None:
     _rng.forget_generators()
     for seg in _rng.live_segments():
         seg.clear_checkpoints()
-
-
-def iter_deferred(obj: Any) -> Iterable[DeferredTensor]:
-    return [t for t in _collect(obj) if isinstance(t, DeferredTensor)]
+    value_cache.clear()

@@ -6,6 +6,8 @@ from typing import Any
 
 import torch
 
+from jupyter_metainit.core._interrupts import critical, hold_interrupts, release_interrupts
+
 
 class plain:
     """No torch-function modes/subclasses, no dispatch modes, no autograd: real kernels only.
@@ -15,19 +17,28 @@ class plain:
     ``contextlib`` generator because it wraps every recorded op.
     """
 
-    __slots__ = ("_grad", "_guards")
+    __slots__ = ("_critical", "_grad", "_guards")
 
     def __enter__(self) -> None:
+        # Entering and leaving are critical sections: a Ctrl-C half-way would leave
+        # torch-function handling or autograd switched off on this thread (see _interrupts).
+        hold_interrupts()
         self._guards = (torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch())
         for g in self._guards:
             g.__enter__()
         self._grad = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
+        release_interrupts(raise_pending=False)  # raised at the latest on the way out
 
     def __exit__(self, *exc: Any) -> None:
-        torch._C._set_grad_enabled(self._grad)
-        for g in reversed(self._guards):
-            g.__exit__(*exc)
+        self._critical = critical()
+        self._critical.__enter__()
+        try:
+            torch._C._set_grad_enabled(self._grad)
+            for g in reversed(self._guards):
+                g.__exit__(*exc)
+        finally:
+            self._critical.__exit__(*exc)
 
 
 def map_args(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -22,6 +22,7 @@ import torch
 from torch.utils._pytree import tree_map
 
 from jupyter_metainit.core import _rng
+from jupyter_metainit.core._busy import exclusive
 from jupyter_metainit.core._graph import (
     Constant,
     External,
@@ -30,6 +31,7 @@ from jupyter_metainit.core._graph import (
     TensorRecord,
     constant_op,
 )
+from jupyter_metainit.core._interrupts import check, interrupted
 from jupyter_metainit.core._plain import plain
 from jupyter_metainit.core._values import ValueCache, value_cache
 from jupyter_metainit.core.errors import DeferredDataError, MaterializationError
@@ -478,23 +480,49 @@ def execute(
             groups = _components(p.ops)
             workers = min(threads or os.cpu_count() or 1, len(groups))
             if workers > 1:
-
-                def replay_group(group: list[tuple[int, OpRecord]]) -> None:
-                    with plain(), torch.inference_mode(False):
-                        for i, op in group:
-                            run.run(i, op)
-                            run.release(i, op)
-
-                with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-                    # Largest groups first keeps the threads evenly busy.
-                    groups.sort(key=lambda g: -sum(_op_bytes(o) for _, o in g))
-                    for f in [pool.submit(replay_group, g) for g in groups]:
-                        f.result()
+                _run_parallel(run, groups, workers)
                 return _results(run, p)
         for i, op in enumerate(p.ops):
+            check()  # a held-back Ctrl-C stops here, between two ops
             run.run(i, op)
             run.release(i, op)
     return _results(run, p)
+
+
+def _run_parallel(run: _Run, groups: list[list[tuple[int, OpRecord]]], workers: int) -> None:
+    """Replay independent groups on ``workers`` threads; any failure or Ctrl-C stops them all
+    after the op each is running (not after all remaining work)."""
+    stop = threading.Event()
+
+    def replay_group(group: list[tuple[int, OpRecord]]) -> None:
+        with plain(), torch.inference_mode(False):
+            for i, op in group:
+                if stop.is_set() or interrupted():
+                    return
+                run.run(i, op)
+                run.release(i, op)
+
+    pool = concurrent.futures.ThreadPoolExecutor(workers)
+    futures = []
+    try:
+        # Largest groups first keeps the threads evenly busy.
+        groups.sort(key=lambda g: -sum(_op_bytes(o) for _, o in g))
+        futures = [pool.submit(replay_group, g) for g in groups]
+        pending = set(futures)
+        while pending:
+            done, pending = concurrent.futures.wait(
+                pending, timeout=0.1, return_when=concurrent.futures.FIRST_EXCEPTION
+            )
+            for f in done:
+                f.result()
+            check()
+    except BaseException:
+        stop.set()
+        for f in futures:
+            f.cancel()
+        raise
+    finally:
+        pool.shutdown(wait=True)
 
 
 def _results(run: _Run, p: Plan) -> dict[int, torch.Tensor]:
@@ -514,13 +542,14 @@ def compute_values(records: list[TensorRecord]) -> list[torch.Tensor]:
     Continues from values earlier reads computed (``_values``) and keeps what it computes for
     the next read, within the cache's budget.
     """
-    p = plan(records, value_cache)
-    env = execute(
-        p, torch.device("cpu"), "exact", retain=lambda s: s.nbytes <= value_cache.max_entry
-    )
-    for sid, (storage, writes) in p.versions.items():
-        value = env.get(sid)
-        if value is not None and writes > 0:
-            value_cache.put(storage, writes, value)
-    with plain():
-        return [real_view(env[id(r.storage)], r).clone() for r in records]
+    with exclusive("reading values of deferred tensors"):
+        p = plan(records, value_cache)
+        env = execute(
+            p, torch.device("cpu"), "exact", retain=lambda s: s.nbytes <= value_cache.max_entry
+        )
+        for sid, (storage, writes) in p.versions.items():
+            value = env.get(sid)
+            if value is not None and writes > 0:
+                value_cache.put(storage, writes, value)
+        with plain():
+            return [real_view(env[id(r.storage)], r).clone() for r in records]

@@ -78,20 +78,23 @@ class RngSegment:
         self.checkpoints: dict[int, torch.Tensor] = {0: start_state}
         self._keys: list[int] = [0]
         self.seed_key = hashlib.blake2b(start_state.numpy().tobytes(), digest_size=16).digest()
-        self.lock = threading.Lock()
+        self.lock = threading.RLock()
         _segments.add(self)
 
     def add_checkpoint(self, index: int, state: torch.Tensor) -> None:
-        if index not in self.checkpoints:
-            self.checkpoints[index] = state
-            bisect.insort(self._keys, index)
+        with self.lock:
+            if index not in self.checkpoints:
+                self.checkpoints[index] = state
+                bisect.insort(self._keys, index)
 
     def nearest_checkpoint(self, index: int) -> int:
-        return self._keys[bisect.bisect_right(self._keys, index) - 1]
+        with self.lock:
+            return self._keys[bisect.bisect_right(self._keys, index) - 1]
 
     def clear_checkpoints(self) -> None:
-        self.checkpoints = {0: self.start_state}
-        self._keys = [0]
+        with self.lock:
+            self.checkpoints = {0: self.start_state}
+            self._keys = [0]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,9 +3,11 @@
 from __future__ import annotations
 
 __all__ = [
+    "BusyError",
     "DeferredDataError",
     "MaterializationError",
     "MetaInitError",
+    "NotEnoughMemoryError",
     "UnsupportedOperatorError",
 ]
 
@@ -24,3 +26,11 @@ class DeferredDataError(MetaInitError):
 
 class MaterializationError(MetaInitError):
     """Materialization failed; every tensor it touched is still deferred."""
+
+
+class BusyError(MetaInitError):
+    """Another materialization (or value read) of deferred tensors is running."""
+
+
+class NotEnoughMemoryError(MaterializationError, MemoryError):
+    """The device ran out of memory while materializing; everything is still deferred."""

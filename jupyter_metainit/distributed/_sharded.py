@@ -21,7 +21,7 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core import materialize
-from jupyter_metainit.core._materialize import _progress_callback, iter_deferred
+from jupyter_metainit.core._materialize import iter_deferred, progress_callback
 from jupyter_metainit.core._tensor import DeferredTensor
 from jupyter_metainit.core.errors import MaterializationError
 
@@ -153,7 +153,7 @@ def materialize_sharded(
         if id(t) in names:
             _check_filled(t, names[id(t)])
     groups = _groups(list(tensors.values()))
-    callback, bar = _progress_callback(progress)
+    callback, bar = progress_callback(progress)
     sizes = [max(t._rec.storage.nbytes for t in g) for g in groups]
     total, done = sum(sizes), 0
     try:
