@@ -98,3 +98,80 @@ def test_dtype_mismatch_is_a_clear_error(tmp_path):
         materialize(lin, checkpoint=path)
     materialize(lin, checkpoint=path, dtype=torch.float16)
     assert lin.weight.dtype == torch.float16
+
+
+def test_parts_materialized_earlier_are_loaded_too_in_place(tmp_path):
+    torch.manual_seed(1)
+    real = Model()
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.detach().clone() for k, v in real.state_dict().items()}, str(path))
+    torch.manual_seed(0)
+    with meta_init():
+        m = Model()
+    materialize(m.layers[1])  # from init
+    weight = m.layers[1].weight
+    materialize(m, checkpoint=path)
+    assert m.layers[1].weight is weight  # the same object, now holding the file's values
+    for k, v in real.state_dict().items():
+        assert torch.equal(m.state_dict()[k], v), k
+
+
+def test_a_real_part_with_the_wrong_shape_changes_nothing(tmp_path):
+    torch.manual_seed(1)
+    real = Model()
+    sd = {k: v.detach().clone() for k, v in real.state_dict().items()}
+    sd["layers.1.weight"] = torch.zeros(3, 3)
+    path = tmp_path / "model.safetensors"
+    save_file(sd, str(path))
+    with meta_init():
+        m = Model()
+    materialize(m.layers[1])
+    before = m.layers[1].weight.detach().clone()
+    with pytest.raises(MaterializationError, match="layers.1.weight"):
+        materialize(m, checkpoint=path)
+    assert torch.equal(m.layers[1].weight, before)
+    assert is_deferred(m.layers[0].weight) and is_deferred(m.head.weight)
+
+
+@pytest.mark.parametrize(
+    ("make", "error", "match"),
+    [
+        (lambda tmp: tmp, IsADirectoryError, "is a directory"),
+        (lambda tmp: 123, TypeError, "checkpoint= takes"),
+        (lambda tmp: [], ValueError, "empty"),
+        (lambda tmp: tmp / "nope.safetensors", FileNotFoundError, "not found"),
+        (lambda tmp: _write(tmp / "i.index.json", "{}"), MaterializationError, "weight_map"),
+        (lambda tmp: _write(tmp / "x.safetensors", "garbage"), MaterializationError, "cannot"),
+    ],
+    ids=["directory", "number", "empty", "missing", "index_without_weight_map", "not_safetensors"],
+)
+def test_bad_checkpoint_arguments_are_clear_errors(tmp_path, make, error, match):
+    with meta_init():
+        m = Model()
+    with pytest.raises(error, match=match):
+        materialize(m, checkpoint=make(tmp_path))
+    assert is_deferred(m.layers[0].weight)
+
+
+def _write(path, text):
+    path.write_text(text)
+    return path
+
+
+def test_bytes_paths_work(tmp_path):
+    torch.manual_seed(1)
+    real = Model()
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.detach().clone() for k, v in real.state_dict().items()}, str(path))
+    with meta_init():
+        m = Model()
+    materialize(m, checkpoint=bytes(path))
+    assert torch.equal(m.head.weight, real.head.weight)
+
+
+def test_root_that_does_not_contain_the_part_is_a_clear_error(sharded):
+    _, index = sharded
+    with meta_init():
+        m, other = Model(), Model()
+    with pytest.raises(MaterializationError, match="root= does not contain"):
+        materialize(m.layers[0], checkpoint=index, root=other)

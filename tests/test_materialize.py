@@ -261,3 +261,74 @@ def test_dematerialize_frees_the_memory():
     dematerialize(m)
     gc.collect()
     assert ref() is None
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda w: w.data.copy_(torch.ones_like(w)),
+        lambda w: w.detach().zero_(),
+        lambda w: w.detach().numpy().__setitem__((0, 0), 9.0),
+    ],
+    ids=["data_copy", "detach", "numpy_view"],
+)
+def test_dematerialize_sees_writes_the_version_counter_misses(write):
+    _, m = eager_and_deferred(Net)
+    materialize(m, keep_cache=True)
+    write(m.layers[0].weight)
+    with pytest.raises(MaterializationError, match="written since"):
+        dematerialize(m)
+    assert not is_deferred(m.layers[0].weight)  # nothing changed
+    dematerialize(m, force=True)
+    assert is_deferred(m)
+
+
+def test_a_list_with_plain_meta_tensors_materializes_nothing():
+    with meta_init():
+        deferred = nn.Linear(2, 2)
+    with torch.device("meta"):
+        meta = nn.Linear(2, 2)
+    with pytest.raises(MaterializationError, match="meta device"):
+        materialize([deferred, meta])
+    assert is_deferred(deferred.weight) and is_deferred(deferred.bias)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"dtype": torch.int8}, ValueError, "not a floating-point dtype"),
+        ({"dtype": "bf16"}, TypeError, "torch.dtype"),
+        ({"device": "xla"}, MaterializationError, "no xla device"),
+        ({"device": "mps"}, MaterializationError, "no mps device"),
+        ({"device": "warp:3"}, ValueError, "not a device"),
+    ],
+    ids=["int8", "string_dtype", "xla", "mps", "nonsense"],
+)
+def test_bad_arguments_are_clear_errors(kwargs, error, match):
+    _, m = eager_and_deferred(Net)
+    with pytest.raises(error, match=match):
+        materialize(m, **kwargs)
+    assert is_deferred(m)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_cuda_without_cuda_and_out_of_range_devices_say_what_exists():
+    _, m = eager_and_deferred(Net)
+    with pytest.raises(MaterializationError, match="CUDA is not available"):
+        materialize(m, "cuda:999")
+    assert is_deferred(m)
+
+
+def test_state_changes_are_published():
+    from jupyter_metainit.core import _events
+
+    seen = []
+
+    def listener(kind, tensors):
+        seen.append((kind, len(tensors)))
+
+    _events.subscribe(listener)
+    _, m = eager_and_deferred(Net)
+    materialize(m.layers[0], keep_cache=True)
+    dematerialize(m.layers[0])
+    assert seen[-2:] == [("materialized", 2), ("dematerialized", 2)]

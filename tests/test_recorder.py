@@ -197,14 +197,47 @@ def test_tensor_from_list_and_numpy_are_captured():
     assert torch.equal(b, torch.tensor([0.0, 2.0, 4.0, 6.0]))
 
 
-def test_external_tensor_changed_in_place_is_a_clear_error():
+def _large():
+    return torch.ones(512, 1024)  # 2 MiB: referenced by the recording, not copied
+
+
+@pytest.mark.parametrize(
+    "write",
+    [
+        lambda x: x.add_(1),
+        lambda x: x.data.add_(1),
+        lambda x: x.detach().mul_(2),
+        lambda x: x.numpy().__setitem__((0, 0), 5.0),
+    ],
+    ids=["in_place", "data", "detach", "numpy"],
+)
+def test_large_external_tensor_written_after_recording_is_a_clear_error(write):
+    outside = _large()
+    with meta_init():
+        t = outside * 2
+    write(outside)
+    with pytest.raises(RuntimeError, match="written after it was recorded"):
+        materialize(t)
+    assert is_deferred(t)
+
+
+def test_from_numpy_memory_written_after_recording_is_a_clear_error():
+    array = np.ones((512, 1024), dtype=np.float32)
+    shared = torch.from_numpy(array)
+    with meta_init():
+        t = torch.zeros(512, 1024) + shared
+    array[3, 3] = 7.0
+    with pytest.raises(RuntimeError, match="written after it was recorded"):
+        materialize(t)
+
+
+def test_small_external_tensor_is_replayed_with_its_values_at_recording_time():
     outside = torch.ones(3)
     with meta_init():
         t = outside * 2
     outside.add_(1)
-    with pytest.raises(RuntimeError, match="changed in place"):
-        materialize(t)
-    assert is_deferred(t)
+    materialize(t)
+    assert torch.equal(t, torch.full((3,), 2.0))  # what eager code computed then
 
 
 def test_explicit_generator_is_replayed_exactly():
@@ -247,9 +280,9 @@ def test_operator_without_meta_kernel_is_computed_on_values_and_recorded():
 
 
 def test_operator_without_meta_kernel_on_unreplayable_input_names_op_and_caller():
-    source = torch.ones(3)
+    source = _large()
     with meta_init():
-        t = torch.zeros(3) + source
+        t = torch.zeros(512, 1024) + source
     source.add_(1)  # the recording's input is gone
     op = torch.library.Library("jmi_test2", "DEF")
     op.define("noop(Tensor x) -> Tensor")

@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Iterator
 
+from jupyter_metainit.core._interrupts import critical
 from jupyter_metainit.core.errors import BusyError
 
 __all__ = ["busy_with", "exclusive"]
@@ -28,17 +29,24 @@ def exclusive(what: str, *, wait: bool = True) -> Iterator[None]:
 
     With ``wait=False``, raise :class:`BusyError` at once if another thread holds it.
     """
-    if not _lock.acquire(blocking=wait):
-        raise BusyError(
-            f"busy with {busy_with() or 'another materialization'}; wait for it to finish, or "
-            "cancel it, then try again"
-        )
-    _activity.append((what, threading.current_thread().name, time.monotonic()))
+    while True:
+        # Each attempt is a critical section (Ctrl-C cannot leave the lock taken and not
+        # recorded); between attempts, a wait for another thread can be interrupted.
+        with critical():
+            if _lock.acquire(timeout=0.1 if wait else 0):
+                _activity.append((what, threading.current_thread().name, time.monotonic()))
+                break
+        if not wait:
+            raise BusyError(
+                f"busy with {busy_with() or 'another materialization'}; wait for it to finish, "
+                "or cancel it, then try again"
+            )
     try:
         yield
     finally:
-        _activity.pop()
-        _lock.release()
+        with critical():
+            _activity.pop()
+            _lock.release()
 
 
 def busy_with() -> str | None:

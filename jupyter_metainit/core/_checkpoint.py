@@ -20,26 +20,70 @@ from jupyter_metainit.core.errors import MaterializationError
 __all__ = ["load_for"]
 
 
+_WHAT = "a .safetensors file, a sharded set's index JSON, or a list of them"
+
+
+def _paths(checkpoint: Any) -> list[str]:
+    if isinstance(checkpoint, (str, bytes, os.PathLike)):
+        items = [checkpoint]
+    elif isinstance(checkpoint, (list, tuple)):
+        items = list(checkpoint)
+    else:
+        raise TypeError(f"checkpoint= takes {_WHAT}; got {type(checkpoint).__name__}")
+    if not items:
+        raise ValueError(f"checkpoint= is empty; give {_WHAT}")
+    paths = []
+    for item in items:
+        if not isinstance(item, (str, bytes, os.PathLike)):
+            raise TypeError(f"checkpoint= takes {_WHAT}; got {type(item).__name__} in the list")
+        path = os.fsdecode(os.fspath(item))
+        if os.path.isdir(path):
+            found = sorted(
+                f for f in os.listdir(path) if f.endswith((".safetensors", ".index.json"))
+            )
+            hint = f" (it holds {', '.join(found[:3])})" if found else ""
+            raise IsADirectoryError(
+                f"checkpoint= {path!r} is a directory; give the .safetensors file or the "
+                f"model.safetensors.index.json inside it{hint}"
+            )
+        if not os.path.exists(path):
+            raise FileNotFoundError(f"checkpoint file not found: {path}")
+        if not os.access(path, os.R_OK):
+            raise PermissionError(f"checkpoint file is not readable: {path}")
+        paths.append(path)
+    return paths
+
+
 def _key_to_file(checkpoint: Any) -> dict[str, str]:
-    paths = [checkpoint] if isinstance(checkpoint, (str, os.PathLike)) else list(checkpoint)
-    if not paths:
-        raise ValueError("checkpoint= needs at least one .safetensors file or index JSON")
     from safetensors import safe_open
 
     mapping: dict[str, str] = {}
-    for p in map(os.fspath, paths):
-        if not os.path.exists(p):
-            raise FileNotFoundError(f"checkpoint file not found: {p}")
+    for p in _paths(checkpoint):
         if p.endswith(".json"):
-            with open(p) as f:
-                index = json.load(f)
+            try:
+                with open(p) as f:
+                    index = json.load(f)
+                weight_map = index["weight_map"]
+                if not isinstance(weight_map, dict):
+                    raise TypeError
+            except (json.JSONDecodeError, KeyError, TypeError, UnicodeDecodeError):
+                raise MaterializationError(
+                    f'{p} is not a sharded checkpoint\'s index: it needs a "weight_map" object '
+                    "mapping tensor names to .safetensors files (as "
+                    "model.safetensors.index.json has)"
+                ) from None
             base = os.path.dirname(p)
-            for key, fname in index["weight_map"].items():
+            for key, fname in weight_map.items():
                 mapping[key] = os.path.join(base, fname)
         else:
-            with safe_open(p, framework="pt") as f:
-                for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    mapping[key] = p
+            try:
+                with safe_open(p, framework="pt") as f:
+                    for key in f.keys():  # noqa: SIM118 - safe_open is not a mapping
+                        mapping[key] = p
+            except Exception as e:
+                raise MaterializationError(
+                    f"{p} cannot be read as a .safetensors file ({e})"
+                ) from None
     return mapping
 
 
@@ -98,6 +142,13 @@ def load_for(
     files = _key_to_file(checkpoint)
     if root is not None and root is not obj:
         names, prefix = _names(root, tensors), ""
+        unnamed = [t for t in tensors if not names[id(t)]]
+        if unnamed:
+            raise MaterializationError(
+                f"root= does not contain what is being materialized ({len(unnamed)} of its "
+                "tensors are not parameters or buffers of root); pass the whole model the part "
+                "belongs to"
+            )
     else:
         names = _names(obj, tensors)
         prefix = _infer_prefix(names, set(files))

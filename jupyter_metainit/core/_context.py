@@ -32,7 +32,7 @@ from jupyter_metainit.core._devices import (
     handle_function,
     rewrite_device,
 )
-from jupyter_metainit.core._interrupts import handling_interrupts
+from jupyter_metainit.core._interrupts import critical, handling_interrupts
 from jupyter_metainit.core._lazy import lazy_module_support
 from jupyter_metainit.core._ops import user_frame
 from jupyter_metainit.core._record import handle_op
@@ -133,7 +133,7 @@ _saved: list[tuple[Any, str, Any]] = []
 @contextlib.contextmanager
 def _process_wrappers() -> Iterator[None]:
     global _wrap_count
-    with _wrap_lock:
+    with critical(), _wrap_lock:
         if _wrap_count == 0:
             for owner, name, wrapper in _wrapped:
                 _saved.append((owner, name, getattr(owner, name)))
@@ -142,7 +142,7 @@ def _process_wrappers() -> Iterator[None]:
     try:
         yield
     finally:
-        with _wrap_lock:
+        with critical(), _wrap_lock:
             _wrap_count -= 1
             if _wrap_count == 0:
                 for owner, name, original in reversed(_saved):

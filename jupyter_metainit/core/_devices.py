@@ -10,14 +10,13 @@ a deferred tensor become a recorded copy that reports the new device.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
 from typing import Any
 
 import torch
 
+from jupyter_metainit.core._interrupts import handling_interrupts
 from jupyter_metainit.core._ops import user_frame
-from jupyter_metainit.core._plain import plain
+from jupyter_metainit.core._plain import plain, subclass_functions_off
 from jupyter_metainit.core._record import SUBCLASS_SENSITIVE, read_value, record_call, wrap_constant
 from jupyter_metainit.core._state import canonical_device, default_device, dtype_override, tls
 from jupyter_metainit.core._tensor import DeferredTensor
@@ -53,15 +52,27 @@ _LIKE = {
 TO_METHODS = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.type}
 
 
-@contextlib.contextmanager
-def pending(device: torch.device) -> Iterator[None]:
-    """Tensors recorded inside report ``device`` (their call was rewritten to ``meta``)."""
-    saved = tls.pending_device
-    tls.pending_device = device
-    try:
-        yield
-    finally:
-        tls.pending_device = saved
+class pending:
+    """Tensors recorded inside report ``device`` (their call was rewritten to ``meta``).
+
+    Also turns torch-function handling of subclasses off for the block, in one critical section
+    (see ``_plain.subclass_functions_off``).
+    """
+
+    __slots__ = ("_device", "_guard", "_saved")
+
+    def __init__(self, device: torch.device) -> None:
+        self._device = device
+
+    def __enter__(self) -> None:
+        self._guard = subclass_functions_off()
+        self._guard.__enter__()
+        self._saved = tls.pending_device
+        tls.pending_device = self._device
+
+    def __exit__(self, *exc: Any) -> None:
+        tls.pending_device = self._saved
+        self._guard.__exit__(*exc)
 
 
 def _has_tensor_argument(args: tuple, kwargs: dict) -> bool:
@@ -78,18 +89,18 @@ def rewrite_device(func: Any, args: tuple, kwargs: dict, in_context: bool) -> An
     device = kwargs.get("device")
     implicit = device is None
     if implicit and not (in_context and func in FACTORIES and func not in _LIKE):
-        with torch._C.DisableTorchFunctionSubclass():
+        with subclass_functions_off():
             return func(*args, **kwargs)
     if implicit and _has_tensor_argument(args, kwargs):
-        with torch._C.DisableTorchFunctionSubclass():
+        with subclass_functions_off():
             return func(*args, **kwargs)
     target = canonical_device(device) if device is not None else default_device()
     if target.type == "meta":
-        with torch._C.DisableTorchFunctionSubclass():
+        with subclass_functions_off():
             return func(*args, **kwargs)
     kwargs = dict(kwargs)
     kwargs["device"] = META
-    with pending(target), torch._C.DisableTorchFunctionSubclass():
+    with pending(target):
         return func(*args, **kwargs)
 
 
@@ -143,7 +154,7 @@ def retarget(func: Any, self: DeferredTensor, args: tuple, kwargs: dict) -> Any:
             False,
         )
     elif func is torch.Tensor.type:
-        with torch._C.DisableTorchFunctionSubclass():
+        with subclass_functions_off():
             return func(self, *args, **kwargs)
     else:
         copy = bool(kwargs.pop("copy", False))
@@ -153,7 +164,7 @@ def retarget(func: Any, self: DeferredTensor, args: tuple, kwargs: dict) -> Any:
             args = args[: bools[1]] + args[bools[1] + 1 :]
         device, dtype, _nb, memory_format = torch._C._nn._parse_to(*args, **kwargs)
         if memory_format is not None and memory_format != torch.preserve_format:
-            with torch._C.DisableTorchFunctionSubclass():
+            with subclass_functions_off():
                 return torch.ops.aten._to_copy.default(
                     self, dtype=dtype or self.dtype, memory_format=memory_format
                 )
@@ -163,7 +174,7 @@ def retarget(func: Any, self: DeferredTensor, args: tuple, kwargs: dict) -> Any:
     dtype = dtype or self.dtype
     if device == self.device and dtype == self.dtype and not copy:
         return self
-    with pending(device), torch._C.DisableTorchFunctionSubclass():
+    with pending(device):
         return torch.ops.aten._to_copy.default(self, dtype=dtype, device=META)
 
 
@@ -171,6 +182,15 @@ def handle_function(func: Any, args: tuple, kwargs: dict) -> Any:
     """``DeferredTensor.__torch_function__``: device-changing calls, everything else unchanged."""
     if tls.where is not None:
         return _handle_function(func, args, kwargs)
+    if tls.depth == 0:
+        # Outside meta_init (model.half(), model.apply(init) later): Ctrl-C must not land in
+        # the middle of our bookkeeping either (meta_init installs this for its whole block).
+        with handling_interrupts():
+            return _handle_outermost(func, args, kwargs)
+    return _handle_outermost(func, args, kwargs)
+
+
+def _handle_outermost(func: Any, args: tuple, kwargs: dict) -> Any:
     tls.where = user_frame()  # for every op this call dispatches
     try:
         return _handle_function(func, args, kwargs)
@@ -191,7 +211,7 @@ def _handle_function(func: Any, args: tuple, kwargs: dict) -> Any:
     if "device" in kwargs:
         return rewrite_device(func, args, kwargs, in_context=False)
     try:
-        with torch._C.DisableTorchFunctionSubclass():
+        with subclass_functions_off():
             return func(*args, **kwargs)
     except RuntimeError as e:
         if "data is not allocated yet" not in str(e):
@@ -216,7 +236,7 @@ def _with_index_values(func: Any, args: tuple, kwargs: dict, error: Exception) -
     new_kwargs = {k: value(v) for k, v in kwargs.items()}
     if not replaced:
         raise error
-    with torch._C.DisableTorchFunctionSubclass():
+    with subclass_functions_off():
         return func(*new_args, **new_kwargs)
 
 

@@ -16,6 +16,8 @@ from typing import Any
 
 import torch
 
+from jupyter_metainit.core._interrupts import critical
+
 __all__ = ["publish", "subscribe"]
 
 Callback = Callable[[str, list[torch.Tensor]], None]
@@ -28,7 +30,7 @@ def subscribe(callback: Callback) -> None:
     ref: Any = (
         weakref.WeakMethod(callback) if hasattr(callback, "__self__") else weakref.ref(callback)
     )
-    with _lock:
+    with critical(), _lock:
         _subscribers.append(ref)
 
 
@@ -36,7 +38,7 @@ def publish(kind: str, tensors: list[torch.Tensor]) -> None:
     """Tell every live subscriber that ``tensors`` were ``kind`` (``"materialized"``, ...)."""
     if not tensors:
         return
-    with _lock:
+    with critical(), _lock:
         live = [(ref, ref()) for ref in _subscribers]
         _subscribers[:] = [ref for ref, fn in live if fn is not None]
     for _ref, fn in live:

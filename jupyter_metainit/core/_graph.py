@@ -58,11 +58,17 @@ class TensorRecord:
 
 @dataclass(eq=False, slots=True)
 class External:
-    """A real tensor used by a recorded op; its ``_version`` must not change before replay."""
+    """A real tensor used by a recorded op; it must not be written before replay.
+
+    ``version`` catches in-place ops; ``digest`` (of its memory, see ``_digest``) catches the
+    writes the version counter misses (``.data``, numpy views). Small real inputs are not kept
+    as ``External`` at all but copied (``Constant``).
+    """
 
     tensor: torch.Tensor
     version: int
     where: Any  # _ops.Where: str() gives "file:line in function"
+    digest: tuple = ()
 
 
 @dataclass(eq=False, slots=True)

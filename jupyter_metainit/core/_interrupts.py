@@ -35,9 +35,7 @@ class _Depth(threading.local):
 
 _depth = _Depth()
 _pending = threading.Event()  # SIGINT arrived while the main thread was in a critical section
-_installed = 0
-_previous: Any = None
-_lock = threading.Lock()
+_previous: Any = None  # the handler ours hands signals to outside critical sections
 
 
 def _handler(signum: int, frame: FrameType | None) -> None:
@@ -48,35 +46,37 @@ def _handler(signum: int, frame: FrameType | None) -> None:
     if callable(previous) and previous is not _handler:
         previous(signum, frame)
         return
+    if previous == signal.SIG_IGN:
+        return
     raise KeyboardInterrupt
 
 
 @contextlib.contextmanager
 def handling_interrupts() -> Iterator[None]:
-    """Route SIGINT through :func:`_handler` for the duration (main thread only; counted)."""
-    global _installed, _previous
+    """Route SIGINT through :func:`_handler` for the duration (main thread only).
+
+    The outermost use installs it and puts the previous handler back. Written so that a Ctrl-C
+    landing anywhere in here leaves at worst our handler installed, which, outside critical
+    sections, hands every signal to the previous one: the same behaviour.
+    """
+    global _previous
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    with _lock:
-        if _installed == 0:
-            try:
-                _previous = signal.signal(signal.SIGINT, _handler)
-            except ValueError:  # not the main interpreter, or signals unavailable
-                _previous = None
-            else:
-                _installed += 1
-        else:
-            _installed += 1
+    installed_here = False
+    try:
+        current = signal.getsignal(signal.SIGINT)
+        if current is not _handler:
+            _previous = current
+            signal.signal(signal.SIGINT, _handler)
+            installed_here = True
+    except ValueError:  # not the main interpreter: leave signals alone
+        pass
     try:
         yield
     finally:
-        with _lock:
-            if _installed:
-                _installed -= 1
-                if _installed == 0 and _previous is not None:
-                    signal.signal(signal.SIGINT, _previous)
-                    _previous = None
+        if installed_here:
+            signal.signal(signal.SIGINT, _previous)
 
 
 class critical:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from jupyter_metainit.core._interrupts import critical
 from jupyter_metainit.core._plain import plain
 from jupyter_metainit.core._state import canonical_device, default_device, tls
 from jupyter_metainit.core._swap import swap_in_place
@@ -80,7 +81,7 @@ def lazy_module_support() -> Iterator[None]:
         UninitializedTensorMixin,
     )
 
-    with _patch_lock:
+    with critical(), _patch_lock:
         if _patch_count == 0:
             _orig_materialize = UninitializedTensorMixin.materialize
             UninitializedTensorMixin.materialize = _deferred_materialize
@@ -91,7 +92,7 @@ def lazy_module_support() -> Iterator[None]:
     try:
         yield
     finally:
-        with _patch_lock:
+        with critical(), _patch_lock:
             _patch_count -= 1
             if _patch_count == 0:
                 UninitializedTensorMixin.materialize = _orig_materialize

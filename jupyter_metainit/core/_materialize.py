@@ -244,16 +244,34 @@ def _is_oom(exc: BaseException) -> bool:
 
 
 def _free_bytes(device: torch.device) -> int | None:
+    """Memory this process can still get on ``device``: for the CPU the least of the machine's
+    available memory, the address-space limit (``ulimit -v``) and the cgroup's limit."""
     try:
         if device.type == "cuda":
             return torch.cuda.mem_get_info(device)[0]
+    except Exception:
+        return None
+    candidates = []
+    try:
         with open("/proc/meminfo") as f:
             for line in f:
                 if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except Exception:
-        return None
-    return None
+                    candidates.append(int(line.split()[1]) * 1024)
+        import resource
+
+        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
+        if limit != resource.RLIM_INFINITY:
+            with open("/proc/self/statm") as f:
+                used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+            candidates.append(max(0, limit - used))
+        with open("/sys/fs/cgroup/memory.max") as f:
+            cap = f.read().strip()
+        if cap != "max":
+            with open("/sys/fs/cgroup/memory.current") as f:
+                candidates.append(max(0, int(cap) - int(f.read())))
+    except (OSError, ValueError, ImportError):
+        pass
+    return min(candidates) if candidates else None
 
 
 def format_bytes(n: float) -> str:
@@ -400,10 +418,10 @@ def materialize(
                 failure = _released(exc, _describe(obj), target_device, tensors, dtype)
             if failure is not None:
                 raise failure  # outside the handler: no implicit link to the replay's frames
+            _events.publish("materialized", swapped)
     finally:
         if bar is not None:
             bar.close()
-    _events.publish("materialized", swapped)
     return obj
 
 
@@ -546,8 +564,8 @@ def dematerialize(obj: Any, *, force: bool = False) -> Any:
         freed = [t for t, _ in pairs]
         pairs.clear()
         deferred = None  # the real storages' last references go with these
-    _return_memory_to_the_os()
-    _events.publish("dematerialized", freed)
+        _return_memory_to_the_os()
+        _events.publish("dematerialized", freed)
     return obj
 
 

@@ -44,6 +44,8 @@ import threading
 import numpy as np
 import torch
 
+from jupyter_metainit.core._interrupts import critical
+
 __all__ = ["advance_by_generating", "jump_generator", "jump_state"]
 
 _N = 624  # words in a block
@@ -172,7 +174,7 @@ _poly_lock = threading.Lock()
 def _get_poly() -> _Poly:
     global _poly
     if _poly is None:
-        with _poly_lock:
+        with critical(), _poly_lock:
             if _poly is None:
                 _poly = _Poly()
     return _poly

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core._interrupts import critical, hold_interrupts, release_interrupts
+from jupyter_metainit.core._interrupts import hold_interrupts, release_interrupts
 
 
 class plain:
@@ -17,28 +17,45 @@ class plain:
     ``contextlib`` generator because it wraps every recorded op.
     """
 
-    __slots__ = ("_critical", "_grad", "_guards")
+    __slots__ = ("_grad", "_guards")
 
     def __enter__(self) -> None:
-        # Entering and leaving are critical sections: a Ctrl-C half-way would leave
-        # torch-function handling or autograd switched off on this thread (see _interrupts).
+        # The whole block is a critical section (see _interrupts): a Ctrl-C between two steps
+        # of entering or leaving would leave torch-function handling or autograd switched off
+        # on this thread. It is raised on the way out, or at a `check()` inside (replay).
         hold_interrupts()
         self._guards = (torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch())
         for g in self._guards:
             g.__enter__()
         self._grad = torch.is_grad_enabled()
         torch._C._set_grad_enabled(False)
-        release_interrupts(raise_pending=False)  # raised at the latest on the way out
 
     def __exit__(self, *exc: Any) -> None:
-        self._critical = critical()
-        self._critical.__enter__()
         try:
             torch._C._set_grad_enabled(self._grad)
             for g in reversed(self._guards):
                 g.__exit__(*exc)
         finally:
-            self._critical.__exit__(*exc)
+            release_interrupts(raise_pending=exc[0] is None)
+
+
+class subclass_functions_off:
+    """``torch._C.DisableTorchFunctionSubclass()``, entered and left in a critical section so
+    that a Ctrl-C cannot leave it on (see ``_interrupts``); the block runs with Ctrl-C held
+    back, raised when it ends or at a ``check()`` inside."""
+
+    __slots__ = ("_guard",)
+
+    def __enter__(self) -> None:
+        hold_interrupts()
+        self._guard = torch._C.DisableTorchFunctionSubclass()
+        self._guard.__enter__()
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self._guard.__exit__(*exc)
+        finally:
+            release_interrupts(raise_pending=exc[0] is None)
 
 
 def map_args(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -15,11 +15,13 @@ shape) get them by exact replay on the CPU (``_replay.compute_values``).
 
 from __future__ import annotations
 
+import weakref
 from typing import Any
 
 import torch
 
 from jupyter_metainit.core import _rng
+from jupyter_metainit.core._digest import digest
 from jupyter_metainit.core._graph import (
     Constant,
     External,
@@ -76,6 +78,28 @@ _NO_META_KERNEL = (
 def call_site() -> Where:
     """Where user code made the call being recorded."""
     return tls.where if tls.where is not None else user_frame()
+
+
+_COPY_EXTERNALS_BELOW = 1 << 20
+# Digests of large real inputs, per tensor object and version (one model uses a tensor often).
+_external_digests: dict[int, tuple[Any, int, tuple]] = {}
+
+
+def external(x: torch.Tensor, where: Where) -> External | Constant:
+    """How a real tensor input is kept in the recording: small ones are copied now (nothing can
+    change them), large ones are referenced with a digest of their memory, checked at replay."""
+    with plain():
+        if x.untyped_storage().nbytes() <= _COPY_EXTERNALS_BELOW and x.device.type == "cpu":
+            return Constant(x.clone())
+        cached = _external_digests.get(id(x))
+        if cached is not None and cached[0]() is x and cached[1] == x._version:
+            content = cached[2]
+        else:
+            content = digest(x)
+            _external_digests[id(x)] = (weakref.ref(x), x._version, content)
+            if len(_external_digests) > 4096:
+                _external_digests.clear()
+    return External(x, x._version, where, content)
 
 
 def _to_meta(t: torch.Tensor) -> torch.Tensor:
@@ -261,6 +285,15 @@ def _inplace_view(func: Any, info: OpInfo, bound: list, args: tuple, kwargs: dic
             )
         raise UnsupportedOperatorError(f"{func} with these arguments ({source!r}) at {where}")
     if func in (aten.set_.source_Storage, aten.set_.source_Storage_storage_offset):
+        storage = bound[1]
+        if isinstance(storage, torch.UntypedStorage) and storage.device.type != "meta":
+            # `empty(0).set_(storage, ...)`, how torch.load rebuilds tensors: the deferred
+            # tensor becomes that real tensor (memory-mapped ones stay mapped).
+            with plain():
+                real = torch.empty(0, dtype=self.dtype, device=storage.device)
+                real.set_(storage, *args[2:], **kwargs)
+            set_data(self, real)
+            return self
         raise UnsupportedOperatorError(
             f"{func} with a storage object cannot be deferred (called at {where}); use "
             "`t.set_(other_tensor)` or a view instead"
@@ -589,7 +622,7 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
             return x._rec
         if isinstance(x, torch.Tensor):
             grad = grad or x.requires_grad
-            return External(x, x._version, where)
+            return external(x, where)
         if isinstance(x, torch.device) and x.type == "meta":
             return device
         return x
@@ -810,7 +843,7 @@ def record_call(func: Any, args: tuple, kwargs: dict) -> Any:
         if isinstance(x, DeferredTensor):
             return x._rec
         if isinstance(x, torch.Tensor):
-            return External(x, x._version, where)
+            return external(x, where)
         return x
 
     rec_args, rec_kwargs = map_args(record_arg, args, kwargs)

@@ -23,6 +23,7 @@ from torch.utils._pytree import tree_map
 
 from jupyter_metainit.core import _rng
 from jupyter_metainit.core._busy import exclusive
+from jupyter_metainit.core._digest import digest
 from jupyter_metainit.core._graph import (
     Constant,
     External,
@@ -31,7 +32,7 @@ from jupyter_metainit.core._graph import (
     TensorRecord,
     constant_op,
 )
-from jupyter_metainit.core._interrupts import check, interrupted
+from jupyter_metainit.core._interrupts import check, critical, handling_interrupts, interrupted
 from jupyter_metainit.core._plain import plain
 from jupyter_metainit.core._values import ValueCache, value_cache
 from jupyter_metainit.core.errors import DeferredDataError, MaterializationError
@@ -211,7 +212,7 @@ def default_dtype_as(dtype: torch.dtype | None) -> Iterator[None]:
     if dtype is None or dtype == torch.get_default_dtype():
         yield
         return
-    with _default_dtype_lock:
+    with critical(), _default_dtype_lock:
         saved = torch.get_default_dtype()
         torch.set_default_dtype(dtype)
         try:
@@ -248,6 +249,7 @@ class _Run:
         self.done = 0
         self.total = sum(_op_bytes(op) for op in p.ops)
         self.generators: dict[int, tuple[torch.Generator, int]] = {}
+        self.checked: set[int] = set()  # External inputs verified unchanged
         written = {id(r.storage) for op in p.ops for r in op.outputs if r is not None}
         written |= {id(s) for op in p.ops for s in op.mutates}
         target_ids = {id(s) for s in p.targets}
@@ -306,11 +308,14 @@ class _Run:
         if isinstance(x, TensorRecord):
             return self.real(x, device)
         if isinstance(x, External):
-            if x.tensor._version != x.version:
-                raise MaterializationError(
-                    f"a real tensor used at {x.where} was changed in place after it was recorded "
-                    "(its values at that time are gone); recreate the deferred tensors that use it"
-                )
+            if id(x) not in self.checked:
+                if x.tensor._version != x.version or (x.digest and digest(x.tensor) != x.digest):
+                    raise MaterializationError(
+                        f"a real tensor used at {x.where} was written after it was recorded "
+                        "(its values at that time are gone); recreate the deferred tensors "
+                        "that use it"
+                    )
+                self.checked.add(id(x))
             return x.tensor.to(device) if x.tensor.device != device else x.tensor
         if isinstance(x, Constant):
             return x.tensor.to(device) if x.tensor.device != device else x.tensor
@@ -542,7 +547,7 @@ def compute_values(records: list[TensorRecord]) -> list[torch.Tensor]:
     Continues from values earlier reads computed (``_values``) and keeps what it computes for
     the next read, within the cache's budget.
     """
-    with exclusive("reading values of deferred tensors"):
+    with handling_interrupts(), exclusive("reading values of deferred tensors"):
         p = plan(records, value_cache)
         env = execute(
             p, torch.device("cpu"), "exact", retain=lambda s: s.nbytes <= value_cache.max_entry

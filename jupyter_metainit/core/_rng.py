@@ -40,6 +40,7 @@ from typing import Any
 
 import torch
 
+from jupyter_metainit.core._interrupts import critical
 from jupyter_metainit.core._mt19937 import advance_by_generating, jump_state
 from jupyter_metainit.core._plain import plain
 
@@ -82,17 +83,17 @@ class RngSegment:
         _segments.add(self)
 
     def add_checkpoint(self, index: int, state: torch.Tensor) -> None:
-        with self.lock:
+        with critical(), self.lock:
             if index not in self.checkpoints:
                 self.checkpoints[index] = state
                 bisect.insort(self._keys, index)
 
     def nearest_checkpoint(self, index: int) -> int:
-        with self.lock:
+        with critical(), self.lock:
             return self._keys[bisect.bisect_right(self._keys, index) - 1]
 
     def clear_checkpoints(self) -> None:
-        with self.lock:
+        with critical(), self.lock:
             self.checkpoints = {0: self.start_state}
             self._keys = [0]
 
@@ -130,7 +131,7 @@ def run_random(
     if has_generator:
         return call(generator)
     default = _device_default_generator(generator.device)
-    with _default_swap_lock:
+    with critical(), _default_swap_lock:
         saved = default.get_state()
         default.set_state(generator.get_state())
         try:
@@ -451,7 +452,7 @@ def state_before(
     Consecutive ops with a known draw count are skipped with a single jump; only the state
     reached at ``index`` (and after ops that had to be re-run) is kept as a checkpoint.
     """
-    with segment.lock, plain():
+    with plain(), segment.lock:
         start = segment.nearest_checkpoint(index)
         if start == index:
             return segment.checkpoints[index]
@@ -531,7 +532,7 @@ def record_random(
     ``meta_init``, where nothing tells us when the state is next observed).
     """
     gen = generator if generator is not None else torch.default_generator
-    with _lock, plain():
+    with plain(), _lock:
         state = gen.get_state()
         tracker = _trackers.get(id(gen))
         if (
@@ -572,14 +573,14 @@ def _flush(tracker: _Tracker) -> None:
 
 def flush_all() -> None:
     """Bring every followed generator to the state eager construction would have left."""
-    with _lock, plain():
+    with plain(), _lock:
         for tracker in list(_trackers.values()):
             _flush(tracker)
 
 
 def flush_default() -> None:
     """``flush_all`` for the default CPU generator only (``torch.get_rng_state`` reads it)."""
-    with _lock, plain():
+    with plain(), _lock:
         tracker = _trackers.get(id(torch.default_generator))
         if tracker is not None and tracker.generator is torch.default_generator:
             _flush(tracker)
@@ -587,7 +588,7 @@ def flush_default() -> None:
 
 def forget_generators() -> None:
     """Drop stream tracking (``clear_meta_init_cache``): the next random op starts a segment."""
-    with _lock:
+    with critical(), _lock:
         flush_all()
         _trackers.clear()
 

@@ -121,8 +121,7 @@ class DeferredTensor(torch.Tensor):
 
     @property
     def data(self) -> torch.Tensor:  # type: ignore[override]
-        with torch.no_grad():
-            return self.detach()
+        return self.detach()  # a recorded view that does not require grad
 
     @data.setter
     def data(self, new: torch.Tensor) -> None:
@@ -158,9 +157,8 @@ class DeferredTensor(torch.Tensor):
         # here the clone is recorded like any other op.
         if id(self) in memo:
             return memo[id(self)]
-        with torch.no_grad():
-            new = self.clone(memory_format=torch.preserve_format)
-        new._rg = self._rg
+        new = self.clone(memory_format=torch.preserve_format)
+        new._rg, new._derived = self._rg, False
         memo[id(self)] = new
         for k, v in self.__dict__.items():
             if k not in INTERNAL_ATTRS:

@@ -20,6 +20,7 @@ from collections import OrderedDict
 import torch
 
 from jupyter_metainit.core._graph import StorageRecord
+from jupyter_metainit.core._interrupts import critical
 
 __all__ = ["ValueCache", "value_cache"]
 
@@ -40,7 +41,7 @@ class ValueCache:
         return self.budget // 4
 
     def get(self, storage: StorageRecord) -> tuple[int, torch.Tensor] | None:
-        with self._lock:
+        with critical(), self._lock:
             entry = self._entries.get(id(storage))
             if entry is None or entry[0]() is not storage:
                 return None
@@ -52,7 +53,7 @@ class ValueCache:
         if nbytes > self.max_entry:
             return
         key = id(storage)
-        with self._lock:
+        with critical(), self._lock:
             old = self._entries.pop(key, None)
             if old is not None:
                 self._bytes -= old[2].untyped_storage().nbytes()
@@ -66,14 +67,14 @@ class ValueCache:
                 self._bytes -= evicted.untyped_storage().nbytes()
 
     def _forget(self, key: int, ref: weakref.ref) -> None:
-        with self._lock:
+        with critical(), self._lock:
             entry = self._entries.get(key)
             if entry is not None and entry[0] is ref:
                 del self._entries[key]
                 self._bytes -= entry[2].untyped_storage().nbytes()
 
     def clear(self) -> None:
-        with self._lock:
+        with critical(), self._lock:
             self._entries.clear()
             self._bytes = 0
 

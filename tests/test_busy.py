@@ -1,0 +1,91 @@
+"""One lock for materialize, dematerialize and value reads, from any thread."""
+
+from __future__ import annotations
+
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+from jupyter_metainit import dematerialize, is_deferred, materialize, meta_init
+from jupyter_metainit.core import _busy
+from jupyter_metainit.core.errors import BusyError
+
+
+def _twins(n=8):
+    torch.manual_seed(0)
+    eager = nn.Sequential(*[nn.Linear(64, 64) for _ in range(n)])
+    torch.manual_seed(0)
+    with meta_init():
+        deferred = nn.Sequential(*[nn.Linear(64, 64) for _ in range(n)])
+    return eager, deferred
+
+
+def _run_threads(targets):
+    errors = []
+
+    def guarded(fn):
+        try:
+            fn()
+        except BaseException as e:  # collected, asserted below
+            errors.append(e)
+
+    threads = [threading.Thread(target=guarded, args=(fn,)) for fn in targets]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    return errors
+
+
+def test_two_threads_materializing_one_model_both_succeed():
+    eager, model = _twins()
+    errors = _run_threads([lambda: materialize(model), lambda: materialize(model[3])])
+    assert errors == []
+    assert not is_deferred(model)
+    for a, b in zip(eager.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_threads_materializing_freeing_and_reading_at_once_never_corrupt():
+    eager, model = _twins()
+    rounds = 15
+
+    def cycle(layer):
+        for _ in range(rounds):
+            materialize(model[layer], keep_cache=True)
+            dematerialize(model[layer])
+
+    def read():
+        for _ in range(rounds):
+            value = model[0].weight.tolist() if is_deferred(model[0].weight) else None
+            assert value is None or torch.equal(torch.tensor(value), eager[0].weight)
+
+    errors = _run_threads([lambda: cycle(0), lambda: cycle(0), lambda: cycle(1), read])
+    assert errors == []
+    materialize(model)
+    for a, b in zip(eager.parameters(), model.parameters(), strict=True):
+        assert torch.equal(a, b)
+
+
+def test_not_waiting_while_another_thread_works_is_a_clear_busy_error():
+    started, release = threading.Event(), threading.Event()
+
+    def hold():
+        with _busy.exclusive("materializing the test model"):
+            started.set()
+            release.wait(10)
+
+    worker = threading.Thread(target=hold)
+    worker.start()
+    started.wait(10)
+    try:
+        assert "materializing the test model" in _busy.busy_with()
+        with pytest.raises(BusyError, match="busy with materializing the test model"):
+            with _busy.exclusive("another", wait=False):
+                pass
+    finally:
+        release.set()
+        worker.join()
+    assert _busy.busy_with() is None

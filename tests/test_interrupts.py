@@ -1,0 +1,116 @@
+"""Ctrl-C anywhere leaves everything whole: all tensors of a call or none, guards restored.
+
+The fault injection sends a real SIGINT to this process at every line of our package that a
+materialization (or a recording) executes, one line per run, and checks the state afterwards.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+import threading
+
+import pytest
+import torch
+from torch import nn
+
+import jupyter_metainit
+from jupyter_metainit import is_deferred, materialize, meta_init
+from jupyter_metainit.core import _interrupts
+
+PACKAGE = os.path.dirname(os.path.abspath(jupyter_metainit.__file__))
+
+pytestmark = pytest.mark.skipif(
+    threading.current_thread() is not threading.main_thread(), reason="signals need the main thread"
+)
+
+
+def _small_model():
+    torch.manual_seed(0)
+    with meta_init():
+        return nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+
+
+def _interrupt_at_line(k, work):
+    """Run ``work()``, sending SIGINT on the k-th line our package executes; return (lines
+    seen, whether KeyboardInterrupt came out)."""
+    count = 0
+
+    def tracer(frame, event, arg):
+        nonlocal count
+        if not frame.f_code.co_filename.startswith(PACKAGE):
+            return None
+        if event == "line":
+            count += 1
+            if count == k:
+                os.kill(os.getpid(), signal.SIGINT)
+        return tracer
+
+    interrupted = False
+    sys.settrace(tracer)
+    try:
+        work()
+    except KeyboardInterrupt:
+        interrupted = True
+    finally:
+        sys.settrace(None)
+    return count, interrupted
+
+
+def _guards_are_clean():
+    python_key = torch._C.DispatchKey.Python
+    return (
+        torch._C._is_torch_function_enabled()
+        and torch.is_grad_enabled()
+        and not torch._C._dispatch_tls_is_dispatch_key_excluded(python_key)
+        and _interrupts._depth.value == 0
+        and not _interrupts.interrupted()
+        and signal.getsignal(signal.SIGINT) in (signal.default_int_handler, _interrupts._handler)
+    )
+
+
+def test_interrupt_at_every_line_of_materialize_is_all_or_nothing():
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+    model = _small_model()
+    lines, _ = _interrupt_at_line(0, lambda: materialize(model))
+    assert lines > 200
+    for k in range(1, lines + 1):
+        model = _small_model()
+        _, interrupted = _interrupt_at_line(k, lambda model=model: materialize(model))
+        states = {is_deferred(t) for t in [*model.parameters(), *model.buffers()]}
+        assert len(states) == 1, f"half-materialized after an interrupt at line event {k}"
+        assert _guards_are_clean(), f"guards left set after an interrupt at line event {k}"
+        if states == {True}:
+            assert interrupted
+            materialize(model)  # still materializable, and exact
+        for a, b in zip(eager.parameters(), model.parameters(), strict=True):
+            assert torch.equal(a, b)
+
+
+def test_interrupt_at_every_line_of_recording_leaves_the_thread_clean():
+    build = lambda: _small_model()  # noqa: E731
+    lines, _ = _interrupt_at_line(0, build)
+    for k in range(1, lines + 1, max(1, lines // 1000)):
+        _interrupt_at_line(k, build)
+        assert _guards_are_clean(), f"guards left set after an interrupt at line event {k}"
+        assert not jupyter_metainit.is_meta_init()
+
+
+def test_interrupt_stops_fast_mode_before_the_remaining_work():
+    torch.manual_seed(0)
+    with meta_init():
+        model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(64)])
+    done = []
+
+    def progress(nbytes, total):
+        done.append(nbytes)
+        if len(done) == 3:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt):
+        materialize(model, rng="fast", progress=progress)
+    assert is_deferred(model[0].weight) and is_deferred(model[-1].weight)
+    assert len(done) < 3 + 2 * 16  # each of the two threads finished at most its current op
+    assert _guards_are_clean()
