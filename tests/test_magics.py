@@ -384,6 +384,8 @@ def test_materialize_rng_fast(ip, model):
         ("%materialize m --rng slow", "argument --rng: invalid choice: 'slow'"),
         ("%materialize m --dtype int4", "--dtype: 'int4' is not a usable floating dtype"),
         ("%materialize m --device nowhere", "--device: 'nowhere' is not a device"),
+        ("%materialize m --device mps", "--device: 'mps' is not available here"),
+        ("%materialize m --dtype bf16 --rng fast --device cpu extra", "%materialize: unexp"),
         ("%materialize m --bogus", "unrecognized arguments: --bogus"),
         ("%materialize m --rng fast extra", "%materialize: unexpected argument(s) 'extra'"),
         ("%dematerialize nothere", "%dematerialize: cannot evaluate 'nothere'"),
@@ -395,6 +397,21 @@ def test_materialize_rng_fast(ip, model):
 )
 def test_line_magic_usage_errors(ip, model, line, expected):
     assert usage_error(ip, line).startswith(expected)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_materialize_to_cuda_without_cuda_is_one_line(ip, model):
+    m, _ = model
+    assert usage_error(ip, "%materialize m --device cuda").startswith(
+        "--device: 'cuda': CUDA is not available here"
+    )
+    assert is_deferred(m)
+
+
+def test_materialize_refusal_from_the_core_is_one_line(ip, model):
+    ok(ip, "with torch.device('meta'):\n    plain = nn.Linear(2, 2)")
+    message = usage_error(ip, "%materialize [m, plain]")
+    assert message.startswith("%materialize: ") and "meta device" in message
 
 
 def test_expression_keeps_quotes_and_spaces(ip, model):
@@ -417,9 +434,9 @@ def test_dematerialize_makes_deferred_again(ip, model):
 def test_dematerialize_refuses_modified_tensor(ip, model):
     m, _ = model
     ok(ip, "%materialize m[0]\nwith torch.no_grad():\n    m[0].weight.add_(1)")
-    result, out = run(ip, "%dematerialize m[0]")
-    assert not result.success and not is_deferred(m[0])
-    assert "With the magic: %dematerialize m[0] --force" in out.stdout
+    message = usage_error(ip, "%dematerialize m[0]")
+    assert not is_deferred(m[0])
+    assert message.endswith("With the magic: %dematerialize m[0] --force")
 
 
 def test_dematerialize_force_drops_modified_tensor(ip, model):

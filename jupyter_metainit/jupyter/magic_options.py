@@ -40,8 +40,12 @@ def parse_dtype(text: str | None, *, default_dtypes_only: bool = False) -> torch
     return value
 
 
-def parse_device(text: str | None) -> torch.device | None:
-    """``"cpu"``, ``"cuda"``, ``"cuda:1"`` -> ``torch.device``; None stays None."""
+def parse_device(text: str | None, *, available: bool = False) -> torch.device | None:
+    """``"cpu"``, ``"cuda"``, ``"cuda:1"`` -> ``torch.device``; None stays None.
+
+    ``available``: the device must exist here (materializing), not just be a device name
+    (recording for a GPU on a machine without one is fine).
+    """
     if text is None:
         return None
     try:
@@ -50,6 +54,17 @@ def parse_device(text: str | None) -> torch.device | None:
         raise UsageError(f"--device: {text!r} is not a device (try cpu, cuda, cuda:1)") from None
     if device.type == "meta":
         raise UsageError("--device: 'meta' is not a real device; deferred tensors need one")
+    if available and device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise UsageError(f"--device: {text!r}: CUDA is not available here; use --device cpu")
+        count = torch.cuda.device_count()
+        if device.index is not None and device.index >= count:
+            raise UsageError(
+                f"--device: {text!r}: this machine has {count} CUDA device(s), cuda:0 to "
+                f"cuda:{count - 1}"
+            )
+    elif available and device.type != "cpu":
+        raise UsageError(f"--device: {text!r} is not available here; use cpu or cuda:N")
     return device
 
 

@@ -274,11 +274,14 @@ class MetaInitMagics(Magics):
         from jupyter_metainit.core import materialize
 
         expr, obj, args = self._target("materialize", line)
-        device = parse_device(args.device)
+        device = parse_device(args.device, available=True)
         dtype = parse_dtype(args.dtype)
         start = time.perf_counter()
         # keep_cache: so that %dematerialize can make it deferred again later.
-        materialize(obj, device, dtype=dtype, rng=args.rng, keep_cache=True)
+        _one_line_errors(
+            "materialize", lambda: materialize(obj, device, dtype=dtype, rng=args.rng,
+                                               keep_cache=True)
+        )  # fmt: skip
         elapsed = time.perf_counter() - start
         print(f"materialized {summary_line(expr, obj)} in {elapsed:.1f} s")
 
@@ -298,15 +301,13 @@ class MetaInitMagics(Magics):
         """
         __tracebackhide__ = True
         from jupyter_metainit.core import dematerialize
-        from jupyter_metainit.core.errors import MetaInitError
 
         expr, obj, args = self._target("dematerialize", line)
-        try:
-            dematerialize(obj, force=args.force)
-        except MetaInitError as exc:
-            if hasattr(exc, "add_note") and "force" in str(exc):
-                exc.add_note(f"With the magic: %dematerialize {expr} --force")
-            raise
+        _one_line_errors(
+            "dematerialize",
+            lambda: dematerialize(obj, force=args.force),
+            f" With the magic: %dematerialize {expr} --force",
+        )
         print(f"dematerialized {summary_line(expr, obj)}")
 
     @magic_arguments()
@@ -331,6 +332,24 @@ class MetaInitMagics(Magics):
             kind = "tensor" if isinstance(obj, torch.Tensor) else type(obj).__name__
             raise UsageError(f"%meta_table: {expr} is a {kind}, not a torch.nn.Module")
         return _memory_table(obj, parse_depth(args.depth), args.dtype)
+
+
+def _one_line_errors(magic: str, action: Any, force_hint: str = "") -> None:
+    """Run ``action``; a refusal or failure of the core is one ``UsageError`` line, raised
+    outside the handler so that nothing of the failed work stays reachable from it."""
+    __tracebackhide__ = True
+    from jupyter_metainit.core.errors import MetaInitError
+
+    message = None
+    try:
+        action()
+    except (MetaInitError, ValueError, TypeError, OSError) as exc:
+        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        if force_hint and "force=True" in text:
+            text += force_hint
+        message = f"%{magic}: {text}"
+    if message is not None:
+        raise UsageError(message)
 
 
 def _magic_names() -> Iterable[tuple[str, str]]:
