@@ -11,6 +11,7 @@ from jupyter_metainit.core._materialize import (
     dematerialize,
     is_deferred,
     materialize,
+    tensor_source,
     tensor_state,
 )
 from jupyter_metainit.core._skip_init import skip_init
@@ -25,5 +26,6 @@ __all__ = [
     "materialize",
     "meta_init",
     "skip_init",
+    "tensor_source",
     "tensor_state",
 ]

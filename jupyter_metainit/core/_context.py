@@ -10,12 +10,15 @@ invisible (counted, so nested and concurrent blocks share one wrapping):
   generator to its exact state (``_rng``: draws are accounted lazily while recording);
 * ``torch.get_default_dtype``/``torch.set_default_dtype`` read and set the thread's own default
   inside a ``meta_init(dtype=...)`` block, so such a block changes no other thread's dtype;
-* ``nn.Module`` lazy parameters become deferred when a dry run gives them a shape (``_lazy``).
+* ``nn.Module`` lazy parameters become deferred when a dry run gives them a shape (``_lazy``);
+* ``HF_DEACTIVATE_ASYNC_LOAD`` is set: ``transformers`` then reads checkpoint tensors in the
+  calling thread, inside the block, where reading is recorded, instead of in worker threads.
 """
 
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -130,6 +133,10 @@ _wrap_lock = threading.Lock()
 _saved: list[tuple[Any, str, Any]] = []
 
 
+_ENVIRONMENT = {"HF_DEACTIVATE_ASYNC_LOAD": "1"}
+_saved_environment: dict[str, str | None] = {}
+
+
 @contextlib.contextmanager
 def _process_wrappers() -> Iterator[None]:
     global _wrap_count
@@ -138,6 +145,9 @@ def _process_wrappers() -> Iterator[None]:
             for owner, name, wrapper in _wrapped:
                 _saved.append((owner, name, getattr(owner, name)))
                 setattr(owner, name, wrapper)
+            for key, value in _ENVIRONMENT.items():
+                _saved_environment[key] = os.environ.get(key)
+                os.environ[key] = value
         _wrap_count += 1
     try:
         yield
@@ -148,6 +158,12 @@ def _process_wrappers() -> Iterator[None]:
                 for owner, name, original in reversed(_saved):
                     setattr(owner, name, original)
                 _saved.clear()
+                for key, value in _saved_environment.items():
+                    if value is None:
+                        os.environ.pop(key, None)
+                    else:
+                        os.environ[key] = value
+                _saved_environment.clear()
 
 
 def _check_dtype(dtype: Any) -> torch.dtype | None:

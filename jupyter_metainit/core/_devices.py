@@ -14,10 +14,17 @@ from typing import Any
 
 import torch
 
+from jupyter_metainit.core._files import storage_region
 from jupyter_metainit.core._interrupts import handling_interrupts
 from jupyter_metainit.core._ops import user_frame
 from jupyter_metainit.core._plain import plain, subclass_functions_off
-from jupyter_metainit.core._record import SUBCLASS_SENSITIVE, read_value, record_call, wrap_constant
+from jupyter_metainit.core._record import (
+    SUBCLASS_SENSITIVE,
+    read_value,
+    record_call,
+    wrap_constant,
+    wrap_file_region,
+)
 from jupyter_metainit.core._state import canonical_device, default_device, dtype_override, tls
 from jupyter_metainit.core._tensor import DeferredTensor
 
@@ -120,6 +127,14 @@ def data_factory(func: Any, args: tuple, kwargs: dict) -> DeferredTensor:
         func, args = torch.tensor, (data,)
     device = kwargs.pop("device", None)
     target = canonical_device(device) if device is not None else default_device()
+    data = args[0] if args else kwargs.get("obj", kwargs.get("data"))
+    region = (
+        storage_region(data) if isinstance(data, (torch.UntypedStorage, torch.Tensor)) else None
+    )
+    if region is not None and func in (torch.asarray, torch.as_tensor):
+        # Memory-mapped file bytes (how safetensors hands over a tensor): recorded as a read
+        # of that file region, then viewed with the requested dtype.
+        return _from_file(region, data, kwargs.get("dtype"), target)
     override = dtype_override()
     if (
         override is not None
@@ -140,6 +155,22 @@ def data_factory(func: Any, args: tuple, kwargs: dict) -> DeferredTensor:
             # as_tensor/from_numpy share the caller's memory: keep the values as they are now.
             real = real.clone()
     return wrap_constant(real, target)
+
+
+def _from_file(
+    region: Any, data: Any, dtype: torch.dtype | None, device: torch.device
+) -> DeferredTensor:
+    raw = wrap_file_region(region, device)
+    if isinstance(data, torch.Tensor):  # a tensor over the mapping: its own geometry
+        with subclass_functions_off():
+            typed = raw.view(data.dtype) if data.dtype.itemsize != 1 else raw
+            result = typed.as_strided(data.shape, data.stride(), data.storage_offset())
+    else:
+        result = raw
+    if dtype is not None and dtype != result.dtype:
+        with subclass_functions_off():
+            result = result.to(dtype)
+    return result
 
 
 def retarget(func: Any, self: DeferredTensor, args: tuple, kwargs: dict) -> Any:

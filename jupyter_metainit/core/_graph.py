@@ -83,6 +83,9 @@ def constant_op(c: Constant) -> torch.Tensor:
     return c.tensor
 
 
+constant_op.host_op = True  # type: ignore[attr-defined]  # runs on the CPU (see _replay)
+
+
 @dataclass(eq=False, slots=True)
 class RngUse:
     """Position of a random op in its generator's stream (see ``_rng``)."""

@@ -19,8 +19,9 @@ import torch
 from jupyter_metainit.core import _events, _rng
 from jupyter_metainit.core._busy import exclusive
 from jupyter_metainit.core._digest import digest
+from jupyter_metainit.core._files import read_file_bytes
 from jupyter_metainit.core._interrupts import critical, handling_interrupts
-from jupyter_metainit.core._replay import execute, plan, real_view
+from jupyter_metainit.core._replay import compute_values, execute, plan, real_view
 from jupyter_metainit.core._swap import swap_in_place
 from jupyter_metainit.core._tensor import INTERNAL_ATTRS, DeferredTensor
 from jupyter_metainit.core._values import value_cache
@@ -35,6 +36,7 @@ __all__ = [
     "dematerialize",
     "is_deferred",
     "materialize",
+    "tensor_source",
     "tensor_state",
 ]
 
@@ -43,7 +45,8 @@ _RNG_MODES = ("exact", "fast")
 
 class _Shadow:
     """The deferred side of a materialized tensor, kept for :func:`dematerialize`, with what
-    the real tensor looked like then (version, address, digest of its memory).
+    the real tensor looked like then (version, address, digest of its memory). A tensor read
+    from a checkpoint keeps no digest: it is compared with the file when it is freed.
 
     Stored in the real tensor's ``__dict__``; pickling or copying the tensor drops it.
     """
@@ -51,12 +54,12 @@ class _Shadow:
     __slots__ = ("__weakref__", "data_ptr", "deferred", "digest", "version")
 
     def __init__(
-        self, deferred: DeferredTensor | None, version: int, data_ptr: int, content: tuple
+        self, deferred: DeferredTensor | None, version: int, data_ptr: int, content: tuple | None
     ) -> None:
         self.deferred = deferred
         self.version = version
         self.data_ptr = data_ptr
-        self.digest = content
+        self.digest = content  # None: compare with the recording's values (a file read)
 
     def __reduce__(self) -> Any:
         return (_Shadow, (None, -1, 0, ()))
@@ -92,6 +95,18 @@ def tensor_state(t: torch.Tensor) -> str:
     if t.is_meta:
         return "meta"
     return str(t.device)
+
+
+def tensor_source(t: torch.Tensor) -> str:
+    """Where a tensor's values come from: ``"checkpoint"`` (read from a file, perhaps
+    converted), ``"init"`` (computed by the model's code) or ``""`` (not known: a tensor that
+    was never deferred, or a meta/lazy one)."""
+    local = _deferred_local(t)
+    if isinstance(local, DeferredTensor):
+        ops = plan([local._rec]).ops
+        from_file = any(op.func is read_file_bytes for op in ops)
+        return "checkpoint" if from_file and not any(op.rng is not None for op in ops) else "init"
+    return t.__dict__.get("_jmi_source", "")
 
 
 def _is_uninitialized(t: torch.Tensor) -> bool:
@@ -474,6 +489,7 @@ def _materialize_now(
 
         loaded = load_for(obj, [*tensors, *reals], checkpoint, device, missing, dtype, root)
     to_replay = [t for t in tensors if id(t) not in loaded]
+    sources = {id(t): ("checkpoint" if id(t) in loaded else tensor_source(t)) for t in tensors}
     env = execute(plan([t._rec for t in to_replay]), device, rng, callback)
     used: set[int] = set()
     new = []
@@ -482,10 +498,15 @@ def _materialize_now(
             new.append(_build_real(t, loaded[id(t)], dtype, used, exact_tensor=True))
         else:
             new.append(_build_real(t, env[id(t._rec.storage)], dtype, used))
+        new[-1].__dict__["_jmi_source"] = sources[id(t)]
     del env
-    digests = [digest(r) for r in new] if keep else [()] * len(new)
+    # Tensors read from a file can always be freed again: their recording is "read the file",
+    # and they are compared with it rather than digested now.
+    from_file = [sources[id(t)] == "checkpoint" and id(t) not in loaded for t in tensors]
+    digests = [digest(r) if keep and not f else None for r, f in zip(new, from_file, strict=True)]
+    kept = [keep or f for f in from_file]
     with critical():
-        _swap_all(tensors, new, digests, keep)
+        _swap_all(tensors, new, digests, kept)
         with torch.no_grad():
             for t in reals:
                 if id(t) in loaded:
@@ -495,7 +516,10 @@ def _materialize_now(
 
 
 def _swap_all(
-    tensors: list[DeferredTensor], reals: list[torch.Tensor], digests: list[tuple], keep: bool
+    tensors: list[DeferredTensor],
+    reals: list[torch.Tensor],
+    digests: list[tuple | None],
+    keep: list[bool],
 ) -> None:
     """Swap every tensor into place (a critical section: Ctrl-C waits until all are done)."""
     done: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -507,8 +531,8 @@ def _swap_all(
         for t, r in reversed(done):
             swap_in_place(t, r)
         raise
-    if keep:
-        for (t, shadow), content in zip(done, digests, strict=True):
+    for (t, shadow), content, kept in zip(done, digests, keep, strict=True):
+        if kept:
             holder = _Shadow(shadow, t._version, t.data_ptr(), content)
             t.__dict__["_jmi_shadow"] = holder
             _shadows.add(holder)
@@ -572,6 +596,11 @@ def dematerialize(obj: Any, *, force: bool = False) -> Any:
 def _changed(t: torch.Tensor, holder: _Shadow) -> bool:
     if t._version != holder.version or t.data_ptr() != holder.data_ptr:
         return True
+    if holder.digest is None:  # read from a file: compare with the file
+        recorded = compute_values([holder.deferred._rec])[0]
+        with torch.no_grad():
+            current = t.detach().to("cpu")
+        return not torch.equal(recorded.to(current.dtype), current)
     return digest(t) != holder.digest
 
 

@@ -22,6 +22,7 @@ import torch
 
 from jupyter_metainit.core import _rng
 from jupyter_metainit.core._digest import digest
+from jupyter_metainit.core._files import FileRegion, read_file_bytes, storage_region
 from jupyter_metainit.core._graph import (
     Constant,
     External,
@@ -55,6 +56,7 @@ __all__ = [
     "record_call",
     "set_data",
     "wrap_constant",
+    "wrap_file_region",
 ]
 
 aten = torch.ops.aten
@@ -88,6 +90,8 @@ _external_digests: dict[int, tuple[Any, int, tuple]] = {}
 def external(x: torch.Tensor, where: Where) -> External | Constant:
     """How a real tensor input is kept in the recording: small ones are copied now (nothing can
     change them), large ones are referenced with a digest of their memory, checked at replay."""
+    if x.is_meta:  # metadata only (`empty_like(meta_tensor, device="cpu")`): nothing to check
+        return External(x, x._version, where)
     with plain():
         if x.untyped_storage().nbytes() <= _COPY_EXTERNALS_BELOW and x.device.type == "cpu":
             return Constant(x.clone())
@@ -127,6 +131,26 @@ def _storage_nbytes(meta: torch.Tensor) -> int:
         return meta.untyped_storage().nbytes()
     except Exception:
         return meta.numel() * meta.element_size()
+
+
+# One storage record per file region while it lives: memory-mapped tensors over the same bytes
+# alias each other eagerly (two views of one storage in a torch.save file), so they do here.
+_file_storages: weakref.WeakValueDictionary[tuple, StorageRecord] = weakref.WeakValueDictionary()
+
+
+def wrap_file_region(region: FileRegion, device: torch.device) -> DeferredTensor:
+    """A deferred ``uint8`` tensor whose recording is "these bytes of this file"."""
+    with plain():
+        meta = torch.empty(region.nbytes, dtype=torch.uint8, device=META)
+    key = (region, device)
+    storage = _file_storages.get(key)
+    if storage is None:
+        storage = StorageRecord(region.nbytes, torch.uint8, device)
+        rec = TensorRecord(storage, meta)
+        op = OpRecord(next_seq(), read_file_bytes, (region,), {}, (), (rec,), None, call_site())
+        storage.writes.append(op)
+        _file_storages[key] = storage
+    return DeferredTensor(meta, TensorRecord(storage, meta), device)
 
 
 def wrap_constant(real: torch.Tensor, device: torch.device) -> DeferredTensor:
@@ -201,6 +225,12 @@ def handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
     if not has_deferred:
         if func is aten.lift_fresh.default:
             return wrap_constant(args[0], _output_device(kwargs, flat))
+        if _on_meta(kwargs, flat):
+            # PyTorch's own meta device, asked for explicitly (`with torch.device("meta")`, as
+            # transformers builds a model before loading it): plain meta tensors, as eagerly;
+            # random ops on them draw nothing.
+            with plain():
+                return func(*args, **kwargs)
         if mutated_real or func.is_view or not info.returns_tensors:
             if info.is_random:
                 _rng.flush_all()  # real random work: the generator must be where eager has it
@@ -234,6 +264,17 @@ def _view(func: Any, args: tuple, kwargs: dict) -> Any:
         r = rg and _is_float(o.dtype)
         results.append(DeferredTensor(o, TensorRecord(storage, o), device, r, r))
     return type(out)(results)
+
+
+def _on_meta(kwargs: dict, flat: list) -> bool:
+    """An op on meta tensors, or a factory told ``device="meta"`` (not by our own rewrite)."""
+    if tls.pending_device is not None:
+        return False  # the call named a real device; `meta` is our rewrite of it
+    tensors = [x for x in flat if isinstance(x, torch.Tensor)]
+    if tensors:
+        return all(t.is_meta for t in tensors)
+    device = kwargs.get("device")
+    return device is not None and torch.device(device).type == "meta"
 
 
 def _run_on_values(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -286,6 +327,16 @@ def _inplace_view(func: Any, info: OpInfo, bound: list, args: tuple, kwargs: dic
         raise UnsupportedOperatorError(f"{func} with these arguments ({source!r}) at {where}")
     if func in (aten.set_.source_Storage, aten.set_.source_Storage_storage_offset):
         storage = bound[1]
+        region = storage_region(storage) if isinstance(storage, torch.UntypedStorage) else None
+        if region is not None:
+            # torch.load(mmap=True) rebuilds each tensor as `empty(0).set_(storage, ...)` over
+            # a mapping of the file: the tensor becomes a view of "these bytes of that file".
+            source = wrap_file_region(region, self.device)
+            with plain():
+                meta = torch.empty(0, dtype=self.dtype, device=META)
+                meta.set_(source._meta.untyped_storage(), *args[2:], **kwargs)
+            _set_geometry(self, meta, source._rec.storage)
+            return self
         if isinstance(storage, torch.UntypedStorage) and storage.device.type != "meta":
             # `empty(0).set_(storage, ...)`, how torch.load rebuilds tensors: the deferred
             # tensor becomes that real tensor (memory-mapped ones stay mapped).

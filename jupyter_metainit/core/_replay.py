@@ -30,7 +30,6 @@ from jupyter_metainit.core._graph import (
     OpRecord,
     StorageRecord,
     TensorRecord,
-    constant_op,
 )
 from jupyter_metainit.core._interrupts import check, critical, handling_interrupts, interrupted
 from jupyter_metainit.core._plain import plain
@@ -331,8 +330,9 @@ class _Run:
                 f"this tensor was recorded for {device} but CUDA is not available here; "
                 "pass device='cpu' (or another available device) to materialize"
             )
-        if op.func is constant_op:
-            out = op.args[0].tensor
+        if getattr(op.func, "host_op", False):
+            # Constants and file reads: produced on the CPU, then moved.
+            out = op.func(*op.args)
             out = out.to(device) if out.device != device else out
             self._store(op, (out,))
             self.advance(_op_bytes(op))

@@ -1,0 +1,223 @@
+"""Reading a tensor from a file as a recorded operation: "these bytes of this file".
+
+Checkpoint readers hand PyTorch memory-mapped bytes: ``safetensors`` passes an ``UntypedStorage``
+over its mapping of the file to ``torch.asarray``, ``torch.load(mmap=True)`` rebuilds tensors
+with ``set_`` on storages of ``UntypedStorage.from_file``. Inside ``meta_init`` those calls are
+intercepted (``_devices.data_factory``, ``_record``): the memory's address is looked up in the
+process's mappings (``/proc/self/maps``), which give the file and the offset, and the tensor
+becomes deferred, its recording one :func:`read_file_bytes` op. Replaying it reads exactly those
+bytes with ``pread`` (no mapping, so the process holds only the copy it keeps), after checking
+that the file is still the one that was recorded (size, modification time, inode, header).
+"""
+
+from __future__ import annotations
+
+import bisect
+import hashlib
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from jupyter_metainit.core.errors import MaterializationError
+
+__all__ = ["FileRef", "FileRegion", "file_region", "read_file_bytes"]
+
+_HEADER_BYTES = 64 << 10  # identity: a digest of the file's first bytes (safetensors' header)
+
+
+@dataclass(frozen=True)
+class FileRef:
+    """A file as it was when a tensor was recorded from it."""
+
+    path: str
+    size: int
+    mtime_ns: int
+    inode: int
+    header: bytes
+
+    def check(self) -> None:
+        """Raise a clear error if the file is gone, unreadable or not the same any more."""
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            raise MaterializationError(
+                f"the checkpoint file {self.path} no longer exists; its tensors cannot be "
+                "materialized. Nothing was materialized."
+            ) from None
+        except PermissionError:
+            raise MaterializationError(
+                f"the checkpoint file {self.path} cannot be read (permission denied). Nothing "
+                "was materialized."
+            ) from None
+        if (st.st_size, st.st_mtime_ns, st.st_ino) != (self.size, self.mtime_ns, self.inode) or (
+            _header_digest(self.path) != self.header
+        ):
+            raise MaterializationError(
+                f"the checkpoint file {self.path} changed since the model was opened from it "
+                "(size, modification time or contents differ); open it again (e.g. re-run "
+                "from_pretrained under meta_init). Nothing was materialized."
+            )
+
+
+@dataclass(frozen=True)
+class FileRegion:
+    """``nbytes`` bytes at ``offset`` in ``file``."""
+
+    file: FileRef
+    offset: int
+    nbytes: int
+
+
+def _header_digest(path: str) -> bytes:
+    try:
+        with open(path, "rb") as f:
+            return hashlib.blake2b(f.read(_HEADER_BYTES), digest_size=16).digest()
+    except PermissionError:
+        raise MaterializationError(
+            f"the checkpoint file {path} cannot be read (permission denied)"
+        ) from None
+
+
+# ---------------------------------------------------------------------------------------------
+# which file is this memory?
+
+
+@dataclass(frozen=True)
+class _Mapping:
+    start: int
+    end: int
+    offset: int
+    inode: int
+    path: str
+
+
+_maps: list[_Mapping] = []
+_starts: list[int] = []
+_refs: dict[tuple[str, int, int, int], FileRef] = {}
+_lock = threading.Lock()
+
+
+def _read_maps() -> None:
+    global _maps, _starts
+    found = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) < 6 or not parts[5].startswith("/"):
+                    continue
+                path = parts[5].rstrip("\n")
+                if path.endswith(" (deleted)"):
+                    continue
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                found.append(_Mapping(lo, hi, int(parts[2], 16), int(parts[4]), path))
+    except OSError:  # no /proc: no file-backed recording, tensors are copied instead
+        found = []
+    found.sort(key=lambda m: m.start)
+    _maps, _starts = found, [m.start for m in found]
+
+
+def _lookup(address: int) -> _Mapping | None:
+    i = bisect.bisect_right(_starts, address) - 1
+    if i >= 0 and _maps[i].start <= address < _maps[i].end:
+        return _maps[i]
+    return None
+
+
+def _still_mapped(mapping: _Mapping) -> bool:
+    """Is this cached mapping still there, of the same file? (A file closed and another one
+    opened can be mapped at the very same addresses.)"""
+    try:
+        st = os.stat(f"/proc/self/map_files/{mapping.start:x}-{mapping.end:x}")
+    except OSError:
+        return False  # gone, or map_files not readable here: look again
+    return st.st_ino == mapping.inode
+
+
+def _file_ref(path: str) -> FileRef | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    key = (path, st.st_size, st.st_mtime_ns, st.st_ino)
+    ref = _refs.get(key)
+    if ref is None:
+        ref = FileRef(path, st.st_size, st.st_mtime_ns, st.st_ino, _header_digest(path))
+        _refs[key] = ref
+    return ref
+
+
+def file_region(address: int, nbytes: int) -> FileRegion | None:
+    """The file region mapped at ``address`` (``nbytes`` long), if the memory is a file."""
+    if nbytes <= 0 or address == 0:
+        return None
+    with _lock:
+        mapping = _lookup(address)
+        if mapping is None or address + nbytes > mapping.end or not _still_mapped(mapping):
+            _read_maps()  # mappings changed since the last look
+            mapping = _lookup(address)
+        if mapping is None or address + nbytes > mapping.end:
+            return None
+        ref = _file_ref(mapping.path)
+    if ref is None or ref.inode != mapping.inode:
+        return None
+    offset = mapping.offset + address - mapping.start
+    if offset + nbytes > ref.size:
+        return None
+    return FileRegion(ref, offset, nbytes)
+
+
+def storage_region(data: Any) -> FileRegion | None:
+    """The file region holding ``data`` (an ``UntypedStorage`` or a CPU tensor's whole
+    storage), if it is memory-mapped from a file."""
+    if isinstance(data, torch.Tensor):
+        if data.device.type != "cpu" or data.layout != torch.strided:
+            return None
+        data = data.untyped_storage()
+    if not isinstance(data, torch.UntypedStorage) or data.device.type != "cpu":
+        return None
+    return file_region(data.data_ptr(), data.nbytes())
+
+
+# ---------------------------------------------------------------------------------------------
+# replay
+
+
+_CHUNK = 256 << 20
+
+
+def read_file_bytes(region: FileRegion) -> torch.Tensor:
+    """The region's bytes, read into a new CPU ``uint8`` tensor (the replay of a file read)."""
+    region.file.check()
+    out = torch.empty(region.nbytes, dtype=torch.uint8)
+    view = memoryview(out.numpy())
+    try:
+        fd = os.open(region.file.path, os.O_RDONLY)
+    except OSError as e:
+        raise MaterializationError(
+            f"cannot open the checkpoint file {region.file.path}: {e.strerror}"
+        ) from None
+    try:
+        done = 0
+        while done < region.nbytes:
+            chunk = view[done : done + _CHUNK]
+            if hasattr(os, "preadv"):
+                n = os.preadv(fd, [chunk], region.offset + done)
+            else:  # no preadv (Windows, macOS before 11): read, then copy
+                data = os.pread(fd, len(chunk), region.offset + done)
+                n = len(data)
+                chunk[:n] = data
+            if n <= 0:
+                raise MaterializationError(
+                    f"the checkpoint file {region.file.path} ended early (truncated?)"
+                )
+            done += n
+    finally:
+        os.close(fd)
+    return out
+
+
+read_file_bytes.host_op = True  # type: ignore[attr-defined]  # runs on the CPU (see _replay)

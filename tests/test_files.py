@@ -1,0 +1,155 @@
+"""Reading tensors from files inside meta_init records "these bytes of this file"."""
+
+from __future__ import annotations
+
+import os
+import time
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file, save_file
+
+from jupyter_metainit import dematerialize, is_deferred, materialize, meta_init
+from jupyter_metainit.core import tensor_source
+from jupyter_metainit.core.errors import MaterializationError
+
+
+@pytest.fixture
+def weights(tmp_path):
+    torch.manual_seed(0)
+    tensors = {
+        "w": torch.randn(64, 32),
+        "b": torch.randn(32).to(torch.bfloat16),
+        "i": torch.arange(10),
+    }
+    path = tmp_path / "weights.safetensors"
+    save_file(tensors, str(path))
+    return tensors, path
+
+
+def _read_bytes() -> int:
+    with open("/proc/self/io") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
+
+
+def test_load_file_gives_deferred_tensors_equal_to_an_eager_load(weights):
+    tensors, path = weights
+    with meta_init():
+        loaded = load_file(str(path))
+    assert all(is_deferred(t) for t in loaded.values())
+    assert {k: (t.dtype, t.shape) for k, t in loaded.items()} == {
+        k: (t.dtype, t.shape) for k, t in tensors.items()
+    }
+    materialize(list(loaded.values()))
+    for k, t in tensors.items():
+        assert torch.equal(loaded[k], t), k
+
+
+def test_get_tensor_and_sliced_get_slice(weights):
+    tensors, path = weights
+    with meta_init(), safe_open(str(path), framework="pt") as f:
+        whole = f.get_tensor("w")
+        rows = f.get_slice("w")[8:24]
+        cols = f.get_slice("w")[:, 3:7]
+    materialize([whole, rows, cols])
+    assert torch.equal(whole, tensors["w"])
+    assert torch.equal(rows, tensors["w"][8:24]) and torch.equal(cols, tensors["w"][:, 3:7])
+
+
+def test_conversions_after_reading_are_recorded(weights):
+    tensors, path = weights
+    with meta_init():
+        loaded = load_file(str(path))
+        fused = torch.cat([loaded["w"].t(), loaded["w"].t()]).to(torch.float16)
+    materialize(fused, device="cpu", dtype=torch.float16)
+    assert torch.equal(fused, torch.cat([tensors["w"].t()] * 2).to(torch.float16))
+
+
+def test_materializing_reads_only_the_requested_bytes(tmp_path):
+    big = {f"t{i}": torch.full((1024, 1024), float(i)) for i in range(8)}  # 8 x 4 MiB
+    path = tmp_path / "big.safetensors"
+    save_file(big, str(path))
+    with meta_init():
+        loaded = load_file(str(path))
+    before = _read_bytes()
+    materialize(loaded["t5"])
+    read = _read_bytes() - before
+    assert 4 << 20 <= read < (4 << 20) * 1.1 + (64 << 10)
+    assert torch.equal(loaded["t5"], big["t5"]) and is_deferred(loaded["t4"])
+
+
+def test_torch_load_with_mmap_gives_deferred_tensors_that_keep_their_aliasing(tmp_path):
+    w = torch.randn(6, 4)
+    path = tmp_path / "state.pt"
+    torch.save({"w": w, "view": w[1:3].t()}, path)
+    with meta_init():
+        state = torch.load(path, mmap=True, weights_only=True)
+    assert all(is_deferred(t) for t in state.values())
+    assert state["view"].stride() == (1, 4)
+    materialize(list(state.values()))
+    assert torch.equal(state["w"], w) and torch.equal(state["view"], w[1:3].t())
+    state["w"][1, 0] = 42.0  # the two were one storage in the file, and still are
+    assert state["view"][0, 0] == 42.0
+
+
+def test_load_state_dict_with_assign_inside_meta_init(tmp_path):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(4, 3)
+    path = tmp_path / "linear.pt"
+    torch.save(model.state_dict(), path)
+    with meta_init():
+        deferred = torch.nn.Linear(4, 3)
+        deferred.load_state_dict(torch.load(path, mmap=True, weights_only=True), assign=True)
+    assert is_deferred(deferred) and tensor_source(deferred.weight) == "checkpoint"
+    materialize(deferred)
+    assert torch.equal(deferred.weight, model.weight) and torch.equal(deferred.bias, model.bias)
+
+
+def test_a_file_changed_after_opening_is_a_clear_error_and_nothing_is_loaded(weights):
+    tensors, path = weights
+    with meta_init():
+        loaded = load_file(str(path))
+    time.sleep(0.01)
+    save_file({k: v + 1 if v.is_floating_point() else v for k, v in tensors.items()}, str(path))
+    with pytest.raises(MaterializationError, match=f"{path}.* changed since"):
+        materialize(list(loaded.values()))
+    assert all(is_deferred(t) for t in loaded.values())
+
+
+def test_a_missing_file_is_a_clear_error(weights):
+    _, path = weights
+    with meta_init():
+        loaded = load_file(str(path))
+    os.remove(path)
+    with pytest.raises(MaterializationError, match="no longer exists"):
+        materialize(loaded["w"])
+    assert is_deferred(loaded["w"])
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root reads any file")
+def test_an_unreadable_file_is_a_clear_error(weights):
+    _, path = weights
+    with meta_init():
+        loaded = load_file(str(path))
+    os.chmod(path, 0)
+    try:
+        with pytest.raises(MaterializationError, match="permission denied"):
+            materialize(loaded["w"])
+    finally:
+        os.chmod(path, 0o644)
+
+
+def test_tensors_read_from_a_file_can_be_freed_without_keep_cache(weights):
+    tensors, path = weights
+    with meta_init():
+        loaded = load_file(str(path))
+    materialize(loaded["w"])
+    assert tensor_source(loaded["w"]) == "checkpoint"
+    dematerialize(loaded["w"])
+    assert is_deferred(loaded["w"])
+    materialize(loaded["w"])
+    loaded["w"].data[0, 0] += 1  # a write the version counter misses: compared with the file
+    with pytest.raises(MaterializationError, match="written since"):
+        dematerialize(loaded["w"])
+    assert not is_deferred(loaded["w"])

@@ -1,0 +1,99 @@
+"""``transformers``' ``from_pretrained`` inside meta_init: a fully deferred, file-backed model."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _models import llama_config
+from safetensors.torch import load_file, save_file
+
+from jupyter_metainit import is_deferred, materialize, meta_init
+from jupyter_metainit.core import DeferredTensor, tensor_source
+
+transformers = pytest.importorskip("transformers")
+
+
+def _saved(tmp_path, *, tied=False, **save_kwargs):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(llama_config(tie_word_embeddings=tied))
+    model.save_pretrained(tmp_path, **save_kwargs)
+    return tmp_path
+
+
+def _both(path, seed=5, **kwargs):
+    torch.manual_seed(seed)
+    eager = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    torch.manual_seed(seed)
+    with meta_init():
+        deferred = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
+    return eager, deferred
+
+
+def _assert_deferred_then_equal(eager, deferred):
+    tensors = [*deferred.parameters(), *deferred.buffers()]
+    assert all(isinstance(t, DeferredTensor) for t in tensors)
+    materialize(deferred)
+    a, b = eager.state_dict(), deferred.state_dict()
+    assert a.keys() == b.keys()
+    for k in a:
+        assert a[k].dtype == b[k].dtype and torch.equal(a[k], b[k]), k
+
+
+@pytest.mark.parametrize("shard", [None, "60KB"], ids=["single_file", "sharded"])
+def test_safetensors_checkpoint(tmp_path, shard):
+    path = _saved(tmp_path, **({"max_shard_size": shard} if shard else {}))
+    eager, deferred = _both(path)
+    assert tensor_source(deferred.model.layers[1].mlp.up_proj.weight) == "checkpoint"
+    assert tensor_source(deferred.model.rotary_emb.inv_freq) == "init"
+    _assert_deferred_then_equal(eager, deferred)
+
+
+def test_dtype_argument(tmp_path):
+    eager, deferred = _both(_saved(tmp_path), dtype=torch.bfloat16)
+    assert deferred.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    _assert_deferred_then_equal(eager, deferred)
+
+
+def test_tied_weights_stay_tied(tmp_path):
+    eager, deferred = _both(_saved(tmp_path, tied=True))
+    assert deferred.lm_head.weight is deferred.model.embed_tokens.weight
+    _assert_deferred_then_equal(eager, deferred)
+    assert deferred.lm_head.weight is deferred.model.embed_tokens.weight
+
+
+def test_missing_weights_are_initialized_as_transformers_does(tmp_path):
+    path = _saved(tmp_path)
+    state = load_file(str(path / "model.safetensors"))
+    del state["model.layers.1.mlp.down_proj.weight"], state["model.norm.weight"]
+    save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
+    eager, deferred = _both(path)
+    assert tensor_source(deferred.model.layers[1].mlp.down_proj.weight) == "init"
+    _assert_deferred_then_equal(eager, deferred)
+
+
+def test_bin_checkpoint(tmp_path):
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(llama_config(tie_word_embeddings=False))
+    model.config.save_pretrained(tmp_path)
+    torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
+    eager, deferred = _both(tmp_path)
+    assert tensor_source(deferred.model.embed_tokens.weight) == "checkpoint"
+    _assert_deferred_then_equal(eager, deferred)
+
+
+def test_one_layer_materializes_alone(tmp_path):
+    eager, deferred = _both(_saved(tmp_path))
+    materialize(deferred.model.layers[1])
+    assert not is_deferred(deferred.model.layers[1]) and is_deferred(deferred.model.layers[0])
+    for a, b in zip(
+        eager.model.layers[1].parameters(), deferred.model.layers[1].parameters(), strict=True
+    ):
+        assert torch.equal(a, b)
+
+
+def test_opening_leaves_the_environment_as_it_was(tmp_path, monkeypatch):
+    import os
+
+    monkeypatch.delenv("HF_DEACTIVATE_ASYNC_LOAD", raising=False)
+    _both(_saved(tmp_path))
+    assert "HF_DEACTIVATE_ASYNC_LOAD" not in os.environ
