@@ -97,3 +97,28 @@ def test_opening_leaves_the_environment_as_it_was(tmp_path, monkeypatch):
     monkeypatch.delenv("HF_DEACTIVATE_ASYNC_LOAD", raising=False)
     _both(_saved(tmp_path))
     assert "HF_DEACTIVATE_ASYNC_LOAD" not in os.environ
+
+
+def test_a_sparse_70b_checkpoint_opens_deferred_and_reads_only_what_is_materialized(tmp_path):
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
+    from _common import bytes_read, write_sparse_checkpoint
+    from _models import LLAMA_70B
+
+    with torch.device("meta"):
+        meta = transformers.LlamaForCausalLM(llama_config(LLAMA_70B, tie_word_embeddings=False))
+    total = write_sparse_checkpoint(meta.to(torch.bfloat16), str(tmp_path))
+    assert total > 130 << 30  # 141 GB of holes
+    with meta_init():
+        model = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert model.model.layers[79].mlp.down_proj.weight.dtype == torch.bfloat16
+    assert all(isinstance(t, DeferredTensor) for t in model.parameters())
+    norm = model.model.layers[40].post_attention_layernorm
+    before = bytes_read()
+    materialize(norm)
+    read = bytes_read() - before
+    assert 8192 * 2 <= read < 8192 * 2 + (128 << 10)  # its bytes, plus the file's header check
+    assert torch.equal(norm.weight, torch.zeros(8192, dtype=torch.bfloat16))  # holes read as 0
+    assert is_deferred(model.model.layers[40].mlp)

@@ -157,14 +157,33 @@ def test_depth_limits_rows_but_not_totals():
     assert shallow.loc["", "total_bytes"] == full.loc["", "total_bytes"]
 
 
-def test_state_deferred_for_meta_model():
-    assert memory_table(tiny_llama()).loc["", "state"] == "deferred"
+def test_state_meta_for_a_meta_device_model():
+    assert memory_table(tiny_llama()).loc["", "state"] == "meta"
 
 
 def test_state_real_and_mixed():
     model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2, device="meta"))
     table = memory_table(model)
-    assert list(table["state"]) == ["mixed", "cpu", "deferred"]
+    assert list(table["state"]) == ["mixed", "cpu", "meta"]
+
+
+def test_source_says_checkpoint_or_init(tmp_path):
+    from safetensors.torch import save_file
+
+    from jupyter_metainit import meta_init
+
+    save_file({"weight": torch.ones(2, 2), "bias": torch.zeros(2)}, str(tmp_path / "l.st"))
+    with meta_init():
+        model = nn.Sequential(nn.Linear(2, 2), nn.Linear(2, 2))
+        model[0].load_state_dict(load_file_for_test(tmp_path / "l.st"), assign=True)
+    table = memory_table(model)
+    assert list(table["source"]) == ["mixed", "checkpoint", "init"]
+
+
+def load_file_for_test(path):
+    from safetensors.torch import load_file
+
+    return load_file(str(path))
 
 
 def test_state_under_meta_init_and_after_partial_materialize():

@@ -18,7 +18,7 @@ from nbclient.exceptions import CellExecutionError
 from nbformat.v4 import new_code_cell, new_notebook
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-NAMES = ["quickstart", "lazy_modules", "custom_modules"]
+NAMES = ["quickstart", "lazy_modules", "custom_modules", "checkpoints"]
 CELL_TIMEOUT_S = 300
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -74,6 +74,11 @@ def lazy_modules():
 @pytest.fixture(scope="module")
 def custom_modules():
     return execute(load("custom_modules"))
+
+
+@pytest.fixture(scope="module")
+def checkpoints():
+    return execute(load("checkpoints"))
 
 
 # --------------------------------------------------------------------------- stored form
@@ -162,6 +167,29 @@ def test_custom_meta_device_loses_the_init(custom_modules):
 def test_custom_torch_skip_init_needs_a_device_argument(custom_modules):
     out = text(cell_with(custom_modules, "torch.nn.utils.skip_init(Net)"))
     assert "torch.nn.utils.skip_init:" in out and "device" in out
+
+
+# --------------------------------------------------------------------------- checkpoints
+
+
+def test_checkpoint_opens_deferred_under_meta_init(checkpoints):
+    cell = cell_with(checkpoints, "%%meta_init")
+    assert "model: LlamaForCausalLM, 4.82 M parameters, 18.4 MiB, deferred" in text(cell)
+    assert WIDGET_MIME in mimes(cell)
+    table = text(cell_with(checkpoints, 'table[["type"'))
+    assert "checkpoint" in table and "mixed" in table
+
+
+def test_checkpoint_layer_materializes_from_the_files_and_runs(checkpoints):
+    out = text(cell_with(checkpoints, "same weights as an eager"))
+    assert "same weights as an eager from_pretrained: True" in out
+    assert "model.layers.1  deferred  checkpoint" in out and "model.layers.2       cpu" in out
+    assert "equal to eager: True" in text(cell_with(checkpoints, "%materialize model.model.rotary"))
+
+
+def test_checkpoint_layer_is_freed_again(checkpoints):
+    out = text(cell_with(checkpoints, "%dematerialize model.model.layers[2]"))
+    assert "dematerialized model.model.layers[2]" in out
 
 
 # --------------------------------------------------------------------------- failing cell

@@ -18,7 +18,7 @@ from torch.nn.parameter import is_lazy
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
 
-from jupyter_metainit.estimates._state import tensor_state
+from jupyter_metainit.core import tensor_state
 from jupyter_metainit.estimates.memory import _DRY_RUN_ATTR, MemoryTable, memory_table
 
 __all__ = ["dry_run"]

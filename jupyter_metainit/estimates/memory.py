@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from jupyter_metainit.estimates._state import tensor_state
+from jupyter_metainit.core import tensor_source, tensor_state
 
 __all__ = ["MemoryTable", "memory_table"]
 
@@ -66,6 +66,7 @@ COLUMNS = [
     "shared_bytes",
     "dtypes",
     "state",
+    "source",
     "grad_fp32_bytes",
     "optim_fp32_bytes",
     "train_fp32_bytes",
@@ -160,6 +161,8 @@ def memory_table(
     - ``shared_bytes``: bytes of this subtree's tensors that modules outside the subtree hold too
       (tied weights). Every shared tensor is counted once in every total, so the root's
       ``total_bytes`` is the real unique size;
+    - ``source`` (``checkpoint``: read from a file; ``init``: computed by the model's code;
+      ``mixed``), and
     - ``dtypes`` (comma-separated dtypes present), ``state`` (``deferred``, ``cpu``,
       ``cuda:0`` ... or ``mixed``; ``uninitialized`` for lazy modules before their first
       (dry) forward, which count as 0 parameters; ``""`` for a subtree without tensors);
@@ -226,6 +229,7 @@ def memory_table(
     nb_bytes = [0] * n
     dtypes: list[set[str]] = [set() for _ in range(n)]
     states: list[set[str]] = [set() for _ in range(n)]
+    sources: list[set[str]] = [set() for _ in range(n)]
     bytes_by_dtype: dict[str, int] = {}
 
     def tensor_entries(mod: nn.Module) -> Iterable[tuple[torch.Tensor, int]]:
@@ -251,7 +255,7 @@ def memory_table(
                 continue
             tdtype = t.dtype
             if is_lazy(t):  # shape unknown until a (dry) forward: counts as empty
-                info[key] = (0, 0, kind, False, _dtype_name(tdtype), "uninitialized")
+                info[key] = (0, 0, kind, False, _dtype_name(tdtype), "uninitialized", "")
                 owners[key] = [i]
                 continue
             numel = t.numel()
@@ -262,17 +266,19 @@ def memory_table(
                 nbytes = numel * tdtype.itemsize
                 dname = _dtype_name(tdtype)
             trainable = kind == 0 and t.requires_grad
-            info[key] = (numel, nbytes, kind, trainable, dname, tensor_state(t))
+            info[key] = (
+                numel, nbytes, kind, trainable, dname, tensor_state(t), tensor_source(t)
+            )  # fmt: skip
             owners[key] = [i]
             bytes_by_dtype[dname] = bytes_by_dtype.get(dname, 0) + nbytes
             if kind == 0:
                 params_own[i] += numel
 
     shared_bytes = [0] * n
-    shared: list[tuple[tuple[int, int, int, bool, str, str], set[int], set[int]]] = []
+    shared: list[tuple[tuple[int, int, int, bool, str, str, str], set[int], set[int]]] = []
 
-    def add(i: int, rec: tuple[int, int, int, bool, str, str]) -> None:
-        numel, nbytes, kind, trainable, dname, state = rec
+    def add(i: int, rec: tuple[int, int, int, bool, str, str, str]) -> None:
+        numel, nbytes, kind, trainable, dname, state, source = rec
         if kind == 0:
             p_num[i] += numel
             p_bytes[i] += nbytes
@@ -284,6 +290,8 @@ def memory_table(
             nb_bytes[i] += nbytes
         dtypes[i].add(dname)
         states[i].add(state)
+        if source:
+            sources[i].add(source)
 
     for key, own in owners.items():
         rec = info[key]
@@ -314,6 +322,7 @@ def memory_table(
         nb_bytes[j] += nb_bytes[i]
         dtypes[j] |= dtypes[i]
         states[j] |= states[i]
+        sources[j] |= sources[i]
 
     for rec, union, inter in shared:
         for i in union:
@@ -344,6 +353,7 @@ def memory_table(
         "shared_bytes": col(shared_bytes),
         "dtypes": col([", ".join(sorted(s)) for s in dtypes]),
         "state": col([_state_of(s) for s in states]),
+        "source": col([_state_of(s) for s in sources]),
         "grad_fp32_bytes": col(grad32),
         "optim_fp32_bytes": col(optim),
         "train_fp32_bytes": col(

@@ -44,6 +44,7 @@ DEFAULT_COLUMNS = (
     "shared_bytes",
     "dtypes",
     "state",
+    "source",
     "train_fp32_bytes",
     "train_mixed_bytes",
     "output_shape",
@@ -65,6 +66,7 @@ HEADERS = {
     "shared_bytes": "shared",
     "dtypes": "dtypes",
     "state": "state",
+    "source": "source",
     "grad_fp32_bytes": "grads fp32",
     "optim_fp32_bytes": "optim fp32",
     "train_fp32_bytes": "train fp32",
@@ -178,6 +180,19 @@ def format_table(
     return out
 
 
+def _summary_line(table: pd.DataFrame) -> str:
+    """The model's one-line summary, when the table still has the root row and its columns
+    (a selection of columns, ``table[["type", "params"]]``, displays without it)."""
+    from jupyter_metainit.estimates.summary import summary
+
+    if "" not in table.index:
+        return ""
+    try:
+        return summary(table)
+    except KeyError:
+        return ""
+
+
 def to_text(
     table: pd.DataFrame,
     *,
@@ -185,11 +200,9 @@ def to_text(
     max_rows: int | None = 60,
 ) -> str:
     """Plain-text rendering with units and a summary line, for terminals and magics."""
-    from jupyter_metainit.estimates.summary import summary
-
     shown, note = _pick_rows(table, max_rows)
     text = format_table(shown, columns=columns).to_string()
-    lines = [summary(table)] if "" in table.index else []
+    lines = [line] if (line := _summary_line(table)) else []
     lines.append(text)
     if note:
         lines.append(note)
@@ -208,8 +221,6 @@ def render_html(
     ``highlight``: how many of the largest leaf modules (by ``total_bytes``) to highlight.
     ``max_rows``: past this many rows, only the deepest levels that fit are shown.
     """
-    from jupyter_metainit.estimates.summary import summary
-
     if table.empty:
         return "<p><em>empty memory table</em></p>"
     shown, note = _pick_rows(table, max_rows)
@@ -232,7 +243,7 @@ def render_html(
         root_total = float(shown.loc["", "total_bytes"])
         if root_total > 0:
             styler.bar(subset=["total_bytes"], color=_BAR_COLOR, vmin=0, vmax=root_total)
-    text_columns = [c for c in ("type", "dtypes", "state") if c in cols]
+    text_columns = [c for c in ("type", "dtypes", "state", "source") if c in cols]
     if text_columns:
         styler.set_properties(subset=text_columns, **{"text-align": "left"})
     if top:
@@ -244,7 +255,7 @@ def render_html(
             {"selector": "caption", "props": "caption-side: top; text-align: left;"},
         ]
     )
-    caption = summary(table) if "" in table.index else ""
+    caption = _summary_line(table)
     if note:
         caption = f"{caption} — {note}" if caption else note
     if caption:

@@ -1,0 +1,208 @@
+"""Opening checkpoints without memory: ``from_pretrained`` inside ``meta_init``.
+
+1. A Llama-3-70B-shaped checkpoint (bfloat16, 141 GB in 28 safetensors shards) written as sparse
+   files (real headers, data as holes: no disk): open it with ``from_pretrained`` inside
+   ``meta_init``, then materialize one decoder layer. Targets: opening in at most 2 s and 100 MB
+   more resident memory; the layer reads about its own bytes from the files (at most 1.1x, from
+   ``rchar`` in ``/proc/self/io``) and holds at most 1.05x its bytes + 100 MB.
+2. A checkpoint that fits (a 0.5 B Llama in bfloat16, written for real), loaded whole: eager
+   ``from_pretrained``, ``accelerate``'s ``init_empty_weights`` + ``load_checkpoint_and_dispatch``,
+   and ``meta_init`` + ``from_pretrained`` + ``materialize``, each in fresh processes.
+
+    .venv/bin/python benchmarks/bench_checkpoint.py            # ~2 min, 1 GB of disk
+    .venv/bin/python benchmarks/bench_checkpoint.py --quick    # smoke run, tiny model
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from _common import (
+    LLAMA_70B,
+    Meter,
+    MiB,
+    base_parser,
+    bytes_read,
+    child_main,
+    environment_line,
+    fmt_mb,
+    fmt_ratio,
+    fmt_s,
+    llama_config,
+    load_core,
+    median_result,
+    print_errors,
+    print_table,
+    run_children,
+    tensor_bytes,
+    verdict,
+    write_sparse_checkpoint,
+)
+
+FITS = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+            num_attention_heads=16, num_key_value_heads=4, vocab_size=32000)  # fmt: skip
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=256)  # fmt: skip
+
+
+def write(kind: str, directory: str, quick: bool) -> dict[str, Any]:
+    """Write the checkpoint for the measurements below (in a child: it imports torch)."""
+    import torch
+    import transformers
+
+    shape = TINY if quick else (LLAMA_70B if kind == "sparse" else FITS)
+    cfg = llama_config(**shape, dtype="bfloat16")
+    if kind == "sparse":
+        with torch.device("meta"):
+            model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+        total = write_sparse_checkpoint(model, directory)
+    else:
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16)
+        model.save_pretrained(directory)
+        total = tensor_bytes(model)
+    return {"bytes": total, "shards": len([f for f in os.listdir(directory) if "safet" in f])}
+
+
+def open_and_layer(directory: str, layer: int) -> dict[str, Any]:
+    """Open under meta_init, then materialize one decoder layer."""
+    import transformers
+
+    jmi = load_core()
+    with jmi.meta_init():  # warm-up: imports of the modeling code, first-call caches
+        transformers.LlamaForCausalLM(llama_config(**TINY))
+    opening = Meter()
+    with opening(), jmi.meta_init():
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+    out = {"open": opening.as_dict(), "deferred": bool(jmi.is_deferred(model))}
+    target = model.model.layers[layer]
+    out["layer_bytes"] = tensor_bytes(target)
+    before = bytes_read()
+    meter = Meter()
+    with meter():
+        jmi.materialize(target)
+    out["layer"] = meter.as_dict() | {"read": bytes_read() - before}
+    return out
+
+
+def load_whole(directory: str, method: str) -> dict[str, Any]:
+    import torch
+    import transformers
+
+    meter = Meter()
+    with meter():
+        if method == "eager":
+            model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+        elif method == "accelerate":
+            from accelerate import init_empty_weights, load_checkpoint_and_dispatch
+
+            config = transformers.AutoConfig.from_pretrained(directory)
+            with init_empty_weights():
+                model = transformers.AutoModelForCausalLM.from_config(config)
+            model = load_checkpoint_and_dispatch(
+                model, directory, device_map={"": "cpu"}, dtype=torch.bfloat16
+            )
+        else:
+            jmi = load_core()
+            with jmi.meta_init():
+                model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+            jmi.materialize(model)
+        meter.lap("loaded")
+        # Read every weight once: the eager loaders map the files and read pages on first use.
+        with torch.no_grad():
+            for p in model.parameters():
+                p.sum()
+    return meter.as_dict() | {"bytes": tensor_bytes(model)}
+
+
+MEASUREMENTS = {"write": write, "open_and_layer": open_and_layer, "load_whole": load_whole}
+METHODS = {
+    "eager": "eager `from_pretrained`",
+    "accelerate": "`init_empty_weights` + `load_checkpoint_and_dispatch`",
+    "meta_init": "`meta_init` + `from_pretrained` + `materialize`",
+}
+
+
+def main() -> None:
+    child_main(MEASUREMENTS)
+    args = base_parser(__doc__.splitlines()[0]).parse_args()
+    repeats = args.repeats or (1 if args.quick else 3)
+    print("# bench_checkpoint: opening checkpoints without memory")
+    print(f"{environment_line()}; {repeats} fresh process(es) per measurement")
+    root = tempfile.mkdtemp(prefix="jmi-bench-", dir=os.environ.get("BENCH_DIR"))
+    try:
+        sparse, fits = os.path.join(root, "sparse"), os.path.join(root, "fits")
+        os.makedirs(sparse)
+        os.makedirs(fits)
+        made = run_children(__file__, [("write", {"kind": "sparse", "directory": sparse,
+                                                  "quick": args.quick}),
+                                       ("write", {"kind": "fits", "directory": fits,
+                                                  "quick": args.quick})])  # fmt: skip
+        print_errors({"writing the sparse checkpoint": made[0], "writing the real one": made[1]})
+        if "error" in made[0] or "error" in made[1]:
+            return
+        layer = 1 if args.quick else 40
+        results = run_children(
+            __file__,
+            [("open_and_layer", {"directory": sparse, "layer": layer})] * repeats,
+            separate=not args.quick,
+        )
+        r = median_result([x | {"seconds": x["open"]["seconds"]} if "open" in x else x
+                           for x in results])  # fmt: skip
+        print_errors({"open and materialize a layer": r})
+        if "error" not in r:
+            lb, opened, lay = r["layer_bytes"], r["open"], r["layer"]
+            print_table(
+                f"Sparse {made[0]['bytes'] / 2**30:.0f} GiB checkpoint in {made[0]['shards']} "
+                f"shards (median of fresh processes)",
+                ["step", "time", "extra RSS (peak)", "bytes read", "read / layer", "peak / layer"],
+                [
+                    ["open with from_pretrained in meta_init", fmt_s(opened["seconds"]),
+                     fmt_mb(opened["peak_extra"]), "", "", ""],
+                    [f"materialize layer {layer} ({fmt_mb(lb)})", fmt_s(lay["seconds"]),
+                     fmt_mb(lay["peak_extra"]), fmt_mb(lay["read"]), fmt_ratio(lay["read"] / lb),
+                     fmt_ratio(lay["peak_extra"] / lb)],
+                ],
+            )  # fmt: skip
+            print(f"model reports deferred: {r['deferred']}")
+            print(
+                f"target open <= 2 s and < 100 MB: "
+                f"{verdict(opened['seconds'] <= 2 and opened['peak_extra'] < 100 * MiB)}"
+            )
+            print(f"target layer read <= 1.1x and peak <= 1.05x + 100 MB: "
+                  f"{verdict(lay['read'] <= 1.1 * lb and lay['peak_extra'] <= 1.05 * lb + 100 * MiB)}")  # fmt: skip
+        jobs = [("load_whole", {"directory": fits, "method": m}) for m in METHODS
+                for _ in range(repeats)]  # fmt: skip
+        whole = run_children(__file__, jobs, separate=not args.quick)
+        by = {m: median_result(whole[i * repeats : (i + 1) * repeats])
+              for i, m in enumerate(METHODS)}  # fmt: skip
+        ref = by["eager"]
+        rows = []
+        for m, label in METHODS.items():
+            x = by[m]
+            if "error" in x:
+                rows.append([label, "n/a", "n/a", "n/a", "n/a"])
+                continue
+            rows.append([label, fmt_s(x["laps"]["loaded"]), fmt_s(x["seconds"]),
+                         fmt_ratio(x["seconds"] / ref["seconds"]) if "error" not in ref else "n/a",
+                         fmt_mb(x["peak_extra"]), fmt_ratio(x["peak_extra"] / x["bytes"])])  # fmt: skip
+        print_table(
+            f"Whole checkpoint that fits ({made[1]['bytes'] / 2**30:.2f} GiB, bfloat16): load, "
+            "then read every weight once",
+            ["method", "loaded", "loaded + read", "vs eager", "peak extra RSS", "peak / bytes"],
+            rows,
+        )
+        print(
+            "(the eager loaders map the files: their pages are read, and counted in RSS, when "
+            "first used; meta_init reads the bytes into memory when materializing)"
+        )
+        print_errors({METHODS[m]: x for m, x in by.items()})
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
