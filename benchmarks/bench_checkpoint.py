@@ -172,8 +172,8 @@ def main() -> None:
                 f"target open <= 2 s and < 100 MB: "
                 f"{verdict(opened['seconds'] <= 2 and opened['peak_extra'] < 100 * MiB)}"
             )
-            print(f"target layer read <= 1.1x and peak <= 1.05x + 100 MB: "
-                  f"{verdict(lay['read'] <= 1.1 * lb and lay['peak_extra'] <= 1.05 * lb + 100 * MiB)}")  # fmt: skip
+            ok_layer = lay["read"] <= 1.1 * lb and lay["peak_extra"] <= 1.05 * lb + 100 * MiB
+            print(f"target layer read <= 1.1x and peak <= 1.05x + 100 MB: {verdict(ok_layer)}")
         jobs = [("load_whole", {"directory": fits, "method": m}) for m in METHODS
                 for _ in range(repeats)]  # fmt: skip
         whole = run_children(__file__, jobs, separate=not args.quick)
@@ -186,9 +186,11 @@ def main() -> None:
             if "error" in x:
                 rows.append([label, "n/a", "n/a", "n/a", "n/a"])
                 continue
-            rows.append([label, fmt_s(x["laps"]["loaded"]), fmt_s(x["seconds"]),
-                         fmt_ratio(x["seconds"] / ref["seconds"]) if "error" not in ref else "n/a",
-                         fmt_mb(x["peak_extra"]), fmt_ratio(x["peak_extra"] / x["bytes"])])  # fmt: skip
+            ratio = fmt_ratio(x["seconds"] / ref["seconds"]) if "error" not in ref else "n/a"
+            peak = x["peak_extra"]
+            loaded = fmt_s(x["laps"]["loaded"])
+            per_byte = fmt_ratio(peak / x["bytes"])
+            rows.append([label, loaded, fmt_s(x["seconds"]), ratio, fmt_mb(peak), per_byte])
         print_table(
             f"Whole checkpoint that fits ({made[1]['bytes'] / 2**30:.2f} GiB, bfloat16): load, "
             "then read every weight once",

@@ -36,6 +36,7 @@ __all__ = [
     "skip_init",
     "summary",
     "unload_ipython_extension",
+    "widgets_of",
 ]
 
 _LAZY = {
@@ -45,6 +46,7 @@ _LAZY = {
     "summary": "jupyter_metainit.estimates",
     "explore": "jupyter_metainit.jupyter.widget",
     "ModuleTreeWidget": "jupyter_metainit.jupyter.widget",
+    "widgets_of": "jupyter_metainit.jupyter.widget",
     "load_ipython_extension": "jupyter_metainit.jupyter.magics",
     "unload_ipython_extension": "jupyter_metainit.jupyter.magics",
 }

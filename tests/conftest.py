@@ -16,7 +16,21 @@ def pytest_configure(config):
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
-@pytest.fixture(autouse=True)
+@pytest.fixture(autouse=True, scope="module")
 def _collect_garbage():
+    # Once per file, not per test: a full collection of this heap (transformers, op_db) takes
+    # seconds. Tests that assert memory is freed collect themselves.
     yield
     gc.collect()
+
+
+@pytest.fixture(autouse=True)
+def _no_lock_left_behind():
+    """A test that leaves the core's lock taken would make every later test wait forever."""
+    yield
+    from jupyter_metainit.core import _busy
+
+    held = list(_busy._activity)
+    if held:
+        _busy._activity.clear()
+        pytest.fail(f"the test left the core's lock taken: {held}")

@@ -82,9 +82,11 @@ def test_not_waiting_while_another_thread_works_is_a_clear_busy_error():
     started.wait(10)
     try:
         assert "materializing the test model" in _busy.busy_with()
-        with pytest.raises(BusyError, match="busy with materializing the test model"):
-            with _busy.exclusive("another", wait=False):
-                pass
+        with (
+            pytest.raises(BusyError, match="busy with materializing the test model"),
+            _busy.exclusive("another", wait=False),
+        ):
+            pass
     finally:
         release.set()
         worker.join()

@@ -76,5 +76,5 @@ def test_out_of_memory_releases_everything_and_says_what_was_needed():
     )
     assert done.returncode == 0, done.stderr[-2000:]
     error = next(line for line in done.stdout.splitlines() if line.startswith("error:"))
-    assert "needs 1.5 GiB" in error and "is free" in error and "Nothing was materialized" in error
+    assert "needs 1.50 GiB" in error and "is free" in error and "Nothing was materialized" in error
     assert "half: True" in done.stdout

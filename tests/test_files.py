@@ -141,7 +141,7 @@ def test_an_unreadable_file_is_a_clear_error(weights):
 
 
 def test_tensors_read_from_a_file_can_be_freed_without_keep_cache(weights):
-    tensors, path = weights
+    _, path = weights
     with meta_init():
         loaded = load_file(str(path))
     materialize(loaded["w"])

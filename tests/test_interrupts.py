@@ -1,11 +1,12 @@
 """Ctrl-C anywhere leaves everything whole: all tensors of a call or none, guards restored.
 
-The fault injection sends a real SIGINT to this process at every line of our package that a
+The fault injection raises SIGINT in this process at every line of our package that a
 materialization (or a recording) executes, one line per run, and checks the state afterwards.
 """
 
 from __future__ import annotations
 
+import linecache
 import os
 import signal
 import sys
@@ -36,14 +37,22 @@ def _interrupt_at_line(k, work):
     """Run ``work()``, sending SIGINT on the k-th line our package executes; return (lines
     seen, whether KeyboardInterrupt came out)."""
     count = 0
+    due = False
 
     def tracer(frame, event, arg):
-        nonlocal count
+        nonlocal count, due
         if not frame.f_code.co_filename.startswith(PACKAGE):
             return None
         if event == "line":
             count += 1
-            if count == k:
+            due = due or count == k
+            # An exception raised by a trace function at a `try:` line, or at a `with` line as
+            # the block exits, skips the block's __exit__ in CPython 3.11, which a real Ctrl-C
+            # (handled at the interpreter's next check, never inside the trace function) cannot
+            # do: such a line's interrupt goes to the next line.
+            line = linecache.getline(frame.f_code.co_filename, frame.f_lineno).strip()
+            if due and not line.startswith(("try:", "with ")):
+                due = False
                 os.kill(os.getpid(), signal.SIGINT)
         return tracer
 
@@ -58,12 +67,15 @@ def _interrupt_at_line(k, work):
     return count, interrupted
 
 
-def _guards_are_clean():
+def _guards_are_clean(grad=True):
+    """Our guards and state are as before. (``grad``: grad mode too; a Ctrl-C inside
+    PyTorch's own ``torch.no_grad()`` in model code can leave it off, as in eager code.)"""
     python_key = torch._C.DispatchKey.Python
     return (
         torch._C._is_torch_function_enabled()
-        and torch.is_grad_enabled()
+        and (torch.is_grad_enabled() or not grad)
         and not torch._C._dispatch_tls_is_dispatch_key_excluded(python_key)
+        and torch._C._len_torch_function_stack() == 0
         and _interrupts._depth.value == 0
         and not _interrupts.interrupted()
         and signal.getsignal(signal.SIGINT) in (signal.default_int_handler, _interrupts._handler)
@@ -94,8 +106,15 @@ def test_interrupt_at_every_line_of_recording_leaves_the_thread_clean():
     lines, _ = _interrupt_at_line(0, build)
     for k in range(1, lines + 1, max(1, lines // 1000)):
         _interrupt_at_line(k, build)
-        assert _guards_are_clean(), f"guards left set after an interrupt at line event {k}"
+        assert _guards_are_clean(grad=False), (
+            f"guards left set after an interrupt at event {k}: "
+            f"{torch._C._is_torch_function_enabled()} "
+            f"{torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.Python)} "
+            f"{torch._C._len_torch_function_stack()} {_interrupts._depth.value} "
+            f"{_interrupts.interrupted()} {signal.getsignal(signal.SIGINT)}"
+        )
         assert not jupyter_metainit.is_meta_init()
+        torch.set_grad_enabled(True)
 
 
 def test_interrupt_stops_fast_mode_before_the_remaining_work():

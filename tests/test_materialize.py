@@ -332,3 +332,30 @@ def test_state_changes_are_published():
     materialize(m.layers[0], keep_cache=True)
     dematerialize(m.layers[0])
     assert seen[-2:] == [("materialized", 2), ("dematerialized", 2)]
+
+
+def test_materializing_again_with_a_dtype_casts_the_real_parts_in_place():
+    eager, m = eager_and_deferred(Net)
+    materialize(m.layers[0], keep_cache=True)
+    w = m.layers[0].weight
+    materialize(m, dtype=torch.bfloat16)
+    assert w is m.layers[0].weight and w.dtype == torch.bfloat16
+    assert isinstance(w, nn.Parameter) and w.requires_grad
+    assert torch.equal(w, eager.layers[0].weight.to(torch.bfloat16))
+    assert m.head.weight is m.emb.weight and m.emb.weight.dtype == torch.bfloat16
+
+
+def test_a_cast_real_part_can_still_be_freed():
+    _, m = eager_and_deferred(Net)
+    materialize(m.layers[1], keep_cache=True)
+    materialize(m.layers[1], dtype=torch.float16)
+    dematerialize(m.layers[1])  # the cast was ours: not a change that would be lost
+    assert is_deferred(m.layers[1].weight) and m.layers[1].weight.dtype == torch.float32
+
+
+def test_materializing_real_parts_to_another_device_moves_them_in_place():
+    _, m = eager_and_deferred(Net)
+    materialize(m.norm)
+    bias = m.norm.bias
+    materialize(m.norm, torch.device("cpu"), dtype=torch.float64)
+    assert bias is m.norm.bias and bias.dtype == torch.float64 and tensor_state(bias) == "cpu"

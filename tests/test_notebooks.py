@@ -105,7 +105,7 @@ def test_kernel_is_this_environment():
 
 def test_quickstart_builds_70b_deferred_and_shows_the_tree(quickstart):
     cell = cell_with(quickstart, "%%meta_init")
-    assert "model: LlamaForCausalLM, 70.55 B parameters, 131.4 GiB, deferred\n" in text(cell)
+    assert "model: LlamaForCausalLM, 70.6 B parameters, 131 GiB, deferred\n" in text(cell)
     assert WIDGET_MIME in mimes(cell)
 
 
@@ -116,7 +116,7 @@ def test_quickstart_shows_the_memory_table(quickstart):
 
 def test_quickstart_materializes_one_layer(quickstart):
     out = text(cell_with(quickstart, "%materialize model.model.layers[0]"))
-    assert "materialized model.model.layers[0]: LlamaDecoderLayer, 855.65 M parameters" in out
+    assert "materialized model.model.layers[0]: LlamaDecoderLayer, 856 M parameters" in out
     assert ", cpu in " in out
 
 

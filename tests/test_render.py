@@ -8,22 +8,12 @@ from _models import llama_config
 from torch import nn
 
 from jupyter_metainit.estimates import MemoryTable, memory_table, render_html, to_text
-from jupyter_metainit.estimates.render import format_bytes, format_count, format_table
+from jupyter_metainit.estimates.render import format_table
 
 
 def model() -> nn.Module:
     with torch.device("meta"):
         return nn.Sequential(nn.Embedding(50000, 1024), nn.Linear(1024, 4096), nn.Linear(4096, 8))
-
-
-def test_format_bytes_uses_binary_units():
-    assert format_bytes(512) == "512 B"
-    assert format_bytes(1536) == "1.50 KiB"
-    assert format_bytes(3 * 1024**3) == "3.00 GiB"
-
-
-def test_format_count_uses_thousands_separators():
-    assert format_count(1234567) == "1,234,567"
 
 
 def test_table_is_a_dataframe_of_raw_numbers():
@@ -56,7 +46,7 @@ def test_html_highlights_largest_leaves():
 
 def test_html_caption_is_the_summary():
     html = render_html(memory_table(model()))
-    assert "largest leaf 0 (Embedding, 195.31 MiB)" in html
+    assert "largest leaf 0 (Embedding, 195 MiB)" in html
 
 
 def test_large_table_shows_shallow_levels_within_max_rows():

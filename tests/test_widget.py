@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 import torch
@@ -10,9 +11,9 @@ import traitlets
 from _models import llama70b_on_meta
 from torch import nn
 
-from jupyter_metainit import meta_init
+from jupyter_metainit import materialize, meta_init
 from jupyter_metainit.core import tensor_state
-from jupyter_metainit.jupyter.widget import ModuleTreeWidget, explore
+from jupyter_metainit.jupyter.widget import ModuleTreeWidget, explore, widgets_of
 
 
 class Block(nn.Module):
@@ -136,20 +137,20 @@ def test_unknown_names_are_refused_visibly(net):
     w = explore(net)
     w.handle_action({"action": "materialize", "device": "cpu", "names": ["__import__('os')"]})
     assert w.busy == ""
-    assert "not a module of this model" in w.error
+    assert "not a module of this model" in w.notice["text"] and w.error == ""
 
 
 def test_unknown_device_is_refused(net):
     w = explore(net)
     w.handle_action({"action": "materialize", "device": "cuda:7", "names": ["norm"]})
-    assert "not a device this kernel can use" in w.error
+    assert "not a device this kernel can use" in w.notice["text"]
     assert {tensor_state(p) for p in net.norm.parameters()} == {"deferred"}
 
 
 def test_unknown_action_is_refused(net):
     w = explore(net)
     w.handle_action({"action": "exec", "code": "print(1)"})
-    assert "Unknown action" in w.error
+    assert "Unknown action" in w.notice["text"]
 
 
 def test_cancel_leaves_the_model_as_it_was(net):
@@ -219,3 +220,114 @@ def test_plain_text_repr_summarizes_the_model():
     with meta_init():
         m = torch.nn.Sequential(torch.nn.Linear(40, 4), torch.nn.Linear(4, 2))
     assert repr(explore(m)) == "ModuleTreeWidget(Sequential: 174 params, 696 B, deferred)"
+
+
+def wait_until(condition, timeout: float = 0.5) -> bool:
+    """Poll ``condition`` for up to ``timeout`` seconds (the sync promise is half a second)."""
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        if condition():
+            return True
+        time.sleep(0.01)
+    return condition()
+
+
+def test_follows_a_materialization_made_in_code(net):
+    w = explore(net)
+    materialize(net.layers[1])
+    assert wait_until(lambda: rows(w)["layers.1"][5] == "cpu")
+    assert rows(w)["layers"][5] == "mixed"
+
+
+def test_follows_a_dematerialization_and_another_widget(net):
+    w1, w2 = explore(net), explore(net)
+    w1.selected = ["norm"]
+    w1.materialize("cpu")
+    assert wait_until(lambda: rows(w2)["norm"][5] == "cpu")
+    w1.free()
+    assert wait_until(lambda: rows(w2)["norm"][5] == "deferred")
+
+
+def test_widgets_of_finds_the_widgets_showing_a_model(net):
+    w = explore(net)
+    assert w in widgets_of(net) and w in widgets_of(net.layers[0])
+    w.close()
+    assert w not in widgets_of(net)
+
+
+def test_progress_total_is_the_selection_in_its_dtype_and_never_changes(net):
+    w = explore(net)
+    w.dtype = "bfloat16"
+    w.selected = ["layers"]
+    seen = []
+    w.observe(lambda change: seen.append(list(change["new"])), "progress")
+    w.materialize("cpu")
+    totals = {total for _, total in seen if total}
+    assert totals == {w.selection["bytes_as"]}  # known from the first report, in bf16
+    done = [d for d, _ in seen]
+    assert done == sorted(done)  # never decreases
+    assert seen[-1][0] == seen[-1][1]
+
+
+def test_a_refused_click_is_a_notice_and_the_action_message_stays(net):
+    w = explore(net)
+    w.handle_action({"action": "materialize", "device": "cpu", "names": ["layers"]})
+    w.handle_action({"action": "free", "names": ["layers"]})  # a second click while busy
+    w.wait(60)
+    assert "Still busy" in w.notice["text"]
+    assert w.error == "" and w.status.startswith("Materialized layers on cpu")
+
+
+def test_materializing_again_as_another_dtype_casts_in_place(net):
+    w = explore(net)
+    w.selected = ["layers.0"]
+    w.materialize("cpu")
+    weight = net.layers[0].attn.weight
+    w.dtype = "bfloat16"
+    w.materialize("cpu")
+    assert net.layers[0].attn.weight is weight and weight.dtype == torch.bfloat16
+    assert rows(w)["layers.0"][10] == "bf16" and "as bfloat16" in w.status
+
+
+def test_the_page_cannot_write_kernel_owned_traits(net):
+    w = explore(net)
+    w.set_state({"busy": "materialize cpu", "devices": [{"name": "cuda:9", "label": "x"}]})
+    assert w.busy == "" and "cuda:9" not in [d["name"] for d in w.devices]
+    assert "kernel owns it" in w.notice["text"]
+    w.set_state({"selected": ["no.such.module"]})
+    assert w.selected == [] and "not a module of this model" in w.notice["text"]
+
+
+def test_a_malformed_device_is_refused_visibly(net):
+    w = explore(net)
+    w.handle_action({"action": "materialize", "device": {"type": "cuda"}, "names": ["norm"]})
+    assert "not a device" in w.notice["text"] and w.busy == ""
+    w.handle_action(["not", "a", "dict"])
+    assert "malformed" in w.notice["text"]
+
+
+def test_tied_tensors_are_named_and_shares_add_up(net):
+    w = explore(net)
+    r = rows(w)
+    index = {name: i for i, name in enumerate(r)}
+    assert r["embed"][13] == [index["head"]] and r["head"][13] == [index["embed"]]
+    kids = [r[name][11] for name in ("embed", "layers", "norm", "head")]
+    assert sum(kids) == r[""][11] == r[""][4]  # the tied weight is attributed once
+    w.selected = ["embed"]
+    assert w.selection["also"] == ["head"]
+
+
+def test_rows_show_dtype_and_the_target_device_of_deferred_parts():
+    with meta_init(device="cuda"):
+        m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.bfloat16))
+    r = rows(explore(m))
+    assert r["0"][10] == "fp32" and r["1"][10] == "bf16" and r[""][10] == "mixed"
+    assert r[""][5] == "deferred" and r[""][12] == "cuda:0"
+
+
+def test_table_is_compact_unless_asked_for_in_full(net):
+    w = explore(net)
+    w.show_table = True
+    assert "train_fp32" not in w.table_html and "params" in w.table_html
+    w.table_full = True
+    assert "train" in w.table_html

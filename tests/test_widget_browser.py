@@ -7,9 +7,11 @@ the page and the kernel.  Screenshots go to ``test-artifacts/``.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import pathlib
+import re
 import shutil
 import socket
 import subprocess
@@ -200,9 +202,10 @@ def _notebook(path: pathlib.Path) -> None:
     nbformat.write(nb, str(path))
 
 
-@pytest.fixture
-def jupyterlab():
-    """A JupyterLab server on a free port, with its own config, data and runtime dirs."""
+@contextlib.contextmanager
+def _jupyter_server(app: str):
+    """A JupyterLab (``app="jupyterlab"``) or Notebook 7 (``"notebook"``) server on a free port,
+    with its own config, data and runtime dirs."""
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="jmi-lab-"))
     (tmp / "work").mkdir()
     port, token = _free_port(), "jmi-test-token"
@@ -226,7 +229,7 @@ def jupyterlab():
         [
             sys.executable,
             "-m",
-            "jupyterlab",
+            app,
             "--no-browser",
             f"--port={port}",
             "--ServerApp.ip=127.0.0.1",
@@ -234,8 +237,8 @@ def jupyterlab():
             f"--IdentityProvider.token={token}",
             "--ServerApp.open_browser=False",
             f"--ServerApp.root_dir={tmp / 'work'}",
-            "--LabApp.news_url=",
             "--ServerApp.disable_check_xsrf=False",
+            *(["--LabApp.news_url="] if app == "jupyterlab" else []),
         ],
         cwd=tmp / "work",
         env=env,
@@ -256,7 +259,13 @@ def jupyterlab():
                 raise RuntimeError((tmp / "server.log").read_text()[-3000:]) from None
             time.sleep(0.3)
     try:
-        yield {"url": url, "token": token, "dir": tmp / "work", "settings": tmp / "settings"}
+        yield {
+            "url": url,
+            "token": token,
+            "dir": tmp / "work",
+            "settings": tmp / "settings",
+            "app": app,
+        }
     finally:
         proc.terminate()
         try:
@@ -265,6 +274,19 @@ def jupyterlab():
             proc.kill()
         log.close()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+@pytest.fixture
+def jupyterlab():
+    with _jupyter_server("jupyterlab") as server:
+        yield server
+
+
+@pytest.fixture(params=["jupyterlab", "notebook"], ids=["jupyterlab4", "notebook7"])
+def frontend(request):
+    """Each front end in turn: JupyterLab 4 and Notebook 7."""
+    with _jupyter_server(request.param) as server:
+        yield server
 
 
 def _set_theme(settings: pathlib.Path, theme: str) -> None:
@@ -287,11 +309,27 @@ def _dismiss_dialogs(page) -> None:
         dialog.first.wait_for(state="detached", timeout=10_000)
 
 
-def _run_first_cell_and_wait_widget(page, lab: dict, name: str) -> object:
-    # ?reset: a fresh workspace, so nothing from an earlier test's page is restored
-    page.goto(f"{lab['url']}/lab/tree/{name}?reset&token={lab['token']}", wait_until="load")
+def _open(page, server: dict, name: str) -> None:
+    if server.get("app", "jupyterlab") == "jupyterlab":
+        # ?reset: a fresh workspace, so nothing from an earlier test's page is restored
+        url = f"{server['url']}/lab/tree/{name}?reset&token={server['token']}"
+    else:
+        url = f"{server['url']}/notebooks/{name}?token={server['token']}"
+    page.goto(url, wait_until="load")
     page.wait_for_selector(".jp-Notebook", timeout=60_000)
-    page.wait_for_selector(".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000)
+    page.wait_for_selector(".jp-Notebook .jp-Cell", timeout=60_000)
+    if server.get("app", "jupyterlab") == "jupyterlab":
+        page.wait_for_selector(
+            ".jp-Notebook-ExecutionIndicator[data-status='idle']", timeout=60_000
+        )
+    else:
+        page.wait_for_function(
+            "() => !document.body.textContent.includes('Kernel status: Unknown')", timeout=60_000
+        )
+
+
+def _run_first_cell_and_wait_widget(page, lab: dict, name: str) -> object:
+    _open(page, lab, name)
     # run only the first cell (the second is run after the click); a key press that lands
     # before the kernel is connected is lost, so press again while the prompt stays empty
     first = page.locator(".jp-Cell").first
@@ -359,3 +397,131 @@ def test_dark_theme_screenshot(browser, jupyterlab):
         "() => getComputedStyle(document.querySelector('.jmi-root')).backgroundColor"
     )
     assert bg != "rgb(255, 255, 255)"
+
+
+# ---------------------------------------------------------------------------- both front ends
+
+_FLOW_CELLS = [
+    "%load_ext jupyter_metainit",
+    """%%meta_init
+from transformers import LlamaConfig, LlamaForCausalLM
+
+cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                  tie_word_embeddings=True)
+model = LlamaForCausalLM(cfg)""",
+    "%materialize model.model.layers[1]",
+    "import jupyter_metainit\n\n(w,) = jupyter_metainit.widgets_of(model)\n"
+    "print('CHECK', w.selected)",
+]
+
+
+def _write_notebook(path: pathlib.Path, cells: list[str]) -> None:
+    import nbformat
+
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+    nb.metadata["kernelspec"] = {
+        "name": "python3",
+        "display_name": "Python 3",
+        "language": "python",
+    }
+    nbformat.write(nb, str(path))
+
+
+def _run_cell(page, i: int) -> None:
+    """Run cell ``i`` and wait for its execution count (a key press that lands before the
+    kernel is connected is lost, so it is pressed again while the prompt stays empty)."""
+    cell = page.locator(".jp-Notebook .jp-Cell").nth(i)
+    prompt = cell.locator(".jp-InputPrompt")
+    for _ in range(8):
+        _dismiss_dialogs(page)
+        if re.search(r"\[\d+\]", prompt.inner_text()):
+            return
+        if "*" not in prompt.inner_text():
+            cell.locator(".jp-InputArea-editor").click()
+            page.keyboard.press("Shift+Enter")
+        try:
+            page.wait_for_function(
+                "(el) => /\\[\\d+\\]/.test(el.textContent)",
+                arg=prompt.element_handle(),
+                timeout=15_000,
+            )
+            return
+        except Exception:
+            continue
+    page.screenshot(path=str(ARTIFACTS / f"failure-cell-{i}.png"))
+    raise AssertionError(f"cell {i} did not run")
+
+
+def _restart_kernel(page) -> None:
+    page.locator(".jp-Notebook .jp-Cell").first.locator(".jp-InputPrompt").click()
+    page.keyboard.press("Escape")
+    page.keyboard.press("0")
+    page.keyboard.press("0")
+    dialog = page.locator(".jp-Dialog")
+    dialog.wait_for(timeout=10_000)
+    dialog.locator(".jp-Dialog-button.jp-mod-accept").first.click()
+
+
+def test_widget_follows_the_model_and_works_from_the_keyboard(browser, frontend):
+    app = "jupyterlab4" if frontend["app"] == "jupyterlab" else "notebook7"
+    _write_notebook(frontend["dir"] / "follow.ipynb", _FLOW_CELLS)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    _open(page, frontend, "follow.ipynb")
+    _run_cell(page, 0)
+    _run_cell(page, 1)
+    widget = page.locator(".jmi-root")
+    widget.wait_for(timeout=60_000)
+
+    def row(qname: str):
+        return widget.locator(f".jmi-rows .jmi-row:has(.jmi-name[title='{qname}'])")
+
+    # tied weights are named on both holders
+    assert row("model.embed_tokens").locator(".jmi-tied").inner_text() == "tied: lm_head"
+    assert row("lm_head").locator(".jmi-tied").inner_text() == "tied: model.embed_tokens"
+
+    # a magic in a later cell shows in the widget above, with no refresh
+    _run_cell(page, 2)
+    row("model.layers").locator(".jmi-badge", has_text="mixed").wait_for(timeout=5_000)
+    widget.screenshot(path=str(ARTIFACTS / f"widget-{app}-1400.png"))
+
+    # keyboard: focus a row, open it, move down, tick with Space; focus stays on the row
+    row("model.layers").locator(".jmi-c-type").click()
+    page.keyboard.press("ArrowRight")
+    row("model.layers.1").wait_for(timeout=5_000)
+    page.keyboard.press("ArrowDown")
+    page.keyboard.press("ArrowDown")
+    page.keyboard.press("Space")
+    widget.locator(".jmi-seltotals", has_text="1 subtree").wait_for(timeout=10_000)
+    focused = page.evaluate(
+        "() => [document.activeElement.getAttribute('role'),"
+        " document.activeElement.querySelector('.jmi-name')?.title]"
+    )
+    assert focused == ["treeitem", "model.layers.1"], focused
+    assert row("model.layers.1").locator(".jmi-check").is_checked()
+    _run_cell(page, 3)
+    out = page.locator(".jp-Notebook .jp-Cell").nth(3).locator(".jp-OutputArea-output")
+    assert "CHECK ['model.layers.1']" in out.inner_text()
+
+    # narrow: name and state stay visible inside the widget
+    page.set_viewport_size({"width": 700, "height": 900})
+    page.wait_for_timeout(300)
+    box = widget.bounding_box()
+    for part in (".jmi-name", ".jmi-badge"):
+        cell = row("model.layers").locator(part).bounding_box()
+        assert cell is not None and cell["x"] + cell["width"] <= box["x"] + box["width"] + 1, part
+    row("model.layers.1").scroll_into_view_if_needed()
+    widget.screenshot(path=str(ARTIFACTS / f"widget-{app}-700.png"))
+
+    # the kernel restarts: the widget says it is disconnected and stops offering actions
+    _restart_kernel(page)
+    notice = widget.locator(".jmi-disconnected")
+    try:
+        notice.wait_for(state="visible", timeout=8_000)
+    except Exception:
+        widget.locator(".jmi-mat-cpu").click()  # no message reached the page: an action tells
+        notice.wait_for(state="visible", timeout=15_000)
+    assert widget.locator(".jmi-mat-cpu").is_disabled()
+    widget.screenshot(path=str(ARTIFACTS / f"widget-{app}-disconnected.png"))

@@ -12,9 +12,8 @@ from __future__ import annotations
 import contextlib
 import threading
 import time
-from collections.abc import Iterator
 
-from jupyter_metainit.core._interrupts import critical
+from jupyter_metainit.core._interrupts import check, interrupted, protect
 from jupyter_metainit.core.errors import BusyError
 
 __all__ = ["busy_with", "exclusive"]
@@ -23,30 +22,45 @@ _lock = threading.RLock()
 _activity: list[tuple[str, str, float]] = []  # (what, thread name, start), outermost first
 
 
-@contextlib.contextmanager
-def exclusive(what: str, *, wait: bool = True) -> Iterator[None]:
+class exclusive:
     """Hold the lock while doing ``what`` (re-entrant on one thread).
 
-    With ``wait=False``, raise :class:`BusyError` at once if another thread holds it.
+    With ``wait=False``, raise :class:`BusyError` at once if another thread holds it. A class
+    whose ``__enter__``/``__exit__`` Ctrl-C cannot cut (``_interrupts.protect``): an interrupt
+    between taking the lock and entering the ``with`` body would otherwise leave it taken
+    for good. While waiting for another thread, Ctrl-C stops the wait.
     """
-    while True:
-        # Each attempt is a critical section (Ctrl-C cannot leave the lock taken and not
-        # recorded); between attempts, a wait for another thread can be interrupted.
-        with critical():
-            if _lock.acquire(timeout=0.1 if wait else 0):
-                _activity.append((what, threading.current_thread().name, time.monotonic()))
-                break
-        if not wait:
-            raise BusyError(
-                f"busy with {busy_with() or 'another materialization'}; wait for it to finish, "
-                "or cancel it, then try again"
-            )
-    try:
-        yield
-    finally:
-        with critical():
-            _activity.pop()
-            _lock.release()
+
+    __slots__ = ("wait", "what")
+
+    def __init__(self, what: str, *, wait: bool = True) -> None:
+        self.what = what
+        self.wait = wait
+
+    def __enter__(self) -> None:
+        while True:
+            if _lock.acquire(timeout=0.1 if self.wait else 0):
+                _activity.append((self.what, threading.current_thread().name, time.monotonic()))
+                return
+            if not self.wait:
+                raise BusyError(
+                    f"busy with {busy_with() or 'another materialization'}; wait for it to "
+                    "finish, or cancel it, then try again"
+                )
+            check()  # nothing is held yet: a Ctrl-C while waiting stops the wait
+
+    def __exit__(self, *exc: object) -> None:
+        _activity.pop()
+        _lock.release()
+        if interrupted():
+            # A Ctrl-C held back in here surfaces now, not in some later call; an exception
+            # already on its way out aborts the work anyway.
+            with contextlib.suppress(KeyboardInterrupt) if exc[0] is not None else _nothing():
+                check()
+
+
+protect(exclusive.__enter__, exclusive.__exit__)
+_nothing = contextlib.nullcontext
 
 
 def busy_with() -> str | None:

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from jupyter_metainit.core._plain import plain
 from jupyter_metainit.core._tensor import DeferredTensor
+from jupyter_metainit.core._walk import named_tensors
 from jupyter_metainit.core.errors import MaterializationError
 
 __all__ = ["load_for"]
@@ -91,11 +91,9 @@ def _names(obj: Any, tensors: list[DeferredTensor]) -> dict[int, list[str]]:
     """Qualified names (relative to ``obj``) of each requested tensor; tied ones have several."""
     names: dict[int, list[str]] = {id(t): [] for t in tensors}
     if isinstance(obj, torch.nn.Module):
-        modules: Iterable[tuple[str, torch.nn.Module]] = obj.named_modules(remove_duplicate=False)
-        for mname, m in modules:
-            for tname, t in [*m._parameters.items(), *m._buffers.items()]:
-                if t is not None and id(t) in names:
-                    names[id(t)].append(f"{mname}.{tname}" if mname else tname)
+        for mname, (tname, t, _) in named_tensors(obj):
+            if id(t) in names:
+                names[id(t)].append(f"{mname}.{tname}" if mname else tname)
     return names
 
 

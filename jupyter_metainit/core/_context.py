@@ -35,7 +35,13 @@ from jupyter_metainit.core._devices import (
     handle_function,
     rewrite_device,
 )
-from jupyter_metainit.core._interrupts import critical, handling_interrupts
+from jupyter_metainit.core._interrupts import (
+    critical,
+    handling_interrupts,
+    hold_interrupts,
+    protect,
+    release_interrupts,
+)
 from jupyter_metainit.core._lazy import lazy_module_support
 from jupyter_metainit.core._ops import user_frame
 from jupyter_metainit.core._record import handle_op
@@ -64,13 +70,16 @@ class _FunctionMode(TorchFunctionMode):
     def __torch_function__(
         self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
     ) -> Any:
-        if tls.where is not None:
-            return self._handle(func, types, args, kwargs or {})
-        tls.where = user_frame()  # for every op this call dispatches
-        try:
-            return self._handle(func, types, args, kwargs or {})
-        finally:
-            tls.where = None
+        # Each torch-level call is a critical section (see _interrupts): a Ctrl-C lands between
+        # two calls of the user's code, never inside torch's own guards (`no_grad`, ...).
+        with critical():
+            if tls.where is not None:
+                return self._handle(func, types, args, kwargs or {})
+            tls.where = user_frame()  # for every op this call dispatches
+            try:
+                return self._handle(func, types, args, kwargs or {})
+            finally:
+                tls.where = None
 
     @staticmethod
     def _handle(func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
@@ -177,8 +186,7 @@ def _check_dtype(dtype: Any) -> torch.dtype | None:
     return dtype
 
 
-@contextlib.contextmanager
-def meta_init(device: Any = None, dtype: torch.dtype | None = None) -> Iterator[None]:
+class meta_init(contextlib.ContextDecorator):
     """Defer every tensor created in the block: no memory, every operation recorded.
 
     Use it to build a model of any size for inspection, sharding or partial use, then
@@ -195,28 +203,57 @@ def meta_init(device: Any = None, dtype: torch.dtype | None = None) -> Iterator[
             integer tensor divided by an int, under a lock.)
 
     Re-entrant and thread-local: other threads are unaffected. After the outermost block, the
-    random number generators are where eager construction would have left them.
+    random number generators are where eager construction would have left them. Usable as a
+    decorator too.
     """
-    target = canonical_device(device) if device is not None else None
-    dtype = _check_dtype(dtype)
-    outermost = tls.depth == 0
-    tls.devices.append(target)
-    tls.dtypes.append(dtype)
-    tls.depth += 1
-    stack = contextlib.ExitStack()
-    try:
-        if outermost:
-            stack.enter_context(handling_interrupts())
-            stack.enter_context(_process_wrappers())
-            stack.enter_context(lazy_module_support())
-            stack.enter_context(_FunctionMode())
-            stack.enter_context(_DispatchMode())
-        with stack:
-            yield
-    finally:
-        tls.depth -= 1
-        tls.devices.pop()
-        tls.dtypes.pop()
-        if outermost:
-            _rng.flush_all()
-            value_cache.clear()
+
+    def __init__(self, device: Any = None, dtype: torch.dtype | None = None) -> None:
+        self.device = canonical_device(device) if device is not None else None
+        self.dtype = _check_dtype(dtype)
+        self._entered: list[tuple[bool, Any, contextlib.ExitStack]] = []
+
+    def __enter__(self) -> None:
+        # Entering and leaving are protected from Ctrl-C (see _interrupts.protect): an
+        # interrupt cannot leave this thread "inside" a block that has ended.
+        hold_interrupts()
+        try:
+            outermost = tls.depth == 0
+            handler = handling_interrupts() if outermost else contextlib.nullcontext()
+            handler.__enter__()
+            tls.devices.append(self.device)
+            tls.dtypes.append(self.dtype)
+            tls.depth += 1
+            stack = contextlib.ExitStack()
+            self._entered.append((outermost, handler, stack))
+            if outermost:
+                stack.enter_context(_process_wrappers())
+                stack.enter_context(lazy_module_support())
+                stack.enter_context(_FunctionMode())
+                stack.enter_context(_DispatchMode())
+        except BaseException:
+            release_interrupts(raise_pending=False)
+            self.__exit__(None, None, None)
+            raise
+        release_interrupts(raise_pending=False)  # a Ctrl-C held back surfaces in the block
+
+    def __exit__(self, *exc: Any) -> None:
+        hold_interrupts()
+        try:
+            if not self._entered:
+                return
+            outermost, handler, stack = self._entered.pop()
+            try:
+                stack.close()
+            finally:
+                tls.depth -= 1
+                tls.devices.pop()
+                tls.dtypes.pop()
+                if outermost:
+                    _rng.flush_all()
+                    value_cache.clear()
+                handler.__exit__(None, None, None)
+        finally:
+            release_interrupts(raise_pending=exc[0] is None)
+
+
+protect(meta_init.__enter__, meta_init.__exit__)

@@ -15,7 +15,7 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core._files import storage_region
-from jupyter_metainit.core._interrupts import handling_interrupts
+from jupyter_metainit.core._interrupts import critical, handling_interrupts
 from jupyter_metainit.core._ops import user_frame
 from jupyter_metainit.core._plain import plain, subclass_functions_off
 from jupyter_metainit.core._record import (
@@ -216,9 +216,10 @@ def handle_function(func: Any, args: tuple, kwargs: dict) -> Any:
     if tls.depth == 0:
         # Outside meta_init (model.half(), model.apply(init) later): Ctrl-C must not land in
         # the middle of our bookkeeping either (meta_init installs this for its whole block).
-        with handling_interrupts():
+        with handling_interrupts(), critical():
             return _handle_outermost(func, args, kwargs)
-    return _handle_outermost(func, args, kwargs)
+    with critical():
+        return _handle_outermost(func, args, kwargs)
 
 
 def _handle_outermost(func: Any, args: tuple, kwargs: dict) -> Any:

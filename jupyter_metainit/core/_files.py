@@ -218,7 +218,9 @@ def read_file_bytes(region: FileRegion) -> torch.Tensor:
     try:
         fd = os.open(path, os.O_RDONLY)
     except OSError as e:
-        raise MaterializationError(f"cannot open the checkpoint file {path}: {e.strerror}") from None
+        raise MaterializationError(
+            f"cannot open the checkpoint file {path}: {e.strerror}"
+        ) from None
     try:
         starts = range(0, region.nbytes, _CHUNK)
         workers = min(len(starts), os.cpu_count() or 1)

@@ -20,6 +20,7 @@ from typing import Any
 
 __all__ = [
     "check",
+    "protect",
     "critical",
     "handling_interrupts",
     "hold_interrupts",
@@ -38,8 +39,26 @@ _pending = threading.Event()  # SIGINT arrived while the main thread was in a cr
 _previous: Any = None  # the handler ours hands signals to outside critical sections
 
 
+_protected: set[Any] = set()  # code objects during which an interrupt waits
+
+
+def protect(*functions: Any) -> None:
+    """Hold Ctrl-C back while any of ``functions`` runs, from its very first bytecode (for
+    ``__enter__``/``__exit__`` methods: a critical section they open themselves would start
+    one instruction too late)."""
+    _protected.update(f.__code__ for f in functions)
+
+
+def _in_protected(frame: FrameType | None) -> bool:
+    while frame is not None:
+        if frame.f_code in _protected:
+            return True
+        frame = frame.f_back
+    return False
+
+
 def _handler(signum: int, frame: FrameType | None) -> None:
-    if _depth.value > 0:
+    if _depth.value > 0 or _in_protected(frame):
         _pending.set()
         return
     previous = _previous

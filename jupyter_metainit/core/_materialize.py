@@ -8,6 +8,7 @@ exception (IPython keeps the last traceback).
 
 from __future__ import annotations
 
+import inspect
 import os
 import traceback
 import weakref
@@ -20,11 +21,14 @@ from jupyter_metainit.core import _events, _rng
 from jupyter_metainit.core._busy import exclusive
 from jupyter_metainit.core._digest import digest
 from jupyter_metainit.core._files import read_file_bytes
+from jupyter_metainit.core._format import format_bytes
+from jupyter_metainit.core._graph import StorageRecord
 from jupyter_metainit.core._interrupts import critical, handling_interrupts
-from jupyter_metainit.core._replay import compute_values, execute, plan, real_view
+from jupyter_metainit.core._replay import Progress, compute_values, execute, plan, real_view
 from jupyter_metainit.core._swap import swap_in_place
 from jupyter_metainit.core._tensor import INTERNAL_ATTRS, DeferredTensor
 from jupyter_metainit.core._values import value_cache
+from jupyter_metainit.core._walk import unique_tensors
 from jupyter_metainit.core.errors import (
     MaterializationError,
     MetaInitError,
@@ -127,23 +131,14 @@ def _deferred_local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
-    """Parameters, buffers (persistent or not) and plain tensor attributes, each object once.
+    """Parameters, buffers (persistent or not) and deferred tensor attributes, each object once.
 
     A sharded parameter (DTensor) contributes its deferred local shard.
     """
     seen: dict[int, torch.Tensor] = {}
-    for m in module.modules():
-        for t in list(m._parameters.values()) + list(m._buffers.values()):
-            if t is not None:
-                t = _deferred_local(t)
-                seen.setdefault(id(t), t)
-        for v in m.__dict__.values():
-            if isinstance(v, DeferredTensor):
-                seen.setdefault(id(v), v)
-            elif isinstance(v, (list, tuple)):
-                for x in v:
-                    if isinstance(x, DeferredTensor):
-                        seen.setdefault(id(x), x)
+    for t in unique_tensors(module, attributes=True):
+        local = _deferred_local(t)
+        seen.setdefault(id(local), local)
     return list(seen.values())
 
 
@@ -226,23 +221,74 @@ def _check_dtype(dtype: Any) -> None:
         )
 
 
-def progress_callback(progress: Any) -> tuple[Callable[[int, int], None] | None, Any]:
+ProgressCallback = Callable[..., None]
+
+
+def progress_callback(progress: Any) -> tuple[ProgressCallback | None, Any]:
+    """``progress=`` as a ``callable(done_bytes, total_bytes, phase)`` (and a bar to close)."""
     if progress is None or progress is False:
         return None, None
     if callable(progress):
-        return progress, None
+        return _with_phase(progress), None
     if progress is True:
         from tqdm.auto import tqdm
 
         bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, desc="materialize")
 
-        def update(done: int, total: int) -> None:
+        def update(done: int, total: int, phase: str = "") -> None:
             if bar.total != total:
                 bar.total = total
+            if phase:
+                bar.set_postfix_str(phase, refresh=False)
             bar.update(done - bar.n)
 
         return update, bar
     raise TypeError("progress must be None, a bool, or a callable(done_bytes, total_bytes)")
+
+
+def _with_phase(callback: Callable[..., None]) -> ProgressCallback:
+    """Pass ``phase`` only to callables that take it (``callable(done, total)`` works)."""
+    try:
+        params = inspect.signature(callback).parameters.values()
+    except (TypeError, ValueError):
+        return lambda done, total, phase="": callback(done, total)
+    takes = any(p.kind is p.VAR_POSITIONAL or p.kind is p.VAR_KEYWORD or p.name == "phase"
+                for p in params) or len(list(params)) >= 3  # fmt: skip
+    if takes:
+        return callback
+    return lambda done, total, phase="": callback(done, total)
+
+
+class _MemoryProgress(Progress):
+    """Progress in the bytes the requested tensors hold when done (in the requested dtype):
+    the total is known before anything runs and never changes; ``done`` never decreases."""
+
+    def __init__(self, callback: ProgressCallback, tensors: list[DeferredTensor],
+                 dtype: torch.dtype | None) -> None:  # fmt: skip
+        self.callback = callback
+        self.sizes: dict[int, int] = {}
+        for t in tensors:
+            size = t._rec.storage.nbytes
+            if dtype is not None and t.is_floating_point():
+                size = size // t.element_size() * dtype.itemsize
+            self.sizes[id(t._rec.storage)] = size
+        self.total = sum(self.sizes.values())
+        self.done = 0
+        self.current = ""
+        callback(0, self.total, "starting")
+
+    def storage_done(self, storage: StorageRecord) -> None:
+        self.done += self.sizes.pop(id(storage), 0)
+        self.callback(self.done, self.total, self.current)
+
+    def phase(self, text: str) -> None:
+        self.current = text
+        self.callback(self.done, self.total, text)
+
+    def loaded(self, tensors: list[DeferredTensor]) -> None:
+        for t in tensors:
+            self.done += self.sizes.pop(id(t._rec.storage), 0)
+        self.callback(self.done, self.total, self.current)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -287,17 +333,6 @@ def _free_bytes(device: torch.device) -> int | None:
     except (OSError, ValueError, ImportError):
         pass
     return min(candidates) if candidates else None
-
-
-def format_bytes(n: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``, ``1_000_000`` -> ``"977 KiB"``: three significant digits."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1000 or unit == "TiB":
-            if unit == "B":
-                return f"{n:.0f} B"
-            return f"{n:.3g} {unit}" if abs(n) >= 1 else f"{n:.2f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _needed_bytes(tensors: list[DeferredTensor], dtype: torch.dtype | None) -> int:
@@ -382,7 +417,10 @@ def materialize(
         obj: a tensor, a module (all its parameters, buffers and tensor attributes, recursively),
             or a list/tuple of them.
         device: where the real tensors go; ``None`` keeps each tensor's recorded device.
-        dtype: cast floating-point tensors to this dtype after replay.
+            Parts of ``obj`` that are real already are moved there in place, as
+            ``nn.Module.to`` does (same tensor objects, ties kept).
+        dtype: cast floating-point tensors to this dtype after replay; real parts are cast in
+            place too.
         rng: ``"exact"`` (default): bit-identical to eager construction, whatever was
             materialized before and in whatever grouping. ``"fast"``: every random op draws from
             its own stream seeded from the recorded seed and the op's position; deterministic,
@@ -390,8 +428,12 @@ def materialize(
         keep_cache: keep the recording of these tensors, so that :func:`dematerialize` can make
             them deferred again. By default it is released (with everything no other deferred
             tensor needs).
-        progress: ``True`` for a progress bar, or ``callable(done_bytes, total_bytes)``. If the
-            callable raises (to cancel), nothing is materialized and the exception propagates.
+        progress: ``True`` for a progress bar, or ``callable(done_bytes, total_bytes)`` (or
+            ``callable(done_bytes, total_bytes, phase)``): bytes of memory the requested tensors
+            hold when done, in ``dtype``; the total is known before anything runs and never
+            changes. ``phase`` says in words what runs meanwhile (regenerating a random
+            stream, reading checkpoint files). If the callable raises (to cancel), nothing is
+            materialized and the exception propagates.
         checkpoint: path(s) of ``.safetensors`` files (or a sharded set's index JSON) to load the
             values from instead of replaying the initialisation. Parts of ``obj`` that are real
             already are loaded too, in place (same tensor objects, ties kept).
@@ -421,7 +463,7 @@ def materialize(
                 t for t in collected
                 if not isinstance(t, DeferredTensor) and not t.is_meta
             ]  # fmt: skip
-            if not tensors and (checkpoint is None or not reals):
+            if not tensors and not reals:
                 return obj
             failure: BaseException | None = None
             try:
@@ -484,13 +526,18 @@ def _materialize_now(
 ) -> list[torch.Tensor]:  # fmt: skip
     """Compute everything, then swap it into place; nothing changes if anything fails."""
     loaded: dict[int, torch.Tensor] = {}
+    tracker = _MemoryProgress(callback, tensors, dtype) if callback is not None else None
     if checkpoint is not None:
         from jupyter_metainit.core._checkpoint import load_for
 
+        if tracker is not None:
+            tracker.phase("reading checkpoint files")
         loaded = load_for(obj, [*tensors, *reals], checkpoint, device, missing, dtype, root)
+        if tracker is not None:
+            tracker.loaded([t for t in tensors if id(t) in loaded])
     to_replay = [t for t in tensors if id(t) not in loaded]
     sources = {id(t): ("checkpoint" if id(t) in loaded else tensor_source(t)) for t in tensors}
-    env = execute(plan([t._rec for t in to_replay]), device, rng, callback)
+    env = execute(plan([t._rec for t in to_replay]), device, rng, tracker)
     used: set[int] = set()
     new = []
     for t in tensors:
@@ -505,6 +552,7 @@ def _materialize_now(
     from_file = [sources[id(t)] == "checkpoint" and id(t) not in loaded for t in tensors]
     digests = [digest(r) if keep and not f else None for r, f in zip(new, from_file, strict=True)]
     kept = [keep or f for f in from_file]
+    converted = _converted_reals([t for t in reals if id(t) not in loaded], device, dtype)
     with critical():
         _swap_all(tensors, new, digests, kept)
         with torch.no_grad():
@@ -512,7 +560,40 @@ def _materialize_now(
                 if id(t) in loaded:
                     value = loaded[id(t)]
                     t.copy_(value if value.dtype == t.dtype else value.to(t.dtype))
-    return [*tensors, *(t for t in reals if id(t) in loaded)]
+        for t, data in converted:
+            _set_data_keeping_shadow(t, data)
+    return [*tensors, *(t for t in reals if id(t) in loaded), *(t for t, _ in converted)]
+
+
+def _converted_reals(
+    reals: list[torch.Tensor], device: torch.device | None, dtype: torch.dtype | None
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Already-real parts that ``device``/``dtype`` ask to move or cast, with their new data.
+
+    They are converted the way ``nn.Module.to`` does it (``t.data = ...``): the same tensor
+    objects, so ties, optimizer references and hooks stay. Computed before anything changes.
+    """
+    out = []
+    for t in reals:
+        want_dtype = dtype if dtype is not None and t.is_floating_point() else t.dtype
+        want_device = device if device is not None else t.device
+        if t.dtype == want_dtype and t.device == want_device:
+            continue
+        with torch.no_grad():
+            out.append((t, t.detach().to(want_device, want_dtype)))
+    return out
+
+
+def _set_data_keeping_shadow(t: torch.Tensor, data: torch.Tensor) -> None:
+    """Replace ``t``'s data by a converted copy; a kept shadow then describes the new memory,
+    so that :func:`dematerialize` still sees an unchanged tensor (the conversion is ours)."""
+    holder = t.__dict__.get("_jmi_shadow")
+    t.data = data
+    if holder is not None and holder.deferred is not None:
+        holder.version = t._version
+        holder.data_ptr = t.data_ptr()
+        if holder.digest is not None:
+            holder.digest = digest(t)
 
 
 def _swap_all(

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core._interrupts import hold_interrupts, release_interrupts
+from jupyter_metainit.core._interrupts import hold_interrupts, protect, release_interrupts
 
 
 class plain:
@@ -56,6 +56,10 @@ class subclass_functions_off:
             self._guard.__exit__(*exc)
         finally:
             release_interrupts(raise_pending=exc[0] is None)
+
+
+protect(plain.__enter__, plain.__exit__, subclass_functions_off.__enter__,
+        subclass_functions_off.__exit__)  # fmt: skip
 
 
 def map_args(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

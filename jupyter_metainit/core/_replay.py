@@ -30,6 +30,7 @@ from jupyter_metainit.core._graph import (
     OpRecord,
     StorageRecord,
     TensorRecord,
+    constant_op,
 )
 from jupyter_metainit.core._interrupts import check, critical, handling_interrupts, interrupted
 from jupyter_metainit.core._plain import plain
@@ -38,7 +39,19 @@ from jupyter_metainit.core.errors import DeferredDataError, MaterializationError
 
 __all__ = ["Plan", "compute_values", "execute", "plan", "real_view"]
 
-Progress = Callable[[int, int], None]
+
+class Progress:
+    """What a replay tells about its progress (``materialize`` turns it into bytes of memory).
+
+    ``storage_done`` is called once per requested storage, when its last write has run: its
+    memory is final. ``phase`` describes work that is not memory, in words.
+    """
+
+    def storage_done(self, storage: StorageRecord) -> None:  # pragma: no cover - interface
+        pass
+
+    def phase(self, text: str) -> None:  # pragma: no cover - interface
+        pass
 
 
 class Plan:
@@ -245,8 +258,23 @@ class _Run:
         self.rng = rng
         self.env: dict[int, torch.Tensor] = {}
         self.progress = progress
-        self.done = 0
-        self.total = sum(_op_bytes(op) for op in p.ops)
+        self.last_phase = ""
+        # op index -> targets whose memory is final once that op has run
+        self.finishing: dict[int, list[StorageRecord]] = {}
+        if progress is not None:
+            last_write: dict[int, int] = {}
+            for i, op in enumerate(p.ops):
+                for r in op.outputs:
+                    if r is not None:
+                        last_write[id(r.storage)] = i
+                for s in op.mutates:
+                    last_write[id(s)] = i
+            for s in p.targets:
+                i = last_write.get(id(s))
+                if i is None:
+                    progress.storage_done(s)  # nothing to run: cached, or made before
+                else:
+                    self.finishing.setdefault(i, []).append(s)
         self.generators: dict[int, tuple[torch.Generator, int]] = {}
         self.checked: set[int] = set()  # External inputs verified unchanged
         written = {id(r.storage) for op in p.ops for r in op.outputs if r is not None}
@@ -268,13 +296,16 @@ class _Run:
             keep |= {sid for sid, (s, _n) in p.versions.items() if retain(s)}
         for sid in keep:
             self.last_use[sid] = len(p.ops)
-        if rng == "exact":
-            self.total += _burn_estimate(p)
 
-    def advance(self, nbytes: int) -> None:
-        self.done += nbytes
-        if self.progress is not None and nbytes:
-            self.progress(self.done, max(self.total, self.done))
+    def phase(self, text: str) -> None:
+        if self.progress is not None and text != self.last_phase:
+            self.last_phase = text
+            self.progress.phase(text)
+
+    def finished(self, index: int) -> None:
+        if self.progress is not None:
+            for s in self.finishing.get(index, ()):
+                self.progress.storage_done(s)
 
     # tensors -----------------------------------------------------------------------------
     def real(self, r: TensorRecord, device: torch.device) -> torch.Tensor:
@@ -332,10 +363,12 @@ class _Run:
             )
         if getattr(op.func, "host_op", False):
             # Constants and file reads: produced on the CPU, then moved.
+            if op.func is not constant_op:
+                self.phase("reading checkpoint files")
             out = op.func(*op.args)
             out = out.to(device) if out.device != device else out
             self._store(op, (out,))
-            self.advance(_op_bytes(op))
+            self.finished(index)
             return
         args = tree_map(lambda x: self.arg(x, device), op.args)
         kwargs = tree_map(lambda x: self.arg(x, device), op.kwargs)
@@ -343,12 +376,14 @@ class _Run:
             kwargs["device"] = device
         with default_dtype_as(op.default_dtype):
             if op.rng is not None:
+                self.phase("generating random values")
                 out = self._run_random(op, args, kwargs, device)
             else:
+                self.phase("computing")
                 out = op.func(*args, **kwargs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         self._store(op, outs)
-        self.advance(_op_bytes(op))
+        self.finished(index)
 
     def _store(self, op: OpRecord, outs: Any) -> None:
         for rec, o in zip(op.outputs, outs, strict=False):
@@ -401,7 +436,7 @@ class _Run:
         return out
 
     def _burn_progress(self, nbytes: int) -> None:
-        self.advance(nbytes)
+        self.phase("regenerating the random stream up to this part (no memory)")
 
     def release(self, index: int, op: OpRecord) -> None:
         for s in op.reads:
@@ -435,14 +470,6 @@ def _op_bytes(op: OpRecord) -> int:
     if op.rng is not None and total == 0:
         total = op.rng.segment.specs[op.rng.index].nbytes
     return total
-
-
-def _burn_estimate(p: Plan) -> int:
-    first: dict[int, tuple[Any, int]] = {}
-    for op in p.ops:
-        if op.rng is not None and id(op.rng.segment) not in first:
-            first[id(op.rng.segment)] = (op.rng.segment, op.rng.index)
-    return sum(_rng.burn_bytes(seg, idx) for seg, idx in first.values())
 
 
 def _components(ops: list[OpRecord]) -> list[list[tuple[int, OpRecord]]]:

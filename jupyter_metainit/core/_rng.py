@@ -479,12 +479,6 @@ def state_before(
         return state
 
 
-def burn_bytes(segment: RngSegment, index: int) -> int:
-    """Bytes of random numbers that must be regenerated to reach op ``index`` (for progress)."""
-    start = segment.nearest_checkpoint(index)
-    return sum(s.nbytes for s in segment.specs[start:index])
-
-
 def fast_generator(segment: RngSegment, index: int, device: torch.device) -> torch.Generator:
     """A generator of its own for op ``index``: seeded from the segment and the op's position."""
     digest = hashlib.blake2b(segment.seed_key + index.to_bytes(8, "little"), digest_size=8).digest()

@@ -23,6 +23,7 @@ import torch
 from jupyter_metainit.core import materialize
 from jupyter_metainit.core._materialize import iter_deferred, progress_callback
 from jupyter_metainit.core._tensor import DeferredTensor
+from jupyter_metainit.core._walk import named_tensors, own_tensors
 from jupyter_metainit.core.errors import MaterializationError
 
 __all__ = ["materialize_sharded"]
@@ -60,8 +61,8 @@ def _module_locals(module: torch.nn.Module) -> list[DeferredTensor]:
     """Deferred parameters and buffers, with DTensors replaced by their local tensors."""
     out = []
     for m in module.modules():
-        for t in [*m._parameters.values(), *m._buffers.values()]:
-            local = _local(t)
+        for own in own_tensors(m):
+            local = _local(own.tensor)
             if local is not None:
                 out.append(local)
     return out
@@ -70,12 +71,10 @@ def _module_locals(module: torch.nn.Module) -> list[DeferredTensor]:
 def _shard_names(module: torch.nn.Module) -> dict[int, str]:
     """``id(deferred local tensor)`` -> qualified name, for DTensor parameters and buffers."""
     names: dict[int, str] = {}
-    tensors = list(module.named_parameters(remove_duplicate=False))
-    tensors += list(module.named_buffers(remove_duplicate=False))
-    for name, t in tensors:
+    for prefix, (name, t, _) in named_tensors(module):
         local = _local(t)
         if local is not None and local is not t:
-            names.setdefault(id(local), name)
+            names.setdefault(id(local), f"{prefix}.{name}" if prefix else name)
     return names
 
 

@@ -16,6 +16,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from jupyter_metainit.core import tensor_source, tensor_state
+from jupyter_metainit.core._walk import own_tensors
 
 __all__ = ["MemoryTable", "memory_table"]
 
@@ -88,9 +89,26 @@ class MemoryTable(pd.DataFrame):
         return MemoryTable
 
     def _repr_html_(self) -> str | None:
+        return self.to_html_view(compact=self.attrs.get("view") != "full")
+
+    def full(self) -> MemoryTable:
+        """The same table, displayed with all its columns (the default view is compact)."""
+        out = self.copy()
+        out.attrs["view"] = "full"
+        return out
+
+    def to_html_view(self, *, compact: bool = True) -> str:
+        """The HTML Jupyter shows: compact (fits a 1000 px notebook) or with every column."""
         from jupyter_metainit.estimates.render import render_html
 
-        return render_html(self)
+        html = render_html(self, columns="compact" if compact else None)
+        if compact:
+            html += (
+                "<p style='font-size: smaller; opacity: 0.7'>Compact view; "
+                "<code>table.full()</code> (or <code>%meta_table ... --full</code>) shows "
+                "every column.</p>"
+            )
+        return html
 
 
 def _whatif_bits(dtype: torch.dtype | str | None) -> tuple[int | None, str | None]:
@@ -232,14 +250,10 @@ def memory_table(
     sources: list[set[str]] = [set() for _ in range(n)]
     bytes_by_dtype: dict[str, int] = {}
 
+    kinds = {"parameter": 0, "buffer": 1, "non-persistent buffer": 2}
+
     def tensor_entries(mod: nn.Module) -> Iterable[tuple[torch.Tensor, int]]:
-        for p in mod._parameters.values():
-            if p is not None:
-                yield p, 0
-        np_set = mod._non_persistent_buffers_set
-        for bname, b in mod._buffers.items():
-            if b is not None:
-                yield b, 2 if bname in np_set else 1
+        return [(own.tensor, kinds[own.kind]) for own in own_tensors(mod)]
 
     for i, mod in enumerate(mods):
         seen_here: set[int] = set()

@@ -11,9 +11,10 @@ from typing import Any
 
 import pandas as pd
 
-__all__ = ["format_bytes", "format_count", "format_table", "render_html", "to_text"]
+from jupyter_metainit.core._format import format_bytes
 
-_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
+__all__ = ["format_table", "render_html", "to_text"]
+
 
 BYTE_COLUMNS = (
     "param_bytes",
@@ -84,25 +85,13 @@ _HIGHLIGHT = "background-color: rgba(255, 165, 0, 0.25); font-weight: bold"
 _BAR_COLOR = "rgba(100, 149, 237, 0.35)"
 
 
-def format_bytes(n: Any) -> str:
-    """``1536`` -> ``"1.50 KiB"`` (binary units); missing values -> ``""``."""
-    if n is None or pd.isna(n):
-        return ""
-    value = float(n)
-    unit = 0
-    while abs(value) >= 1024 and unit < len(_UNITS) - 1:
-        value /= 1024
-        unit += 1
-    if unit == 0:
-        return f"{int(value):,} B"
-    return f"{value:,.2f} {_UNITS[unit]}"
+def _bytes_cell(n: Any) -> str:
+    return "" if n is None or pd.isna(n) else format_bytes(n)
 
 
-def format_count(n: Any) -> str:
-    """``1234567`` -> ``"1,234,567"``; missing values -> ``""``."""
-    if n is None or pd.isna(n):
-        return ""
-    return f"{int(n):,}"
+def _count_cell(n: Any) -> str:
+    # exact counts in a table (the widget and summaries use the short format_count)
+    return "" if n is None or pd.isna(n) else f"{int(n):,}"
 
 
 def format_shape(shape: Any) -> str:
@@ -118,9 +107,9 @@ def format_shape(shape: Any) -> str:
 
 def _format_cell(column: str, value: Any) -> str:
     if column in BYTE_COLUMNS:
-        return format_bytes(value)
+        return _bytes_cell(value)
     if column in COUNT_COLUMNS:
-        return format_count(value)
+        return _count_cell(value)
     if column == "output_shape":
         return format_shape(value)
     if column == "fits":
@@ -158,9 +147,32 @@ def _pick_rows(table: pd.DataFrame, max_rows: int | None) -> tuple[pd.DataFrame,
     return table.iloc[:max_rows], f"showing {max_rows:,} of {len(table):,} rows"
 
 
+# What fits a 1000 px notebook: the columns people look at first (full view: table.full()).
+COMPACT_COLUMNS = (
+    "type",
+    "params",
+    "total_bytes",
+    "dtypes",
+    "state",
+    "source",
+    "output_shape",
+    "activation_bytes",
+    "peak_forward_bytes",
+    "fits",
+    "headroom_bytes",
+)
+
+
 def _columns(table: pd.DataFrame, columns: Sequence[str] | str | None) -> list[str]:
     if columns == "all":
         return list(table.columns)
+    if columns == "compact":
+        informative = [
+            c
+            for c in COMPACT_COLUMNS
+            if c in table.columns and not (c == "source" and not table[c].astype(bool).any())
+        ]
+        return informative
     wanted = DEFAULT_COLUMNS if columns is None else columns
     return [c for c in wanted if c in table.columns]
 

@@ -6,8 +6,8 @@ import pandas as pd
 import torch
 from torch import nn
 
+from jupyter_metainit.core._format import format_bytes
 from jupyter_metainit.estimates.memory import memory_table
-from jupyter_metainit.estimates.render import format_bytes
 
 __all__ = ["summary"]
 

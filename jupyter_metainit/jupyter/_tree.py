@@ -7,34 +7,34 @@ and sends only the rows that changed.  Shared (tied) tensors are counted once in
 
 from __future__ import annotations
 
-import functools
 import hashlib
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-__all__ = ["ModuleTree", "tensor_state"]
+from jupyter_metainit.core import tensor_state
+from jupyter_metainit.core._walk import own_tensors
+
+__all__ = ["ModuleTree", "NodeStats"]
 
 _EXTRA_REPR_MAX = 80
+_DTYPE_SHORT = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float16: "fp16",
+    torch.float64: "fp64",
+    torch.float8_e4m3fn: "fp8",
+    torch.float8_e5m2: "fp8",
+    torch.complex64: "c64",
+    torch.complex128: "c128",
+}
 
 
-@functools.cache
-def _core_tensor_state() -> Callable[[torch.Tensor], str] | None:
-    try:
-        from jupyter_metainit.core import tensor_state as core_state
-    except ImportError:  # no core: plain meta tensors count as deferred
-        return None
-    return core_state
-
-
-def tensor_state(t: torch.Tensor) -> str:
-    """``"deferred"`` or the device a tensor's data really lives on (``"cpu"``, ``"cuda:0"``)."""
-    core_state = _core_tensor_state()
-    if core_state is not None:
-        return core_state(t)
-    return "deferred" if t.is_meta else str(t.device)
+def dtype_label(t: torch.Tensor) -> str:
+    """``"bf16"``, ``"fp32"``, ``"int64"``: what a dtype badge shows."""
+    return _DTYPE_SHORT.get(t.dtype, str(t.dtype).removeprefix("torch."))
 
 
 def _numel(t: torch.Tensor) -> int:
@@ -48,13 +48,31 @@ def _nbytes(t: torch.Tensor) -> int:
     return _numel(t) * t.dtype.itemsize
 
 
+def _summary(values: set[str]) -> str:
+    return values.pop() if len(values) == 1 else ("mixed" if values else "")
+
+
 @dataclass
 class NodeStats:
-    """Totals of one subtree: unique parameters, bytes of unique params+buffers, and state."""
+    """Totals of one subtree.
+
+    ``params``/``bytes``: unique tensors of the subtree (a tied tensor once). ``share_bytes``:
+    bytes of the tensors attributed to this subtree, each tensor to its first holder in module
+    order, so siblings' shares never add up past their parent's. ``state``: ``"deferred"``, a
+    device, ``"mixed"``... ``dtype``: ``"bf16"``, ``"fp32"``, ``"mixed"`` (floating tensors; other
+    dtypes only when there are none). ``target``: the device deferred tensors will go to when it
+    is not the CPU.
+    """
 
     params: int = 0
     bytes: int = 0
+    share_bytes: int = 0
     state: str = ""
+    dtype: str = ""
+    target: str = ""
+
+    def row(self) -> list:
+        return [self.params, self.bytes, self.state, self.dtype, self.share_bytes, self.target]
 
 
 @dataclass
@@ -90,9 +108,25 @@ class ModuleTree:
     # ----------------------------------------------------------------- tensors and statistics
     def own_tensors(self, node: int) -> list[tuple[torch.Tensor, bool]]:
         """The parameters (True) and buffers (False) a node holds directly."""
-        m = self.modules[node]
-        out = [(p, True) for p in m._parameters.values() if p is not None]
-        out += [(b, False) for b in m._buffers.values() if b is not None]
+        return [(o.tensor, o.kind == "parameter") for o in own_tensors(self.modules[node])]
+
+    def holders(self) -> dict[int, list[int]]:
+        """``id(tensor)`` -> the nodes holding it directly, in module order (ties: several)."""
+        out: dict[int, list[int]] = {}
+        for node in range(len(self.names)):
+            for t, _ in self.own_tensors(node):
+                nodes = out.setdefault(id(t), [])
+                if node not in nodes:
+                    nodes.append(node)
+        return out
+
+    def tied(self) -> list[list[int]]:
+        """Per node, the other nodes holding one of its own tensors (tied weights)."""
+        out: list[list[int]] = [[] for _ in self.names]
+        for nodes in self.holders().values():
+            if len(nodes) > 1:
+                for node in nodes:
+                    out[node].extend(n for n in nodes if n != node and n not in out[node])
         return out
 
     def subtree_tensors(self) -> list[dict[int, tuple[torch.Tensor, bool]]]:
@@ -107,17 +141,32 @@ class ModuleTree:
         return sets
 
     def stats(self) -> list[NodeStats]:
-        """Parameter count, bytes and state of every subtree, tied tensors counted once."""
+        """Totals, state, dtype and share of every subtree, tied tensors counted once."""
+        first_holder = {key: nodes[0] for key, nodes in self.holders().items()}
+        share = [0] * len(self.names)
+        for node in range(len(self.names)):
+            share[node] = sum(
+                _nbytes(t) for t, _ in self.own_tensors(node) if first_holder[id(t)] == node
+            )
+        for node in range(len(self.names) - 1, 0, -1):  # children come after parents
+            share[self.parents[node]] += share[node]
         out = []
-        for tensors in self.subtree_tensors():
-            st = NodeStats()
-            states = set()
+        for node, tensors in enumerate(self.subtree_tensors()):
+            st = NodeStats(share_bytes=share[node])
+            states, floats, others, targets = set(), set(), set(), set()
             for t, is_param in tensors.values():
                 if is_param:
                     st.params += _numel(t)
                 st.bytes += _nbytes(t)
-                states.add(tensor_state(t))
-            st.state = states.pop() if len(states) == 1 else ("mixed" if states else "")
+                state = tensor_state(t)
+                states.add(state)
+                (floats if t.is_floating_point() else others).add(dtype_label(t))
+                if state == "deferred":
+                    targets.add(str(t.device))
+            st.state = _summary(states)
+            st.dtype = _summary(floats or others)
+            target = _summary(targets)
+            st.target = "" if target in ("cpu", "") else target
             out.append(st)
         return out
 
@@ -147,7 +196,19 @@ class ModuleTree:
             "bytes": nbytes,
             "bytes_as": nbytes_as,
             "states": states,
+            "also": self._also(nodes, union),
         }
+
+    def _also(self, nodes: list[int], union: dict) -> list[str]:
+        """Modules outside the selected subtrees that hold one of its tensors (tied weights):
+        materializing the selection makes their tensors real too."""
+        inside = set(nodes)
+        for node in range(len(self.names)):
+            if self.parents[node] in inside:
+                inside.add(node)
+        holders = self.holders()
+        outside = {n for key in union for n in holders.get(key, []) if n not in inside}
+        return [self.names[n] for n in sorted(outside)]
 
     def normalize_selection(self, nodes: Iterable[int]) -> list[int]:
         """Canonical selection: sorted, no node inside another, and a node whose children are
@@ -213,10 +274,13 @@ class ModuleTree:
         """The whole tree as one compact JSON structure (rows of arrays, types interned).
 
         Row layout: ``[parent, local_name, type_index, params, bytes, state, rep_i, rep_n,
-        info, own]`` where ``info`` is a leaf module's ``extra_repr()`` (shortened), else
-        ``""``, and ``own`` is 1 when the module holds parameters or buffers itself.
+        info, own, dtype, share_bytes, target, tied]`` where ``info`` is a leaf module's
+        ``extra_repr()`` (shortened), else ``""``, ``own`` is 1 when the module holds
+        parameters or buffers itself, and ``tied`` lists the nodes sharing a tensor with it
+        (see :class:`NodeStats` for the rest).
         """
         stats = stats if stats is not None else self.stats()
+        tied = self.tied()
         types: list[str] = []
         type_index: dict[str, int] = {}
         rows = []
@@ -248,8 +312,12 @@ class ModuleTree:
                     1,
                     info,
                     int(bool(self.own_tensors(node))),
+                    st.dtype,
+                    st.share_bytes,
+                    st.target,
+                    tied[node],
                 ]
             )
         for node, (i, n) in enumerate(self.repeats()):
             rows[node][6], rows[node][7] = i, n
-        return {"v": 1, "types": types, "nodes": rows}
+        return {"v": 2, "types": types, "nodes": rows}

@@ -23,6 +23,8 @@ from IPython.display import display
 from torch import nn
 from torch.nn.parameter import is_lazy
 
+from jupyter_metainit.core._format import format_bytes, format_count
+from jupyter_metainit.core._walk import unique_tensors
 from jupyter_metainit.jupyter.cell_runner import run_cell_body
 from jupyter_metainit.jupyter.magic_options import (
     parse_depth,
@@ -36,29 +38,10 @@ __all__ = ["MetaInitMagics", "load_ipython_extension", "unload_ipython_extension
 _EVAL_ERRORS = (NameError, AttributeError, LookupError, SyntaxError)
 
 
-def _human_bytes(n: int) -> str:
-    value = float(n)
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if value < 1024 or unit == "TiB":
-            return f"{value:.0f} {unit}" if unit == "B" else f"{value:.1f} {unit}"
-        value /= 1024
-    raise AssertionError("unreachable")
-
-
-def _human_count(n: int) -> str:
-    for unit, scale in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
-        if n >= scale:
-            return f"{n / scale:.2f} {unit}"
-    return str(n)
-
-
 def _tensors(obj: Any) -> list[torch.Tensor]:
     """Parameters and buffers of a module (shared ones once), or the tensor(s) themselves."""
     if isinstance(obj, nn.Module):
-        seen: dict[int, torch.Tensor] = {}
-        for t in [*obj.parameters(), *obj.buffers()]:
-            seen.setdefault(id(t), t)
-        return list(seen.values())
+        return unique_tensors(obj)
     if isinstance(obj, torch.Tensor):
         return [obj]
     return [t for item in obj for t in _tensors(item)]
@@ -86,7 +69,7 @@ def summary_line(name: str, obj: Any) -> str:
     else:
         params = sum(t.numel() for t in known)
     size = sum(t.numel() * t.element_size() for t in known)
-    parts = [type(obj).__name__, f"{_human_count(params)} parameters", _human_bytes(size)]
+    parts = [type(obj).__name__, f"{format_count(params)} parameters", format_bytes(size)]
     if lazy:
         parts.append(f"{lazy} lazy tensor{'s' if lazy > 1 else ''}")
     parts.extend(sorted({_state(t) for t in known}) or ([] if lazy else ["no tensors"]))
@@ -318,6 +301,7 @@ class MetaInitMagics(Magics):
         metavar="DT",
         help="Estimate sizes as if floating tensors had this dtype (bf16, fp16, int8, int4...).",
     )
+    @argument("--full", action="store_true", help="Show every column (default: compact).")
     @line_magic
     def meta_table(self, line: str) -> Any:
         """Return the memory table (a pandas DataFrame) of the module EXPR.
@@ -331,7 +315,8 @@ class MetaInitMagics(Magics):
         if not isinstance(obj, nn.Module):
             kind = "tensor" if isinstance(obj, torch.Tensor) else type(obj).__name__
             raise UsageError(f"%meta_table: {expr} is a {kind}, not a torch.nn.Module")
-        return _memory_table(obj, parse_depth(args.depth), args.dtype)
+        table = _memory_table(obj, parse_depth(args.depth), args.dtype)
+        return table.full() if args.full else table
 
 
 def _one_line_errors(magic: str, action: Any, force_hint: str = "") -> None:

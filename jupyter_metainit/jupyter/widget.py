@@ -1,9 +1,14 @@
 """The clickable model tree that ``%%meta_init`` shows under the cell.
 
 Use :func:`explore` on any ``nn.Module`` (deferred, real or a mix) to see its hierarchy with
-parameter counts, sizes and where each part lives, to select subtrees with checkboxes, and to
-materialize or free them with a button.  The front end never sends code: only actions on
-qualified module names, which this side checks against the tree before calling the core.
+parameter counts, sizes, dtypes and where each part lives, to select subtrees with checkboxes,
+and to materialize or free them with a button.
+
+The kernel owns the truth: the page can only request actions and set the selection and the
+options (``_PAGE_WRITABLE``); every other trait describes the kernel and is refused when the page
+writes it. Every widget showing a model follows it whoever changes it (code, magics, another
+widget, ``materialize_sharded``): the core publishes what it changed (``core._events``), and the
+widget refreshes once per burst of changes, with no polling while idle.
 """
 
 from __future__ import annotations
@@ -11,6 +16,7 @@ from __future__ import annotations
 import pathlib
 import threading
 import time
+import weakref
 from collections.abc import Iterable, Sequence
 from html import escape
 from typing import Any
@@ -20,9 +26,14 @@ import torch
 import traitlets
 from torch import nn
 
+from jupyter_metainit import core
+from jupyter_metainit.core import _events
+from jupyter_metainit.core._busy import busy_with as core_busy_with
+from jupyter_metainit.core._format import format_bytes, format_count
+from jupyter_metainit.estimates import memory_table
 from jupyter_metainit.jupyter._tree import ModuleTree, NodeStats
 
-__all__ = ["ModuleTreeWidget", "explore"]
+__all__ = ["ModuleTreeWidget", "explore", "widgets_of"]
 
 _STATIC = pathlib.Path(__file__).parent / "static"
 _DTYPES: dict[str, torch.dtype | None] = {
@@ -32,19 +43,29 @@ _DTYPES: dict[str, torch.dtype | None] = {
     "float16": torch.float16,
 }
 _PROGRESS_INTERVAL_S = 0.05  # at most 20 progress messages a second
+_SYNC_DELAY_S = 0.1  # changes published within this window make one refresh
+# What the page may write; everything else describes the kernel.
+_PAGE_WRITABLE = frozenset({"selected", "rng", "dtype", "show_table", "table_full"})
+_live_widgets: weakref.WeakSet[ModuleTreeWidget] = weakref.WeakSet()
+
+
+def widgets_of(module: nn.Module) -> list[ModuleTreeWidget]:
+    """The open widgets showing ``module`` (as their model or a part of it).
+
+    ``%%meta_init`` displays a widget without binding it to a name; this finds it again::
+
+        (w,) = jupyter_metainit.widgets_of(model)
+        w.selected = ["model.layers.0"]
+    """
+    return [
+        w
+        for w in list(_live_widgets)
+        if w.comm is not None and any(m is module for m in w._tree.modules)
+    ]
 
 
 class ActionCancelled(Exception):
     """Raised from the progress callback when the person clicks Cancel."""
-
-
-def human_bytes(n: float) -> str:
-    """``1536`` -> ``"1.5 KiB"``; the same units the front end shows."""
-    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
-        if abs(n) < 1024 or unit == "TiB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    raise AssertionError("unreachable")
 
 
 def _cuda_devices() -> tuple[list[dict[str, str]], str]:
@@ -57,15 +78,9 @@ def _cuda_devices() -> tuple[list[dict[str, str]], str]:
     for i in range(torch.cuda.device_count()):
         props = torch.cuda.get_device_properties(i)
         devices.append(
-            {"name": f"cuda:{i}", "label": f"{props.name}, {human_bytes(props.total_memory)}"}
+            {"name": f"cuda:{i}", "label": f"{props.name}, {format_bytes(props.total_memory)}"}
         )
     return devices, ""
-
-
-def _core() -> Any:
-    import jupyter_metainit.core as core  # imported late: the widget must load without it
-
-    return core
 
 
 def _is_oom(exc: BaseException) -> bool:
@@ -82,35 +97,43 @@ class ModuleTreeWidget(anywidget.AnyWidget):
 
     Read or set the selection from Python with ``w.selected`` (qualified module names,
     ``""`` is the whole model).  ``w.materialize("cpu")`` and ``w.free()`` do what the buttons
-    do, for the current selection.  After changing the model from code, ``w.refresh()``
-    updates the badges and totals.
+    do, for the current selection.  The widget follows the model by itself: whatever
+    materializes or frees a part of it (code, a magic, another widget) shows here within a
+    fraction of a second.
     """
 
     _esm = _STATIC / "widget.js"
     _css = _STATIC / "widget.css"
 
+    # kernel-owned: the page's writes are refused (see set_state)
     tree = traitlets.Dict(help="The whole tree, sent once; later changes come as patches.").tag(
-        sync=True
-    )
-    selected = traitlets.List(traitlets.Unicode(), help="Selected subtrees (qualified names).").tag(
         sync=True
     )
     selection = traitlets.Dict(help="Totals of the selection, computed here.").tag(sync=True)
     expand_depth = traitlets.Int(2, help="Depth the tree opens to at first.").tag(sync=True)
     busy = traitlets.Unicode("", help="The running action, '' when idle.").tag(sync=True)
-    progress = traitlets.List([0, 0], help="[bytes done, bytes total] of the action.").tag(
-        sync=True
-    )
-    error = traitlets.Unicode("", help="The last error, in plain words.").tag(sync=True)
+    progress = traitlets.List(
+        [0, 0], help="[bytes held so far, bytes the selection holds when done]."
+    ).tag(sync=True)
+    phase = traitlets.Unicode("", help="What the running action does now, in words.").tag(sync=True)
+    error = traitlets.Unicode("", help="Why the last action failed, in plain words.").tag(sync=True)
     status = traitlets.Unicode("", help="What the last action did.").tag(sync=True)
-    rng = traitlets.Enum(["exact", "fast"], "exact").tag(sync=True)
-    dtype = traitlets.Enum(list(_DTYPES), "", help="'' keeps each tensor's dtype.").tag(sync=True)
+    notice = traitlets.Dict(
+        {"id": 0, "text": ""}, help="A refused request: shown briefly, beside the status."
+    ).tag(sync=True)
     devices = traitlets.List(help="Visible CUDA devices.").tag(sync=True)
     no_cuda_reason = traitlets.Unicode("").tag(sync=True)
+    table_html = traitlets.Unicode("").tag(sync=True)
+    # page-writable: the selection and the options of the next action
+    selected = traitlets.List(traitlets.Unicode(), help="Selected subtrees (qualified names).").tag(
+        sync=True
+    )
+    rng = traitlets.Enum(["exact", "fast"], "exact").tag(sync=True)
+    dtype = traitlets.Enum(list(_DTYPES), "", help="'' keeps each tensor's dtype.").tag(sync=True)
     show_table = traitlets.Bool(False, help="Show the memory table of the selection.").tag(
         sync=True
     )
-    table_html = traitlets.Unicode("").tag(sync=True)
+    table_full = traitlets.Bool(False, help="All columns of the memory table.").tag(sync=True)
 
     def __init__(self, module: nn.Module, *, depth: int = 2, **kwargs: Any) -> None:
         if not isinstance(module, nn.Module):
@@ -118,9 +141,13 @@ class ModuleTreeWidget(anywidget.AnyWidget):
         self.module = module
         self._tree = ModuleTree.build(module)
         self._stats = self._tree.stats()
+        self._ids = self._tensor_ids()
         devices, reason = _cuda_devices()
         self._worker: threading.Thread | None = None
         self._cancel = threading.Event()
+        self._action_lock = threading.Lock()  # check-and-set of `busy`, from any thread
+        self._refresh_lock = threading.Lock()
+        self._sync_timer: threading.Timer | None = None
         self._last_progress = 0.0
         super().__init__(
             tree=self._tree.to_json(self._stats),
@@ -131,16 +158,40 @@ class ModuleTreeWidget(anywidget.AnyWidget):
         )
         self.selection = self._selection_summary()
         self.on_msg(self._on_msg)
+        _events.subscribe(self._on_core_change)
+        _live_widgets.add(self)
 
     def __repr__(self) -> str:
         # What plain-text front ends (terminals, nbconvert to text) show instead of the tree.
-        from jupyter_metainit.estimates.render import format_bytes, format_count
-
         root = self._stats[0]
         return (
             f"ModuleTreeWidget({type(self.module).__name__}: {format_count(root.params)} params, "
             f"{format_bytes(root.bytes)}, {root.state})"
         )
+
+    # ------------------------------------------------------------------ what the page may write
+    def set_state(self, sync_data: dict) -> None:
+        """Apply the page's writes of page-writable traits; refuse the rest, visibly.
+
+        A refused or invalid write is undone on the page (the kernel's value is sent back)
+        and said in a notice; nothing in the kernel changes.
+        """
+        allowed = {k: v for k, v in sync_data.items() if k in _PAGE_WRITABLE}
+        refused = sorted(set(sync_data) - set(allowed))
+        if refused:
+            self._notify(
+                f"Ignored a change of {', '.join(refused)} from the page: the kernel owns it."
+            )
+            self.send_state(refused)
+        for key, value in allowed.items():
+            try:
+                super().set_state({key: value})
+            except (traitlets.TraitError, TypeError, ValueError) as exc:
+                self._notify(f"Refused from the page: {exc}")
+                self.send_state([key])
+
+    def _notify(self, text: str) -> None:
+        self.notice = {"id": int(self.notice.get("id", 0)) + 1, "text": text}
 
     # ------------------------------------------------------------------ selection
     @traitlets.validate("selected")
@@ -167,7 +218,7 @@ class ModuleTreeWidget(anywidget.AnyWidget):
         return self._tree.selection_stats(nodes, _DTYPES[self.dtype])
 
     # ------------------------------------------------------------------ table
-    @traitlets.observe("show_table")
+    @traitlets.observe("show_table", "table_full")
     def _on_show_table(self, _change: dict) -> None:
         self._update_table()
 
@@ -182,56 +233,40 @@ class ModuleTreeWidget(anywidget.AnyWidget):
             self.error = f"Could not build the memory table: {type(exc).__name__}: {exc}"
 
     def _table_html(self) -> str:
+        """The memory table of the selection (of the model, to the tree's depth, if none)."""
         names = self.selected or [""]
-        dtype = _DTYPES[self.dtype]
-        try:
-            from jupyter_metainit.estimates import memory_table
-        except ImportError:
-            memory_table = None
-        if memory_table is not None:
-            parts = []
-            for name in names:
-                table = memory_table(self.module.get_submodule(name), depth=1, dtype=dtype)
-                html = table._repr_html_() if hasattr(table, "_repr_html_") else None
-                if len(names) > 1:
-                    parts.append(f"<h4 class='jmi-table-title'>{escape(name or '(model)')}</h4>")
-                parts.append(html or table.to_html(border=0))
-            return "\n".join(parts)
-        return self._fallback_table(names).to_html(border=0, index=False, classes="jmi-table")
-
-    def _fallback_table(self, names: Sequence[str]) -> Any:
-        import pandas as pd
-
-        rows = []
+        depth = 1 if self.selected else max(1, self.expand_depth)
+        parts = []
         for name in names:
-            for node in [self._tree.index[name], *self._tree.children[self._tree.index[name]]]:
-                st = self._stats[node]
-                rows.append(
-                    {
-                        "module": self._tree.names[node] or "(model)",
-                        "type": type(self._tree.modules[node]).__name__,
-                        "params": st.params,
-                        "size": human_bytes(st.bytes),
-                        "state": st.state,
-                    }
-                )
-        return pd.DataFrame(rows)
+            table = memory_table(
+                self.module.get_submodule(name), depth=depth, dtype=_DTYPES[self.dtype]
+            )
+            if len(names) > 1:
+                parts.append(f"<h4 class='jmi-table-title'>{escape(name or '(model)')}</h4>")
+            parts.append(table.to_html_view(compact=not self.table_full))
+        return "\n".join(parts)
 
     # ------------------------------------------------------------------ actions
     def _on_msg(self, _widget: Any, content: Any, _buffers: Any) -> None:
+        if isinstance(content, dict) and content.get("id") is not None:
+            self.send({"kind": "ack", "id": content.get("id")})  # the page knows we are alive
         self.handle_action(content)
 
     def handle_action(self, content: Any) -> None:
         """Carry out one action message from the front end (also usable from Python).
 
         ``{"action": "materialize", "device": "cpu" | "cuda:N", "names": [...]}``,
-        ``{"action": "free", "names": [...]}``, ``{"action": "cancel"}`` or
-        ``{"action": "refresh"}``.  Anything invalid is refused with a visible error.
+        ``{"action": "free", "names": [...]}``, ``{"action": "cancel"}``,
+        ``{"action": "refresh"}`` or ``{"action": "ping"}``.  Anything invalid is refused
+        with a brief notice and changes nothing; it never replaces the message of the
+        running or last action.
         """
         if not isinstance(content, dict):
-            self.error = "Ignored a malformed message from the page."
+            self._notify("Ignored a malformed message from the page.")
             return
         action = content.get("action")
+        if action == "ping":
+            return
         if action == "cancel":
             self._cancel.set()
             return
@@ -239,22 +274,24 @@ class ModuleTreeWidget(anywidget.AnyWidget):
             self.refresh()
             return
         if action not in ("materialize", "free"):
-            self.error = f"Unknown action {action!r}."
-            return
-        if self.busy:
-            self.error = f"Still busy with {self.busy}; wait for it or cancel it first."
+            self._notify(f"Unknown action {action!r}; nothing was done.")
             return
         try:
             names = self._check_names(content.get("names"))
             device = self._check_device(content.get("device")) if action == "materialize" else ""
         except ValueError as exc:
-            self.error = str(exc)
+            self._notify(str(exc))
             return
+        with self._action_lock:
+            if self.busy:
+                self._notify(f"Still busy with {self.busy}; wait for it or cancel it first.")
+                return
+            self.busy = f"{action} {device}".strip()
         self.error = ""
         self.status = ""
+        self.phase = "waiting for the model" if core_busy_with() else "starting"
         self._cancel.clear()
-        self.progress = [0, self._tree.selection_stats(self._tree.index[n] for n in names)["bytes"]]
-        self.busy = f"{action} {device}".strip()
+        self.progress = [0, 0]
         self._worker = threading.Thread(
             target=self._run,
             args=(action, names, device),
@@ -285,25 +322,29 @@ class ModuleTreeWidget(anywidget.AnyWidget):
     def _check_device(self, device: Any) -> str:
         if device == "cpu":
             return device
-        if device in {d["name"] for d in self.devices}:
+        if isinstance(device, str) and device in {d["name"] for d in self.devices}:
             return device
         raise ValueError(f"Refused: {device!r} is not a device this kernel can use.")
 
-    def _progress(self, done: int, total: int) -> None:
+    def _progress(self, done: int, total: int, phase: str = "") -> None:
         if self._cancel.is_set():
             raise ActionCancelled
         now = time.monotonic()
-        if now - self._last_progress >= _PROGRESS_INTERVAL_S or done >= total:
+        if (
+            phase != self.phase
+            or done >= total
+            or now - self._last_progress >= _PROGRESS_INTERVAL_S
+        ):
             self._last_progress = now
+            self.phase = phase
             self.progress = [int(done), int(total)]
 
     def _run(self, action: str, names: list[str], device: str) -> None:
         modules = [self.module.get_submodule(n) for n in names]
         what = _describe(names)
-        before = [(s.params, s.bytes, s.state) for s in self._stats]
+        before = [s.row() for s in self._stats]
         t0 = time.monotonic()
         try:
-            core = _core()
             if action == "materialize":
                 core.materialize(
                     modules,
@@ -317,18 +358,19 @@ class ModuleTreeWidget(anywidget.AnyWidget):
                 core.dematerialize(modules)
         except ActionCancelled:
             self.refresh()
-            self.status = f"Cancelled: {what} left as it was."
+            self.status = f"Cancelled; {what} left as it was."
         except Exception as exc:
             self.refresh()
-            after = [(s.params, s.bytes, s.state) for s in self._stats]
-            self.error = _explain(exc, action, device, what, self.selection.get("bytes", 0)) + (
+            after = [s.row() for s in self._stats]
+            self.error = _explain(exc, action, device, what, self.selection.get("bytes_as", 0)) + (
                 " The model was left as it was."
                 if after == before
                 else " Part of the model changed state; see the badges."
             )
         else:
             self.refresh()
-            self.progress = [self.progress[1], self.progress[1]]
+            total = self.progress[1]
+            self.progress = [total, total]
             left = {self._stats[self._tree.index[n]].state for n in names} - {"deferred", ""}
             if action == "free" and left:
                 self.error = (
@@ -338,11 +380,14 @@ class ModuleTreeWidget(anywidget.AnyWidget):
                 return
             took = time.monotonic() - t0
             self.status = (
-                f"Materialized {what} to {device} in {took:.1f} s."
+                f"Materialized {what} on {device}"
+                + (f" as {self.dtype}" if self.dtype else "")
+                + f" in {took:.1f} s."
                 if action == "materialize"
                 else f"Freed {what} (deferred again) in {took:.1f} s."
             )
         finally:
+            self.phase = ""
             self.busy = ""
 
     def wait(self, timeout: float | None = None) -> bool:
@@ -365,24 +410,60 @@ class ModuleTreeWidget(anywidget.AnyWidget):
         if wait:
             self.wait()
 
-    # ------------------------------------------------------------------ updates
+    # ------------------------------------------------------------------ following the model
+    def _tensor_ids(self) -> set[int]:
+        ids = set()
+        for tensors in self._tree.subtree_tensors()[:1]:
+            for t, _ in tensors.values():
+                ids.add(id(t))
+                local = getattr(t, "_local_tensor", None)  # a DTensor's shard
+                if local is not None:
+                    ids.add(id(local))
+        return ids
+
+    def _on_core_change(self, _kind: str, tensors: list[torch.Tensor]) -> None:
+        """The core changed tensors (any thread): refresh once per burst if any is ours."""
+        if self.comm is None or not any(id(t) in self._ids for t in tensors):
+            return
+        with self._refresh_lock:
+            if self._sync_timer is not None:
+                return
+            self._sync_timer = threading.Timer(_SYNC_DELAY_S, self._synced_refresh)
+            self._sync_timer.daemon = True
+            self._sync_timer.start()
+
+    def _synced_refresh(self) -> None:
+        with self._refresh_lock:
+            self._sync_timer = None
+        if self.comm is not None:
+            self.refresh()
+
     def refresh(self) -> None:
         """Recompute every node's totals and state; send the page only the rows that changed."""
-        stats = self._tree.stats()
-        changed = [
-            [node, new.params, new.bytes, new.state]
-            for node, (old, new) in enumerate(zip(self._stats, stats, strict=True))
-            if (old.params, old.bytes, old.state) != (new.params, new.bytes, new.state)
-        ]
-        self._stats: list[NodeStats] = stats
-        rows = self.tree["nodes"]
-        for node, params, nbytes, state in changed:  # keep the synced tree current for reloads
-            rows[node][3], rows[node][4], rows[node][5] = params, nbytes, state
-        if changed:
-            self.send({"kind": "patch", "nodes": changed})
-        self.selection = self._selection_summary()
+        with self._refresh_lock:
+            stats = self._tree.stats()
+            changed = [
+                [node, *new.row()]
+                for node, (old, new) in enumerate(zip(self._stats, stats, strict=True))
+                if old.row() != new.row()
+            ]
+            self._stats: list[NodeStats] = stats
+            rows = self.tree["nodes"]
+            for node, params, nbytes, state, dtype, share, target in changed:
+                # keep the synced tree current for pages opened later
+                rows[node][3], rows[node][4], rows[node][5] = params, nbytes, state
+                rows[node][10], rows[node][11], rows[node][12] = dtype, share, target
+            if changed:
+                self.send({"kind": "patch", "nodes": changed})
+            self.selection = self._selection_summary()
         if self.show_table:
             self._update_table()
+
+    def close(self) -> None:
+        timer = getattr(self, "_sync_timer", None)  # None if __init__ failed
+        if timer is not None:
+            timer.cancel()
+        super().close()
 
 
 def _describe(names: Sequence[str]) -> str:
@@ -396,7 +477,7 @@ def _explain(exc: Exception, action: str, device: str, what: str, nbytes: int) -
     if _is_oom(exc):
         return (
             f"Out of memory: {device or 'the device'} has no room for the "
-            f"{human_bytes(nbytes)} that {what} needs. Try a smaller selection, another "
+            f"{format_bytes(nbytes)} that {what} needs. Try a smaller selection, another "
             "device or a smaller dtype."
         )
     if name == "UnsupportedOperatorError":

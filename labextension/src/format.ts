@@ -1,22 +1,39 @@
-// Human-readable numbers, matching the kernel side's units (binary bytes, B/M/K params).
+// Human-readable numbers: the twin of jupyter_metainit/core/_format.py, tested against the
+// same cases (test/format_cases.json): binary bytes and K/M/B/T counts, three digits.
 
-export function humanBytes(n: number): string {
-  const units = ["B", "KiB", "MiB", "GiB", "TiB"];
-  let u = 0;
-  while (Math.abs(n) >= 1024 && u < units.length - 1) {
-    n /= 1024;
-    u++;
-  }
-  return u === 0 ? `${Math.round(n)} B` : `${n.toFixed(1)} ${units[u]}`;
+/** Three significant digits, trailing zeros kept (1.50, 15.0, 150). */
+function threeDigits(v: number): string {
+  const a = Math.abs(v);
+  if (a >= 99.95) return v.toFixed(0);
+  if (a >= 9.995) return v.toFixed(1);
+  return v.toFixed(2);
 }
 
+const BYTE_UNITS = ["B", "KiB", "MiB", "GiB", "TiB", "PiB"];
+
+export function humanBytes(n: number): string {
+  let v = n;
+  for (let u = 0; u < BYTE_UNITS.length; u++) {
+    if (Math.abs(v) < 999.5 || u === BYTE_UNITS.length - 1) {
+      return u === 0 ? `${Math.round(v)} B` : `${threeDigits(v)} ${BYTE_UNITS[u]}`;
+    }
+    v /= 1024;
+  }
+  return "";
+}
+
+const COUNT_UNITS: Array<[string, number]> = [
+  ["T", 1e12],
+  ["B", 1e9],
+  ["M", 1e6],
+  ["K", 1e3],
+];
+
 export function humanCount(n: number): string {
-  const a = Math.abs(n);
-  if (a >= 1e12) return `${(n / 1e12).toFixed(2)} T`;
-  if (a >= 1e9) return `${(n / 1e9).toFixed(2)} B`;
-  if (a >= 1e6) return `${(n / 1e6).toFixed(1)} M`;
-  if (a >= 1e3) return `${(n / 1e3).toFixed(1)} K`;
-  return `${n}`;
+  for (const [unit, scale] of COUNT_UNITS) {
+    if (Math.abs(n) >= scale * 0.9995) return `${threeDigits(n / scale)} ${unit}`;
+  }
+  return `${Math.trunc(n)}`;
 }
 
 export function percent(part: number, whole: number): string {

@@ -11,12 +11,15 @@ function initialize({ model }: { model: WidgetModel }): () => void {
     if (!msg || msg.kind !== "patch") return;
     const tree = model.get("tree") as TreeJSON | undefined;
     if (!tree?.nodes) return;
-    for (const [node, params, bytes, state] of msg.nodes as PatchRow[]) {
+    for (const [node, params, bytes, state, dtype, share, target] of msg.nodes as PatchRow[]) {
       const row = tree.nodes[node];
       if (row) {
         row[3] = params;
         row[4] = bytes;
         row[5] = state;
+        if (dtype !== undefined) row[10] = dtype;
+        if (share !== undefined) row[11] = share;
+        if (target !== undefined) row[12] = target;
       }
     }
   };

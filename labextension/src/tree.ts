@@ -2,15 +2,21 @@
 // visible (expansion, filtering) and the tri-state selection.  No DOM here, so it is easy
 // to unit-test and fast on trees of thousands of modules.
 
-/** [parent, local_name, type_index, params, bytes, state, rep_i, rep_n, info, own] */
-export type Row = [number, string, number, number, number, string, number, number, string, number];
+/**
+ * [parent, local_name, type_index, params, bytes, state, rep_i, rep_n, info, own, dtype,
+ *  share_bytes, target, tied] (see jupyter_metainit/jupyter/_tree.py, ModuleTree.to_json).
+ */
+export type Row = [
+  number, string, number, number, number, string, number, number, string, number,
+  string?, number?, string?, number[]?,
+];
 export interface TreeJSON {
   v: number;
   types: string[];
   nodes: Row[];
 }
-/** [node, params, bytes, state]: a row whose totals changed after an action. */
-export type PatchRow = [number, number, number, string];
+/** [node, params, bytes, state, dtype, share_bytes, target]: a row whose totals changed. */
+export type PatchRow = [number, number, number, string, string?, number?, string?];
 
 export const UNCHECKED = 0;
 export const CHECKED = 1;
@@ -38,7 +44,14 @@ export class Tree {
   readonly index = new Map<string, number>();
   params: Float64Array;
   bytes: Float64Array;
+  /** Bytes attributed to the subtree (a tied tensor to its first holder): shares add up. */
+  share: Float64Array;
   state: string[] = [];
+  dtype: string[] = [];
+  /** Device deferred tensors will go to, when not the CPU. */
+  target: string[] = [];
+  /** Other nodes holding one of this node's own tensors (tied weights). */
+  tied: number[][] = [];
   /** Lower-cased "qualified name \u0000 type" for filtering. */
   private readonly haystack: string[] = [];
 
@@ -52,8 +65,10 @@ export class Tree {
     this.repN = new Int32Array(n);
     this.params = new Float64Array(n);
     this.bytes = new Float64Array(n);
+    this.share = new Float64Array(n);
     for (let i = 0; i < n; i++) {
-      const [p, name, t, params, bytes, state, ri, rn, info, own] = rows[i];
+      const [p, name, t, params, bytes, state, ri, rn, info, own, dtype, share, target, tied] =
+        rows[i];
       this.parent[i] = p;
       this.depth[i] = p < 0 ? 0 : this.depth[p] + 1;
       this.name.push(name);
@@ -63,6 +78,10 @@ export class Tree {
       this.params[i] = params;
       this.bytes[i] = bytes;
       this.state.push(state);
+      this.dtype.push(dtype ?? "");
+      this.share[i] = share ?? bytes;
+      this.target.push(target ?? "");
+      this.tied.push(Array.isArray(tied) ? tied : []);
       this.repI[i] = ri;
       this.repN[i] = rn;
       this.info.push(info ?? "");
@@ -76,11 +95,14 @@ export class Tree {
 
   /** Apply the rows the kernel says changed. */
   applyPatch(rows: PatchRow[]): void {
-    for (const [node, params, bytes, state] of rows) {
+    for (const [node, params, bytes, state, dtype, share, target] of rows) {
       if (node < 0 || node >= this.n) continue;
       this.params[node] = params;
       this.bytes[node] = bytes;
       this.state[node] = state;
+      if (dtype !== undefined) this.dtype[node] = dtype;
+      if (share !== undefined) this.share[node] = share;
+      if (target !== undefined) this.target[node] = target;
     }
   }
 

@@ -1,5 +1,7 @@
 // The widget's DOM: header with totals, toolbar, action buttons, progress, and a virtually
-// scrolled tree (only the rows in view exist in the DOM).
+// scrolled tree (only the rows in view exist in the DOM).  The tree is an ARIA tree with one
+// focusable row at a time (roving tabindex): arrows move and open/close, Space ticks, Enter
+// opens, Home/End jump; focus follows the node across re-renders.
 
 import { humanBytes, humanCount, percent, stateKind } from "./format";
 import { CHECKED, PARTIAL, type PatchRow, Tree, type TreeJSON, type VisibleRow } from "./tree";
@@ -17,6 +19,10 @@ export interface WidgetModel {
 export const ROW_HEIGHT = 26;
 const MAX_VISIBLE_ROWS = 18;
 const OVERSCAN = 6;
+/** How long a refused request's notice stays. */
+export const NOTICE_MS = 5000;
+/** A message the kernel has not acknowledged by then means it is gone. */
+export const ACK_TIMEOUT_MS = 6000;
 
 function h<K extends keyof HTMLElementTagNameMap>(
   tag: K,
@@ -43,9 +49,16 @@ export class TreeView {
   query = "";
   selected = new Set<number>();
   rows: VisibleRow[] = [];
+  /** The node that has (or will get) keyboard focus in the tree. */
+  focusNode = 0;
+  /** The kernel is gone (comm closed, restarted, or not answering). */
+  disconnected = false;
   private checks: Uint8Array;
   private readonly disposers: Array<() => void> = [];
   private frame = 0;
+  private noticeTimer = 0;
+  private nextId = 1;
+  private readonly pending = new Map<number, number>();
 
   // parts
   private readonly totalsEl = h("div", "jmi-totals");
@@ -58,6 +71,9 @@ export class TreeView {
   private readonly progressText = h("span", "jmi-progress-text");
   private readonly cancelBtn: HTMLButtonElement;
   private readonly messageEl = h("div", "jmi-message");
+  private readonly noticeEl = h("div", "jmi-notice");
+  private readonly disconnectedEl = h("div", "jmi-disconnected");
+  private readonly fullBtn: HTMLButtonElement;
   private readonly scroller = h("div", "jmi-scroll");
   private readonly spacer = h("div", "jmi-spacer");
   private readonly rowsEl = h("div", "jmi-rows");
@@ -76,10 +92,18 @@ export class TreeView {
     this.selected = new Set(this.tree.nodesOf(model.get("selected") ?? []));
     this.checks = this.tree.checkStates(this.selected);
     this.el = h("div", "jmi-root");
+    // Keys pressed in the widget are its own: Lumino (JupyterLab, Notebook 7) skips its
+    // notebook shortcuts (arrows move between cells, Space...) for targets inside this.
+    this.el.setAttribute("data-lm-suppress-shortcuts", "true");
+    this.el.setAttribute("data-p-suppress-shortcuts", "true");
     root.appendChild(this.el);
-    this.cancelBtn = button("Cancel", "jmi-cancel", () => model.send({ action: "cancel" }));
+    this.cancelBtn = button("Cancel", "jmi-cancel", () => this.request({ action: "cancel" }));
     this.tableBtn = button("Table", "jmi-toggle", () => {
       model.set("show_table", !model.get("show_table"));
+      model.save_changes();
+    });
+    this.fullBtn = button("All columns", "jmi-toggle jmi-full", () => {
+      model.set("table_full", !model.get("table_full"));
       model.save_changes();
     });
     this.build();
@@ -92,7 +116,11 @@ export class TreeView {
     this.listen("change:progress change:busy", () => this.renderProgress());
     this.listen("change:busy", () => this.renderRows());
     this.listen("change:error change:status", () => this.renderMessage());
-    this.listen("change:show_table change:table_html", () => this.renderTable());
+    this.listen("change:notice", () => this.renderNotice());
+    this.listen("change:show_table change:table_html change:table_full", () => this.renderTable());
+    this.listen("change:phase", () => this.renderProgress());
+    // The kernel went away: its comm closed, or the front end's manager dropped it (restart).
+    this.listen("comm_live_update comm:close destroy", () => this.setDisconnected());
     this.listen("change:rng change:dtype", () => this.syncSelects());
     this.listen("change:tree", () => {
       this.tree = new Tree(this.model.get("tree") as TreeJSON);
@@ -101,6 +129,7 @@ export class TreeView {
     });
     this.listen("msg:custom", (msg: any) => {
       if (msg && msg.kind === "patch") this.applyPatch(msg.nodes as PatchRow[]);
+      if (msg && msg.kind === "ack") this.acknowledged(Number(msg.id));
     });
     this.update();
   }
@@ -115,7 +144,36 @@ export class TreeView {
   dispose(): void {
     for (const d of this.disposers) d();
     cancelAnimationFrame(this.frame);
+    clearTimeout(this.noticeTimer);
+    for (const timer of this.pending.values()) clearTimeout(timer);
     this.el.remove();
+  }
+
+  // ------------------------------------------------------------------ talking to the kernel
+  /** Send an action; the kernel acknowledges every message, silence means it is gone. */
+  request(content: Record<string, unknown>): void {
+    if (this.disconnected) return;
+    const id = this.nextId++;
+    this.pending.set(
+      id,
+      window.setTimeout(() => this.setDisconnected("The kernel does not answer."), ACK_TIMEOUT_MS),
+    );
+    this.model.send({ ...content, id });
+  }
+
+  private acknowledged(id: number): void {
+    clearTimeout(this.pending.get(id));
+    this.pending.delete(id);
+  }
+
+  setDisconnected(why = "The kernel this widget belongs to is gone (restarted or shut down)."): void {
+    if (this.disconnected) return;
+    this.disconnected = true;
+    this.el.classList.add("jmi-off");
+    this.disconnectedEl.textContent = `Disconnected. ${why} Run the cell again to get a live tree.`;
+    this.disconnectedEl.hidden = false;
+    this.renderActions();
+    this.renderRows();
   }
 
   // ------------------------------------------------------------------ layout
@@ -137,6 +195,7 @@ export class TreeView {
       this.expandToDepth(Number(this.depthInput.value) || 0),
     );
     const collapseBtn = button("Collapse all", "jmi-collapse", () => this.collapseAll());
+    this.depthInput.setAttribute("aria-label", "Depth to expand to");
     tools.append(this.search, expandBtn, this.depthInput, collapseBtn, this.countEl, this.tableBtn);
 
     for (const [v, label] of [
@@ -174,12 +233,13 @@ export class TreeView {
     this.progressEl.append(track, this.progressText, this.cancelBtn);
 
     const colhead = h("div", "jmi-row jmi-colhead");
+    colhead.setAttribute("aria-hidden", "true");
     for (const [t, c] of [
       ["", "jmi-c-check"],
       ["Module", "jmi-c-name"],
       ["Type", "jmi-c-type"],
-      ["Params", "jmi-c-num"],
-      ["Size", "jmi-c-num"],
+      ["Params", "jmi-c-num jmi-c-params"],
+      ["Size", "jmi-c-num jmi-c-size"],
       ["State", "jmi-c-state"],
       ["Share", "jmi-c-share"],
     ]) {
@@ -188,15 +248,38 @@ export class TreeView {
 
     this.scroller.append(this.spacer);
     this.spacer.append(this.rowsEl);
+    this.rowsEl.setAttribute("role", "tree");
+    this.rowsEl.setAttribute("aria-label", "Modules of the model");
+    this.rowsEl.setAttribute("aria-multiselectable", "true");
     this.scroller.addEventListener("scroll", () => this.scheduleRows());
     this.rowsEl.addEventListener("click", (ev) => this.onRowClick(ev));
+    // Handled at the window, in the capture phase: notebook front ends bind keys (arrows,
+    // Space, Enter) on the document in the capture phase and stop them before they reach us.
+    const onWindowKey = (ev: KeyboardEvent) => {
+      if (ev.target instanceof Node && this.rowsEl.contains(ev.target)) {
+        if (this.onKey(ev)) ev.stopPropagation();
+      }
+    };
+    window.addEventListener("keydown", onWindowKey, true);
+    this.disposers.push(() => window.removeEventListener("keydown", onWindowKey, true));
+    this.rowsEl.addEventListener("focusin", (ev) => {
+      const rowEl = (ev.target as HTMLElement).closest(".jmi-row") as HTMLElement | null;
+      if (rowEl?.dataset.node !== undefined) this.focusNode = Number(rowEl.dataset.node);
+    });
+    this.noticeEl.setAttribute("role", "status");
+    this.noticeEl.hidden = true;
+    this.messageEl.setAttribute("role", "status");
+    this.disconnectedEl.setAttribute("role", "alert");
+    this.disconnectedEl.hidden = true;
 
     this.el.append(
       head,
+      this.disconnectedEl,
       tools,
       this.actionsEl,
       this.progressEl,
       this.messageEl,
+      this.noticeEl,
       colhead,
       this.scroller,
       this.tableEl,
@@ -212,6 +295,24 @@ export class TreeView {
   setQuery(q: string): void {
     this.query = q;
     this.update();
+    const first = this.rows.findIndex((r) => r.match);
+    if (first >= 0) {
+      this.focusNode = this.rows[first].node;
+      this.scrollToRow(first);
+    } else {
+      this.scroller.scrollTop = 0;
+    }
+    this.renderRows();
+  }
+
+  /** Scroll just enough for row `i` to be in view. */
+  private scrollToRow(i: number): void {
+    const top = i * ROW_HEIGHT;
+    const height = this.scroller.clientHeight || MAX_VISIBLE_ROWS * ROW_HEIGHT;
+    if (top < this.scroller.scrollTop) this.scroller.scrollTop = top;
+    else if (top + ROW_HEIGHT > this.scroller.scrollTop + height) {
+      this.scroller.scrollTop = top + ROW_HEIGHT - height;
+    }
   }
 
   toggleExpand(node: number): void {
@@ -231,6 +332,7 @@ export class TreeView {
   }
 
   toggleCheck(node: number): void {
+    if (this.disconnected || this.model.get("busy")) return;
     const next = this.tree.toggle(this.selected, node);
     this.selected = new Set(next);
     this.refreshChecks();
@@ -248,10 +350,74 @@ export class TreeView {
     const rowEl = target.closest(".jmi-row") as HTMLElement | null;
     if (!rowEl || rowEl.dataset.node === undefined) return;
     const node = Number(rowEl.dataset.node);
+    this.focusNode = node;
     if (target.closest(".jmi-check")) this.toggleCheck(node);
     else if (target.closest(".jmi-caret, .jmi-name")) {
       if (this.tree.children[node].length) this.toggleExpand(node);
     }
+  }
+
+  /** Keyboard of an ARIA tree (WAI-ARIA Authoring Practices, "Tree View"); true if the key
+   *  was the tree's. */
+  onKey(ev: KeyboardEvent): boolean {
+    if (ev.altKey || ev.ctrlKey || ev.metaKey) return false;
+    const i = this.rows.findIndex((r) => r.node === this.focusNode);
+    if (i < 0) return false;
+    const node = this.focusNode;
+    const kids = this.tree.children[node];
+    const open = this.isOpen(i);
+    let next = -1;
+    switch (ev.key) {
+      case "ArrowDown":
+        next = Math.min(this.rows.length - 1, i + 1);
+        break;
+      case "ArrowUp":
+        next = Math.max(0, i - 1);
+        break;
+      case "Home":
+        next = 0;
+        break;
+      case "End":
+        next = this.rows.length - 1;
+        break;
+      case "ArrowRight":
+        if (kids.length && !open) this.toggleExpand(node);
+        else if (kids.length) next = i + 1;
+        break;
+      case "ArrowLeft":
+        if (kids.length && open) this.toggleExpand(node);
+        else if (this.tree.parent[node] >= 0) {
+          next = this.rows.findIndex((r) => r.node === this.tree.parent[node]);
+        }
+        break;
+      case " ":
+        this.toggleCheck(node);
+        break;
+      case "Enter":
+        if (kids.length) this.toggleExpand(node);
+        break;
+      default:
+        return false;
+    }
+    ev.preventDefault();
+    if (next >= 0 && next < this.rows.length) {
+      this.focusNode = this.rows[next].node;
+      this.scrollToRow(next);
+    }
+    this.renderRows();
+    this.focusRow();
+    return true;
+  }
+
+  /** Put keyboard focus on the focused node's row (it is re-created by every render). */
+  private focusRow(): void {
+    const el = this.rowsEl.querySelector<HTMLElement>(`[data-node="${this.focusNode}"]`);
+    el?.focus({ preventScroll: true });
+  }
+
+  private isOpen(i: number): boolean {
+    const n = this.rows[i].node;
+    return this.query ? this.tree.children[n].length > 0 && rowsHaveChild(this.rows, i) : this.expanded.has(n);
   }
 
   private refreshChecks(): void {
@@ -262,6 +428,12 @@ export class TreeView {
   /** Recompute the visible rows and redraw what depends on them. */
   update(): void {
     this.rows = this.tree.visibleRows(this.expanded, this.query);
+    if (!this.rows.some((r) => r.node === this.focusNode) && this.rows.length) {
+      // the focused node was hidden (collapsed or filtered out): its nearest shown ancestor
+      let a = this.focusNode;
+      while (a > 0 && !this.rows.some((r) => r.node === a)) a = this.tree.parent[a];
+      this.focusNode = this.rows.some((r) => r.node === a) ? a : this.rows[0].node;
+    }
     const shown = Math.min(this.rows.length, MAX_VISIBLE_ROWS);
     this.scroller.style.height = `${Math.max(shown, 1) * ROW_HEIGHT}px`;
     this.spacer.style.height = `${this.rows.length * ROW_HEIGHT}px`;
@@ -289,7 +461,8 @@ export class TreeView {
       h("strong", "jmi-model-type", t.type[0]),
       h("span", "jmi-stat", `${humanCount(t.params[0])} params`),
       h("span", "jmi-stat", humanBytes(t.bytes[0])),
-      badge(t.state[0]),
+      ...(t.dtype[0] ? [dtypeTag(t.dtype[0])] : []),
+      badge(t.state[0], t.target[0]),
     );
   }
 
@@ -309,6 +482,13 @@ export class TreeView {
       if (dtype && s.bytes_as !== undefined && s.bytes_as !== s.bytes) {
         parts.push(h("span", "jmi-muted", `→ ${humanBytes(s.bytes_as)} as ${dtype}`));
       }
+      const also: string[] = s.also ?? [];
+      if (also.length) {
+        const shown = also.slice(0, 3).join(", ") + (also.length > 3 ? ` and ${also.length - 3} more` : "");
+        const el = h("span", "jmi-also", `also makes ${shown} real (tied)`);
+        el.title = `These modules share tensors with the selection:\n${also.join("\n")}`;
+        parts.push(el);
+      }
     }
     this.selEl.replaceChildren(...parts);
     this.selEl.title = names.join("\n");
@@ -316,7 +496,7 @@ export class TreeView {
   }
 
   renderActions(): void {
-    const busy = Boolean(this.model.get("busy"));
+    const busy = Boolean(this.model.get("busy")) || this.disconnected;
     const names: string[] = this.model.get("selected") ?? [];
     const s = this.model.get("selection") ?? {};
     const states: Record<string, number> = s.states ?? {};
@@ -324,7 +504,7 @@ export class TreeView {
     const none = names.length === 0;
     const why = none ? "Select modules first (tick their checkboxes)" : "";
     const act = (action: string, device?: string) => () =>
-      this.model.send({ action, device, names: this.model.get("selected") ?? [] });
+      this.request({ action, device, names: this.model.get("selected") ?? [] });
 
     const cpu = button("Materialize → CPU", "jmi-primary jmi-mat-cpu", act("materialize", "cpu"));
     cpu.disabled = busy || none;
@@ -349,6 +529,7 @@ export class TreeView {
     buttons.push(free, h("span", "jmi-sep"), this.rngSel, this.dtypeSel);
     this.rngSel.disabled = busy;
     this.dtypeSel.disabled = busy;
+    this.cancelBtn.disabled = this.disconnected;
     this.actionsEl.replaceChildren(...buttons);
   }
 
@@ -359,9 +540,9 @@ export class TreeView {
     this.el.classList.toggle("jmi-busy", Boolean(busy));
     const frac = total ? Math.min(1, done / total) : 0;
     this.progressBar.style.width = `${(100 * frac).toFixed(1)}%`;
-    this.progressText.textContent = busy
-      ? `${busy}: ${humanBytes(done)} / ${humanBytes(total)} (${Math.round(100 * frac)}%)`
-      : "";
+    const phase: string = this.model.get("phase") ?? "";
+    const amount = total ? `${humanBytes(done)} / ${humanBytes(total)} (${Math.round(100 * frac)}%)` : "";
+    this.progressText.textContent = busy ? [`${busy}:`, amount, phase && `· ${phase}`].filter(Boolean).join(" ") : "";
   }
 
   private renderMessage(): void {
@@ -372,13 +553,27 @@ export class TreeView {
     this.messageEl.hidden = !(err || status);
   }
 
+  private renderNotice(): void {
+    const notice = this.model.get("notice") ?? {};
+    const text: string = notice.text ?? "";
+    clearTimeout(this.noticeTimer);
+    this.noticeEl.textContent = text;
+    this.noticeEl.hidden = !text;
+    if (text) this.noticeTimer = window.setTimeout(() => (this.noticeEl.hidden = true), NOTICE_MS);
+  }
+
   private renderTable(): void {
     const show = Boolean(this.model.get("show_table"));
     this.tableBtn.classList.toggle("jmi-on", show);
     this.tableBtn.title = "Show the memory table of the selection (the whole model if none)";
     this.tableEl.hidden = !show;
+    const full = Boolean(this.model.get("table_full"));
+    this.fullBtn.classList.toggle("jmi-on", full);
+    this.fullBtn.title = full ? "Back to the compact table" : "Show every column of the table";
     // the HTML is rendered by pandas in the kernel, never from page input
-    this.tableEl.innerHTML = show ? (this.model.get("table_html") ?? "") : "";
+    const body = h("div", "jmi-table");
+    body.innerHTML = show ? (this.model.get("table_html") ?? "") : "";
+    this.tableEl.replaceChildren(...(show ? [this.fullBtn, body] : []));
   }
 
   private syncSelects(): void {
@@ -392,9 +587,11 @@ export class TreeView {
     const height = this.scroller.clientHeight || MAX_VISIBLE_ROWS * ROW_HEIGHT;
     const first = Math.max(0, Math.floor(top / ROW_HEIGHT) - OVERSCAN);
     const last = Math.min(this.rows.length, Math.ceil((top + height) / ROW_HEIGHT) + OVERSCAN);
+    const hadFocus = this.rowsEl.contains(document.activeElement);
     const frag = document.createDocumentFragment();
     for (let i = first; i < last; i++) frag.append(this.renderRow(this.rows[i], i));
     this.rowsEl.replaceChildren(frag);
+    if (hadFocus) this.focusRow();
   }
 
   private renderRow(row: VisibleRow, i: number): HTMLElement {
@@ -406,21 +603,30 @@ export class TreeView {
     if (row.match) el.classList.add("jmi-match");
     const check = this.checks[n];
     if (check === CHECKED) el.classList.add("jmi-selected");
+    const hasKids = t.children[n].length > 0;
+    const open = hasKids && this.isOpen(i);
+    el.setAttribute("role", "treeitem");
+    el.setAttribute("aria-level", String(row.depth + 1));
+    el.setAttribute("aria-selected", String(check === CHECKED));
+    if (hasKids) el.setAttribute("aria-expanded", String(open));
+    el.setAttribute("aria-label", `${t.qname[n] || "the whole model"}, ${t.type[n]}, ${humanBytes(t.bytes[n])}, ${stateText(t.state[n], t.target[n])}`);
+    el.tabIndex = n === this.focusNode ? 0 : -1;
+    if (n === this.focusNode) el.classList.add("jmi-focus");
 
     const cbCell = h("div", "jmi-c-check");
     const cb = h("input", "jmi-check");
     cb.type = "checkbox";
+    cb.tabIndex = -1; // the row is the focus stop; Space ticks
     cb.checked = check === CHECKED;
     cb.indeterminate = check === PARTIAL;
-    cb.disabled = Boolean(this.model.get("busy"));
+    cb.disabled = Boolean(this.model.get("busy")) || this.disconnected;
     cb.setAttribute("aria-label", `Select ${t.qname[n] || "the whole model"}`);
     cbCell.append(cb);
 
     const nameCell = h("div", "jmi-c-name");
     nameCell.style.paddingLeft = `${row.depth * 16}px`;
-    const hasKids = t.children[n].length > 0;
-    const open = this.query ? hasKids && (this.expanded.has(n) || rowsHaveChild(this.rows, i)) : this.expanded.has(n);
     const caret = h("span", `jmi-caret${hasKids ? "" : " jmi-leaf"}`, hasKids ? (open ? "▾" : "▸") : "");
+    caret.setAttribute("aria-hidden", "true");
     const name = h("span", "jmi-name");
     const label = n === 0 ? "(model)" : t.name[n];
     appendHighlighted(name, label, row.match ? this.query : "");
@@ -428,12 +634,20 @@ export class TreeView {
     nameCell.append(caret, name);
     const rep = t.repeatedChildren(n);
     if (rep) {
-      const chip = h("span", "jmi-chip", `${rep[0]} × ${rep[1]}`);
+      const chip = h("span", "jmi-chip", `×${rep[0]}, identical`);
       chip.title = `${rep[0]} identical ${rep[1]} blocks`;
       nameCell.append(chip);
+    } else if (t.repN[n] > 1 && t.repI[n] === 0 && t.children[t.parent[n]].length !== t.repN[n]) {
+      const chip = h("span", "jmi-chip", `×${t.repN[n]}, identical`);
+      chip.title = `This ${t.type[n]} and the next ${t.repN[n] - 1} are identical blocks`;
+      nameCell.append(chip);
     }
-    else if (t.repN[n] > 1 && t.repI[n] === 0 && t.children[t.parent[n]].length !== t.repN[n]) {
-      nameCell.append(h("span", "jmi-chip", `×${t.repN[n]} identical`));
+    const tied = t.tied[n];
+    if (tied.length) {
+      const names = tied.map((k) => t.qname[k] || "(model)");
+      const chip = h("span", "jmi-chip jmi-tied", `tied: ${names[0]}${names.length > 1 ? ` +${names.length - 1}` : ""}`);
+      chip.title = `Shares a tensor with ${names.join(", ")}: counted once, and real or deferred together`;
+      nameCell.append(chip);
     }
 
     const typeCell = h("div", "jmi-c-type");
@@ -443,18 +657,22 @@ export class TreeView {
     const share = h("div", "jmi-c-share");
     const track = h("div", "jmi-bar");
     const fill = h("div", "jmi-bar-fill");
-    const frac = t.totalBytes ? t.bytes[n] / t.totalBytes : 0;
+    const frac = t.totalBytes ? t.share[n] / t.totalBytes : 0;
     fill.style.width = `${Math.max(frac > 0 ? 1 : 0, 100 * frac).toFixed(1)}%`;
     track.append(fill);
-    share.append(track, h("span", "jmi-pct", percent(t.bytes[n], t.totalBytes)));
+    share.append(track, h("span", "jmi-pct", percent(t.share[n], t.totalBytes)));
+    share.title = "Share of the model's memory (a tied tensor counts for its first holder)";
+
+    const size = h("div", "jmi-c-num jmi-c-size", humanBytes(t.bytes[n]));
+    if (t.dtype[n]) size.prepend(dtypeTag(t.dtype[n]), " ");
 
     el.append(
       cbCell,
       nameCell,
       typeCell,
-      h("div", "jmi-c-num", humanCount(t.params[n])),
-      h("div", "jmi-c-num", humanBytes(t.bytes[n])),
-      cellWith(badge(t.state[n]), "jmi-c-state"),
+      h("div", "jmi-c-num jmi-c-params", humanCount(t.params[n])),
+      size,
+      cellWith(badge(t.state[n], t.target[n]), "jmi-c-state"),
       share,
     );
     return el;
@@ -471,16 +689,30 @@ function cellWith(child: HTMLElement, cls: string): HTMLElement {
   return c;
 }
 
-export function badge(state: string): HTMLElement {
-  const b = h("span", `jmi-badge jmi-state-${stateKind(state)}`, state || "—");
+/** What a state badge says: `deferred → cuda:0` when deferred parts have a target. */
+export function stateText(state: string, target = ""): string {
+  return state === "deferred" && target ? `deferred → ${target}` : state || "—";
+}
+
+export function badge(state: string, target = ""): HTMLElement {
+  const b = h("span", `jmi-badge jmi-state-${stateKind(state)}`, stateText(state, target));
   b.title = state
     ? state === "deferred"
-      ? "No memory allocated yet"
+      ? `No memory allocated yet${target ? `; will be materialized on ${target} unless told otherwise` : ""}`
       : state === "mixed"
         ? "Partly materialized"
-        : `Materialized on ${state}`
+        : state === "meta"
+          ? "On PyTorch's meta device: no values and no recording, cannot be materialized"
+          : `Materialized on ${state}`
     : "Holds no parameters or buffers";
   return b;
+}
+
+/** A small dtype tag: bf16, fp32, mixed. */
+function dtypeTag(dtype: string): HTMLElement {
+  const tag = h("span", "jmi-dtype", dtype);
+  tag.title = dtype === "mixed" ? "Tensors of several dtypes" : `dtype ${dtype}`;
+  return tag;
 }
 
 function appendHighlighted(el: HTMLElement, text: string, query: string): void {

@@ -1,16 +1,13 @@
 import { describe, expect, it } from "vitest";
 import { humanBytes, humanCount, percent, stateKind } from "../src/format";
+import cases from "./format_cases.json";
 
 describe("format", () => {
-  it("writes bytes in binary units", () => {
-    expect(humanBytes(0)).toBe("0 B");
-    expect(humanBytes(1536)).toBe("1.5 KiB");
-    expect(humanBytes(282214826496)).toBe("262.8 GiB");
+  it("writes bytes like the kernel (shared cases)", () => {
+    for (const [n, text] of cases.bytes as Array<[number, string]>) expect(humanBytes(n)).toBe(text);
   });
-  it("writes parameter counts in K/M/B", () => {
-    expect(humanCount(999)).toBe("999");
-    expect(humanCount(8192)).toBe("8.2 K");
-    expect(humanCount(70553706496)).toBe("70.55 B");
+  it("writes parameter counts like the kernel (shared cases)", () => {
+    for (const [n, text] of cases.counts as Array<[number, string]>) expect(humanCount(n)).toBe(text);
   });
   it("writes shares as percentages", () => {
     expect(percent(1, 0)).toBe("");

@@ -1,4 +1,4 @@
-import { describe, expect, it } from "vitest";
+import { afterEach, describe, expect, it, vi } from "vitest";
 import { TreeView, type WidgetModel } from "../src/view";
 import { bigTree, smallTree } from "./fixture";
 import type { TreeJSON } from "../src/tree";
@@ -47,7 +47,7 @@ describe("TreeView", () => {
     expect(rowNames(root)).toEqual(["(model)", "embed", "layers", "norm"]);
     expect(root.querySelector(".jmi-totals")!.textContent).toContain("Net");
     expect(root.querySelector(".jmi-rows .jmi-badge")!.textContent).toBe("deferred");
-    expect(root.querySelector(".jmi-chip")!.textContent).toBe("2 × Block");
+    expect(root.querySelector(".jmi-chip")!.textContent).toBe("×2, identical");
   });
 
   it("expands a node on click", () => {
@@ -71,7 +71,7 @@ describe("TreeView", () => {
     const { root, model } = mount(smallTree(), { selected: ["norm"] });
     model.set("selected", ["norm"]);
     root.querySelector<HTMLButtonElement>(".jmi-mat-cpu")!.click();
-    expect(model.sent).toEqual([{ action: "materialize", device: "cpu", names: ["norm"] }]);
+    expect(model.sent).toEqual([{ action: "materialize", device: "cpu", names: ["norm"], id: 1 }]);
   });
 
   it("disables the CUDA button with a reason when there is no GPU", () => {
@@ -89,7 +89,7 @@ describe("TreeView", () => {
     expect(root.querySelector<HTMLElement>(".jmi-progress")!.hidden).toBe(false);
     expect(root.querySelector<HTMLElement>(".jmi-progress-fill")!.style.width).toBe("25.0%");
     root.querySelector<HTMLButtonElement>(".jmi-cancel")!.click();
-    expect(model.sent).toEqual([{ action: "cancel" }]);
+    expect(model.sent).toEqual([{ action: "cancel", id: 1 }]);
   });
 
   it("updates badges from a patch", () => {
@@ -121,4 +121,111 @@ describe("TreeView", () => {
     input.dispatchEvent(new Event("input"));
     expect(rowNames(root)).toEqual(["(model)", "lm_head"]);
   });
+
+  it("is an ARIA tree that the keyboard moves, opens and ticks, keeping focus", () => {
+    const { root, model, view } = mount(smallTree());
+    const tree = root.querySelector<HTMLElement>("[role=tree]")!;
+    const focused = () => document.activeElement as HTMLElement;
+    const key = (k: string) => focused().dispatchEvent(new KeyboardEvent("keydown", { key: k, bubbles: true }));
+    tree.querySelector<HTMLElement>("[role=treeitem][tabindex='0']")!.focus();
+    expect(focused().dataset.node).toBe("0");
+    key("ArrowDown");
+    key("ArrowDown");
+    expect(focused().dataset.node).toBe("2");
+    expect(focused().getAttribute("aria-expanded")).toBe("false");
+    key("ArrowRight"); // opens
+    expect(focused().getAttribute("aria-expanded")).toBe("true");
+    key("ArrowRight"); // into the first child
+    expect(focused().dataset.node).toBe("3");
+    key(" "); // ticks, and the re-rendered row keeps the focus
+    expect(model.state.selected).toEqual(["layers.0"]);
+    expect(focused().dataset.node).toBe("3");
+    expect(focused().getAttribute("aria-selected")).toBe("true");
+    key("ArrowLeft"); // to the parent
+    expect(focused().dataset.node).toBe("2");
+    key("End");
+    expect(focused().dataset.node).toBe("9");
+    key("Home");
+    expect(focused().dataset.node).toBe("0");
+    expect(view.focusNode).toBe(0);
+  });
+
+  it("names tied modules and counts shares once", () => {
+    const tree = smallTree();
+    tree.nodes[1][13] = [9];
+    tree.nodes[9][13] = [1];
+    tree.nodes[9][11] = 0; // the tied tensor is attributed to embed
+    const { root } = mount(tree);
+    const chips = [...root.querySelectorAll(".jmi-tied")].map((c) => c.textContent);
+    expect(chips).toEqual(["tied: norm", "tied: embed"]);
+    const pcts = [...root.querySelectorAll(".jmi-rows .jmi-pct")].map((p) => p.textContent);
+    expect(pcts[3]).toBe("0%");
+  });
+
+  it("shows the dtype and the target device of deferred parts", () => {
+    const tree = smallTree();
+    tree.nodes[0][10] = "bf16";
+    tree.nodes[0][12] = "cuda:0";
+    const { root } = mount(tree);
+    expect(root.querySelector(".jmi-totals .jmi-dtype")!.textContent).toBe("bf16");
+    expect(root.querySelector(".jmi-totals .jmi-badge")!.textContent).toBe("deferred → cuda:0");
+  });
+
+  it("tells what else a tied selection makes real", () => {
+    const { root, model } = mount(smallTree());
+    model.set("selected", ["embed"]);
+    model.set("selection", { params: 100, bytes: 400, states: { deferred: 400 }, also: ["norm"] });
+    expect(root.querySelector(".jmi-also")!.textContent).toBe("also makes norm real (tied)");
+  });
+
+  it("shows a refused request briefly, beside the last action's message", () => {
+    vi.useFakeTimers();
+    const { root, model } = mount(smallTree());
+    model.set("status", "Materialized norm on cpu in 0.1 s.");
+    model.set("notice", { id: 1, text: "Still busy with materialize cpu" });
+    expect(root.querySelector<HTMLElement>(".jmi-notice")!.hidden).toBe(false);
+    expect(root.querySelector(".jmi-message")!.textContent).toContain("Materialized");
+    vi.advanceTimersByTime(6000);
+    expect(root.querySelector<HTMLElement>(".jmi-notice")!.hidden).toBe(true);
+    expect(root.querySelector<HTMLElement>(".jmi-message")!.hidden).toBe(false);
+  });
+
+  it("says so and disables actions when the kernel is gone", () => {
+    const { root, model } = mount(smallTree(), { selected: ["norm"] });
+    model.set("selected", ["norm"]);
+    model.emit("comm_live_update");
+    expect(root.querySelector<HTMLElement>(".jmi-disconnected")!.hidden).toBe(false);
+    expect(root.querySelector<HTMLButtonElement>(".jmi-mat-cpu")!.disabled).toBe(true);
+    expect(root.querySelector<HTMLInputElement>(".jmi-rows .jmi-check")!.disabled).toBe(true);
+  });
+
+  it("treats a message the kernel never acknowledges as a disconnection", () => {
+    vi.useFakeTimers();
+    const { root, model } = mount(smallTree(), { selected: ["norm"] });
+    model.set("selected", ["norm"]);
+    root.querySelector<HTMLButtonElement>(".jmi-mat-cpu")!.click();
+    model.emit("msg:custom", { kind: "ack", id: 1 });
+    vi.advanceTimersByTime(10000);
+    expect(root.querySelector<HTMLElement>(".jmi-disconnected")!.hidden).toBe(true);
+    root.querySelector<HTMLButtonElement>(".jmi-mat-cpu")!.click();
+    vi.advanceTimersByTime(10000);
+    expect(root.querySelector<HTMLElement>(".jmi-disconnected")!.textContent).toContain("does not answer");
+  });
+
+  it("scrolls the filter's first match into view", () => {
+    const { root, view } = mount(bigTree());
+    const scroller = root.querySelector<HTMLElement>(".jmi-scroll")!;
+    Object.defineProperty(scroller, "clientHeight", { value: 18 * 26 });
+    view.setQuery("lm_head");
+    expect(view.rows.findIndex((r) => r.match)).toBeGreaterThan(0);
+    view.setQuery("79.mlp.down_proj");
+    const first = view.rows.findIndex((r) => r.match);
+    expect(scroller.scrollTop).toBe(Math.max(0, (first + 1) * 26 - 18 * 26));
+    expect(view.focusNode).toBe(view.rows[first].node);
+  });
+});
+
+afterEach(() => {
+  vi.useRealTimers();
+  document.body.replaceChildren();
 });

@@ -1,0 +1,24 @@
+"""The one byte/count formatter, checked against the cases its TypeScript twin also passes."""
+
+from __future__ import annotations
+
+import json
+import pathlib
+
+import pytest
+
+from jupyter_metainit.core._format import format_bytes, format_count
+
+_CASES = json.loads(
+    (pathlib.Path(__file__).parents[1] / "labextension" / "test" / "format_cases.json").read_text()
+)
+
+
+@pytest.mark.parametrize(("n", "text"), _CASES["bytes"])
+def test_format_bytes_matches_the_shared_cases(n, text):
+    assert format_bytes(n) == text
+
+
+@pytest.mark.parametrize(("n", "text"), _CASES["counts"])
+def test_format_count_matches_the_shared_cases(n, text):
+    assert format_count(n) == text
