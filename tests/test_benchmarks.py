@@ -17,6 +17,7 @@ ERROR_PREFIX = "measurement failed: "  # benchmarks/_common.py prints it for a f
 
 SCRIPTS = {
     "bench_construction.py": ["### Construction", "jupyter_metainit.meta_init()"],
+    "bench_layer.py": ["### Decoder layer", "exact layer equals eager construction"],
     "bench_materialize.py": ["### Whole model", "meta_init + materialize", "torch.equal"],
     "bench_selective.py": ["### (a)", "### (b)", "### (c)", "### (d)"],
 }

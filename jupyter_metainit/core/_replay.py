@@ -34,6 +34,7 @@ from jupyter_metainit.core._graph import (
 )
 from jupyter_metainit.core._interrupts import check, critical, handling_interrupts, interrupted
 from jupyter_metainit.core._plain import plain
+from jupyter_metainit.core._split_fill import split_fill
 from jupyter_metainit.core._values import ValueCache, value_cache
 from jupyter_metainit.core.errors import DeferredDataError, MaterializationError
 
@@ -417,14 +418,14 @@ class _Run:
             gen = torch.Generator(device=gen_dev)
             gen.set_state(_rng.state_before(seg, index, self._burn_progress))
         if device == gen_dev:
-            out = _rng.run_random(lambda g: _call(op, args, kwargs, g), gen, has_gen)
+            out = self._run_exact(op, args, kwargs, gen, has_gen)
         else:
             # Exact values come from the recorded generator's device; then they are copied over.
             cpu_args = tree_map(lambda x: _to(x, gen_dev), args)
             cpu_kwargs = tree_map(lambda x: _to(x, gen_dev), kwargs)
             if "device" in cpu_kwargs:
                 cpu_kwargs["device"] = gen_dev
-            out = _rng.run_random(lambda g: _call(op, cpu_args, cpu_kwargs, g), gen, has_gen)
+            out = self._run_exact(op, cpu_args, cpu_kwargs, gen, has_gen)
             for i, a in enumerate(op.func._schema.arguments):
                 if a.alias_info is not None and a.alias_info.is_write and i < len(args):
                     args[i].copy_(cpu_args[i])
@@ -434,6 +435,18 @@ class _Run:
         self.generators[id(seg)] = (gen, index + 1)
         seg.add_checkpoint(index + 1, gen.get_state())
         return out
+
+    @staticmethod
+    def _run_exact(
+        op: OpRecord, args: tuple, kwargs: dict, gen: torch.Generator, has_gen: bool
+    ) -> Any:
+        """Run a random op from ``gen``'s exact state: a large CPU fill on all cores."""
+        target = args[0] if args else None
+        if has_gen and split_fill(
+            op.func, target, lambda t, g: _call(op, (t, *args[1:]), kwargs, g), gen
+        ):
+            return target
+        return _rng.run_random(lambda g: _call(op, args, kwargs, g), gen, has_gen)
 
     def _burn_progress(self, nbytes: int) -> None:
         self.phase("regenerating the random stream up to this part (no memory)")
