@@ -48,14 +48,109 @@ def test_exact_materialization_splits_large_fills_and_equals_eager(monkeypatch):
 
     monkeypatch.setattr(_split_fill, "_fill_in_chunks", counting)
     torch.manual_seed(0)
-    eager = torch.nn.Linear(2048, 1500)
+    eager = torch.nn.Linear(4096, 2100)
     torch.nn.init.normal_(eager.weight, std=0.02)
     after_eager = torch.get_rng_state()
     torch.manual_seed(0)
     with meta_init():
-        model = torch.nn.Linear(2048, 1500)
+        model = torch.nn.Linear(4096, 2100)
         torch.nn.init.normal_(model.weight, std=0.02)
     materialize(model)
     assert 2 in calls  # the weight was generated as two chunks
     assert torch.equal(model.weight, eager.weight) and torch.equal(model.bias, eager.bias)
     assert torch.equal(torch.get_rng_state(), after_eager)
+
+
+def _shard_of_a_normal_weight(rank: int, world: int):
+    torch.manual_seed(0)
+    with meta_init():
+        layer = torch.nn.Linear(4096, 2001)  # kaiming_uniform_ (dead) then normal_
+        torch.nn.init.normal_(layer.weight, std=0.02)
+        shard = layer.weight.chunk(world, dim=0)[rank].clone()
+        after = torch.nn.Linear(8, 8)  # later draws must start where eager's do
+    return layer, shard, after
+
+
+@pytest.mark.parametrize("rank", [0, 1, 2])
+def test_a_shard_is_generated_alone_and_exactly(rank, monkeypatch):
+    regions = []
+    real = _split_fill.fill_region
+
+    def spy(*args, **kwargs):
+        done = real(*args, **kwargs)
+        regions.append(done)
+        return done
+
+    monkeypatch.setattr("jupyter_metainit.core._replay.fill_region", spy)
+    torch.manual_seed(0)
+    eager = torch.nn.Linear(4096, 2001)
+    torch.nn.init.normal_(eager.weight, std=0.02)
+    eager_after = torch.nn.Linear(8, 8)
+    _layer, shard, after = _shard_of_a_normal_weight(rank, 3)
+    materialize(shard)
+    assert regions == [True]  # only the shard's rows of the weight were generated
+    assert torch.equal(shard, eager.weight.chunk(3, dim=0)[rank])
+    materialize(after)
+    assert torch.equal(after.weight, eager_after.weight)
+
+
+def test_a_fast_shard_equals_the_fast_whole():
+    layer, shard, _ = _shard_of_a_normal_weight(1, 2)
+    materialize(shard, rng="fast")
+    materialize(layer, rng="fast")
+    assert torch.equal(shard, layer.weight.chunk(2, dim=0)[1])
+
+
+@pytest.mark.parametrize("rng", ["exact", "fast"])
+def test_a_copied_shard_is_generated_straight_into_its_memory(rng, monkeypatch):
+    fused = []
+    real = _split_fill.fill_region_into
+
+    def spy(*args, **kwargs):
+        done = real(*args, **kwargs)
+        fused.append(done)
+        return done
+
+    monkeypatch.setattr("jupyter_metainit.core._replay.fill_region_into", spy)
+    torch.manual_seed(0)
+    with meta_init():
+        layer = torch.nn.Linear(4096, 2001)
+        torch.nn.init.normal_(layer.weight, std=0.02)
+        shard = torch.empty(667, 4096)
+        shard.copy_(layer.weight.chunk(3, dim=0)[1])  # as FSDP2 copies a rank's rows
+        after = torch.nn.Linear(8, 8)
+    materialize(shard, rng=rng)
+    assert fused == [True]
+    materialize(layer, rng=rng)
+    assert torch.equal(shard, layer.weight.chunk(3, dim=0)[1])
+    if rng == "exact":
+        torch.manual_seed(0)
+        eager = torch.nn.Linear(4096, 2001)
+        torch.nn.init.normal_(eager.weight, std=0.02)
+        eager_after = torch.nn.Linear(8, 8)
+        assert torch.equal(layer.weight, eager.weight)
+        materialize(after)
+        assert torch.equal(after.weight, eager_after.weight)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+@pytest.mark.parametrize(
+    ("func", "args"), [(aten.normal_.default, (0.0, 1.0)), (aten.uniform_.default, (-1.0, 1.0))]
+)
+@pytest.mark.parametrize(
+    ("n", "first", "length"),
+    [(1000, 500, 500), (1003, 333, 667), (1003, 17, 20), (20487, 4096, 16391), (100005, 99990, 15)],
+)
+def test_a_slice_filled_through_pieces_equals_the_whole_fill(
+    dtype, func, args, n, first, length, monkeypatch
+):
+    monkeypatch.setattr(_split_fill, "MIN_CHUNK", 64)  # several spans and pieces on small sizes
+    monkeypatch.setattr(_split_fill, "SCRATCH_ELEMENTS", 64)
+    whole = torch.empty(n, dtype=dtype)
+    func(whole, *args, generator=torch.Generator().manual_seed(5))
+    part = torch.empty(length, dtype=dtype)
+    gen = torch.Generator().manual_seed(5)
+    fill = lambda t, g: func(t, *args, generator=g)  # noqa: E731
+    assert _split_fill.fill_region_into(func, n, part, first, fill, gen, workers=2)
+    expected = whole[first : first + length].contiguous()
+    assert torch.equal(part.view(torch.uint8), expected.view(torch.uint8))

@@ -39,6 +39,7 @@ in a polynomial space", 2008)
 
 from __future__ import annotations
 
+import functools
 import threading
 
 import numpy as np
@@ -180,11 +181,18 @@ def _get_poly() -> _Poly:
     return _poly
 
 
+@functools.lru_cache(maxsize=1024)
+def _power_of_t(k: int) -> int:
+    """``t^k mod phi``, kept: a model repeats its layers, so the same jump distances come back
+    (each costs about 15 ms to compute and 1 ms to apply)."""
+    return _get_poly().power_of_t(k)
+
+
 def _advance_block(block: np.ndarray, steps: int, direct_limit: int = _DIRECT_LIMIT) -> np.ndarray:
     """The window ``steps`` words further along the sequence whose window is ``block``."""
     if steps <= direct_limit:
         return _sequence(block, steps + _N)[steps:].copy()
-    h = _get_poly().power_of_t(steps - 1)
+    h = _power_of_t(steps - 1)
     coefficients = np.unpackbits(
         np.frombuffer(h.to_bytes((_DEGREE + 7) // 8, "little"), np.uint8), bitorder="little"
     )

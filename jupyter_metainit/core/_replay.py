@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_map
+from torch.utils._pytree import tree_leaves, tree_map
 
 from jupyter_metainit.core import _rng
 from jupyter_metainit.core._busy import exclusive
@@ -34,11 +34,13 @@ from jupyter_metainit.core._graph import (
 )
 from jupyter_metainit.core._interrupts import check, critical, handling_interrupts, interrupted
 from jupyter_metainit.core._plain import plain
-from jupyter_metainit.core._split_fill import split_fill
+from jupyter_metainit.core._split_fill import FILLS, fill_region, fill_region_into, split_fill
 from jupyter_metainit.core._values import ValueCache, value_cache
 from jupyter_metainit.core.errors import DeferredDataError, MaterializationError
 
 __all__ = ["Plan", "compute_values", "execute", "plan", "real_view"]
+
+aten = torch.ops.aten
 
 
 class Progress:
@@ -263,13 +265,7 @@ class _Run:
         # op index -> targets whose memory is final once that op has run
         self.finishing: dict[int, list[StorageRecord]] = {}
         if progress is not None:
-            last_write: dict[int, int] = {}
-            for i, op in enumerate(p.ops):
-                for r in op.outputs:
-                    if r is not None:
-                        last_write[id(r.storage)] = i
-                for s in op.mutates:
-                    last_write[id(s)] = i
+            last_write = _last_writes(p)
             for s in p.targets:
                 i = last_write.get(id(s))
                 if i is None:
@@ -297,6 +293,10 @@ class _Run:
             keep |= {sid for sid, (s, _n) in p.versions.items() if retain(s)}
         for sid in keep:
             self.last_use[sid] = len(p.ops)
+        self.extents = _read_extents(p, keep)
+        self.copied_once = _copied_once(p, keep)
+        # storage id -> a fill not run yet: its only reader copies a slice of it (a shard)
+        self.pending_fills: dict[int, tuple[OpRecord, tuple, dict, torch.Generator]] = {}
 
     def phase(self, text: str) -> None:
         if self.progress is not None and text != self.last_phase:
@@ -371,6 +371,9 @@ class _Run:
             self._store(op, (out,))
             self.finished(index)
             return
+        if op.func is aten.copy_.default and self._copy_from_pending_fill(op, device):
+            self.finished(index)
+            return
         args = tree_map(lambda x: self.arg(x, device), op.args)
         kwargs = tree_map(lambda x: self.arg(x, device), op.kwargs)
         if "device" in kwargs:
@@ -407,8 +410,28 @@ class _Run:
     def _run_random(self, op: OpRecord, args: tuple, kwargs: dict, device: torch.device) -> Any:
         seg, index = op.rng.segment, op.rng.index
         has_gen = "generator" in [a.name for a in op.func._schema.arguments]
+        region = self._region(op)
+        fusable = (
+            has_gen
+            and op.func in FILLS
+            and device.type == "cpu"
+            and region is not None
+            and id(op.args[0].storage) in self.copied_once
+        )
+        if fusable and self.rng == "fast":
+            gen = _rng.fast_generator(seg, index, device)
+            self.pending_fills[id(op.args[0].storage)] = (op, args[1:], kwargs, gen)
+            return args[0]
         if self.rng == "fast":
             gen = _rng.fast_generator(seg, index, device)
+            if (
+                region is not None
+                and has_gen
+                and fill_region(
+                    op.func, args[0], lambda t, g: _call(op, (t, *args[1:]), kwargs, g), gen, region
+                )
+            ):
+                return args[0]
             return _rng.run_random(lambda g: _call(op, args, kwargs, g), gen, has_gen)
         gen_dev = seg.device
         current = self.generators.get(id(seg))
@@ -418,14 +441,30 @@ class _Run:
             gen = torch.Generator(device=gen_dev)
             gen.set_state(_rng.state_before(seg, index, self._burn_progress))
         if device == gen_dev:
-            out = self._run_exact(op, args, kwargs, gen, has_gen)
+            if region is not None and _rng.known_draws(seg.specs[index], gen_dev) is None:
+                region = None  # the next op could not jump past the rest of this one
+            if region is not None and fusable:
+                # Run later, by the copy that reads the shard's slice (_copy_from_pending_fill);
+                # the next op of this stream jumps past it from the checkpoint before it.
+                self.pending_fills[id(op.args[0].storage)] = (op, args[1:], kwargs, gen)
+                self.generators.pop(id(seg), None)
+                return args[0]
+            if region is not None:
+                out = self._run_exact(op, args, kwargs, gen, has_gen, region)
+                if out is not None:
+                    # Only the region was drawn: the generator is not at the op's end. The
+                    # next op of this stream starts from the checkpoint before this one and
+                    # jumps past it (and whatever it skips too): one jump instead of two.
+                    self.generators.pop(id(seg), None)
+                    return out
+            out = self._run_exact(op, args, kwargs, gen, has_gen, None)
         else:
             # Exact values come from the recorded generator's device; then they are copied over.
             cpu_args = tree_map(lambda x: _to(x, gen_dev), args)
             cpu_kwargs = tree_map(lambda x: _to(x, gen_dev), kwargs)
             if "device" in cpu_kwargs:
                 cpu_kwargs["device"] = gen_dev
-            out = self._run_exact(op, cpu_args, cpu_kwargs, gen, has_gen)
+            out = self._run_exact(op, cpu_args, cpu_kwargs, gen, has_gen, None)
             for i, a in enumerate(op.func._schema.arguments):
                 if a.alias_info is not None and a.alias_info.is_write and i < len(args):
                     args[i].copy_(cpu_args[i])
@@ -438,15 +477,59 @@ class _Run:
 
     @staticmethod
     def _run_exact(
-        op: OpRecord, args: tuple, kwargs: dict, gen: torch.Generator, has_gen: bool
-    ) -> Any:
-        """Run a random op from ``gen``'s exact state: a large CPU fill on all cores."""
+        op: OpRecord, args: tuple, kwargs: dict, gen: torch.Generator, has_gen: bool,
+        region: tuple[int, int] | None,
+    ) -> Any:  # fmt: skip
+        """Run a random op from ``gen``'s exact state. With ``region``: only that part (a
+        rank's shard), leaving ``gen`` unmoved, or None if that was not possible. Large CPU
+        fills run on all cores."""
         target = args[0] if args else None
-        if has_gen and split_fill(
-            op.func, target, lambda t, g: _call(op, (t, *args[1:]), kwargs, g), gen
-        ):
+        fill = lambda t, g: _call(op, (t, *args[1:]), kwargs, g)  # noqa: E731
+        if region is not None:
+            return target if has_gen and fill_region(op.func, target, fill, gen, region) else None
+        if has_gen and split_fill(op.func, target, fill, gen):
             return target
         return _rng.run_random(lambda g: _call(op, args, kwargs, g), gen, has_gen)
+
+    def _copy_from_pending_fill(self, op: OpRecord, device: torch.device) -> bool:
+        """``dst.copy_(src)`` where ``src`` is a slice of a fill not run yet: write the slice's
+        values straight into ``dst`` through a small buffer (the shard, never the whole)."""
+        src = op.args[1] if len(op.args) > 1 else None
+        if not isinstance(src, TensorRecord):
+            return False
+        pending = self.pending_fills.pop(id(src.storage), None)
+        if pending is None:
+            return False
+        fill_op, rest, kwargs, gen = pending
+        dst = self.arg(op.args[0], device)
+        whole = fill_op.args[0]
+        numel = whole.storage.nbytes // whole.dtype.itemsize
+        done = fill_region_into(
+            fill_op.func, numel, dst, src.offset,
+            lambda t, g: _call(fill_op, (t, *rest), kwargs, g), gen,
+        )  # fmt: skip
+        if not done:  # not expected (checked when deferred): run the whole fill, then copy
+            target = self.real(whole, device)
+            _call(fill_op, (target, *rest), kwargs, gen)
+            dst.copy_(self.real(src, device))
+        return True
+
+    def _region(self, op: OpRecord) -> tuple[int, int] | None:
+        """The elements of a whole-storage fill that later ops read, when that is a small part
+        of it (a shard), else None."""
+        x = op.args[0] if op.args else None
+        if op.func not in FILLS or not isinstance(x, TensorRecord):
+            return None
+        storage = x.storage
+        if x.offset != 0 or x.nbytes != storage.nbytes or x.dtype != storage.dtype:
+            return None
+        extent = self.extents.get(id(storage))
+        if extent is None:
+            return None
+        size = x.dtype.itemsize
+        lo, hi = extent[0] // size, -(-extent[1] // size)
+        n = storage.nbytes // size
+        return (lo, hi) if hi - lo <= 0.75 * n else None
 
     def _burn_progress(self, nbytes: int) -> None:
         self.phase("regenerating the random stream up to this part (no memory)")
@@ -455,6 +538,88 @@ class _Run:
         for s in op.reads:
             if self.last_use.get(id(s)) == index:
                 self.env.pop(id(s), None)
+
+
+def _byte_range(r: TensorRecord) -> tuple[int, int]:
+    if any(n == 0 for n in r.size):
+        return (0, 0)
+    last = r.offset + sum((n - 1) * st for n, st in zip(r.size, r.stride, strict=True))
+    size = r.dtype.itemsize
+    return (r.offset * size, (last + 1) * size)
+
+
+def _last_writes(p: Plan) -> dict[int, int]:
+    """Per storage id, the index of the plan's last op that creates or writes it."""
+    last_write: dict[int, int] = {}
+    for i, op in enumerate(p.ops):
+        for r in op.outputs:
+            if r is not None:
+                last_write[id(r.storage)] = i
+        for s in op.mutates:
+            last_write[id(s)] = i
+    return last_write
+
+
+def _read_extents(p: Plan, keep: set[int]) -> dict[int, tuple[int, int]]:
+    """Per storage, the byte range that the plan's ops read after its last write (the kept
+    storages are read whole). Used to fill only the part of a parameter a shard is cut from.
+    Storages written after being read, or read in ways not seen here, get their whole range."""
+    last_write = _last_writes(p)
+    extents: dict[int, tuple[int, int]] = {}
+    whole: set[int] = set(keep)
+    for i, op in enumerate(p.ops):
+        for x in tree_leaves((op.args, op.kwargs)):
+            if not isinstance(x, TensorRecord):
+                continue
+            sid = id(x.storage)
+            written = last_write.get(sid, -1)
+            if written == i and x.storage in op.overwrites:
+                continue  # the last write itself, which does not read what it overwrites
+            if written >= i:  # read before (or by) its last write
+                whole.add(sid)
+                continue
+            lo, hi = _byte_range(x)
+            cur = extents.get(sid)
+            extents[sid] = (lo, hi) if cur is None else (min(cur[0], lo), max(cur[1], hi))
+    for op in p.ops:
+        for s in op.reads:
+            if id(s) not in extents:
+                whole.add(id(s))  # read without a visible geometry: all of it
+    for sid in whole:
+        extents.pop(sid, None)
+    return extents
+
+
+def _copied_once(p: Plan, keep: set[int]) -> set[int]:
+    """Storages whose last write is followed by exactly one read: a ``copy_`` of a contiguous
+    slice of them into a contiguous tensor of the same dtype and size (how FSDP2 and DTensor cut
+    a rank's shard out of a parameter)."""
+    last_write = _last_writes(p)
+    readers: dict[int, list[tuple[int, OpRecord]]] = {}
+    for i, op in enumerate(p.ops):
+        for s in op.reads:
+            readers.setdefault(id(s), []).append((i, op))
+    out = set()
+    for sid, ops in readers.items():
+        if sid in keep or len(ops) != 1:
+            continue
+        i, op = ops[0]
+        if op.func is not aten.copy_.default or last_write.get(sid, -1) >= i:
+            continue
+        dst, src = op.args[0], op.args[1]
+        if (
+            isinstance(dst, TensorRecord)
+            and isinstance(src, TensorRecord)
+            and id(src.storage) == sid
+            and id(dst.storage) != sid
+            and dst.dtype == src.dtype == src.storage.dtype
+            and dst.size == src.size
+            and _rng.is_contiguous(dst.size, dst.stride)
+            and _rng.is_contiguous(src.size, src.stride)
+            and not (src.conj or src.neg or dst.conj or dst.neg)
+        ):
+            out.add(sid)
+    return out
 
 
 def _to(x: Any, device: torch.device) -> Any:

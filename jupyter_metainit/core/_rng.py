@@ -238,10 +238,11 @@ def _output_geometry(spec: BurnSpec) -> tuple[int, torch.dtype, bool] | None:
     if f in _LIKE_OPS:
         dtype = spec.kwargs.get("dtype") or dtype
         return _numel(size), dtype, True
-    return _numel(size), dtype, _is_contiguous(size, stride)
+    return _numel(size), dtype, is_contiguous(size, stride)
 
 
-def _is_contiguous(size: tuple, stride: tuple) -> bool:
+def is_contiguous(size: tuple, stride: tuple) -> bool:
+    """Whether ``size``/``stride`` is the row-major contiguous layout (size-1 dims ignored)."""
     expected = 1
     for n, st in zip(reversed(size), reversed(stride), strict=True):
         if n != 1 and st != expected:

@@ -7,10 +7,13 @@ Replaying that recording gives each rank exactly the values that a single-proces
 construction has in its slice. Every rank records the same construction, so no communication
 is needed.
 
-Memory: shards are replayed one storage at a time, so a rank holds its finished shards plus the
-tensors that the shard being made is computed from (the parameter's full, unsharded value,
-which its initialisation produces as a whole: an ``nn.init`` call fills a whole tensor from one
-random stream, and the slice is taken afterwards), freed before the next shard.
+Memory and time: shards are replayed one storage at a time, and a parameter's random fill
+(``normal_``/``uniform_``, the usual last write of an initialisation) is generated only for the
+rows this rank's shard is cut from, straight into the shard's memory (``core._split_fill``): the
+generator jumps to the shard's offset in the stream. A rank then holds its shards plus a small
+scratch buffer and spends time in proportion to its shards. Parameters whose last write is
+another op (a ``clamp_`` after ``trunc_normal_``, an arithmetic init) are computed whole, and
+the rank holds that one full tensor while its shard is cut out.
 """
 
 from __future__ import annotations
@@ -114,9 +117,9 @@ def materialize_sharded(
     too, each on the device it was recorded for (FSDP2 requires that to be the mesh's device:
     build with ``meta_init(device=...)`` on GPUs).
 
-    Peak memory per rank: its shards plus, while one shard is made, the full tensor(s) that
-    shard is computed from (see the module docstring). ``materialize(model)`` gives the same
-    values but replays everything at once, holding every full tensor; prefer this function.
+    Peak memory per rank: its shards plus a small scratch buffer, or, for a parameter whose
+    initialisation cannot be cut (see the module docstring), that full tensor while its shard is
+    made. ``materialize(model)`` gives the same values in one replay; prefer this function.
 
     Args:
         module: the sharded deferred model (the root passed to ``fully_shard``, or any module
