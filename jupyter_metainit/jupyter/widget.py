@@ -358,7 +358,7 @@ class ModuleTreeWidget(anywidget.AnyWidget):
                 core.dematerialize(modules)
         except ActionCancelled:
             self.refresh()
-            self.status = f"Cancelled; {what} left as it was."
+            self.status = f"Cancelled: nothing was changed ({what} as before)."
         except Exception as exc:
             self.refresh()
             after = [s.row() for s in self._stats]
