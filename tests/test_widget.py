@@ -331,3 +331,14 @@ def test_table_is_compact_unless_asked_for_in_full(net):
     assert "train_fp32" not in w.table_html and "params" in w.table_html
     w.table_full = True
     assert "train" in w.table_html
+
+
+def test_rows_say_which_parts_come_from_a_checkpoint(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    save_file({"weight": torch.randn(4, 4)}, str(tmp_path / "w.safetensors"))
+    with meta_init():
+        m = nn.Sequential(nn.Linear(4, 4, bias=False), nn.Linear(4, 4))
+        m[0].weight = nn.Parameter(load_file(str(tmp_path / "w.safetensors"))["weight"])
+    r = rows(explore(m))
+    assert r["0"][14] == "checkpoint" and r["1"][14] == "" and r[""][14] == "mixed"

@@ -14,7 +14,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from jupyter_metainit.core import tensor_state
+from jupyter_metainit.core import tensor_source, tensor_state
 from jupyter_metainit.core._walk import own_tensors
 
 __all__ = ["ModuleTree", "NodeStats"]
@@ -61,7 +61,8 @@ class NodeStats:
     order, so siblings' shares never add up past their parent's. ``state``: ``"deferred"``, a
     device, ``"mixed"``... ``dtype``: ``"bf16"``, ``"fp32"``, ``"mixed"`` (floating tensors; other
     dtypes only when there are none). ``target``: the device deferred tensors will go to when it
-    is not the CPU.
+    is not the CPU. ``source``: where the values come from when it is a file: ``"checkpoint"``,
+    or ``"mixed"`` (part checkpoint, part init); ``""`` for init alone.
     """
 
     params: int = 0
@@ -70,9 +71,18 @@ class NodeStats:
     state: str = ""
     dtype: str = ""
     target: str = ""
+    source: str = ""
 
     def row(self) -> list:
-        return [self.params, self.bytes, self.state, self.dtype, self.share_bytes, self.target]
+        return [
+            self.params,
+            self.bytes,
+            self.state,
+            self.dtype,
+            self.share_bytes,
+            self.target,
+            self.source,
+        ]
 
 
 @dataclass
@@ -153,7 +163,7 @@ class ModuleTree:
         out = []
         for node, tensors in enumerate(self.subtree_tensors()):
             st = NodeStats(share_bytes=share[node])
-            states, floats, others, targets = set(), set(), set(), set()
+            states, floats, others, targets, sources = set(), set(), set(), set(), set()
             for t, is_param in tensors.values():
                 if is_param:
                     st.params += _numel(t)
@@ -163,10 +173,13 @@ class ModuleTree:
                 (floats if t.is_floating_point() else others).add(dtype_label(t))
                 if state == "deferred":
                     targets.add(str(t.device))
+                sources.add(tensor_source(t))
             st.state = _summary(states)
             st.dtype = _summary(floats or others)
             target = _summary(targets)
             st.target = "" if target in ("cpu", "") else target
+            known = sources - {""}
+            st.source = "" if "checkpoint" not in known else _summary(known)
             out.append(st)
         return out
 
@@ -274,7 +287,7 @@ class ModuleTree:
         """The whole tree as one compact JSON structure (rows of arrays, types interned).
 
         Row layout: ``[parent, local_name, type_index, params, bytes, state, rep_i, rep_n,
-        info, own, dtype, share_bytes, target, tied]`` where ``info`` is a leaf module's
+        info, own, dtype, share_bytes, target, tied, source]`` where ``info`` is a leaf module's
         ``extra_repr()`` (shortened), else ``""``, ``own`` is 1 when the module holds
         parameters or buffers itself, and ``tied`` lists the nodes sharing a tensor with it
         (see :class:`NodeStats` for the rest).
@@ -316,6 +329,7 @@ class ModuleTree:
                     st.share_bytes,
                     st.target,
                     tied[node],
+                    st.source,
                 ]
             )
         for node, (i, n) in enumerate(self.repeats()):

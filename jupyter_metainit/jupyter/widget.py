@@ -449,10 +449,11 @@ class ModuleTreeWidget(anywidget.AnyWidget):
             ]
             self._stats: list[NodeStats] = stats
             rows = self.tree["nodes"]
-            for node, params, nbytes, state, dtype, share, target in changed:
+            for node, params, nbytes, state, dtype, share, target, source in changed:
                 # keep the synced tree current for pages opened later
                 rows[node][3], rows[node][4], rows[node][5] = params, nbytes, state
                 rows[node][10], rows[node][11], rows[node][12] = dtype, share, target
+                rows[node][14] = source
             if changed:
                 self.send({"kind": "patch", "nodes": changed})
             self.selection = self._selection_summary()

@@ -665,6 +665,7 @@ export class TreeView {
 
     const size = h("div", "jmi-c-num jmi-c-size", humanBytes(t.bytes[n]));
     if (t.dtype[n]) size.prepend(dtypeTag(t.dtype[n]), " ");
+    if (t.source[n]) size.prepend(sourceTag(t.source[n]), " ");
 
     el.append(
       cbCell,
@@ -706,6 +707,16 @@ export function badge(state: string, target = ""): HTMLElement {
           : `Materialized on ${state}`
     : "Holds no parameters or buffers";
   return b;
+}
+
+/** Where the values come from, when it is a checkpoint file. */
+function sourceTag(source: string): HTMLElement {
+  const tag = h("span", "jmi-dtype jmi-source", source === "checkpoint" ? "file" : "file+init");
+  tag.title =
+    source === "checkpoint"
+      ? "Values come from a checkpoint file (read when materialized)"
+      : "Partly from a checkpoint file, partly from the model's init (keys missing from the file)";
+  return tag;
 }
 
 /** A small dtype tag: bf16, fp32, mixed. */

@@ -171,6 +171,15 @@ describe("TreeView", () => {
     expect(root.querySelector(".jmi-totals .jmi-badge")!.textContent).toBe("deferred → cuda:0");
   });
 
+  it("marks the parts whose values come from a checkpoint file", () => {
+    const tree = smallTree();
+    tree.nodes[1][14] = "checkpoint";
+    tree.nodes[0][14] = "mixed";
+    const { root } = mount(tree);
+    const tags = [...root.querySelectorAll(".jmi-rows .jmi-source")].map((t) => t.textContent);
+    expect(tags).toEqual(["file+init", "file"]);
+  });
+
   it("tells what else a tied selection makes real", () => {
     const { root, model } = mount(smallTree());
     model.set("selected", ["embed"]);

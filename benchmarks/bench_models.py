@@ -1,0 +1,136 @@
+"""Deferred construction plus whole-model materialization against eager construction, on real
+model code: ``torchvision`` ResNet-50, ViT-B/16 and Swin-S, and ``transformers`` Llama, T5 and
+BERT (each from its own constructor, seeded identically).
+
+Each row runs in a fresh process: a warm-up build of the same model (imports, first-call
+caches), then eager construction, then ``meta_init`` construction + ``materialize(model)``
+(``rng="exact"``), each the best of three. Values are checked with ``torch.equal`` on every
+state-dict entry. Target: at most 1.1x eager for models whose eager build takes over 0.5 s.
+
+    .venv/bin/python benchmarks/bench_models.py            # ~3 min
+    .venv/bin/python benchmarks/bench_models.py --quick    # smoke run, two small models
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from _common import (
+    base_parser,
+    child_main,
+    environment_line,
+    fmt_ratio,
+    fmt_s,
+    load_core,
+    print_errors,
+    print_table,
+    run_children,
+    torchvision_models,
+    verdict,
+)
+
+RUNS = 3
+
+
+def _constructor(name: str) -> Any:
+    if name in ("resnet50", "vit_b_16", "swin_s", "resnet18"):
+        return getattr(torchvision_models(), name)
+    import transformers as tf
+
+    configs = {
+        "llama": lambda: tf.LlamaConfig(hidden_size=1024, intermediate_size=4096,
+                                        num_hidden_layers=12, num_attention_heads=16,
+                                        vocab_size=32000),
+        "t5": lambda: tf.T5Config(d_model=768, d_ff=3072, num_layers=12, num_heads=12),
+        "bert": lambda: tf.BertConfig(),
+        "tiny-llama": lambda: tf.LlamaConfig(hidden_size=64, intermediate_size=128,
+                                             num_hidden_layers=2, num_attention_heads=4,
+                                             vocab_size=256),
+    }  # fmt: skip
+    config = configs[name]()
+    if name == "t5":
+        return lambda: tf.T5ForConditionalGeneration(config)
+    if name == "bert":
+        return lambda: tf.BertModel(config)
+    return lambda: tf.LlamaForCausalLM(config)
+
+
+def compare(model: str) -> dict[str, Any]:
+    import torch
+
+    core = load_core()
+    build = _constructor(model)
+    torch.manual_seed(0)
+    build()  # warm-up: imports and first-call caches of both paths
+    with core.meta_init():
+        core.materialize(build())
+    eager_times, ours_times, construct_times = [], [], []
+    eager = ours = None
+    for _ in range(RUNS):
+        eager = ours = None
+        torch.manual_seed(0)
+        t0 = time.perf_counter()
+        eager = build()
+        eager_times.append(time.perf_counter() - t0)
+        torch.manual_seed(0)
+        t0 = time.perf_counter()
+        with core.meta_init():
+            ours = build()
+        built = time.perf_counter() - t0
+        core.materialize(ours)
+        ours_times.append(time.perf_counter() - t0)
+        construct_times.append(built)
+    a, b = eager.state_dict(), ours.state_dict()
+    differ = [k for k in a if not torch.equal(a[k], b[k])]
+    return {
+        "eager": min(eager_times),
+        "ours": min(ours_times),
+        "construct": min(construct_times),
+        "entries": len(a),
+        "differ": differ[:3],
+        "params": sum(p.numel() for p in eager.parameters()),
+    }
+
+
+MEASUREMENTS = {"compare": compare}
+MODELS = ["resnet50", "vit_b_16", "swin_s", "llama", "t5", "bert"]
+
+
+def main() -> None:
+    child_main(MEASUREMENTS)
+    args = base_parser(__doc__.splitlines()[0]).parse_args()
+    models = ["resnet18", "tiny-llama"] if args.quick else MODELS
+    print("# bench_models: deferred construction + materialize vs eager construction")
+    print(f"{environment_line()}; best of {RUNS} per process, one process per model")
+    results = run_children(__file__, [("compare", {"model": m}) for m in models],
+                           separate=not args.quick)  # fmt: skip
+    print_errors({m: r for m, r in zip(models, results, strict=True)})
+    rows, ok_all = [], True
+    for name, r in zip(models, results, strict=True):
+        if "error" in r:
+            rows.append([name, "n/a", "n/a", "n/a", "n/a", "n/a", "n/a"])
+            ok_all = False
+            continue
+        ratio = r["ours"] / r["eager"]
+        counts = r["eager"] > 0.5
+        ok = ratio <= 1.1 if counts else None
+        ok_all = ok_all and ok is not False and not r["differ"]
+        rows.append([name, f"{r['params'] / 1e6:.0f} M", fmt_s(r["eager"]), fmt_s(r["construct"]),
+                     fmt_s(r["ours"]), fmt_ratio(ratio),
+                     verdict(ok) if counts else "(eager < 0.5 s)"])  # fmt: skip
+        if r["differ"]:
+            print(f"{name}: NOT EQUAL to eager: {r['differ']}")
+    print_table(
+        "Build + materialize vs eager construction (exact values)",
+        ["model", "params", "eager", "meta_init build", "build + materialize", "vs eager",
+         "<= 1.1x"],
+        rows,
+    )  # fmt: skip
+    equal = all("error" not in r and not r["differ"] for r in results)
+    print(f"every state-dict entry torch.equal to eager: {equal}")
+    print(f"all targets met: {verdict(ok_all)}")
+
+
+if __name__ == "__main__":
+    main()
