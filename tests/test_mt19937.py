@@ -146,3 +146,9 @@ def test_huge_jump_is_fast_and_composes():
     assert torch.equal(once, twice)
     # a different split, landing mid-block on the way
     assert torch.equal(once, jump_state(jump_state(s, 12_345), 10**11 - 12_345))
+
+
+def test_the_stored_characteristic_polynomial_is_mt19937s():
+    from jupyter_metainit.core import _mt19937
+
+    assert _mt19937._stored_phi() == _mt19937.characteristic_polynomial()

@@ -40,6 +40,7 @@ in a polynomial space", 2008)
 from __future__ import annotations
 
 import functools
+import pathlib
 import threading
 
 import numpy as np
@@ -118,6 +119,31 @@ def _berlekamp_massey(bits: np.ndarray) -> tuple[int, int]:
     return c, length
 
 
+def characteristic_polynomial() -> int:
+    """MT19937's characteristic polynomial phi (bit i = coefficient of t^i), found from the
+    generator's own output by Berlekamp-Massey (about 90 ms; ``_mt19937_phi.bin`` keeps it, and
+    a test checks the two agree)."""
+    block = np.random.default_rng(0).integers(0, 2**32, _N, dtype=np.uint32)
+    seq = _sequence(block, _N + 2 * _DEGREE)
+    c, length = _berlekamp_massey(seq[_N:] & np.uint32(1))
+    if length != _DEGREE:  # pragma: no cover - would mean a broken recurrence
+        raise RuntimeError(f"MT19937 characteristic polynomial has degree {length}")
+    # phi(t) = t^L C(1/t): reverse the L + 1 coefficients.
+    return int(f"{c:0{length + 1}b}"[::-1], 2)
+
+
+_PHI_FILE = pathlib.Path(__file__).with_name("_mt19937_phi.bin")
+
+
+def _stored_phi() -> int:
+    """phi as stored beside this module (a constant of MT19937), else computed."""
+    try:
+        phi = int.from_bytes(_PHI_FILE.read_bytes(), "little")
+    except OSError:
+        return characteristic_polynomial()
+    return phi if phi.bit_length() == _DEGREE + 1 else characteristic_polynomial()
+
+
 def _square(x: int) -> int:
     """``x(t)^2`` in GF(2)[t]: bit i moves to bit 2i (cross terms cancel)."""
     raw = np.frombuffer(x.to_bytes((x.bit_length() + 7) // 8, "little"), np.uint8)
@@ -127,14 +153,8 @@ def _square(x: int) -> int:
 class _Poly:
     """MT19937's characteristic polynomial and the tables for arithmetic modulo it."""
 
-    def __init__(self) -> None:
-        block = np.random.default_rng(0).integers(0, 2**32, _N, dtype=np.uint32)
-        seq = _sequence(block, _N + 2 * _DEGREE)
-        c, length = _berlekamp_massey(seq[_N:] & np.uint32(1))
-        if length != _DEGREE:  # pragma: no cover - would mean a broken recurrence
-            raise RuntimeError(f"MT19937 characteristic polynomial has degree {length}")
-        # phi(t) = t^L C(1/t): reverse the L + 1 coefficients.
-        self.phi = int(f"{c:0{length + 1}b}"[::-1], 2)
+    def __init__(self, phi: int | None = None) -> None:
+        self.phi = _stored_phi() if phi is None else phi
         # reduce_table[b]: the multiple q * phi (deg q < 8) whose bits DEGREE..DEGREE+7 are b.
         self.reduce_table = [0] * 256
         for q in range(256):

@@ -34,7 +34,13 @@ from jupyter_metainit.core._graph import (
 )
 from jupyter_metainit.core._interrupts import check, critical, handling_interrupts, interrupted
 from jupyter_metainit.core._plain import plain
-from jupyter_metainit.core._split_fill import FILLS, fill_region, fill_region_into, split_fill
+from jupyter_metainit.core._split_fill import (
+    FILLS,
+    MIN_SKIP,
+    fill_region,
+    fill_region_into,
+    split_fill,
+)
 from jupyter_metainit.core._values import ValueCache, value_cache
 from jupyter_metainit.core.errors import DeferredDataError, MaterializationError
 
@@ -293,8 +299,9 @@ class _Run:
             keep |= {sid for sid, (s, _n) in p.versions.items() if retain(s)}
         for sid in keep:
             self.last_use[sid] = len(p.ops)
-        self.extents = _read_extents(p, keep)
-        self.copied_once = _copied_once(p, keep)
+        self._keep = keep
+        self._extents: dict[int, tuple[int, int]] | None = None  # computed on first need
+        self._copied_once: set[int] | None = None
         # storage id -> a fill not run yet: its only reader copies a slice of it (a shard)
         self.pending_fills: dict[int, tuple[OpRecord, tuple, dict, torch.Generator]] = {}
 
@@ -416,7 +423,7 @@ class _Run:
             and op.func in FILLS
             and device.type == "cpu"
             and region is not None
-            and id(op.args[0].storage) in self.copied_once
+            and id(op.args[0].storage) in self.copied_once()
         )
         if fusable and self.rng == "fast":
             gen = _rng.fast_generator(seg, index, device)
@@ -514,6 +521,11 @@ class _Run:
             dst.copy_(self.real(src, device))
         return True
 
+    def copied_once(self) -> set[int]:
+        if self._copied_once is None:
+            self._copied_once = _copied_once(self.plan, self._keep)
+        return self._copied_once
+
     def _region(self, op: OpRecord) -> tuple[int, int] | None:
         """The elements of a whole-storage fill that later ops read, when that is a small part
         of it (a shard), else None."""
@@ -523,7 +535,11 @@ class _Run:
         storage = x.storage
         if x.offset != 0 or x.nbytes != storage.nbytes or x.dtype != storage.dtype:
             return None
-        extent = self.extents.get(id(storage))
+        if storage.nbytes // x.dtype.itemsize < MIN_SKIP:
+            return None  # too small for a part to be worth a jump (value reads, small layers)
+        if self._extents is None:
+            self._extents = _read_extents(self.plan, self._keep)
+        extent = self._extents.get(id(storage))
         if extent is None:
             return None
         size = x.dtype.itemsize
