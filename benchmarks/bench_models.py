@@ -4,7 +4,8 @@ BERT (each from its own constructor, seeded identically).
 
 Each row runs in a fresh process: a warm-up build of the same model (imports, first-call
 caches), then eager construction, then ``meta_init`` construction + ``materialize(model)``
-(``rng="exact"``), each the best of three. Values are checked with ``torch.equal`` on every
+(``rng="exact"``), each the best of three, each model freed before the next is built (so both
+start from the same allocator state). Values are checked with ``torch.equal`` on every
 state-dict entry. Target: at most 1.1x eager for models whose eager build takes over 0.5 s.
 
     .venv/bin/python benchmarks/bench_models.py            # ~3 min
@@ -66,21 +67,26 @@ def compare(model: str) -> dict[str, Any]:
     with core.meta_init():
         core.materialize(build())
     eager_times, ours_times, construct_times = [], [], []
-    eager = ours = None
-    for _ in range(RUNS):
-        eager = ours = None
+    for _ in range(RUNS):  # each model freed before the next is built: same allocator state
         torch.manual_seed(0)
         t0 = time.perf_counter()
-        eager = build()
+        model = build()
         eager_times.append(time.perf_counter() - t0)
+        del model
         torch.manual_seed(0)
         t0 = time.perf_counter()
         with core.meta_init():
-            ours = build()
-        built = time.perf_counter() - t0
-        core.materialize(ours)
+            model = build()
+        construct_times.append(time.perf_counter() - t0)
+        core.materialize(model)
         ours_times.append(time.perf_counter() - t0)
-        construct_times.append(built)
+        del model
+    torch.manual_seed(0)
+    eager = build()
+    torch.manual_seed(0)
+    with core.meta_init():
+        ours = build()
+    core.materialize(ours)
     a, b = eager.state_dict(), ours.state_dict()
     differ = [k for k in a if not torch.equal(a[k], b[k])]
     return {

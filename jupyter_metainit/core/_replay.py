@@ -19,7 +19,7 @@ from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
 import torch
-from torch.utils._pytree import tree_leaves, tree_map
+from torch.utils._pytree import tree_map
 
 from jupyter_metainit.core import _rng
 from jupyter_metainit.core._busy import exclusive
@@ -33,7 +33,7 @@ from jupyter_metainit.core._graph import (
     constant_op,
 )
 from jupyter_metainit.core._interrupts import check, critical, handling_interrupts, interrupted
-from jupyter_metainit.core._plain import plain
+from jupyter_metainit.core._plain import iter_args, map_args, plain
 from jupyter_metainit.core._split_fill import (
     FILLS,
     MIN_SKIP,
@@ -381,8 +381,8 @@ class _Run:
         if op.func is aten.copy_.default and self._copy_from_pending_fill(op, device):
             self.finished(index)
             return
-        args = tree_map(lambda x: self.arg(x, device), op.args)
-        kwargs = tree_map(lambda x: self.arg(x, device), op.kwargs)
+        # ATen arguments nest one list deep at most: map_args, not pytree (per op, it shows)
+        args, kwargs = map_args(lambda x: self.arg(x, device), op.args, op.kwargs)
         if "device" in kwargs:
             kwargs["device"] = device
         with default_dtype_as(op.default_dtype):
@@ -584,7 +584,7 @@ def _read_extents(p: Plan, keep: set[int]) -> dict[int, tuple[int, int]]:
     extents: dict[int, tuple[int, int]] = {}
     whole: set[int] = set(keep)
     for i, op in enumerate(p.ops):
-        for x in tree_leaves((op.args, op.kwargs)):
+        for x in iter_args(op.args, op.kwargs):
             if not isinstance(x, TensorRecord):
                 continue
             sid = id(x.storage)
@@ -762,12 +762,29 @@ def _results(run: _Run, p: Plan) -> dict[int, torch.Tensor]:
     return out
 
 
+def _constant_value(r: TensorRecord) -> torch.Tensor | None:
+    """The kept data of a storage that is a constant never written since (the user's
+    ``torch.tensor(...)`` inside ``meta_init``), laid out as the whole storage; else None."""
+    writes = r.storage.writes
+    if len(writes) != 1 or writes[0].func is not constant_op:
+        return None
+    data = writes[0].args[0].tensor
+    whole = data.is_contiguous() and data.storage_offset() == 0
+    if not whole or data.numel() * data.element_size() != r.storage.nbytes:
+        return None
+    return data
+
+
 def compute_values(records: list[TensorRecord]) -> list[torch.Tensor]:
     """Exact current values of deferred tensors on the CPU, without changing them.
 
     Continues from values earlier reads computed (``_values``) and keeps what it computes for
     the next read, within the cache's budget.
     """
+    constants = [_constant_value(r) for r in records]
+    if all(c is not None for c in constants):  # ``torch.tensor(0.5).item()``: nothing to run
+        with plain():
+            return [real_view(c, r).clone() for c, r in zip(constants, records, strict=True)]
     with handling_interrupts(), exclusive("reading values of deferred tensors"):
         p = plan(records, value_cache)
         env = execute(
