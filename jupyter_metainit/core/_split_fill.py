@@ -126,6 +126,45 @@ def _split_is_exact(func: Any, dtype: torch.dtype, fill: Callable) -> bool:
     return ok
 
 
+def _plainly(fill: Callable[[torch.Tensor, torch.Generator], Any]) -> Callable:
+    """``fill`` run with every interception off (it is called from replay and from threads)."""
+
+    def run(t: torch.Tensor, g: torch.Generator) -> Any:
+        with plain():
+            return fill(t, g)
+
+    return run
+
+
+def _fillable(func: Any, t: Any, generator: torch.Generator) -> bool:
+    """A fill this module can cut: ``normal_``/``uniform_`` of a contiguous CPU tensor of a
+    dtype with a known draw count, from a CPU generator."""
+    return (
+        func in _ALIGN
+        and isinstance(t, torch.Tensor)
+        and t.device.type == "cpu"
+        and generator.device.type == "cpu"
+        and t.dtype in _DRAWS_PER_ELEMENT
+        and t.is_contiguous()
+    )
+
+
+def _covering(func: Any, n: int, lo: int, hi: int) -> tuple[int, int]:
+    """The elements to generate for ``[lo, hi)`` of a fill of ``n``: widened to the kernel's
+    blocks, to the fill's end when a partial last block is near (it is redrawn), and to at
+    least 16 elements (shorter fills take another kernel path)."""
+    align = _ALIGN[func]
+    start = max(0, lo) // align * align
+    end = min(n, -(-hi // align) * align)
+    if n - end < 16:
+        end = n
+    if end == n and n - start < 16:
+        start = max(0, n - 16) // align * align
+    if end - start < 16 and end != n:
+        end = min(n, start + 16 * align)
+    return start, end
+
+
 def split_fill(
     func: Any,
     target: Any,
@@ -138,22 +177,9 @@ def split_fill(
     call would. Returns False (and does nothing) where that is not possible or not worth it:
     another op, a non-contiguous or small tensor, a CUDA generator, or one core."""
     workers = available_cores() if workers is None else workers
-    if (
-        workers < 2
-        or func not in _ALIGN
-        or not isinstance(target, torch.Tensor)
-        or target.device.type != "cpu"
-        or generator.device.type != "cpu"
-        or target.dtype not in _DRAWS_PER_ELEMENT
-        or not target.is_contiguous()
-        or target.numel() < 2 * MIN_CHUNK
-    ):
+    if workers < 2 or not _fillable(func, target, generator) or target.numel() < 2 * MIN_CHUNK:
         return False
-
-    def fill_plainly(t: torch.Tensor, g: torch.Generator) -> Any:
-        with plain():
-            return fill(t, g)
-
+    fill_plainly = _plainly(fill)
     if not _split_is_exact(func, target.dtype, fill_plainly):
         return False
     parts = min(workers, target.numel() // MIN_CHUNK)
@@ -176,33 +202,14 @@ def fill_region(
     ``generator`` is not moved: the caller knows the whole fill's draw count and moves it past
     (merged with its next jump). Returns False (doing nothing) where this is not exact, not
     possible or not worth it."""
-    if (
-        func not in _ALIGN
-        or not isinstance(target, torch.Tensor)
-        or target.device.type != "cpu"
-        or generator.device.type != "cpu"
-        or target.dtype not in _DRAWS_PER_ELEMENT
-        or not target.is_contiguous()
-    ):
+    if not _fillable(func, target, generator):
         return False
     n = target.numel()
     align, per = _ALIGN[func], _DRAWS_PER_ELEMENT[target.dtype]
-    lo, hi = region
-    lo = max(0, lo) // align * align
-    hi = min(n, -(-hi // align) * align)
-    if n - hi < 16:  # normal_ redraws a partial last block: end where the whole fill ends
-        hi = n
-    if hi == n and n - lo < 16:
-        lo = max(0, n - 16) // align * align
-    if hi - lo < 16 and hi != n:
-        hi = min(n, lo + 16 * align)
+    lo, hi = _covering(func, n, *region)
     if n - (hi - lo) < MIN_SKIP:
         return False
-
-    def fill_plainly(t: torch.Tensor, g: torch.Generator) -> Any:
-        with plain():
-            return fill(t, g)
-
+    fill_plainly = _plainly(fill)
     if not _split_is_exact(func, target.dtype, fill_plainly):
         return False
     start = torch.Generator()
@@ -233,29 +240,12 @@ def fill_region_into(
     generated through a small scratch buffer per thread and copied over. This is how a rank
     gets its shard of a parameter (the fill, then ``copy_`` of a slice) at the memory of the
     shard. ``generator`` (at the whole fill's start) is not moved. False if not possible."""
-    if (
-        func not in _ALIGN
-        or dst.device.type != "cpu"
-        or generator.device.type != "cpu"
-        or dst.dtype not in _DRAWS_PER_ELEMENT
-        or not dst.is_contiguous()
-    ):
+    if not _fillable(func, dst, generator):
         return False
     align, per = _ALIGN[func], _DRAWS_PER_ELEMENT[dst.dtype]
     lo, hi = first, first + dst.numel()
-    start = lo // align * align
-    end = min(numel, -(-hi // align) * align)
-    if numel - end < 16:  # a partial last block is redrawn: go to the whole fill's end
-        end = numel
-    if end == numel and numel - start < 16:
-        start = max(0, numel - 16) // align * align
-    if end - start < 16:
-        return False
-
-    def fill_plainly(t: torch.Tensor, g: torch.Generator) -> Any:
-        with plain():
-            return fill(t, g)
-
+    start, end = _covering(func, numel, lo, hi)
+    fill_plainly = _plainly(fill)
     if not _split_is_exact(func, dst.dtype, fill_plainly):
         return False
     workers = available_cores() if workers is None else workers
