@@ -13,6 +13,7 @@ widget refreshes once per burst of changes, with no polling while idle.
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import threading
 import time
@@ -436,7 +437,10 @@ class ModuleTreeWidget(anywidget.AnyWidget):
         with self._refresh_lock:
             self._sync_timer = None
         if self.comm is not None:
-            self.refresh()
+            # Runs in a timer thread while other threads may be swapping tensors: a refresh
+            # that catches one half-way is dropped, the change that follows refreshes again.
+            with contextlib.suppress(Exception):
+                self.refresh()
 
     def refresh(self) -> None:
         """Recompute every node's totals and state; send the page only the rows that changed."""
