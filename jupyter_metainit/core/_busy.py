@@ -52,15 +52,14 @@ class exclusive:
     def __exit__(self, *exc: object) -> None:
         _activity.pop()
         _lock.release()
-        if interrupted():
-            # A Ctrl-C held back in here surfaces now, not in some later call; an exception
-            # already on its way out aborts the work anyway.
-            with contextlib.suppress(KeyboardInterrupt) if exc[0] is not None else _nothing():
+        if exc[0] is None:
+            check()  # a Ctrl-C held back in here surfaces now, not in some later call
+        elif interrupted():
+            with contextlib.suppress(KeyboardInterrupt):  # the exception aborts the work anyway
                 check()
 
 
 protect(exclusive.__enter__, exclusive.__exit__)
-_nothing = contextlib.nullcontext
 
 
 def busy_with() -> str | None:

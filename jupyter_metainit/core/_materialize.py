@@ -266,12 +266,7 @@ class _MemoryProgress(Progress):
     def __init__(self, callback: ProgressCallback, tensors: list[DeferredTensor],
                  dtype: torch.dtype | None) -> None:  # fmt: skip
         self.callback = callback
-        self.sizes: dict[int, int] = {}
-        for t in tensors:
-            size = t._rec.storage.nbytes
-            if dtype is not None and t.is_floating_point():
-                size = size // t.element_size() * dtype.itemsize
-            self.sizes[id(t._rec.storage)] = size
+        self.sizes = _storage_sizes(tensors, dtype)
         self.total = sum(self.sizes.values())
         self.done = 0
         self.current = ""
@@ -335,14 +330,15 @@ def _free_bytes(device: torch.device) -> int | None:
     return min(candidates) if candidates else None
 
 
-def _needed_bytes(tensors: list[DeferredTensor], dtype: torch.dtype | None) -> int:
-    storages: dict[int, int] = {}
+def _storage_sizes(tensors: list[DeferredTensor], dtype: torch.dtype | None) -> dict[int, int]:
+    """Bytes each storage of ``tensors`` holds when real, floating ones cast to ``dtype``."""
+    sizes: dict[int, int] = {}
     for t in tensors:
         size = t._rec.storage.nbytes
         if dtype is not None and t.is_floating_point():
             size = size // t.element_size() * dtype.itemsize
-        storages[id(t._rec.storage)] = size
-    return sum(storages.values())
+        sizes[id(t._rec.storage)] = size
+    return sizes
 
 
 def _released(
@@ -367,7 +363,7 @@ def _released(
         exc.__traceback__ = None
         target = device or (tensors[0].device if tensors else torch.device("cpu"))
         free = _free_bytes(target)
-        need = _needed_bytes(tensors, dtype)
+        need = sum(_storage_sizes(tensors, dtype).values())
         return NotEnoughMemoryError(
             f"not enough memory on {target} to materialize {what}: it needs "
             f"{format_bytes(need)}"
@@ -536,8 +532,14 @@ def _materialize_now(
         if tracker is not None:
             tracker.loaded([t for t in tensors if id(t) in loaded])
     to_replay = [t for t in tensors if id(t) not in loaded]
-    sources = {id(t): ("checkpoint" if id(t) in loaded else tensor_source(t)) for t in tensors}
-    env = execute(plan([t._rec for t in to_replay]), device, rng, tracker)
+    replay = plan([t._rec for t in to_replay])
+    # A tensor's own plan says where its values come from; only worth asking if any file is read.
+    reads_files = any(op.func is read_file_bytes for op in replay.ops)
+    sources = {
+        id(t): "checkpoint" if id(t) in loaded else tensor_source(t) if reads_files else "init"
+        for t in tensors
+    }
+    env = execute(replay, device, rng, tracker)
     used: set[int] = set()
     new = []
     for t in tensors:

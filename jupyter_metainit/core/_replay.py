@@ -431,14 +431,10 @@ class _Run:
             return args[0]
         if self.rng == "fast":
             gen = _rng.fast_generator(seg, index, device)
-            if (
-                region is not None
-                and has_gen
-                and fill_region(
-                    op.func, args[0], lambda t, g: _call(op, (t, *args[1:]), kwargs, g), gen, region
-                )
-            ):
-                return args[0]
+            if region is not None:
+                out = self._run_from(op, args, kwargs, gen, has_gen, region)
+                if out is not None:
+                    return out
             return _rng.run_random(lambda g: _call(op, args, kwargs, g), gen, has_gen)
         gen_dev = seg.device
         current = self.generators.get(id(seg))
@@ -457,21 +453,21 @@ class _Run:
                 self.generators.pop(id(seg), None)
                 return args[0]
             if region is not None:
-                out = self._run_exact(op, args, kwargs, gen, has_gen, region)
+                out = self._run_from(op, args, kwargs, gen, has_gen, region)
                 if out is not None:
                     # Only the region was drawn: the generator is not at the op's end. The
                     # next op of this stream starts from the checkpoint before this one and
                     # jumps past it (and whatever it skips too): one jump instead of two.
                     self.generators.pop(id(seg), None)
                     return out
-            out = self._run_exact(op, args, kwargs, gen, has_gen, None)
+            out = self._run_from(op, args, kwargs, gen, has_gen, None)
         else:
             # Exact values come from the recorded generator's device; then they are copied over.
             cpu_args = tree_map(lambda x: _to(x, gen_dev), args)
             cpu_kwargs = tree_map(lambda x: _to(x, gen_dev), kwargs)
             if "device" in cpu_kwargs:
                 cpu_kwargs["device"] = gen_dev
-            out = self._run_exact(op, cpu_args, cpu_kwargs, gen, has_gen, None)
+            out = self._run_from(op, cpu_args, cpu_kwargs, gen, has_gen, None)
             for i, a in enumerate(op.func._schema.arguments):
                 if a.alias_info is not None and a.alias_info.is_write and i < len(args):
                     args[i].copy_(cpu_args[i])
@@ -483,13 +479,13 @@ class _Run:
         return out
 
     @staticmethod
-    def _run_exact(
+    def _run_from(
         op: OpRecord, args: tuple, kwargs: dict, gen: torch.Generator, has_gen: bool,
         region: tuple[int, int] | None,
     ) -> Any:  # fmt: skip
-        """Run a random op from ``gen``'s exact state. With ``region``: only that part (a
-        rank's shard), leaving ``gen`` unmoved, or None if that was not possible. Large CPU
-        fills run on all cores."""
+        """Run a random op drawing from ``gen``. With ``region``: only that part (a rank's
+        shard), leaving ``gen`` unmoved, or None if that was not possible. Large CPU fills run
+        on all cores."""
         target = args[0] if args else None
         fill = lambda t, g: _call(op, (t, *args[1:]), kwargs, g)  # noqa: E731
         if region is not None:

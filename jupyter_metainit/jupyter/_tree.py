@@ -160,20 +160,24 @@ class ModuleTree:
             )
         for node in range(len(self.names) - 1, 0, -1):  # children come after parents
             share[self.parents[node]] += share[node]
+        sets = self.subtree_tensors()
+        # per tensor once (the root's set holds them all), not once per ancestor
+        state_of = {key: tensor_state(t) for key, (t, _) in sets[0].items()}
+        source_of = {key: tensor_source(t) for key, (t, _) in sets[0].items()}
         out = []
-        for node, tensors in enumerate(self.subtree_tensors()):
+        for node, tensors in enumerate(sets):
             st = NodeStats(share_bytes=share[node])
             states, floats, others, targets, sources = set(), set(), set(), set(), set()
-            for t, is_param in tensors.values():
+            for key, (t, is_param) in tensors.items():
                 if is_param:
                     st.params += _numel(t)
                 st.bytes += _nbytes(t)
-                state = tensor_state(t)
+                state = state_of[key]
                 states.add(state)
                 (floats if t.is_floating_point() else others).add(dtype_label(t))
                 if state == "deferred":
                     targets.add(str(t.device))
-                sources.add(tensor_source(t))
+                sources.add(source_of[key])
             st.state = _summary(states)
             st.dtype = _summary(floats or others)
             target = _summary(targets)
