@@ -31,6 +31,7 @@ from jupyter_metainit import core
 from jupyter_metainit.core import _events
 from jupyter_metainit.core._busy import busy_with as core_busy_with
 from jupyter_metainit.core._format import format_bytes, format_count
+from jupyter_metainit.core._walk import unique_tensors
 from jupyter_metainit.estimates import memory_table
 from jupyter_metainit.jupyter._tree import ModuleTree, NodeStats
 
@@ -414,12 +415,11 @@ class ModuleTreeWidget(anywidget.AnyWidget):
     # ------------------------------------------------------------------ following the model
     def _tensor_ids(self) -> set[int]:
         ids = set()
-        for tensors in self._tree.subtree_tensors()[:1]:
-            for t, _ in tensors.values():
-                ids.add(id(t))
-                local = getattr(t, "_local_tensor", None)  # a DTensor's shard
-                if local is not None:
-                    ids.add(id(local))
+        for t in unique_tensors(self.module):
+            ids.add(id(t))
+            local = getattr(t, "_local_tensor", None)  # a DTensor's shard
+            if local is not None:
+                ids.add(id(local))
         return ids
 
     def _on_core_change(self, _kind: str, tensors: list[torch.Tensor]) -> None:
