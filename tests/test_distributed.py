@@ -15,6 +15,7 @@ import subprocess
 import sys
 import time
 import traceback
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,7 @@ if not dist.is_available() or not dist.is_gloo_available():
 
 from jupyter_metainit import is_deferred, materialize, meta_init  # noqa: E402
 from jupyter_metainit.core.errors import MaterializationError  # noqa: E402
-from jupyter_metainit.distributed import materialize_sharded  # noqa: E402
+from jupyter_metainit.distributed import WholeTensorWarning, materialize_sharded  # noqa: E402
 
 WORLD = 2
 SPAWN_TIMEOUT_S = 120
@@ -116,6 +117,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         "tp",
         "tp_default_src",
         "fsdp_over_tp",
+        "whole_report",
     ]
     if _has_transformers():
         names.append("hf_fsdp")
@@ -303,6 +305,30 @@ def _scenario_memory(mesh: Any) -> dict[str, Any]:
     return {"peak": peak, "shards": shards, "largest": largest, "full": full}
 
 
+def _clamped_model() -> nn.Module:
+    # 4 Mi elements each (large enough to be cut); the second ends in a clamp_, which cannot.
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(2048, 2048, bias=False), nn.Linear(2048, 2048, bias=False))
+    with torch.no_grad():
+        model[0].weight.normal_(0, 0.02)
+        model[1].weight.normal_(0, 0.02).clamp_(-0.04, 0.04)
+    return model
+
+
+def _scenario_whole_report(mesh: Any) -> dict[str, Any]:
+    with meta_init():
+        model = _clamped_model()
+    _fully_shard(model, mesh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        materialize_sharded(model)
+    messages = [str(w.message) for w in caught if issubclass(w.category, WholeTensorWarning)]
+    return {
+        "messages": messages,
+        "vs_eager": _mismatches(_gathered(model), _gathered(_clamped_model())),
+    }
+
+
 def _hf_model() -> nn.Module:
     import transformers
 
@@ -348,6 +374,7 @@ SCENARIOS = {
     "fsdp_exact": _scenario_fsdp_exact,
     "fsdp_fast": _scenario_fsdp_fast,
     "fsdp_core": _scenario_fsdp_core,
+    "whole_report": _scenario_whole_report,
     "tp": _scenario_tp,
     "tp_default_src": _scenario_tp_default_src,
     "fsdp_over_tp": _scenario_fsdp_over_tp,
@@ -443,6 +470,15 @@ def test_fsdp_over_tp_2d_gathered_shards_equal_eager_construction(nn_results, ra
 def test_peak_memory_is_at_most_shards_plus_largest_tensor(nn_results, rank):
     r = _result(nn_results, "memory", rank)
     assert r["peak"] <= r["shards"] + r["largest"] + 8 * MIB, {k: v / MIB for k, v in r.items()}
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_parameters_computed_whole_for_their_shard_are_reported(nn_results, rank):
+    r = _result(nn_results, "whole_report", rank)
+    assert r["vs_eager"] == []
+    assert len(r["messages"]) == 1
+    assert "'1.weight'" in r["messages"][0] and "clamp_" in r["messages"][0]
+    assert "'0.weight'" not in r["messages"][0]
 
 
 @pytest.mark.parametrize("rank", range(WORLD))

@@ -10,6 +10,8 @@ invisible (counted, so nested and concurrent blocks share one wrapping):
   generator to its exact state (``_rng``: draws are accounted lazily while recording);
 * ``torch.get_default_dtype``/``torch.set_default_dtype`` read and set the thread's own default
   inside a ``meta_init(dtype=...)`` block, so such a block changes no other thread's dtype;
+* ``torch.nn.init.trunc_normal_`` is recorded as the one ``normal_`` it equals when nothing is
+  redrawn (``_trunc_normal``), instead of op by op with a read of the values;
 * ``nn.Module`` lazy parameters become deferred when a dry run gives them a shape (``_lazy``);
 * ``HF_DEACTIVATE_ASYNC_LOAD`` is set: ``transformers`` then reads checkpoint tensors in the
   calling thread, inside the block, where reading is recorded, instead of in worker threads.
@@ -52,6 +54,7 @@ from jupyter_metainit.core._state import (
     tls,
 )
 from jupyter_metainit.core._tensor import DeferredTensor
+from jupyter_metainit.core._trunc_normal import trunc_normal_
 from jupyter_metainit.core._values import value_cache
 
 __all__ = ["is_meta_init", "meta_init"]
@@ -136,6 +139,7 @@ _wrapped = (
     (torch.random, "get_rng_state", _get_rng_state),
     (torch, "get_default_dtype", _get_default_dtype),
     (torch, "set_default_dtype", _set_default_dtype),
+    (torch.nn.init, "trunc_normal_", trunc_normal_),
 )
 _wrap_count = 0
 _wrap_lock = threading.Lock()

@@ -256,6 +256,26 @@ class _ShapeMismatch:
         )
 
 
+class _Noted(threading.local):
+    whole: list[StorageRecord] | None = None
+
+
+_noted = _Noted()
+
+
+@contextlib.contextmanager
+def noting_whole_intermediates() -> Iterator[list[StorageRecord]]:
+    """Collect the large storages that replays on this thread compute whole although only part
+    of them is needed: a parameter a shard is cut from, when its last write cannot be generated
+    for the shard's rows alone (``materialize_sharded`` reports them)."""
+    found: list[StorageRecord] = []
+    saved, _noted.whole = _noted.whole, found
+    try:
+        yield found
+    finally:
+        _noted.whole = saved
+
+
 class _Run:
     """State of one replay: real storages, generator positions, progress."""
 
@@ -300,6 +320,8 @@ class _Run:
         for sid in keep:
             self.last_use[sid] = len(p.ops)
         self._keep = keep
+        self._targets = target_ids
+        self._noted = _noted.whole  # captured here: fast mode replays in worker threads
         self._extents: dict[int, tuple[int, int]] | None = None  # computed on first need
         self._copied_once: set[int] | None = None
         # storage id -> a fill not run yet: its only reader copies a slice of it (a shard)
@@ -376,6 +398,8 @@ class _Run:
             out = op.func(*op.args)
             out = out.to(device) if out.device != device else out
             self._store(op, (out,))
+            if self._noted is not None:
+                self._note_whole(op)
             self.finished(index)
             return
         if op.func is aten.copy_.default and self._copy_from_pending_fill(op, device):
@@ -385,15 +409,18 @@ class _Run:
         args, kwargs = map_args(lambda x: self.arg(x, device), op.args, op.kwargs)
         if "device" in kwargs:
             kwargs["device"] = device
+        partial = False
         with default_dtype_as(op.default_dtype):
             if op.rng is not None:
                 self.phase("generating random values")
-                out = self._run_random(op, args, kwargs, device)
+                out, partial = self._run_random(op, args, kwargs, device)
             else:
                 self.phase("computing")
                 out = op.func(*args, **kwargs)
         outs = out if isinstance(out, (tuple, list)) else (out,)
         self._store(op, outs)
+        if self._noted is not None and not partial:
+            self._note_whole(op)
         self.finished(index)
 
     def _store(self, op: OpRecord, outs: Any) -> None:
@@ -414,7 +441,22 @@ class _Run:
                 o = fixed
             self.env[id(rec.storage)] = o
 
-    def _run_random(self, op: OpRecord, args: tuple, kwargs: dict, device: torch.device) -> Any:
+    def _note_whole(self, op: OpRecord) -> None:
+        """``op`` ran over whole storages: note the large ones nothing asked for whole."""
+        written = [r.storage for r in op.outputs if r is not None] + list(op.mutates)
+        for storage in written:
+            if (
+                id(storage) not in self._targets
+                and storage.nbytes // storage.dtype.itemsize >= MIN_SKIP
+                and storage not in self._noted
+            ):
+                self._noted.append(storage)
+
+    def _run_random(
+        self, op: OpRecord, args: tuple, kwargs: dict, device: torch.device
+    ) -> tuple[Any, bool]:
+        """Run a recorded random op; returns its output and whether only part of its output
+        was generated (a shard's region, or a fill left for the copy that cuts the shard)."""
         seg, index = op.rng.segment, op.rng.index
         has_gen = "generator" in [a.name for a in op.func._schema.arguments]
         region = self._region(op)
@@ -428,14 +470,14 @@ class _Run:
         if fusable and self.rng == "fast":
             gen = _rng.fast_generator(seg, index, device)
             self.pending_fills[id(op.args[0].storage)] = (op, args[1:], kwargs, gen)
-            return args[0]
+            return args[0], True
         if self.rng == "fast":
             gen = _rng.fast_generator(seg, index, device)
             if region is not None:
                 out = self._run_from(op, args, kwargs, gen, has_gen, region)
                 if out is not None:
-                    return out
-            return _rng.run_random(lambda g: _call(op, args, kwargs, g), gen, has_gen)
+                    return out, True
+            return _rng.run_random(lambda g: _call(op, args, kwargs, g), gen, has_gen), False
         gen_dev = seg.device
         current = self.generators.get(id(seg))
         if current is not None and current[1] == index:
@@ -451,7 +493,7 @@ class _Run:
                 # the next op of this stream jumps past it from the checkpoint before it.
                 self.pending_fills[id(op.args[0].storage)] = (op, args[1:], kwargs, gen)
                 self.generators.pop(id(seg), None)
-                return args[0]
+                return args[0], True
             if region is not None:
                 out = self._run_from(op, args, kwargs, gen, has_gen, region)
                 if out is not None:
@@ -459,7 +501,7 @@ class _Run:
                     # next op of this stream starts from the checkpoint before this one and
                     # jumps past it (and whatever it skips too): one jump instead of two.
                     self.generators.pop(id(seg), None)
-                    return out
+                    return out, True
             out = self._run_from(op, args, kwargs, gen, has_gen, None)
         else:
             # Exact values come from the recorded generator's device; then they are copied over.
@@ -476,7 +518,7 @@ class _Run:
                 out = args[0]
         self.generators[id(seg)] = (gen, index + 1)
         seg.add_checkpoint(index + 1, gen.get_state())
-        return out
+        return out, False
 
     @staticmethod
     def _run_from(

@@ -609,6 +609,39 @@ def flush_default() -> None:
             _flush(tracker)
 
 
+def exact_state(generator: torch.Generator) -> torch.Tensor:
+    """Flush ``generator`` and return its state: where eager code would have it now."""
+    with plain(), _lock:
+        tracker = _trackers.get(id(generator))
+        if tracker is not None and tracker.generator is generator:
+            _flush(tracker)
+        return generator.get_state()
+
+
+def settle(segment: RngSegment, index: int, state: torch.Tensor) -> bool:
+    """Op ``index`` of ``segment`` left its generator in ``state`` (known by running it on
+    scratch memory): nothing stays pending to jump over at the next flush.
+
+    Only taken while that op is the last recorded and the only one pending; returns whether it
+    was (otherwise the stream stays exact the usual way, by a jump at the next flush)."""
+    with plain(), _lock:
+        for tracker in _trackers.values():
+            if tracker.segment is not segment:
+                continue
+            gen = tracker.generator
+            if (
+                len(segment.specs) != index + 1
+                or tracker.pending != known_draws(segment.specs[index], gen.device)
+                or not torch.equal(gen.get_state(), tracker.marked)
+            ):
+                return False
+            tracker.exact, tracker.pending = state, 0
+            segment.add_checkpoint(index + 1, state)
+            _mark(tracker, was_pending=False)
+            return True
+        return False
+
+
 def forget_generators() -> None:
     """Drop stream tracking (``clear_meta_init_cache``): the next random op starts a segment."""
     with critical(), _lock:

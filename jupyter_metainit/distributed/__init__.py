@@ -5,6 +5,6 @@ Imports only the core and ``torch``; ``torch.distributed`` is needed at call tim
 
 from __future__ import annotations
 
-from jupyter_metainit.distributed._sharded import materialize_sharded
+from jupyter_metainit.distributed._sharded import WholeTensorWarning, materialize_sharded
 
-__all__ = ["materialize_sharded"]
+__all__ = ["WholeTensorWarning", "materialize_sharded"]

@@ -13,23 +13,32 @@ rows this rank's shard is cut from, straight into the shard's memory (``core._sp
 generator jumps to the shard's offset in the stream. A rank then holds its shards plus a small
 scratch buffer and spends time in proportion to its shards. Parameters whose last write is
 another op (a ``clamp_`` after ``trunc_normal_``, an arithmetic init) are computed whole, and
-the rank holds that one full tensor while its shard is cut out.
+the rank holds that one full tensor while its shard is cut out; a ``WholeTensorWarning`` names
+them.
 """
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from jupyter_metainit.core import materialize
+from jupyter_metainit.core._format import format_bytes
 from jupyter_metainit.core._materialize import iter_deferred, progress_callback
+from jupyter_metainit.core._replay import noting_whole_intermediates
 from jupyter_metainit.core._tensor import DeferredTensor
 from jupyter_metainit.core._walk import named_tensors, own_tensors
 from jupyter_metainit.core.errors import MaterializationError
 
-__all__ = ["materialize_sharded"]
+__all__ = ["WholeTensorWarning", "materialize_sharded"]
+
+
+class WholeTensorWarning(UserWarning):
+    """``materialize_sharded`` computed some parameters whole before cutting this rank's shard."""
+
 
 # Ops that allocate without writing values: a shard whose storage saw nothing else was meant to
 # be filled by a collective (DTensor's scatter from ``src_data_rank``), which is not recorded.
@@ -119,7 +128,8 @@ def materialize_sharded(
 
     Peak memory per rank: its shards plus a small scratch buffer, or, for a parameter whose
     initialisation cannot be cut (see the module docstring), that full tensor while its shard is
-    made. ``materialize(model)`` gives the same values in one replay; prefer this function.
+    made; a ``WholeTensorWarning`` lists those parameters. ``materialize(model)`` gives the same
+    values in one replay; prefer this function.
 
     Args:
         module: the sharded deferred model (the root passed to ``fully_shard``, or any module
@@ -158,17 +168,47 @@ def materialize_sharded(
     callback, bar = progress_callback(progress)
     sizes = [max(t._rec.storage.nbytes for t in g) for g in groups]
     total, done = sum(sizes), 0
+    whole: list[tuple[str, Any]] = []
     try:
         for group, size in zip(groups, sizes, strict=True):
-            materialize(group, rng=rng)
+            with noting_whole_intermediates() as noted:
+                materialize(group, rng=rng)
+            if noted:
+                name = next((names[id(t)] for t in group if id(t) in names), None)
+                whole.extend((name or f"a {tuple(group[0].shape)} shard", s) for s in noted)
             done += size
             if callback is not None:
                 callback(done, total)
     finally:
         if bar is not None:
             bar.close()
+        if whole:
+            _warn_whole(whole)
     with torch.no_grad():
         for fp in fsdp_params:
             # Re-derive FSDP's views of the now-real shard (as after ``model.to_empty()``).
             fp.reset_sharded_param()
     return module
+
+
+def _warn_whole(whole: list[tuple[str, Any]]) -> None:
+    """Say which parameters were computed whole (memory above the shards), and why."""
+    def last_op(storage: Any) -> str:
+        func = storage.writes[-1].func
+        return getattr(func, "_opname", getattr(func, "__name__", str(func)))
+
+    listed = ", ".join(
+        f"{name!r} ({format_bytes(s.nbytes)}, last written by {last_op(s)})"
+        for name, s in whole[:5]
+    )
+    more = f" and {len(whole) - 5} more" if len(whole) > 5 else ""
+    largest = max(s.nbytes for _, s in whole)
+    warnings.warn(
+        f"materialize_sharded computed {len(whole)} parameter(s) whole before cutting this "
+        f"rank's shard: {listed}{more}. Their values are exact, but this rank held each full "
+        f"tensor for a moment (largest {format_bytes(largest)}). Only a parameter whose last "
+        "initialisation op is a normal_ or uniform_ fill (nn.init.normal_, uniform_, kaiming_*, "
+        "xavier_*, trunc_normal_ with the usual bounds) is generated for the shard alone.",
+        WholeTensorWarning,
+        stacklevel=2,
+    )
