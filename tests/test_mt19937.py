@@ -152,3 +152,16 @@ def test_the_stored_characteristic_polynomial_is_mt19937s():
     from jupyter_metainit.core import _mt19937
 
     assert _mt19937._stored_phi() == _mt19937.characteristic_polynomial()
+
+
+def test_a_jump_is_cheap_once_its_distance_recurs_or_was_jumped():
+    from jupyter_metainit.core._mt19937 import jump_is_cheap
+
+    state = torch.Generator().manual_seed(11).get_state()
+    draws = 3_141_593  # a distance no other test jumps
+    assert not jump_is_cheap(state, draws)
+    assert jump_is_cheap(state, draws)  # asked again: it recurs, computing it once pays
+    assert not jump_is_cheap(state, draws + 10_000)
+    jump_state(state, draws + 10_000)
+    assert jump_is_cheap(state, draws + 10_000)  # kept
+    assert jump_is_cheap(state, 1000)  # within reach of the recurrence: never a polynomial

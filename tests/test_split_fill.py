@@ -147,10 +147,37 @@ def test_a_slice_filled_through_pieces_equals_the_whole_fill(
     monkeypatch.setattr(_split_fill, "MIN_CHUNK", 64)  # several spans and pieces on small sizes
     monkeypatch.setattr(_split_fill, "SCRATCH_ELEMENTS", 64)
     whole = torch.empty(n, dtype=dtype)
-    func(whole, *args, generator=torch.Generator().manual_seed(5))
+    whole_gen = torch.Generator().manual_seed(5)
+    func(whole, *args, generator=whole_gen)
     part = torch.empty(length, dtype=dtype)
     gen = torch.Generator().manual_seed(5)
     fill = lambda t, g: func(t, *args, generator=g)  # noqa: E731
-    assert _split_fill.fill_region_into(func, n, part, first, fill, gen, workers=2)
+    ends = []
+    assert _split_fill.fill_region_into(
+        func, n, part, first, fill, gen, workers=2, at_end=ends.append
+    )
     expected = whole[first : first + length].contiguous()
     assert torch.equal(part.view(torch.uint8), expected.view(torch.uint8))
+    # a part that runs to the fill's end reports where the whole fill leaves the generator
+    assert len(ends) == (1 if first + length == n else len(ends))
+    assert all(torch.equal(state, whole_gen.get_state()) for state in ends)
+
+
+def test_consecutive_last_shards_continue_the_stream_exactly():
+    torch.manual_seed(0)
+    with meta_init():
+        layers = [torch.nn.Linear(2048, 2049, bias=False) for _ in range(3)]
+        for layer in layers:  # back-to-back fills, as post_init draws them
+            torch.nn.init.normal_(layer.weight, std=0.02)
+        shards = []
+        for layer in layers:
+            shard = torch.empty(1024, 2048)
+            shard.copy_(layer.weight[1025:])  # the last rank's rows
+            shards.append(shard)
+    materialize(shards)
+    torch.manual_seed(0)
+    eager = [torch.nn.Linear(2048, 2049, bias=False) for _ in range(3)]
+    for layer in eager:
+        torch.nn.init.normal_(layer.weight, std=0.02)
+    for shard, layer in zip(shards, eager, strict=True):
+        assert torch.equal(shard, layer.weight[1025:])

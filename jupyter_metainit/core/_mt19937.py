@@ -39,16 +39,16 @@ in a polynomial space", 2008)
 
 from __future__ import annotations
 
-import functools
 import pathlib
 import threading
+from collections import OrderedDict
 
 import numpy as np
 import torch
 
 from jupyter_metainit.core._interrupts import critical
 
-__all__ = ["advance_by_generating", "jump_generator", "jump_state"]
+__all__ = ["advance_by_generating", "jump_generator", "jump_is_cheap", "jump_state"]
 
 _N = 624  # words in a block
 _M = 397  # recurrence offset
@@ -66,7 +66,9 @@ _WORDS_END = _OFF_WORDS + 8 * _N
 
 # Jumps up to this many words are done by running the recurrence directly.
 _DIRECT_LIMIT = 4 * _DEGREE
-_WINDOW_CHUNK = 2048  # windows XOR-reduced at a time (5 MiB of scratch)
+# Windows XOR-reduced at a time: 624 KiB, small enough to stay in the core's cache (2048 at a
+# time was twice as slow).
+_WINDOW_CHUNK = 256
 
 _SPREAD = np.array([int(f"{b:08b}", 4) for b in range(256)], dtype="<u2")  # bit i -> bit 2i
 
@@ -201,11 +203,52 @@ def _get_poly() -> _Poly:
     return _poly
 
 
-@functools.lru_cache(maxsize=1024)
+_powers: OrderedDict[int, int] = OrderedDict()
+_POWERS_KEPT = 1024  # 2.5 KB each
+
+
 def _power_of_t(k: int) -> int:
     """``t^k mod phi``, kept: a model repeats its layers, so the same jump distances come back
-    (each costs about 15 ms to compute and 1 ms to apply)."""
-    return _get_poly().power_of_t(k)
+    (each costs about 15 ms to compute and 3 ms to apply)."""
+    with critical(), _poly_lock:
+        h = _powers.get(k)
+        if h is not None:
+            _powers.move_to_end(k)
+            return h
+    h = _get_poly().power_of_t(k)
+    with critical(), _poly_lock:
+        _powers[k] = h
+        if len(_powers) > _POWERS_KEPT:
+            _powers.popitem(last=False)
+    return h
+
+
+def _twists(left: int, draws: int) -> int:
+    """Blocks of 624 words the state moves through for ``draws`` more outputs (0: none)."""
+    if draws < left:
+        return 0
+    return -(-(draws - (left - 1)) // _N)
+
+
+def jump_is_cheap(state: torch.Tensor, draws: int) -> bool:
+    """Whether :func:`jump_state` of ``draws`` from ``state`` costs a few milliseconds at most:
+    its polynomial is kept, or this distance was asked about before (a model's repeated layers
+    bring the same distances back, so computing the polynomial once, about 15 ms, pays). Above
+    about a million draws, a cheap jump beats generating them."""
+    left = int(state.reshape(-1)[_OFF_LEFT : _OFF_LEFT + 4].numpy().view("<i4")[0])
+    steps = _N * _twists(left, int(draws))
+    if steps <= _DIRECT_LIMIT:
+        return True
+    with critical(), _poly_lock:
+        if steps - 1 in _powers or steps in _asked:
+            return True
+        _asked[steps] = None
+        if len(_asked) > _POWERS_KEPT:
+            _asked.popitem(last=False)
+        return False
+
+
+_asked: OrderedDict[int, None] = OrderedDict()  # distances jump_is_cheap was asked about
 
 
 def _advance_block(block: np.ndarray, steps: int, direct_limit: int = _DIRECT_LIMIT) -> np.ndarray:
@@ -217,11 +260,32 @@ def _advance_block(block: np.ndarray, steps: int, direct_limit: int = _DIRECT_LI
         np.frombuffer(h.to_bytes((_DEGREE + 7) // 8, "little"), np.uint8), bitorder="little"
     )
     offsets = np.flatnonzero(coefficients) + 1  # window j of T x starts at word 1 + j
-    windows = np.lib.stride_tricks.sliding_window_view(_sequence(block, _DEGREE + _N), _N)
+    seq = _sequence(block, _DEGREE + _N)
+    # Window j is seq[j : j + N]: an overlapping strided view, gathered a chunk at a time into
+    # this thread's buffer (torch's index_select writes into it; numpy's fancy indexing would
+    # allocate 25 MB per jump, page faults included where large blocks are always mapped anew).
+    windows = torch.from_numpy(seq.view(np.int32)).as_strided((_DEGREE + 1, _N), (1, 1))
+    rows = torch.from_numpy(offsets)
+    gathered = _gather_buffer()
+    picked = gathered.numpy().view(np.uint32)
     out = np.zeros(_N, dtype=np.uint32)
+    partial = np.empty(_N, dtype=np.uint32)
     for i in range(0, len(offsets), _WINDOW_CHUNK):
-        out ^= np.bitwise_xor.reduce(windows[offsets[i : i + _WINDOW_CHUNK]], axis=0)
+        chunk = rows[i : i + _WINDOW_CHUNK]
+        torch.index_select(windows, 0, chunk, out=gathered[: len(chunk)])
+        np.bitwise_xor.reduce(picked[: len(chunk)], axis=0, out=partial)
+        out ^= partial
     return out
+
+
+_buffers = threading.local()
+
+
+def _gather_buffer() -> torch.Tensor:
+    buffer = getattr(_buffers, "gathered", None)
+    if buffer is None:
+        buffer = _buffers.gathered = torch.empty((_WINDOW_CHUNK, _N), dtype=torch.int32)
+    return buffer
 
 
 def jump_state(state: torch.Tensor, draws: int) -> torch.Tensor:
@@ -246,13 +310,13 @@ def jump_state(state: torch.Tensor, draws: int) -> torch.Tensor:
     left = int(left_view[0])
     if not 1 <= left <= _N:
         raise ValueError(f"invalid generator state (left = {left})")
-    if draws < left:
+    twists = _twists(left, draws)
+    if twists == 0:
         left_view[0] = left - draws
         next_view[0] = int(next_view[0]) + draws
         return out
     words = words_view.astype(np.uint32)
     rest = draws - (left - 1)  # outputs taken from blocks after the current one
-    twists = -(-rest // _N)
     words_view[:] = _advance_block(words, _N * twists)
     new_next = rest - _N * (twists - 1)
     next_view[0] = new_next

@@ -549,9 +549,18 @@ class _Run:
         dst = self.arg(op.args[0], device)
         whole = fill_op.args[0]
         numel = whole.storage.nbytes // whole.dtype.itemsize
+        at_end = None
+        if self.rng == "exact" and fill_op.rng is not None:
+            seg, index = fill_op.rng.segment, fill_op.rng.index
+
+            def at_end(state: torch.Tensor) -> None:
+                # The shard ran to the fill's end (the last rank's): the next fill of this
+                # stream starts right here, without a jump.
+                seg.add_checkpoint(index + 1, state)
+
         done = fill_region_into(
             fill_op.func, numel, dst, src.offset,
-            lambda t, g: _call(fill_op, (t, *rest), kwargs, g), gen,
+            lambda t, g: _call(fill_op, (t, *rest), kwargs, g), gen, at_end=at_end,
         )  # fmt: skip
         if not done:  # not expected (checked when deferred): run the whole fill, then copy
             target = self.real(whole, device)

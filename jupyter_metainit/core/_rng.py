@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core._interrupts import critical
-from jupyter_metainit.core._mt19937 import advance_by_generating, jump_state
+from jupyter_metainit.core._mt19937 import advance_by_generating, jump_is_cheap, jump_state
 from jupyter_metainit.core._plain import plain
 
 __all__ = [
@@ -417,6 +417,9 @@ def known_draws(spec: BurnSpec, device: torch.device) -> int | None:
 
 # Below this many draws, generating them (about 4 ms per million) is faster than jumping.
 _JUMP_ABOVE = 5 << 20
+# ... and above this many when the jump's polynomial is kept (a distance seen before, as in a
+# model's repeated layers): applying one costs about as much as generating a million draws.
+_JUMP_KEPT_ABOVE = 1 << 20
 
 
 # Below this many draws, torch's own uniform_ on a scratch buffer moves a generator fastest
@@ -449,7 +452,7 @@ def advance_state(state: torch.Tensor, draws: int) -> torch.Tensor:
     """The CPU generator state ``draws`` 32-bit outputs after ``state``."""
     if draws <= 0:
         return state
-    if draws > _JUMP_ABOVE:
+    if draws > _JUMP_ABOVE or (draws > _JUMP_KEPT_ABOVE and jump_is_cheap(state, draws)):
         return jump_state(state, draws)
     if draws < _TORCH_BELOW and _torch_draws_are_exact():
         return _advance_with_torch(state, draws)

@@ -234,12 +234,15 @@ def fill_region_into(
     fill: Callable[[torch.Tensor, torch.Generator], Any],
     generator: torch.Generator,
     workers: int | None = None,
+    at_end: Callable[[torch.Tensor], None] | None = None,
 ) -> bool:
     """Write into ``dst`` the elements ``first .. first + dst.numel()`` of a whole fill of
     ``numel`` elements (of ``dst``'s dtype), without ever holding the whole: the part is
     generated through a small scratch buffer per thread and copied over. This is how a rank
     gets its shard of a parameter (the fill, then ``copy_`` of a slice) at the memory of the
-    shard. ``generator`` (at the whole fill's start) is not moved. False if not possible."""
+    shard. ``generator`` (at the whole fill's start) is not moved. When the part runs to the
+    fill's end, ``at_end`` gets the generator state there (the state after the whole fill: the
+    next fill of the stream starts from it without a jump). False if not possible."""
     if not _fillable(func, dst, generator):
         return False
     align, per = _ALIGN[func], _DRAWS_PER_ELEMENT[dst.dtype]
@@ -289,6 +292,8 @@ def fill_region_into(
         list(_executor(len(jobs)).map(run_span, jobs))
     else:
         run_span(jobs[0])
+    if at_end is not None and end == numel:
+        at_end(jobs[-1][2].get_state())
     return True
 
 

@@ -193,6 +193,7 @@ def materialize_sharded(
 
 def _warn_whole(whole: list[tuple[str, Any]]) -> None:
     """Say which parameters were computed whole (memory above the shards), and why."""
+
     def last_op(storage: Any) -> str:
         func = storage.writes[-1].func
         return getattr(func, "_opname", getattr(func, "__name__", str(func)))
