@@ -116,3 +116,14 @@ def test_set_default_dtype_inside_a_dtype_block_stays_in_the_block():
 def test_meta_init_dtype_must_be_floating():
     with pytest.raises(TypeError, match="floating"), meta_init(dtype=torch.int8):
         pass
+
+
+def test_collections_are_rarer_inside_and_the_threshold_is_restored_after():
+    import gc
+
+    before = gc.get_threshold()
+    with meta_init():
+        with meta_init():
+            assert gc.get_threshold()[0] >= 10_000
+        assert gc.get_threshold()[0] >= 10_000
+    assert gc.get_threshold() == before

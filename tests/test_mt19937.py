@@ -165,3 +165,18 @@ def test_a_jump_is_cheap_once_its_distance_recurs_or_was_jumped():
     jump_state(state, draws + 10_000)
     assert jump_is_cheap(state, draws + 10_000)  # kept
     assert jump_is_cheap(state, 1000)  # within reach of the recurrence: never a polynomial
+
+
+def test_the_stored_jump_parts_are_powers_of_t():
+    poly = _mt19937._get_poly()
+    for j, d in [(0, 1), (5, 7), (_mt19937._DIGITS - 1, 15)]:
+        assert _mt19937._digit_part(j, d) == poly.power_of_t(d * 16**j - 1), (j, d)
+
+
+@pytest.mark.parametrize("steps", [2**29 + 12_345, 7 * 16**9 + 3 * 16**4 + 1, 10**11 + 7])
+def test_a_long_jump_made_of_stored_parts_equals_one_power(steps):
+    block = np.random.default_rng(steps % 1000).integers(0, 2**32, 624, dtype=np.uint32)
+    by_parts = _mt19937._advance_in_parts(block, steps)
+    assert by_parts is not None
+    by_power = _mt19937._apply(block, _mt19937._get_poly().power_of_t(steps - 1))
+    assert np.array_equal(by_parts, by_power)

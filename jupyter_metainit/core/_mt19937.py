@@ -251,11 +251,79 @@ def jump_is_cheap(state: torch.Tensor, draws: int) -> bool:
 _asked: OrderedDict[int, None] = OrderedDict()  # distances jump_is_cheap was asked about
 
 
+# Long jumps not seen before (the flush after building a whole model) are made of stored parts:
+# for each base-16 digit d at position j of the distance, t^(d 16^j - 1) mod phi, kept in
+# ``_mt19937_jumps.bin`` (a constant of MT19937 like phi; a test recomputes some). Up to ten
+# applications of about 3 ms replace computing a new power (about 3 ms per bit of the distance).
+_JUMPS_FILE = pathlib.Path(__file__).with_name("_mt19937_jumps.bin")
+_DIGITS = 10  # distances below 16**10 words (1.1e12 draws)
+_POLY_BYTES = (_DEGREE + 7) // 8
+_PARTS_ABOVE_BITS = 28  # shorter jumps compute their power (and keep it: they tend to recur)
+_digit_parts: bytes | None = None
+
+
+def digit_jump_polynomials() -> bytes:
+    """The contents of ``_mt19937_jumps.bin``: t^(d 16^j - 1) mod phi for j < 10, d in 1..15,
+    each in ``(DEGREE + 7) // 8`` little-endian bytes (about 10 s to compute)."""
+    poly = _get_poly()
+    parts = [
+        poly.power_of_t(d * 16**j - 1).to_bytes(_POLY_BYTES, "little")
+        for j in range(_DIGITS)
+        for d in range(1, 16)
+    ]
+    return b"".join(parts)
+
+
+def _digit_part(j: int, d: int) -> int | None:
+    global _digit_parts
+    if _digit_parts is None:
+        try:
+            _digit_parts = _JUMPS_FILE.read_bytes()
+        except OSError:
+            _digit_parts = b""
+    start = (j * 15 + d - 1) * _POLY_BYTES
+    if len(_digit_parts) < start + _POLY_BYTES:
+        return None
+    return int.from_bytes(_digit_parts[start : start + _POLY_BYTES], "little")
+
+
+def _advance_in_parts(block: np.ndarray, steps: int) -> np.ndarray | None:
+    """``_advance_block`` by the stored part of each base-16 digit of ``steps``; None if a
+    part is missing."""
+    j = 0
+    while steps:
+        steps, d = divmod(steps, 16)
+        if d:
+            part = d * 16**j
+            if part <= _DIRECT_LIMIT:
+                block = _sequence(block, part + _N)[part:].copy()
+            else:
+                h = _digit_part(j, d)
+                if h is None:
+                    return None
+                block = _apply(block, h)
+        j += 1
+    return block
+
+
 def _advance_block(block: np.ndarray, steps: int, direct_limit: int = _DIRECT_LIMIT) -> np.ndarray:
     """The window ``steps`` words further along the sequence whose window is ``block``."""
     if steps <= direct_limit:
         return _sequence(block, steps + _N)[steps:].copy()
-    h = _power_of_t(steps - 1)
+    if steps.bit_length() > _PARTS_ABOVE_BITS and steps < 16**_DIGITS:
+        with critical(), _poly_lock:
+            first_time = steps - 1 not in _powers and steps not in _asked
+            if first_time:
+                _asked[steps] = None
+        if first_time:
+            advanced = _advance_in_parts(block, steps)
+            if advanced is not None:
+                return advanced
+    return _apply(block, _power_of_t(steps - 1))
+
+
+def _apply(block: np.ndarray, h: int) -> np.ndarray:
+    """The window of the sequence after ``block`` given by ``h = t^(steps - 1) mod phi``."""
     coefficients = np.unpackbits(
         np.frombuffer(h.to_bytes((_DEGREE + 7) // 8, "little"), np.uint8), bitorder="little"
     )

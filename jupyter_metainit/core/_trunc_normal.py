@@ -49,7 +49,12 @@ def _first_draw_mass(mean: float, std: float, a: float, b: float) -> float:
 def _equals_first_normal(values: torch.Tensor, mean: float, std: float, a: float, b: float) -> bool:
     """Whether ``trunc_normal_`` keeps ``values``, its first ``normal_(mean, std)`` draw."""
     lo, hi = _bounds(values.dtype, a, b)
-    return not ((values < lo) | (values > hi)).any()
+    if values.numel() == 0:
+        return True
+    # One pass instead of PyTorch's ``((values < lo) | (values > hi)).any()``; aminmax gives
+    # NaN if any value is NaN, and then PyTorch's own function decides.
+    low, high = (float(v) for v in torch.aminmax(values))
+    return lo <= low and high <= hi
 
 
 def _implementation_verified() -> bool:
