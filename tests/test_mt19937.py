@@ -180,3 +180,12 @@ def test_a_long_jump_made_of_stored_parts_equals_one_power(steps):
     assert by_parts is not None
     by_power = _mt19937._apply(block, _mt19937._get_poly().power_of_t(steps - 1))
     assert np.array_equal(by_parts, by_power)
+
+
+def test_a_kept_polynomial_serves_the_distance_one_block_longer():
+    block = np.random.default_rng(5).integers(0, 2**32, 624, dtype=np.uint32)
+    steps = 624 * 4_321
+    _mt19937._advance_block(block, steps)  # keeps t^(steps - 1)
+    reference = _mt19937._advance_block(block, steps + 624, direct_limit=10**9)
+    assert _mt19937._kept_nearby(steps + 624) == 1
+    assert np.array_equal(_mt19937._advance_block(block, steps + 624), reference)

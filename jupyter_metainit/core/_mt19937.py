@@ -240,7 +240,7 @@ def jump_is_cheap(state: torch.Tensor, draws: int) -> bool:
     if steps <= _DIRECT_LIMIT:
         return True
     with critical(), _poly_lock:
-        if steps - 1 in _powers or steps in _asked:
+        if _kept_nearby(steps) is not None or steps in _asked:
             return True
         _asked[steps] = None
         if len(_asked) > _POWERS_KEPT:
@@ -249,6 +249,17 @@ def jump_is_cheap(state: torch.Tensor, draws: int) -> bool:
 
 
 _asked: OrderedDict[int, None] = OrderedDict()  # distances jump_is_cheap was asked about
+_NEARBY_BLOCKS = 2
+
+
+def _kept_nearby(steps: int) -> int | None:
+    """Blocks (0 to 2) short of ``steps`` at which a kept polynomial lands, else None: the same
+    distance in draws is one block more or less depending on where in its block the state is,
+    and the last blocks are cheap to run directly. Call with ``_poly_lock`` held."""
+    for blocks in range(_NEARBY_BLOCKS + 1):
+        if steps - blocks * _N - 1 in _powers:
+            return blocks
+    return None
 
 
 # Long jumps not seen before (the flush after building a whole model) are made of stored parts:
@@ -310,6 +321,11 @@ def _advance_block(block: np.ndarray, steps: int, direct_limit: int = _DIRECT_LI
     """The window ``steps`` words further along the sequence whose window is ``block``."""
     if steps <= direct_limit:
         return _sequence(block, steps + _N)[steps:].copy()
+    with critical(), _poly_lock:
+        blocks = _kept_nearby(steps)
+    if blocks:
+        block = _apply(block, _power_of_t(steps - blocks * _N - 1))
+        return _sequence(block, (blocks + 1) * _N)[blocks * _N :].copy()
     if steps.bit_length() > _PARTS_ABOVE_BITS and steps < 16**_DIGITS:
         with critical(), _poly_lock:
             first_time = steps - 1 not in _powers and steps not in _asked
