@@ -189,3 +189,12 @@ def test_a_kept_polynomial_serves_the_distance_one_block_longer():
     reference = _mt19937._advance_block(block, steps + 624, direct_limit=10**9)
     assert _mt19937._kept_nearby(steps + 624) == 1
     assert np.array_equal(_mt19937._advance_block(block, steps + 624), reference)
+
+
+def test_a_jump_inside_meta_init_runs_on_real_tensors():
+    from jupyter_metainit import meta_init
+
+    state = torch.Generator().manual_seed(2).get_state()
+    expected = jump_state(state, 9_876_543)
+    with meta_init():
+        assert torch.equal(jump_state(state, 9_876_543), expected)

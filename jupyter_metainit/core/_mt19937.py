@@ -47,6 +47,7 @@ import numpy as np
 import torch
 
 from jupyter_metainit.core._interrupts import critical
+from jupyter_metainit.core._plain import plain
 
 __all__ = ["advance_by_generating", "jump_generator", "jump_is_cheap", "jump_state"]
 
@@ -235,7 +236,8 @@ def jump_is_cheap(state: torch.Tensor, draws: int) -> bool:
     its polynomial is kept, or this distance was asked about before (a model's repeated layers
     bring the same distances back, so computing the polynomial once, about 15 ms, pays). Above
     about a million draws, a cheap jump beats generating them."""
-    left = int(state.reshape(-1)[_OFF_LEFT : _OFF_LEFT + 4].numpy().view("<i4")[0])
+    with plain():
+        left = int(state.reshape(-1)[_OFF_LEFT : _OFF_LEFT + 4].numpy().view("<i4")[0])
     steps = _N * _twists(left, int(draws))
     if steps <= _DIRECT_LIMIT:
         return True
@@ -348,17 +350,18 @@ def _apply(block: np.ndarray, h: int) -> np.ndarray:
     # Window j is seq[j : j + N]: an overlapping strided view, gathered a chunk at a time into
     # this thread's buffer (torch's index_select writes into it; numpy's fancy indexing would
     # allocate 25 MB per jump, page faults included where large blocks are always mapped anew).
-    windows = torch.from_numpy(seq.view(np.int32)).as_strided((_DEGREE + 1, _N), (1, 1))
-    rows = torch.from_numpy(offsets)
-    gathered = _gather_buffer()
-    picked = gathered.numpy().view(np.uint32)
     out = np.zeros(_N, dtype=np.uint32)
     partial = np.empty(_N, dtype=np.uint32)
-    for i in range(0, len(offsets), _WINDOW_CHUNK):
-        chunk = rows[i : i + _WINDOW_CHUNK]
-        torch.index_select(windows, 0, chunk, out=gathered[: len(chunk)])
-        np.bitwise_xor.reduce(picked[: len(chunk)], axis=0, out=partial)
-        out ^= partial
+    with plain():  # real tensors even when called inside meta_init
+        windows = torch.from_numpy(seq.view(np.int32)).as_strided((_DEGREE + 1, _N), (1, 1))
+        rows = torch.from_numpy(offsets)
+        gathered = _gather_buffer()
+        picked = gathered.numpy().view(np.uint32)
+        for i in range(0, len(offsets), _WINDOW_CHUNK):
+            chunk = rows[i : i + _WINDOW_CHUNK]
+            torch.index_select(windows, 0, chunk, out=gathered[: len(chunk)])
+            np.bitwise_xor.reduce(picked[: len(chunk)], axis=0, out=partial)
+            out ^= partial
     return out
 
 
@@ -386,7 +389,8 @@ def jump_state(state: torch.Tensor, draws: int) -> torch.Tensor:
     draws = int(draws)
     if draws < 0:
         raise ValueError("draws must be >= 0")
-    out = state.detach().reshape(-1).clone()
+    with plain():  # a real copy even when called inside meta_init
+        out = state.detach().reshape(-1).clone()
     raw = out.numpy()
     left_view = raw[_OFF_LEFT : _OFF_LEFT + 4].view("<i4")
     next_view = raw[_OFF_NEXT : _OFF_NEXT + 8].view("<u8")
@@ -422,7 +426,8 @@ def advance_by_generating(state: torch.Tensor, draws: int) -> torch.Tensor:
     numpy's ``pos`` is PyTorch's ``next``, except that a freshly seeded PyTorch state
     (``left == 1``) twists before its next output, which numpy expresses as ``pos == 624``.
     """
-    out = state.detach().reshape(-1).clone()
+    with plain():  # a real copy even when called inside meta_init
+        out = state.detach().reshape(-1).clone()
     raw = out.numpy()
     left_view = raw[_OFF_LEFT : _OFF_LEFT + 4].view("<i4")
     next_view = raw[_OFF_NEXT : _OFF_NEXT + 8].view("<u8")
