@@ -323,20 +323,19 @@ def _advance_block(block: np.ndarray, steps: int, direct_limit: int = _DIRECT_LI
     """The window ``steps`` words further along the sequence whose window is ``block``."""
     if steps <= direct_limit:
         return _sequence(block, steps + _N)[steps:].copy()
+    long = steps.bit_length() > _PARTS_ABOVE_BITS and steps < 16**_DIGITS
     with critical(), _poly_lock:
         blocks = _kept_nearby(steps)
+        first_time = long and blocks is None and steps not in _asked
+        if first_time:
+            _asked[steps] = None
     if blocks:
         block = _apply(block, _power_of_t(steps - blocks * _N - 1))
         return _sequence(block, (blocks + 1) * _N)[blocks * _N :].copy()
-    if steps.bit_length() > _PARTS_ABOVE_BITS and steps < 16**_DIGITS:
-        with critical(), _poly_lock:
-            first_time = steps - 1 not in _powers and steps not in _asked
-            if first_time:
-                _asked[steps] = None
-        if first_time:
-            advanced = _advance_in_parts(block, steps)
-            if advanced is not None:
-                return advanced
+    if first_time:
+        advanced = _advance_in_parts(block, steps)
+        if advanced is not None:
+            return advanced
     return _apply(block, _power_of_t(steps - 1))
 
 

@@ -606,18 +606,20 @@ def flush_all() -> None:
 
 def flush_default() -> None:
     """``flush_all`` for the default CPU generator only (``torch.get_rng_state`` reads it)."""
+    _flush_generator(torch.default_generator)
+
+
+def _flush_generator(generator: torch.Generator) -> None:
     with plain(), _lock:
-        tracker = _trackers.get(id(torch.default_generator))
-        if tracker is not None and tracker.generator is torch.default_generator:
+        tracker = _trackers.get(id(generator))
+        if tracker is not None and tracker.generator is generator:
             _flush(tracker)
 
 
 def exact_state(generator: torch.Generator) -> torch.Tensor:
     """Flush ``generator`` and return its state: where eager code would have it now."""
     with plain(), _lock:
-        tracker = _trackers.get(id(generator))
-        if tracker is not None and tracker.generator is generator:
-            _flush(tracker)
+        _flush_generator(generator)
         return generator.get_state()
 
 
