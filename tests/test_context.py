@@ -127,3 +127,19 @@ def test_collections_are_rarer_inside_and_the_threshold_is_restored_after():
             assert gc.get_threshold()[0] >= 10_000
         assert gc.get_threshold()[0] >= 10_000
     assert gc.get_threshold() == before
+
+
+def test_factories_report_the_default_device_torch_would_give():
+    with meta_init():
+        assert torch.empty(2).device == torch.get_default_device() == torch.device("cpu")
+        with torch.device("meta"):
+            assert torch.empty(2).device.type == "meta"  # PyTorch's own meta tensors, as eagerly
+        torch.set_default_device("meta")
+        try:
+            assert torch.empty(2).device == torch.get_default_device()
+            with torch.device("cpu"):
+                w = torch.empty(2)
+                assert w.device == torch.get_default_device() == torch.device("cpu")
+        finally:
+            torch.set_default_device(None)
+        assert torch.zeros(2).device == torch.device("cpu")

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from jupyter_metainit import materialize, meta_init
-from jupyter_metainit.core import _trunc_normal
+from jupyter_metainit.core import _rng, _trunc_normal
 
 aten = torch.ops.aten
 
@@ -47,6 +47,26 @@ def test_the_usual_bounds_record_one_normal_and_no_read():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16, torch.float64])
 def test_values_and_the_generator_equal_eager(dtype):
     values, after, _ = _both(lambda t: nn.init.trunc_normal_(t, std=0.02), dtype=dtype)
+    assert torch.equal(*values)
+    assert torch.equal(*after)
+
+
+def test_bounds_no_normal_value_reaches_cost_no_random_work_at_build():
+    torch.manual_seed(0)
+    with meta_init():
+        w = nn.init.trunc_normal_(torch.empty(64, 32), std=0.02)
+        # Still pending: no scratch draw brought the generator to an exact state.
+        assert _rng._trackers[id(torch.default_generator)].pending == w.numel()
+    assert _writes(w) == [aten.empty.memory_format, aten.normal_.default]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
+def test_reachable_bounds_are_read_on_scratch_and_stay_exact(dtype):
+    # 6.7 std: reachable, so read, but nothing in this draw is out of bounds.
+    init = lambda t: nn.init.trunc_normal_(t, std=0.3)  # noqa: E731
+    assert not _trunc_normal._bounds_unreachable(dtype, 0.0, 0.3, -2.0, 2.0)
+    values, after, writes = _both(init, dtype=dtype)
+    assert writes == [aten.empty.memory_format, aten.normal_.default]
     assert torch.equal(*values)
     assert torch.equal(*after)
 

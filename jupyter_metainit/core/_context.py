@@ -49,6 +49,7 @@ from jupyter_metainit.core._interrupts import (
 )
 from jupyter_metainit.core._lazy import lazy_module_support
 from jupyter_metainit.core._ops import user_frame
+from jupyter_metainit.core._plain import subclass_functions_off
 from jupyter_metainit.core._record import handle_op
 from jupyter_metainit.core._state import (
     _global_default_dtype,
@@ -72,10 +73,26 @@ def is_meta_init() -> bool:
     return tls.depth > 0
 
 
+# Calls that read metadata or autograd's switch: nothing to record, no op dispatched, so they
+# are answered at once. They are a third of the calls a model's constructor makes (``no_grad``
+# in every init function; ``dim``/``shape`` read on the meta tensor behind a deferred one).
+_METADATA_CALLS = frozenset({
+    torch._C._set_grad_enabled, torch.is_grad_enabled, torch.Tensor.dim, torch.Tensor.size,
+    torch.Tensor.stride, torch.Tensor.numel, torch.Tensor.element_size, torch.Tensor.storage_offset,
+    torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
+    torch.Tensor.ndim.__get__, torch.Tensor.is_meta.__get__, torch.Tensor.layout.__get__,
+})  # fmt: skip
+
+
 class _FunctionMode(TorchFunctionMode):
     def __torch_function__(
         self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
     ) -> Any:
+        if func in _METADATA_CALLS:
+            if DeferredTensor in types:
+                with subclass_functions_off():
+                    return func(*args, **(kwargs or {}))
+            return func(*args, **(kwargs or {}))
         # Each torch-level call is a critical section (see _interrupts): a Ctrl-C lands between
         # two calls of the user's code, never inside torch's own guards (`no_grad`, ...).
         with critical():

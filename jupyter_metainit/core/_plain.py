@@ -65,15 +65,29 @@ protect(plain.__enter__, plain.__exit__, subclass_functions_off.__enter__,
 def map_args(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Apply ``fn`` to every argument of an ATen call, one list level deep (``Tensor[]``).
 
-    ATen schemas nest no deeper, and this runs for every recorded op (pytree is too slow).
+    ATen schemas nest no deeper, and this runs several times for every recorded op (pytree is
+    too slow). Lists of plain ints (sizes, dims) are passed through: ``fn`` maps tensors,
+    devices and records, never an int.
     """
-
-    def one(x: Any) -> Any:
-        if type(x) is list or type(x) is tuple:
-            return type(x)(fn(v) for v in x)
-        return fn(x)
-
-    return tuple(one(a) for a in args), {k: one(v) for k, v in kwargs.items()}
+    mapped = []
+    for x in args:
+        kind = type(x)
+        if kind is list or kind is tuple:
+            if not all(type(v) is int for v in x):
+                x = kind([fn(v) for v in x])
+            mapped.append(x)
+        else:
+            mapped.append(fn(x))
+    if not kwargs:
+        return tuple(mapped), {}
+    mapped_kwargs = {}
+    for k, x in kwargs.items():
+        kind = type(x)
+        if kind is list or kind is tuple:
+            mapped_kwargs[k] = x if all(type(v) is int for v in x) else kind([fn(v) for v in x])
+        else:
+            mapped_kwargs[k] = fn(x)
+    return tuple(mapped), mapped_kwargs
 
 
 def iter_args(args: tuple, kwargs: dict) -> list[Any]:

@@ -392,10 +392,18 @@ _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.
             torch.memory_format)  # fmt: skip
 
 
+_SCALAR_TYPES = frozenset(_SCALARS)
+
+
 def _arg_key(x: Any) -> Any:
+    kind = type(x)
+    if kind in _SCALAR_TYPES:
+        return (kind, x)
     if isinstance(x, torch.Tensor):
         return (x.shape, x.stride(), x.dtype, x.storage_offset())
     if type(x) is list or type(x) is tuple:
+        if all(type(v) is int for v in x):
+            return tuple(x)  # sizes: no (type, value) pairs needed, nothing else is a bare int
         return tuple(_arg_key(v) for v in x)
     if isinstance(x, _SCALARS):
         return (type(x), x)
@@ -416,8 +424,8 @@ def _meta_outputs(
     key = None
     if info is not None and not info.mutated and not any(a is not None for a in info.return_alias):
         try:
-            key = (func, _global_default_dtype(), dtype_override(), _arg_key(meta_args), _arg_key(
-                tuple(meta_kwargs.items())))  # fmt: skip
+            key = (func, _global_default_dtype(), dtype_override(), _arg_key(meta_args),
+                   tuple((k, _arg_key(v)) for k, v in meta_kwargs.items()))  # fmt: skip
         except _Unkeyable:
             key = None
         hit = _meta_cache.get(key) if key is not None else None
@@ -459,7 +467,7 @@ def _full_overwrite(func: Any, bound: list) -> StorageRecord | None:
     meta, storage = self._meta, self._rec.storage
     if meta.numel() * meta.element_size() != storage.nbytes:
         return None
-    return storage if _dense(meta.shape, meta.stride()) else None
+    return storage if meta.is_contiguous() or _dense(meta.shape, meta.stride()) else None
 
 
 def _dense(size: Any, stride: Any) -> bool:

@@ -176,8 +176,10 @@ def split_fill(
     ``workers`` threads, bit-identical to the serial call, leaving ``generator`` where the serial
     call would. Returns False (and does nothing) where that is not possible or not worth it:
     another op, a non-contiguous or small tensor, a CUDA generator, or one core."""
+    if not _fillable(func, target, generator) or target.numel() < 2 * MIN_CHUNK:
+        return False  # checked first: most fills are small, and the core count is a syscall
     workers = available_cores() if workers is None else workers
-    if workers < 2 or not _fillable(func, target, generator) or target.numel() < 2 * MIN_CHUNK:
+    if workers < 2:
         return False
     fill_plainly = _plainly(fill)
     if not _split_is_exact(func, target.dtype, fill_plainly):

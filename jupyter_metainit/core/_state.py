@@ -11,6 +11,7 @@ import threading
 from typing import Any
 
 import torch
+from torch.utils._device import DeviceContext
 
 __all__ = ["canonical_device", "default_device", "default_dtype", "dtype_override", "tls"]
 
@@ -50,7 +51,29 @@ def default_device() -> torch.device:
     """The device a new tensor reports when its code names none."""
     if tls.devices and tls.devices[-1] is not None:
         return tls.devices[-1]
-    return torch.get_default_device()
+    return _torch_default_device()
+
+
+_CPU = torch.device("cpu")
+
+
+def _torch_default_device() -> torch.device:
+    """``torch.get_default_device()``, which this asks for every factory call, without its
+    per-call imports and mode-stack list: the innermost ``DeviceContext`` mode's device, else
+    ``torch.set_default_device``'s, else the CPU."""
+    for i in range(torch._C._len_torch_function_stack() - 1, -1, -1):
+        mode = torch._C._get_function_stack_at(i)
+        if isinstance(mode, DeviceContext):
+            device = mode.device
+            break
+    else:
+        context = getattr(torch._GLOBAL_DEVICE_CONTEXT, "device_context", None)
+        if context is None:
+            return _CPU
+        device = context.device
+    if device.index is None and device.type != "cpu":
+        return torch.get_default_device()  # the current accelerator index: torch's own answer
+    return device
 
 
 def dtype_override() -> torch.dtype | None:

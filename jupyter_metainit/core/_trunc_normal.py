@@ -7,11 +7,16 @@ Why: PyTorch's ``trunc_normal_`` draws ``normal_`` values and then reads them (`
 decide whether to redraw the ones outside ``[a, b]``. Recorded op by op, each call is a dozen
 intercepted ops and an exact replay for the read: several times the eager cost. With the usual
 bounds (``std=0.02``, ``a=-2``, ``b=2``) nothing is ever redrawn, and the result is exactly the
-first ``normal_``. So the read is done here, on scratch memory, from the generator's exact state
-(the same random work as eager). If nothing is out of bounds, the call is recorded as that one
-``normal_``, which replay can split across cores, skip when overwritten, and generate shard by
-shard. Otherwise, and for every case this does not cover, PyTorch's own function runs and is
-recorded op by op, as before.
+first ``normal_``, recorded as such: replay can split it across cores, skip it when overwritten,
+and generate it shard by shard.
+
+Whether anything is redrawn is known without a read when the bounds lie beyond any value
+PyTorch's CPU ``normal_`` can return: it is Box-Muller on uniforms of at most 53 bits, so no
+value is further than sqrt(2 · 53 · ln 2) ≈ 8.6 std from the mean. Bounds 100 std away, as in
+ViT and Swin, cost no random work at build time. Closer bounds are read here, on scratch
+memory, from the generator's exact state (the same random work as eager). If a value is out of
+bounds, and for every case this does not cover, PyTorch's own function runs and is recorded op
+by op, as before.
 
 The equivalence is a property of PyTorch's implementation, so it is checked once per process on
 real tensors (values and generator state, with and without redraws) before it is used.
@@ -37,6 +42,17 @@ _verified: bool | None = None
 def _bounds(dtype: torch.dtype, a: float, b: float) -> tuple[float, float]:
     # As PyTorch compares: the bounds rounded to the tensor's dtype.
     return torch.tensor(a, dtype=dtype).item(), torch.tensor(b, dtype=dtype).item()
+
+
+# No value of PyTorch's CPU ``normal_`` is this many std from its mean (8.6 is the most; see the
+# module docstring). The margin covers rounding to the tensor's dtype and a future uniform of
+# 64 bits (9.4 std).
+_UNREACHABLE_STDS = 12.0
+
+
+def _bounds_unreachable(dtype: torch.dtype, mean: float, std: float, a: float, b: float) -> bool:
+    lo, hi = _bounds(dtype, a, b)
+    return lo <= mean - _UNREACHABLE_STDS * std and mean + _UNREACHABLE_STDS * std <= hi
 
 
 def _first_draw_mass(mean: float, std: float, a: float, b: float) -> float:
@@ -103,6 +119,9 @@ def trunc_normal_(
         and _implementation_verified()
     ):
         return _original(tensor, mean, std, a, b, generator=generator)
+    if _bounds_unreachable(tensor.dtype, mean, std, a, b):
+        with torch.no_grad():
+            return tensor.normal_(mean, std, generator=generator)
     with plain():
         scratch_gen = torch.Generator()
         scratch_gen.set_state(_rng.exact_state(gen))
