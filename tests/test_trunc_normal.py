@@ -71,6 +71,14 @@ def test_reachable_bounds_are_read_on_scratch_and_stay_exact(dtype):
     assert torch.equal(*after)
 
 
+def test_a_mean_far_larger_than_std_is_read_and_stays_exact():
+    # float32 cannot hold 1e7 + z to a fraction of std: the bounds are read, not assumed
+    assert not _trunc_normal._bounds_unreachable(torch.float32, 1e7, 1.0, 1e7 - 100, 1e7 + 100)
+    values, after, _ = _both(lambda t: nn.init.trunc_normal_(t, 1e7, 1.0, 1e7 - 100, 1e7 + 100))
+    assert torch.equal(*values)
+    assert torch.equal(*after)
+
+
 def test_redraws_fall_back_to_pytorch_and_stay_exact():
     # std=1 in [-2, 2]: about 5 % of the first draw is out of bounds and redrawn.
     values, after, writes = _both(lambda t: nn.init.trunc_normal_(t), shape=(300,))

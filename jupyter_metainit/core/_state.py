@@ -55,12 +55,19 @@ def default_device() -> torch.device:
 
 
 _CPU = torch.device("cpu")
+# What torch.get_default_device reads, on every torch this package supports; if a release moves
+# them, torch's own function answers.
+_MODE_STACK_READABLE = all(
+    hasattr(torch._C, name) for name in ("_len_torch_function_stack", "_get_function_stack_at")
+) and hasattr(torch, "_GLOBAL_DEVICE_CONTEXT")
 
 
 def _torch_default_device() -> torch.device:
     """``torch.get_default_device()``, which this asks for every factory call, without its
     per-call imports and mode-stack list: the innermost ``DeviceContext`` mode's device, else
     ``torch.set_default_device``'s, else the CPU."""
+    if not _MODE_STACK_READABLE:
+        return torch.get_default_device()
     for i in range(torch._C._len_torch_function_stack() - 1, -1, -1):
         mode = torch._C._get_function_stack_at(i)
         if isinstance(mode, DeviceContext):
