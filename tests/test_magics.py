@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 from IPython.core.error import UsageError
@@ -345,6 +347,11 @@ def test_materialize_expression_equals_eager(ip, model):
     assert "materialized m[2]: Linear, 68 parameters" in out.stdout
     assert not is_deferred(m[2]) and is_deferred(m[0])
     assert torch.equal(m[2].weight, eager[2].weight) and torch.equal(m[2].bias, eager[2].bias)
+
+
+def test_a_quick_materialize_reports_its_time_in_milliseconds(ip, model):
+    out = ok(ip, "%materialize m[0]")
+    assert re.search(r", cpu in (<1|\d+) ms$", out.stdout.strip()), out.stdout
 
 
 def test_materialize_list_expression(ip, model):

@@ -1,13 +1,14 @@
-"""Sizes and counts in words people read: the one formatter every layer uses.
+"""Sizes, counts and durations in words people read: the one formatter every layer uses.
 
-Errors, summaries, magics, memory tables and the widget all print bytes and parameter counts;
-they use these two functions, and the widget's TypeScript twin (``labextension/src/format.ts``)
-is tested against the same cases (``tests/format_cases.json``).
+Errors, summaries, magics, memory tables and the widget all print bytes and parameter counts
+with these functions; the widget's TypeScript twin (``labextension/src/format.ts``) is tested
+against the same cases (``tests/format_cases.json``). Durations are printed by Python only (the
+magics and the widget's status line).
 """
 
 from __future__ import annotations
 
-__all__ = ["format_bytes", "format_count"]
+__all__ = ["format_bytes", "format_count", "format_duration"]
 
 _BYTE_UNITS = ("B", "KiB", "MiB", "GiB", "TiB", "PiB")
 _COUNT_UNITS = (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3))
@@ -42,3 +43,13 @@ def format_count(n: float) -> str:
         if abs(n) >= scale * 0.9995:
             return f"{_three_digits(n / scale)} {unit}"
     return f"{int(n)}"
+
+
+def format_duration(seconds: float) -> str:
+    """``0.0004`` -> ``"<1 ms"``, ``0.0423`` -> ``"42 ms"``, ``3.25`` -> ``"3.2 s"``: a quick
+    materialization does not read as "0.0 s", as if nothing had happened."""
+    if seconds < 0.0005:
+        return "<1 ms"
+    if seconds < 0.9995:
+        return f"{seconds * 1000:.0f} ms"
+    return f"{seconds:.1f} s"

@@ -23,7 +23,7 @@ from IPython.display import display
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from jupyter_metainit.core._format import format_bytes, format_count
+from jupyter_metainit.core._format import format_bytes, format_count, format_duration
 from jupyter_metainit.core._walk import unique_tensors
 from jupyter_metainit.jupyter.cell_runner import run_cell_body
 from jupyter_metainit.jupyter.magic_options import (
@@ -266,7 +266,7 @@ class MetaInitMagics(Magics):
                                                keep_cache=True)
         )  # fmt: skip
         elapsed = time.perf_counter() - start
-        print(f"materialized {summary_line(expr, obj)} in {elapsed:.1f} s")
+        print(f"materialized {summary_line(expr, obj)} in {format_duration(elapsed)}")
 
     @magic_arguments()
     @argument("expr", nargs="*", metavar="EXPR", help="Module, tensor or list of them.")

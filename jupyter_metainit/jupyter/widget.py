@@ -30,7 +30,7 @@ from torch import nn
 from jupyter_metainit import core
 from jupyter_metainit.core import _events
 from jupyter_metainit.core._busy import busy_with as core_busy_with
-from jupyter_metainit.core._format import format_bytes, format_count
+from jupyter_metainit.core._format import format_bytes, format_count, format_duration
 from jupyter_metainit.core._walk import unique_tensors
 from jupyter_metainit.estimates import memory_table
 from jupyter_metainit.jupyter._tree import ModuleTree, NodeStats
@@ -384,9 +384,9 @@ class ModuleTreeWidget(anywidget.AnyWidget):
             self.status = (
                 f"Materialized {what} on {device}"
                 + (f" as {self.dtype}" if self.dtype else "")
-                + f" in {took:.1f} s."
+                + f" in {format_duration(took)}."
                 if action == "materialize"
-                else f"Freed {what} (deferred again) in {took:.1f} s."
+                else f"Freed {what} (deferred again) in {format_duration(took)}."
             )
         finally:
             self.phase = ""
