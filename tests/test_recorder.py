@@ -510,3 +510,37 @@ def test_set_makes_a_deferred_tensor_share_another_ones_memory():
         t = make()
     materialize(t)
     assert torch.equal(t, make())
+
+
+def _creator(t):
+    return t._rec.storage.writes[0]
+
+
+def test_a_repeated_factory_call_is_recorded_as_the_first_one_was():
+    with meta_init():
+        first = [torch.arange(0, 1, 0.125), torch.zeros(2, 3), torch.full((2,), 7)]
+        again = [torch.arange(0, 1, 0.125), torch.zeros(2, 3), torch.full((2,), 7)]
+    for a, b in zip(first, again, strict=True):
+        ra, rb = _creator(a), _creator(b)
+        assert (ra.func, ra.args, ra.kwargs) == (rb.func, rb.args, rb.kwargs)
+        assert rb.seq > ra.seq and rb.where.line != ra.where.line
+        assert (b.shape, b.stride(), b.dtype, b.device) == (a.shape, a.stride(), a.dtype, a.device)
+        assert torch.equal(materialize(a), materialize(b))
+
+
+def test_a_repeated_factory_call_follows_the_default_dtype_in_force():
+    saved = torch.get_default_dtype()
+    with meta_init():
+        assert torch.zeros(3).dtype == torch.float32
+        torch.set_default_dtype(torch.float64)
+        try:
+            doubles = torch.zeros(3)
+        finally:
+            torch.set_default_dtype(saved)
+        with meta_init(dtype=torch.bfloat16):
+            halves = torch.zeros(3)
+        with torch.device("meta"):
+            plain_meta = torch.zeros(3)
+    assert doubles.dtype == torch.float64 and materialize(doubles).dtype == torch.float64
+    assert halves.dtype == torch.bfloat16 and materialize(halves).dtype == torch.bfloat16
+    assert type(plain_meta) is torch.Tensor and plain_meta.is_meta

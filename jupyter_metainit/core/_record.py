@@ -213,6 +213,10 @@ def handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
         raise UnsupportedOperatorError(f"{func} is not an ATen operator; it cannot be deferred")
     if func.is_view and args and type(args[0]) is DeferredTensor:
         return _view(func, args, kwargs)
+    if func in _recipe_funcs and tls.pending_device is not None:
+        made = _record_from_recipe(func, args, kwargs)
+        if made is not None:
+            return made
     info = op_info(func)
     flat = iter_args(args, kwargs)
     has_deferred = any(isinstance(x, DeferredTensor) for x in flat)
@@ -395,18 +399,20 @@ _SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.
 _SCALAR_TYPES = frozenset(_SCALARS)
 
 
-def _arg_key(x: Any) -> Any:
+def _arg_key(x: Any, tensors: bool = True) -> Any:
+    """A hashable key of an argument: values of plain ones, geometry of tensors (``tensors``;
+    else a tensor is ``_Unkeyable``)."""
     kind = type(x)
     if kind in _SCALAR_TYPES:
         return (kind, x)
-    if isinstance(x, torch.Tensor):
+    if tensors and isinstance(x, torch.Tensor):
         return (x.shape, x.stride(), x.dtype, x.storage_offset())
-    if type(x) is list or type(x) is tuple:
+    if kind is list or kind is tuple:
         if all(type(v) is int for v in x):
             return tuple(x)  # sizes: no (type, value) pairs needed, nothing else is a bare int
-        return tuple(_arg_key(v) for v in x)
+        return tuple(_arg_key(v, tensors) for v in x)
     if isinstance(x, _SCALARS):
-        return (type(x), x)
+        return (kind, x)
     raise _Unkeyable
 
 
@@ -608,6 +614,63 @@ def _explicit_default_dtype(
     return (tuple(new_args), new_kwargs) if changed else None
 
 
+# Recipes of factory calls (``torch.empty``, ``zeros``, ``ones``, ``full``, ``arange``: no tensor
+# argument, no random draw), by (op, arguments, default dtypes, device). A model makes the same
+# factory calls over and over (every layer's parameters), and each was a full recording: binding,
+# meta kernel, dtype resolution. A recipe is what that recording produced, so replaying it makes
+# the same deferred tensor and the same ``OpRecord``, for about a third of the cost.
+_recipes: dict[Any, tuple[tuple, tuple, torch.dtype, tuple, dict]] = {}
+_recipe_funcs: set[Any] = set()
+_RECIPES_SIZE = 8192
+
+
+def _factory_key(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The recipe key, or None when an argument is not a plain value (a tensor, anything odd)."""
+    try:
+        key = (func, tls.pending_device, _global_default_dtype(), dtype_override(),
+               _arg_key(args, tensors=False),
+               tuple((k, _arg_key(v, tensors=False)) for k, v in kwargs.items()))  # fmt: skip
+    except _Unkeyable:
+        return None
+    return key
+
+
+def _keep_recipe(func: Any, args: tuple, kwargs: dict, out: torch.Tensor, op: OpRecord) -> None:
+    key = _factory_key(func, args, kwargs)
+    if key is None:
+        return
+    if len(_recipes) >= _RECIPES_SIZE:
+        _recipes.clear()
+    _recipes[key] = (tuple(out.shape), tuple(out.stride()), out.dtype, _copied(op.args),
+                     dict(op.kwargs))  # fmt: skip
+    _recipe_funcs.add(func)
+
+
+def _copied(args: tuple) -> tuple:
+    """Each record gets its own size lists: nothing recorded is shared between two ops."""
+    return tuple(list(a) if type(a) is list else a for a in args)
+
+
+def _record_from_recipe(func: Any, args: tuple, kwargs: dict) -> DeferredTensor | None:
+    """The recording of a factory call seen before with the same arguments (see ``_recipes``)."""
+    key = _factory_key(func, args, kwargs)
+    recipe = _recipes.get(key) if key is not None else None
+    if recipe is None:
+        return None
+    size, stride, dtype, rec_args, rec_kwargs = recipe
+    where = call_site()
+    device = tls.pending_device
+    with plain():
+        meta = torch.empty_strided(size, stride, dtype=dtype, device=META)
+    storage = StorageRecord(_storage_nbytes(meta), dtype, device)
+    rec = TensorRecord(storage, meta)
+    made = DeferredTensor(meta, rec, device, False, False)
+    op = OpRecord(next_seq(), func, _copied(rec_args), dict(rec_kwargs), (), (rec,), None, where,
+                  None, (), ())  # fmt: skip
+    storage.writes.append(op)
+    return made
+
+
 def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwargs: dict) -> Any:
     """Record ``func(*args, **kwargs)`` and return its deferred outputs.
 
@@ -620,6 +683,7 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
     """
     where = call_site()
     device = _output_device(kwargs, flat)
+    called_with = args, kwargs  # before dtype resolution rewrites them: the recipe's key
     if info.generator_overload is not None:
         func, kwargs = info.generator_overload, {**kwargs, "generator": None}
         info = op_info(func)
@@ -762,6 +826,22 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
         )  # fmt: skip
         for s in (*created, *mutates):
             s.writes.append(op)
+        if (
+            info.dtype_index is not None
+            and not info.takes_tensors
+            and not info.is_random
+            and not mutates
+            and values is None
+            and default_dtype is None
+            and len(new_records) == 1
+            and not isinstance(out, (tuple, list))
+            and out.storage_offset() == 0
+            and tls.pending_device is not None
+            and device == tls.pending_device
+            and func not in _PROBED
+            and func not in _COLUMN_MAJOR_OUTPUTS
+        ):
+            _keep_recipe(func, *called_with, out, op)
         if values is not None:
             # Computed anyway: later reads of these outputs start from here.
             for rec, v in zip(new_records, values, strict=False):
