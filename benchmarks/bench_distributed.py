@@ -18,8 +18,6 @@ per-rank time <= 0.6x the time one process takes to materialize the same (unshar
 
 from __future__ import annotations
 
-import contextlib
-import ctypes
 import os
 import socket
 import sys
@@ -39,6 +37,7 @@ from _common import (
     fmt_mb,
     fmt_ratio,
     fmt_s,
+    fresh_pages_for_tensors,
     llama_config,
     print_errors,
     print_table,
@@ -62,8 +61,7 @@ def _free_port() -> int:
 
 def _rank(rank: int, port: int, method: str, cfg: dict[str, Any], out: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL(None).mallopt(-3, 1 << 16)  # M_MMAP_THRESHOLD: no heap-retained tensors
+    fresh_pages_for_tensors()  # no heap-retained tensors: a peak is what the step holds
     import torch
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh

@@ -4,9 +4,11 @@ BERT (each from its own constructor, seeded identically).
 
 Each row runs in a fresh process: a warm-up build of the same model (imports, first-call
 caches), then eager construction, then ``meta_init`` construction + ``materialize(model)``
-(``rng="exact"``), each the best of three, each model freed before the next is built (so both
-start from the same allocator state). Values are checked with ``torch.equal`` on every
-state-dict entry. Target: at most 1.1x eager for models whose eager build takes over 0.5 s.
+(``rng="exact"``), each the best of three, each model freed before the next is built, with
+glibc's mmap threshold fixed so that both write fresh memory every time (as a fresh process
+does; left dynamic, whether freed pages are reused depends on allocation history). Values are
+checked with ``torch.equal`` on every state-dict entry. Target: at most 1.1x eager for models
+whose eager build takes over 0.5 s.
 
     .venv/bin/python benchmarks/bench_models.py            # ~3 min
     .venv/bin/python benchmarks/bench_models.py --wide     # 22 more models, ~12 min
@@ -25,6 +27,7 @@ from _common import (
     environment_line,
     fmt_ratio,
     fmt_s,
+    fresh_pages_for_tensors,
     load_core,
     print_errors,
     print_table,
@@ -107,6 +110,7 @@ def _constructor(name: str) -> Any:
 def compare(model: str) -> dict[str, Any]:
     import torch
 
+    fresh_pages_for_tensors()  # eager and ours both write fresh memory, every run
     core = load_core()
     build = _constructor(model)
     torch.manual_seed(0)
