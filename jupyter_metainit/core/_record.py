@@ -416,6 +416,13 @@ def _arg_key(x: Any, tensors: bool = True) -> Any:
     raise _Unkeyable
 
 
+def _call_key(func: Any, args: tuple, kwargs: dict, tensors: bool = True) -> Any:
+    """What an op's result depends on besides values: its arguments' keys and the default
+    dtypes in force (``_Unkeyable`` if an argument has no key)."""
+    return (func, _global_default_dtype(), dtype_override(), _arg_key(args, tensors),
+            tuple((k, _arg_key(v, tensors)) for k, v in kwargs.items()))  # fmt: skip
+
+
 # Output geometry of ops that create new tensors, by (op, input geometry, scalars): a model's
 # repeated blocks run the same ops on the same shapes, and many meta kernels are slow Python.
 _meta_cache: dict[Any, tuple[type | None, tuple[tuple, ...]]] = {}
@@ -430,8 +437,7 @@ def _meta_outputs(
     key = None
     if info is not None and not info.mutated and not any(a is not None for a in info.return_alias):
         try:
-            key = (func, _global_default_dtype(), dtype_override(), _arg_key(meta_args),
-                   tuple((k, _arg_key(v)) for k, v in meta_kwargs.items()))  # fmt: skip
+            key = _call_key(func, meta_args, meta_kwargs)
         except _Unkeyable:
             key = None
         hit = _meta_cache.get(key) if key is not None else None
@@ -627,12 +633,9 @@ _RECIPES_SIZE = 8192
 def _factory_key(func: Any, args: tuple, kwargs: dict) -> Any:
     """The recipe key, or None when an argument is not a plain value (a tensor, anything odd)."""
     try:
-        key = (func, tls.pending_device, _global_default_dtype(), dtype_override(),
-               _arg_key(args, tensors=False),
-               tuple((k, _arg_key(v, tensors=False)) for k, v in kwargs.items()))  # fmt: skip
+        return tls.pending_device, _call_key(func, args, kwargs, tensors=False)
     except _Unkeyable:
         return None
-    return key
 
 
 def _keep_recipe(func: Any, args: tuple, kwargs: dict, out: torch.Tensor, op: OpRecord) -> None:
