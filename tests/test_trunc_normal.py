@@ -60,6 +60,16 @@ def test_bounds_no_normal_value_reaches_cost_no_random_work_at_build():
     assert _writes(w) == [aten.empty.memory_format, aten.normal_.default]
 
 
+def test_a_call_records_its_one_normal_and_nothing_else():
+    with meta_init():
+        w = torch.empty(64, 32)
+        nn.init.trunc_normal_(w, std=0.02)
+        first = w._rec.storage.writes[-1].seq
+        nn.init.trunc_normal_(w, std=0.02)
+    # No op recorded in between (the bounds are compared as real numbers, not as constants).
+    assert w._rec.storage.writes[-1].seq == first + 1
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float64])
 def test_reachable_bounds_are_read_on_scratch_and_stay_exact(dtype):
     # 6.7 std: reachable, so read, but nothing in this draw is out of bounds.

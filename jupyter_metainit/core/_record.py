@@ -649,6 +649,16 @@ def _keep_recipe(func: Any, args: tuple, kwargs: dict, out: torch.Tensor, op: Op
     _recipe_funcs.add(func)
 
 
+def _new_output(
+    meta: torch.Tensor, device: torch.device, rg: bool
+) -> tuple[DeferredTensor, TensorRecord, StorageRecord]:
+    """A deferred tensor over a new storage (an op's non-aliasing output): the one way both a
+    recording and a recipe make them."""
+    storage = StorageRecord(_storage_nbytes(meta), meta.dtype, device)
+    rec = TensorRecord(storage, meta)
+    return DeferredTensor(meta, rec, device, rg, rg), rec, storage
+
+
 def _copied(args: tuple) -> tuple:
     """Each record gets its own size lists: nothing recorded is shared between two ops."""
     return tuple(list(a) if type(a) is list else a for a in args)
@@ -665,9 +675,7 @@ def _record_from_recipe(func: Any, args: tuple, kwargs: dict) -> DeferredTensor 
     device = tls.pending_device
     with plain():
         meta = torch.empty_strided(size, stride, dtype=dtype, device=META)
-    storage = StorageRecord(_storage_nbytes(meta), dtype, device)
-    rec = TensorRecord(storage, meta)
-    made = DeferredTensor(meta, rec, device, False, False)
+    made, rec, storage = _new_output(meta, device, False)
     op = OpRecord(next_seq(), func, _copied(rec_args), dict(rec_kwargs), (), (rec,), None, where,
                   None, (), ())  # fmt: skip
     storage.writes.append(op)
@@ -790,10 +798,8 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
                 results.append(DeferredTensor(o, rec, src.device, rg, rg))
                 new_records.append(None)
                 continue
-        storage = StorageRecord(_storage_nbytes(o), o.dtype, device)
-        rec = TensorRecord(storage, o)
-        rg = grad and _is_float(o.dtype)
-        results.append(DeferredTensor(o, rec, device, rg, rg))
+        made, rec, storage = _new_output(o, device, grad and _is_float(o.dtype))
+        results.append(made)
         new_records.append(rec)
         created.append(storage)
     mutates: list[StorageRecord] = []

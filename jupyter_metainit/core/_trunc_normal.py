@@ -40,8 +40,10 @@ _verified: bool | None = None
 
 
 def _bounds(dtype: torch.dtype, a: float, b: float) -> tuple[float, float]:
-    # As PyTorch compares: the bounds rounded to the tensor's dtype.
-    return torch.tensor(a, dtype=dtype).item(), torch.tensor(b, dtype=dtype).item()
+    # As PyTorch compares: the bounds rounded to the tensor's dtype. Real tensors, even inside a
+    # block (recorded, each would be a deferred constant and a replay to read it).
+    with plain():
+        return torch.tensor(a, dtype=dtype).item(), torch.tensor(b, dtype=dtype).item()
 
 
 # No value of PyTorch's CPU ``normal_`` is this many std from its mean (8.6 is the most; see the
