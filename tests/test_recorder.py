@@ -544,3 +544,45 @@ def test_a_repeated_factory_call_follows_the_default_dtype_in_force():
     assert doubles.dtype == torch.float64 and materialize(doubles).dtype == torch.float64
     assert halves.dtype == torch.bfloat16 and materialize(halves).dtype == torch.bfloat16
     assert type(plain_meta) is torch.Tensor and plain_meta.is_meta
+
+
+_FILLS = {
+    "zero_": lambda t: t.zero_(),
+    "fill_": lambda t: t.fill_(2.5),
+    "normal_": lambda t: t.normal_(0.0, 0.02),
+    "uniform_ with a generator": lambda t: t.uniform_(-1, 1, generator=torch.Generator()),
+    "fill_ of a row": lambda t: t[1].fill_(3.0),
+    "normal_ of a column": lambda t: t[:, 2].normal_(),
+    "random_ of integers": lambda t: t.long().random_(0, 10),
+}
+
+
+def _recorded_fill(fill):
+    torch.manual_seed(0)
+    with meta_init():
+        t = torch.empty(4, 6)
+        filled = fill(t)
+    return filled, filled._rec.storage.writes[-1]
+
+
+@pytest.mark.parametrize("fill", _FILLS.values(), ids=_FILLS.keys())
+def test_a_fill_is_recorded_as_the_general_path_records_it(fill, monkeypatch):
+    """Fills take a short path of their own (they are most of a model's ops): same record."""
+    from jupyter_metainit.core import _record
+
+    short, short_op = _recorded_fill(fill)
+    monkeypatch.setattr(_record, "_record_fill", lambda func, args, kwargs: None)
+    general, general_op = _recorded_fill(fill)
+    assert short_op.func is general_op.func
+    assert (short_op.args[1:], short_op.kwargs) == (general_op.args[1:], general_op.kwargs)
+    geometry = lambda r: (r.size, r.stride, r.offset, r.dtype)  # noqa: E731
+    assert geometry(short_op.args[0]) == geometry(general_op.args[0])
+    assert short_op.outputs == general_op.outputs == (None,)
+    assert [len(short_op.reads), len(short_op.mutates), len(short_op.overwrites)] == [
+        len(general_op.reads), len(general_op.mutates), len(general_op.overwrites)]  # fmt: skip
+    if general_op.rng is None:
+        assert short_op.rng is None
+    else:
+        spec = lambda op: op.rng.segment.specs[op.rng.index]  # noqa: E731
+        assert spec(short_op) == spec(general_op)
+    assert torch.equal(materialize(short), materialize(general))

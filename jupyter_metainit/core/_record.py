@@ -213,6 +213,10 @@ def handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
         raise UnsupportedOperatorError(f"{func} is not an ATen operator; it cannot be deferred")
     if func.is_view and args and type(args[0]) is DeferredTensor:
         return _view(func, args, kwargs)
+    if func in _OVERWRITES_SELF and type(args[0]) is DeferredTensor:
+        made = _record_fill(func, args, kwargs)
+        if made is not None:
+            return made
     if func in _recipe_funcs and tls.pending_device is not None:
         made = _record_from_recipe(func, args, kwargs)
         if made is not None:
@@ -680,6 +684,48 @@ def _record_from_recipe(func: Any, args: tuple, kwargs: dict) -> DeferredTensor 
                   None, (), ())  # fmt: skip
     storage.writes.append(op)
     return made
+
+
+def _record_fill(func: Any, args: tuple, kwargs: dict) -> DeferredTensor | None:
+    """``t.zero_()``, ``t.fill_(v)``, ``t.normal_(...)`` on a deferred ``t`` with plain number
+    arguments: the bulk of a model's initialisation, recorded as :func:`_record` would, without
+    its general machinery (binding, meta kernels, dtypes: a fill changes none of them). None
+    when an argument is not a plain value (``_record`` then takes it)."""
+    for a in args[1:]:
+        if type(a) not in _SCALAR_TYPES:
+            return None
+    generator = None
+    for k, v in kwargs.items():
+        if k == "generator":
+            if v is not None and not isinstance(v, torch.Generator):
+                return None
+            generator = v
+        elif type(v) not in _SCALAR_TYPES:
+            return None
+    self: DeferredTensor = args[0]
+    where = call_site()
+    storage = self._rec.storage
+    overwrites = _full_overwrite(func, args)
+    rng = None
+    rec_kwargs = dict(kwargs)
+    if func not in _PLAIN_FILLS:
+        meta = self._meta
+        spec = _rng.BurnSpec(func, _spec_args((meta, *args[1:])), _spec_kwargs(kwargs), True,
+                             meta.numel() * meta.element_size())  # fmt: skip
+        segment, index = _rng.record_random(generator, spec, flush_now=tls.depth == 0)
+        rng = RngUse(segment, index)
+        if "generator" in rec_kwargs:
+            rec_kwargs["generator"] = None
+    op = OpRecord(
+        next_seq(), func, (self._rec, *args[1:]), rec_kwargs,
+        () if overwrites is not None else (storage,), (None,), rng, where, None, (storage,),
+        () if overwrites is None else (overwrites,),
+    )  # fmt: skip
+    storage.writes.append(op)
+    return self
+
+
+_PLAIN_FILLS = frozenset({aten.fill_.Scalar, aten.zero_.default})
 
 
 def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwargs: dict) -> Any:
