@@ -13,6 +13,7 @@ whose eager build takes over 0.5 s.
     .venv/bin/python benchmarks/bench_models.py            # ~3 min
     .venv/bin/python benchmarks/bench_models.py --wide     # 22 more models, ~12 min
     .venv/bin/python benchmarks/bench_models.py --quick    # smoke run, two small models
+    .venv/bin/python benchmarks/bench_models.py --models efficientnet_v2_m,hf-swin
 """
 
 from __future__ import annotations
@@ -158,10 +159,13 @@ def main() -> None:
     child_main(MEASUREMENTS)
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--wide", action="store_true", help="22 more models (~12 min)")
+    parser.add_argument("--models", help="comma-separated names from the default or --wide set")
     args = parser.parse_args()
     models = ["resnet18", "tiny-llama"] if args.quick else MODELS
     if args.wide:
         models = WIDE_TORCHVISION + WIDE_TRANSFORMERS
+    if args.models:
+        models = args.models.split(",")
     print("# bench_models: deferred construction + materialize vs eager construction")
     print(f"{environment_line()}; best of {RUNS} per process, one process per model")
     results = run_children(__file__, [("compare", {"model": m}) for m in models],

@@ -13,6 +13,7 @@ from __future__ import annotations
 import bisect
 import concurrent.futures
 import contextlib
+import itertools
 import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
@@ -37,6 +38,8 @@ from jupyter_metainit.core._plain import iter_args, map_args, plain
 from jupyter_metainit.core._split_fill import (
     FILLS,
     MIN_SKIP,
+    available_cores,
+    core_pool,
     fill_region,
     fill_region_into,
     split_fill,
@@ -298,7 +301,7 @@ class _Run:
                     progress.storage_done(s)  # nothing to run: cached, or made before
                 else:
                     self.finishing.setdefault(i, []).append(s)
-        self.generators: dict[int, tuple[torch.Generator, int]] = {}
+        self._thread = threading.local()
         self.checked: set[int] = set()  # External inputs verified unchanged
         written = {id(r.storage) for op in p.ops for r in op.outputs if r is not None}
         written |= {id(s) for op in p.ops for s in op.mutates}
@@ -326,6 +329,16 @@ class _Run:
         self._copied_once: set[int] | None = None
         # storage id -> a fill not run yet: its only reader copies a slice of it (a shard)
         self.pending_fills: dict[int, tuple[OpRecord, tuple, dict, torch.Generator]] = {}
+
+    @property
+    def generators(self) -> dict[int, tuple[torch.Generator, int]]:
+        """Stream id -> (generator, index of the op it is right before), per thread: exact
+        mode may run one stream's ops on several threads, each from its own position."""
+        try:
+            return self._thread.generators
+        except AttributeError:
+            self._thread.generators = {}
+            return self._thread.generators
 
     def phase(self, text: str) -> None:
         if self.progress is not None and text != self.last_phase:
@@ -736,6 +749,68 @@ def _components(ops: list[OpRecord]) -> list[list[tuple[int, OpRecord]]]:
     return list(groups.values())
 
 
+# Exact mode splits a plan across threads only when its random work is worth a jump-ahead per
+# thread (up to ~30 ms for a long one) many times over: ~4 ms per MiB of float32 normal_.
+SPLIT_STREAM_BYTES = 64 << 20
+# ... and when the parts come out even: the largest at most this much over an equal share.
+_BALANCE = 1.05
+
+
+def stream_parts(ops: list[OpRecord], workers: int) -> list[list[tuple[int, OpRecord]]] | None:
+    """Exact mode on several cores: the plan cut into ``workers`` parts that each replay on a
+    thread of their own, or None when it does not pay.
+
+    A model's many small random fills are one sequential stream, too small each to split
+    (``split_fill``). But groups of ops touching disjoint storages (each parameter and its
+    initialisation) are independent, and recording order is stream order: cut at group
+    boundaries into parts of equal bytes, each part's random ops are a contiguous run of the
+    stream. Its thread jumps once to where the run starts (``_rng.state_before``) and then draws
+    on, so every value is the one the single stream gives. Parts are only made when every random
+    op's draw count is known (the jump is exact), the parts' runs interleave at most a few
+    times (each change of owner along a stream costs a thread a jump), and the parts are even
+    (a plan of a few large fills, one decoder layer, is faster on one thread that splits each
+    fill: ``split_fill``).
+    """
+    random_bytes = 0
+    for op in ops:
+        if op.rng is not None:
+            seg = op.rng.segment
+            if _rng.known_draws(seg.specs[op.rng.index], seg.device) is None:
+                return None
+            random_bytes += _op_bytes(op)
+    if random_bytes < SPLIT_STREAM_BYTES:
+        return None
+    groups = _components(ops)  # in the order of their first op
+    if len(groups) < workers:
+        return None
+    costs = [sum(_op_bytes(op) for _, op in group) for group in groups]
+    total = sum(costs)
+    parts: list[list[tuple[int, OpRecord]]] = [[]]
+    loads = [0]
+    done = 0
+    for group, cost in zip(groups, costs, strict=True):
+        # A group goes to the next part when its middle is past this part's share.
+        if parts[-1] and len(parts) < workers and done + cost / 2 > total * len(parts) / workers:
+            parts.append([])
+            loads.append(0)
+        parts[-1].extend(group)
+        loads[-1] += cost
+        done += cost
+    if len(parts) < 2 or max(loads) > _BALANCE * total / len(parts):
+        return None  # a few large fills: split_fill divides each of them evenly instead
+    owner: dict[int, list[tuple[int, int]]] = {}  # stream id -> (index, part) of its live ops
+    for k, part in enumerate(parts):
+        part.sort(key=lambda item: item[0])
+        for _, op in part:
+            if op.rng is not None:
+                owner.setdefault(id(op.rng.segment), []).append((op.rng.index, k))
+    changes = 0
+    for runs in owner.values():
+        runs.sort()
+        changes += sum(1 for a, b in itertools.pairwise(runs) if a[1] != b[1])
+    return parts if changes <= 2 * len(parts) else None
+
+
 def execute(
     p: Plan, device: torch.device | None = None, rng: str = "exact",
     progress: Progress | None = None, threads: int | None = None,
@@ -754,6 +829,11 @@ def execute(
             workers = min(threads or os.cpu_count() or 1, len(groups))
             if workers > 1:
                 _run_parallel(run, groups, workers)
+                return _results(run, p)
+        if rng == "exact" and len(p.ops) > 1 and (threads or available_cores()) > 1:
+            parts = stream_parts(p.ops, threads or available_cores())
+            if parts is not None:
+                _run_parallel(run, parts, len(parts))
                 return _results(run, p)
         for i, op in enumerate(p.ops):
             check()  # a held-back Ctrl-C stops here, between two ops
@@ -775,7 +855,7 @@ def _run_parallel(run: _Run, groups: list[list[tuple[int, OpRecord]]], workers: 
                 run.run(i, op)
                 run.release(i, op)
 
-    pool = concurrent.futures.ThreadPoolExecutor(workers)
+    pool = core_pool(workers)
     futures = []
     try:
         # Largest groups first keeps the threads evenly busy.
@@ -795,7 +875,8 @@ def _run_parallel(run: _Run, groups: list[list[tuple[int, OpRecord]]], workers: 
             f.cancel()
         raise
     finally:
-        pool.shutdown(wait=True)
+        # The pool is the process's: wait for this replay's tasks, not for the pool to end.
+        concurrent.futures.wait(futures)
 
 
 def _results(run: _Run, p: Plan) -> dict[int, torch.Tensor]:

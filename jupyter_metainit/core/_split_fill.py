@@ -26,7 +26,14 @@ import torch
 from jupyter_metainit.core._mt19937 import jump_state
 from jupyter_metainit.core._plain import plain
 
-__all__ = ["FILLS", "available_cores", "fill_region", "fill_region_into", "split_fill"]
+__all__ = [
+    "FILLS",
+    "available_cores",
+    "core_pool",
+    "fill_region",
+    "fill_region_into",
+    "split_fill",
+]
 
 aten = torch.ops.aten
 
@@ -51,10 +58,24 @@ _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
 
 
+class _PoolThread(threading.local):
+    inside = False
+
+
+_pool_thread = _PoolThread()
+
+
+def _mark_pool_thread() -> None:
+    _pool_thread.inside = True
+
+
 def available_cores() -> int:
     """Threads a fill may use: the cores this process may run on (``taskset`` and cgroup CPU
     sets respected), at most ``torch.get_num_threads()`` (one rank of several per machine sets
-    it lower)."""
+    it lower); 1 on a thread of :func:`core_pool` itself (the cores are taken, and a task
+    waiting for tasks queued behind it in the same pool would wait forever)."""
+    if _pool_thread.inside:
+        return 1
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -62,11 +83,15 @@ def available_cores() -> int:
     return max(1, min(cores, torch.get_num_threads()))
 
 
-def _executor(workers: int) -> ThreadPoolExecutor:
+def core_pool(workers: int) -> ThreadPoolExecutor:
+    """The process's pool of at least ``workers`` threads for replay work on all cores (chunks
+    of one fill, or parts of a replay). Kept for the process: every new thread costs glibc a
+    malloc arena (64 MiB of address space), which a pool per call would add up."""
     global _pool
     with _pool_lock:
         if _pool is None or _pool._max_workers < workers:
-            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jmi-fill")
+            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jmi-fill",
+                                       initializer=_mark_pool_thread)  # fmt: skip
         return _pool
 
 
@@ -99,7 +124,7 @@ def _fill_in_chunks(
         if k + 1 < len(bounds):  # a jump costs about 15 ms: none after the last chunk
             state = jump_state(state, (b - a) * per_element)
     if parallel:
-        list(_executor(len(jobs)).map(lambda job: fill(*job), jobs))
+        list(core_pool(len(jobs)).map(lambda job: fill(*job), jobs))
     else:
         for job in jobs:
             fill(*job)
@@ -291,7 +316,7 @@ def fill_region_into(
             pos = stop
 
     if len(jobs) > 1:
-        list(_executor(len(jobs)).map(run_span, jobs))
+        list(core_pool(len(jobs)).map(run_span, jobs))
     else:
         run_span(jobs[0])
     if at_end is not None and end == numel:
