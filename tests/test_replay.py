@@ -154,3 +154,34 @@ def test_a_dead_op_of_unknown_draw_count_is_regenerated_by_the_part_after_it(mon
     materialize(tensors)
     assert runs == [2]
     assert all(torch.equal(t, e) for t, e in zip(tensors, eager, strict=True))
+
+
+def test_a_replay_on_every_thread_of_the_pool_runs_inline(monkeypatch):
+    """Tasks that wait for tasks queued behind them in the same pool would wait forever."""
+    import threading
+
+    from jupyter_metainit.core._replay import execute
+    from jupyter_metainit.core._split_fill import core_pool
+
+    torch.manual_seed(0)
+    eager = _Decoder()
+    torch.manual_seed(0)
+    with meta_init():
+        model = _Decoder()
+    records = [t._rec for t in model.state_dict().values()]
+    expected = list(eager.state_dict().values())
+    _any_size(monkeypatch)
+    runs = _count_parallel_runs(monkeypatch)
+    pool = core_pool(2)
+    everyone = threading.Barrier(pool._max_workers)
+
+    def replay() -> list[torch.Tensor]:
+        everyone.wait(timeout=30)  # every thread of the pool is busy from here on
+        env = execute(plan(records), torch.device("cpu"), "exact", threads=2)
+        return [_replay.real_view(env[id(r.storage)], r) for r in records]
+
+    results = [pool.submit(replay) for _ in range(pool._max_workers)]
+    for future in results:
+        values = future.result(timeout=60)
+        assert all(torch.equal(v, e) for v, e in zip(values, expected, strict=True))
+    assert runs == [2] * pool._max_workers

@@ -2,8 +2,9 @@
 
 ``plan`` walks backwards from the requested storages through the ops that wrote them and the
 storages those ops read *before* they ran, so the work is proportional to the requested subtree.
-``execute`` runs the plan on real memory in recording order (``fast`` mode: independent groups in
-parallel threads), freeing intermediates as soon as nothing later needs them.
+``execute`` runs the plan on real memory in recording order (independent groups in parallel
+threads: any of them in ``fast`` mode, runs of the random stream in ``exact`` mode), freeing
+intermediates as soon as nothing later needs them.
 ``compute_values`` is the read path used while recording (``.item()``, ``bool(t)``, ops without
 a meta kernel): exact, on the CPU, continuing from values computed by earlier reads.
 """
@@ -42,6 +43,7 @@ from jupyter_metainit.core._split_fill import (
     core_pool,
     fill_region,
     fill_region_into,
+    on_core_pool,
     split_fill,
 )
 from jupyter_metainit.core._values import ValueCache, value_cache
@@ -855,6 +857,10 @@ def _run_parallel(run: _Run, groups: list[list[tuple[int, OpRecord]]], workers: 
                 run.run(i, op)
                 run.release(i, op)
 
+    if on_core_pool():  # a replay inside a replay's thread: the pool's threads may all be busy
+        for group in groups:
+            replay_group(group)
+        return
     pool = core_pool(workers)
     futures = []
     try:

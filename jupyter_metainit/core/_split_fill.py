@@ -32,6 +32,7 @@ __all__ = [
     "core_pool",
     "fill_region",
     "fill_region_into",
+    "on_core_pool",
     "split_fill",
 ]
 
@@ -69,12 +70,18 @@ def _mark_pool_thread() -> None:
     _pool_thread.inside = True
 
 
+def on_core_pool() -> bool:
+    """Whether this thread is one of :func:`core_pool`'s (work it submits there could wait
+    behind itself)."""
+    return _pool_thread.inside
+
+
 def available_cores() -> int:
     """Threads a fill may use: the cores this process may run on (``taskset`` and cgroup CPU
     sets respected), at most ``torch.get_num_threads()`` (one rank of several per machine sets
     it lower); 1 on a thread of :func:`core_pool` itself (the cores are taken, and a task
     waiting for tasks queued behind it in the same pool would wait forever)."""
-    if _pool_thread.inside:
+    if on_core_pool():
         return 1
     try:
         cores = len(os.sched_getaffinity(0))
