@@ -158,13 +158,14 @@ def test_a_jump_is_cheap_once_its_distance_recurs_or_was_jumped():
     from jupyter_metainit.core._mt19937 import jump_is_cheap
 
     state = torch.Generator().manual_seed(11).get_state()
-    draws = 3_141_593  # a distance no other test jumps
+    draws = 16**7 + 3 * 16**6 + 5 * 16**5 + 7 * 16**4 + 12_345  # 4 stored parts; no other test
     assert not jump_is_cheap(state, draws)
     assert jump_is_cheap(state, draws)  # asked again: it recurs, computing it once pays
     assert not jump_is_cheap(state, draws + 10_000)
     jump_state(state, draws + 10_000)
     assert jump_is_cheap(state, draws + 10_000)  # kept
     assert jump_is_cheap(state, 1000)  # within reach of the recurrence: never a polynomial
+    assert jump_is_cheap(state, 5 * 16**5 + 100)  # one stored part
 
 
 def test_the_stored_jump_parts_are_powers_of_t():
@@ -182,13 +183,17 @@ def test_a_long_jump_made_of_stored_parts_equals_one_power(steps):
     assert np.array_equal(by_parts, by_power)
 
 
-def test_a_kept_polynomial_serves_the_distance_one_block_longer():
+def test_a_new_power_serves_its_distance_one_block_shorter_and_longer():
+    """The same draw count is one block more or less by where the state is in its block."""
     block = np.random.default_rng(5).integers(0, 2**32, 624, dtype=np.uint32)
     steps = 624 * 4_321
-    _mt19937._advance_block(block, steps)  # keeps t^(steps - 1)
-    reference = _mt19937._advance_block(block, steps + 624, direct_limit=10**9)
-    assert _mt19937._kept_nearby(steps + 624) == 1
-    assert np.array_equal(_mt19937._advance_block(block, steps + 624), reference)
+    _mt19937._advance_block(block, steps)  # the first time: stored parts, nothing kept
+    assert _mt19937._kept_nearby(steps) is None
+    _mt19937._advance_block(block, steps)  # it recurs: keeps t^(steps - 624 - 1)
+    for blocks, distance in enumerate([steps - 624, steps, steps + 624]):
+        assert _mt19937._kept_nearby(distance) == blocks
+        reference = _mt19937._advance_block(block, distance, direct_limit=10**9)
+        assert np.array_equal(_mt19937._advance_block(block, distance), reference)
 
 
 def test_a_jump_inside_meta_init_runs_on_real_tensors():
@@ -198,3 +203,29 @@ def test_a_jump_inside_meta_init_runs_on_real_tensors():
     expected = jump_state(state, 9_876_543)
     with meta_init():
         assert torch.equal(jump_state(state, 9_876_543), expected)
+
+
+def _recurrence(block: np.ndarray, length: int) -> list[int]:
+    """MT19937's recurrence word by word, as its reference code writes it."""
+    x = [int(w) for w in block]
+    while len(x) < length:
+        k = len(x) - 624
+        y = (x[k] & 0x80000000) | (x[k + 1] & 0x7FFFFFFF)
+        x.append(x[k + 397] ^ (y >> 1) ^ (0x9908B0DF if y & 1 else 0))
+    return x[:length]
+
+
+@pytest.mark.parametrize("length", [624, 625, 851, 1248, 20_565])
+def test_the_sequence_is_mt19937s_recurrence(length):
+    block = np.random.default_rng(length).integers(0, 2**32, 624, dtype=np.uint64)
+    block = block.astype(np.uint32)
+    assert _mt19937._sequence(block, length).tolist() == _recurrence(block, length)
+
+
+@pytest.mark.parametrize("group_bits", [1, 3, 5, 8])
+def test_a_jump_is_the_same_whatever_the_bits_taken_at_a_time(group_bits, monkeypatch):
+    state = seeded(11, skip=100).get_state()
+    monkeypatch.setattr(_mt19937, "_GROUP_BITS", 1)
+    plain = jump_state(state, 3_000_017)
+    monkeypatch.setattr(_mt19937, "_GROUP_BITS", group_bits)
+    assert torch.equal(jump_state(state, 3_000_017), plain)
