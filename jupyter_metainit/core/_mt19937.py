@@ -33,8 +33,9 @@ in a polynomial space", 2008)
     level). ``h`` comes from square-and-multiply in GF(2)[t] on Python ints used as bit vectors
     (squaring spreads bits through a byte table; reduction clears 8 bits at a time with a
     256-entry table of multiples of ``phi``). Finally ``h(T)(T x) = XOR of the windows
-    x[1+j .. 1+j+623] over the set bits j of h``: the sequence is extended 19937 words with
-    numpy and the selected windows are XOR-reduced.
+    x[1+j .. 1+j+623] over the set bits j of h``: the sequence is extended 19937 words (by
+    numpy's MT19937) and the selected windows are XOR-reduced, five bits of ``h`` at a time
+    (``_apply``): about 1.5 ms per jump.
 """
 
 from __future__ import annotations
@@ -233,7 +234,7 @@ _POWERS_KEPT = 1024  # 2.5 KB each
 
 def _power_of_t(k: int) -> int:
     """``t^k mod phi``, kept: a model repeats its layers, so the same jump distances come back
-    (each costs about 15 ms to compute and 3 ms to apply)."""
+    (each costs about 15 ms to compute and 1.5 ms to apply)."""
     with critical(), _poly_lock:
         h = _powers.get(k)
         if h is not None:

@@ -47,7 +47,7 @@ _DRAWS_PER_ELEMENT = {
     torch.float16: 1,
     torch.float64: 2,
 }
-# Below this many elements per chunk, a jump-ahead (about 15 ms) costs more than the chunk's
+# Below this many elements per chunk, a jump-ahead (up to about 10 ms) costs more than the chunk's
 # share of the fill saves (about 7 ns an element on one core).
 MIN_CHUNK = 1 << 22
 # A region fill costs a jump to its start: worth it when it skips at least this many elements
@@ -128,7 +128,7 @@ def _fill_in_chunks(
         gen = torch.Generator()
         gen.set_state(state)
         jobs.append((flat[a:b], gen))
-        if k + 1 < len(bounds):  # a jump costs about 15 ms: none after the last chunk
+        if k + 1 < len(bounds):  # a jump costs up to about 10 ms: none after the last chunk
             state = jump_state(state, (b - a) * per_element)
     if parallel:
         list(core_pool(len(jobs)).map(lambda job: fill(*job), jobs))
