@@ -773,15 +773,13 @@ def stream_parts(ops: list[OpRecord], workers: int) -> list[list[tuple[int, OpRe
     (a plan of a few large fills, one decoder layer, is faster on one thread that splits each
     fill: ``split_fill``).
     """
-    random_bytes = 0
-    for op in ops:
-        if op.rng is not None:
-            seg = op.rng.segment
-            if _rng.known_draws(seg.specs[op.rng.index], seg.device) is None:
-                return None
-            random_bytes += _op_bytes(op)
-    if random_bytes < SPLIT_STREAM_BYTES:
+    random_ops = [op for op in ops if op.rng is not None]
+    if sum(_op_bytes(op) for op in random_ops) < SPLIT_STREAM_BYTES:
         return None
+    for op in random_ops:
+        seg = op.rng.segment
+        if _rng.known_draws(seg.specs[op.rng.index], seg.device) is None:
+            return None
     groups = _components(ops)  # in the order of their first op
     if len(groups) < workers:
         return None
