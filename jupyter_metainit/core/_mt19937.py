@@ -271,13 +271,20 @@ def jump_is_cheap(state: torch.Tensor, draws: int) -> bool:
             return True
         if _stored_parts(steps) <= _CHEAP_PARTS:
             return True  # made of a few stored parts
-        _asked[steps] = None
-        if len(_asked) > _POWERS_KEPT:
-            _asked.popitem(last=False)
+        _note_asked(steps)
         return False
 
 
-_asked: OrderedDict[int, None] = OrderedDict()  # distances jump_is_cheap was asked about
+_asked: OrderedDict[int, None] = OrderedDict()  # distances asked about or jumped before
+
+
+def _note_asked(steps: int) -> None:
+    """Remember a distance (the most recent ones). Call with ``_poly_lock`` held."""
+    _asked[steps] = None
+    if len(_asked) > _POWERS_KEPT:
+        _asked.popitem(last=False)
+
+
 _CHEAP_PARTS = 3  # stored parts applied (about 1.5 ms each) that still make a cheap jump
 _NEARBY_BLOCKS = 2
 
@@ -367,9 +374,7 @@ def _advance_block(block: np.ndarray, steps: int, direct_limit: int = _DIRECT_LI
         blocks = _kept_nearby(steps)
         recurs = steps in _asked
         if not recurs:
-            _asked[steps] = None
-            if len(_asked) > _POWERS_KEPT:
-                _asked.popitem(last=False)
+            _note_asked(steps)
     parts = _stored_parts(steps)
     # Stored parts the first time, and always when one part does it (as cheap as a kept
     # power); a distance that recurs gets its own power, kept.

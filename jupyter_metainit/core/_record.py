@@ -710,10 +710,8 @@ def _record_fill(func: Any, args: tuple, kwargs: dict) -> DeferredTensor | None:
     rec_kwargs = dict(kwargs)
     if func not in _PLAIN_FILLS:
         meta = self._meta
-        spec = _rng.BurnSpec(func, _spec_args((meta, *args[1:])), _spec_kwargs(kwargs), True,
-                             meta.numel() * meta.element_size())  # fmt: skip
-        segment, index = _rng.record_random(generator, spec, flush_now=tls.depth == 0)
-        rng = RngUse(segment, index)
+        rng = _place_random(func, (meta, *args[1:]), kwargs, True, generator,
+                            meta.numel() * meta.element_size())  # fmt: skip
         if "generator" in rec_kwargs:
             rec_kwargs["generator"] = None
     op = OpRecord(
@@ -726,6 +724,17 @@ def _record_fill(func: Any, args: tuple, kwargs: dict) -> DeferredTensor | None:
 
 
 _PLAIN_FILLS = frozenset({aten.fill_.Scalar, aten.zero_.default})
+
+
+def _place_random(
+    func: Any, meta_args: tuple, meta_kwargs: dict, has_generator: bool,
+    generator: torch.Generator | None, nbytes: int,
+) -> RngUse:  # fmt: skip
+    """The place of a new random op in its generator's stream (see ``_rng.record_random``)."""
+    spec = _rng.BurnSpec(func, _spec_args(meta_args), _spec_kwargs(meta_kwargs), has_generator,
+                         nbytes)  # fmt: skip
+    segment, index = _rng.record_random(generator, spec, flush_now=tls.depth == 0)
+    return RngUse(segment, index)
 
 
 def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwargs: dict) -> Any:
@@ -863,11 +872,7 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
         if info.is_random:
             gen = bound[info.arg_index("generator")] if info.has_generator else None
             nbytes = sum(o.numel() * o.element_size() for o in outs if isinstance(o, torch.Tensor))
-            spec = _rng.BurnSpec(
-                func, _spec_args(meta_args), _spec_kwargs(meta_kwargs), info.has_generator, nbytes
-            )
-            segment, index = _rng.record_random(gen, spec, flush_now=tls.depth == 0)
-            rng = RngUse(segment, index)
+            rng = _place_random(func, meta_args, meta_kwargs, info.has_generator, gen, nbytes)
             if "generator" in rec_kwargs:
                 rec_kwargs["generator"] = None
             elif info.has_generator:
