@@ -830,8 +830,9 @@ def execute(
             if workers > 1:
                 _run_parallel(run, groups, workers)
                 return _results(run, p)
-        if rng == "exact" and len(p.ops) > 1 and (threads or available_cores()) > 1:
-            parts = stream_parts(p.ops, threads or available_cores())
+        cores = (threads or available_cores()) if rng == "exact" and len(p.ops) > 1 else 1
+        if cores > 1:
+            parts = stream_parts(p.ops, cores)
             if parts is not None:
                 _run_parallel(run, parts, len(parts))
                 return _results(run, p)
