@@ -20,6 +20,8 @@ from jupyter_metainit.core import (
     skip_init,
 )
 
+__version__ = "0.1.0"
+
 __all__ = [
     "ModuleTreeWidget",
     "clear_meta_init_cache",
