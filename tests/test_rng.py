@@ -421,3 +421,115 @@ def test_rng_state_after_randperm_bernoulli_multinomial_in_init_is_the_eager_one
     materialize(deferred.later)
     materialize(deferred)
     assert_same(eager, deferred)
+
+
+def _save_draw_restore(g):
+    a = torch.empty(40).normal_(generator=g)
+    saved = g.get_state()
+    b = torch.empty(40).normal_(generator=g)
+    g.set_state(saved)
+    c = torch.empty(40).normal_(generator=g)
+    return [a, b, c]
+
+
+def _restore_twice(g):
+    a = torch.randn(40, generator=g)
+    saved = g.get_state()
+    b = torch.randn(40, generator=g)
+    g.set_state(saved)
+    c = torch.randn(40, generator=g)
+    g.set_state(saved)
+    d = torch.empty(40).uniform_(generator=g)
+    return [a, b, c, d]
+
+
+def _restore_as_last_step(g):
+    a = torch.empty(40).normal_(generator=g)
+    saved = g.get_state()
+    b = torch.empty(40).normal_(generator=g)
+    g.set_state(saved)
+    return [a, b]
+
+
+def _default_generator_save_restore(g):
+    a = torch.empty(40).normal_()
+    saved = torch.default_generator.get_state()
+    b = torch.empty(40).normal_()
+    torch.default_generator.set_state(saved)
+    c = torch.empty(40).normal_()
+    return [a, b, c]
+
+
+def _state_copied_to_another_generator(g):
+    a = torch.empty(40).normal_(generator=g)
+    other = torch.Generator()
+    other.set_state(g.get_state())
+    b = torch.empty(40).normal_(generator=other)
+    c = torch.empty(40).normal_(generator=g)
+    return [a, b, c]
+
+
+def _reseeding_mid_build(g):
+    a = torch.empty(40).normal_(generator=g)
+    g.manual_seed(9)
+    b = torch.empty(40).normal_(generator=g)
+    torch.manual_seed(3)
+    c = torch.empty(40).normal_()
+    return [a, b, c]
+
+
+def _fork_rng_inside(g):
+    a = torch.empty(40).normal_(generator=g)
+    with torch.random.fork_rng():
+        torch.manual_seed(2)
+        b = torch.empty(40).normal_()
+    c = torch.empty(40).normal_()
+    d = torch.empty(40).normal_(generator=g)
+    return [a, b, c, d]
+
+
+def _restore_after_value_dependent_op(g):
+    a = torch.randn(40, generator=g).abs()
+    b = torch.poisson(a * 4, generator=g)
+    saved = g.get_state()
+    c = torch.randn(40, generator=g)
+    g.set_state(saved)
+    d = torch.randn(40, generator=g)
+    return [a, b, c, d]
+
+
+_GENERATOR_USES = [
+    _save_draw_restore, _restore_twice, _restore_as_last_step, _default_generator_save_restore,
+    _state_copied_to_another_generator, _reseeding_mid_build, _fork_rng_inside,
+    _restore_after_value_dependent_op,
+]  # fmt: skip
+
+
+def _build_with_generator(use, deferred):
+    g = torch.Generator().manual_seed(5)
+    torch.manual_seed(0)
+    if deferred:
+        with meta_init():
+            tensors = use(g)
+    else:
+        tensors = use(g)
+    return tensors, g.get_state(), torch.get_rng_state()
+
+
+@pytest.mark.parametrize("use", _GENERATOR_USES, ids=lambda f: f.__name__.strip("_"))
+def test_the_last_draw_after_saving_and_restoring_a_generator_equals_eager_alone(use):
+    eager, _, _ = _build_with_generator(use, deferred=False)
+    deferred, _, _ = _build_with_generator(use, deferred=True)
+    materialize(deferred[-1])
+    assert torch.equal(deferred[-1], eager[-1])
+    materialize(deferred)
+    for a, b in zip(eager, deferred, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("use", _GENERATOR_USES, ids=lambda f: f.__name__.strip("_"))
+def test_generator_states_after_a_build_that_saves_and_restores_equal_eager(use):
+    _, eager_g, eager_global = _build_with_generator(use, deferred=False)
+    _, deferred_g, deferred_global = _build_with_generator(use, deferred=True)
+    assert torch.equal(deferred_g, eager_g)
+    assert torch.equal(deferred_global, eager_global)
