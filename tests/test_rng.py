@@ -533,3 +533,17 @@ def test_generator_states_after_a_build_that_saves_and_restores_equal_eager(use)
     _, deferred_g, deferred_global = _build_with_generator(use, deferred=True)
     assert torch.equal(deferred_g, eager_g)
     assert torch.equal(deferred_global, eager_global)
+
+
+def test_initial_seeds_read_during_a_build_are_the_eager_ones():
+    def build_and_read():
+        g = torch.Generator().manual_seed(5)
+        torch.manual_seed(0)
+        torch.empty(40).normal_(generator=g)
+        torch.empty(40).normal_()
+        return torch.initial_seed(), g.initial_seed()
+
+    eager = build_and_read()
+    with meta_init():
+        deferred = build_and_read()
+    assert deferred == eager

@@ -22,10 +22,13 @@ The real generator after a deferred build
     observed: when the outermost ``meta_init`` block exits, before a real random op runs inside
     one, when ``torch.get_rng_state()``/``fork_rng`` reads it, and after every op recorded
     outside a block. An op whose draw count is not known is run on scratch memory at recording
-    time, from the exact state, so the stream stays exact. While draws are pending the real
-    generator is left one draw past the last exact state: a state no ``manual_seed`` produces,
-    so that reseeding (even with the same seed) or ``set_rng_state`` between two recorded ops
-    is seen, and starts a new segment from the state the user set, exactly as eager code sees it.
+    time, from the exact state, so the stream stays exact; an op whose draw count depends on the
+    values it reads (``poisson``, ``torch.distributions`` sampling) runs on its real inputs, and
+    the state it ends in is kept for good (``RngSegment.fixed``). While draws are pending the
+    real generator is left at a *mark* (``_marks``), a state no real generator holds, new for
+    every op: reseeding (even with the same seed) or ``set_rng_state`` between two recorded ops
+    is seen, and starts a new segment from the state the user set, exactly as eager code sees
+    it; a mark saved by ``g.get_state()`` and restored later stands for the exact state.
 """
 
 from __future__ import annotations
@@ -563,7 +566,7 @@ def fast_generator(segment: RngSegment, index: int, device: torch.device) -> tor
 class _Tracker:
     """What recording knows about one real generator (see the module docstring)."""
 
-    __slots__ = ("exact", "generator", "marked", "past_exact", "pending", "segment")
+    __slots__ = ("exact", "generator", "marked", "pending", "segment")
 
     def __init__(self, generator: torch.Generator, state: torch.Tensor) -> None:
         self.generator = generator
@@ -571,22 +574,24 @@ class _Tracker:
         self.exact = state  # the stream's state after the ops recorded so far, minus `pending`
         self.pending = 0  # draws of known-count ops recorded after `exact`
         self.marked = state  # the state we left the real generator in
-        self.past_exact: torch.Tensor | None = None  # `exact` one draw on, once needed
 
 
 _trackers: dict[int, _Tracker] = {}
 _lock = threading.RLock()
 
 # Every state we left a real generator in while draws were pending (a *mark*), by digest, with
-# the exact position it stands for: (exact state, draws pending after it). ``g.get_state()``
-# cannot be intercepted (``torch.Generator`` is an immutable C type), so a user who saves a
-# state in a build saves a mark; restoring it later (``g.set_state(st)``, also on another
-# generator) is recognized here and stands for the exact state eager code would have saved.
-# Each recorded op gets a fresh mark, so a restore is never mistaken for no change.
-_marks: OrderedDict[bytes, tuple[torch.Tensor, int]] = OrderedDict()
+# the exact position it stands for (segment, index: the state before that op). A mark is the
+# exact state with its ``left``/``next`` fields (see ``_mt19937``) set to a pair no generator
+# ever holds (a draw keeps ``left + next == 625``; seeding sets ``(1, 0)``), taken from a
+# process-wide counter: no ``manual_seed``/``set_state`` of a real state gives it, and each
+# recorded op gets a new one. ``g.get_state()`` cannot be intercepted (``torch.Generator`` is an
+# immutable C type), so a user who saves a state during a build saves a mark; restoring it
+# (``g.set_state(st)``, also on another generator) is recognized here and stands for the exact
+# state eager code would have saved; a restore is never mistaken for no change.
+_marks: OrderedDict[bytes, tuple[RngSegment, int]] = OrderedDict()
 _MARKS_KEPT = 1 << 16
 _STATE_BYTES = 5056  # a CPU generator's state (see ``_mt19937``); only CPU ones are marked
-_mark_salt = hashlib.blake2b(str(id(_marks)).encode(), digest_size=8).digest()
+_MT_N = 624
 _mark_count = 0
 
 
@@ -602,21 +607,27 @@ def true_state(state: torch.Tensor) -> torch.Tensor | None:
         found = _marks.get(_state_key(state))
     if found is None:
         return None
-    exact, pending = found
-    return advance_state(exact, pending)
+    segment, index = found
+    return state_before(segment, index)
+
+
+def _next_mark_fields() -> tuple[int, int]:
+    """The next (left, next) pair no real generator state has, cycling through all of them."""
+    global _mark_count
+    while True:
+        _mark_count += 1
+        left = 1 + _mark_count % _MT_N
+        position = (_mark_count // _MT_N) % (_MT_N + 1)
+        if left + position != _MT_N + 1 and (left, position) != (1, 0):
+            return left, position
 
 
 def _new_mark(tracker: _Tracker) -> torch.Tensor:
-    """A state one draw past the exact one (no ``manual_seed`` produces it) whose seed field
-    holds a tag of its own: a state nothing else produces."""
-    global _mark_count
-    if tracker.past_exact is None:
-        tracker.past_exact = jump_state(tracker.exact, 1)
-    _mark_count += 1
-    tag = hashlib.blake2b(_mark_salt + _mark_count.to_bytes(8, "little"), digest_size=8)
-    mark = tracker.past_exact.clone()
-    mark[:8] = torch.frombuffer(bytearray(tag.digest()), dtype=torch.uint8)
-    _marks[_state_key(mark)] = (tracker.exact, tracker.pending)
+    mark = tracker.exact.clone()
+    left, position = _next_mark_fields()
+    mark[8:12].view(torch.int32)[0] = left
+    mark[16:24].view(torch.int64)[0] = position
+    _marks[_state_key(mark)] = (tracker.segment, len(tracker.segment.specs))
     while len(_marks) > _MARKS_KEPT:
         _marks.popitem(last=False)
     return mark
@@ -625,11 +636,7 @@ def _new_mark(tracker: _Tracker) -> torch.Tensor:
 def _mark(tracker: _Tracker) -> None:
     """Leave the real generator at the exact state, or, while draws are pending, at a fresh
     mark (see ``_marks``): reseeding or ``set_state`` between two recorded ops is then seen."""
-    if tracker.pending:
-        state = _new_mark(tracker)
-    else:
-        state = tracker.exact
-        tracker.past_exact = None
+    state = _new_mark(tracker) if tracker.pending else tracker.exact
     tracker.generator.set_state(state)
     tracker.marked = state
 
