@@ -623,11 +623,14 @@ def _next_mark_fields() -> tuple[int, int]:
 
 
 def _new_mark(tracker: _Tracker) -> torch.Tensor:
-    mark = tracker.exact.clone()
+    # Bytes edited in numpy: a few tensor-indexing calls would cost more than the op's record.
+    data = bytearray(tracker.exact.numpy().tobytes())
     left, position = _next_mark_fields()
-    mark[8:12].view(torch.int32)[0] = left
-    mark[16:24].view(torch.int64)[0] = position
-    _marks[_state_key(mark)] = (tracker.segment, len(tracker.segment.specs))
+    data[8:12] = left.to_bytes(4, "little")
+    data[16:24] = position.to_bytes(8, "little")
+    mark = torch.frombuffer(data, dtype=torch.uint8)
+    key = hashlib.blake2b(data, digest_size=16).digest()
+    _marks[key] = (tracker.segment, len(tracker.segment.specs))
     while len(_marks) > _MARKS_KEPT:
         _marks.popitem(last=False)
     return mark
