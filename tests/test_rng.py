@@ -321,3 +321,229 @@ def test_dropout_without_probability_draws_nothing_and_is_not_rerun():
     sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
     spec = _rng.BurnSpec(sdpa, (qkv, qkv, qkv, 0.0), {}, False, 0)
     assert _rng.known_draws(spec, torch.device("cpu")) == 0
+
+
+# Random ops whose number of draws depends on the values they read: a later tensor materialized
+# alone needs the generator's position after them.
+_VALUE_DEPENDENT_DRAWS = {
+    "poisson": lambda rate: torch.poisson(rate * 5),
+    "gamma": lambda rate: torch.distributions.Gamma(rate, 1.0).sample(),
+    "dirichlet": lambda rate: torch.distributions.Dirichlet(rate).sample(),
+    "beta": lambda rate: torch.distributions.Beta(rate, rate + 1).sample(),
+    "binomial": lambda rate: torch.binomial(torch.full_like(rate, 20.0), rate / 4),
+    "rrelu_train": lambda rate: nn.functional.rrelu(rate - 1.5, training=True),
+    "rrelu_inplace": lambda rate: nn.functional.rrelu_(rate - 1.5, training=True),
+}
+
+
+class _DrawsDependOnValues(nn.Module):
+    def __init__(self, sample):
+        super().__init__()
+        self.rate = nn.Parameter(torch.empty(50).uniform_(0.5, 3.0))
+        self.register_buffer("sample", sample(self.rate.detach().clone()))
+        self.later = nn.Parameter(torch.empty(40).normal_())
+
+
+@pytest.mark.parametrize("kind", sorted(_VALUE_DEPENDENT_DRAWS))
+def test_a_parameter_after_a_value_dependent_random_op_materialized_alone_equals_eager(kind):
+    from _twins import eager_and_deferred  # also asserts the RNG state after the build
+
+    sample = _VALUE_DEPENDENT_DRAWS[kind]
+    eager, deferred = eager_and_deferred(lambda: _DrawsDependOnValues(sample))
+    materialize(deferred.later)
+    assert torch.equal(deferred.later, eager.later)
+
+
+@pytest.mark.parametrize("kind", sorted(_VALUE_DEPENDENT_DRAWS))
+def test_a_value_dependent_random_op_itself_replays_exactly(kind):
+    from _twins import assert_same, eager_and_deferred
+
+    sample = _VALUE_DEPENDENT_DRAWS[kind]
+    eager, deferred = eager_and_deferred(lambda: _DrawsDependOnValues(sample))
+    materialize(deferred.later)
+    materialize(deferred)
+    assert_same(eager, deferred)
+
+
+def test_value_dependent_positions_survive_clearing_the_cache():
+    from jupyter_metainit import clear_meta_init_cache
+
+    torch.manual_seed(0)
+    eager = _DrawsDependOnValues(_VALUE_DEPENDENT_DRAWS["poisson"])
+    torch.manual_seed(0)
+    with meta_init():
+        deferred = _DrawsDependOnValues(_VALUE_DEPENDENT_DRAWS["poisson"])
+    clear_meta_init_cache()
+    materialize(deferred.later)
+    assert torch.equal(deferred.later, eager.later)
+
+
+def test_value_dependent_random_op_recorded_after_the_block_advances_the_generator_like_eager():
+    torch.manual_seed(0)
+    rate = nn.Parameter(torch.empty(50).uniform_(0.5, 3.0))
+    eager_sample = torch.poisson(rate.detach() * 5)
+    eager_next = torch.rand(3)
+    torch.manual_seed(0)
+    with meta_init():
+        deferred_rate = nn.Parameter(torch.empty(50).uniform_(0.5, 3.0))
+    deferred_sample = torch.poisson(deferred_rate.detach() * 5)
+    assert torch.equal(torch.rand(3), eager_next)
+    materialize(deferred_sample)
+    assert torch.equal(deferred_sample, eager_sample)
+
+
+@pytest.mark.parametrize(
+    "draw",
+    [
+        lambda p: torch.randperm(100),
+        lambda p: torch.randperm(50, dtype=torch.float32),
+        lambda p: torch.bernoulli(p.clamp(0, 1)),
+        lambda p: torch.bernoulli(p, 0.3),
+        lambda p: torch.empty(7, 5).bernoulli_(p[:5].clamp(0, 1)),
+        lambda p: torch.empty(70, dtype=torch.float64).bernoulli_(0.3),
+        lambda p: torch.multinomial(p.clamp(0.1).view(5, 10), 3),
+        lambda p: torch.multinomial(p.clamp(0.1), 30, replacement=True),
+    ],
+    ids=["randperm", "randperm_float", "bernoulli", "bernoulli_p", "bernoulli_tensor_p",
+         "bernoulli_f64", "multinomial", "multinomial_replacement"],  # fmt: skip
+)
+def test_rng_state_after_randperm_bernoulli_multinomial_in_init_is_the_eager_one(draw):
+    class Draws(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.p = nn.Parameter(torch.randn(50))
+            self.register_buffer("drawn", draw(self.p.detach()))
+            self.later = nn.Parameter(torch.randn(20))
+
+    from _twins import assert_same, eager_and_deferred  # also asserts the RNG state after
+
+    eager, deferred = eager_and_deferred(Draws)
+    materialize(deferred.later)
+    materialize(deferred)
+    assert_same(eager, deferred)
+
+
+def _save_draw_restore(g):
+    a = torch.empty(40).normal_(generator=g)
+    saved = g.get_state()
+    b = torch.empty(40).normal_(generator=g)
+    g.set_state(saved)
+    c = torch.empty(40).normal_(generator=g)
+    return [a, b, c]
+
+
+def _restore_twice(g):
+    a = torch.randn(40, generator=g)
+    saved = g.get_state()
+    b = torch.randn(40, generator=g)
+    g.set_state(saved)
+    c = torch.randn(40, generator=g)
+    g.set_state(saved)
+    d = torch.empty(40).uniform_(generator=g)
+    return [a, b, c, d]
+
+
+def _restore_as_last_step(g):
+    a = torch.empty(40).normal_(generator=g)
+    saved = g.get_state()
+    b = torch.empty(40).normal_(generator=g)
+    g.set_state(saved)
+    return [a, b]
+
+
+def _default_generator_save_restore(g):
+    a = torch.empty(40).normal_()
+    saved = torch.default_generator.get_state()
+    b = torch.empty(40).normal_()
+    torch.default_generator.set_state(saved)
+    c = torch.empty(40).normal_()
+    return [a, b, c]
+
+
+def _state_copied_to_another_generator(g):
+    a = torch.empty(40).normal_(generator=g)
+    other = torch.Generator()
+    other.set_state(g.get_state())
+    b = torch.empty(40).normal_(generator=other)
+    c = torch.empty(40).normal_(generator=g)
+    return [a, b, c]
+
+
+def _reseeding_mid_build(g):
+    a = torch.empty(40).normal_(generator=g)
+    g.manual_seed(9)
+    b = torch.empty(40).normal_(generator=g)
+    torch.manual_seed(3)
+    c = torch.empty(40).normal_()
+    return [a, b, c]
+
+
+def _fork_rng_inside(g):
+    a = torch.empty(40).normal_(generator=g)
+    with torch.random.fork_rng():
+        torch.manual_seed(2)
+        b = torch.empty(40).normal_()
+    c = torch.empty(40).normal_()
+    d = torch.empty(40).normal_(generator=g)
+    return [a, b, c, d]
+
+
+def _restore_after_value_dependent_op(g):
+    a = torch.randn(40, generator=g).abs()
+    b = torch.poisson(a * 4, generator=g)
+    saved = g.get_state()
+    c = torch.randn(40, generator=g)
+    g.set_state(saved)
+    d = torch.randn(40, generator=g)
+    return [a, b, c, d]
+
+
+_GENERATOR_USES = [
+    _save_draw_restore, _restore_twice, _restore_as_last_step, _default_generator_save_restore,
+    _state_copied_to_another_generator, _reseeding_mid_build, _fork_rng_inside,
+    _restore_after_value_dependent_op,
+]  # fmt: skip
+
+
+def _build_with_generator(use, deferred):
+    g = torch.Generator().manual_seed(5)
+    torch.manual_seed(0)
+    if deferred:
+        with meta_init():
+            tensors = use(g)
+    else:
+        tensors = use(g)
+    return tensors, g.get_state(), torch.get_rng_state()
+
+
+@pytest.mark.parametrize("use", _GENERATOR_USES, ids=lambda f: f.__name__.strip("_"))
+def test_the_last_draw_after_saving_and_restoring_a_generator_equals_eager_alone(use):
+    eager, _, _ = _build_with_generator(use, deferred=False)
+    deferred, _, _ = _build_with_generator(use, deferred=True)
+    materialize(deferred[-1])
+    assert torch.equal(deferred[-1], eager[-1])
+    materialize(deferred)
+    for a, b in zip(eager, deferred, strict=True):
+        assert torch.equal(a, b)
+
+
+@pytest.mark.parametrize("use", _GENERATOR_USES, ids=lambda f: f.__name__.strip("_"))
+def test_generator_states_after_a_build_that_saves_and_restores_equal_eager(use):
+    _, eager_g, eager_global = _build_with_generator(use, deferred=False)
+    _, deferred_g, deferred_global = _build_with_generator(use, deferred=True)
+    assert torch.equal(deferred_g, eager_g)
+    assert torch.equal(deferred_global, eager_global)
+
+
+def test_initial_seeds_read_during_a_build_are_the_eager_ones():
+    def build_and_read():
+        g = torch.Generator().manual_seed(5)
+        torch.manual_seed(0)
+        torch.empty(40).normal_(generator=g)
+        torch.empty(40).normal_()
+        return torch.initial_seed(), g.initial_seed()
+
+    eager = build_and_read()
+    with meta_init():
+        deferred = build_and_read()
+    assert deferred == eager

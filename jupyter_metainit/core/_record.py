@@ -710,8 +710,8 @@ def _record_fill(func: Any, args: tuple, kwargs: dict) -> DeferredTensor | None:
     rec_kwargs = dict(kwargs)
     if func not in _PLAIN_FILLS:
         meta = self._meta
-        rng = _place_random(func, (meta, *args[1:]), kwargs, True, generator,
-                            meta.numel() * meta.element_size())  # fmt: skip
+        rng, _ = _place_random(func, (meta, *args[1:]), kwargs, True, generator,
+                               meta.numel() * meta.element_size())  # fmt: skip
         if "generator" in rec_kwargs:
             rec_kwargs["generator"] = None
     op = OpRecord(
@@ -729,12 +729,61 @@ _PLAIN_FILLS = frozenset({aten.fill_.Scalar, aten.zero_.default})
 def _place_random(
     func: Any, meta_args: tuple, meta_kwargs: dict, has_generator: bool,
     generator: torch.Generator | None, nbytes: int,
-) -> RngUse:  # fmt: skip
-    """The place of a new random op in its generator's stream (see ``_rng.record_random``)."""
+    real_call: tuple[tuple, dict, OpInfo] | None = None,
+) -> tuple[RngUse, Any]:  # fmt: skip
+    """The place of a new random op in its generator's stream (see ``_rng.record_random``),
+    and the op's real outputs when its draw count depends on values (else None).
+
+    ``real_call``: the op's arguments and info, for an op whose draws may depend on the values
+    it reads (``_rng.draws_depend_on_values``): its inputs are computed now and it runs from
+    the exact generator state, so the stream after it is exact whatever is materialized later.
+    """
     spec = _rng.BurnSpec(func, _spec_args(meta_args), _spec_kwargs(meta_kwargs), has_generator,
                          nbytes)  # fmt: skip
-    segment, index = _rng.record_random(generator, spec, flush_now=tls.depth == 0)
-    return RngUse(segment, index)
+    gen = generator if generator is not None else torch.default_generator
+    run = None
+    if (
+        real_call is not None
+        and _rng.draws_depend_on_values(func)
+        and _rng.known_draws(spec, gen.device) is None
+    ):
+        run = _real_random_call(func, *real_call, gen.device)
+    segment, index, outputs = _rng.record_random(generator, spec, flush_now=tls.depth == 0, run=run)
+    return RngUse(segment, index), outputs
+
+
+def _real_random_call(
+    func: Any, args: tuple, kwargs: dict, info: OpInfo, device: torch.device
+) -> Any:
+    """``func`` on the real values of its inputs (computed now, on ``device``), as a function
+    of the generator it draws from. Arguments it writes get copies: nothing real is changed."""
+    deferred = [x for x in iter_args(args, kwargs) if isinstance(x, DeferredTensor)]
+    values = _values_of(deferred, func)
+    by_id = {id(d): v.to(device) for d, v in zip(deferred, values, strict=True)}
+    bound = bind_arguments(func, args, kwargs)
+    written = {id(x) for i in info.mutated for x in iter_args((bound[i],), {})}
+
+    def real_of(x: Any) -> Any:
+        if isinstance(x, DeferredTensor):
+            v = by_id[id(x)]
+            return v.clone() if id(x) in written else v
+        if isinstance(x, torch.device):
+            return device
+        return x
+
+    a, k = map_args(real_of, args, kwargs)
+    gi = info.arg_index("generator") if info.has_generator else None
+
+    def run(gen: torch.Generator | None) -> Any:
+        call_args, call_kwargs = list(a), dict(k)
+        if gi is not None and gi < len(call_args):
+            call_args[gi] = gen
+        elif gi is not None:
+            call_kwargs["generator"] = gen
+        with plain():
+            return func(*call_args, **call_kwargs)
+
+    return run
 
 
 def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwargs: dict) -> Any:
@@ -872,7 +921,10 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
         if info.is_random:
             gen = bound[info.arg_index("generator")] if info.has_generator else None
             nbytes = sum(o.numel() * o.element_size() for o in outs if isinstance(o, torch.Tensor))
-            rng = _place_random(func, meta_args, meta_kwargs, info.has_generator, gen, nbytes)
+            rng, computed = _place_random(func, meta_args, meta_kwargs, info.has_generator,
+                                          gen, nbytes, (args, kwargs, info))  # fmt: skip
+            if computed is not None and values is None and not mutates:
+                values = list(computed) if isinstance(computed, (tuple, list)) else [computed]
             if "generator" in rec_kwargs:
                 rec_kwargs["generator"] = None
             elif info.has_generator:

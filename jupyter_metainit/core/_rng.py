@@ -22,10 +22,13 @@ The real generator after a deferred build
     observed: when the outermost ``meta_init`` block exits, before a real random op runs inside
     one, when ``torch.get_rng_state()``/``fork_rng`` reads it, and after every op recorded
     outside a block. An op whose draw count is not known is run on scratch memory at recording
-    time, from the exact state, so the stream stays exact. While draws are pending the real
-    generator is left one draw past the last exact state: a state no ``manual_seed`` produces,
-    so that reseeding (even with the same seed) or ``set_rng_state`` between two recorded ops
-    is seen, and starts a new segment from the state the user set, exactly as eager code sees it.
+    time, from the exact state, so the stream stays exact; an op whose draw count depends on the
+    values it reads (``poisson``, ``torch.distributions`` sampling) runs on its real inputs, and
+    the state it ends in is kept for good (``RngSegment.fixed``). While draws are pending the
+    real generator is left at a *mark* (``_marks``), a state no real generator holds, new for
+    every op: reseeding (even with the same seed) or ``set_rng_state`` between two recorded ops
+    is seen, and starts a new segment from the state the user set, exactly as eager code sees
+    it; a mark saved by ``g.get_state()`` and restored later stands for the exact state.
 """
 
 from __future__ import annotations
@@ -34,6 +37,7 @@ import bisect
 import hashlib
 import threading
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -47,12 +51,14 @@ from jupyter_metainit.core._plain import plain
 __all__ = [
     "BurnSpec",
     "RngSegment",
+    "draws_depend_on_values",
     "fast_generator",
     "flush_all",
     "flush_default",
     "record_random",
     "run_random",
     "state_before",
+    "true_state",
 ]
 
 aten = torch.ops.aten
@@ -78,6 +84,10 @@ class RngSegment:
         self.specs: list[BurnSpec] = []
         self.checkpoints: dict[int, torch.Tensor] = {0: start_state}
         self._keys: list[int] = [0]
+        # States after ops whose draw count depends on the values they read (``poisson``):
+        # measured at recording on the real inputs, never re-derivable from scratch memory, so
+        # kept when the other checkpoints are cleared.
+        self.fixed: dict[int, torch.Tensor] = {}
         self.seed_key = hashlib.blake2b(start_state.numpy().tobytes(), digest_size=16).digest()
         self.lock = threading.RLock()
         _segments.add(self)
@@ -92,10 +102,18 @@ class RngSegment:
         with critical(), self.lock:
             return self._keys[bisect.bisect_right(self._keys, index) - 1]
 
+    def add_fixed(self, index: int, state: torch.Tensor) -> None:
+        """``state`` is where op ``index - 1`` left the generator, measured on its real inputs."""
+        with critical(), self.lock:
+            self.fixed[index] = state
+            self.checkpoints[index] = state
+            if index not in self._keys:
+                bisect.insort(self._keys, index)
+
     def clear_checkpoints(self) -> None:
         with critical(), self.lock:
-            self.checkpoints = {0: self.start_state}
-            self._keys = [0]
+            self.checkpoints = {0: self.start_state, **self.fixed}
+            self._keys = sorted(self.checkpoints)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,6 +365,28 @@ def _probe(spec: BurnSpec, n: int, nothing: bool) -> BurnSpec:
                     spec.has_generator, 0)  # fmt: skip
 
 
+# Random ops whose number of draws depends only on their arguments' sizes, dtypes and scalars,
+# never on the values they read: re-running them on scratch memory moves a generator exactly as
+# they do. Every other random op (``poisson``, ``binomial``, ``_standard_gamma`` and
+# ``_sample_dirichlet`` behind ``torch.distributions``, ``rrelu_with_noise``: rejection loops,
+# draws only for negative inputs; and any op not known here) is run on its real inputs at
+# recording, from the exact state, and the state it ends in is kept.
+_VALUE_INDEPENDENT = frozenset({
+    "bernoulli", "bernoulli_", "multinomial", "normal", "normal_", "uniform", "uniform_",
+    "rand", "randn", "randint", "randperm", "rand_like", "randn_like", "randint_like",
+    "random", "random_", "exponential", "exponential_", "cauchy", "cauchy_", "geometric",
+    "geometric_", "log_normal", "log_normal_", "native_dropout", "dropout", "alpha_dropout",
+    "feature_dropout", "feature_alpha_dropout", "_fused_dropout", "lstm", "gru", "rnn_tanh",
+    "rnn_relu", "_cudnn_rnn", "miopen_rnn",
+})  # fmt: skip
+
+
+def draws_depend_on_values(func: Any) -> bool:
+    """Whether the draws of random op ``func`` may depend on the values of its inputs."""
+    name = func._schema.name.split("::")[-1]
+    return name not in _VALUE_INDEPENDENT and "attention" not in name
+
+
 _verified: dict[Any, bool] = {}
 
 
@@ -539,25 +579,88 @@ class _Tracker:
 _trackers: dict[int, _Tracker] = {}
 _lock = threading.RLock()
 
+# Every state we left a real generator in while draws were pending (a *mark*), by digest, with
+# the exact position it stands for (segment, index: the state before that op). A mark is the
+# exact state with its ``left``/``next`` fields (see ``_mt19937``) set to a pair no generator
+# ever holds (a draw keeps ``left + next == 625``; seeding sets ``(1, 0)``), taken from a
+# process-wide counter: no ``manual_seed``/``set_state`` of a real state gives it, and each
+# recorded op gets a new one. ``g.get_state()`` cannot be intercepted (``torch.Generator`` is an
+# immutable C type), so a user who saves a state during a build saves a mark; restoring it
+# (``g.set_state(st)``, also on another generator) is recognized here and stands for the exact
+# state eager code would have saved; a restore is never mistaken for no change.
+_marks: OrderedDict[bytes, tuple[RngSegment, int]] = OrderedDict()
+_MARKS_KEPT = 1 << 16
+_STATE_BYTES = 5056  # a CPU generator's state (see ``_mt19937``); only CPU ones are marked
+_MT_N = 624
+_mark_count = 0
 
-def _mark(tracker: _Tracker, was_pending: bool) -> None:
-    """Leave the real generator one draw past the exact state while draws are pending."""
-    if was_pending and tracker.pending:
-        return  # already marked: the exact state has not moved
-    state = tracker.exact if not tracker.pending else jump_state(tracker.exact, 1)
+
+def _state_key(state: torch.Tensor) -> bytes:
+    return hashlib.blake2b(state.numpy().tobytes(), digest_size=16).digest()
+
+
+def true_state(state: torch.Tensor) -> torch.Tensor | None:
+    """The exact state a mark stands for, or None if ``state`` is not one of our marks."""
+    if state.dtype != torch.uint8 or state.numel() != _STATE_BYTES:
+        return None
+    with _lock:
+        found = _marks.get(_state_key(state))
+    if found is None:
+        return None
+    segment, index = found
+    return state_before(segment, index)
+
+
+def _next_mark_fields() -> tuple[int, int]:
+    """The next (left, next) pair no real generator state has, cycling through all of them."""
+    global _mark_count
+    while True:
+        _mark_count += 1
+        left = 1 + _mark_count % _MT_N
+        position = (_mark_count // _MT_N) % (_MT_N + 1)
+        if left + position != _MT_N + 1 and (left, position) != (1, 0):
+            return left, position
+
+
+def _new_mark(tracker: _Tracker) -> torch.Tensor:
+    # Bytes edited in numpy: a few tensor-indexing calls would cost more than the op's record.
+    data = bytearray(tracker.exact.numpy().tobytes())
+    left, position = _next_mark_fields()
+    data[8:12] = left.to_bytes(4, "little")
+    data[16:24] = position.to_bytes(8, "little")
+    mark = torch.frombuffer(data, dtype=torch.uint8)
+    key = hashlib.blake2b(data, digest_size=16).digest()
+    _marks[key] = (tracker.segment, len(tracker.segment.specs))
+    while len(_marks) > _MARKS_KEPT:
+        _marks.popitem(last=False)
+    return mark
+
+
+def _mark(tracker: _Tracker) -> None:
+    """Leave the real generator at the exact state, or, while draws are pending, at a fresh
+    mark (see ``_marks``): reseeding or ``set_state`` between two recorded ops is then seen."""
+    state = _new_mark(tracker) if tracker.pending else tracker.exact
     tracker.generator.set_state(state)
     tracker.marked = state
 
 
 def record_random(
-    generator: torch.Generator | None, spec: BurnSpec, *, flush_now: bool
-) -> tuple[RngSegment, int]:
-    """Place a new deferred random op in its generator's stream; returns (segment, index).
+    generator: torch.Generator | None,
+    spec: BurnSpec,
+    *,
+    flush_now: bool,
+    run: Callable[[torch.Generator | None], Any] | None = None,
+) -> tuple[RngSegment, int, Any]:
+    """Place a new deferred random op in its generator's stream; returns (segment, index, the
+    op's real outputs when ``run`` was given, else None).
 
     ``flush_now``: bring the real generator to its exact state right away (ops recorded outside
-    ``meta_init``, where nothing tells us when the state is next observed).
+    ``meta_init``, where nothing tells us when the state is next observed). ``run``: the op on
+    its real input values, for ops whose draw count depends on them (``draws_depend_on_values``):
+    it runs from the exact state, and the state it ends in is kept (``RngSegment.add_fixed``).
     """
     gen = generator if generator is not None else torch.default_generator
+    result = None
     with plain(), _lock:
         state = gen.get_state()
         tracker = _trackers.get(id(gen))
@@ -566,15 +669,23 @@ def record_random(
             or tracker.generator is not gen
             or not torch.equal(tracker.marked, state)
         ):
-            tracker = _Tracker(gen, state)
+            # A new stream: the user set the state (or this is the generator's first op). A
+            # state saved from one of our marks stands for the exact state at that point.
+            restored = true_state(state) if gen.device.type == "cpu" else None
+            tracker = _Tracker(gen, restored if restored is not None else state)
             _trackers[id(gen)] = tracker
         segment = tracker.segment
         index = len(segment.specs)
         segment.specs.append(spec)
-        was_pending = tracker.pending > 0
         draws = known_draws(spec, gen.device)
         if draws is not None:
             tracker.pending += draws
+        elif run is not None:
+            real = torch.Generator(device=gen.device)
+            real.set_state(advance_state(tracker.exact, tracker.pending))
+            result = run_random(run, real, spec.has_generator)
+            tracker.exact, tracker.pending = real.get_state(), 0
+            segment.add_fixed(index + 1, tracker.exact)
         else:
             current = advance_state(tracker.exact, tracker.pending)
             tracker.exact, tracker.pending = run_on_scratch(spec, current, gen.device), 0
@@ -582,19 +693,25 @@ def record_random(
         if flush_now:
             _flush(tracker)
         else:
-            _mark(tracker, was_pending)
-    return segment, index
+            _mark(tracker)
+    return segment, index, result
 
 
 def _flush(tracker: _Tracker) -> None:
     gen = tracker.generator
-    if not torch.equal(gen.get_state(), tracker.marked):
-        return  # someone set the generator since: their state stands
+    state = gen.get_state()
+    if not torch.equal(state, tracker.marked):
+        # Someone set the generator since: their state stands, unless it is one of our marks
+        # (saved with ``get_state()`` during the build), which stands for an exact state.
+        restored = true_state(state) if gen.device.type == "cpu" else None
+        if restored is not None:
+            gen.set_state(restored)
+        return
     if tracker.pending:
         tracker.exact = advance_state(tracker.exact, tracker.pending)
         tracker.pending = 0
         tracker.segment.add_checkpoint(len(tracker.segment.specs), tracker.exact)
-    _mark(tracker, was_pending=False)
+    _mark(tracker)
 
 
 def flush_all() -> None:
@@ -642,7 +759,7 @@ def settle(segment: RngSegment, index: int, state: torch.Tensor) -> bool:
                 return False
             tracker.exact, tracker.pending = state, 0
             segment.add_checkpoint(index + 1, state)
-            _mark(tracker, was_pending=False)
+            _mark(tracker)
             return True
         return False
 
@@ -652,6 +769,7 @@ def forget_generators() -> None:
     with critical(), _lock:
         flush_all()
         _trackers.clear()
+        _marks.clear()
 
 
 _segments: weakref.WeakSet[RngSegment] = weakref.WeakSet()
