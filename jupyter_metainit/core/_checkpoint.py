@@ -125,11 +125,14 @@ def _infer_prefix(names: dict[int, list[str]], keys: set[str]) -> str:
 def load_for(
     obj: Any, tensors: list[DeferredTensor], checkpoint: Any, device: torch.device | None,
     missing: str, dtype: torch.dtype | None = None, root: torch.nn.Module | None = None,
+    file_reads: dict[int, DeferredTensor] | None = None,
 ) -> dict[int, torch.Tensor]:  # fmt: skip
     """Real tensors for ``tensors`` (by ``id``) read from ``checkpoint``.
 
     Tensors absent from the checkpoint raise unless ``missing="init"`` (then they are left out of
-    the result and replayed from their recorded initialisation).
+    the result and replayed from their recorded initialisation). With ``file_reads``, it also
+    gets, per tensor, a deferred recording of the read (what ``dematerialize`` keeps, so that
+    materializing again reads the file again).
     """
     if not isinstance(obj, torch.nn.Module) and root is None:
         raise TypeError(
@@ -168,6 +171,7 @@ def load_for(
         if id(t) in wanted:
             by_file.setdefault(files[wanted[id(t)]], []).append(t)
     out: dict[int, torch.Tensor] = {}
+    read: list[tuple[torch.Tensor, str, str, torch.Tensor]] = []
     with plain():
         for path, ts in by_file.items():
             with safe_open(path, framework="pt", device="cpu") as f:
@@ -193,4 +197,28 @@ def load_for(
                     )
                     real.copy_(value)
                     out[id(t)] = real
+                    read.append((t, path, key, real))
+    if file_reads is not None:
+        for t, path, key, real in read:
+            # An already-real tensor keeps its own dtype and geometry (the value is copied in).
+            like = real if isinstance(t, DeferredTensor) else t
+            file_reads[id(t)] = _recorded_read(path, key, like)
     return out
+
+
+def _recorded_read(path: str, key: str, like: torch.Tensor) -> DeferredTensor:
+    """A deferred tensor whose recording is "read ``key`` from ``path``", converted to
+    ``like``'s dtype, device and strides: what materializing it gives is what was loaded."""
+    from safetensors import safe_open
+
+    from jupyter_metainit.core._context import meta_init
+
+    with meta_init(), safe_open(path, framework="pt") as f:
+        stored = f.get_tensor(key)
+        if (stored.dtype, stored.device, stored.stride()) == (
+            like.dtype, like.device, like.stride()
+        ):  # fmt: skip
+            return stored
+        out = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
+        out.copy_(stored)
+        return out
