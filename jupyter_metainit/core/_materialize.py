@@ -11,7 +11,6 @@ from __future__ import annotations
 import inspect
 import os
 import traceback
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
@@ -692,7 +691,9 @@ def _swap_all(
     for (t, swapped_out), holder in zip(done, holders, strict=True):
         if holder is not None:
             recording, content = holder
-            _kept[t] = _Shadow(swapped_out if recording is None else recording, t._version, t.data_ptr(), content)
+            if recording is None:
+                recording = swapped_out  # the deferred side, exactly as it was
+            _kept[t] = _Shadow(recording, t._version, t.data_ptr(), content)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -832,14 +833,13 @@ def _changed_sources(recording: DeferredTensor) -> str | None:
                 return f"cannot be read again from its file ({e})"
             continue
         for x in tree_leaves((op.args, op.kwargs)):
-            if isinstance(x, External) and not x.tensor.is_meta:
-                if x.tensor._version != x.version or (
-                    x.digest and digest(x.tensor) != x.digest
-                ):
-                    return (
-                        f"was computed from a real tensor (at {x.where}) that was written "
-                        "since, so its recording cannot give these values again"
-                    )
+            if not isinstance(x, External) or x.tensor.is_meta:
+                continue
+            if x.tensor._version != x.version or (x.digest and digest(x.tensor) != x.digest):
+                return (
+                    f"was computed from a real tensor (at {x.where}) that was written since, "
+                    "so its recording cannot give these values again"
+                )
     return None
 
 
