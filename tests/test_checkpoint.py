@@ -239,3 +239,34 @@ def test_a_loaded_part_trained_since_refuses_to_free(tmp_path):
     m.head.weight.data[0, 0] += 1  # a write the version counter misses
     with pytest.raises(MaterializationError, match=r"weight .*force=True"):
         dematerialize(m.head)
+
+
+def test_a_corrupt_shard_reached_through_the_index_is_named(sharded):
+    _, index = sharded
+    shard = index.parent / "model-00002-of-00002.safetensors"
+    shard.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    with meta_init():
+        m = Model()
+    with pytest.raises(MaterializationError, match=r"model-00002-of-00002\.safetensors.*corrupt"):
+        materialize(m, checkpoint=index)
+    assert is_deferred(m.layers[0]) and is_deferred(m.head)
+
+
+def test_a_truncated_shard_reached_through_the_index_is_named(sharded):
+    _, index = sharded
+    shard = index.parent / "model-00001-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-40])
+    with meta_init():
+        m = Model()
+    with pytest.raises(MaterializationError, match=r"model-00001-of-00002\.safetensors"):
+        materialize(m, checkpoint=index)
+    assert is_deferred(m.layers[0])
+
+
+def test_an_index_with_a_non_string_file_name_is_a_clear_error(tmp_path):
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"head.weight": 5}}))
+    with meta_init():
+        m = Model()
+    with pytest.raises(MaterializationError, match=r"5 as the file of 'head.weight'"):
+        materialize(m, checkpoint=index)

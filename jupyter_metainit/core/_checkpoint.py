@@ -6,8 +6,10 @@ through its index JSON (``model.safetensors.index.json``), opening only the shar
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -74,6 +76,12 @@ def _key_to_file(checkpoint: Any) -> dict[str, str]:
                 ) from None
             base = os.path.dirname(p)
             for key, fname in weight_map.items():
+                if not isinstance(fname, str) or not fname:
+                    raise MaterializationError(
+                        f'{p}: "weight_map" gives {fname!r} as the file of {key!r}; each entry '
+                        "must name a .safetensors file next to the index (a string such as "
+                        '"model-00001-of-00002.safetensors")'
+                    )
                 mapping[key] = os.path.join(base, fname)
         else:
             try:
@@ -138,8 +146,6 @@ def load_for(
         raise TypeError(
             "checkpoint= needs a module, or root=<the whole model> (names come from the tree)"
         )
-    from safetensors import safe_open
-
     files = _key_to_file(checkpoint)
     if root is not None and root is not obj:
         names, prefix = _names(root, tensors), ""
@@ -174,17 +180,17 @@ def load_for(
     read: list[tuple[torch.Tensor, str, str, torch.Tensor]] = []
     with plain():
         for path, ts in by_file.items():
-            with safe_open(path, framework="pt", device="cpu") as f:
+            with _opened(path, checkpoint) as f:
                 for t in ts:
                     key = wanted[id(t)]
-                    sl = f.get_slice(key)
+                    sl = _reading(path, key, f.get_slice)
                     shape = tuple(sl.get_shape())
                     if shape != tuple(t.shape):
                         raise MaterializationError(
                             f"{key}: checkpoint shape {shape} does not match the model's "
                             f"{tuple(t.shape)}"
                         )
-                    value = f.get_tensor(key)
+                    value = _reading(path, key, f.get_tensor)
                     if value.dtype not in (t.dtype, dtype):
                         raise MaterializationError(
                             f"{key}: checkpoint dtype {value.dtype} does not match the model's "
@@ -204,6 +210,41 @@ def load_for(
             like = real if isinstance(t, DeferredTensor) else t
             file_reads[id(t)] = _recorded_read(path, key, like)
     return out
+
+
+@contextlib.contextmanager
+def _opened(path: str, checkpoint: Any) -> Iterator[Any]:
+    """``safe_open(path)``; a missing or corrupt file (a shard an index names) is a clear error
+    that names it."""
+    from safetensors import safe_open
+
+    listed = "" if _is_listed(path, checkpoint) else " (a shard listed in the index JSON)"
+    try:
+        f = safe_open(path, framework="pt", device="cpu")
+    except FileNotFoundError:
+        raise MaterializationError(f"checkpoint file not found: {path}{listed}") from None
+    except Exception as e:
+        raise MaterializationError(
+            f"{path}{listed} cannot be read as a .safetensors file ({e}); it may be corrupt "
+            "or truncated. Nothing was materialized."
+        ) from None
+    with f:
+        yield f
+
+
+def _is_listed(path: str, checkpoint: Any) -> bool:
+    items = checkpoint if isinstance(checkpoint, (list, tuple)) else [checkpoint]
+    return any(os.fsdecode(os.fspath(x)) == path for x in items)
+
+
+def _reading(path: str, key: str, read: Any) -> Any:
+    try:
+        return read(key)
+    except Exception as e:
+        raise MaterializationError(
+            f"{path}: tensor {key!r} cannot be read ({e}); the file may be corrupt or "
+            "truncated. Nothing was materialized."
+        ) from None
 
 
 def _recorded_read(path: str, key: str, like: torch.Tensor) -> DeferredTensor:
