@@ -9,7 +9,7 @@ import torch
 from safetensors.torch import save_file
 from torch import nn
 
-from jupyter_metainit import is_deferred, materialize, meta_init
+from jupyter_metainit import dematerialize, is_deferred, materialize, meta_init
 from jupyter_metainit.core.errors import MaterializationError
 
 
@@ -175,3 +175,98 @@ def test_root_that_does_not_contain_the_part_is_a_clear_error(sharded):
         m, other = Model(), Model()
     with pytest.raises(MaterializationError, match="root= does not contain"):
         materialize(m.layers[0], checkpoint=index, root=other)
+
+
+def _saved(tmp_path, seed=1):
+    torch.manual_seed(seed)
+    real = Model()
+    path = tmp_path / "model.safetensors"
+    save_file({k: v.detach().clone() for k, v in real.state_dict().items()}, str(path))
+    return real, path
+
+
+def test_a_part_loaded_with_keep_cache_gets_the_checkpoint_again_after_freeing(tmp_path):
+    real, path = _saved(tmp_path)
+    with meta_init():
+        m = Model()
+    materialize(m.layers[2], checkpoint=path, root=m, keep_cache=True)
+    dematerialize(m.layers[2])
+    assert is_deferred(m.layers[2])
+    materialize(m.layers[2])  # no checkpoint= now: the recording reads the file again
+    assert torch.equal(m.layers[2].weight, real.layers[2].weight)
+    assert torch.equal(m.layers[2].bias, real.layers[2].bias)
+
+
+def test_a_part_loaded_from_a_checkpoint_can_be_freed_without_keep_cache(tmp_path):
+    real, path = _saved(tmp_path)
+    with meta_init():
+        m = Model()
+    materialize(m.head, checkpoint=path, root=m)
+    dematerialize(m.head)  # compared with the file, as tensors opened from it are
+    materialize(m.head)
+    assert torch.equal(m.head.weight, real.head.weight)
+
+
+def test_a_real_part_loaded_in_place_frees_to_the_checkpoint_values(tmp_path):
+    real, path = _saved(tmp_path)
+    with meta_init():
+        m = Model()
+    materialize(m.head, keep_cache=True)  # from init
+    materialize(m, checkpoint=path)  # loads the real head in place
+    dematerialize(m.head)
+    materialize(m.head)
+    assert torch.equal(m.head.weight, real.head.weight)
+
+
+def test_a_loaded_part_whose_file_was_deleted_refuses_to_free_and_mentions_force(tmp_path):
+    _, path = _saved(tmp_path)
+    with meta_init():
+        m = Model()
+    materialize(m.head, checkpoint=path, root=m, keep_cache=True)
+    path.unlink()
+    with pytest.raises(MaterializationError, match=r"weight .*no longer exists.*force=True"):
+        dematerialize(m.head)
+    assert not is_deferred(m.head)
+    dematerialize(m.head, force=True)
+    assert is_deferred(m.head)
+
+
+def test_a_loaded_part_trained_since_refuses_to_free(tmp_path):
+    _, path = _saved(tmp_path)
+    with meta_init():
+        m = Model()
+    materialize(m.head, checkpoint=path, root=m, keep_cache=True)
+    m.head.weight.data[0, 0] += 1  # a write the version counter misses
+    with pytest.raises(MaterializationError, match=r"weight .*force=True"):
+        dematerialize(m.head)
+
+
+def test_a_corrupt_shard_reached_through_the_index_is_named(sharded):
+    _, index = sharded
+    shard = index.parent / "model-00002-of-00002.safetensors"
+    shard.write_bytes(b"\x10\x00\x00\x00\x00\x00\x00\x00{not json at all")
+    with meta_init():
+        m = Model()
+    with pytest.raises(MaterializationError, match=r"model-00002-of-00002\.safetensors.*corrupt"):
+        materialize(m, checkpoint=index)
+    assert is_deferred(m.layers[0]) and is_deferred(m.head)
+
+
+def test_a_truncated_shard_reached_through_the_index_is_named(sharded):
+    _, index = sharded
+    shard = index.parent / "model-00001-of-00002.safetensors"
+    shard.write_bytes(shard.read_bytes()[:-40])
+    with meta_init():
+        m = Model()
+    with pytest.raises(MaterializationError, match=r"model-00001-of-00002\.safetensors"):
+        materialize(m, checkpoint=index)
+    assert is_deferred(m.layers[0])
+
+
+def test_an_index_with_a_non_string_file_name_is_a_clear_error(tmp_path):
+    index = tmp_path / "model.safetensors.index.json"
+    index.write_text(json.dumps({"weight_map": {"head.weight": 5}}))
+    with meta_init():
+        m = Model()
+    with pytest.raises(MaterializationError, match=r"5 as the file of 'head.weight'"):
+        materialize(m, checkpoint=index)

@@ -28,7 +28,7 @@ dist = pytest.importorskip("torch.distributed")
 if not dist.is_available() or not dist.is_gloo_available():
     pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
 
-from jupyter_metainit import is_deferred, materialize, meta_init  # noqa: E402
+from jupyter_metainit import dematerialize, is_deferred, materialize, meta_init  # noqa: E402
 from jupyter_metainit.core.errors import MaterializationError  # noqa: E402
 from jupyter_metainit.distributed import WholeTensorWarning, materialize_sharded  # noqa: E402
 
@@ -114,6 +114,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         "fsdp_exact",
         "fsdp_fast",
         "fsdp_core",
+        "fsdp_keep",
         "tp",
         "tp_default_src",
         "fsdp_over_tp",
@@ -217,6 +218,18 @@ def _scenario_fsdp_core(mesh: Any) -> dict[str, Any]:
     _fully_shard(model, mesh)
     materialize(model)  # the core's materialize sees through DTensor parameters too
     out = {"vs_eager": _mismatches(_gathered(model), _gathered(_mlp()))}
+    out["loss"], out["ref_loss"] = _train_step(model, _x()), _train_step(_mlp(), _x())
+    return out
+
+
+def _scenario_fsdp_keep(mesh: Any) -> dict[str, Any]:
+    model = _deferred_mlp()
+    _fully_shard(model, mesh)
+    materialize(model, keep_cache=True)
+    dematerialize(model)
+    out: dict[str, Any] = {"deferred_after_free": is_deferred(model[0].weight)}
+    materialize(model)
+    out["vs_eager"] = _mismatches(_gathered(model), _gathered(_mlp()))
     out["loss"], out["ref_loss"] = _train_step(model, _x()), _train_step(_mlp(), _x())
     return out
 
@@ -374,6 +387,7 @@ SCENARIOS = {
     "fsdp_exact": _scenario_fsdp_exact,
     "fsdp_fast": _scenario_fsdp_fast,
     "fsdp_core": _scenario_fsdp_core,
+    "fsdp_keep": _scenario_fsdp_keep,
     "whole_report": _scenario_whole_report,
     "tp": _scenario_tp,
     "tp_default_src": _scenario_tp_default_src,
@@ -430,6 +444,13 @@ def test_progress_reaches_this_ranks_total(nn_results):
 def test_core_materialize_handles_fsdp_parameters(nn_results, rank):
     r = _result(nn_results, "fsdp_core", rank)
     assert r["vs_eager"] == []
+    torch.testing.assert_close(r["loss"], r["ref_loss"])
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_fsdp_model_materialized_with_keep_cache_frees_and_materializes_again(nn_results, rank):
+    r = _result(nn_results, "fsdp_keep", rank)
+    assert r["deferred_after_free"] and r["vs_eager"] == []
     torch.testing.assert_close(r["loss"], r["ref_loss"])
 
 

@@ -345,12 +345,14 @@ def test_materializing_again_with_a_dtype_casts_the_real_parts_in_place():
     assert m.head.weight is m.emb.weight and m.emb.weight.dtype == torch.bfloat16
 
 
-def test_a_cast_real_part_can_still_be_freed():
-    _, m = eager_and_deferred(Net)
+def test_a_cast_real_part_is_freed_as_the_cast_values():
+    eager, m = eager_and_deferred(Net)
     materialize(m.layers[1], keep_cache=True)
     materialize(m.layers[1], dtype=torch.float16)
-    dematerialize(m.layers[1])  # the cast was ours: not a change that would be lost
-    assert is_deferred(m.layers[1].weight) and m.layers[1].weight.dtype == torch.float32
+    dematerialize(m.layers[1])  # the cast was ours: its recording is kept
+    assert is_deferred(m.layers[1].weight) and m.layers[1].weight.dtype == torch.float16
+    materialize(m.layers[1])
+    assert torch.equal(m.layers[1].weight, eager.layers[1].weight.to(torch.float16))
 
 
 def test_materializing_real_parts_to_another_device_moves_them_in_place():
@@ -359,3 +361,141 @@ def test_materializing_real_parts_to_another_device_moves_them_in_place():
     bias = m.norm.bias
     materialize(m.norm, torch.device("cpu"), dtype=torch.float64)
     assert bias is m.norm.bias and bias.dtype == torch.float64 and tensor_state(bias) == "cpu"
+
+
+# What dematerialize keeps is the truth (issue 20): checked when freeing, named, kept as set.
+
+
+def test_train_then_cast_in_place_is_refused_by_name_without_force():
+    _, m = eager_and_deferred(Net)
+    materialize(m, keep_cache=True)
+    with torch.no_grad():
+        m.layers[3].weight.add_(1)  # training
+    materialize(m, dtype=torch.bfloat16)  # the widget's "Materialize -> CPU as bfloat16"
+    with pytest.raises(MaterializationError, match=r"1 tensor.*layers\.3\.weight .*force=True"):
+        dematerialize(m)
+    assert not is_deferred(m.layers[3].weight) and not is_deferred(m.layers[0].weight)
+
+
+def test_a_cast_of_a_trained_tensor_is_not_stamped_as_unchanged_even_with_the_same_values():
+    _, m = eager_and_deferred(Net)
+    materialize(m.layers[0], keep_cache=True)
+    w = m.layers[0].weight
+    w.data = w.data.clone()  # same values, other memory: no longer the recorded tensor
+    materialize(m.layers[0], dtype=torch.float16)
+    with pytest.raises(MaterializationError, match="weight"):
+        dematerialize(m.layers[0])
+
+
+def test_weights_loaded_by_reference_whose_source_trained_on_are_refused():
+    source = nn.Linear(1024, 512)  # 2 MiB: kept by reference in the recording, not copied
+    with meta_init():
+        m = nn.Linear(1024, 512)
+        m.load_state_dict(source.state_dict())
+    materialize(m, keep_cache=True)
+    with torch.no_grad():
+        source.weight.add_(1)  # the other model keeps training
+    with pytest.raises(MaterializationError, match=r"weight was computed from a real tensor"):
+        dematerialize(m)
+    assert not is_deferred(m.weight) and not is_deferred(m.bias)
+
+
+def test_weights_loaded_by_reference_from_an_unchanged_source_free_and_come_back():
+    source = nn.Linear(1024, 512)
+    with meta_init():
+        m = nn.Linear(1024, 512)
+        m.load_state_dict(source.state_dict())
+    materialize(m, keep_cache=True)
+    dematerialize(m)
+    materialize(m)
+    assert torch.equal(m.weight, source.weight) and torch.equal(m.bias, source.bias)
+
+
+def test_a_refusal_names_every_changed_tensor_by_its_qualified_name():
+    _, m = eager_and_deferred(Net)
+    materialize(m, keep_cache=True)
+    with torch.no_grad():
+        m.layers[2].bias.add_(1)
+        m.norm.weight.mul_(2)
+    with pytest.raises(MaterializationError, match=r"layers\.2\.bias.*norm\.weight"):
+        dematerialize(m)
+
+
+def test_a_move_then_free_gives_the_moved_values_back():
+    eager, m = eager_and_deferred(Net)
+    materialize(m.layers[0], keep_cache=True)
+    materialize(m.layers[0], "cpu", dtype=torch.float64)
+    dematerialize(m.layers[0])
+    materialize(m.layers[0])
+    assert m.layers[0].weight.dtype == torch.float64
+    assert torch.equal(m.layers[0].weight, eager.layers[0].weight.double())
+
+
+def test_free_then_materialize_keeps_requires_grad_false():
+    _, m = eager_and_deferred(Net)
+    materialize(m.layers[0], keep_cache=True)
+    m.layers[0].weight.requires_grad_(False)
+    dematerialize(m.layers[0])
+    assert not m.layers[0].weight.requires_grad
+    materialize(m.layers[0])
+    assert not m.layers[0].weight.requires_grad and isinstance(m.layers[0].weight, nn.Parameter)
+
+
+def test_free_then_materialize_keeps_attributes_set_on_the_tensor():
+    _, m = eager_and_deferred(Net)
+    materialize(m.layers[0], keep_cache=True)
+    m.layers[0].weight.my_tag = 1
+    dematerialize(m.layers[0])
+    materialize(m.layers[0])
+    assert m.layers[0].weight.my_tag == 1
+
+
+def test_free_then_materialize_keeps_backward_hooks_and_their_handles():
+    _, m = eager_and_deferred(Net)
+    materialize(m.layers[0], keep_cache=True)
+    seen = []
+    handle = m.layers[0].weight.register_hook(lambda g: seen.append("hook"))
+    m.layers[0].weight.register_post_accumulate_grad_hook(lambda p: seen.append("post"))
+    dematerialize(m.layers[0])
+    materialize(m.layers[0])
+    m.layers[0](torch.ones(2, 16)).sum().backward()
+    assert seen == ["hook", "post"]
+    handle.remove()
+    m.layers[0](torch.ones(2, 16)).sum().backward()
+    assert seen == ["hook", "post", "post"]
+
+
+class TaggedParameter(nn.Parameter):
+    pass
+
+
+def test_free_then_materialize_keeps_a_parameter_subclass():
+    _, m = eager_and_deferred(Net)
+    materialize(m.layers[0], keep_cache=True)
+    w = m.layers[0].weight
+    w.__class__ = TaggedParameter  # as a quantization or sharding library does
+    dematerialize(m.layers[0])
+    materialize(m.layers[0])
+    assert type(m.layers[0].weight) is TaggedParameter and m.layers[0].weight is w
+
+
+def test_torch_save_after_keep_cache_loads_with_weights_only_and_without_this_package(tmp_path):
+    import subprocess
+    import sys
+
+    _, m = eager_and_deferred(Net)
+    materialize(m, keep_cache=True)
+    torch.save(m.layers[0].weight, tmp_path / "param.pt")
+    torch.save(m.state_dict(keep_vars=True), tmp_path / "state.pt")
+    for name in ("param.pt", "state.pt"):
+        torch.load(tmp_path / name)  # weights_only=True by default
+    code = (
+        "import sys; sys.modules['jupyter_metainit'] = None\n"  # not importable
+        "import torch\n"
+        f"p = torch.load({str(tmp_path / 'param.pt')!r}, weights_only=False)\n"
+        f"s = torch.load({str(tmp_path / 'state.pt')!r})\n"
+        "assert isinstance(p, torch.nn.Parameter) and not p.__dict__, p.__dict__\n"
+        "assert all(not v.__dict__ for v in s.values())\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert torch.equal(torch.load(tmp_path / "param.pt"), m.layers[0].weight)

@@ -6,8 +6,10 @@ through its index JSON (``model.safetensors.index.json``), opening only the shar
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -74,6 +76,12 @@ def _key_to_file(checkpoint: Any) -> dict[str, str]:
                 ) from None
             base = os.path.dirname(p)
             for key, fname in weight_map.items():
+                if not isinstance(fname, str) or not fname:
+                    raise MaterializationError(
+                        f'{p}: "weight_map" gives {fname!r} as the file of {key!r}; each entry '
+                        "must name a .safetensors file next to the index (a string such as "
+                        '"model-00001-of-00002.safetensors")'
+                    )
                 mapping[key] = os.path.join(base, fname)
         else:
             try:
@@ -125,18 +133,19 @@ def _infer_prefix(names: dict[int, list[str]], keys: set[str]) -> str:
 def load_for(
     obj: Any, tensors: list[DeferredTensor], checkpoint: Any, device: torch.device | None,
     missing: str, dtype: torch.dtype | None = None, root: torch.nn.Module | None = None,
+    file_reads: dict[int, DeferredTensor] | None = None,
 ) -> dict[int, torch.Tensor]:  # fmt: skip
     """Real tensors for ``tensors`` (by ``id``) read from ``checkpoint``.
 
     Tensors absent from the checkpoint raise unless ``missing="init"`` (then they are left out of
-    the result and replayed from their recorded initialisation).
+    the result and replayed from their recorded initialisation). With ``file_reads``, it also
+    gets, per tensor, a deferred recording of the read (what ``dematerialize`` keeps, so that
+    materializing again reads the file again).
     """
     if not isinstance(obj, torch.nn.Module) and root is None:
         raise TypeError(
             "checkpoint= needs a module, or root=<the whole model> (names come from the tree)"
         )
-    from safetensors import safe_open
-
     files = _key_to_file(checkpoint)
     if root is not None and root is not obj:
         names, prefix = _names(root, tensors), ""
@@ -168,19 +177,20 @@ def load_for(
         if id(t) in wanted:
             by_file.setdefault(files[wanted[id(t)]], []).append(t)
     out: dict[int, torch.Tensor] = {}
+    read: list[tuple[torch.Tensor, str, str, torch.Tensor]] = []
     with plain():
         for path, ts in by_file.items():
-            with safe_open(path, framework="pt", device="cpu") as f:
+            with _opened(path, checkpoint) as f:
                 for t in ts:
                     key = wanted[id(t)]
-                    sl = f.get_slice(key)
+                    sl = _reading(path, key, f.get_slice)
                     shape = tuple(sl.get_shape())
                     if shape != tuple(t.shape):
                         raise MaterializationError(
                             f"{key}: checkpoint shape {shape} does not match the model's "
                             f"{tuple(t.shape)}"
                         )
-                    value = f.get_tensor(key)
+                    value = _reading(path, key, f.get_tensor)
                     if value.dtype not in (t.dtype, dtype):
                         raise MaterializationError(
                             f"{key}: checkpoint dtype {value.dtype} does not match the model's "
@@ -193,4 +203,63 @@ def load_for(
                     )
                     real.copy_(value)
                     out[id(t)] = real
+                    read.append((t, path, key, real))
+    if file_reads is not None:
+        for t, path, key, real in read:
+            # An already-real tensor keeps its own dtype and geometry (the value is copied in).
+            like = real if isinstance(t, DeferredTensor) else t
+            file_reads[id(t)] = _recorded_read(path, key, like)
     return out
+
+
+@contextlib.contextmanager
+def _opened(path: str, checkpoint: Any) -> Iterator[Any]:
+    """``safe_open(path)``; a missing or corrupt file (a shard an index names) is a clear error
+    that names it."""
+    from safetensors import safe_open
+
+    listed = "" if _is_listed(path, checkpoint) else " (a shard listed in the index JSON)"
+    try:
+        f = safe_open(path, framework="pt", device="cpu")
+    except FileNotFoundError:
+        raise MaterializationError(f"checkpoint file not found: {path}{listed}") from None
+    except Exception as e:
+        raise MaterializationError(
+            f"{path}{listed} cannot be read as a .safetensors file ({e}); it may be corrupt "
+            "or truncated. Nothing was materialized."
+        ) from None
+    with f:
+        yield f
+
+
+def _is_listed(path: str, checkpoint: Any) -> bool:
+    items = checkpoint if isinstance(checkpoint, (list, tuple)) else [checkpoint]
+    return any(os.fsdecode(os.fspath(x)) == path for x in items)
+
+
+def _reading(path: str, key: str, read: Any) -> Any:
+    try:
+        return read(key)
+    except Exception as e:
+        raise MaterializationError(
+            f"{path}: tensor {key!r} cannot be read ({e}); the file may be corrupt or "
+            "truncated. Nothing was materialized."
+        ) from None
+
+
+def _recorded_read(path: str, key: str, like: torch.Tensor) -> DeferredTensor:
+    """A deferred tensor whose recording is "read ``key`` from ``path``", converted to
+    ``like``'s dtype, device and strides: what materializing it gives is what was loaded."""
+    from safetensors import safe_open
+
+    from jupyter_metainit.core._context import meta_init
+
+    with meta_init(), safe_open(path, framework="pt") as f:
+        stored = f.get_tensor(key)
+        if (stored.dtype, stored.device, stored.stride()) == (
+            like.dtype, like.device, like.stride()
+        ):  # fmt: skip
+            return stored
+        out = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
+        out.copy_(stored)
+        return out

@@ -11,11 +11,12 @@ from __future__ import annotations
 import inspect
 import os
 import traceback
-import weakref
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
+from torch.utils._pytree import tree_leaves
+from torch.utils.weak import WeakIdKeyDictionary
 
 from jupyter_metainit.core import _events, _rng
 from jupyter_metainit.core._busy import exclusive
@@ -49,30 +50,57 @@ _RNG_MODES = ("exact", "fast")
 
 class _Shadow:
     """The deferred side of a materialized tensor, kept for :func:`dematerialize`, with what
-    the real tensor looked like then (version, address, digest of its memory). A tensor read
-    from a checkpoint keeps no digest: it is compared with the file when it is freed.
+    the real tensor looked like then (version, address, digest of its memory).
 
-    Stored in the real tensor's ``__dict__``; pickling or copying the tensor drops it.
+    ``deferred`` always records exactly the values the real tensor had when this was made:
+    the init, a read of the checkpoint file it was loaded from, a cast or a move that
+    ``materialize`` applied. ``digest`` is None where the recording reads a file: the tensor
+    is compared with the file when it is freed.
+
+    Kept in a side table (``_kept``), never on the tensor: ``torch.save`` and pickling a
+    parameter then write nothing of ours.
     """
 
-    __slots__ = ("__weakref__", "data_ptr", "deferred", "digest", "version")
+    __slots__ = ("data_ptr", "deferred", "digest", "version")
 
     def __init__(
-        self, deferred: DeferredTensor | None, version: int, data_ptr: int, content: tuple | None
+        self, deferred: DeferredTensor, version: int, data_ptr: int, content: tuple | None
     ) -> None:
         self.deferred = deferred
         self.version = version
         self.data_ptr = data_ptr
-        self.digest = content  # None: compare with the recording's values (a file read)
-
-    def __reduce__(self) -> Any:
-        return (_Shadow, (None, -1, 0, ()))
-
-    def __deepcopy__(self, memo: Any) -> _Shadow:
-        return _Shadow(None, -1, 0, ())
+        self.digest = content
 
 
-_shadows: weakref.WeakSet[_Shadow] = weakref.WeakSet()
+class _UserState:
+    """What a user set on a tensor object that its ``__dict__`` does not hold (autograd hooks,
+    a Parameter subclass), kept while it is freed and put back when it is materialized."""
+
+    __slots__ = ("backward_hooks", "cls", "post_accumulate_grad_hooks")
+
+    def __init__(self, t: torch.Tensor) -> None:
+        self.cls = type(t)
+        self.backward_hooks = t._backward_hooks
+        self.post_accumulate_grad_hooks = getattr(t, "_post_accumulate_grad_hooks", None)
+
+    def apply(self, real: torch.Tensor) -> None:
+        if (
+            isinstance(real, torch.nn.Parameter)
+            and issubclass(self.cls, torch.nn.Parameter)
+            and type(real) is not self.cls
+        ):
+            real.__class__ = self.cls
+        # The same dicts: handles returned by register_hook still remove them.
+        if self.backward_hooks is not None:
+            real._backward_hooks = self.backward_hooks
+        if self.post_accumulate_grad_hooks is not None:
+            real._post_accumulate_grad_hooks = self.post_accumulate_grad_hooks
+
+
+# Keyed by the tensor object, whose identity materialize and dematerialize preserve.
+_kept: WeakIdKeyDictionary = WeakIdKeyDictionary()  # real tensor -> _Shadow
+_sources: WeakIdKeyDictionary = WeakIdKeyDictionary()  # real tensor -> "checkpoint" / "init"
+_freed_state: WeakIdKeyDictionary = WeakIdKeyDictionary()  # freed tensor -> _UserState
 
 
 # ---------------------------------------------------------------------------------------------
@@ -110,7 +138,7 @@ def tensor_source(t: torch.Tensor) -> str:
         ops = plan([local._rec]).ops
         from_file = any(op.func is read_file_bytes for op in ops)
         return "checkpoint" if from_file and not any(op.rng is not None for op in ops) else "init"
-    return t.__dict__.get("_jmi_source", "")
+    return _sources.get(t, "")
 
 
 def _is_uninitialized(t: torch.Tensor) -> bool:
@@ -522,13 +550,17 @@ def _materialize_now(
 ) -> list[torch.Tensor]:  # fmt: skip
     """Compute everything, then swap it into place; nothing changes if anything fails."""
     loaded: dict[int, torch.Tensor] = {}
+    # id -> a recording of "read it from the checkpoint file" (what dematerialize keeps)
+    file_reads: dict[int, DeferredTensor] = {}
     tracker = _MemoryProgress(callback, tensors, dtype) if callback is not None else None
     if checkpoint is not None:
         from jupyter_metainit.core._checkpoint import load_for
 
         if tracker is not None:
             tracker.phase("reading checkpoint files")
-        loaded = load_for(obj, [*tensors, *reals], checkpoint, device, missing, dtype, root)
+        loaded = load_for(
+            obj, [*tensors, *reals], checkpoint, device, missing, dtype, root, file_reads
+        )
         if tracker is not None:
             tracker.loaded([t for t in tensors if id(t) in loaded])
     to_replay = [t for t in tensors if id(t) not in loaded]
@@ -547,24 +579,57 @@ def _materialize_now(
             new.append(_build_real(t, loaded[id(t)], dtype, used, exact_tensor=True))
         else:
             new.append(_build_real(t, env[id(t._rec.storage)], dtype, used))
-        new[-1].__dict__["_jmi_source"] = sources[id(t)]
+        state = _freed_state.get(t)
+        if state is not None:  # freed before: what the user had set on the object
+            state.apply(new[-1])
     del env
-    # Tensors read from a file can always be freed again: their recording is "read the file",
-    # and they are compared with it rather than digested now.
-    from_file = [sources[id(t)] == "checkpoint" and id(t) not in loaded for t in tensors]
-    digests = [digest(r) if keep and not f else None for r, f in zip(new, from_file, strict=True)]
-    kept = [keep or f for f in from_file]
+    holders = [
+        _holder_for(t, r, keep, sources[id(t)] == "checkpoint", file_reads.get(id(t)))
+        for t, r in zip(tensors, new, strict=True)
+    ]
     converted = _converted_reals([t for t in reals if id(t) not in loaded], device, dtype)
+    restamps = [_restamp(t, data) for t, data in converted]
     with critical():
-        _swap_all(tensors, new, digests, kept)
+        _swap_all(tensors, new, holders)
+        for t in tensors:
+            _sources[t] = sources[id(t)]
+            _freed_state.pop(t, None)
         with torch.no_grad():
             for t in reals:
                 if id(t) in loaded:
                     value = loaded[id(t)]
                     t.copy_(value if value.dtype == t.dtype else value.to(t.dtype))
-        for t, data in converted:
-            _set_data_keeping_shadow(t, data)
+                    _sources[t] = "checkpoint"
+                    if id(t) in file_reads:  # freeing it gives the checkpoint's values again
+                        _kept[t] = _Shadow(file_reads[id(t)], t._version, t.data_ptr(), None)
+        for (t, data), restamp in zip(converted, restamps, strict=True):
+            t.data = data
+            _restamped(t, restamp)
     return [*tensors, *(t for t in reals if id(t) in loaded), *(t for t, _ in converted)]
+
+
+def _holder_for(
+    t: DeferredTensor, real: torch.Tensor, keep: bool, from_file: bool,
+    file_read: DeferredTensor | None,
+) -> tuple[DeferredTensor | None, tuple | None] | None:  # fmt: skip
+    """What ``dematerialize`` will keep for ``t`` once ``real`` is in place: ``(recording,
+    digest)``, the recording None for ``t``'s own (the object swapped out), or None for nothing.
+
+    Tensors read from a file can always be freed again: their recording is "read the file", and
+    they are compared with it rather than digested now. So can tensors loaded with
+    ``checkpoint=``: their recording becomes that file read.
+    """
+    if file_read is not None:
+        return file_read, None
+    if not keep and not from_file:
+        return None
+    recording: DeferredTensor | None = None
+    if real.dtype != t.dtype or real.device != t.device:
+        # Cast (dtype=) or placed (device=) on the way: keep a recording of that too, so that
+        # materializing again gives these values, not the uncast ones.
+        with torch.no_grad():
+            recording = t.to(device=real.device, dtype=real.dtype)
+    return recording, None if from_file else digest(real)
 
 
 def _converted_reals(
@@ -586,23 +651,32 @@ def _converted_reals(
     return out
 
 
-def _set_data_keeping_shadow(t: torch.Tensor, data: torch.Tensor) -> None:
-    """Replace ``t``'s data by a converted copy; a kept shadow then describes the new memory,
-    so that :func:`dematerialize` still sees an unchanged tensor (the conversion is ours)."""
-    holder = t.__dict__.get("_jmi_shadow")
-    t.data = data
-    if holder is not None and holder.deferred is not None:
-        holder.version = t._version
-        holder.data_ptr = t.data_ptr()
-        if holder.digest is not None:
-            holder.digest = digest(t)
+def _restamp(t: torch.Tensor, data: torch.Tensor) -> _Shadow | None:
+    """The shadow ``t`` gets once ``data`` (a cast or move of it) replaces its memory: a
+    recording of that conversion, if ``t`` still held exactly its recording's values. A tensor
+    trained since gets none: the cast must not make its training look like our values."""
+    holder = _kept.get(t)
+    if holder is None or _why_not_reproducible(t, holder) is not None:
+        return None
+    with torch.no_grad():
+        converted = holder.deferred.to(device=data.device, dtype=data.dtype)
+    return _Shadow(converted, -1, data.data_ptr(), None if holder.digest is None else digest(data))
+
+
+def _restamped(t: torch.Tensor, restamp: _Shadow | None) -> None:
+    if restamp is None:
+        stale = _kept.get(t)
+        if stale is not None:  # its values are no recording's: freeing it needs force=True
+            stale.version = -1
+        return
+    restamp.version = t._version
+    _kept[t] = restamp
 
 
 def _swap_all(
     tensors: list[DeferredTensor],
     reals: list[torch.Tensor],
-    digests: list[tuple | None],
-    keep: list[bool],
+    holders: list[tuple[DeferredTensor | None, tuple | None] | None],
 ) -> None:
     """Swap every tensor into place (a critical section: Ctrl-C waits until all are done)."""
     done: list[tuple[torch.Tensor, torch.Tensor]] = []
@@ -614,11 +688,12 @@ def _swap_all(
         for t, r in reversed(done):
             swap_in_place(t, r)
         raise
-    for (t, shadow), content, kept in zip(done, digests, keep, strict=True):
-        if kept:
-            holder = _Shadow(shadow, t._version, t.data_ptr(), content)
-            t.__dict__["_jmi_shadow"] = holder
-            _shadows.add(holder)
+    for (t, swapped_out), holder in zip(done, holders, strict=True):
+        if holder is not None:
+            recording, content = holder
+            if recording is None:
+                recording = swapped_out  # the deferred side, exactly as it was
+            _kept[t] = _Shadow(recording, t._version, t.data_ptr(), content)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -628,26 +703,32 @@ def _swap_all(
 def dematerialize(obj: Any, *, force: bool = False) -> Any:
     """Make materialized tensors deferred again and free their memory.
 
-    Works on tensors materialized with ``keep_cache=True`` (the widget and magics do that).
-    Materializing them again in ``exact`` mode gives the same values. A tensor whose memory was
-    written since it was materialized (trained, loaded into, through ``.data`` or numpy too) is
-    refused unless ``force=True``: its changes would be lost. Refusals change nothing.
+    Works on tensors materialized with ``keep_cache=True`` (the widget and magics do that), read
+    from a file (``from_pretrained`` under ``meta_init``) or loaded with ``checkpoint=``.
+    Materializing them again in ``exact`` mode gives the values they have now, bit for bit: that
+    is checked here, whatever happened since (training, loads, casts, moves, a changed source
+    tensor or file). A tensor that fails the check is refused, by name, unless ``force=True``
+    (which drops its current values). Refusals change nothing. What the user set on the tensor
+    objects (``requires_grad``, attributes, hooks, a Parameter subclass) is kept.
     """
     with handling_interrupts(), exclusive(f"freeing {_describe(obj)}"):
         tensors = [
-            t for t in _collect(obj, "dematerialize")
+            _freeable(t) for t in _collect(obj, "dematerialize")
             if not isinstance(t, DeferredTensor) and not t.is_meta
         ]  # fmt: skip
+        names = _names_in(obj)
         pairs: list[tuple[torch.Tensor, _Shadow]] = []
-        changed: list[str] = []
+        refused: list[str] = []
         lost = 0
         for t in tensors:
-            holder = t.__dict__.get("_jmi_shadow")
-            if holder is None or holder.deferred is None:
+            holder = _kept.get(t)
+            if holder is None:
                 lost += not _is_uninitialized(t)
                 continue
-            if not force and _changed(t, holder):
-                changed.append(f"{tuple(t.shape)} {t.dtype}")
+            if not force:
+                reason = _why_not_reproducible(t, holder)
+                if reason is not None:
+                    refused.append(f"{_name(t, names)} {reason}")
             pairs.append((t, holder))
         if lost:
             raise MaterializationError(
@@ -656,35 +737,123 @@ def dematerialize(obj: Any, *, force: bool = False) -> Any:
                 "Nothing was changed. Use materialize(..., keep_cache=True) to be able to free "
                 "them."
             )
-        if changed:
+        if refused:
+            more = f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""
             raise MaterializationError(
-                f"{len(changed)} tensor(s) were written since they were materialized (e.g. "
-                f"{changed[0]}); dematerializing would discard those changes. Nothing was "
-                "changed. Pass force=True to do it anyway."
+                f"cannot free {len(refused)} tensor(s): materializing again would not give "
+                f"their current values, so freeing would lose them: {'; '.join(refused[:3])}"
+                f"{more}. Nothing was changed. Pass force=True to free them anyway (their "
+                "current values are dropped; materializing gives the recorded ones)."
             )
+        prepared = [(t, _deferred_for(t, holder), _UserState(t)) for t, holder in pairs]
         with critical():
-            for t, holder in pairs:
-                deferred = holder.deferred
-                del t.__dict__["_jmi_shadow"]
-                holder.deferred = None
+            for t, deferred, state in prepared:
+                del _kept[t]
+                _sources.pop(t, None)
                 swap_in_place(t, deferred)
-        freed = [t for t, _ in pairs]
+                _freed_state[t] = state
+        freed = [t for t, _, _ in prepared]
         pairs.clear()
+        prepared.clear()
         deferred = None  # the real storages' last references go with these
         _return_memory_to_the_os()
         _events.publish("dematerialized", freed)
     return obj
 
 
-def _changed(t: torch.Tensor, holder: _Shadow) -> bool:
+def _freeable(t: torch.Tensor) -> torch.Tensor:
+    """A sharded tensor's (DTensor's) real local shard when that is what was kept, else ``t``."""
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) and local in _kept else t
+
+
+def _names_in(obj: Any) -> dict[int, str]:
+    """Qualified names (``layers.3.weight``) of the tensors of ``obj``, by ``id``."""
+    from jupyter_metainit.core._walk import named_tensors
+
+    names: dict[int, str] = {}
+    items = list(obj) if isinstance(obj, (list, tuple)) else [obj]
+    for i, x in enumerate(items):
+        prefix = f"[{i}]" if isinstance(obj, (list, tuple)) else ""
+        if isinstance(x, torch.nn.Module):
+            for mname, own in named_tensors(x, attributes=True):
+                name = f"{mname}.{own.name}" if mname else own.name
+                for t in (own.tensor, _freeable(own.tensor)):
+                    names.setdefault(id(t), f"{prefix}.{name}" if prefix else name)
+        elif isinstance(x, torch.Tensor):
+            names.setdefault(id(_freeable(x)), prefix or "the tensor")
+    return names
+
+
+def _name(t: torch.Tensor, names: dict[int, str]) -> str:
+    return names.get(id(t), f"a tensor of shape {tuple(t.shape)}")
+
+
+def _why_not_reproducible(t: torch.Tensor, holder: _Shadow) -> str | None:
+    """Why materializing ``holder.deferred`` would not give ``t``'s current values, bit for bit
+    (None: it would). Checked when freeing: whatever happened since materialization counts."""
+    recording = holder.deferred
     if t._version != holder.version or t.data_ptr() != holder.data_ptr:
-        return True
-    if holder.digest is None:  # read from a file: compare with the file
-        recorded = compute_values([holder.deferred._rec])[0]
+        return "was written since it was materialized (trained, loaded into), or cast or moved"
+    if (t.dtype, tuple(t.shape), t.stride()) != (
+        recording.dtype, tuple(recording.shape), recording.stride()
+    ):  # fmt: skip
+        return "was changed since it was materialized (cast or reshaped)"
+    if holder.digest is not None and digest(t) != holder.digest:
+        return (
+            "was written since it was materialized (through .data, detach() or numpy, which "
+            "the version counter misses)"
+        )
+    reason = _changed_sources(recording)
+    if reason is not None:
+        return reason
+    if holder.digest is None:  # a file read: compare with the file
+        try:
+            recorded = compute_values([recording._rec])[0]
+        except MaterializationError as e:
+            return f"cannot be read again from its file ({e})"
         with torch.no_grad():
             current = t.detach().to("cpu")
-        return not torch.equal(recorded.to(current.dtype), current)
-    return digest(t) != holder.digest
+        if recorded.dtype != current.dtype or not torch.equal(recorded, current):
+            return "differs from its checkpoint file (written since it was read)"
+    return None
+
+
+def _changed_sources(recording: DeferredTensor) -> str | None:
+    """Why replaying ``recording`` would fail or differ now: a real tensor it was computed from
+    (``load_state_dict`` of another model's tensors, by reference) was written since, or a file
+    it reads changed or is gone."""
+    from jupyter_metainit.core._graph import External
+
+    for op in plan([recording._rec]).ops:
+        if op.func is read_file_bytes:
+            try:
+                op.args[0].file.check()
+            except MaterializationError as e:
+                return f"cannot be read again from its file ({e})"
+            continue
+        for x in tree_leaves((op.args, op.kwargs)):
+            if not isinstance(x, External) or x.tensor.is_meta:
+                continue
+            if x.tensor._version != x.version or (x.digest and digest(x.tensor) != x.digest):
+                return (
+                    f"was computed from a real tensor (at {x.where}) that was written since, "
+                    "so its recording cannot give these values again"
+                )
+    return None
+
+
+def _deferred_for(t: torch.Tensor, holder: _Shadow) -> DeferredTensor:
+    """The deferred tensor to swap back into ``t``: its recording, carrying what the user set
+    on ``t`` since (attributes, ``requires_grad``, being a Parameter)."""
+    deferred = holder.deferred
+    for k in [k for k in deferred.__dict__ if k not in INTERNAL_ATTRS]:
+        del deferred.__dict__[k]
+    deferred.__dict__.update(t.__dict__)
+    if isinstance(t, torch.nn.Parameter):
+        deferred.__dict__["_is_param"] = True
+    deferred._rg = t.requires_grad
+    return deferred
 
 
 def _return_memory_to_the_os() -> None:
@@ -707,8 +876,7 @@ def clear_meta_init_cache() -> None:
     with ``keep_cache=True`` can no longer be dematerialized, and exact-mode calls may have to
     regenerate random streams again.
     """
-    for holder in list(_shadows):
-        holder.deferred = None
+    _kept.clear()
     _rng.forget_generators()
     for seg in _rng.live_segments():
         seg.clear_checkpoints()
