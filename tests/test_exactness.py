@@ -144,3 +144,62 @@ def test_transformers_model(name):
     _eager, deferred = assert_exact(TRANSFORMERS[name])
     if name in ("llama", "qwen2"):
         assert deferred.lm_head.weight is deferred.model.embed_tokens.weight
+
+
+class _NormWarmUp(nn.Module):
+    """Runs a train-mode batch through its norms in ``__init__``, as warm-up code does."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.bn1d = nn.BatchNorm1d(3)
+        self.bn2d = nn.BatchNorm2d(3)
+        self.inorm = nn.InstanceNorm1d(3, track_running_stats=True)
+        self.bn1d(self.lin(torch.randn(4, 3)))
+        self.bn2d(torch.randn(2, 3, 4, 4))
+        self.inorm(torch.randn(2, 3, 5))
+
+
+def test_train_mode_forward_in_init_updates_norm_running_stats_as_eager():
+    eager, deferred = assert_exact(_NormWarmUp)
+    assert not torch.equal(eager.bn1d.running_mean, torch.zeros(3))  # the batch was counted
+
+
+def test_norm_running_stats_materialized_alone_equal_eager():
+    eager, deferred = eager_and_deferred(_NormWarmUp)
+    materialize(deferred.inorm)
+    materialize(deferred.bn2d)
+    assert torch.equal(deferred.inorm.running_var, eager.inorm.running_var)
+    assert torch.equal(deferred.bn2d.running_mean, eager.bn2d.running_mean)
+
+
+_FRESH_FROM_PARAMETER = {
+    "ones_like": lambda p: torch.ones_like(p),
+    "zeros_like": lambda p: torch.zeros_like(p),
+    "rand_like": lambda p: torch.rand_like(p),
+    "randn_like": lambda p: torch.randn_like(p),
+    "randint_like": lambda p: torch.randint_like(p, 5),
+    "empty_like": lambda p: torch.empty_like(p),
+    "full_like": lambda p: torch.full_like(p, 2.0),
+    "new_ones": lambda p: p.new_ones(2),
+    "new_zeros": lambda p: p.new_zeros(2),
+    "new_empty": lambda p: p.new_empty(2),
+    "new_full": lambda p: p.new_full((2,), 1.0),
+    "new_tensor": lambda p: p.new_tensor([1.0, 2.0]),
+    "ones_like_requires_grad": lambda p: torch.ones_like(p, requires_grad=True),
+    "randn_requires_grad": lambda p: torch.randn(3, requires_grad=True),
+    "tensor_requires_grad": lambda p: torch.tensor([1.0], requires_grad=True),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_FRESH_FROM_PARAMETER))
+def test_fresh_tensor_made_from_a_parameter_requires_grad_as_eager(name):
+    make = _FRESH_FROM_PARAMETER[name]
+    torch.manual_seed(0)
+    expected = make(nn.Parameter(torch.randn(3, 4)))
+    torch.manual_seed(0)
+    with meta_init():
+        got = make(nn.Parameter(torch.randn(3, 4)))
+    assert (got.requires_grad, got.is_leaf) == (expected.requires_grad, expected.is_leaf)
+    materialize(got)
+    assert (got.requires_grad, got.is_leaf) == (expected.requires_grad, expected.is_leaf)

@@ -38,6 +38,7 @@ from jupyter_metainit.core._devices import (
     FACTORIES,
     data_factory,
     handle_function,
+    requires_grad_kwarg,
     rewrite_device,
 )
 from jupyter_metainit.core._interrupts import (
@@ -110,9 +111,10 @@ class _FunctionMode(TorchFunctionMode):
             # What DeferredTensor.__torch_function__ would do next, one call earlier.
             return handle_function(func, args, kwargs)
         if func in DATA_FACTORIES:
-            return data_factory(func, args, dict(kwargs))
+            return requires_grad_kwarg(data_factory(func, args, dict(kwargs)), kwargs)
         if "device" in kwargs or func in FACTORIES:
-            return rewrite_device(func, args, kwargs, in_context=True)
+            made = rewrite_device(func, args, kwargs, in_context=True)
+            return requires_grad_kwarg(made, kwargs, func)
         return func(*args, **kwargs)
 
 

@@ -34,6 +34,7 @@ __all__ = [
     "TO_METHODS",
     "data_factory",
     "handle_function",
+    "requires_grad_kwarg",
     "retarget",
     "rewrite_device",
 ]
@@ -209,8 +210,41 @@ def retarget(func: Any, self: DeferredTensor, args: tuple, kwargs: dict) -> Any:
         return torch.ops.aten._to_copy.default(self, dtype=dtype, device=META)
 
 
+_sets_requires_grad: dict[Any, bool] = {}
+
+
+def _binding_sets_requires_grad(func: Any) -> bool:
+    """Torch's Python bindings of ``*_like`` and ``new_*`` functions set the result's
+    ``requires_grad`` to their ``requires_grad=`` argument (default False) after the op, whatever
+    autograd made of it (``randint_like(param)`` does not require grad)."""
+    known = _sets_requires_grad.get(func)
+    if known is None:
+        name = getattr(func, "__name__", "")
+        known = _sets_requires_grad[func] = name.endswith("_like") or name.startswith("new_")
+    return known
+
+
+def requires_grad_kwarg(result: Any, kwargs: dict, func: Any = None) -> Any:
+    """``requires_grad=`` of a factory (``torch.randn(3, requires_grad=True)``,
+    ``torch.tensor(data, requires_grad=True)``, ``x.new_ones(2, requires_grad=True)``): torch
+    sets it in C++ after the op, where a deferred tensor's Python flag does not see it."""
+    if not isinstance(result, DeferredTensor):
+        return result
+    if kwargs.get("requires_grad"):
+        result._rg, result._derived = True, False
+    elif func is not None and _binding_sets_requires_grad(func):
+        result._rg, result._derived = False, False
+    return result
+
+
 def handle_function(func: Any, args: tuple, kwargs: dict) -> Any:
     """``DeferredTensor.__torch_function__``: device-changing calls, everything else unchanged."""
+    if "requires_grad" in kwargs or _binding_sets_requires_grad(func):
+        return requires_grad_kwarg(_handle_requires_grad_free(func, args, kwargs), kwargs, func)
+    return _handle_requires_grad_free(func, args, kwargs)
+
+
+def _handle_requires_grad_free(func: Any, args: tuple, kwargs: dict) -> Any:
     if tls.where is not None:
         return _handle_function(func, args, kwargs)
     if tls.depth == 0:

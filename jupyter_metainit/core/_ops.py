@@ -35,9 +35,56 @@ class OpInfo:
     takes_tensors: bool  # False for factories (``empty``, ``arange``, ``full``, ...)
     dtype_index: int | None  # position of the ``dtype`` argument, if any
     is_inplace_view: bool  # ``t_``, ``squeeze_``, ``as_strided_``: change metadata, not data
+    # Arguments the kernel writes although the schema does not say so (see ``_UNDECLARED``):
+    # (argument index, index of the bool argument that must be true for the write, or None).
+    undeclared_writes: tuple[tuple[int, int | None], ...] = ()
 
     def arg_index(self, name: str) -> int:
         return self.arg_names.index(name)
+
+    def written(self, bound: list[Any]) -> tuple[int, ...]:
+        """Indices of the arguments this call writes: declared ones and undeclared ones."""
+        if not self.undeclared_writes:
+            return self.mutated
+        extra = tuple(
+            i for i, flag in self.undeclared_writes
+            if bound[i] is not None and (flag is None or bool(bound[flag]))
+        )  # fmt: skip
+        return self.mutated + extra
+
+
+# Kernels that write inputs their schema does not mark ``(a!)``: batch norm's running
+# statistics (eager updates them in place in training mode; ``_native_batch_norm_legit`` and
+# ``_batch_norm_with_update`` declare the same writes). Found by running every op of PyTorch's
+# op and module databases on real tensors and comparing each input before and after
+# (tests/test_op_db.py keeps checking it), and by reading every schema with these argument
+# names. Op name -> (written argument names, the bool argument that enables the write).
+_UNDECLARED: dict[str, tuple[tuple[str, ...], str | None]] = {
+    "native_batch_norm": (("running_mean", "running_var"), "training"),
+    "cudnn_batch_norm": (("running_mean", "running_var"), "training"),
+    "miopen_batch_norm": (("running_mean", "running_var"), "training"),
+    "_batch_norm_impl_index": (("running_mean", "running_var"), "training"),
+    "batch_norm": (("running_mean", "running_var"), "training"),
+    "instance_norm": (("running_mean", "running_var"), "use_input_stats"),
+    "batch_norm_update_stats": (("running_mean", "running_var"), None),
+    "batch_norm_gather_stats": (("running_mean", "running_var"), None),
+    "batch_norm_gather_stats_with_counts": (("running_mean", "running_var"), None),
+}
+
+
+def _undeclared_writes(
+    schema: Any, names: tuple[str, ...], mutated: list[int]
+) -> tuple[tuple[int, int | None], ...]:
+    entry = _UNDECLARED.get(schema.name.split("::")[-1])
+    if entry is None:
+        return ()
+    written, flag = entry
+    flag_index = names.index(flag) if flag is not None and flag in names else None
+    return tuple(
+        (names.index(n), flag_index)
+        for n in written
+        if n in names and names.index(n) not in mutated
+    )  # fmt: skip
 
 
 _CACHE: dict[Any, OpInfo] = {}
@@ -105,6 +152,7 @@ def op_info(func: torch._ops.OpOverload) -> OpInfo:
         takes_tensors=any(_is_tensor_type(a.type) for a in schema.arguments),
         dtype_index=names.index("dtype") if "dtype" in names else None,
         is_inplace_view=_INPLACE_VIEW_TAG in func.tags,
+        undeclared_writes=_undeclared_writes(schema, names, mutated),
     )
     _CACHE[func] = info
     return info

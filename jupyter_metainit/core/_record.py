@@ -227,7 +227,7 @@ def handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
     bound = bind_arguments(func, args, kwargs)
     mutated_real = any(
         isinstance(t, torch.Tensor) and not isinstance(t, DeferredTensor)
-        for i in info.mutated
+        for i in info.written(bound)
         for t in (bound[i] if isinstance(bound[i], (list, tuple)) else [bound[i]])
     )
     if not has_deferred:
@@ -264,13 +264,22 @@ def _view(func: Any, args: tuple, kwargs: dict) -> Any:
         out = func(*meta_args, **kwargs)
     rg = self._rg and func is not aten.detach.default and torch.is_grad_enabled()
     storage, device = self._rec.storage, self.device
+    # The tensor this is a view of, as eager's ``_base``: an in-place op through the view that
+    # makes it require grad makes the base require grad too (``pad(mode="circular")``).
+    base = getattr(self, "_view_of", None)
+    if base is None:
+        base = self
     if isinstance(out, torch.Tensor):
         r = rg and _is_float(out.dtype)
-        return DeferredTensor(out, TensorRecord(storage, out), device, r, r)
+        made = DeferredTensor(out, TensorRecord(storage, out), device, r, r)
+        made._view_of = base
+        return made
     results = []
     for o in out:
         r = rg and _is_float(o.dtype)
-        results.append(DeferredTensor(o, TensorRecord(storage, o), device, r, r))
+        made = DeferredTensor(o, TensorRecord(storage, o), device, r, r)
+        made._view_of = base
+        results.append(made)
     return type(out)(results)
 
 
@@ -799,6 +808,7 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
     where = call_site()
     device = _output_device(kwargs, flat)
     called_with = args, kwargs  # before dtype resolution rewrites them: the recipe's key
+    called_func = func  # autograd's rule is the called overload's (``randint_like.default``)
     if info.generator_overload is not None:
         func, kwargs = info.generator_overload, {**kwargs, "generator": None}
         info = op_info(func)
@@ -867,6 +877,8 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
 
     rec_args, rec_kwargs = map_args(record_arg, args, kwargs)
     grad = grad and torch.is_grad_enabled()
+    # Per output: does eager autograd make it require grad? (``ones_like(param)`` does not.)
+    out_grads = _output_requires_grad(called_func, *called_with, out) if grad else None
     if "device" in rec_kwargs:
         rec_kwargs["device"] = device
     overwrites = _full_overwrite(func, bound)
@@ -884,6 +896,7 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
         writes = (
             info.return_writes[min(i, len(info.return_writes) - 1)] if info.return_writes else False
         )
+        out_grad = grad and (out_grads is None or (i < len(out_grads) and out_grads[i]))
         if not isinstance(o, torch.Tensor):
             results.append(o)
             new_records.append(None)
@@ -898,23 +911,28 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
                 continue
             if isinstance(src, DeferredTensor):
                 rec = TensorRecord(src._rec.storage, o)
-                rg = grad and _is_float(o.dtype) and func is not aten.detach.default
+                rg = out_grad and _is_float(o.dtype) and func is not aten.detach.default
                 results.append(DeferredTensor(o, rec, src.device, rg, rg))
                 new_records.append(None)
                 continue
-        made, rec, storage = _new_output(o, device, grad and _is_float(o.dtype))
+        made, rec, storage = _new_output(o, device, out_grad and _is_float(o.dtype))
         results.append(made)
         new_records.append(rec)
         created.append(storage)
     mutates: list[StorageRecord] = []
-    for i in info.mutated:
+    for i in info.written(bound):
         targets = bound[i] if isinstance(bound[i], (list, tuple)) else [bound[i]]
         for t in targets:
             if isinstance(t, DeferredTensor):
                 if t._rec.storage not in mutates:
                     mutates.append(t._rec.storage)
-                if grad and not t._rg:
+                if i not in info.mutated:
+                    continue  # written behind autograd's back: eager's stats never need grad
+                if grad and not t._rg and (out_grads is None or any(out_grads)):
                     t._rg = t._derived = True
+                    base = getattr(t, "_view_of", None)
+                    if base is not None and not base._rg:
+                        base._rg = base._derived = True
 
     if created or mutates:
         rng = None
@@ -963,6 +981,59 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
     if isinstance(out, (tuple, list)):
         return type(out)(results)
     return results[0]
+
+
+# Which outputs eager autograd makes require grad, per (op, inputs that require grad, dtypes):
+# learned once by running the op on meta tensors with autograd on. Ops with no derivative
+# (``ones_like``, ``empty_like``, ``rand_like``, ``new_zeros``, ``full_like``, ...) give fresh
+# tensors that do not require grad, whatever their inputs.
+_grad_rules: dict[Any, tuple[bool, ...] | None] = {}
+_AUTOGRAD_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctionality) | (
+    torch._C.DispatchKeySet(torch._C.DispatchKey.ADInplaceOrView)
+)
+
+
+def _output_requires_grad(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[bool, ...] | None:
+    """Eager's ``requires_grad`` of each of ``func``'s outputs, or None if it cannot be learned
+    (then every floating output of an op with an input that requires grad does)."""
+    flags: list[Any] = []
+    for x in iter_args(args, kwargs):
+        if isinstance(x, torch.Tensor):
+            flags.append((_requires_grad(x), x.dtype))
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    key = (func, tuple(flags),
+           tuple(o.dtype if isinstance(o, torch.Tensor) else None for o in outs))  # fmt: skip
+    if key in _grad_rules:
+        return _grad_rules[key]
+
+    def probe_arg(x: Any) -> Any:
+        if isinstance(x, torch.Tensor):
+            m = _meta_of(x).detach()
+            return m.requires_grad_() if _requires_grad(x) and _is_float(m.dtype) else m
+        if isinstance(x, torch.device):
+            return META
+        if isinstance(x, torch.Generator):
+            return None
+        return x
+
+    rule: tuple[bool, ...] | None = None
+    try:
+        with plain():
+            probe_args, probe_kwargs = map_args(probe_arg, args, kwargs)
+            # Inside a dispatch handler autograd is switched off for this thread: switch it
+            # back on for the probe alone (meta tensors: no data is touched).
+            include = torch._C._dispatch_tls_local_include_set()
+            exclude = torch._C._dispatch_tls_local_exclude_set() - _AUTOGRAD_KEYS
+            with torch._C._ForceDispatchKeyGuard(include, exclude), torch.enable_grad():
+                probed = func(*probe_args, **probe_kwargs)
+        results = probed if isinstance(probed, (tuple, list)) else (probed,)
+        rule = tuple(isinstance(r, torch.Tensor) and r.requires_grad for r in results)
+    except Exception:  # no meta kernel, or autograd refuses the probe: keep the general rule
+        rule = None
+    if len(_grad_rules) >= 4096:
+        _grad_rules.clear()
+    _grad_rules[key] = rule
+    return rule
 
 
 _VALUES_FOR_ERRORS = 64 << 20  # bytes of deferred inputs worth computing to check an error

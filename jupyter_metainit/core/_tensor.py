@@ -14,7 +14,7 @@ __all__ = ["DeferredTensor"]
 
 # Attributes of ours in a deferred tensor's __dict__; everything else there is the user's
 # (e.g. transformers' ``_is_hf_initialized``) and is carried over on materialization.
-INTERNAL_ATTRS = frozenset({"_meta", "_rec", "_rg", "_derived"})
+INTERNAL_ATTRS = frozenset({"_meta", "_rec", "_rg", "_derived", "_view_of"})
 
 
 def _not_registered(*_args: Any) -> Any:
