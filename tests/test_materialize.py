@@ -359,3 +359,50 @@ def test_materializing_real_parts_to_another_device_moves_them_in_place():
     bias = m.norm.bias
     materialize(m.norm, torch.device("cpu"), dtype=torch.float64)
     assert bias is m.norm.bias and bias.dtype == torch.float64 and tensor_state(bias) == "cpu"
+
+
+class Tables(nn.Module):
+    """Tensors kept in containers on the module, as research code does."""
+
+    def __init__(self):
+        super().__init__()
+        from collections import OrderedDict
+
+        self.lin = nn.Linear(4, 4)
+        self.tables = {"k": torch.randn(3), "nested": {"x": [torch.randn(2), (torch.rand(5),)]}}
+        self.ordered = OrderedDict(a=torch.randn(2, 2))
+        self.pairs = (torch.arange(4), [torch.randn(3)])
+
+
+def _container_tensors(m: Tables) -> list[torch.Tensor]:
+    return [
+        m.tables["k"], m.tables["nested"]["x"][0], m.tables["nested"]["x"][1][0],
+        m.ordered["a"], m.pairs[0], m.pairs[1][0],
+    ]  # fmt: skip
+
+
+def test_tensors_in_dicts_lists_and_tuples_materialize_with_eager_values():
+    eager, m = eager_and_deferred(Tables)
+    materialize(m)
+    for want, got in zip(_container_tensors(eager), _container_tensors(m), strict=True):
+        assert tensor_state(got) == "cpu"
+        assert torch.equal(want, got) and want.stride() == got.stride()
+
+
+def test_is_deferred_sees_a_tensor_kept_in_a_dict():
+    with meta_init():
+        m = nn.Linear(2, 2)
+        m.tables = {"k": torch.randn(3)}
+    materialize(m.weight)
+    materialize(m.bias)
+    assert is_deferred(m)
+
+
+def test_tensors_in_containers_dematerialize_and_come_back_the_same():
+    eager, m = eager_and_deferred(Tables)
+    materialize(m, keep_cache=True)
+    dematerialize(m)
+    assert all(tensor_state(t) == "deferred" for t in _container_tensors(m))
+    materialize(m)
+    for want, got in zip(_container_tensors(eager), _container_tensors(m), strict=True):
+        assert torch.equal(want, got)

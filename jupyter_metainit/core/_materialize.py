@@ -80,7 +80,8 @@ _shadows: weakref.WeakSet[_Shadow] = weakref.WeakSet()
 
 
 def is_deferred(obj: Any) -> bool:
-    """True for a deferred tensor, or a module with at least one deferred parameter or buffer."""
+    """True for a deferred tensor, or a module with at least one deferred parameter, buffer or
+    tensor attribute (also one kept in a dict, list or tuple attribute)."""
     if isinstance(obj, torch.Tensor):
         return isinstance(_deferred_local(obj), DeferredTensor) or _is_uninitialized(obj)
     if isinstance(obj, torch.nn.Module):
@@ -410,7 +411,8 @@ def materialize(
     requested tensors depend on are replayed; everything else stays deferred.
 
     Args:
-        obj: a tensor, a module (all its parameters, buffers and tensor attributes, recursively),
+        obj: a tensor, a module (all its parameters, buffers and tensor attributes, also in dicts,
+            lists and tuples, recursively),
             or a list/tuple of them.
         device: where the real tensors go; ``None`` keeps each tensor's recorded device.
             Parts of ``obj`` that are real already are moved there in place, as

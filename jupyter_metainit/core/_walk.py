@@ -7,7 +7,7 @@ is acted on.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -26,11 +26,25 @@ class OwnTensor(NamedTuple):
     kind: str  # "parameter", "buffer", "non-persistent buffer" or "attribute"
 
 
-def own_tensors(module: nn.Module, *, attributes: bool = False) -> list[OwnTensor]:
+# What ``nn.Module.__init__`` puts in ``__dict__`` (parameter/buffer/module dicts, hooks):
+# bookkeeping, not attributes of the model.
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__)
+
+# How deep containers are followed (a dict of lists of tuples ...): deep enough for real models,
+# and a bound for self-referencing structures.
+_MAX_CONTAINER_DEPTH = 8
+
+
+def own_tensors(
+    module: nn.Module, *, attributes: bool = False, real_attributes: bool = False
+) -> list[OwnTensor]:
     """The parameters and buffers ``module`` holds itself (not its children's), in order.
 
-    With ``attributes``, also deferred tensors kept as plain attributes (or in a list or tuple
-    attribute): a model's ``self.freqs = torch.arange(...)`` is built and materialized with it.
+    With ``attributes``, also the deferred tensors kept as plain attributes, directly or in
+    containers (lists, tuples, dicts, nested): a model's ``self.freqs = torch.arange(...)`` or
+    ``self.tables = {"k": t}`` is built and materialized with it, and so are tensors that were
+    deferred once (materialized, so that a later call moves, casts or frees them again). With
+    ``real_attributes``, every tensor attribute counts (for estimates: they hold memory).
     """
     out = [OwnTensor(n, p, "parameter") for n, p in module._parameters.items() if p is not None]
     transient = module._non_persistent_buffers_set
@@ -39,17 +53,35 @@ def own_tensors(module: nn.Module, *, attributes: bool = False) -> list[OwnTenso
         for n, b in module._buffers.items()
         if b is not None
     ]
-    if attributes:
+    if attributes or real_attributes:
         for n, v in module.__dict__.items():
-            if isinstance(v, DeferredTensor):
-                out.append(OwnTensor(n, v, "attribute"))
-            elif isinstance(v, (list, tuple)):
-                out += [
-                    OwnTensor(f"{n}.{i}", x, "attribute")
-                    for i, x in enumerate(v)
-                    if isinstance(x, DeferredTensor)
-                ]
+            if n not in _MODULE_INTERNALS:
+                out += _attribute_tensors(n, v, real_attributes, 0)
     return out
+
+
+def _attribute_tensors(name: str, value: object, real: bool, depth: int) -> list[OwnTensor]:
+    if isinstance(value, torch.Tensor):
+        if real or isinstance(value, DeferredTensor) or _was_deferred(value):
+            return [OwnTensor(name, value, "attribute")]
+        return []
+    if depth >= _MAX_CONTAINER_DEPTH or isinstance(value, (str, bytes, nn.Module)):
+        return []
+    if isinstance(value, dict):
+        items: Iterable[tuple[object, object]] = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return []
+    out: list[OwnTensor] = []
+    for key, item in items:
+        out += _attribute_tensors(f"{name}.{key}", item, real, depth + 1)
+    return out
+
+
+def _was_deferred(t: torch.Tensor) -> bool:
+    # ``materialize`` stamps every tensor it makes real with its source (and a shadow when kept).
+    return "_jmi_source" in t.__dict__ or "_jmi_shadow" in t.__dict__
 
 
 def named_tensors(
