@@ -72,3 +72,17 @@ def test_summary_reports_bytes_per_dtype():
 def test_summary_accepts_a_table():
     table = memory_table(model(), dtype="int8")
     assert "10.8 KiB int8" in summary(table)
+
+
+def test_fits_counts_tensors_kept_as_plain_attributes():
+    from jupyter_metainit import meta_init
+
+    class Cached(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.cache = {"table": torch.zeros(1000, 1000)}
+
+    with meta_init():
+        m = Cached()
+    assert not fits(m, budget=1_000_000).loc["", "fits"]

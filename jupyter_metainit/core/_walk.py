@@ -15,7 +15,14 @@ from torch import nn
 
 from jupyter_metainit.core._tensor import DeferredTensor
 
-__all__ = ["OwnTensor", "named_tensors", "own_tensors", "unique_tensors"]
+__all__ = [
+    "OwnTensor",
+    "counted_attributes",
+    "named_tensors",
+    "own_tensors",
+    "storage_of",
+    "unique_tensors",
+]
 
 
 class OwnTensor(NamedTuple):
@@ -101,3 +108,51 @@ def unique_tensors(module: nn.Module, *, attributes: bool = False) -> list[torch
         for own in own_tensors(m, attributes=attributes):
             seen.setdefault(id(own.tensor), own.tensor)
     return list(seen.values())
+
+
+def storage_of(t: torch.Tensor) -> tuple[object, int]:
+    """``(key, bytes)`` of the memory ``t`` lives in: views of one storage share the key.
+
+    Deferred tensors answer from their recording, real ones from their storage; a tensor with no
+    storage to ask (meta, lazy) is its own key.
+    """
+    local = getattr(t, "_local_tensor", None)  # a DTensor's shard holds the memory
+    if isinstance(local, torch.Tensor):
+        t = local
+    if isinstance(t, DeferredTensor):
+        return ("deferred", id(t._rec.storage)), t._rec.storage.nbytes
+    if isinstance(t, nn.parameter.UninitializedTensorMixin):
+        return ("object", id(t)), 0
+    if t.is_meta:
+        return ("object", id(t)), t.numel() * t.element_size()
+    try:
+        storage = t.untyped_storage()
+        return ("real", str(t.device), storage.data_ptr()), storage.nbytes()
+    except (RuntimeError, NotImplementedError):  # sparse, nested and other storage-less kinds
+        return ("object", id(t)), t.numel() * t.element_size()
+
+
+def counted_attributes(modules: list[nn.Module]) -> list[list[OwnTensor]]:
+    """Per module of ``modules`` (a model's ``modules()``), the tensor attributes that hold memory
+    of their own: one tensor per storage (a view kept beside its base counts once; the same
+    tensor kept by two modules comes as the same object in both, like a tied weight), and none
+    over the storage of a parameter or buffer (``self.w_t = self.w.t()`` costs nothing)."""
+    held: set[object] = set()
+    for m in modules:
+        for own in own_tensors(m):
+            held.add(storage_of(own.tensor)[0])
+    first_of: dict[object, OwnTensor] = {}
+    out: list[list[OwnTensor]] = []
+    for m in modules:
+        here: list[OwnTensor] = []
+        for own in own_tensors(m, real_attributes=True):
+            if own.kind != "attribute":
+                continue
+            key = storage_of(own.tensor)[0]
+            if key in held:
+                continue
+            rep = first_of.setdefault(key, own)
+            if all(h.tensor is not rep.tensor for h in here):
+                here.append(OwnTensor(own.name, rep.tensor, "attribute"))
+        out.append(here)
+    return out
