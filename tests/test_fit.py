@@ -86,3 +86,14 @@ def test_fits_counts_tensors_kept_as_plain_attributes():
     with meta_init():
         m = Cached()
     assert not fits(m, budget=1_000_000).loc["", "fits"]
+
+
+@pytest.mark.parametrize("budget", [-5, 0, "-1GiB", True, float("inf")])
+def test_a_budget_that_is_no_memory_size_is_a_clear_error(budget):
+    with pytest.raises((ValueError, TypeError), match=r"budget|memory size"):
+        fits(nn.Linear(2, 2), budget=budget)
+
+
+def test_summary_of_none_asks_whether_the_model_was_built():
+    with pytest.raises(TypeError, match=r"summary\(\) takes an nn.Module .* not NoneType"):
+        summary(None)

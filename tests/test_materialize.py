@@ -406,3 +406,30 @@ def test_tensors_in_containers_dematerialize_and_come_back_the_same():
     materialize(m)
     for want, got in zip(_container_tensors(eager), _container_tensors(m), strict=True):
         assert torch.equal(want, got)
+
+
+def test_materialize_takes_a_generator_of_parameters():
+    eager, m = eager_and_deferred(lambda: nn.Linear(3, 3))
+    materialize(m.parameters())
+    assert not is_deferred(m)
+    assert torch.equal(m.weight, eager.weight) and torch.equal(m.bias, eager.bias)
+
+
+def test_materialize_takes_a_list_mixing_modules_and_tensors():
+    eager, m = eager_and_deferred(Net)
+    materialize([m.norm, m.layers[1].weight, (m.emb,)])
+    assert not is_deferred(m.norm) and not is_deferred(m.emb)
+    assert torch.equal(m.layers[1].weight, eager.layers[1].weight)
+    assert is_deferred(m.layers[1].bias)
+
+
+def test_is_deferred_takes_a_generator():
+    with meta_init():
+        m = nn.Linear(2, 2)
+    assert is_deferred(m.parameters())
+
+
+@pytest.mark.parametrize("verb", [materialize, dematerialize])
+def test_a_number_is_a_type_error_saying_what_is_accepted(verb):
+    with pytest.raises(TypeError, match=r"tensor, a module, or a list .* got int"):
+        verb(5)

@@ -252,3 +252,34 @@ def test_a_tensor_attribute_held_by_two_modules_is_shared_not_doubled():
     table = memory_table(nn.Sequential(a, b))
     assert table.loc["", "total_bytes"] == 20
     assert table.loc["0", "shared_bytes"] == 20
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"depth": "2"}, TypeError, "depth must be an int >= 0"),
+        ({"depth": -1}, ValueError, "depth must be >= 0"),
+        ({"depth": 1.5}, TypeError, "depth must be an int"),
+        ({"optimizer": -3}, ValueError, "must be >= 0"),
+        ({"optimizer": float("nan")}, ValueError, "must be >= 0"),
+        ({"optimizer": True}, TypeError, "bytes per trainable parameter"),
+        ({"optimizer": ["adam"]}, TypeError, "bytes per trainable parameter"),
+    ],
+    ids=[
+        "depth_str",
+        "depth_negative",
+        "depth_float",
+        "optim_negative",
+        "optim_nan",
+        "optim_bool",
+        "optim_list",
+    ],
+)
+def test_nonsense_arguments_are_clear_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        memory_table(nn.Linear(2, 2), **kwargs)
+
+
+def test_a_tensor_instead_of_a_module_says_to_pass_the_module():
+    with pytest.raises(TypeError, match=r"memory_table\(\) takes an nn.Module .* not Tensor"):
+        memory_table(torch.ones(3))

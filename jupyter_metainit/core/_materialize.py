@@ -12,7 +12,7 @@ import inspect
 import os
 import traceback
 import weakref
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator, Sized, ValuesView
 from typing import Any
 
 import torch
@@ -86,6 +86,8 @@ def is_deferred(obj: Any) -> bool:
         return isinstance(_deferred_local(obj), DeferredTensor) or _is_uninitialized(obj)
     if isinstance(obj, torch.nn.Module):
         return any(is_deferred(t) for t in _module_tensors(obj))
+    if isinstance(obj, (list, tuple, set, frozenset, ValuesView, Iterator)):
+        return any(is_deferred(x) for x in obj)
     return False
 
 
@@ -143,24 +145,33 @@ def _module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     return list(seen.values())
 
 
+def _as_list_if_iterator(obj: Any) -> Any:
+    """A one-shot iterable (``model.parameters()``, a generator) as a list, so that it can be
+    walked more than once; anything else as it is."""
+    if isinstance(obj, Iterator) and not isinstance(obj, (torch.Tensor, torch.nn.Module)):
+        return list(obj)
+    return obj
+
+
 def _collect(obj: Any, verb: str = "materialize") -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         return [_deferred_local(obj)]
     if isinstance(obj, torch.nn.Module):
         return _module_tensors(obj)
-    if isinstance(obj, (list, tuple)):
+    if isinstance(obj, (list, tuple, set, frozenset, ValuesView)):
         out: dict[int, torch.Tensor] = {}
         for x in obj:
-            if not isinstance(x, (torch.Tensor, torch.nn.Module)):
+            if not isinstance(x, (torch.Tensor, torch.nn.Module, list, tuple)):
                 raise TypeError(
-                    f"{verb}() takes tensors, modules or a list of them; got a "
-                    f"{type(x).__name__} in the list"
+                    f"{verb}() takes a tensor, a module, or a list (or other iterable, e.g. "
+                    f"model.parameters()) of them; got a {type(x).__name__} in the list"
                 )
             for t in _collect(x, verb):
                 out.setdefault(id(t), t)
         return list(out.values())
     raise TypeError(
-        f"{verb}() takes a tensor, a module or a list of them; got {type(obj).__name__}"
+        f"{verb}() takes a tensor, a module, or a list (or other iterable, e.g. "
+        f"model.parameters()) of them; got {type(obj).__name__}"
     )
 
 
@@ -385,7 +396,9 @@ def _describe(obj: Any) -> str:
         return type(obj).__name__
     if isinstance(obj, torch.Tensor):
         return f"a tensor of shape {tuple(obj.shape)}"
-    return f"{len(obj)} objects"
+    if isinstance(obj, Sized):
+        return f"{len(obj)} objects"
+    return f"a {type(obj).__name__}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -412,8 +425,8 @@ def materialize(
 
     Args:
         obj: a tensor, a module (all its parameters, buffers and tensor attributes, also in dicts,
-            lists and tuples, recursively),
-            or a list/tuple of them.
+            lists and tuples, recursively), or a list, tuple or other iterable of them
+            (``model.parameters()``; an iterator is returned as a list).
         device: where the real tensors go; ``None`` keeps each tensor's recorded device.
             Parts of ``obj`` that are real already are moved there in place, as
             ``nn.Module.to`` does (same tensor objects, ties kept).
@@ -441,10 +454,11 @@ def materialize(
             qualified names the checkpoint uses (``model.layers.3...``).
 
     Returns:
-        ``obj``. A failed or interrupted call leaves every tensor as it was (deferred ones
-        deferred and materializable) and keeps nothing it allocated. Calls from several threads
-        on the same model are serialized (see ``_busy``).
+        ``obj`` (an iterator's items as a list). A failed or interrupted call leaves every
+        tensor as it was (deferred ones deferred and materializable) and keeps nothing it
+        allocated. Calls from several threads on the same model are serialized (see ``_busy``).
     """
+    obj = _as_list_if_iterator(obj)
     if rng not in _RNG_MODES:
         raise ValueError(f"rng must be 'exact' or 'fast', not {rng!r}")
     if missing not in ("error", "init"):
@@ -635,6 +649,7 @@ def dematerialize(obj: Any, *, force: bool = False) -> Any:
     written since it was materialized (trained, loaded into, through ``.data`` or numpy too) is
     refused unless ``force=True``: its changes would be lost. Refusals change nothing.
     """
+    obj = _as_list_if_iterator(obj)
     with handling_interrupts(), exclusive(f"freeing {_describe(obj)}"):
         tensors = [
             t for t in _collect(obj, "dematerialize")

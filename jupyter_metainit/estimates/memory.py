@@ -17,6 +17,11 @@ from torch.nn.parameter import is_lazy
 
 from jupyter_metainit.core import tensor_source, tensor_state
 from jupyter_metainit.core._walk import counted_attributes, own_tensors, storage_of
+from jupyter_metainit.estimates._arguments import (
+    check_depth,
+    check_optimizer_bytes,
+    require_module,
+)
 
 __all__ = ["MemoryTable", "memory_table"]
 
@@ -140,8 +145,14 @@ def _whatif_bits(dtype: torch.dtype | str | None) -> tuple[int | None, str | Non
 def _optimizer_bytes(optimizer: str | float | None) -> float:
     if optimizer is None:
         return 0.0
+    check_optimizer_bytes(optimizer)
     if isinstance(optimizer, (int, float)):
         return float(optimizer)
+    if not isinstance(optimizer, str):
+        raise TypeError(
+            f"optimizer must be one of {sorted(OPTIMIZER_STATE_BYTES)}, None, or a number of "
+            f"bytes per trainable parameter, not {optimizer!r}"
+        )
     key = optimizer.lower()
     if key not in OPTIMIZER_STATE_BYTES:
         raise ValueError(
@@ -216,6 +227,8 @@ def memory_table(
     Totals agree with ``accelerate.utils.compute_module_sizes(model)[""]`` and parameter
     counts with ``sum(p.numel() for p in model.parameters())``.
     """
+    require_module(module, "memory_table")
+    depth = check_depth(depth)
     bits, whatif_name = _whatif_bits(dtype)
     opt_bytes = _optimizer_bytes(optimizer)
 
