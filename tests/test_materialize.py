@@ -433,3 +433,36 @@ def test_is_deferred_takes_a_generator():
 def test_a_number_is_a_type_error_saying_what_is_accepted(verb):
     with pytest.raises(TypeError, match=r"tensor, a module, or a list .* got int"):
         verb(5)
+
+
+class TaggedParameter(nn.Parameter):
+    """A user's parameter class, as quantization and research code define them."""
+
+    def describe(self) -> str:
+        return f"tagged {tuple(self.shape)}"
+
+
+class WithTaggedParameter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = TaggedParameter(torch.randn(3, 2))
+        self.w.note = "kept"
+        self.frozen = TaggedParameter(torch.randn(2), requires_grad=False)
+
+
+def test_a_parameter_subclass_keeps_its_class_and_attributes():
+    eager, m = eager_and_deferred(WithTaggedParameter)
+    materialize(m)
+    assert type(m.w) is TaggedParameter and m.w.describe() == "tagged (3, 2)"
+    assert m.w.note == "kept" and "_param_cls" not in m.w.__dict__
+    assert torch.equal(m.w, eager.w) and m.w.requires_grad
+    assert type(m.frozen) is TaggedParameter and not m.frozen.requires_grad
+
+
+def test_a_parameter_subclass_keeps_its_class_after_free_and_materialize_again():
+    with meta_init():
+        m = WithTaggedParameter()
+    materialize(m, keep_cache=True)
+    dematerialize(m)
+    materialize(m)
+    assert type(m.w) is TaggedParameter and m.w.note == "kept"

@@ -26,7 +26,12 @@ from jupyter_metainit.core._graph import StorageRecord
 from jupyter_metainit.core._interrupts import critical, handling_interrupts
 from jupyter_metainit.core._replay import Progress, compute_values, execute, plan, real_view
 from jupyter_metainit.core._swap import swap_in_place
-from jupyter_metainit.core._tensor import INTERNAL_ATTRS, DeferredTensor
+from jupyter_metainit.core._tensor import (
+    INTERNAL_ATTRS,
+    PARAMETER_ATTRS,
+    DeferredTensor,
+    as_parameter,
+)
 from jupyter_metainit.core._values import value_cache
 from jupyter_metainit.core._walk import unique_tensors
 from jupyter_metainit.core.errors import (
@@ -522,11 +527,11 @@ def _build_real(
         real = real.detach()  # a second object over the same storage (aliases stay aliases)
     used.add(id(real))
     if getattr(t, "_is_param", False):
-        real = torch.nn.Parameter(real, requires_grad=t._rg)
+        real = as_parameter(t, real, t._rg)
     elif t._rg and (real.is_floating_point() or real.is_complex()):
         real = real.detach().requires_grad_(True)
     for k, v in t.__dict__.items():
-        if k not in INTERNAL_ATTRS and k != "_is_param":
+        if k not in INTERNAL_ATTRS and k not in PARAMETER_ATTRS:
             setattr(real, k, v)
     return real
 
