@@ -466,3 +466,41 @@ def test_a_parameter_subclass_keeps_its_class_after_free_and_materialize_again()
     dematerialize(m)
     materialize(m)
     assert type(m.w) is TaggedParameter and m.w.note == "kept"
+
+
+class KeepsViews(nn.Module):
+    """A weight in one part and views of it kept as attributes of another."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Module()
+        self.b.w_t = self.a.weight.t()
+        self.b.row = self.a.weight[0]
+        self.c = nn.Linear(3, 4, bias=False)
+        self.c.weight = nn.Parameter(self.a.weight.data.t())  # tied through shared memory
+
+
+def _shares_memory(x: torch.Tensor, y: torch.Tensor) -> bool:
+    return x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("order", [("a", "b", "c"), ("b", "c", "a"), ("c", "a", "b")])
+def test_views_materialized_in_separate_calls_keep_aliasing(order):
+    eager, m = eager_and_deferred(KeepsViews)
+    for name in order:
+        materialize(getattr(m, name))
+    assert _shares_memory(m.b.w_t, m.a.weight) and _shares_memory(m.b.row, m.a.weight)
+    assert _shares_memory(m.c.weight, m.a.weight)
+    assert torch.equal(m.b.w_t, eager.b.w_t) and m.b.w_t.stride() == eager.b.w_t.stride()
+    assert torch.equal(m.c.weight, eager.c.weight)
+
+
+def test_a_view_materialized_after_training_its_base_sees_the_training():
+    with meta_init():
+        m = KeepsViews()
+    materialize(m.a)
+    with torch.no_grad():
+        m.a.weight.add_(1.0)
+    materialize(m.b)
+    assert torch.equal(m.b.w_t, m.a.weight.t())

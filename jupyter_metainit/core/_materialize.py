@@ -22,8 +22,9 @@ from jupyter_metainit.core._busy import exclusive
 from jupyter_metainit.core._digest import digest
 from jupyter_metainit.core._files import read_file_bytes
 from jupyter_metainit.core._format import format_bytes
-from jupyter_metainit.core._graph import StorageRecord
+from jupyter_metainit.core._graph import StorageRecord, TensorRecord
 from jupyter_metainit.core._interrupts import critical, handling_interrupts
+from jupyter_metainit.core._plain import plain
 from jupyter_metainit.core._replay import Progress, compute_values, execute, plan, real_view
 from jupyter_metainit.core._swap import swap_in_place
 from jupyter_metainit.core._tensor import (
@@ -78,6 +79,56 @@ class _Shadow:
 
 
 _shadows: weakref.WeakSet[_Shadow] = weakref.WeakSet()
+
+# Storages a materialization made real, with the tensor over each, the writes recorded on the
+# storage then, and the memory's address: a deferred view of the same storage materialized in a
+# later call (``self.w_t = self.w.t()``, ``materialize(model.a)`` then ``materialize(model.b)``)
+# becomes a view of that memory, as in eager and in a whole-model call.
+_realized: weakref.WeakKeyDictionary[StorageRecord, tuple[weakref.ref, int, int]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _realized_base(
+    rec: TensorRecord, device: torch.device | None, bases: dict[int, torch.Tensor]
+) -> torch.Tensor | None:
+    """The real memory of ``rec``'s storage as a flat tensor, if an earlier call made it real
+    and it is still what that call made (same memory, nothing recorded on it since, on the
+    requested device); else ``None`` (the storage is replayed)."""
+    storage = rec.storage
+    if id(storage) in bases:
+        return bases[id(storage)]
+    entry = _realized.get(storage)
+    if entry is None:
+        return None
+    ref, writes, address = entry
+    real = ref()
+    if real is None or isinstance(real, DeferredTensor) or real.is_meta:
+        return None
+    memory = real.untyped_storage()
+    if (
+        len(storage.writes) != writes
+        or memory.data_ptr() != address
+        or memory.nbytes() != storage.nbytes
+        or (device is not None and real.device != device)
+    ):
+        return None
+    with plain():
+        base = torch.empty(0, dtype=storage.dtype, device=real.device)
+        base.set_(memory, 0, (storage.nbytes // storage.dtype.itemsize,))
+    bases[id(storage)] = base
+    return base
+
+
+def _remember_realized(tensors: list[torch.Tensor], records: list[TensorRecord]) -> None:
+    """After the swap: note the storages now real whose memory holds them as recorded (not a
+    cast copy, not a partial copy)."""
+    for t, rec in zip(tensors, records, strict=True):
+        if t.dtype != rec.dtype or isinstance(t, DeferredTensor):
+            continue
+        memory = t.untyped_storage()
+        if memory.nbytes() == rec.storage.nbytes and rec.storage not in _realized:
+            _realized[rec.storage] = (weakref.ref(t), len(rec.storage.writes), memory.data_ptr())
 
 
 # ---------------------------------------------------------------------------------------------
@@ -552,7 +603,16 @@ def _materialize_now(
         loaded = load_for(obj, [*tensors, *reals], checkpoint, device, missing, dtype, root)
         if tracker is not None:
             tracker.loaded([t for t in tensors if id(t) in loaded])
-    to_replay = [t for t in tensors if id(t) not in loaded]
+    bases: dict[int, torch.Tensor] = {}
+    aliased: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        if id(t) not in loaded:
+            base = _realized_base(t._rec, device, bases)
+            if base is not None:
+                aliased[id(t)] = base
+    if tracker is not None and aliased:
+        tracker.loaded([t for t in tensors if id(t) in aliased])
+    to_replay = [t for t in tensors if id(t) not in loaded and id(t) not in aliased]
     replay = plan([t._rec for t in to_replay])
     # A tensor's own plan says where its values come from; only worth asking if any file is read.
     reads_files = any(op.func is read_file_bytes for op in replay.ops)
@@ -566,6 +626,8 @@ def _materialize_now(
     for t in tensors:
         if id(t) in loaded:
             new.append(_build_real(t, loaded[id(t)], dtype, used, exact_tensor=True))
+        elif id(t) in aliased:
+            new.append(_build_real(t, aliased[id(t)], dtype, used))
         else:
             new.append(_build_real(t, env[id(t._rec.storage)], dtype, used))
         new[-1].__dict__["_jmi_source"] = sources[id(t)]
@@ -576,6 +638,7 @@ def _materialize_now(
     digests = [digest(r) if keep and not f else None for r, f in zip(new, from_file, strict=True)]
     kept = [keep or f for f in from_file]
     converted = _converted_reals([t for t in reals if id(t) not in loaded], device, dtype)
+    records = [t._rec for t in tensors]
     with critical():
         _swap_all(tensors, new, digests, kept)
         with torch.no_grad():
@@ -585,6 +648,7 @@ def _materialize_now(
                     t.copy_(value if value.dtype == t.dtype else value.to(t.dtype))
         for t, data in converted:
             _set_data_keeping_shadow(t, data)
+    _remember_realized(tensors, records)
     return [*tensors, *(t for t in reals if id(t) in loaded), *(t for t, _ in converted)]
 
 
