@@ -552,3 +552,8 @@ def test_unsharded_deferred_model_materializes_with_eager_values():
 def test_unknown_rng_mode_is_refused():
     with pytest.raises(ValueError, match="rng"):
         materialize_sharded(_deferred_mlp(), rng="quick")
+
+
+def test_materialize_sharded_of_a_number_says_what_it_takes():
+    with pytest.raises(TypeError, match=r"materialize_sharded\(\) takes the sharded model"):
+        materialize_sharded(5)

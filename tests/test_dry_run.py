@@ -4,6 +4,7 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
 import torch
 import transformers
 from _models import llama_config
@@ -163,3 +164,8 @@ def test_seventy_b_dry_run_allocates_no_activations():
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
     )
     assert int(done.stdout.split()[-1]) < 1024**3
+
+
+def test_dry_run_of_a_tensor_says_to_pass_the_module():
+    with pytest.raises(TypeError, match=r"dry_run\(\) takes an nn.Module .* not Tensor"):
+        dry_run(torch.ones(3), (1, 3))

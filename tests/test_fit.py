@@ -72,3 +72,28 @@ def test_summary_reports_bytes_per_dtype():
 def test_summary_accepts_a_table():
     table = memory_table(model(), dtype="int8")
     assert "10.8 KiB int8" in summary(table)
+
+
+def test_fits_counts_tensors_kept_as_plain_attributes():
+    from jupyter_metainit import meta_init
+
+    class Cached(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(2, 2)
+            self.cache = {"table": torch.zeros(1000, 1000)}
+
+    with meta_init():
+        m = Cached()
+    assert not fits(m, budget=1_000_000).loc["", "fits"]
+
+
+@pytest.mark.parametrize("budget", [-5, 0, "-1GiB", True, float("inf")])
+def test_a_budget_that_is_no_memory_size_is_a_clear_error(budget):
+    with pytest.raises((ValueError, TypeError), match=r"budget|memory size"):
+        fits(nn.Linear(2, 2), budget=budget)
+
+
+def test_summary_of_none_asks_whether_the_model_was_built():
+    with pytest.raises(TypeError, match=r"summary\(\) takes an nn.Module .* not NoneType"):
+        summary(None)

@@ -499,3 +499,148 @@ def test_torch_save_after_keep_cache_loads_with_weights_only_and_without_this_pa
     )
     subprocess.run([sys.executable, "-c", code], check=True)
     assert torch.equal(torch.load(tmp_path / "param.pt"), m.layers[0].weight)
+
+
+class Tables(nn.Module):
+    """Tensors kept in containers on the module, as research code does."""
+
+    def __init__(self):
+        super().__init__()
+        from collections import OrderedDict
+
+        self.lin = nn.Linear(4, 4)
+        self.tables = {"k": torch.randn(3), "nested": {"x": [torch.randn(2), (torch.rand(5),)]}}
+        self.ordered = OrderedDict(a=torch.randn(2, 2))
+        self.pairs = (torch.arange(4), [torch.randn(3)])
+
+
+def _container_tensors(m: Tables) -> list[torch.Tensor]:
+    return [
+        m.tables["k"], m.tables["nested"]["x"][0], m.tables["nested"]["x"][1][0],
+        m.ordered["a"], m.pairs[0], m.pairs[1][0],
+    ]  # fmt: skip
+
+
+def test_tensors_in_dicts_lists_and_tuples_materialize_with_eager_values():
+    eager, m = eager_and_deferred(Tables)
+    materialize(m)
+    for want, got in zip(_container_tensors(eager), _container_tensors(m), strict=True):
+        assert tensor_state(got) == "cpu"
+        assert torch.equal(want, got) and want.stride() == got.stride()
+
+
+def test_is_deferred_sees_a_tensor_kept_in_a_dict():
+    with meta_init():
+        m = nn.Linear(2, 2)
+        m.tables = {"k": torch.randn(3)}
+    materialize(m.weight)
+    materialize(m.bias)
+    assert is_deferred(m)
+
+
+def test_tensors_in_containers_dematerialize_and_come_back_the_same():
+    eager, m = eager_and_deferred(Tables)
+    materialize(m, keep_cache=True)
+    dematerialize(m)
+    assert all(tensor_state(t) == "deferred" for t in _container_tensors(m))
+    materialize(m)
+    for want, got in zip(_container_tensors(eager), _container_tensors(m), strict=True):
+        assert torch.equal(want, got)
+
+
+def test_materialize_takes_a_generator_of_parameters():
+    eager, m = eager_and_deferred(lambda: nn.Linear(3, 3))
+    materialize(m.parameters())
+    assert not is_deferred(m)
+    assert torch.equal(m.weight, eager.weight) and torch.equal(m.bias, eager.bias)
+
+
+def test_materialize_takes_a_list_mixing_modules_and_tensors():
+    eager, m = eager_and_deferred(Net)
+    materialize([m.norm, m.layers[1].weight, (m.emb,)])
+    assert not is_deferred(m.norm) and not is_deferred(m.emb)
+    assert torch.equal(m.layers[1].weight, eager.layers[1].weight)
+    assert is_deferred(m.layers[1].bias)
+
+
+def test_is_deferred_takes_a_generator():
+    with meta_init():
+        m = nn.Linear(2, 2)
+    assert is_deferred(m.parameters())
+
+
+@pytest.mark.parametrize("verb", [materialize, dematerialize])
+def test_a_number_is_a_type_error_saying_what_is_accepted(verb):
+    with pytest.raises(TypeError, match=r"tensor, a module, or a list .* got int"):
+        verb(5)
+
+
+class TaggedParameter(nn.Parameter):
+    """A user's parameter class, as quantization and research code define them."""
+
+    def describe(self) -> str:
+        return f"tagged {tuple(self.shape)}"
+
+
+class WithTaggedParameter(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.w = TaggedParameter(torch.randn(3, 2))
+        self.w.note = "kept"
+        self.frozen = TaggedParameter(torch.randn(2), requires_grad=False)
+
+
+def test_a_parameter_subclass_keeps_its_class_and_attributes():
+    eager, m = eager_and_deferred(WithTaggedParameter)
+    materialize(m)
+    assert type(m.w) is TaggedParameter and m.w.describe() == "tagged (3, 2)"
+    assert m.w.note == "kept" and "_param_cls" not in m.w.__dict__
+    assert torch.equal(m.w, eager.w) and m.w.requires_grad
+    assert type(m.frozen) is TaggedParameter and not m.frozen.requires_grad
+
+
+def test_a_parameter_subclass_keeps_its_class_after_free_and_materialize_again():
+    with meta_init():
+        m = WithTaggedParameter()
+    materialize(m, keep_cache=True)
+    dematerialize(m)
+    materialize(m)
+    assert type(m.w) is TaggedParameter and m.w.note == "kept"
+
+
+class KeepsViews(nn.Module):
+    """A weight in one part and views of it kept as attributes of another."""
+
+    def __init__(self):
+        super().__init__()
+        self.a = nn.Linear(4, 3)
+        self.b = nn.Module()
+        self.b.w_t = self.a.weight.t()
+        self.b.row = self.a.weight[0]
+        self.c = nn.Linear(3, 4, bias=False)
+        self.c.weight = nn.Parameter(self.a.weight.data.t())  # tied through shared memory
+
+
+def _shares_memory(x: torch.Tensor, y: torch.Tensor) -> bool:
+    return x.untyped_storage().data_ptr() == y.untyped_storage().data_ptr()
+
+
+@pytest.mark.parametrize("order", [("a", "b", "c"), ("b", "c", "a"), ("c", "a", "b")])
+def test_views_materialized_in_separate_calls_keep_aliasing(order):
+    eager, m = eager_and_deferred(KeepsViews)
+    for name in order:
+        materialize(getattr(m, name))
+    assert _shares_memory(m.b.w_t, m.a.weight) and _shares_memory(m.b.row, m.a.weight)
+    assert _shares_memory(m.c.weight, m.a.weight)
+    assert torch.equal(m.b.w_t, eager.b.w_t) and m.b.w_t.stride() == eager.b.w_t.stride()
+    assert torch.equal(m.c.weight, eager.c.weight)
+
+
+def test_a_view_materialized_after_training_its_base_sees_the_training():
+    with meta_init():
+        m = KeepsViews()
+    materialize(m.a)
+    with torch.no_grad():
+        m.a.weight.add_(1.0)
+    materialize(m.b)
+    assert torch.equal(m.b.w_t, m.a.weight.t())

@@ -211,3 +211,75 @@ def test_seventy_b_table_is_fast():
     table = memory_table(model)
     assert time.perf_counter() - start < 0.5  # benchmark target 0.2 s; slack for CI
     assert table.loc["", "params"] == sum(p.numel() for p in model.parameters())
+
+
+class Attributes(nn.Module):
+    """Tensors kept as plain attributes: a 4 MB table, a dict of them, views of a parameter."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(2, 2, bias=False)  # 16 bytes
+        self.table = torch.zeros(1000, 1000)  # 4,000,000 bytes
+        self.table_rows = self.table[:10]  # a view: no memory of its own
+        self.tables = {"k": torch.zeros(250), "again": self.table}  # 1,000 bytes new
+        self.lin.w_t = self.lin.weight.t()  # a view of a parameter: nothing
+        self.lin.rows = [self.lin.weight[0]]
+
+
+def test_tensor_attributes_count_once_per_storage_on_a_deferred_model():
+    from jupyter_metainit import meta_init
+
+    with meta_init():
+        m = Attributes()
+    row = memory_table(m).loc[""]
+    assert (row["attribute_bytes"], row["total_bytes"]) == (4_001_000, 4_001_016)
+
+
+def test_tensor_attributes_count_the_same_after_materialize():
+    from jupyter_metainit import materialize, meta_init
+
+    with meta_init():
+        m = Attributes()
+    materialize(m)
+    table = memory_table(m)
+    assert table.loc["", "total_bytes"] == 4_001_016
+    assert table.loc["lin", "attribute_bytes"] == 0
+
+
+def test_a_tensor_attribute_held_by_two_modules_is_shared_not_doubled():
+    a, b = nn.Module(), nn.Module()
+    a.cache = b.cache = torch.zeros(5)
+    table = memory_table(nn.Sequential(a, b))
+    assert table.loc["", "total_bytes"] == 20
+    assert table.loc["0", "shared_bytes"] == 20
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "match"),
+    [
+        ({"depth": "2"}, TypeError, "depth must be an int >= 0"),
+        ({"depth": -1}, ValueError, "depth must be >= 0"),
+        ({"depth": 1.5}, TypeError, "depth must be an int"),
+        ({"optimizer": -3}, ValueError, "must be >= 0"),
+        ({"optimizer": float("nan")}, ValueError, "must be >= 0"),
+        ({"optimizer": True}, TypeError, "bytes per trainable parameter"),
+        ({"optimizer": ["adam"]}, TypeError, "bytes per trainable parameter"),
+    ],
+    ids=[
+        "depth_str",
+        "depth_negative",
+        "depth_float",
+        "optim_negative",
+        "optim_nan",
+        "optim_bool",
+        "optim_list",
+    ],
+)
+def test_nonsense_arguments_are_clear_errors(kwargs, error, match):
+    with pytest.raises(error, match=match):
+        memory_table(nn.Linear(2, 2), **kwargs)
+
+
+def test_a_tensor_instead_of_a_module_says_to_pass_the_module():
+    with pytest.raises(TypeError, match=r"memory_table\(\) takes an nn.Module .* not Tensor"):
+        memory_table(torch.ones(3))

@@ -31,3 +31,15 @@ def test_module_without_device_argument():
 def test_rejects_non_modules():
     with pytest.raises(TypeError, match="Module subclass"):
         skip_init(dict)
+
+
+def test_skip_init_keeps_a_parameter_subclass():
+    class Tagged(nn.Parameter):
+        pass
+
+    class WithTagged(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.w = Tagged(torch.randn(2))
+
+    assert type(skip_init(WithTagged).w) is Tagged

@@ -342,3 +342,18 @@ def test_rows_say_which_parts_come_from_a_checkpoint(tmp_path):
         m[0].weight = nn.Parameter(load_file(str(tmp_path / "w.safetensors"))["weight"])
     r = rows(explore(m))
     assert r["0"][14] == "checkpoint" and r["1"][14] == "" and r[""][14] == "mixed"
+
+
+def test_tensor_attributes_count_in_the_tree_once_and_views_of_weights_not_at_all():
+    class Cached(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4, bias=False)  # 64 bytes
+            self.lin.w_t = self.lin.weight.t()  # a view of the weight: nothing
+            self.tables = {"k": torch.zeros(1000, 1000), "rows": [torch.ones(25)]}
+            self.k_again = self.tables["k"]
+
+    with meta_init():
+        m = Cached()
+    root = rows(explore(m))[""]
+    assert root[3] == 16 and root[4] == 64 + 4_000_000 + 100

@@ -11,7 +11,8 @@ from __future__ import annotations
 import inspect
 import os
 import traceback
-from collections.abc import Callable, Iterable
+import weakref
+from collections.abc import Callable, Iterable, Iterator, Sized, ValuesView
 from typing import Any
 
 import torch
@@ -23,11 +24,17 @@ from jupyter_metainit.core._busy import exclusive
 from jupyter_metainit.core._digest import digest
 from jupyter_metainit.core._files import read_file_bytes
 from jupyter_metainit.core._format import format_bytes
-from jupyter_metainit.core._graph import StorageRecord
+from jupyter_metainit.core._graph import StorageRecord, TensorRecord
 from jupyter_metainit.core._interrupts import critical, handling_interrupts
+from jupyter_metainit.core._plain import plain
 from jupyter_metainit.core._replay import Progress, compute_values, execute, plan, real_view
 from jupyter_metainit.core._swap import swap_in_place
-from jupyter_metainit.core._tensor import INTERNAL_ATTRS, DeferredTensor
+from jupyter_metainit.core._tensor import (
+    INTERNAL_ATTRS,
+    PARAMETER_ATTRS,
+    DeferredTensor,
+    as_parameter,
+)
 from jupyter_metainit.core._values import value_cache
 from jupyter_metainit.core._walk import unique_tensors
 from jupyter_metainit.core.errors import (
@@ -102,17 +109,70 @@ _kept: WeakIdKeyDictionary = WeakIdKeyDictionary()  # real tensor -> _Shadow
 _sources: WeakIdKeyDictionary = WeakIdKeyDictionary()  # real tensor -> "checkpoint" / "init"
 _freed_state: WeakIdKeyDictionary = WeakIdKeyDictionary()  # freed tensor -> _UserState
 
+# Storages a materialization made real, with the tensor over each, the writes recorded on the
+# storage then, and the memory's address: a deferred view of the same storage materialized in a
+# later call (``self.w_t = self.w.t()``, ``materialize(model.a)`` then ``materialize(model.b)``)
+# becomes a view of that memory, as in eager and in a whole-model call.
+_realized: weakref.WeakKeyDictionary[StorageRecord, tuple[weakref.ref, int, int]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _realized_base(
+    rec: TensorRecord, device: torch.device | None, bases: dict[int, torch.Tensor]
+) -> torch.Tensor | None:
+    """The real memory of ``rec``'s storage as a flat tensor, if an earlier call made it real
+    and it is still what that call made (same memory, nothing recorded on it since, on the
+    requested device); else ``None`` (the storage is replayed)."""
+    storage = rec.storage
+    if id(storage) in bases:
+        return bases[id(storage)]
+    entry = _realized.get(storage)
+    if entry is None:
+        return None
+    ref, writes, address = entry
+    real = ref()
+    if real is None or isinstance(real, DeferredTensor) or real.is_meta:
+        return None
+    memory = real.untyped_storage()
+    if (
+        len(storage.writes) != writes
+        or memory.data_ptr() != address
+        or memory.nbytes() != storage.nbytes
+        or (device is not None and real.device != device)
+    ):
+        return None
+    with plain():
+        base = torch.empty(0, dtype=storage.dtype, device=real.device)
+        base.set_(memory, 0, (storage.nbytes // storage.dtype.itemsize,))
+    bases[id(storage)] = base
+    return base
+
+
+def _remember_realized(tensors: list[torch.Tensor], records: list[TensorRecord]) -> None:
+    """After the swap: note the storages now real whose memory holds them as recorded (not a
+    cast copy, not a partial copy)."""
+    for t, rec in zip(tensors, records, strict=True):
+        if t.dtype != rec.dtype or isinstance(t, DeferredTensor):
+            continue
+        memory = t.untyped_storage()
+        if memory.nbytes() == rec.storage.nbytes and rec.storage not in _realized:
+            _realized[rec.storage] = (weakref.ref(t), len(rec.storage.writes), memory.data_ptr())
+
 
 # ---------------------------------------------------------------------------------------------
 # what a tensor is
 
 
 def is_deferred(obj: Any) -> bool:
-    """True for a deferred tensor, or a module with at least one deferred parameter or buffer."""
+    """True for a deferred tensor, or a module with at least one deferred parameter, buffer or
+    tensor attribute (also one kept in a dict, list or tuple attribute)."""
     if isinstance(obj, torch.Tensor):
         return isinstance(_deferred_local(obj), DeferredTensor) or _is_uninitialized(obj)
     if isinstance(obj, torch.nn.Module):
         return any(is_deferred(t) for t in _module_tensors(obj))
+    if isinstance(obj, (list, tuple, set, frozenset, ValuesView, Iterator)):
+        return any(is_deferred(x) for x in obj)
     return False
 
 
@@ -170,24 +230,33 @@ def _module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     return list(seen.values())
 
 
+def _as_list_if_iterator(obj: Any) -> Any:
+    """A one-shot iterable (``model.parameters()``, a generator) as a list, so that it can be
+    walked more than once; anything else as it is."""
+    if isinstance(obj, Iterator) and not isinstance(obj, (torch.Tensor, torch.nn.Module)):
+        return list(obj)
+    return obj
+
+
 def _collect(obj: Any, verb: str = "materialize") -> list[torch.Tensor]:
     if isinstance(obj, torch.Tensor):
         return [_deferred_local(obj)]
     if isinstance(obj, torch.nn.Module):
         return _module_tensors(obj)
-    if isinstance(obj, (list, tuple)):
+    if isinstance(obj, (list, tuple, set, frozenset, ValuesView)):
         out: dict[int, torch.Tensor] = {}
         for x in obj:
-            if not isinstance(x, (torch.Tensor, torch.nn.Module)):
+            if not isinstance(x, (torch.Tensor, torch.nn.Module, list, tuple)):
                 raise TypeError(
-                    f"{verb}() takes tensors, modules or a list of them; got a "
-                    f"{type(x).__name__} in the list"
+                    f"{verb}() takes a tensor, a module, or a list (or other iterable, e.g. "
+                    f"model.parameters()) of them; got a {type(x).__name__} in the list"
                 )
             for t in _collect(x, verb):
                 out.setdefault(id(t), t)
         return list(out.values())
     raise TypeError(
-        f"{verb}() takes a tensor, a module or a list of them; got {type(obj).__name__}"
+        f"{verb}() takes a tensor, a module, or a list (or other iterable, e.g. "
+        f"model.parameters()) of them; got {type(obj).__name__}"
     )
 
 
@@ -412,7 +481,9 @@ def _describe(obj: Any) -> str:
         return type(obj).__name__
     if isinstance(obj, torch.Tensor):
         return f"a tensor of shape {tuple(obj.shape)}"
-    return f"{len(obj)} objects"
+    if isinstance(obj, Sized):
+        return f"{len(obj)} objects"
+    return f"a {type(obj).__name__}"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -438,8 +509,9 @@ def materialize(
     requested tensors depend on are replayed; everything else stays deferred.
 
     Args:
-        obj: a tensor, a module (all its parameters, buffers and tensor attributes, recursively),
-            or a list/tuple of them.
+        obj: a tensor, a module (all its parameters, buffers and tensor attributes, also in dicts,
+            lists and tuples, recursively), or a list, tuple or other iterable of them
+            (``model.parameters()``; an iterator is returned as a list).
         device: where the real tensors go; ``None`` keeps each tensor's recorded device.
             Parts of ``obj`` that are real already are moved there in place, as
             ``nn.Module.to`` does (same tensor objects, ties kept).
@@ -467,10 +539,11 @@ def materialize(
             qualified names the checkpoint uses (``model.layers.3...``).
 
     Returns:
-        ``obj``. A failed or interrupted call leaves every tensor as it was (deferred ones
-        deferred and materializable) and keeps nothing it allocated. Calls from several threads
-        on the same model are serialized (see ``_busy``).
+        ``obj`` (an iterator's items as a list). A failed or interrupted call leaves every
+        tensor as it was (deferred ones deferred and materializable) and keeps nothing it
+        allocated. Calls from several threads on the same model are serialized (see ``_busy``).
     """
+    obj = _as_list_if_iterator(obj)
     if rng not in _RNG_MODES:
         raise ValueError(f"rng must be 'exact' or 'fast', not {rng!r}")
     if missing not in ("error", "init"):
@@ -534,11 +607,11 @@ def _build_real(
         real = real.detach()  # a second object over the same storage (aliases stay aliases)
     used.add(id(real))
     if getattr(t, "_is_param", False):
-        real = torch.nn.Parameter(real, requires_grad=t._rg)
+        real = as_parameter(t, real, t._rg)
     elif t._rg and (real.is_floating_point() or real.is_complex()):
         real = real.detach().requires_grad_(True)
     for k, v in t.__dict__.items():
-        if k not in INTERNAL_ATTRS and k != "_is_param":
+        if k not in INTERNAL_ATTRS and k not in PARAMETER_ATTRS:
             setattr(real, k, v)
     return real
 
@@ -563,7 +636,16 @@ def _materialize_now(
         )
         if tracker is not None:
             tracker.loaded([t for t in tensors if id(t) in loaded])
-    to_replay = [t for t in tensors if id(t) not in loaded]
+    bases: dict[int, torch.Tensor] = {}
+    aliased: dict[int, torch.Tensor] = {}
+    for t in tensors:
+        if id(t) not in loaded:
+            base = _realized_base(t._rec, device, bases)
+            if base is not None:
+                aliased[id(t)] = base
+    if tracker is not None and aliased:
+        tracker.loaded([t for t in tensors if id(t) in aliased])
+    to_replay = [t for t in tensors if id(t) not in loaded and id(t) not in aliased]
     replay = plan([t._rec for t in to_replay])
     # A tensor's own plan says where its values come from; only worth asking if any file is read.
     reads_files = any(op.func is read_file_bytes for op in replay.ops)
@@ -577,6 +659,8 @@ def _materialize_now(
     for t in tensors:
         if id(t) in loaded:
             new.append(_build_real(t, loaded[id(t)], dtype, used, exact_tensor=True))
+        elif id(t) in aliased:
+            new.append(_build_real(t, aliased[id(t)], dtype, used))
         else:
             new.append(_build_real(t, env[id(t._rec.storage)], dtype, used))
         state = _freed_state.get(t)
@@ -589,6 +673,7 @@ def _materialize_now(
     ]
     converted = _converted_reals([t for t in reals if id(t) not in loaded], device, dtype)
     restamps = [_restamp(t, data) for t, data in converted]
+    records = [t._rec for t in tensors]
     with critical():
         _swap_all(tensors, new, holders)
         for t in tensors:
@@ -605,6 +690,7 @@ def _materialize_now(
         for (t, data), restamp in zip(converted, restamps, strict=True):
             t.data = data
             _restamped(t, restamp)
+    _remember_realized(tensors, records)
     return [*tensors, *(t for t in reals if id(t) in loaded), *(t for t, _ in converted)]
 
 
@@ -711,6 +797,7 @@ def dematerialize(obj: Any, *, force: bool = False) -> Any:
     (which drops its current values). Refusals change nothing. What the user set on the tensor
     objects (``requires_grad``, attributes, hooks, a Parameter subclass) is kept.
     """
+    obj = _as_list_if_iterator(obj)
     with handling_interrupts(), exclusive(f"freeing {_describe(obj)}"):
         tensors = [
             _freeable(t) for t in _collect(obj, "dematerialize")

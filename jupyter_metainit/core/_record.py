@@ -44,7 +44,12 @@ from jupyter_metainit.core._state import (
     tls,
 )
 from jupyter_metainit.core._swap import swap_in_place
-from jupyter_metainit.core._tensor import INTERNAL_ATTRS, DeferredTensor
+from jupyter_metainit.core._tensor import (
+    INTERNAL_ATTRS,
+    PARAMETER_ATTRS,
+    DeferredTensor,
+    as_parameter,
+)
 from jupyter_metainit.core._values import value_cache
 from jupyter_metainit.core.errors import MetaInitError, UnsupportedOperatorError
 
@@ -1192,11 +1197,16 @@ def set_data(self: DeferredTensor, new: torch.Tensor) -> None:
     else:
         replacement = new.detach()
         if getattr(self, "_is_param", False):
-            replacement = torch.nn.Parameter(replacement, requires_grad=self._rg)
+            replacement = as_parameter(self, replacement, self._rg)
         else:
             replacement.requires_grad_(self._rg)
+    ours = (
+        INTERNAL_ATTRS
+        if isinstance(replacement, DeferredTensor)
+        else INTERNAL_ATTRS | PARAMETER_ATTRS
+    )
     for k, v in self.__dict__.items():
-        if k not in INTERNAL_ATTRS:
+        if k not in ours:
             setattr(replacement, k, v)
     swap_in_place(self, replacement)
 

@@ -10,7 +10,7 @@ from jupyter_metainit.core._context import meta_init
 from jupyter_metainit.core._materialize import iter_deferred
 from jupyter_metainit.core._plain import plain
 from jupyter_metainit.core._swap import swap_in_place
-from jupyter_metainit.core._tensor import INTERNAL_ATTRS
+from jupyter_metainit.core._tensor import INTERNAL_ATTRS, PARAMETER_ATTRS, as_parameter
 
 
 def skip_init(module_cls: type[torch.nn.Module], *args: Any, **kwargs: Any) -> torch.nn.Module:
@@ -33,12 +33,9 @@ def skip_init(module_cls: type[torch.nn.Module], *args: Any, **kwargs: Any) -> t
         with plain():
             empty = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
         real: torch.Tensor
-        if getattr(t, "_is_param", False):
-            real = torch.nn.Parameter(empty, requires_grad=t._rg)
-        else:
-            real = empty
+        real = as_parameter(t, empty, t._rg) if getattr(t, "_is_param", False) else empty
         for k, v in t.__dict__.items():
-            if k not in INTERNAL_ATTRS and k != "_is_param":
+            if k not in INTERNAL_ATTRS and k not in PARAMETER_ATTRS:
                 setattr(real, k, v)
         swap_in_place(t, real)
     return module

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import sys
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -10,7 +11,7 @@ import torch
 
 from jupyter_metainit.core._graph import TensorRecord
 
-__all__ = ["DeferredTensor"]
+__all__ = ["DeferredTensor", "as_parameter"]
 
 # Attributes of ours in a deferred tensor's __dict__; everything else there is the user's
 # (e.g. transformers' ``_is_hf_initialized``) and is carried over on materialization.
@@ -106,6 +107,23 @@ class DeferredTensor(torch.Tensor):
     def is_floating_point(self) -> bool:  # type: ignore[override]
         return self._meta.is_floating_point()
 
+    # ``nn.Parameter(deferred)`` (or a subclass: ``class MyParam(nn.Parameter)``) takes PyTorch's
+    # path for custom tensors: it returns the deferred tensor itself, flagged ``_is_param``, and
+    # the class asked for is lost. Setting the flag is the one moment the class is in reach (the
+    # caller's frame), so it is kept then, to make the real tensor of that class.
+    @property
+    def _is_param(self) -> bool:
+        return self.__dict__.get("_is_param", False)
+
+    @_is_param.setter
+    def _is_param(self, value: bool) -> None:
+        self.__dict__["_is_param"] = value
+        caller = sys._getframe(1)
+        if caller.f_code is _PARAMETER_NEW:
+            cls = caller.f_locals.get("cls")
+            if isinstance(cls, type) and cls is not torch.nn.Parameter:
+                self.__dict__["_param_cls"] = cls
+
     # requires_grad lives in Python (see class docstring).
     @property
     def requires_grad(self) -> bool:  # type: ignore[override]
@@ -164,3 +182,19 @@ class DeferredTensor(torch.Tensor):
             if k not in INTERNAL_ATTRS:
                 setattr(new, k, copy.deepcopy(v, memo))
         return new
+
+
+_PARAMETER_NEW = torch.nn.Parameter.__new__.__code__
+
+# Our bookkeeping in a deferred parameter's ``__dict__`` that the real tensor does not carry as
+# attributes (it is a Parameter of that class instead).
+PARAMETER_ATTRS = frozenset({"_is_param", "_param_cls"})
+
+
+def as_parameter(deferred: torch.Tensor, real: torch.Tensor, requires_grad: bool) -> torch.Tensor:
+    """``real`` as the parameter ``deferred`` stands for: of its class (a ``nn.Parameter``
+    subclass stays one), made the way ``nn.Parameter.__new__`` makes it for a plain tensor."""
+    cls = deferred.__dict__.get("_param_cls", torch.nn.Parameter)
+    if type(real) is not torch.Tensor and type(real) is not torch.nn.Parameter:
+        return torch.nn.Parameter(real, requires_grad=requires_grad)
+    return torch.Tensor._make_subclass(cls, real, requires_grad)

@@ -7,7 +7,7 @@ is acted on.
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
 import torch
@@ -15,7 +15,14 @@ from torch import nn
 
 from jupyter_metainit.core._tensor import DeferredTensor
 
-__all__ = ["OwnTensor", "named_tensors", "own_tensors", "unique_tensors"]
+__all__ = [
+    "OwnTensor",
+    "counted_attributes",
+    "named_tensors",
+    "own_tensors",
+    "storage_of",
+    "unique_tensors",
+]
 
 
 class OwnTensor(NamedTuple):
@@ -26,11 +33,25 @@ class OwnTensor(NamedTuple):
     kind: str  # "parameter", "buffer", "non-persistent buffer" or "attribute"
 
 
-def own_tensors(module: nn.Module, *, attributes: bool = False) -> list[OwnTensor]:
+# What ``nn.Module.__init__`` puts in ``__dict__`` (parameter/buffer/module dicts, hooks):
+# bookkeeping, not attributes of the model.
+_MODULE_INTERNALS = frozenset(nn.Module().__dict__)
+
+# How deep containers are followed (a dict of lists of tuples ...): deep enough for real models,
+# and a bound for self-referencing structures.
+_MAX_CONTAINER_DEPTH = 8
+
+
+def own_tensors(
+    module: nn.Module, *, attributes: bool = False, real_attributes: bool = False
+) -> list[OwnTensor]:
     """The parameters and buffers ``module`` holds itself (not its children's), in order.
 
-    With ``attributes``, also deferred tensors kept as plain attributes (or in a list or tuple
-    attribute): a model's ``self.freqs = torch.arange(...)`` is built and materialized with it.
+    With ``attributes``, also the deferred tensors kept as plain attributes, directly or in
+    containers (lists, tuples, dicts, nested): a model's ``self.freqs = torch.arange(...)`` or
+    ``self.tables = {"k": t}`` is built and materialized with it, and so are tensors that were
+    deferred once (materialized, so that a later call moves, casts or frees them again). With
+    ``real_attributes``, every tensor attribute counts (for estimates: they hold memory).
     """
     out = [OwnTensor(n, p, "parameter") for n, p in module._parameters.items() if p is not None]
     transient = module._non_persistent_buffers_set
@@ -39,17 +60,35 @@ def own_tensors(module: nn.Module, *, attributes: bool = False) -> list[OwnTenso
         for n, b in module._buffers.items()
         if b is not None
     ]
-    if attributes:
+    if attributes or real_attributes:
         for n, v in module.__dict__.items():
-            if isinstance(v, DeferredTensor):
-                out.append(OwnTensor(n, v, "attribute"))
-            elif isinstance(v, (list, tuple)):
-                out += [
-                    OwnTensor(f"{n}.{i}", x, "attribute")
-                    for i, x in enumerate(v)
-                    if isinstance(x, DeferredTensor)
-                ]
+            if n not in _MODULE_INTERNALS:
+                out += _attribute_tensors(n, v, real_attributes, 0)
     return out
+
+
+def _attribute_tensors(name: str, value: object, real: bool, depth: int) -> list[OwnTensor]:
+    if isinstance(value, torch.Tensor):
+        if real or isinstance(value, DeferredTensor) or _was_deferred(value):
+            return [OwnTensor(name, value, "attribute")]
+        return []
+    if depth >= _MAX_CONTAINER_DEPTH or isinstance(value, (str, bytes, nn.Module)):
+        return []
+    if isinstance(value, dict):
+        items: Iterable[tuple[object, object]] = value.items()
+    elif isinstance(value, (list, tuple)):
+        items = enumerate(value)
+    else:
+        return []
+    out: list[OwnTensor] = []
+    for key, item in items:
+        out += _attribute_tensors(f"{name}.{key}", item, real, depth + 1)
+    return out
+
+
+def _was_deferred(t: torch.Tensor) -> bool:
+    # ``materialize`` stamps every tensor it makes real with its source (and a shadow when kept).
+    return "_jmi_source" in t.__dict__ or "_jmi_shadow" in t.__dict__
 
 
 def named_tensors(
@@ -69,3 +108,51 @@ def unique_tensors(module: nn.Module, *, attributes: bool = False) -> list[torch
         for own in own_tensors(m, attributes=attributes):
             seen.setdefault(id(own.tensor), own.tensor)
     return list(seen.values())
+
+
+def storage_of(t: torch.Tensor) -> tuple[object, int]:
+    """``(key, bytes)`` of the memory ``t`` lives in: views of one storage share the key.
+
+    Deferred tensors answer from their recording, real ones from their storage; a tensor with no
+    storage to ask (meta, lazy) is its own key.
+    """
+    local = getattr(t, "_local_tensor", None)  # a DTensor's shard holds the memory
+    if isinstance(local, torch.Tensor):
+        t = local
+    if isinstance(t, DeferredTensor):
+        return ("deferred", id(t._rec.storage)), t._rec.storage.nbytes
+    if isinstance(t, nn.parameter.UninitializedTensorMixin):
+        return ("object", id(t)), 0
+    if t.is_meta:
+        return ("object", id(t)), t.numel() * t.element_size()
+    try:
+        storage = t.untyped_storage()
+        return ("real", str(t.device), storage.data_ptr()), storage.nbytes()
+    except (RuntimeError, NotImplementedError):  # sparse, nested and other storage-less kinds
+        return ("object", id(t)), t.numel() * t.element_size()
+
+
+def counted_attributes(modules: list[nn.Module]) -> list[list[OwnTensor]]:
+    """Per module of ``modules`` (a model's ``modules()``), the tensor attributes that hold memory
+    of their own: one tensor per storage (a view kept beside its base counts once; the same
+    tensor kept by two modules comes as the same object in both, like a tied weight), and none
+    over the storage of a parameter or buffer (``self.w_t = self.w.t()`` costs nothing)."""
+    held: set[object] = set()
+    for m in modules:
+        for own in own_tensors(m):
+            held.add(storage_of(own.tensor)[0])
+    first_of: dict[object, OwnTensor] = {}
+    out: list[list[OwnTensor]] = []
+    for m in modules:
+        here: list[OwnTensor] = []
+        for own in own_tensors(m, real_attributes=True):
+            if own.kind != "attribute":
+                continue
+            key = storage_of(own.tensor)[0]
+            if key in held:
+                continue
+            rep = first_of.setdefault(key, own)
+            if all(h.tensor is not rep.tensor for h in here):
+                here.append(OwnTensor(own.name, rep.tensor, "attribute"))
+        out.append(here)
+    return out

@@ -145,6 +145,12 @@ def materialize_sharded(
         ``module``, with every parameter's shard real. If it fails part-way, the shards made so
         far stay real and the rest stay deferred; calling it again finishes the job.
     """
+    if not isinstance(module, torch.nn.Module):
+        raise TypeError(
+            "materialize_sharded() takes the sharded model (an nn.Module after fully_shard / "
+            f"parallelize_module), not {type(module).__name__}; for single tensors or lists use "
+            "jupyter_metainit.materialize"
+        )
     if rng not in ("exact", "fast"):
         raise ValueError(f"rng must be 'exact' or 'fast', not {rng!r}")
     names = _shard_names(module)

@@ -19,6 +19,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
 
 from jupyter_metainit.core import tensor_state
+from jupyter_metainit.estimates._arguments import require_module
 from jupyter_metainit.estimates.memory import _DRY_RUN_ATTR, MemoryTable, memory_table
 
 __all__ = ["dry_run"]
@@ -250,6 +251,7 @@ def dry_run(
 
     Returns ``memory_table(module)`` with those columns.
     """
+    require_module(module, "dry_run")
     meta_init = _core_meta_init()
     use_meta = meta_init is None or _uses_meta(module)
     shape_dtype = input_dtype or _default_input_dtype(module)

@@ -11,6 +11,7 @@ import pandas as pd
 import torch
 from torch import nn
 
+from jupyter_metainit.estimates._arguments import check_budget, require_module
 from jupyter_metainit.estimates.memory import memory_table
 
 __all__ = ["fits"]
@@ -25,7 +26,11 @@ for _i, _p in enumerate("kmgtp", start=1):
 def parse_bytes(budget: int | float | str) -> int:
     """``"24GiB"`` -> 25769803776, ``"80GB"`` -> 80000000000, numbers are bytes."""
     if isinstance(budget, (int, float)):
+        if budget != budget or budget in (float("inf"), float("-inf")):
+            raise ValueError(f"budget must be a finite number of bytes, not {budget!r}")
         return int(budget)
+    if not isinstance(budget, str):
+        raise TypeError(f"budget must be bytes or a size such as '24GiB', not {budget!r}")
     match = _SIZE.match(budget)
     if not match:
         raise ValueError(f"cannot read a memory size from {budget!r} (e.g. '24GiB', '80GB')")
@@ -93,7 +98,10 @@ def fits(
     (``peak_forward_bytes``) when the module will also run there.
     """
     module = _model_from_path(module_or_path) if isinstance(module_or_path, str) else module_or_path
-    limit = parse_bytes(budget) if budget is not None else device_budget(device)
+    require_module(module, "fits", also=" or a model directory / hub name")
+    limit = check_budget(parse_bytes(budget), budget) if budget is not None else None
+    if limit is None:
+        limit = device_budget(device)
     table = memory_table(module, depth=depth, dtype=dtype)
     result = pd.DataFrame(
         {

@@ -16,7 +16,12 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from jupyter_metainit.core import tensor_source, tensor_state
-from jupyter_metainit.core._walk import own_tensors
+from jupyter_metainit.core._walk import counted_attributes, own_tensors, storage_of
+from jupyter_metainit.estimates._arguments import (
+    check_depth,
+    check_optimizer_bytes,
+    require_module,
+)
 
 __all__ = ["MemoryTable", "memory_table"]
 
@@ -63,6 +68,7 @@ COLUMNS = [
     "param_bytes",
     "buffer_bytes",
     "nonpersistent_bytes",
+    "attribute_bytes",
     "total_bytes",
     "shared_bytes",
     "dtypes",
@@ -139,8 +145,14 @@ def _whatif_bits(dtype: torch.dtype | str | None) -> tuple[int | None, str | Non
 def _optimizer_bytes(optimizer: str | float | None) -> float:
     if optimizer is None:
         return 0.0
+    check_optimizer_bytes(optimizer)
     if isinstance(optimizer, (int, float)):
         return float(optimizer)
+    if not isinstance(optimizer, str):
+        raise TypeError(
+            f"optimizer must be one of {sorted(OPTIMIZER_STATE_BYTES)}, None, or a number of "
+            f"bytes per trainable parameter, not {optimizer!r}"
+        )
     key = optimizer.lower()
     if key not in OPTIMIZER_STATE_BYTES:
         raise ValueError(
@@ -175,7 +187,9 @@ def memory_table(
     - ``params_own`` (the module's own parameters), ``params`` (its subtree),
       ``params_trainable`` (subtree, ``requires_grad``);
     - ``param_bytes``, ``buffer_bytes`` (persistent buffers), ``nonpersistent_bytes``
-      (non-persistent buffers), ``total_bytes`` (their sum);
+      (non-persistent buffers), ``attribute_bytes`` (tensors kept as plain attributes, also in
+      dicts/lists/tuples: each storage once, nothing for a view of a parameter or buffer),
+      ``total_bytes`` (their sum);
     - ``shared_bytes``: bytes of this subtree's tensors that modules outside the subtree hold too
       (tied weights). Every shared tensor is counted once in every total, so the root's
       ``total_bytes`` is the real unique size;
@@ -185,8 +199,8 @@ def memory_table(
       ``cuda:0`` ... or ``mixed``; ``uninitialized`` for lazy modules before their first
       (dry) forward, which count as 0 parameters; ``""`` for a subtree without tensors);
     - training estimates for the subtree, with N its parameters, T the trainable ones, B its buffer
-      bytes and S the optimizer's state bytes per trainable parameter (Adam/AdamW: 8, two fp32
-      moments; SGD: 0; SGD with momentum: 4; or ``optimizer=<number>``):
+      (and tensor attribute) bytes and S the optimizer's state bytes per trainable parameter
+      (Adam/AdamW: 8, two fp32 moments; SGD: 0; SGD with momentum: 4; or ``optimizer=<number>``):
 
       ``grad_fp32_bytes = 4·T``, ``optim_fp32_bytes = S·T``,
       ``train_fp32_bytes = 4·N + B + 4·T + S·T``  (Adam, all trainable: 16 B/param, the
@@ -213,6 +227,8 @@ def memory_table(
     Totals agree with ``accelerate.utils.compute_module_sizes(model)[""]`` and parameter
     counts with ``sum(p.numel() for p in model.parameters())``.
     """
+    require_module(module, "memory_table")
+    depth = check_depth(depth)
     bits, whatif_name = _whatif_bits(dtype)
     opt_bytes = _optimizer_bytes(optimizer)
 
@@ -235,7 +251,7 @@ def memory_table(
     n = len(names)
 
     # Per-tensor facts, keyed by id() of the tensor object (no weakrefs, see CONTRACT.md).
-    # kind: 0 parameter, 1 persistent buffer, 2 non-persistent buffer.
+    # kind: 0 parameter, 1 persistent buffer, 2 non-persistent buffer, 3 tensor attribute.
     info: dict[int, tuple[int, int, int, bool, str, str]] = {}
     owners: dict[int, list[int]] = {}
     params_own = [0] * n
@@ -245,19 +261,24 @@ def memory_table(
     p_bytes = [0] * n
     b_bytes = [0] * n
     nb_bytes = [0] * n
+    a_bytes = [0] * n
     dtypes: list[set[str]] = [set() for _ in range(n)]
     states: list[set[str]] = [set() for _ in range(n)]
     sources: list[set[str]] = [set() for _ in range(n)]
     bytes_by_dtype: dict[str, int] = {}
 
-    kinds = {"parameter": 0, "buffer": 1, "non-persistent buffer": 2}
+    kinds = {"parameter": 0, "buffer": 1, "non-persistent buffer": 2, "attribute": 3}
+    # Tensors kept as plain attributes hold memory too (``self.freqs = ...``, dicts of tables):
+    # one per storage, none that only views a parameter or buffer.
+    attributes = counted_attributes(mods)
 
-    def tensor_entries(mod: nn.Module) -> Iterable[tuple[torch.Tensor, int]]:
-        return [(own.tensor, kinds[own.kind]) for own in own_tensors(mod)]
+    def tensor_entries(i: int) -> Iterable[tuple[torch.Tensor, int]]:
+        owned = [*own_tensors(mods[i]), *attributes[i]]
+        return [(own.tensor, kinds[own.kind]) for own in owned]
 
-    for i, mod in enumerate(mods):
+    for i in range(n):
         seen_here: set[int] = set()
-        for t, kind in tensor_entries(mod):
+        for t, kind in tensor_entries(i):
             key = id(t)
             if key in seen_here:
                 continue
@@ -273,6 +294,8 @@ def memory_table(
                 owners[key] = [i]
                 continue
             numel = t.numel()
+            if kind == 3:  # the whole storage is held, also when the attribute is a slice
+                numel = storage_of(t)[1] // tdtype.itemsize
             if bits is not None and (tdtype.is_floating_point or tdtype.is_complex):
                 nbytes = math.ceil(numel * bits / 8)
                 dname = whatif_name or _dtype_name(tdtype)
@@ -300,8 +323,10 @@ def memory_table(
                 p_train[i] += numel
         elif kind == 1:
             b_bytes[i] += nbytes
-        else:
+        elif kind == 2:
             nb_bytes[i] += nbytes
+        else:
+            a_bytes[i] += nbytes
         dtypes[i].add(dname)
         states[i].add(state)
         if source:
@@ -334,6 +359,7 @@ def memory_table(
         p_bytes[j] += p_bytes[i]
         b_bytes[j] += b_bytes[i]
         nb_bytes[j] += nb_bytes[i]
+        a_bytes[j] += a_bytes[i]
         dtypes[j] |= dtypes[i]
         states[j] |= states[i]
         sources[j] |= sources[i]
@@ -350,7 +376,7 @@ def memory_table(
     def col(values: list) -> list:
         return values if depth is None else [values[i] for i in keep]
 
-    buf_all = [b_bytes[i] + nb_bytes[i] for i in range(n)]
+    buf_all = [b_bytes[i] + nb_bytes[i] + a_bytes[i] for i in range(n)]
     grad32 = [4 * t for t in p_train]
     optim = [int(opt_bytes * t) for t in p_train]
     data = {
@@ -363,6 +389,7 @@ def memory_table(
         "param_bytes": col(p_bytes),
         "buffer_bytes": col(b_bytes),
         "nonpersistent_bytes": col(nb_bytes),
+        "attribute_bytes": col(a_bytes),
         "total_bytes": col([p_bytes[i] + buf_all[i] for i in range(n)]),
         "shared_bytes": col(shared_bytes),
         "dtypes": col([", ".join(sorted(s)) for s in dtypes]),

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from jupyter_metainit.core._format import format_bytes
+from jupyter_metainit.estimates._arguments import require_module
 from jupyter_metainit.estimates.memory import memory_table
 
 __all__ = ["summary"]
@@ -26,10 +27,11 @@ def summary(
     then apply). Training figures are the ``train_fp32_bytes``/``train_mixed_bytes`` of the
     root (see :func:`memory_table` for the formulas).
     """
-    if isinstance(module_or_table, nn.Module):
-        table = memory_table(module_or_table, depth=0, dtype=dtype, optimizer=optimizer)
-    else:
+    if isinstance(module_or_table, pd.DataFrame) and "" in module_or_table.index:
         table = module_or_table
+    else:
+        module = require_module(module_or_table, "summary", also=" or a table from memory_table")
+        table = memory_table(module, depth=0, dtype=dtype, optimizer=optimizer)
     root = table.loc[""]
     attrs = table.attrs
     parts = [f"{attrs.get('model_type', root['type'])}: {int(root['params']):,} params"]

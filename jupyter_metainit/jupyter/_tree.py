@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from jupyter_metainit.core import tensor_source, tensor_state
-from jupyter_metainit.core._walk import own_tensors
+from jupyter_metainit.core._walk import OwnTensor, counted_attributes, own_tensors
 
 __all__ = ["ModuleTree", "NodeStats"]
 
@@ -95,6 +95,8 @@ class ModuleTree:
     parents: list[int] = field(default_factory=list)
     children: list[list[int]] = field(default_factory=list)
     index: dict[str, int] = field(default_factory=dict)
+    # Per node, the tensor attributes that hold memory of their own (found on first use).
+    attributes: list[list[OwnTensor]] | None = None
 
     @classmethod
     def build(cls, root: nn.Module) -> ModuleTree:
@@ -117,8 +119,12 @@ class ModuleTree:
 
     # ----------------------------------------------------------------- tensors and statistics
     def own_tensors(self, node: int) -> list[tuple[torch.Tensor, bool]]:
-        """The parameters (True) and buffers (False) a node holds directly."""
-        return [(o.tensor, o.kind == "parameter") for o in own_tensors(self.modules[node])]
+        """The parameters (True), buffers and tensor attributes (False) a node holds directly;
+        an attribute that only views a parameter or buffer is left out (it costs nothing)."""
+        if self.attributes is None:
+            self.attributes = counted_attributes(self.modules)
+        owned = [*own_tensors(self.modules[node]), *self.attributes[node]]
+        return [(o.tensor, o.kind == "parameter") for o in owned]
 
     def holders(self) -> dict[int, list[int]]:
         """``id(tensor)`` -> the nodes holding it directly, in module order (ties: several)."""

@@ -415,7 +415,7 @@ class ModuleTreeWidget(anywidget.AnyWidget):
     # ------------------------------------------------------------------ following the model
     def _tensor_ids(self) -> set[int]:
         ids = set()
-        for t in unique_tensors(self.module):
+        for t in unique_tensors(self.module, attributes=True):
             ids.add(id(t))
             local = getattr(t, "_local_tensor", None)  # a DTensor's shard
             if local is not None:
