@@ -474,3 +474,41 @@ def test_line_magic_help_lists_options(ip):
     out = ok(ip, "%materialize?")
     for option in ("EXPR", "--device DEV", "--dtype DT", "--rng {exact,fast}"):
         assert option in out.stdout
+
+
+def test_a_trailing_comment_does_not_force_dematerialize(ip, model):
+    m, _ = model
+    ok(ip, "%materialize m[0]\nwith torch.no_grad():\n    m[0].weight.add_(1)")
+    message = usage_error(ip, "%dematerialize m[0]  # --force")
+    assert not is_deferred(m[0]) and "--force" in message
+
+
+def test_a_trailing_comment_does_not_cast_on_materialize(ip, model):
+    m, _ = model
+    ok(ip, "%materialize m[0]  # --dtype bfloat16")
+    assert m[0].weight.dtype == torch.float32 and not is_deferred(m[0])
+
+
+def test_a_hash_inside_a_string_of_the_expression_is_not_a_comment(ip, model):
+    m, _ = model
+    ok(ip, "layers = {'#1': m[0]}")
+    ok(ip, "%materialize layers['#1'] --dtype float64  # the first layer")
+    assert m[0].weight.dtype == torch.float64
+
+
+def test_options_before_the_expression_are_accepted(ip, model):
+    m, eager = model
+    ok(ip, "%materialize --device cpu --dtype float64 m[0]")
+    assert m[0].weight.dtype == torch.float64
+    assert torch.equal(m[0].weight, eager[0].weight.double())
+
+
+def test_options_before_and_after_the_expression_are_combined(ip, model):
+    m, _ = model
+    ok(ip, "%materialize --rng exact m[0] --dtype float64")
+    assert m[0].weight.dtype == torch.float64
+
+
+def test_a_comment_on_the_meta_init_line_is_not_an_option(ip):
+    out = ok(ip, "%%meta_init  # --no-display\nm = nn.Linear(2, 2)")
+    assert "m: Linear" in out.stdout

@@ -31,6 +31,7 @@ from jupyter_metainit.jupyter.magic_options import (
     parse_device,
     parse_dtype,
     split_expression,
+    strip_comment,
 )
 
 __all__ = ["MetaInitMagics", "load_ipython_extension", "unload_ipython_extension"]
@@ -170,7 +171,13 @@ class MetaInitMagics(Magics):
 
     def _target(self, magic: str, line: str) -> tuple[str, Any, Any]:
         """Split ``line`` into EXPR and options, evaluate EXPR, check it is a module/tensor."""
-        expr, options = split_expression(line)
+        parser = getattr(self, magic).parser
+
+        def takes_value(option: str) -> bool:
+            action = parser._option_string_actions.get(option)
+            return action is not None and action.nargs != 0
+
+        expr, options = split_expression(line, takes_value)
         args = parse_argstring(getattr(self, magic), options)
         if args.expr:
             raise UsageError(f"%{magic}: unexpected argument(s) {' '.join(args.expr)!r}")
@@ -221,7 +228,7 @@ class MetaInitMagics(Magics):
         __tracebackhide__ = True
         from jupyter_metainit.core import meta_init
 
-        args = parse_argstring(self.meta_init, line)
+        args = parse_argstring(self.meta_init, strip_comment(line))
         device = parse_device(args.device)
         dtype = parse_dtype(args.dtype, default_dtypes_only=True)
         depth = parse_depth(args.depth)
