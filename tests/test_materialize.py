@@ -359,3 +359,46 @@ def test_materializing_real_parts_to_another_device_moves_them_in_place():
     bias = m.norm.bias
     materialize(m.norm, torch.device("cpu"), dtype=torch.float64)
     assert bias is m.norm.bias and bias.dtype == torch.float64 and tensor_state(bias) == "cpu"
+
+
+_TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() > 1
+
+
+@pytest.mark.skipif(_TWO_GPUS, reason="needs a machine without cuda:1")
+def test_a_module_recorded_for_a_missing_gpu_is_refused_not_moved_to_the_cpu():
+    with meta_init(device="cuda:1"):
+        m = nn.Linear(4, 4)
+    with pytest.raises(MaterializationError, match=r"recorded for cuda:1.*device='cpu'"):
+        materialize(m)
+    assert is_deferred(m)
+
+
+@pytest.mark.skipif(_TWO_GPUS, reason="needs a machine without cuda:1")
+def test_a_device_named_in_the_code_for_a_missing_gpu_is_refused_naming_it():
+    with meta_init():
+        m = nn.Sequential(nn.Linear(4, 4, device="cuda:1"), nn.Linear(4, 4))
+    with pytest.raises(MaterializationError, match="2 tensor.*recorded for cuda:1"):
+        materialize(m)
+    assert is_deferred(m)
+
+
+def test_a_module_recorded_for_a_missing_gpu_materializes_where_device_says():
+    torch.manual_seed(0)
+    with meta_init(device="cuda:1"):
+        m = nn.Linear(4, 4)
+    materialize(m, device="cpu")
+    torch.manual_seed(0)
+    eager = nn.Linear(4, 4)
+    assert m.weight.device == torch.device("cpu") and torch.equal(m.weight, eager.weight)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_module_recorded_for_cuda_materializes_on_cuda_without_device():
+    torch.manual_seed(0)
+    with meta_init(device="cuda"):
+        m = nn.Linear(4, 4)
+    materialize(m)
+    torch.manual_seed(0)
+    eager = nn.Linear(4, 4, device="cuda")
+    assert m.weight.device.type == "cuda" and m.bias.device.type == "cuda"
+    assert torch.equal(m.weight, eager.weight)

@@ -208,6 +208,41 @@ def parse_device(device: Any) -> torch.device | None:
     return d
 
 
+def _missing_device_reason(d: torch.device) -> str | None:
+    """Why ``d`` cannot hold tensors on this machine, or None when it can."""
+    if d.type == "cpu":
+        return None
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            return "CUDA is not available here"
+        count = torch.cuda.device_count()
+        if d.index is not None and not 0 <= d.index < count:
+            return f"this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+        return None
+    backend = getattr(torch, d.type, None)
+    is_available = getattr(backend, "is_available", None)
+    if not (callable(is_available) and is_available()):
+        return f"no {d.type} device is available here"
+    return None
+
+
+def _check_recorded_devices(tensors: list[DeferredTensor], what: str) -> None:
+    """With no ``device=``, each tensor goes where it was recorded for (``device=`` in the
+    model's code, ``meta_init(device=...)``): refuse before any work if that device is not
+    here, rather than fall back to another device silently."""
+    seen: dict[torch.device, int] = {}
+    for t in tensors:
+        seen[t.device] = seen.get(t.device, 0) + 1
+    for d, count in seen.items():
+        reason = _missing_device_reason(d)
+        if reason is not None:
+            raise MaterializationError(
+                f"{count} tensor(s) of {what} were recorded for {d}, and {reason}; pass "
+                "device='cpu' (or another device you have) to materialize them there. "
+                "Nothing was materialized."
+            )
+
+
 def _check_dtype(dtype: Any) -> None:
     if dtype is None:
         return
@@ -455,6 +490,8 @@ def materialize(
             collected = _collect(obj)
             tensors = [t for t in collected if isinstance(t, DeferredTensor)]
             _refuse_unmaterializable(collected, tensors)
+            if target_device is None:
+                _check_recorded_devices(tensors, _describe(obj))
             reals = [
                 t for t in collected
                 if not isinstance(t, DeferredTensor) and not t.is_meta
