@@ -512,3 +512,14 @@ def test_options_before_and_after_the_expression_are_combined(ip, model):
 def test_a_comment_on_the_meta_init_line_is_not_an_option(ip):
     out = ok(ip, "%%meta_init  # --no-display\nm = nn.Linear(2, 2)")
     assert "m: Linear" in out.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_materialize_of_a_cell_recorded_for_a_missing_gpu_says_how_to_pick_the_cpu(ip):
+    ok(ip, "%%meta_init --device cuda --no-display\nlin = nn.Linear(2, 2)")
+    message = usage_error(ip, "%materialize lin")
+    assert "recorded for cuda:0" in message
+    assert message.endswith("With the magic: %materialize lin --device cpu")
+    assert is_deferred(ip.user_ns["lin"])
+    ok(ip, "%materialize lin --device cpu")
+    assert not is_deferred(ip.user_ns["lin"])

@@ -11,7 +11,7 @@ import traitlets
 from _models import llama70b_on_meta
 from torch import nn
 
-from jupyter_metainit import materialize, meta_init
+from jupyter_metainit import is_deferred, materialize, meta_init
 from jupyter_metainit.core import tensor_state
 from jupyter_metainit.jupyter.widget import ModuleTreeWidget, explore, widgets_of
 
@@ -342,3 +342,16 @@ def test_rows_say_which_parts_come_from_a_checkpoint(tmp_path):
         m[0].weight = nn.Parameter(load_file(str(tmp_path / "w.safetensors"))["weight"])
     r = rows(explore(m))
     assert r["0"][14] == "checkpoint" and r["1"][14] == "" and r[""][14] == "mixed"
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_materialize_by_default_targets_the_recorded_device_and_refuses_a_missing_one():
+    with meta_init(device="cuda:1"):
+        lin = nn.Sequential(nn.Linear(2, 2))
+    w = explore(lin)
+    w.selected = ["0"]
+    w.materialize()
+    assert "recorded for cuda:1" in w.error and "device='cpu'" in w.error
+    assert is_deferred(lin)
+    w.materialize("cpu")
+    assert w.error == "" and not is_deferred(lin)

@@ -270,7 +270,8 @@ class MetaInitMagics(Magics):
         # keep_cache: so that %dematerialize can make it deferred again later.
         _one_line_errors(
             "materialize", lambda: materialize(obj, device, dtype=dtype, rng=args.rng,
-                                               keep_cache=True)
+                                               keep_cache=True),
+            {"device='cpu'": f" With the magic: %materialize {expr} --device cpu"},
         )  # fmt: skip
         elapsed = time.perf_counter() - start
         print(f"materialized {summary_line(expr, obj)} in {format_duration(elapsed)}")
@@ -296,7 +297,7 @@ class MetaInitMagics(Magics):
         _one_line_errors(
             "dematerialize",
             lambda: dematerialize(obj, force=args.force),
-            f" With the magic: %dematerialize {expr} --force",
+            {"force=True": f" With the magic: %dematerialize {expr} --force"},
         )
         print(f"dematerialized {summary_line(expr, obj)}")
 
@@ -326,9 +327,12 @@ class MetaInitMagics(Magics):
         return table.full() if args.full else table
 
 
-def _one_line_errors(magic: str, action: Any, force_hint: str = "") -> None:
+def _one_line_errors(magic: str, action: Any, hints: dict[str, str] | None = None) -> None:
     """Run ``action``; a refusal or failure of the core is one ``UsageError`` line, raised
-    outside the handler so that nothing of the failed work stays reachable from it."""
+    outside the handler so that nothing of the failed work stays reachable from it.
+
+    ``hints``: when the core's message names an argument (``force=True``), the magic's
+    spelling of it is added."""
     __tracebackhide__ = True
     from jupyter_metainit.core.errors import MetaInitError
 
@@ -337,8 +341,9 @@ def _one_line_errors(magic: str, action: Any, force_hint: str = "") -> None:
         action()
     except (MetaInitError, ValueError, TypeError, OSError) as exc:
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if force_hint and "force=True" in text:
-            text += force_hint
+        for argument, hint in (hints or {}).items():
+            if argument in text:
+                text += hint
         message = f"%{magic}: {text}"
     if message is not None:
         raise UsageError(message)
