@@ -377,7 +377,7 @@ def test_a_module_recorded_for_a_missing_gpu_is_refused_not_moved_to_the_cpu():
 def test_a_device_named_in_the_code_for_a_missing_gpu_is_refused_naming_it():
     with meta_init():
         m = nn.Sequential(nn.Linear(4, 4, device="cuda:1"), nn.Linear(4, 4))
-    with pytest.raises(MaterializationError, match="2 tensor.*recorded for cuda:1"):
+    with pytest.raises(MaterializationError, match=r"2 tensor.*recorded for cuda:1"):
         materialize(m)
     assert is_deferred(m)
 
