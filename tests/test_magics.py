@@ -523,3 +523,27 @@ def test_materialize_of_a_cell_recorded_for_a_missing_gpu_says_how_to_pick_the_c
     assert is_deferred(ip.user_ns["lin"])
     ok(ip, "%materialize lin --device cpu")
     assert not is_deferred(ip.user_ns["lin"])
+
+
+_NOT_SET_UP = "class NotSetUp(nn.Module):\n    def __init__(self):\n        self.size = 3\n"
+
+
+def test_a_module_never_set_up_by_its_init_does_not_fail_the_cell(ip):
+    ok(ip, _NOT_SET_UP)
+    out = ok(ip, "%%meta_init\nbroken = NotSetUp()\nm = nn.Linear(2, 2)")
+    assert "broken: NotSetUp, not shown" in out.stdout
+    assert "add super().__init__() at the start of NotSetUp.__init__" in out.stdout
+    assert "m: Linear" in out.stdout
+
+
+def test_a_model_holding_a_part_never_set_up_names_that_part(ip):
+    ok(ip, _NOT_SET_UP)
+    out = ok(ip, "%%meta_init\nm = nn.Sequential(nn.Linear(2, 2))\nm._modules['inner'] = NotSetUp()")
+    assert "m: Sequential, not shown (its part inner): NotSetUp.__init__ never called" in out.stdout
+
+
+def test_line_magics_refuse_a_module_never_set_up_with_the_fix(ip):
+    ok(ip, _NOT_SET_UP + "broken = NotSetUp()")
+    message = usage_error(ip, "%materialize broken")
+    assert message.startswith("%materialize: broken: NotSetUp, refused")
+    assert message.endswith("(add super().__init__() at the start of NotSetUp.__init__)")

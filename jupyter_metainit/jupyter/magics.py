@@ -77,17 +77,66 @@ def summary_line(name: str, obj: Any) -> str:
     return f"{name}: " + ", ".join(parts)
 
 
+def _has_module_state(module: nn.Module) -> bool:
+    state = getattr(module, "__dict__", {})
+    return all(key in state for key in ("_parameters", "_buffers", "_modules"))
+
+
+def not_set_up_part(module: nn.Module) -> tuple[str, nn.Module] | None:
+    """The first module (qualified name, ``""`` for ``module`` itself) whose ``__init__`` never
+    ran ``nn.Module.__init__`` (no ``super().__init__()``): it has no parameter or submodule
+    dicts, so every walk over the model fails. None when every part is set up."""
+    stack: list[tuple[str, nn.Module]] = [("", module)]
+    seen: set[int] = set()
+    while stack:
+        name, m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        if not _has_module_state(m):
+            return name, m
+        for child_name, child in m._modules.items():
+            if child is not None:
+                stack.append((f"{name}.{child_name}" if name else child_name, child))
+    return None
+
+
+def is_set_up(module: nn.Module) -> bool:
+    return not_set_up_part(module) is None
+
+
+def not_set_up_note(name: str, module: nn.Module, refusal: str) -> str:
+    """``b: Bad, not shown: ...`` saying which part was never set up and how to fix it."""
+    part_name, part = not_set_up_part(module) or ("", module)
+    kind = type(part).__name__
+    where = f" (its part {part_name})" if part_name else ""
+    return (
+        f"{name}: {type(module).__name__}, {refusal}{where}: {kind}.__init__ never called "
+        f"nn.Module.__init__ (add super().__init__() at the start of {kind}.__init__)"
+    )
+
+
+def new_bindings(before: dict[str, Any], after: dict[str, Any]) -> dict[str, nn.Module]:
+    """Top-level ``nn.Module``s a cell bound or rebound (``before`` holds the objects)."""
+    return {
+        name: obj
+        for name, obj in after.items()
+        if not name.startswith("_")
+        and isinstance(obj, nn.Module)
+        and not (name in before and before[name] is obj)
+    }
+
+
 def new_modules(before: dict[str, Any], after: dict[str, Any]) -> dict[str, nn.Module]:
     """Top-level ``nn.Module``s bound or rebound by a cell, minus submodules of another new one.
 
     ``before`` holds the objects themselves (not their ids) so an id cannot be reused in between.
+    Modules that were never set up (see :func:`is_set_up`) are left out.
     """
     found: dict[str, nn.Module] = {}
     seen: set[int] = set()
-    for name, obj in after.items():
-        if name.startswith("_") or not isinstance(obj, nn.Module):
-            continue
-        if name in before and before[name] is obj:
+    for name, obj in new_bindings(before, after).items():
+        if not is_set_up(obj):
             continue
         if id(obj) not in seen:
             seen.add(id(obj))
@@ -188,6 +237,9 @@ class MetaInitMagics(Magics):
                 f"%{magic}: {expr} is a {type(obj).__name__}, "
                 "not a torch.nn.Module, a Tensor or a list of them"
             )
+        for item in items:
+            if isinstance(item, nn.Module) and not is_set_up(item):
+                raise UsageError(f"%{magic}: " + not_set_up_note(expr, item, "refused"))
         return expr, obj, args
 
     @magic_arguments()
@@ -238,6 +290,9 @@ class MetaInitMagics(Magics):
             ok = run_cell_body(self.shell, cell)
         if not ok or args.no_display:
             return
+        for name, module in new_bindings(before, self.shell.user_ns).items():
+            if not is_set_up(module):
+                print(not_set_up_note(name, module, "not shown"))
         for name, module in new_modules(before, self.shell.user_ns).items():
             _show(name, module, table=args.table, depth=depth)
 
