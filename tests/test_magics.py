@@ -538,7 +538,8 @@ def test_a_module_never_set_up_by_its_init_does_not_fail_the_cell(ip):
 
 def test_a_model_holding_a_part_never_set_up_names_that_part(ip):
     ok(ip, _NOT_SET_UP)
-    out = ok(ip, "%%meta_init\nm = nn.Sequential(nn.Linear(2, 2))\nm._modules['inner'] = NotSetUp()")
+    cell = "%%meta_init\nm = nn.Sequential(nn.Linear(2, 2))\nm._modules['inner'] = NotSetUp()"
+    out = ok(ip, cell)
     assert "m: Sequential, not shown (its part inner): NotSetUp.__init__ never called" in out.stdout
 
 
