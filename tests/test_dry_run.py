@@ -12,7 +12,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from jupyter_metainit import materialize, meta_init
-from jupyter_metainit.estimates import dry_run, memory_table
+from jupyter_metainit.estimates import dry_run, fits, memory_table
 
 
 def tiny_llama_config() -> transformers.LlamaConfig:
@@ -169,3 +169,106 @@ def test_seventy_b_dry_run_allocates_no_activations():
 def test_dry_run_of_a_tensor_says_to_pass_the_module():
     with pytest.raises(TypeError, match=r"dry_run\(\) takes an nn.Module .* not Tensor"):
         dry_run(torch.ones(3), (1, 3))
+
+
+def _snapshot(model: nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.clone() for k, v in model.state_dict(keep_vars=False).items()}
+
+
+def _same_state(model: nn.Module, before: dict[str, torch.Tensor]) -> bool:
+    after = model.state_dict()
+    return after.keys() == before.keys() and all(torch.equal(after[k], before[k]) for k in before)
+
+
+def test_dry_run_leaves_batchnorm_running_stats_of_a_real_model_unchanged():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4)).train()
+    before = _snapshot(model)
+    dry_run(model, (8, 4))
+    assert _same_state(model, before)
+
+
+def test_dry_run_with_dropout_leaves_the_global_rng_state_unchanged():
+    model = nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).train()
+    state = torch.get_rng_state()
+    dry_run(model, (8, 4))
+    assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_dry_run_leaves_an_explicit_generator_kept_on_the_model_unchanged():
+    class Noisy(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.gen = torch.Generator().manual_seed(3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + torch.randn(x.shape, generator=self.gen)
+
+    model = Noisy()
+    state = model.gen.get_state()
+    dry_run(model, (2, 3))
+    assert torch.equal(model.gen.get_state(), state)
+
+
+def test_dry_run_leaves_train_and_eval_modes_unchanged():
+    class SwitchesToEval(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.norm = nn.BatchNorm1d(3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.eval()
+            return self.norm(x)
+
+    model = SwitchesToEval().train()
+    dry_run(model, (2, 3))
+    assert model.training and model.norm.training
+
+
+def test_dry_run_leaves_a_tensor_attribute_written_by_forward_unchanged():
+    class Counts(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.calls = torch.zeros(())
+            self.lin = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            self.calls += 1
+            self.cache = x * 2  # a cache set by forward is not left on the model either
+            return self.lin(x)
+
+    model = Counts()
+    dry_run(model, (2, 3))
+    assert torch.equal(model.calls, torch.zeros(())) and "cache" not in model.__dict__
+
+
+def test_dry_run_on_a_deferred_model_in_train_mode_materializes_equal_to_eager():
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5)).train()
+
+    torch.manual_seed(0)
+    with meta_init():
+        model = build()
+    dry_run(model, (8, 4))
+    after_dry_run = torch.get_rng_state()
+    materialize(model)
+    torch.manual_seed(0)
+    eager = build()
+    assert _same_state(model, _snapshot(eager))
+    assert torch.equal(after_dry_run, torch.get_rng_state())
+
+
+def test_dry_run_does_not_write_a_deferred_input_in_place():
+    with meta_init():
+        x = torch.full((2, 3), -1.0)
+    dry_run(nn.ReLU(inplace=True), x)
+    materialize(x)
+    assert torch.equal(x, torch.full((2, 3), -1.0))
+
+
+def test_memory_table_and_fits_leave_a_real_model_and_the_rng_unchanged():
+    model = nn.Sequential(nn.Linear(4, 4), nn.BatchNorm1d(4), nn.Dropout(0.5)).train()
+    before, state = _snapshot(model), torch.get_rng_state()
+    memory_table(model)
+    fits(model, "cpu", budget="1GiB")
+    assert _same_state(model, before) and torch.equal(torch.get_rng_state(), state)
+    assert model.training

@@ -474,3 +474,77 @@ def test_line_magic_help_lists_options(ip):
     out = ok(ip, "%materialize?")
     for option in ("EXPR", "--device DEV", "--dtype DT", "--rng {exact,fast}"):
         assert option in out.stdout
+
+
+def test_a_trailing_comment_does_not_force_dematerialize(ip, model):
+    m, _ = model
+    ok(ip, "%materialize m[0]\nwith torch.no_grad():\n    m[0].weight.add_(1)")
+    message = usage_error(ip, "%dematerialize m[0]  # --force")
+    assert not is_deferred(m[0]) and "--force" in message
+
+
+def test_a_trailing_comment_does_not_cast_on_materialize(ip, model):
+    m, _ = model
+    ok(ip, "%materialize m[0]  # --dtype bfloat16")
+    assert m[0].weight.dtype == torch.float32 and not is_deferred(m[0])
+
+
+def test_a_hash_inside_a_string_of_the_expression_is_not_a_comment(ip, model):
+    m, _ = model
+    ok(ip, "layers = {'#1': m[0]}")
+    ok(ip, "%materialize layers['#1'] --dtype float64  # the first layer")
+    assert m[0].weight.dtype == torch.float64
+
+
+def test_options_before_the_expression_are_accepted(ip, model):
+    m, eager = model
+    ok(ip, "%materialize --device cpu --dtype float64 m[0]")
+    assert m[0].weight.dtype == torch.float64
+    assert torch.equal(m[0].weight, eager[0].weight.double())
+
+
+def test_options_before_and_after_the_expression_are_combined(ip, model):
+    m, _ = model
+    ok(ip, "%materialize --rng exact m[0] --dtype float64")
+    assert m[0].weight.dtype == torch.float64
+
+
+def test_a_comment_on_the_meta_init_line_is_not_an_option(ip):
+    out = ok(ip, "%%meta_init  # --no-display\nm = nn.Linear(2, 2)")
+    assert "m: Linear" in out.stdout
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_materialize_of_a_cell_recorded_for_a_missing_gpu_says_how_to_pick_the_cpu(ip):
+    ok(ip, "%%meta_init --device cuda --no-display\nlin = nn.Linear(2, 2)")
+    message = usage_error(ip, "%materialize lin")
+    assert "recorded for cuda:0" in message
+    assert message.endswith("With the magic: %materialize lin --device cpu")
+    assert is_deferred(ip.user_ns["lin"])
+    ok(ip, "%materialize lin --device cpu")
+    assert not is_deferred(ip.user_ns["lin"])
+
+
+_NOT_SET_UP = "class NotSetUp(nn.Module):\n    def __init__(self):\n        self.size = 3\n"
+
+
+def test_a_module_never_set_up_by_its_init_does_not_fail_the_cell(ip):
+    ok(ip, _NOT_SET_UP)
+    out = ok(ip, "%%meta_init\nbroken = NotSetUp()\nm = nn.Linear(2, 2)")
+    assert "broken: NotSetUp, not shown" in out.stdout
+    assert "add super().__init__() at the start of NotSetUp.__init__" in out.stdout
+    assert "m: Linear" in out.stdout
+
+
+def test_a_model_holding_a_part_never_set_up_names_that_part(ip):
+    ok(ip, _NOT_SET_UP)
+    cell = "%%meta_init\nm = nn.Sequential(nn.Linear(2, 2))\nm._modules['inner'] = NotSetUp()"
+    out = ok(ip, cell)
+    assert "m: Sequential, not shown (its part inner): NotSetUp.__init__ never called" in out.stdout
+
+
+def test_line_magics_refuse_a_module_never_set_up_with_the_fix(ip):
+    ok(ip, _NOT_SET_UP + "broken = NotSetUp()")
+    message = usage_error(ip, "%materialize broken")
+    assert message.startswith("%materialize: broken: NotSetUp, refused")
+    assert message.endswith("(add super().__init__() at the start of NotSetUp.__init__)")

@@ -465,10 +465,6 @@ def test_free_then_materialize_keeps_backward_hooks_and_their_handles():
     assert seen == ["hook", "post", "post"]
 
 
-class TaggedParameter(nn.Parameter):
-    pass
-
-
 def test_free_then_materialize_keeps_a_parameter_subclass():
     _, m = eager_and_deferred(Net)
     materialize(m.layers[0], keep_cache=True)
@@ -644,3 +640,46 @@ def test_a_view_materialized_after_training_its_base_sees_the_training():
         m.a.weight.add_(1.0)
     materialize(m.b)
     assert torch.equal(m.b.w_t, m.a.weight.t())
+
+
+_TWO_GPUS = torch.cuda.is_available() and torch.cuda.device_count() > 1
+
+
+@pytest.mark.skipif(_TWO_GPUS, reason="needs a machine without cuda:1")
+def test_a_module_recorded_for_a_missing_gpu_is_refused_not_moved_to_the_cpu():
+    with meta_init(device="cuda:1"):
+        m = nn.Linear(4, 4)
+    with pytest.raises(MaterializationError, match=r"recorded for cuda:1.*device='cpu'"):
+        materialize(m)
+    assert is_deferred(m)
+
+
+@pytest.mark.skipif(_TWO_GPUS, reason="needs a machine without cuda:1")
+def test_a_device_named_in_the_code_for_a_missing_gpu_is_refused_naming_it():
+    with meta_init():
+        m = nn.Sequential(nn.Linear(4, 4, device="cuda:1"), nn.Linear(4, 4))
+    with pytest.raises(MaterializationError, match=r"2 tensor.*recorded for cuda:1"):
+        materialize(m)
+    assert is_deferred(m)
+
+
+def test_a_module_recorded_for_a_missing_gpu_materializes_where_device_says():
+    torch.manual_seed(0)
+    with meta_init(device="cuda:1"):
+        m = nn.Linear(4, 4)
+    materialize(m, device="cpu")
+    torch.manual_seed(0)
+    eager = nn.Linear(4, 4)
+    assert m.weight.device == torch.device("cpu") and torch.equal(m.weight, eager.weight)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_a_module_recorded_for_cuda_materializes_on_cuda_without_device():
+    torch.manual_seed(0)
+    with meta_init(device="cuda"):
+        m = nn.Linear(4, 4)
+    materialize(m)
+    torch.manual_seed(0)
+    eager = nn.Linear(4, 4, device="cuda")
+    assert m.weight.device.type == "cuda" and m.bias.device.type == "cuda"
+    assert torch.equal(m.weight, eager.weight)

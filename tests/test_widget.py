@@ -11,7 +11,7 @@ import traitlets
 from _models import llama70b_on_meta
 from torch import nn
 
-from jupyter_metainit import materialize, meta_init
+from jupyter_metainit import is_deferred, materialize, meta_init
 from jupyter_metainit.core import tensor_state
 from jupyter_metainit.jupyter.widget import ModuleTreeWidget, explore, widgets_of
 
@@ -357,3 +357,16 @@ def test_tensor_attributes_count_in_the_tree_once_and_views_of_weights_not_at_al
         m = Cached()
     root = rows(explore(m))[""]
     assert root[3] == 16 and root[4] == 64 + 4_000_000 + 100
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the message without a GPU")
+def test_materialize_by_default_targets_the_recorded_device_and_refuses_a_missing_one():
+    with meta_init(device="cuda:1"):
+        lin = nn.Sequential(nn.Linear(2, 2))
+    w = explore(lin)
+    w.selected = ["0"]
+    w.materialize()
+    assert "recorded for cuda:1" in w.error and "device='cpu'" in w.error
+    assert is_deferred(lin)
+    w.materialize("cpu")
+    assert w.error == "" and not is_deferred(lin)

@@ -36,7 +36,7 @@ from jupyter_metainit.core._tensor import (
     as_parameter,
 )
 from jupyter_metainit.core._values import value_cache
-from jupyter_metainit.core._walk import unique_tensors
+from jupyter_metainit.core._walk import materialized_sources, unique_tensors
 from jupyter_metainit.core.errors import (
     MaterializationError,
     MetaInitError,
@@ -106,7 +106,7 @@ class _UserState:
 
 # Keyed by the tensor object, whose identity materialize and dematerialize preserve.
 _kept: WeakIdKeyDictionary = WeakIdKeyDictionary()  # real tensor -> _Shadow
-_sources: WeakIdKeyDictionary = WeakIdKeyDictionary()  # real tensor -> "checkpoint" / "init"
+_sources = materialized_sources  # real tensor -> "checkpoint" / "init"
 _freed_state: WeakIdKeyDictionary = WeakIdKeyDictionary()  # freed tensor -> _UserState
 
 # Storages a materialization made real, with the tensor over each, the writes recorded on the
@@ -303,6 +303,41 @@ def parse_device(device: Any) -> torch.device | None:
                 "use 'cpu' or a CUDA device"
             )
     return d
+
+
+def _missing_device_reason(d: torch.device) -> str | None:
+    """Why ``d`` cannot hold tensors on this machine, or None when it can."""
+    if d.type == "cpu":
+        return None
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            return "CUDA is not available here"
+        count = torch.cuda.device_count()
+        if d.index is not None and not 0 <= d.index < count:
+            return f"this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
+        return None
+    backend = getattr(torch, d.type, None)
+    is_available = getattr(backend, "is_available", None)
+    if not (callable(is_available) and is_available()):
+        return f"no {d.type} device is available here"
+    return None
+
+
+def _check_recorded_devices(tensors: list[DeferredTensor], what: str) -> None:
+    """With no ``device=``, each tensor goes where it was recorded for (``device=`` in the
+    model's code, ``meta_init(device=...)``): refuse before any work if that device is not
+    here, rather than fall back to another device silently."""
+    seen: dict[torch.device, int] = {}
+    for t in tensors:
+        seen[t.device] = seen.get(t.device, 0) + 1
+    for d, count in seen.items():
+        reason = _missing_device_reason(d)
+        if reason is not None:
+            raise MaterializationError(
+                f"{count} tensor(s) of {what} were recorded for {d}, and {reason}; pass "
+                "device='cpu' (or another device you have) to materialize them there. "
+                "Nothing was materialized."
+            )
 
 
 def _check_dtype(dtype: Any) -> None:
@@ -556,6 +591,8 @@ def materialize(
             collected = _collect(obj)
             tensors = [t for t in collected if isinstance(t, DeferredTensor)]
             _refuse_unmaterializable(collected, tensors)
+            if target_device is None:
+                _check_recorded_devices(tensors, _describe(obj))
             reals = [
                 t for t in collected
                 if not isinstance(t, DeferredTensor) and not t.is_meta

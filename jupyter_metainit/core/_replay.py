@@ -375,7 +375,9 @@ class _Run:
         for out in op.outputs:
             if out is not None:
                 return out.storage.device
-        for s in op.reads:
+        # An in-place op (`uniform_` on a tensor recorded for cuda:1) runs where the tensor it
+        # writes was recorded; only an op that writes nothing follows what it reads.
+        for s in (*op.mutates, *op.reads):
             return s.device
         return torch.device("cpu")
 

@@ -12,6 +12,7 @@ from typing import NamedTuple
 
 import torch
 from torch import nn
+from torch.utils.weak import WeakIdKeyDictionary
 
 from jupyter_metainit.core._tensor import DeferredTensor
 
@@ -86,9 +87,14 @@ def _attribute_tensors(name: str, value: object, real: bool, depth: int) -> list
     return out
 
 
+# Every tensor ``materialize`` made real -> where its values came from ("init" or "checkpoint").
+# Kept here, weakly and off the tensor objects, because the walker must know it: an attribute
+# that was deferred once stays part of the model (a later call moves, casts or frees it).
+materialized_sources: WeakIdKeyDictionary = WeakIdKeyDictionary()
+
+
 def _was_deferred(t: torch.Tensor) -> bool:
-    # ``materialize`` stamps every tensor it makes real with its source (and a shadow when kept).
-    return "_jmi_source" in t.__dict__ or "_jmi_shadow" in t.__dict__
+    return t in materialized_sources
 
 
 def named_tensors(

@@ -222,6 +222,107 @@ def _uses_meta(module: nn.Module) -> bool:
     return any(t.is_meta and not is_lazy(t) for t in tensors)
 
 
+def _stand_in(t: torch.Tensor, on_meta: bool) -> torch.Tensor:
+    """A tensor like ``t`` that the run may read and write instead of ``t``.
+
+    Inside ``meta_init`` a deferred clone: its values are ``t``'s if the forward needs them,
+    and a write lands on the clone only. On the meta path an empty meta tensor.
+    """
+    with torch.no_grad():
+        if on_meta:
+            new = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
+        else:
+            new = t.detach().clone()
+    if isinstance(t, nn.Parameter):
+        return nn.Parameter(new, requires_grad=t.requires_grad)
+    return new.requires_grad_(t.requires_grad) if t.requires_grad else new
+
+
+class _ModelGuard:
+    """Leaves a model as it was found around a forward run for an estimate.
+
+    Every tensor the model holds (parameters, buffers, tensor attributes, tied ones once) is
+    swapped for a stand-in while the forward runs, so in-place writes (BatchNorm's running
+    stats, counters, caches) never reach the model's tensors, real or deferred (a write on a
+    deferred tensor would be recorded and change what it materializes to). Afterwards every
+    module gets back its attributes, tensors and train/eval mode, and the random generators
+    (CPU, CUDA, generators kept on modules) their states: Dropout in the run draws nothing
+    the user sees. Lazy modules (``nn.LazyLinear``) keep their inferred parameters: giving
+    them a shape is what a dry run is for.
+    """
+
+    def __init__(self, root: nn.Module) -> None:
+        self.modules = list(root.modules())
+        self.training = [m.training for m in self.modules]
+        self.lazy = [
+            any(
+                is_lazy(t) for t in (*m._parameters.values(), *m._buffers.values()) if t is not None
+            )
+            for m in self.modules
+        ]
+        self.attributes = [dict(m.__dict__) for m in self.modules]
+        self.parameters = [dict(m._parameters) for m in self.modules]
+        self.buffers = [dict(m._buffers) for m in self.modules]
+        self.modules_of = [dict(m._modules) for m in self.modules]
+        self.transient = [set(m._non_persistent_buffers_set) for m in self.modules]
+        generators = {id(torch.default_generator): torch.default_generator}
+        if torch.cuda.is_available() and torch.cuda.is_initialized():
+            for g in torch.cuda.default_generators:
+                generators[id(g)] = g
+        for m in self.modules:
+            for v in m.__dict__.values():
+                if isinstance(v, torch.Generator):
+                    generators[id(v)] = v
+        self.generators = list(generators.values())
+        # `torch.get_rng_state` inside a block first settles draws recorded so far (see
+        # core._context); the generator's own get_state is the same after that.
+        torch.get_rng_state()
+        self.rng_states = [g.get_state() for g in self.generators]
+
+    def swap_in_stand_ins(self, on_meta: bool) -> None:
+        made: dict[int, torch.Tensor] = {}
+
+        def stand_in(t: Any) -> Any:
+            if not isinstance(t, torch.Tensor) or is_lazy(t):
+                return t
+            if id(t) not in made:
+                made[id(t)] = _stand_in(t, on_meta)
+            return made[id(t)]
+
+        for m in self.modules:
+            for slots in (m._parameters, m._buffers):
+                for name, t in slots.items():
+                    slots[name] = stand_in(t)
+            for name, v in list(m.__dict__.items()):
+                if isinstance(v, torch.Tensor):
+                    m.__dict__[name] = stand_in(v)
+                elif type(v) in (list, tuple) and any(isinstance(x, torch.Tensor) for x in v):
+                    m.__dict__[name] = type(v)(stand_in(x) for x in v)
+
+    def restore(self) -> None:
+        for i, m in enumerate(self.modules):
+            if self.lazy[i]:
+                # Keep what shape inference made of the lazy slots (and the class it became).
+                for slots, saved in ((m._parameters, self.parameters[i]),
+                                     (m._buffers, self.buffers[i])):  # fmt: skip
+                    for name, t in saved.items():
+                        if t is not None and not is_lazy(t):
+                            slots[name] = t
+            else:
+                m.__dict__.clear()
+                m.__dict__.update(self.attributes[i])
+                for slots, saved in ((m._parameters, self.parameters[i]),
+                                     (m._buffers, self.buffers[i]),
+                                     (m._modules, self.modules_of[i])):  # fmt: skip
+                    slots.clear()
+                    slots.update(saved)
+                m._non_persistent_buffers_set.clear()
+                m._non_persistent_buffers_set.update(self.transient[i])
+            m.training = self.training[i]
+        for g, state in zip(self.generators, self.rng_states, strict=True):
+            g.set_state(state)
+
+
 def dry_run(
     module: nn.Module,
     *example_inputs: Any,
@@ -261,28 +362,37 @@ def dry_run(
     modules = _ModuleStack(module)
     tracker = _ActivationTracker(modules.stack)
     start = time.perf_counter()
-    with ctx:
+    flops = FlopCounterMode(display=False, custom_mapping=_extra_flop_formulas())
+    guard = _ModelGuard(module)
+    try:
+        with ctx:
+            guard.swap_in_stand_ins(on_meta=use_meta)
 
-        def convert(t: torch.Tensor) -> torch.Tensor:
-            if use_meta:
-                return t if t.is_meta else torch.empty_like(t, device="meta")
-            return t if tensor_state(t) == "deferred" else torch.empty_like(t)
+            def convert(t: torch.Tensor) -> torch.Tensor:
+                # A copy, never the caller's tensor: an in-place op of the forward
+                # (`ReLU(inplace=True)`) must not write (or record a write on) it.
+                if use_meta:
+                    return torch.empty_like(t, device="meta")
+                return t.detach().clone() if tensor_state(t) == "deferred" else torch.empty_like(t)
 
-        def from_shape(shape: Any) -> torch.Tensor:
-            if use_meta:
-                return torch.empty(tuple(shape), dtype=shape_dtype, device="meta")
-            return torch.empty(tuple(shape), dtype=shape_dtype)
+            def from_shape(shape: Any) -> torch.Tensor:
+                if use_meta:
+                    return torch.empty(tuple(shape), dtype=shape_dtype, device="meta")
+                return torch.empty(tuple(shape), dtype=shape_dtype)
 
-        args = [from_shape(a) if _is_shape(a) else _map_tensors(a, convert) for a in example_inputs]
-        kw = {k: _map_tensors(v, convert) for k, v in kwargs.items()}
-        for t in _tensors((args, kw)):
-            tracker.track(t)
-        flops = FlopCounterMode(display=False, custom_mapping=_extra_flop_formulas())
-        with torch.no_grad(), modules.hooks(), flops, tracker:
-            tracker.note_peak()
-            output = module(*args, **kw)
-        out_shapes = [tuple(t.shape) for t in _tensors(output)]
-        del output, args, kw
+            args = [
+                from_shape(a) if _is_shape(a) else _map_tensors(a, convert) for a in example_inputs
+            ]
+            kw = {k: _map_tensors(v, convert) for k, v in kwargs.items()}
+            for t in _tensors((args, kw)):
+                tracker.track(t)
+            with torch.no_grad(), modules.hooks(), flops, tracker:
+                tracker.note_peak()
+                output = module(*args, **kw)
+            out_shapes = [tuple(t.shape) for t in _tensors(output)]
+            del output, args, kw
+    finally:
+        guard.restore()
     seconds = time.perf_counter() - start
     tracker.tensors.clear()
     tracker.index.clear()

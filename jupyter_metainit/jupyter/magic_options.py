@@ -2,10 +2,21 @@
 
 from __future__ import annotations
 
+import io
+import re
+import tokenize
+from collections.abc import Callable
+
 import torch
 from IPython.core.error import UsageError
 
-__all__ = ["parse_depth", "parse_device", "parse_dtype", "split_expression"]
+__all__ = [
+    "parse_depth",
+    "parse_device",
+    "parse_dtype",
+    "split_expression",
+    "strip_comment",
+]
 
 _DTYPE_ALIASES = {
     "bf16": "bfloat16",
@@ -75,12 +86,74 @@ def parse_depth(value: int | None) -> int | None:
     return value
 
 
-def split_expression(line: str) -> tuple[str, str]:
+def strip_comment(line: str) -> str:
+    """``"lin  # --force"`` -> ``"lin"``: a ``#`` outside string literals starts a comment.
+
+    Python's tokenizer decides, so ``d["#1"]`` keeps its key; a line it cannot read
+    (unterminated string) falls back to a scan that skips quoted text.
+    """
+    if "#" not in line:
+        return line
+    try:
+        for token in tokenize.generate_tokens(io.StringIO(line).readline):
+            if token.type == tokenize.COMMENT:
+                return line[: token.start[1]].rstrip()
+    except (tokenize.TokenError, SyntaxError):
+        pass
+    else:
+        return line
+    quote: str | None = None
+    i = 0
+    while i < len(line):
+        char = line[i]
+        if quote is not None:
+            if char == "\\":
+                i += 2
+                continue
+            if char == quote:
+                quote = None
+        elif char in "\"'":
+            quote = char
+        elif char == "#":
+            return line[:i].rstrip()
+        i += 1
+    return line
+
+
+_WORD = re.compile(r"\S+")
+
+
+def _is_option(word: str) -> bool:
+    return len(word) > 1 and word[0] == "-" and (word[1].isalpha() or word[1] == "-")
+
+
+def split_expression(
+    line: str, takes_value: Callable[[str], bool] = lambda option: False
+) -> tuple[str, str]:
     """Split ``"model.layers[0] --device cpu"`` into the Python expression and the options.
 
-    The expression ends at the first `` -x``/`` --x`` outside brackets and string literals,
-    so expressions keep their quotes and spaces (``d["a b"]``, ``[m.a, m.b]``, ``layers[-1]``).
+    A comment (``# ...``) is dropped first. Options may come before the expression
+    (``--device cpu model``; ``takes_value(option)`` says whether an option reads the next
+    word) or after it: there the expression ends at the first `` -x``/`` --x`` outside
+    brackets and string literals, so expressions keep their quotes and spaces
+    (``d["a b"]``, ``[m.a, m.b]``, ``layers[-1]``).
     """
+    line = strip_comment(line)
+    leading_end = 0
+    words = list(_WORD.finditer(line))
+    i = 0
+    while i < len(words) and _is_option(words[i].group()):
+        option = words[i].group()
+        i += 1
+        if "=" not in option and takes_value(option) and i < len(words):
+            i += 1
+        leading_end = words[i - 1].end()
+    expression, trailing = _split_trailing(line[leading_end:])
+    return expression, f"{line[:leading_end].strip()} {trailing}".strip()
+
+
+def _split_trailing(line: str) -> tuple[str, str]:
+    """The expression and the options after it (see :func:`split_expression`)."""
     depth = 0
     quote: str | None = None
     i = 0

@@ -31,6 +31,7 @@ from jupyter_metainit.jupyter.magic_options import (
     parse_device,
     parse_dtype,
     split_expression,
+    strip_comment,
 )
 
 __all__ = ["MetaInitMagics", "load_ipython_extension", "unload_ipython_extension"]
@@ -76,17 +77,66 @@ def summary_line(name: str, obj: Any) -> str:
     return f"{name}: " + ", ".join(parts)
 
 
+def _has_module_state(module: nn.Module) -> bool:
+    state = getattr(module, "__dict__", {})
+    return all(key in state for key in ("_parameters", "_buffers", "_modules"))
+
+
+def not_set_up_part(module: nn.Module) -> tuple[str, nn.Module] | None:
+    """The first module (qualified name, ``""`` for ``module`` itself) whose ``__init__`` never
+    ran ``nn.Module.__init__`` (no ``super().__init__()``): it has no parameter or submodule
+    dicts, so every walk over the model fails. None when every part is set up."""
+    stack: list[tuple[str, nn.Module]] = [("", module)]
+    seen: set[int] = set()
+    while stack:
+        name, m = stack.pop()
+        if id(m) in seen:
+            continue
+        seen.add(id(m))
+        if not _has_module_state(m):
+            return name, m
+        for child_name, child in m._modules.items():
+            if child is not None:
+                stack.append((f"{name}.{child_name}" if name else child_name, child))
+    return None
+
+
+def is_set_up(module: nn.Module) -> bool:
+    return not_set_up_part(module) is None
+
+
+def not_set_up_note(name: str, module: nn.Module, refusal: str) -> str:
+    """``b: Bad, not shown: ...`` saying which part was never set up and how to fix it."""
+    part_name, part = not_set_up_part(module) or ("", module)
+    kind = type(part).__name__
+    where = f" (its part {part_name})" if part_name else ""
+    return (
+        f"{name}: {type(module).__name__}, {refusal}{where}: {kind}.__init__ never called "
+        f"nn.Module.__init__ (add super().__init__() at the start of {kind}.__init__)"
+    )
+
+
+def new_bindings(before: dict[str, Any], after: dict[str, Any]) -> dict[str, nn.Module]:
+    """Top-level ``nn.Module``s a cell bound or rebound (``before`` holds the objects)."""
+    return {
+        name: obj
+        for name, obj in after.items()
+        if not name.startswith("_")
+        and isinstance(obj, nn.Module)
+        and not (name in before and before[name] is obj)
+    }
+
+
 def new_modules(before: dict[str, Any], after: dict[str, Any]) -> dict[str, nn.Module]:
     """Top-level ``nn.Module``s bound or rebound by a cell, minus submodules of another new one.
 
     ``before`` holds the objects themselves (not their ids) so an id cannot be reused in between.
+    Modules that were never set up (see :func:`is_set_up`) are left out.
     """
     found: dict[str, nn.Module] = {}
     seen: set[int] = set()
-    for name, obj in after.items():
-        if name.startswith("_") or not isinstance(obj, nn.Module):
-            continue
-        if name in before and before[name] is obj:
+    for name, obj in new_bindings(before, after).items():
+        if not is_set_up(obj):
             continue
         if id(obj) not in seen:
             seen.add(id(obj))
@@ -170,7 +220,13 @@ class MetaInitMagics(Magics):
 
     def _target(self, magic: str, line: str) -> tuple[str, Any, Any]:
         """Split ``line`` into EXPR and options, evaluate EXPR, check it is a module/tensor."""
-        expr, options = split_expression(line)
+        parser = getattr(self, magic).parser
+
+        def takes_value(option: str) -> bool:
+            action = parser._option_string_actions.get(option)
+            return action is not None and action.nargs != 0
+
+        expr, options = split_expression(line, takes_value)
         args = parse_argstring(getattr(self, magic), options)
         if args.expr:
             raise UsageError(f"%{magic}: unexpected argument(s) {' '.join(args.expr)!r}")
@@ -181,6 +237,9 @@ class MetaInitMagics(Magics):
                 f"%{magic}: {expr} is a {type(obj).__name__}, "
                 "not a torch.nn.Module, a Tensor or a list of them"
             )
+        for item in items:
+            if isinstance(item, nn.Module) and not is_set_up(item):
+                raise UsageError(f"%{magic}: " + not_set_up_note(expr, item, "refused"))
         return expr, obj, args
 
     @magic_arguments()
@@ -221,7 +280,7 @@ class MetaInitMagics(Magics):
         __tracebackhide__ = True
         from jupyter_metainit.core import meta_init
 
-        args = parse_argstring(self.meta_init, line)
+        args = parse_argstring(self.meta_init, strip_comment(line))
         device = parse_device(args.device)
         dtype = parse_dtype(args.dtype, default_dtypes_only=True)
         depth = parse_depth(args.depth)
@@ -231,6 +290,9 @@ class MetaInitMagics(Magics):
             ok = run_cell_body(self.shell, cell)
         if not ok or args.no_display:
             return
+        for name, module in new_bindings(before, self.shell.user_ns).items():
+            if not is_set_up(module):
+                print(not_set_up_note(name, module, "not shown"))
         for name, module in new_modules(before, self.shell.user_ns).items():
             _show(name, module, table=args.table, depth=depth)
 
@@ -263,7 +325,8 @@ class MetaInitMagics(Magics):
         # keep_cache: so that %dematerialize can make it deferred again later.
         _one_line_errors(
             "materialize", lambda: materialize(obj, device, dtype=dtype, rng=args.rng,
-                                               keep_cache=True)
+                                               keep_cache=True),
+            {"device='cpu'": f" With the magic: %materialize {expr} --device cpu"},
         )  # fmt: skip
         elapsed = time.perf_counter() - start
         print(f"materialized {summary_line(expr, obj)} in {format_duration(elapsed)}")
@@ -289,7 +352,7 @@ class MetaInitMagics(Magics):
         _one_line_errors(
             "dematerialize",
             lambda: dematerialize(obj, force=args.force),
-            f" With the magic: %dematerialize {expr} --force",
+            {"force=True": f" With the magic: %dematerialize {expr} --force"},
         )
         print(f"dematerialized {summary_line(expr, obj)}")
 
@@ -319,9 +382,12 @@ class MetaInitMagics(Magics):
         return table.full() if args.full else table
 
 
-def _one_line_errors(magic: str, action: Any, force_hint: str = "") -> None:
+def _one_line_errors(magic: str, action: Any, hints: dict[str, str] | None = None) -> None:
     """Run ``action``; a refusal or failure of the core is one ``UsageError`` line, raised
-    outside the handler so that nothing of the failed work stays reachable from it."""
+    outside the handler so that nothing of the failed work stays reachable from it.
+
+    ``hints``: when the core's message names an argument (``force=True``), the magic's
+    spelling of it is added."""
     __tracebackhide__ = True
     from jupyter_metainit.core.errors import MetaInitError
 
@@ -330,8 +396,9 @@ def _one_line_errors(magic: str, action: Any, force_hint: str = "") -> None:
         action()
     except (MetaInitError, ValueError, TypeError, OSError) as exc:
         text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        if force_hint and "force=True" in text:
-            text += force_hint
+        for argument, hint in (hints or {}).items():
+            if argument in text:
+                text += hint
         message = f"%{magic}: {text}"
     if message is not None:
         raise UsageError(message)

@@ -257,7 +257,7 @@ class ModuleTreeWidget(anywidget.AnyWidget):
     def handle_action(self, content: Any) -> None:
         """Carry out one action message from the front end (also usable from Python).
 
-        ``{"action": "materialize", "device": "cpu" | "cuda:N", "names": [...]}``,
+        ``{"action": "materialize", "device": "cpu" | "cuda:N" | None, "names": [...]}``,
         ``{"action": "free", "names": [...]}``, ``{"action": "cancel"}``,
         ``{"action": "refresh"}`` or ``{"action": "ping"}``.  Anything invalid is refused
         with a brief notice and changes nothing; it never replaces the message of the
@@ -322,6 +322,8 @@ class ModuleTreeWidget(anywidget.AnyWidget):
         return names
 
     def _check_device(self, device: Any) -> str:
+        if device is None:
+            return ""  # each tensor's recorded device, as materialize() without device=
         if device == "cpu":
             return device
         if isinstance(device, str) and device in {d["name"] for d in self.devices}:
@@ -350,7 +352,7 @@ class ModuleTreeWidget(anywidget.AnyWidget):
             if action == "materialize":
                 core.materialize(
                     modules,
-                    device,
+                    device or None,
                     dtype=_DTYPES[self.dtype],
                     rng=self.rng,
                     keep_cache=True,  # so that Free can make them deferred again
@@ -382,7 +384,7 @@ class ModuleTreeWidget(anywidget.AnyWidget):
                 return
             took = time.monotonic() - t0
             self.status = (
-                f"Materialized {what} on {device}"
+                f"Materialized {what} on {device or 'its recorded device'}"
                 + (f" as {self.dtype}" if self.dtype else "")
                 + f" in {format_duration(took)}."
                 if action == "materialize"
@@ -400,8 +402,9 @@ class ModuleTreeWidget(anywidget.AnyWidget):
             return not worker.is_alive()
         return True
 
-    def materialize(self, device: str = "cpu", *, wait: bool = True) -> None:
-        """Materialize the selected subtrees on ``device``, as the buttons do."""
+    def materialize(self, device: str | None = None, *, wait: bool = True) -> None:
+        """Materialize the selected subtrees on ``device``, as the buttons do; by default each
+        tensor goes to the device it was recorded for (an error if this machine lacks it)."""
         self.handle_action({"action": "materialize", "device": device, "names": self.selected})
         if wait:
             self.wait()
