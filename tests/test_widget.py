@@ -342,3 +342,65 @@ def test_rows_say_which_parts_come_from_a_checkpoint(tmp_path):
         m[0].weight = nn.Parameter(load_file(str(tmp_path / "w.safetensors"))["weight"])
     r = rows(explore(m))
     assert r["0"][14] == "checkpoint" and r["1"][14] == "" and r[""][14] == "mixed"
+
+
+# ---------------------------------------------------------------------------- memory
+
+
+@pytest.mark.parametrize("file_watch", ["1", "0"], ids=["file-watch-on", "file-watch-off"])
+def test_a_closed_widget_keeps_neither_itself_nor_its_model_alive(file_watch, monkeypatch):
+    import gc
+    import weakref
+
+    monkeypatch.setenv("ANYWIDGET_HMR", file_watch)
+
+    # anywidget reads the file-watch setting when a widget class is made
+    class Watched(ModuleTreeWidget):
+        _esm = ModuleTreeWidget._esm
+        _css = ModuleTreeWidget._css
+
+    with meta_init():
+        model = Net()
+    w = Watched(model)
+    w.selected = ["norm"]
+    w.materialize("cpu")
+    model_ref, widget_ref = weakref.ref(model), weakref.ref(w)
+    w.close()
+    del w, model
+    gc.collect()
+    assert widget_ref() is None
+    assert model_ref() is None
+
+
+def test_an_open_widget_whose_output_was_replaced_does_not_keep_its_model_alive():
+    import gc
+    import weakref
+
+    # re-running a %%meta_init cell: the old widget stays open in ipywidgets' registry
+    # (nothing closes it), the name now holds a new model
+    with meta_init():
+        model = Net()
+    old = explore(model)
+    model_ref = weakref.ref(model)
+    with meta_init():
+        model = Net()
+    explore(model)
+    gc.collect()
+    assert model_ref() is None
+    assert "model gone" in repr(old)
+
+
+def test_a_widget_whose_model_is_gone_says_so_and_does_nothing():
+    import gc
+
+    with meta_init():
+        model = Net()
+    w = explore(model)
+    w.selected = ["norm"]
+    del model
+    gc.collect()
+    w.materialize("cpu")
+    assert "is gone" in w.error and "explore(model)" in w.error
+    assert w.busy == ""
+    w.refresh()
+    assert "is gone" in w.error

@@ -8,6 +8,7 @@ and sends only the rows that changed.  Shared (tied) tensors are counted once in
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
@@ -17,7 +18,11 @@ from torch import nn
 from jupyter_metainit.core import tensor_source, tensor_state
 from jupyter_metainit.core._walk import own_tensors
 
-__all__ = ["ModuleTree", "NodeStats"]
+__all__ = ["ModelGoneError", "ModuleTree", "NodeStats"]
+
+
+class ModelGoneError(ReferenceError):
+    """The model a tree indexes was garbage-collected: no name in the kernel refers to it."""
 
 _EXTRA_REPR_MAX = 80
 _DTYPE_SHORT = {
@@ -87,11 +92,15 @@ class NodeStats:
 
 @dataclass
 class ModuleTree:
-    """Index of a module hierarchy by node id (pre-order; 0 is the root, qualified name ``""``)."""
+    """Index of a module hierarchy by node id (pre-order; 0 is the root, qualified name ``""``).
 
-    root: nn.Module
+    The modules are held weakly: a widget (which ipywidgets keeps alive until it is closed,
+    even once its output is gone) must not keep a model and its memory alive after the
+    notebook dropped it. Reading a module of a collected model raises :class:`ModelGoneError`.
+    """
+
+    module_refs: list[weakref.ref[nn.Module]] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
-    modules: list[nn.Module] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     children: list[list[int]] = field(default_factory=list)
     index: dict[str, int] = field(default_factory=dict)
@@ -99,12 +108,12 @@ class ModuleTree:
     @classmethod
     def build(cls, root: nn.Module) -> ModuleTree:
         """Index every submodule of ``root`` (a module reachable twice appears once)."""
-        tree = cls(root)
+        tree = cls()
         for name, module in root.named_modules():
             node = len(tree.names)
             parent = -1 if node == 0 else tree.index[name.rpartition(".")[0]]
             tree.names.append(name)
-            tree.modules.append(module)
+            tree.module_refs.append(weakref.ref(module))
             tree.parents.append(parent)
             tree.children.append([])
             tree.index[name] = node
@@ -115,10 +124,32 @@ class ModuleTree:
     def __len__(self) -> int:
         return len(self.names)
 
+    def module(self, node: int) -> nn.Module:
+        """The module of ``node``; :class:`ModelGoneError` once the model was collected."""
+        module = self.module_refs[node]()
+        if module is None:
+            raise ModelGoneError(
+                "the model this tree showed no longer exists (no name in the kernel referred "
+                "to it, so it was freed)"
+            )
+        return module
+
+    @property
+    def alive(self) -> bool:
+        return self.module_refs[0]() is not None
+
+    @property
+    def root(self) -> nn.Module:
+        return self.module(0)
+
+    def holds(self, module: nn.Module) -> bool:
+        """Whether ``module`` is one of this tree's live modules."""
+        return any(ref() is module for ref in self.module_refs)
+
     # ----------------------------------------------------------------- tensors and statistics
     def own_tensors(self, node: int) -> list[tuple[torch.Tensor, bool]]:
         """The parameters (True) and buffers (False) a node holds directly."""
-        return [(o.tensor, o.kind == "parameter") for o in own_tensors(self.modules[node])]
+        return [(o.tensor, o.kind == "parameter") for o in own_tensors(self.module(node))]
 
     def holders(self) -> dict[int, list[int]]:
         """``id(tensor)`` -> the nodes holding it directly, in module order (ties: several)."""
@@ -257,7 +288,7 @@ class ModuleTree:
         sigs = [""] * len(self.names)
         for node in range(len(self.names) - 1, -1, -1):
             h = hashlib.blake2b(digest_size=8)
-            h.update(type(self.modules[node]).__qualname__.encode())
+            h.update(type(self.module(node)).__qualname__.encode())
             for t, _ in self.own_tensors(node):
                 lazy = isinstance(t, torch.nn.parameter.UninitializedTensorMixin)
                 shape = "lazy" if lazy else tuple(t.shape)
@@ -301,9 +332,8 @@ class ModuleTree:
         types: list[str] = []
         type_index: dict[str, int] = {}
         rows = []
-        for node, (name, module, parent) in enumerate(
-            zip(self.names, self.modules, self.parents, strict=True)
-        ):
+        for node, (name, parent) in enumerate(zip(self.names, self.parents, strict=True)):
+            module = self.module(node)
             tname = type(module).__name__
             if tname not in type_index:
                 type_index[tname] = len(types)
