@@ -24,6 +24,7 @@ __all__ = ["ModelGoneError", "ModuleTree", "NodeStats"]
 class ModelGoneError(ReferenceError):
     """The model a tree indexes was garbage-collected: no name in the kernel refers to it."""
 
+
 _EXTRA_REPR_MAX = 80
 _DTYPE_SHORT = {
     torch.float32: "fp32",

@@ -71,11 +71,7 @@ def widgets_of(module: nn.Module) -> list[ModuleTreeWidget]:
         (w,) = jupyter_metainit.widgets_of(model)
         w.selected = ["model.layers.0"]
     """
-    return [
-        w
-        for w in list(_live_widgets)
-        if w.comm is not None and w._tree.holds(module)
-    ]
+    return [w for w in list(_live_widgets) if w.comm is not None and w._tree.holds(module)]
 
 
 class ActionCancelled(Exception):
