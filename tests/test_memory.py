@@ -211,3 +211,18 @@ def test_seventy_b_table_is_fast():
     table = memory_table(model)
     assert time.perf_counter() - start < 0.5  # benchmark target 0.2 s; slack for CI
     assert table.loc["", "params"] == sum(p.numel() for p in model.parameters())
+
+
+def test_values_column_says_which_parts_hold_fast_rng_values():
+    from jupyter_metainit import materialize, meta_init
+
+    with meta_init():
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.LayerNorm(8))
+    materialize(model[0], rng="fast")
+    materialize(model[1])
+    table = memory_table(model)
+    assert table.loc["0", "values"] == "fast"
+    assert table.loc["1", "values"] == "exact"
+    assert table.loc["2", "values"] == ""
+    assert table.loc["", "values"] == "mixed"
+    assert "values" in table.to_html_view(compact=True)

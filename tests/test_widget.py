@@ -404,3 +404,48 @@ def test_a_widget_whose_model_is_gone_says_so_and_does_nothing():
     assert w.busy == ""
     w.refresh()
     assert "is gone" in w.error
+
+
+# ---------------------------------------------------------------------------- fast values
+
+
+def test_rows_mark_parts_holding_fast_rng_values(net):
+    w = explore(net)
+    w.selected = ["layers.0"]
+    w.rng = "fast"
+    w.materialize("cpu")
+    assert rows(w)["layers.0"][15] == "fast"
+    assert rows(w)["layers"][15] == "fast"  # every real tensor under it is fast
+    assert rows(w)["layers.1"][15] == ""
+
+
+def test_an_exact_materialize_regenerates_fast_values_exactly_and_says_so():
+    torch.manual_seed(0)
+    eager = Net()
+    torch.manual_seed(0)
+    with meta_init():
+        model = Net()
+    w = explore(model)
+    w.selected = ["layers.0"]
+    w.rng = "fast"
+    w.materialize("cpu")
+    assert not torch.equal(model.layers[0].attn.weight, eager.layers[0].attn.weight)
+    w.selected = ["layers"]
+    w.rng = "exact"
+    w.materialize("cpu")
+    assert w.error == ""
+    assert "Re-generated" in w.status and "exact" in w.status
+    for name, p in model.layers.named_parameters():
+        assert torch.equal(p, dict(eager.layers.named_parameters())[name]), name
+    assert rows(w)["layers.0"][15] == ""
+
+
+def test_materialize_from_code_then_free_says_one_thing():
+    with meta_init():
+        model = Net()
+    w = explore(model)
+    w.selected = ["norm"]
+    materialize(model.norm)  # no keep_cache: cannot be freed, and nothing else changes
+    w.free()
+    assert "Nothing was changed" in w.error
+    assert "changed state" not in w.error

@@ -101,6 +101,15 @@ def tensor_state(t: torch.Tensor) -> str:
     return str(t.device)
 
 
+def tensor_values(t: torch.Tensor) -> str:
+    """Whether a real tensor's values are eager's: ``"exact"``, or ``"fast"`` when random ops
+    were replayed with ``rng="fast"`` (deterministic, but not what eager construction gives).
+    ``""`` for a tensor with no values (deferred, meta, lazy)."""
+    if _is_uninitialized(t) or t.is_meta or isinstance(_deferred_local(t), DeferredTensor):
+        return ""
+    return t.__dict__.get("_jmi_values", "exact")
+
+
 def tensor_source(t: torch.Tensor) -> str:
     """Where a tensor's values come from: ``"checkpoint"`` (read from a file, perhaps
     converted), ``"init"`` (computed by the model's code) or ``""`` (not known: a tensor that
@@ -548,6 +557,14 @@ def _materialize_now(
         else:
             new.append(_build_real(t, env[id(t._rec.storage)], dtype, used))
         new[-1].__dict__["_jmi_source"] = sources[id(t)]
+        # values differ from eager only where a random op ran in fast mode
+        new[-1].__dict__["_jmi_values"] = (
+            "fast"
+            if rng == "fast"
+            and id(t) not in loaded
+            and any(op.rng is not None for op in plan([t._rec]).ops)
+            else "exact"
+        )
     del env
     # Tensors read from a file can always be freed again: their recording is "read the file",
     # and they are compared with it rather than digested now.

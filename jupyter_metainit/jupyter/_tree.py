@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from jupyter_metainit.core import tensor_source, tensor_state
+from jupyter_metainit.core import tensor_source, tensor_state, tensor_values
 from jupyter_metainit.core._walk import own_tensors
 
 __all__ = ["ModelGoneError", "ModuleTree", "NodeStats"]
@@ -68,7 +68,9 @@ class NodeStats:
     device, ``"mixed"``... ``dtype``: ``"bf16"``, ``"fp32"``, ``"mixed"`` (floating tensors; other
     dtypes only when there are none). ``target``: the device deferred tensors will go to when it
     is not the CPU. ``source``: where the values come from when it is a file: ``"checkpoint"``,
-    or ``"mixed"`` (part checkpoint, part init); ``""`` for init alone.
+    or ``"mixed"`` (part checkpoint, part init); ``""`` for init alone. ``values``: ``"fast"``
+    when real tensors hold values replayed with ``rng="fast"`` (not eager's), ``"mixed"`` when
+    some do, ``""`` when every real tensor holds eager's values.
     """
 
     params: int = 0
@@ -78,6 +80,7 @@ class NodeStats:
     dtype: str = ""
     target: str = ""
     source: str = ""
+    values: str = ""
 
     def row(self) -> list:
         return [
@@ -88,6 +91,7 @@ class NodeStats:
             self.share_bytes,
             self.target,
             self.source,
+            self.values,
         ]
 
 
@@ -196,10 +200,12 @@ class ModuleTree:
         # per tensor once (the root's set holds them all), not once per ancestor
         state_of = {key: tensor_state(t) for key, (t, _) in sets[0].items()}
         source_of = {key: tensor_source(t) for key, (t, _) in sets[0].items()}
+        values_of = {key: tensor_values(t) for key, (t, _) in sets[0].items()}
         out = []
         for node, tensors in enumerate(sets):
             st = NodeStats(share_bytes=share[node])
             states, floats, others, targets, sources = set(), set(), set(), set(), set()
+            values = set()
             for key, (t, is_param) in tensors.items():
                 if is_param:
                     st.params += _numel(t)
@@ -210,12 +216,15 @@ class ModuleTree:
                 if state == "deferred":
                     targets.add(str(t.device))
                 sources.add(source_of[key])
+                values.add(values_of[key])
             st.state = _summary(states)
             st.dtype = _summary(floats or others)
             target = _summary(targets)
             st.target = "" if target in ("cpu", "") else target
             known = sources - {""}
             st.source = "" if "checkpoint" not in known else _summary(known)
+            real = values - {""}
+            st.values = "" if "fast" not in real else _summary(real)
             out.append(st)
         return out
 
@@ -323,8 +332,8 @@ class ModuleTree:
         """The whole tree as one compact JSON structure (rows of arrays, types interned).
 
         Row layout: ``[parent, local_name, type_index, params, bytes, state, rep_i, rep_n,
-        info, own, dtype, share_bytes, target, tied, source]`` where ``info`` is a leaf module's
-        ``extra_repr()`` (shortened), else ``""``, ``own`` is 1 when the module holds
+        info, own, dtype, share_bytes, target, tied, source, values]`` where ``info`` is a leaf
+        module's ``extra_repr()`` (shortened), else ``""``, ``own`` is 1 when the module holds
         parameters or buffers itself, and ``tied`` lists the nodes sharing a tensor with it
         (see :class:`NodeStats` for the rest).
         """
@@ -365,6 +374,7 @@ class ModuleTree:
                     st.target,
                     tied[node],
                     st.source,
+                    st.values,
                 ]
             )
         for node, (i, n) in enumerate(self.repeats()):

@@ -368,9 +368,14 @@ class ModuleTreeWidget(anywidget.AnyWidget):
     def _run(self, action: str, names: list[str], device: str) -> None:
         modules = [self.module.get_submodule(n) for n in names]
         what = _describe(names)
-        before = [s.row() for s in self._stats]
+        # Measured now, not taken from the last refresh: a change made in code just before
+        # (its refresh still pending) is not this action's doing.
+        before = [s.row() for s in self._tree.stats()]
         t0 = time.monotonic()
+        regenerated, kept_fast = 0, ""
         try:
+            if action == "materialize" and self.rng == "exact":
+                regenerated, kept_fast = _forget_fast_values(modules)
             if action == "materialize":
                 core.materialize(
                     modules,
@@ -409,6 +414,13 @@ class ModuleTreeWidget(anywidget.AnyWidget):
                 f"Materialized {what} on {device}"
                 + (f" as {self.dtype}" if self.dtype else "")
                 + f" in {format_duration(took)}."
+                + (
+                    f" Re-generated {regenerated} tensor(s) that held fast-RNG values with "
+                    "exact (eager) values."
+                    if regenerated
+                    else ""
+                )
+                + kept_fast
                 if action == "materialize"
                 else f"Freed {what} (deferred again) in {format_duration(took)}."
             )
@@ -480,11 +492,11 @@ class ModuleTreeWidget(anywidget.AnyWidget):
             ]
             self._stats: list[NodeStats] = stats
             rows = self.tree["nodes"]
-            for node, params, nbytes, state, dtype, share, target, source in changed:
+            for node, params, nbytes, state, dtype, share, target, source, values in changed:
                 # keep the synced tree current for pages opened later
                 rows[node][3], rows[node][4], rows[node][5] = params, nbytes, state
                 rows[node][10], rows[node][11], rows[node][12] = dtype, share, target
-                rows[node][14] = source
+                rows[node][14], rows[node][15] = source, values
             if changed:
                 self.send({"kind": "patch", "nodes": changed})
             self.selection = self._selection_summary()
@@ -499,6 +511,29 @@ class ModuleTreeWidget(anywidget.AnyWidget):
             if timer is not threading.current_thread():
                 timer.join(1.0)
         super().close()
+
+
+def _forget_fast_values(modules: list[nn.Module]) -> tuple[int, str]:
+    """Before an exact materialization: make the parts holding fast-RNG values deferred again,
+    so that they are re-generated with eager's values rather than kept. Returns how many tensors
+    that concerns, and a sentence for the status when they could not be (then they keep their
+    fast values)."""
+    seen: dict[int, torch.Tensor] = {}
+    for module in modules:
+        for t in unique_tensors(module):
+            if core.tensor_values(t) == "fast":
+                seen.setdefault(id(t), t)
+    fast = list(seen.values())
+    if not fast:
+        return 0, ""
+    try:
+        core.dematerialize(fast)
+    except Exception as exc:
+        return 0, (
+            f" {len(fast)} tensor(s) keep their fast-RNG values (not eager's): they cannot be "
+            f"re-generated ({exc})"
+        )
+    return len(fast), ""
 
 
 def _describe(names: Sequence[str]) -> str:

@@ -771,6 +771,7 @@ export class TreeView {
     const size = h("div", "jmi-c-num jmi-c-size", humanBytes(t.bytes[n]));
     if (t.dtype[n]) size.prepend(dtypeTag(t.dtype[n]), " ");
     if (t.source[n]) size.prepend(sourceTag(t.source[n]), " ");
+    if (t.values[n]) size.prepend(fastTag(t.values[n]), " ");
 
     el.append(
       cbCell,
@@ -828,6 +829,15 @@ function sourceTag(source: string): HTMLElement {
     source === "checkpoint"
       ? "Values come from a checkpoint file (read when materialized)"
       : "Partly from a checkpoint file, partly from the model's init (keys missing from the file)";
+  return tag;
+}
+
+/** Values replayed with rng="fast": deterministic, but not what eager construction gives. */
+export function fastTag(values: string): HTMLElement {
+  const tag = h("span", "jmi-dtype jmi-fast", values === "mixed" ? "part fast" : "fast");
+  tag.title =
+    (values === "mixed" ? "Part of these values" : "These values") +
+    ' were generated with RNG "fast": deterministic, but not the values eager construction gives. Materialize with RNG "exact" to re-generate them exactly.';
   return tag;
 }
 

@@ -279,6 +279,14 @@ describe("TreeView", () => {
     expect(root.querySelector(".jmi-mat-cpu")).toBe(cpu);
   });
 
+  it("marks rows holding fast-RNG values", () => {
+    const { root, model } = mount(smallTree());
+    model.emit("msg:custom", { kind: "patch", nodes: [[9, 5, 20, "cpu", "fp32", 20, "", "", "fast"]] });
+    const norm = [...root.querySelectorAll<HTMLElement>(".jmi-rows .jmi-row")][3];
+    expect(norm.querySelector(".jmi-fast")!.textContent).toBe("fast");
+    expect(root.querySelectorAll(".jmi-fast").length).toBe(1);
+  });
+
   it("disables Materialize with the reason when the selection does not fit", () => {
     const { root, model } = mount(smallTree(), { selected: ["norm"] });
     model.set("selected", ["norm"]);
