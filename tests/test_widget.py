@@ -449,3 +449,33 @@ def test_materialize_from_code_then_free_says_one_thing():
     w.free()
     assert "Nothing was changed" in w.error
     assert "changed state" not in w.error
+
+
+# ---------------------------------------------------------------------------- fits
+
+
+def test_selection_summary_says_whether_it_fits_the_cpu():
+    from jupyter_metainit.estimates.fit import device_budget
+
+    with meta_init():
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(1_000_000, 1_000_000, bias=False))
+    w = explore(model)
+    w.selected = ["0"]
+    assert w.selection["fit"]["cpu"]["fits"] is True
+    w.selected = ["1"]  # 4 TB in float32
+    fit = w.selection["fit"]["cpu"]
+    assert fit["fits"] is False and fit["need"] == 4 * 10**12
+    assert abs(fit["free"] - device_budget("cpu")) < 2**30
+
+
+def test_the_fit_counts_the_chosen_dtype_and_what_is_already_there():
+    with meta_init():
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    w = explore(model)
+    w.selected = [""]
+    w.dtype = "bfloat16"
+    assert w.selection["fit"]["cpu"]["need"] == 2 * (64 + 8) * 2
+    w.selected = ["0"]
+    w.materialize("cpu")
+    w.selected = [""]
+    assert w.selection["fit"]["cpu"]["need"] == 2 * (64 + 8)

@@ -237,23 +237,24 @@ class ModuleTree:
             union.update(sets[node])
         params = nbytes = nbytes_as = 0
         states: dict[str, int] = {}
+        states_as: dict[str, int] = {}  # bytes in ``dtype``, by state
         for t, is_param in union.values():
             if is_param:
                 params += _numel(t)
             b = _nbytes(t)
             nbytes += b
-            if dtype is not None and t.is_floating_point():
-                nbytes_as += _numel(t) * dtype.itemsize
-            else:
-                nbytes_as += b
+            b_as = _numel(t) * dtype.itemsize if dtype is not None and t.is_floating_point() else b
+            nbytes_as += b_as
             s = tensor_state(t)
             states[s] = states.get(s, 0) + b
+            states_as[s] = states_as.get(s, 0) + b_as
         return {
             "modules": len(nodes),
             "params": params,
             "bytes": nbytes,
             "bytes_as": nbytes_as,
             "states": states,
+            "states_as": states_as,
             "also": self._also(nodes, union),
         }
 

@@ -33,6 +33,7 @@ from jupyter_metainit.core._busy import busy_with as core_busy_with
 from jupyter_metainit.core._format import format_bytes, format_count, format_duration
 from jupyter_metainit.core._walk import unique_tensors
 from jupyter_metainit.estimates import memory_table
+from jupyter_metainit.estimates.fit import device_budget
 from jupyter_metainit.jupyter._tree import ModelGoneError, ModuleTree, NodeStats
 
 __all__ = ["ModuleTreeWidget", "explore", "widgets_of"]
@@ -238,7 +239,23 @@ class ModuleTreeWidget(anywidget.AnyWidget):
         if not self._tree.alive:
             return {}
         nodes = [self._tree.index[n] for n in self.selected]
-        return self._tree.selection_stats(nodes, _DTYPES[self.dtype])
+        summary = self._tree.selection_stats(nodes, _DTYPES[self.dtype])
+        summary["fit"] = self._fit(summary) if nodes else {}
+        return summary
+
+    def _fit(self, summary: dict) -> dict[str, dict]:
+        """Per device: the memory materializing the selection there takes (in the chosen dtype,
+        minus what is on that device already), the device's free memory (as ``fits`` measures
+        it) and whether the one fits in the other."""
+        out = {}
+        for device in ["cpu", *(d["name"] for d in self.devices)]:
+            try:
+                free = device_budget(device)
+            except ValueError:  # cannot measure: say nothing rather than guess
+                continue
+            need = sum(b for state, b in summary["states_as"].items() if state != device)
+            out[device] = {"need": need, "free": free, "fits": need <= free}
+        return out
 
     # ------------------------------------------------------------------ table
     @traitlets.observe("show_table", "table_full")

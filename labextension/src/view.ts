@@ -558,6 +558,17 @@ export class TreeView {
       if (dtype && s.bytes_as !== undefined && s.bytes_as !== s.bytes) {
         parts.push(h("span", "jmi-muted", `→ ${humanBytes(s.bytes_as)} as ${dtype}`));
       }
+      // Fits before acting: per device, what the selection needs there against its free memory
+      const fit: Record<string, { fits: boolean; need: number; free: number }> = s.fit ?? {};
+      for (const [device, f] of Object.entries(fit)) {
+        const el = h(
+          "span",
+          f.fits ? "jmi-fit" : "jmi-nofit",
+          f.fits ? `fits ${device}` : `too big for ${device}`,
+        );
+        el.title = `Needs ${humanBytes(f.need)} more on ${device}; ${humanBytes(f.free)} free there now${dtype ? ` (as ${dtype})` : ""}`;
+        parts.push(el);
+      }
       const also: string[] = s.also ?? [];
       if (also.length) {
         const shown = also.slice(0, 3).join(", ") + (also.length > 3 ? ` and ${also.length - 3} more` : "");
