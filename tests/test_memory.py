@@ -283,3 +283,18 @@ def test_nonsense_arguments_are_clear_errors(kwargs, error, match):
 def test_a_tensor_instead_of_a_module_says_to_pass_the_module():
     with pytest.raises(TypeError, match=r"memory_table\(\) takes an nn.Module .* not Tensor"):
         memory_table(torch.ones(3))
+
+
+def test_values_column_says_which_parts_hold_fast_rng_values():
+    from jupyter_metainit import materialize, meta_init
+
+    with meta_init():
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8), nn.LayerNorm(8))
+    materialize(model[0], rng="fast")
+    materialize(model[1])
+    table = memory_table(model)
+    assert table.loc["0", "values"] == "fast"
+    assert table.loc["1", "values"] == "exact"
+    assert table.loc["2", "values"] == ""
+    assert table.loc["", "values"] == "mixed"
+    assert "values" in table.to_html_view(compact=True)

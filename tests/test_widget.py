@@ -370,3 +370,140 @@ def test_materialize_by_default_targets_the_recorded_device_and_refuses_a_missin
     assert is_deferred(lin)
     w.materialize("cpu")
     assert w.error == "" and not is_deferred(lin)
+
+
+# ---------------------------------------------------------------------------- memory
+
+
+@pytest.mark.parametrize("file_watch", ["1", "0"], ids=["file-watch-on", "file-watch-off"])
+def test_a_closed_widget_keeps_neither_itself_nor_its_model_alive(file_watch, monkeypatch):
+    import gc
+    import weakref
+
+    monkeypatch.setenv("ANYWIDGET_HMR", file_watch)
+
+    # anywidget reads the file-watch setting when a widget class is made
+    class Watched(ModuleTreeWidget):
+        _esm = ModuleTreeWidget._esm
+        _css = ModuleTreeWidget._css
+
+    with meta_init():
+        model = Net()
+    w = Watched(model)
+    w.selected = ["norm"]
+    w.materialize("cpu")
+    model_ref, widget_ref = weakref.ref(model), weakref.ref(w)
+    w.close()
+    del w, model
+    gc.collect()
+    assert widget_ref() is None
+    assert model_ref() is None
+
+
+def test_an_open_widget_whose_output_was_replaced_does_not_keep_its_model_alive():
+    import gc
+    import weakref
+
+    # re-running a %%meta_init cell: the old widget stays open in ipywidgets' registry
+    # (nothing closes it), the name now holds a new model
+    with meta_init():
+        model = Net()
+    old = explore(model)
+    model_ref = weakref.ref(model)
+    with meta_init():
+        model = Net()
+    explore(model)
+    gc.collect()
+    assert model_ref() is None
+    assert "model gone" in repr(old)
+
+
+def test_a_widget_whose_model_is_gone_says_so_and_does_nothing():
+    import gc
+
+    with meta_init():
+        model = Net()
+    w = explore(model)
+    w.selected = ["norm"]
+    del model
+    gc.collect()
+    w.materialize("cpu")
+    assert "is gone" in w.error and "explore(model)" in w.error
+    assert w.busy == ""
+    w.refresh()
+    assert "is gone" in w.error
+
+
+# ---------------------------------------------------------------------------- fast values
+
+
+def test_rows_mark_parts_holding_fast_rng_values(net):
+    w = explore(net)
+    w.selected = ["layers.0"]
+    w.rng = "fast"
+    w.materialize("cpu")
+    assert rows(w)["layers.0"][15] == "fast"
+    assert rows(w)["layers"][15] == "fast"  # every real tensor under it is fast
+    assert rows(w)["layers.1"][15] == ""
+
+
+def test_an_exact_materialize_regenerates_fast_values_exactly_and_says_so():
+    torch.manual_seed(0)
+    eager = Net()
+    torch.manual_seed(0)
+    with meta_init():
+        model = Net()
+    w = explore(model)
+    w.selected = ["layers.0"]
+    w.rng = "fast"
+    w.materialize("cpu")
+    assert not torch.equal(model.layers[0].attn.weight, eager.layers[0].attn.weight)
+    w.selected = ["layers"]
+    w.rng = "exact"
+    w.materialize("cpu")
+    assert w.error == ""
+    assert "Re-generated" in w.status and "exact" in w.status
+    for name, p in model.layers.named_parameters():
+        assert torch.equal(p, dict(eager.layers.named_parameters())[name]), name
+    assert rows(w)["layers.0"][15] == ""
+
+
+def test_materialize_from_code_then_free_says_one_thing():
+    with meta_init():
+        model = Net()
+    w = explore(model)
+    w.selected = ["norm"]
+    materialize(model.norm)  # no keep_cache: cannot be freed, and nothing else changes
+    w.free()
+    assert "Nothing was changed" in w.error
+    assert "changed state" not in w.error
+
+
+# ---------------------------------------------------------------------------- fits
+
+
+def test_selection_summary_says_whether_it_fits_the_cpu():
+    from jupyter_metainit.estimates.fit import device_budget
+
+    with meta_init():
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(1_000_000, 1_000_000, bias=False))
+    w = explore(model)
+    w.selected = ["0"]
+    assert w.selection["fit"]["cpu"]["fits"] is True
+    w.selected = ["1"]  # 4 TB in float32
+    fit = w.selection["fit"]["cpu"]
+    assert fit["fits"] is False and fit["need"] == 4 * 10**12
+    assert abs(fit["free"] - device_budget("cpu")) < 2**30
+
+
+def test_the_fit_counts_the_chosen_dtype_and_what_is_already_there():
+    with meta_init():
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+    w = explore(model)
+    w.selected = [""]
+    w.dtype = "bfloat16"
+    assert w.selection["fit"]["cpu"]["need"] == 2 * (64 + 8) * 2
+    w.selected = ["0"]
+    w.materialize("cpu")
+    w.selected = [""]
+    assert w.selection["fit"]["cpu"]["need"] == 2 * (64 + 8)

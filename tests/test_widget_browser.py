@@ -525,3 +525,44 @@ def test_widget_follows_the_model_and_works_from_the_keyboard(browser, frontend)
         notice.wait_for(state="visible", timeout=15_000)
     assert widget.locator(".jmi-mat-cpu").is_disabled()
     widget.screenshot(path=str(ARTIFACTS / f"widget-{app}-disconnected.png"))
+
+
+_COMMAND_KEYS = ["a", "b", "m", "y", "d", "d", "x", "c", "v", "z", "Shift+Enter", "Shift+m"]
+
+
+def test_notebook_shortcuts_never_fire_while_focus_is_in_the_widget(browser, frontend):
+    app = "jupyterlab4" if frontend["app"] == "jupyterlab" else "notebook7"
+    _write_notebook(frontend["dir"] / "keys.ipynb", _FLOW_CELLS[:2])
+    ARTIFACTS.mkdir(exist_ok=True)
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    _open(page, frontend, "keys.ipynb")
+    _run_cell(page, 0)
+    _run_cell(page, 1)
+    widget = page.locator(".jmi-root")
+    widget.wait_for(timeout=60_000)
+    cells = page.locator(".jp-Notebook .jp-Cell")
+    markdown = page.locator(".jp-Notebook .jp-MarkdownCell")
+    count = cells.count()
+    # focus a row (a click on its type cell, as a person would) and press command-mode keys
+    widget.locator(".jmi-rows .jmi-row .jmi-c-type").nth(1).click()
+    for key in _COMMAND_KEYS:
+        page.keyboard.press(key)
+    # and in the filter box, where letters are typed
+    widget.locator(".jmi-search").click()
+    for key in _COMMAND_KEYS:
+        page.keyboard.press(key)
+    page.wait_for_timeout(500)
+    assert cells.count() == count, app
+    assert markdown.count() == 0, app
+    assert widget.count() == 1, app
+    # Escape hands focus back to the notebook: its shortcuts work again
+    widget.locator(".jmi-search").fill("")
+    widget.locator(".jmi-rows .jmi-row .jmi-c-type").nth(1).click()
+    page.keyboard.press("Escape")
+    inside = page.evaluate("() => !!document.activeElement.closest('.jmi-root')")
+    assert not inside, app
+    page.keyboard.press("b")
+    page.wait_for_function(
+        f"() => document.querySelectorAll('.jp-Notebook .jp-Cell').length == {count + 1}",
+        timeout=5_000,
+    )

@@ -13,6 +13,7 @@ from jupyter_metainit.core._materialize import (
     materialize,
     tensor_source,
     tensor_state,
+    tensor_values,
 )
 from jupyter_metainit.core._skip_init import skip_init
 from jupyter_metainit.core._tensor import DeferredTensor
@@ -28,4 +29,5 @@ __all__ = [
     "skip_init",
     "tensor_source",
     "tensor_state",
+    "tensor_values",
 ]

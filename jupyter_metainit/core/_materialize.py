@@ -107,6 +107,7 @@ class _UserState:
 # Keyed by the tensor object, whose identity materialize and dematerialize preserve.
 _kept: WeakIdKeyDictionary = WeakIdKeyDictionary()  # real tensor -> _Shadow
 _sources = materialized_sources  # real tensor -> "checkpoint" / "init"
+_fast_values: WeakIdKeyDictionary = WeakIdKeyDictionary()  # real tensors with rng="fast" values
 _freed_state: WeakIdKeyDictionary = WeakIdKeyDictionary()  # freed tensor -> _UserState
 
 # Storages a materialization made real, with the tensor over each, the writes recorded on the
@@ -187,6 +188,15 @@ def tensor_state(t: torch.Tensor) -> str:
     if t.is_meta:
         return "meta"
     return str(t.device)
+
+
+def tensor_values(t: torch.Tensor) -> str:
+    """Whether a real tensor's values are eager's: ``"exact"``, or ``"fast"`` when random ops
+    were replayed with ``rng="fast"`` (deterministic, but not what eager construction gives).
+    ``""`` for a tensor with no values (deferred, meta, lazy)."""
+    if _is_uninitialized(t) or t.is_meta or isinstance(_deferred_local(t), DeferredTensor):
+        return ""
+    return "fast" if t in _fast_values else "exact"
 
 
 def tensor_source(t: torch.Tensor) -> str:
@@ -693,6 +703,7 @@ def _materialize_now(
     env = execute(replay, device, rng, tracker)
     used: set[int] = set()
     new = []
+    fast: set[int] = set()  # ids of tensors whose values come from rng="fast" draws
     for t in tensors:
         if id(t) in loaded:
             new.append(_build_real(t, loaded[id(t)], dtype, used, exact_tensor=True))
@@ -703,6 +714,13 @@ def _materialize_now(
         state = _freed_state.get(t)
         if state is not None:  # freed before: what the user had set on the object
             state.apply(new[-1])
+        # Values differ from eager only where a random op ran in fast mode.
+        if (
+            rng == "fast"
+            and id(t) not in loaded
+            and any(op.rng is not None for op in plan([t._rec]).ops)
+        ):
+            fast.add(id(t))
     del env
     holders = [
         _holder_for(t, r, keep, sources[id(t)] == "checkpoint", file_reads.get(id(t)))
@@ -716,6 +734,8 @@ def _materialize_now(
         for t in tensors:
             _sources[t] = sources[id(t)]
             _freed_state.pop(t, None)
+            if id(t) in fast:
+                _fast_values[t] = True
         with torch.no_grad():
             for t in reals:
                 if id(t) in loaded:
@@ -874,6 +894,7 @@ def dematerialize(obj: Any, *, force: bool = False) -> Any:
             for t, deferred, state in prepared:
                 del _kept[t]
                 _sources.pop(t, None)
+                _fast_values.pop(t, None)
                 swap_in_place(t, deferred)
                 _freed_state[t] = state
         freed = [t for t, _, _ in prepared]

@@ -15,7 +15,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from jupyter_metainit.core import tensor_source, tensor_state
+from jupyter_metainit.core import tensor_source, tensor_state, tensor_values
 from jupyter_metainit.core._walk import counted_attributes, own_tensors, storage_of
 from jupyter_metainit.estimates._arguments import (
     check_depth,
@@ -74,6 +74,7 @@ COLUMNS = [
     "dtypes",
     "state",
     "source",
+    "values",
     "grad_fp32_bytes",
     "optim_fp32_bytes",
     "train_fp32_bytes",
@@ -252,7 +253,7 @@ def memory_table(
 
     # Per-tensor facts, keyed by id() of the tensor object (no weakrefs, see CONTRACT.md).
     # kind: 0 parameter, 1 persistent buffer, 2 non-persistent buffer, 3 tensor attribute.
-    info: dict[int, tuple[int, int, int, bool, str, str]] = {}
+    info: dict[int, tuple[int, int, int, bool, str, str, str, str]] = {}
     owners: dict[int, list[int]] = {}
     params_own = [0] * n
     # Per node aggregates: [numel, trainable numel, param bytes, buffer bytes, np-buffer bytes].
@@ -265,6 +266,7 @@ def memory_table(
     dtypes: list[set[str]] = [set() for _ in range(n)]
     states: list[set[str]] = [set() for _ in range(n)]
     sources: list[set[str]] = [set() for _ in range(n)]
+    values: list[set[str]] = [set() for _ in range(n)]
     bytes_by_dtype: dict[str, int] = {}
 
     kinds = {"parameter": 0, "buffer": 1, "non-persistent buffer": 2, "attribute": 3}
@@ -290,7 +292,7 @@ def memory_table(
                 continue
             tdtype = t.dtype
             if is_lazy(t):  # shape unknown until a (dry) forward: counts as empty
-                info[key] = (0, 0, kind, False, _dtype_name(tdtype), "uninitialized", "")
+                info[key] = (0, 0, kind, False, _dtype_name(tdtype), "uninitialized", "", "")
                 owners[key] = [i]
                 continue
             numel = t.numel()
@@ -304,7 +306,8 @@ def memory_table(
                 dname = _dtype_name(tdtype)
             trainable = kind == 0 and t.requires_grad
             info[key] = (
-                numel, nbytes, kind, trainable, dname, tensor_state(t), tensor_source(t)
+                numel, nbytes, kind, trainable, dname, tensor_state(t), tensor_source(t),
+                tensor_values(t),
             )  # fmt: skip
             owners[key] = [i]
             bytes_by_dtype[dname] = bytes_by_dtype.get(dname, 0) + nbytes
@@ -312,10 +315,10 @@ def memory_table(
                 params_own[i] += numel
 
     shared_bytes = [0] * n
-    shared: list[tuple[tuple[int, int, int, bool, str, str, str], set[int], set[int]]] = []
+    shared: list[tuple[tuple[int, int, int, bool, str, str, str, str], set[int], set[int]]] = []
 
-    def add(i: int, rec: tuple[int, int, int, bool, str, str, str]) -> None:
-        numel, nbytes, kind, trainable, dname, state, source = rec
+    def add(i: int, rec: tuple[int, int, int, bool, str, str, str, str]) -> None:
+        numel, nbytes, kind, trainable, dname, state, source, value = rec
         if kind == 0:
             p_num[i] += numel
             p_bytes[i] += nbytes
@@ -331,6 +334,8 @@ def memory_table(
         states[i].add(state)
         if source:
             sources[i].add(source)
+        if value:
+            values[i].add(value)
 
     for key, own in owners.items():
         rec = info[key]
@@ -363,6 +368,7 @@ def memory_table(
         dtypes[j] |= dtypes[i]
         states[j] |= states[i]
         sources[j] |= sources[i]
+        values[j] |= values[i]
 
     for rec, union, inter in shared:
         for i in union:
@@ -395,6 +401,8 @@ def memory_table(
         "dtypes": col([", ".join(sorted(s)) for s in dtypes]),
         "state": col([_state_of(s) for s in states]),
         "source": col([_state_of(s) for s in sources]),
+        # "fast": real values replayed with rng="fast", not eager's; "" before materializing
+        "values": col([_state_of(s) for s in values]),
         "grad_fp32_bytes": col(grad32),
         "optim_fp32_bytes": col(optim),
         "train_fp32_bytes": col(

@@ -47,6 +47,7 @@ DEFAULT_COLUMNS = (
     "dtypes",
     "state",
     "source",
+    "values",
     "train_fp32_bytes",
     "train_mixed_bytes",
     "output_shape",
@@ -70,6 +71,7 @@ HEADERS = {
     "dtypes": "dtypes",
     "state": "state",
     "source": "source",
+    "values": "values",
     "grad_fp32_bytes": "grads fp32",
     "optim_fp32_bytes": "optim fp32",
     "train_fp32_bytes": "train fp32",
@@ -157,6 +159,7 @@ COMPACT_COLUMNS = (
     "dtypes",
     "state",
     "source",
+    "values",
     "output_shape",
     "activation_bytes",
     "peak_forward_bytes",
@@ -172,7 +175,10 @@ def _columns(table: pd.DataFrame, columns: Sequence[str] | str | None) -> list[s
         informative = [
             c
             for c in COMPACT_COLUMNS
-            if c in table.columns and not (c == "source" and not table[c].astype(bool).any())
+            if c in table.columns
+            and not (c == "source" and not table[c].astype(bool).any())
+            # "values" only when some are not eager's (after rng="fast")
+            and not (c == "values" and not table[c].isin(["fast", "mixed"]).any())
         ]
         return informative
     wanted = DEFAULT_COLUMNS if columns is None else columns
@@ -257,7 +263,7 @@ def render_html(
         root_total = float(shown.loc["", "total_bytes"])
         if root_total > 0:
             styler.bar(subset=["total_bytes"], color=_BAR_COLOR, vmin=0, vmax=root_total)
-    text_columns = [c for c in ("type", "dtypes", "state", "source") if c in cols]
+    text_columns = [c for c in ("type", "dtypes", "state", "source", "values") if c in cols]
     if text_columns:
         styler.set_properties(subset=text_columns, **{"text-align": "left"})
     if top:

@@ -8,16 +8,22 @@ and sends only the rows that changed.  Shared (tied) tensors are counted once in
 from __future__ import annotations
 
 import hashlib
+import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
 
-from jupyter_metainit.core import tensor_source, tensor_state
-from jupyter_metainit.core._walk import OwnTensor, counted_attributes, own_tensors
+from jupyter_metainit.core import tensor_source, tensor_state, tensor_values
+from jupyter_metainit.core._walk import counted_attributes, own_tensors
 
-__all__ = ["ModuleTree", "NodeStats"]
+__all__ = ["ModelGoneError", "ModuleTree", "NodeStats"]
+
+
+class ModelGoneError(ReferenceError):
+    """The model a tree indexes was garbage-collected: no name in the kernel refers to it."""
+
 
 _EXTRA_REPR_MAX = 80
 _DTYPE_SHORT = {
@@ -62,7 +68,9 @@ class NodeStats:
     device, ``"mixed"``... ``dtype``: ``"bf16"``, ``"fp32"``, ``"mixed"`` (floating tensors; other
     dtypes only when there are none). ``target``: the device deferred tensors will go to when it
     is not the CPU. ``source``: where the values come from when it is a file: ``"checkpoint"``,
-    or ``"mixed"`` (part checkpoint, part init); ``""`` for init alone.
+    or ``"mixed"`` (part checkpoint, part init); ``""`` for init alone. ``values``: ``"fast"``
+    when real tensors hold values replayed with ``rng="fast"`` (not eager's), ``"mixed"`` when
+    some do, ``""`` when every real tensor holds eager's values.
     """
 
     params: int = 0
@@ -72,6 +80,7 @@ class NodeStats:
     dtype: str = ""
     target: str = ""
     source: str = ""
+    values: str = ""
 
     def row(self) -> list:
         return [
@@ -82,31 +91,36 @@ class NodeStats:
             self.share_bytes,
             self.target,
             self.source,
+            self.values,
         ]
 
 
 @dataclass
 class ModuleTree:
-    """Index of a module hierarchy by node id (pre-order; 0 is the root, qualified name ``""``)."""
+    """Index of a module hierarchy by node id (pre-order; 0 is the root, qualified name ``""``).
 
-    root: nn.Module
+    The modules are held weakly: a widget (which ipywidgets keeps alive until it is closed,
+    even once its output is gone) must not keep a model and its memory alive after the
+    notebook dropped it. Reading a module of a collected model raises :class:`ModelGoneError`.
+    """
+
+    module_refs: list[weakref.ref[nn.Module]] = field(default_factory=list)
     names: list[str] = field(default_factory=list)
-    modules: list[nn.Module] = field(default_factory=list)
     parents: list[int] = field(default_factory=list)
     children: list[list[int]] = field(default_factory=list)
     index: dict[str, int] = field(default_factory=dict)
-    # Per node, the tensor attributes that hold memory of their own (found on first use).
-    attributes: list[list[OwnTensor]] | None = None
+    # Per node, the names of the tensor attributes that hold memory of their own (first use).
+    attribute_names: list[list[str]] | None = None
 
     @classmethod
     def build(cls, root: nn.Module) -> ModuleTree:
         """Index every submodule of ``root`` (a module reachable twice appears once)."""
-        tree = cls(root)
+        tree = cls()
         for name, module in root.named_modules():
             node = len(tree.names)
             parent = -1 if node == 0 else tree.index[name.rpartition(".")[0]]
             tree.names.append(name)
-            tree.modules.append(module)
+            tree.module_refs.append(weakref.ref(module))
             tree.parents.append(parent)
             tree.children.append([])
             tree.index[name] = node
@@ -117,14 +131,44 @@ class ModuleTree:
     def __len__(self) -> int:
         return len(self.names)
 
+    def module(self, node: int) -> nn.Module:
+        """The module of ``node``; :class:`ModelGoneError` once the model was collected."""
+        module = self.module_refs[node]()
+        if module is None:
+            raise ModelGoneError(
+                "the model this tree showed no longer exists (no name in the kernel referred "
+                "to it, so it was freed)"
+            )
+        return module
+
+    @property
+    def alive(self) -> bool:
+        return self.module_refs[0]() is not None
+
+    @property
+    def root(self) -> nn.Module:
+        return self.module(0)
+
+    def holds(self, module: nn.Module) -> bool:
+        """Whether ``module`` is one of this tree's live modules."""
+        return any(ref() is module for ref in self.module_refs)
+
     # ----------------------------------------------------------------- tensors and statistics
     def own_tensors(self, node: int) -> list[tuple[torch.Tensor, bool]]:
         """The parameters (True), buffers and tensor attributes (False) a node holds directly;
         an attribute that only views a parameter or buffer is left out (it costs nothing)."""
-        if self.attributes is None:
-            self.attributes = counted_attributes(self.modules)
-        owned = [*own_tensors(self.modules[node]), *self.attributes[node]]
-        return [(o.tensor, o.kind == "parameter") for o in owned]
+        module = self.module(node)
+        if self.attribute_names is None:
+            # Names, not tensors: the tree must not hold the model's memory (see the class).
+            modules = [self.module(i) for i in range(len(self))]
+            self.attribute_names = [[o.name for o in here] for here in counted_attributes(modules)]
+        wanted = self.attribute_names[node]
+        owned = own_tensors(module, real_attributes=bool(wanted))
+        return [
+            (o.tensor, o.kind == "parameter")
+            for o in owned
+            if o.kind != "attribute" or o.name in wanted
+        ]
 
     def holders(self) -> dict[int, list[int]]:
         """``id(tensor)`` -> the nodes holding it directly, in module order (ties: several)."""
@@ -170,10 +214,12 @@ class ModuleTree:
         # per tensor once (the root's set holds them all), not once per ancestor
         state_of = {key: tensor_state(t) for key, (t, _) in sets[0].items()}
         source_of = {key: tensor_source(t) for key, (t, _) in sets[0].items()}
+        values_of = {key: tensor_values(t) for key, (t, _) in sets[0].items()}
         out = []
         for node, tensors in enumerate(sets):
             st = NodeStats(share_bytes=share[node])
             states, floats, others, targets, sources = set(), set(), set(), set(), set()
+            values = set()
             for key, (t, is_param) in tensors.items():
                 if is_param:
                     st.params += _numel(t)
@@ -184,12 +230,15 @@ class ModuleTree:
                 if state == "deferred":
                     targets.add(str(t.device))
                 sources.add(source_of[key])
+                values.add(values_of[key])
             st.state = _summary(states)
             st.dtype = _summary(floats or others)
             target = _summary(targets)
             st.target = "" if target in ("cpu", "") else target
             known = sources - {""}
             st.source = "" if "checkpoint" not in known else _summary(known)
+            real = values - {""}
+            st.values = "" if "fast" not in real else _summary(real)
             out.append(st)
         return out
 
@@ -202,23 +251,24 @@ class ModuleTree:
             union.update(sets[node])
         params = nbytes = nbytes_as = 0
         states: dict[str, int] = {}
+        states_as: dict[str, int] = {}  # bytes in ``dtype``, by state
         for t, is_param in union.values():
             if is_param:
                 params += _numel(t)
             b = _nbytes(t)
             nbytes += b
-            if dtype is not None and t.is_floating_point():
-                nbytes_as += _numel(t) * dtype.itemsize
-            else:
-                nbytes_as += b
+            b_as = _numel(t) * dtype.itemsize if dtype is not None and t.is_floating_point() else b
+            nbytes_as += b_as
             s = tensor_state(t)
             states[s] = states.get(s, 0) + b
+            states_as[s] = states_as.get(s, 0) + b_as
         return {
             "modules": len(nodes),
             "params": params,
             "bytes": nbytes,
             "bytes_as": nbytes_as,
             "states": states,
+            "states_as": states_as,
             "also": self._also(nodes, union),
         }
 
@@ -263,7 +313,7 @@ class ModuleTree:
         sigs = [""] * len(self.names)
         for node in range(len(self.names) - 1, -1, -1):
             h = hashlib.blake2b(digest_size=8)
-            h.update(type(self.modules[node]).__qualname__.encode())
+            h.update(type(self.module(node)).__qualname__.encode())
             for t, _ in self.own_tensors(node):
                 lazy = isinstance(t, torch.nn.parameter.UninitializedTensorMixin)
                 shape = "lazy" if lazy else tuple(t.shape)
@@ -297,8 +347,8 @@ class ModuleTree:
         """The whole tree as one compact JSON structure (rows of arrays, types interned).
 
         Row layout: ``[parent, local_name, type_index, params, bytes, state, rep_i, rep_n,
-        info, own, dtype, share_bytes, target, tied, source]`` where ``info`` is a leaf module's
-        ``extra_repr()`` (shortened), else ``""``, ``own`` is 1 when the module holds
+        info, own, dtype, share_bytes, target, tied, source, values]`` where ``info`` is a leaf
+        module's ``extra_repr()`` (shortened), else ``""``, ``own`` is 1 when the module holds
         parameters or buffers itself, and ``tied`` lists the nodes sharing a tensor with it
         (see :class:`NodeStats` for the rest).
         """
@@ -307,9 +357,8 @@ class ModuleTree:
         types: list[str] = []
         type_index: dict[str, int] = {}
         rows = []
-        for node, (name, module, parent) in enumerate(
-            zip(self.names, self.modules, self.parents, strict=True)
-        ):
+        for node, (name, parent) in enumerate(zip(self.names, self.parents, strict=True)):
+            module = self.module(node)
             tname = type(module).__name__
             if tname not in type_index:
                 type_index[tname] = len(types)
@@ -340,6 +389,7 @@ class ModuleTree:
                     st.target,
                     tied[node],
                     st.source,
+                    st.values,
                 ]
             )
         for node, (i, n) in enumerate(self.repeats()):

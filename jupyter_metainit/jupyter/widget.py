@@ -33,7 +33,8 @@ from jupyter_metainit.core._busy import busy_with as core_busy_with
 from jupyter_metainit.core._format import format_bytes, format_count, format_duration
 from jupyter_metainit.core._walk import unique_tensors
 from jupyter_metainit.estimates import memory_table
-from jupyter_metainit.jupyter._tree import ModuleTree, NodeStats
+from jupyter_metainit.estimates.fit import device_budget
+from jupyter_metainit.jupyter._tree import ModelGoneError, ModuleTree, NodeStats
 
 __all__ = ["ModuleTreeWidget", "explore", "widgets_of"]
 
@@ -49,6 +50,18 @@ _SYNC_DELAY_S = 0.1  # changes published within this window make one refresh
 # What the page may write; everything else describes the kernel.
 _PAGE_WRITABLE = frozenset({"selected", "rng", "dtype", "show_table", "table_full"})
 _live_widgets: weakref.WeakSet[ModuleTreeWidget] = weakref.WeakSet()
+_MODEL_GONE = (
+    "The model this widget showed is gone: no name in the kernel refers to it any more, so it "
+    "was freed. Nothing was done. Show the model you have now with "
+    "jupyter_metainit.explore(model)."
+)
+
+
+def _static_text(name: str) -> str:
+    # The built front end as text, not as a path: anywidget turns a path into a FileContents
+    # whose class-level `changed` signal holds every widget ever made (file watching or not),
+    # so no widget could be freed.
+    return (_STATIC / name).read_text(encoding="utf-8")
 
 
 def widgets_of(module: nn.Module) -> list[ModuleTreeWidget]:
@@ -59,11 +72,7 @@ def widgets_of(module: nn.Module) -> list[ModuleTreeWidget]:
         (w,) = jupyter_metainit.widgets_of(model)
         w.selected = ["model.layers.0"]
     """
-    return [
-        w
-        for w in list(_live_widgets)
-        if w.comm is not None and any(m is module for m in w._tree.modules)
-    ]
+    return [w for w in list(_live_widgets) if w.comm is not None and w._tree.holds(module)]
 
 
 class ActionCancelled(Exception):
@@ -104,8 +113,8 @@ class ModuleTreeWidget(anywidget.AnyWidget):
     fraction of a second.
     """
 
-    _esm = _STATIC / "widget.js"
-    _css = _STATIC / "widget.css"
+    _esm = _static_text("widget.js")
+    _css = _static_text("widget.css")
 
     # kernel-owned: the page's writes are refused (see set_state)
     tree = traitlets.Dict(help="The whole tree, sent once; later changes come as patches.").tag(
@@ -140,7 +149,9 @@ class ModuleTreeWidget(anywidget.AnyWidget):
     def __init__(self, module: nn.Module, *, depth: int = 2, **kwargs: Any) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"explore() needs an nn.Module, got {type(module).__name__}")
-        self.module = module
+        # Held weakly (see ModuleTree): the widget outlives its output in ipywidgets' registry.
+        self._module_ref = weakref.ref(module)
+        self._model_type = type(module).__name__
         self._tree = ModuleTree.build(module)
         self._stats = self._tree.stats()
         self._ids = self._tensor_ids()
@@ -163,12 +174,21 @@ class ModuleTreeWidget(anywidget.AnyWidget):
         _events.subscribe(self._on_core_change)
         _live_widgets.add(self)
 
+    @property
+    def module(self) -> nn.Module:
+        """The model shown; :class:`ModelGoneError` once nothing else refers to it."""
+        module = self._module_ref()
+        if module is None:
+            raise ModelGoneError(_MODEL_GONE)
+        return module
+
     def __repr__(self) -> str:
         # What plain-text front ends (terminals, nbconvert to text) show instead of the tree.
         root = self._stats[0]
+        gone = "" if self._tree.alive else ", model gone"
         return (
-            f"ModuleTreeWidget({type(self.module).__name__}: {format_count(root.params)} params, "
-            f"{format_bytes(root.bytes)}, {root.state})"
+            f"ModuleTreeWidget({self._model_type}: {format_count(root.params)} params, "
+            f"{format_bytes(root.bytes)}, {root.state}{gone})"
         )
 
     # ------------------------------------------------------------------ what the page may write
@@ -216,8 +236,26 @@ class ModuleTreeWidget(anywidget.AnyWidget):
             self._update_table()
 
     def _selection_summary(self) -> dict:
+        if not self._tree.alive:
+            return {}
         nodes = [self._tree.index[n] for n in self.selected]
-        return self._tree.selection_stats(nodes, _DTYPES[self.dtype])
+        summary = self._tree.selection_stats(nodes, _DTYPES[self.dtype])
+        summary["fit"] = self._fit(summary) if nodes else {}
+        return summary
+
+    def _fit(self, summary: dict) -> dict[str, dict]:
+        """Per device: the memory materializing the selection there takes (in the chosen dtype,
+        minus what is on that device already), the device's free memory (as ``fits`` measures
+        it) and whether the one fits in the other."""
+        out = {}
+        for device in ["cpu", *(d["name"] for d in self.devices)]:
+            try:
+                free = device_budget(device)
+            except ValueError:  # cannot measure: say nothing rather than guess
+                continue
+            need = sum(b for state, b in summary["states_as"].items() if state != device)
+            out[device] = {"need": need, "free": free, "fits": need <= free}
+        return out
 
     # ------------------------------------------------------------------ table
     @traitlets.observe("show_table", "table_full")
@@ -278,6 +316,9 @@ class ModuleTreeWidget(anywidget.AnyWidget):
         if action not in ("materialize", "free"):
             self._notify(f"Unknown action {action!r}; nothing was done.")
             return
+        if not self._tree.alive:
+            self.error = _MODEL_GONE
+            return
         try:
             names = self._check_names(content.get("names"))
             device = self._check_device(content.get("device")) if action == "materialize" else ""
@@ -314,7 +355,7 @@ class ModuleTreeWidget(anywidget.AnyWidget):
                 found = self.module.get_submodule(name)
             except AttributeError:
                 found = None
-            if found is not self._tree.modules[self._tree.index[name]]:
+            if found is not self._tree.module(self._tree.index[name]):
                 raise ValueError(
                     f"The model changed since the tree was drawn ({name!r} is no longer the "
                     "same module); run explore() again."
@@ -346,9 +387,14 @@ class ModuleTreeWidget(anywidget.AnyWidget):
     def _run(self, action: str, names: list[str], device: str) -> None:
         modules = [self.module.get_submodule(n) for n in names]
         what = _describe(names)
-        before = [s.row() for s in self._stats]
+        # Measured now, not taken from the last refresh: a change made in code just before
+        # (its refresh still pending) is not this action's doing.
+        before = [s.row() for s in self._tree.stats()]
         t0 = time.monotonic()
+        regenerated, kept_fast = 0, ""
         try:
+            if action == "materialize" and self.rng == "exact":
+                regenerated, kept_fast = _forget_fast_values(modules)
             if action == "materialize":
                 core.materialize(
                     modules,
@@ -387,6 +433,13 @@ class ModuleTreeWidget(anywidget.AnyWidget):
                 f"Materialized {what} on {device or 'its recorded device'}"
                 + (f" as {self.dtype}" if self.dtype else "")
                 + f" in {format_duration(took)}."
+                + (
+                    f" Re-generated {regenerated} tensor(s) that held fast-RNG values with "
+                    "exact (eager) values."
+                    if regenerated
+                    else ""
+                )
+                + kept_fast
                 if action == "materialize"
                 else f"Freed {what} (deferred again) in {format_duration(took)}."
             )
@@ -447,6 +500,9 @@ class ModuleTreeWidget(anywidget.AnyWidget):
 
     def refresh(self) -> None:
         """Recompute every node's totals and state; send the page only the rows that changed."""
+        if not self._tree.alive:
+            self.error = _MODEL_GONE
+            return
         with self._refresh_lock:
             stats = self._tree.stats()
             changed = [
@@ -456,11 +512,11 @@ class ModuleTreeWidget(anywidget.AnyWidget):
             ]
             self._stats: list[NodeStats] = stats
             rows = self.tree["nodes"]
-            for node, params, nbytes, state, dtype, share, target, source in changed:
+            for node, params, nbytes, state, dtype, share, target, source, values in changed:
                 # keep the synced tree current for pages opened later
                 rows[node][3], rows[node][4], rows[node][5] = params, nbytes, state
                 rows[node][10], rows[node][11], rows[node][12] = dtype, share, target
-                rows[node][14] = source
+                rows[node][14], rows[node][15] = source, values
             if changed:
                 self.send({"kind": "patch", "nodes": changed})
             self.selection = self._selection_summary()
@@ -471,7 +527,33 @@ class ModuleTreeWidget(anywidget.AnyWidget):
         timer = getattr(self, "_sync_timer", None)  # None if __init__ failed
         if timer is not None:
             timer.cancel()
+            # a cancelled timer's thread still holds this widget until it wakes and ends
+            if timer is not threading.current_thread():
+                timer.join(1.0)
         super().close()
+
+
+def _forget_fast_values(modules: list[nn.Module]) -> tuple[int, str]:
+    """Before an exact materialization: make the parts holding fast-RNG values deferred again,
+    so that they are re-generated with eager's values rather than kept. Returns how many tensors
+    that concerns, and a sentence for the status when they could not be (then they keep their
+    fast values)."""
+    seen: dict[int, torch.Tensor] = {}
+    for module in modules:
+        for t in unique_tensors(module):
+            if core.tensor_values(t) == "fast":
+                seen.setdefault(id(t), t)
+    fast = list(seen.values())
+    if not fast:
+        return 0, ""
+    try:
+        core.dematerialize(fast)
+    except Exception as exc:
+        return 0, (
+            f" {len(fast)} tensor(s) keep their fast-RNG values (not eager's): they cannot be "
+            f"re-generated ({exc})"
+        )
+    return len(fast), ""
 
 
 def _describe(names: Sequence[str]) -> str:

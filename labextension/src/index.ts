@@ -11,7 +11,7 @@ function initialize({ model }: { model: WidgetModel }): () => void {
     if (!msg || msg.kind !== "patch") return;
     const tree = model.get("tree") as TreeJSON | undefined;
     if (!tree?.nodes) return;
-    for (const [node, params, bytes, state, dtype, share, target, source] of msg.nodes as PatchRow[]) {
+    for (const [node, params, bytes, state, dtype, share, target, source, values] of msg.nodes as PatchRow[]) {
       const row = tree.nodes[node];
       if (row) {
         row[3] = params;
@@ -21,6 +21,7 @@ function initialize({ model }: { model: WidgetModel }): () => void {
         if (share !== undefined) row[11] = share;
         if (target !== undefined) row[12] = target;
         if (source !== undefined) row[14] = source;
+        if (values !== undefined) row[15] = values;
       }
     }
   };

@@ -4,19 +4,19 @@
 
 /**
  * [parent, local_name, type_index, params, bytes, state, rep_i, rep_n, info, own, dtype,
- *  share_bytes, target, tied, source] (see jupyter_metainit/jupyter/_tree.py, ModuleTree.to_json).
+ *  share_bytes, target, tied, source, values] (see jupyter_metainit/jupyter/_tree.py, ModuleTree.to_json).
  */
 export type Row = [
   number, string, number, number, number, string, number, number, string, number,
-  string?, number?, string?, number[]?, string?,
+  string?, number?, string?, number[]?, string?, string?,
 ];
 export interface TreeJSON {
   v: number;
   types: string[];
   nodes: Row[];
 }
-/** [node, params, bytes, state, dtype, share_bytes, target, source]: a row that changed. */
-export type PatchRow = [number, number, number, string, string?, number?, string?, string?];
+/** [node, params, bytes, state, dtype, share_bytes, target, source, values]: a row that changed. */
+export type PatchRow = [number, number, number, string, string?, number?, string?, string?, string?];
 
 export const UNCHECKED = 0;
 export const CHECKED = 1;
@@ -54,6 +54,8 @@ export class Tree {
   tied: number[][] = [];
   /** "checkpoint" or "mixed" when values come from a file, else "". */
   source: string[] = [];
+  /** "fast" / "mixed" when real tensors hold fast-RNG values (not eager's), else "". */
+  values: string[] = [];
   /** Lower-cased "qualified name \u0000 type" for filtering. */
   private readonly haystack: string[] = [];
 
@@ -69,7 +71,7 @@ export class Tree {
     this.bytes = new Float64Array(n);
     this.share = new Float64Array(n);
     for (let i = 0; i < n; i++) {
-      const [p, name, t, params, bytes, state, ri, rn, info, own, dtype, share, target, tied, source] =
+      const [p, name, t, params, bytes, state, ri, rn, info, own, dtype, share, target, tied, source, values] =
         rows[i];
       this.parent[i] = p;
       this.depth[i] = p < 0 ? 0 : this.depth[p] + 1;
@@ -85,6 +87,7 @@ export class Tree {
       this.target.push(target ?? "");
       this.tied.push(Array.isArray(tied) ? tied : []);
       this.source.push(source ?? "");
+      this.values.push(values ?? "");
       this.repI[i] = ri;
       this.repN[i] = rn;
       this.info.push(info ?? "");
@@ -98,7 +101,7 @@ export class Tree {
 
   /** Apply the rows the kernel says changed. */
   applyPatch(rows: PatchRow[]): void {
-    for (const [node, params, bytes, state, dtype, share, target, source] of rows) {
+    for (const [node, params, bytes, state, dtype, share, target, source, values] of rows) {
       if (node < 0 || node >= this.n) continue;
       this.params[node] = params;
       this.bytes[node] = bytes;
@@ -107,6 +110,7 @@ export class Tree {
       if (share !== undefined) this.share[node] = share;
       if (target !== undefined) this.target[node] = target;
       if (source !== undefined) this.source[node] = source;
+      if (values !== undefined) this.values[node] = values;
     }
   }
 

@@ -21,8 +21,16 @@ const MAX_VISIBLE_ROWS = 18;
 const OVERSCAN = 6;
 /** How long a refused request's notice stays. */
 export const NOTICE_MS = 5000;
-/** A message the kernel has not acknowledged by then means it is gone. */
-export const ACK_TIMEOUT_MS = 6000;
+/** A message the kernel has not acknowledged by then means it is busy (running a cell): the
+ *  page says it waits. Only the comm's close or the kernel's restart means it is gone. */
+export const ACK_TIMEOUT_MS = 1500;
+
+/** What the page says when the kernel restarted or stopped: the model went with it. */
+export const GONE_KERNEL =
+  "The kernel was restarted or stopped, and the model went with it. Run the cells that build the model again to get a live tree.";
+/** What the page says when the widget was closed while the kernel lives on. */
+export const GONE_WIDGET =
+  "This widget was closed in the kernel. The model is still there if a name holds it: show it again with jupyter_metainit.explore(model), no need to rebuild it.";
 
 function h<K extends keyof HTMLElementTagNameMap>(
   tag: K,
@@ -51,14 +59,18 @@ export class TreeView {
   rows: VisibleRow[] = [];
   /** The node that has (or will get) keyboard focus in the tree. */
   focusNode = 0;
-  /** The kernel is gone (comm closed, restarted, or not answering). */
+  /** The kernel is gone (comm closed, kernel restarted or dead). */
   disconnected = false;
+  /** A message was sent that the kernel has not answered yet for a while: it is busy. */
+  waiting = false;
   private checks: Uint8Array;
   private readonly disposers: Array<() => void> = [];
   private frame = 0;
   private noticeTimer = 0;
   private nextId = 1;
   private readonly pending = new Map<number, number>();
+  private readonly actionButtons = new Map<string, HTMLButtonElement>();
+  private readonly sepEl = h("span", "jmi-sep");
 
   // parts
   private readonly totalsEl = h("div", "jmi-totals");
@@ -73,6 +85,7 @@ export class TreeView {
   private readonly messageEl = h("div", "jmi-message");
   private readonly noticeEl = h("div", "jmi-notice");
   private readonly disconnectedEl = h("div", "jmi-disconnected");
+  private readonly waitingEl = h("div", "jmi-waiting");
   private readonly fullBtn: HTMLButtonElement;
   private readonly scroller = h("div", "jmi-scroll");
   private readonly spacer = h("div", "jmi-spacer");
@@ -119,8 +132,10 @@ export class TreeView {
     this.listen("change:notice", () => this.renderNotice());
     this.listen("change:show_table change:table_html change:table_full", () => this.renderTable());
     this.listen("change:phase", () => this.renderProgress());
-    // The kernel went away: its comm closed, or the front end's manager dropped it (restart).
-    this.listen("comm_live_update comm:close destroy", () => this.setDisconnected());
+    // The kernel went away: the widget manager marks every comm dead when the kernel restarts
+    // or dies; a comm closed from the kernel (w.close()) ends this widget alone.
+    this.listen("comm_live_update", () => this.setDisconnected(GONE_KERNEL));
+    this.listen("comm:close destroy", () => this.setDisconnected(GONE_WIDGET));
     this.listen("change:rng change:dtype", () => this.syncSelects());
     this.listen("change:tree", () => {
       this.tree = new Tree(this.model.get("tree") as TreeJSON);
@@ -150,30 +165,60 @@ export class TreeView {
   }
 
   // ------------------------------------------------------------------ talking to the kernel
-  /** Send an action; the kernel acknowledges every message, silence means it is gone. */
+  /** Send an action; the kernel acknowledges every message. Silence means it is busy running
+   *  a cell: the message waits in the kernel's queue and runs when the cell ends, so the page
+   *  says it is waiting (and takes no second action meanwhile) until the answer comes. */
   request(content: Record<string, unknown>): void {
     if (this.disconnected) return;
     const id = this.nextId++;
     this.pending.set(
       id,
-      window.setTimeout(() => this.setDisconnected("The kernel does not answer."), ACK_TIMEOUT_MS),
+      window.setTimeout(() => this.setWaiting(true), ACK_TIMEOUT_MS),
     );
     this.model.send({ ...content, id });
+    this.renderActions();
   }
 
   private acknowledged(id: number): void {
     clearTimeout(this.pending.get(id));
     this.pending.delete(id);
+    // The kernel answers: whatever was said in doubt no longer holds.
+    if (this.disconnected) this.setConnected();
+    if (!this.pending.size) this.setWaiting(false);
+    this.renderActions();
   }
 
-  setDisconnected(why = "The kernel this widget belongs to is gone (restarted or shut down)."): void {
+  private setWaiting(on: boolean): void {
+    if (this.waiting === on) return;
+    this.waiting = on;
+    this.waitingEl.hidden = !on;
+    this.waitingEl.textContent = on
+      ? "Waiting for the kernel… it is busy (a cell is running); your action is queued and runs when it is free."
+      : "";
+    this.renderActions();
+  }
+
+  setDisconnected(why = GONE_KERNEL): void {
     if (this.disconnected) return;
     this.disconnected = true;
+    for (const timer of this.pending.values()) clearTimeout(timer);
+    this.pending.clear();
+    this.setWaiting(false);
     this.el.classList.add("jmi-off");
-    this.disconnectedEl.textContent = `Disconnected. ${why} Run the cell again to get a live tree.`;
+    this.disconnectedEl.textContent = `Disconnected. ${why}`;
     this.disconnectedEl.hidden = false;
     this.renderActions();
     this.renderRows();
+    this.renderTable();
+  }
+
+  private setConnected(): void {
+    this.disconnected = false;
+    this.el.classList.remove("jmi-off");
+    this.disconnectedEl.hidden = true;
+    this.renderActions();
+    this.renderRows();
+    this.renderTable();
   }
 
   // ------------------------------------------------------------------ layout
@@ -255,13 +300,26 @@ export class TreeView {
     this.rowsEl.addEventListener("click", (ev) => this.onRowClick(ev));
     // Handled at the window, in the capture phase: notebook front ends bind keys (arrows,
     // Space, Enter) on the document in the capture phase and stop them before they reach us.
+    // Every key pressed while focus is inside the widget stays in the widget: stopping it at
+    // the window's capture phase (the first place any listener sees it) keeps Lumino's command
+    // shortcuts (`a`, `m`, `d d`, Shift+Enter...) from running on the notebook, whether the
+    // front end listens on the document in the capture or the bubble phase. Default actions
+    // (typing in the filter, Tab between controls, Enter on a button) still happen.
     const onWindowKey = (ev: KeyboardEvent) => {
-      if (ev.target instanceof Node && this.rowsEl.contains(ev.target)) {
-        if (this.onKey(ev)) ev.stopPropagation();
+      if (!(ev.target instanceof Node) || !this.el.contains(ev.target)) return;
+      ev.stopPropagation();
+      if (ev.type !== "keydown") return;
+      if (ev.key === "Escape") {
+        ev.preventDefault();
+        this.focusNotebook();
+      } else if (this.rowsEl.contains(ev.target)) {
+        this.onKey(ev);
       }
     };
-    window.addEventListener("keydown", onWindowKey, true);
-    this.disposers.push(() => window.removeEventListener("keydown", onWindowKey, true));
+    for (const type of ["keydown", "keypress", "keyup"]) {
+      window.addEventListener(type, onWindowKey as EventListener, true);
+      this.disposers.push(() => window.removeEventListener(type, onWindowKey as EventListener, true));
+    }
     this.rowsEl.addEventListener("focusin", (ev) => {
       const rowEl = (ev.target as HTMLElement).closest(".jmi-row") as HTMLElement | null;
       if (rowEl?.dataset.node !== undefined) this.focusNode = Number(rowEl.dataset.node);
@@ -271,10 +329,13 @@ export class TreeView {
     this.messageEl.setAttribute("role", "status");
     this.disconnectedEl.setAttribute("role", "alert");
     this.disconnectedEl.hidden = true;
+    this.waitingEl.setAttribute("role", "status");
+    this.waitingEl.hidden = true;
 
     this.el.append(
       head,
       this.disconnectedEl,
+      this.waitingEl,
       tools,
       this.actionsEl,
       this.progressEl,
@@ -409,6 +470,21 @@ export class TreeView {
     return true;
   }
 
+  /** Escape: hand focus back to the notebook cell holding this output (command mode), or to
+   *  whatever focusable element holds the widget elsewhere. */
+  focusNotebook(): void {
+    const cell = this.el.closest<HTMLElement>(".jp-Cell");
+    const notebook = this.el.closest<HTMLElement>(".jp-Notebook");
+    (document.activeElement as HTMLElement | null)?.blur();
+    for (const target of [cell, notebook]) {
+      if (!target) continue;
+      if (!target.hasAttribute("tabindex")) continue;
+      target.focus({ preventScroll: true });
+      if (document.activeElement === target) return;
+    }
+    notebook?.focus({ preventScroll: true });
+  }
+
   /** Put keyboard focus on the focused node's row (it is re-created by every render). */
   private focusRow(): void {
     const el = this.rowsEl.querySelector<HTMLElement>(`[data-node="${this.focusNode}"]`);
@@ -482,6 +558,17 @@ export class TreeView {
       if (dtype && s.bytes_as !== undefined && s.bytes_as !== s.bytes) {
         parts.push(h("span", "jmi-muted", `→ ${humanBytes(s.bytes_as)} as ${dtype}`));
       }
+      // Fits before acting: per device, what the selection needs there against its free memory
+      const fit: Record<string, { fits: boolean; need: number; free: number }> = s.fit ?? {};
+      for (const [device, f] of Object.entries(fit)) {
+        const el = h(
+          "span",
+          f.fits ? "jmi-fit" : "jmi-nofit",
+          f.fits ? `fits ${device}` : `too big for ${device}`,
+        );
+        el.title = `Needs ${humanBytes(f.need)} more on ${device}; ${humanBytes(f.free)} free there now${dtype ? ` (as ${dtype})` : ""}`;
+        parts.push(el);
+      }
       const also: string[] = s.also ?? [];
       if (also.length) {
         const shown = also.slice(0, 3).join(", ") + (also.length > 3 ? ` and ${also.length - 3} more` : "");
@@ -495,42 +582,71 @@ export class TreeView {
     this.renderActions();
   }
 
+  /** The action buttons are made once and updated in place, so that the one with keyboard
+   *  focus keeps it through every re-render (after Enter, while busy, when it ends). An
+   *  unavailable action is `aria-disabled` rather than `disabled`: it stays focusable and its
+   *  reason (the title) stays readable. */
+  private actionButton(key: string, label: string, cls: string, onClick: () => void): HTMLButtonElement {
+    let b = this.actionButtons.get(key);
+    if (!b) {
+      b = button(label, cls, () => {
+        if (b!.getAttribute("aria-disabled") !== "true") onClick();
+      });
+      this.actionButtons.set(key, b);
+    }
+    b.textContent = label;
+    return b;
+  }
+
   renderActions(): void {
-    const busy = Boolean(this.model.get("busy")) || this.disconnected;
+    // an action sent and not yet answered counts as running: no second one meanwhile
+    const busy = Boolean(this.model.get("busy")) || this.disconnected || this.pending.size > 0;
     const names: string[] = this.model.get("selected") ?? [];
     const s = this.model.get("selection") ?? {};
     const states: Record<string, number> = s.states ?? {};
     const anyReal = Object.keys(states).some((k) => k !== "deferred");
     const none = names.length === 0;
     const why = none ? "Select modules first (tick their checkboxes)" : "";
+    const fit: Record<string, { fits: boolean; need: number; free: number }> = s.fit ?? {};
+    const noRoom = (device: string): string => {
+      const f = fit[device];
+      return f && !f.fits
+        ? `Does not fit: the selection needs ${humanBytes(f.need)} more on ${device}, which has ${humanBytes(f.free)} free. Select less, pick a smaller dtype or free something first.`
+        : "";
+    };
     const act = (action: string, device?: string) => () =>
       this.request({ action, device, names: this.model.get("selected") ?? [] });
 
-    const cpu = button("Materialize → CPU", "jmi-primary jmi-mat-cpu", act("materialize", "cpu"));
-    cpu.disabled = busy || none;
-    cpu.title = why || "Allocate the selected subtrees on the CPU and compute their values";
+    const cpu = this.actionButton("cpu", "Materialize → CPU", "jmi-primary jmi-mat-cpu", act("materialize", "cpu"));
+    setEnabled(cpu, !(busy || none || noRoom("cpu")));
+    cpu.title = why || noRoom("cpu") || "Allocate the selected subtrees on the CPU and compute their values";
     const buttons: HTMLElement[] = [cpu];
     const devices: Array<{ name: string; label: string }> = this.model.get("devices") ?? [];
     if (!devices.length) {
-      const b = button("Materialize → cuda", "jmi-mat-cuda", () => undefined);
+      const b = this.actionButton("nocuda", "Materialize → cuda", "jmi-mat-cuda", () => undefined);
       b.disabled = true;
       b.title = this.model.get("no_cuda_reason") || "No CUDA device is visible to this kernel.";
       buttons.push(b);
     }
     for (const d of devices) {
-      const b = button(`→ ${d.name}`, "jmi-mat-cuda", act("materialize", d.name));
-      b.disabled = busy || none;
-      b.title = why || `Materialize on ${d.name} (${d.label})`;
+      const b = this.actionButton(`cuda ${d.name}`, `→ ${d.name}`, "jmi-mat-cuda", act("materialize", d.name));
+      setEnabled(b, !(busy || none || noRoom(d.name)));
+      b.title = why || noRoom(d.name) || `Materialize on ${d.name} (${d.label})`;
       buttons.push(b);
     }
-    const free = button("Free", "jmi-free", act("free"));
-    free.disabled = busy || none || !anyReal;
+    const free = this.actionButton("free", "Free", "jmi-free", act("free"));
+    setEnabled(free, !(busy || none || !anyReal));
     free.title = why || (anyReal ? "Back to deferred: release the memory" : "Nothing selected is materialized");
-    buttons.push(free, h("span", "jmi-sep"), this.rngSel, this.dtypeSel);
+    buttons.push(free, this.sepEl, this.rngSel, this.dtypeSel);
     this.rngSel.disabled = busy;
     this.dtypeSel.disabled = busy;
     this.cancelBtn.disabled = this.disconnected;
-    this.actionsEl.replaceChildren(...buttons);
+    this.tableBtn.disabled = this.disconnected;
+    // only touch the DOM when the set of buttons changed, so focus is never lost
+    const current = [...this.actionsEl.children];
+    if (current.length !== buttons.length || current.some((el, i) => el !== buttons[i])) {
+      this.actionsEl.replaceChildren(...buttons);
+    }
   }
 
   private renderProgress(): void {
@@ -666,6 +782,7 @@ export class TreeView {
     const size = h("div", "jmi-c-num jmi-c-size", humanBytes(t.bytes[n]));
     if (t.dtype[n]) size.prepend(dtypeTag(t.dtype[n]), " ");
     if (t.source[n]) size.prepend(sourceTag(t.source[n]), " ");
+    if (t.values[n]) size.prepend(fastTag(t.values[n]), " ");
 
     el.append(
       cbCell,
@@ -678,6 +795,13 @@ export class TreeView {
     );
     return el;
   }
+}
+
+/** Available or not, keeping the button focusable (see renderActions). */
+function setEnabled(b: HTMLButtonElement, enabled: boolean): void {
+  b.disabled = false;
+  b.setAttribute("aria-disabled", String(!enabled));
+  b.classList.toggle("jmi-disabled", !enabled);
 }
 
 function rowsHaveChild(rows: VisibleRow[], i: number): boolean {
@@ -716,6 +840,15 @@ function sourceTag(source: string): HTMLElement {
     source === "checkpoint"
       ? "Values come from a checkpoint file (read when materialized)"
       : "Partly from a checkpoint file, partly from the model's init (keys missing from the file)";
+  return tag;
+}
+
+/** Values replayed with rng="fast": deterministic, but not what eager construction gives. */
+export function fastTag(values: string): HTMLElement {
+  const tag = h("span", "jmi-dtype jmi-fast", values === "mixed" ? "part fast" : "fast");
+  tag.title =
+    (values === "mixed" ? "Part of these values" : "These values") +
+    ' were generated with RNG "fast": deterministic, but not the values eager construction gives. Materialize with RNG "exact" to re-generate them exactly.';
   return tag;
 }
 

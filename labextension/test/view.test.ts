@@ -85,7 +85,7 @@ describe("TreeView", () => {
     const { root, model } = mount(smallTree(), { selected: ["norm"] });
     model.set("busy", "materialize cpu");
     model.set("progress", [50, 200]);
-    expect(root.querySelector<HTMLButtonElement>(".jmi-mat-cpu")!.disabled).toBe(true);
+    expect(root.querySelector<HTMLButtonElement>(".jmi-mat-cpu")!.getAttribute("aria-disabled")).toBe("true");
     expect(root.querySelector<HTMLElement>(".jmi-progress")!.hidden).toBe(false);
     expect(root.querySelector<HTMLElement>(".jmi-progress-fill")!.style.width).toBe("25.0%");
     root.querySelector<HTMLButtonElement>(".jmi-cancel")!.click();
@@ -204,21 +204,98 @@ describe("TreeView", () => {
     model.set("selected", ["norm"]);
     model.emit("comm_live_update");
     expect(root.querySelector<HTMLElement>(".jmi-disconnected")!.hidden).toBe(false);
-    expect(root.querySelector<HTMLButtonElement>(".jmi-mat-cpu")!.disabled).toBe(true);
+    expect(root.querySelector<HTMLButtonElement>(".jmi-mat-cpu")!.getAttribute("aria-disabled")).toBe("true");
     expect(root.querySelector<HTMLInputElement>(".jmi-rows .jmi-check")!.disabled).toBe(true);
   });
 
-  it("treats a message the kernel never acknowledges as a disconnection", () => {
+  it("says it waits for a busy kernel, and clears that the moment the kernel answers", () => {
     vi.useFakeTimers();
     const { root, model } = mount(smallTree(), { selected: ["norm"] });
     model.set("selected", ["norm"]);
-    root.querySelector<HTMLButtonElement>(".jmi-mat-cpu")!.click();
-    model.emit("msg:custom", { kind: "ack", id: 1 });
-    vi.advanceTimersByTime(10000);
+    const cpu = root.querySelector<HTMLButtonElement>(".jmi-mat-cpu")!;
+    cpu.click();
+    vi.advanceTimersByTime(20000); // a cell holds the kernel
+    const waiting = root.querySelector<HTMLElement>(".jmi-waiting")!;
+    expect(waiting.hidden).toBe(false);
+    expect(waiting.textContent).toContain("Waiting for the kernel");
     expect(root.querySelector<HTMLElement>(".jmi-disconnected")!.hidden).toBe(true);
-    root.querySelector<HTMLButtonElement>(".jmi-mat-cpu")!.click();
-    vi.advanceTimersByTime(10000);
-    expect(root.querySelector<HTMLElement>(".jmi-disconnected")!.textContent).toContain("does not answer");
+    cpu.click(); // no second action while the first waits
+    expect(model.sent.length).toBe(1);
+    model.emit("msg:custom", { kind: "ack", id: 1 });
+    expect(waiting.hidden).toBe(true);
+    expect(cpu.getAttribute("aria-disabled")).toBe("false");
+  });
+
+  it("says the model went with a restarted kernel, and that a closed widget needs no rebuild", () => {
+    const a = mount(smallTree());
+    a.model.emit("comm_live_update");
+    expect(a.root.querySelector(".jmi-disconnected")!.textContent).toContain("Run the cells that build");
+    const b = mount(smallTree());
+    b.model.emit("comm:close");
+    expect(b.root.querySelector(".jmi-disconnected")!.textContent).toContain("no need to rebuild");
+  });
+
+  it("keeps keys pressed inside the widget from reaching the notebook, and Escape leaves", () => {
+    const cell = document.createElement("div");
+    cell.className = "jp-Cell";
+    cell.tabIndex = -1;
+    document.body.append(cell);
+    const model = new FakeModel(smallTree());
+    const root = document.createElement("div");
+    cell.append(root);
+    new TreeView(model, root);
+    const reached: string[] = [];
+    const onDoc = (ev: KeyboardEvent) => reached.push(ev.key);
+    document.addEventListener("keydown", onDoc, true);
+    document.addEventListener("keydown", onDoc);
+    try {
+      const row = root.querySelector<HTMLElement>("[role=treeitem][tabindex='0']")!;
+      row.focus();
+      for (const k of ["a", "b", "m", "y", "d", "x", "c", "v", "z", "Enter"]) {
+        row.dispatchEvent(new KeyboardEvent("keydown", { key: k, bubbles: true, shiftKey: k === "Enter" }));
+      }
+      const search = root.querySelector<HTMLInputElement>(".jmi-search")!;
+      search.dispatchEvent(new KeyboardEvent("keydown", { key: "a", bubbles: true }));
+      expect(reached).toEqual([]);
+      (document.activeElement as HTMLElement).dispatchEvent(new KeyboardEvent("keydown", { key: "Escape", bubbles: true }));
+      expect(document.activeElement).toBe(cell);
+    } finally {
+      document.removeEventListener("keydown", onDoc, true);
+      document.removeEventListener("keydown", onDoc);
+    }
+  });
+
+  it("keeps focus on an action button through the action's re-renders", () => {
+    const { root, model } = mount(smallTree(), { selected: ["norm"] });
+    model.set("selected", ["norm"]);
+    const cpu = root.querySelector<HTMLButtonElement>(".jmi-mat-cpu")!;
+    cpu.focus();
+    cpu.click();
+    model.set("busy", "materialize cpu");
+    model.emit("msg:custom", { kind: "ack", id: 1 });
+    model.set("busy", "");
+    model.set("selection", { states: { cpu: 20 } });
+    expect(document.activeElement).toBe(cpu);
+    expect(root.querySelector(".jmi-mat-cpu")).toBe(cpu);
+  });
+
+  it("marks rows holding fast-RNG values", () => {
+    const { root, model } = mount(smallTree());
+    model.emit("msg:custom", { kind: "patch", nodes: [[9, 5, 20, "cpu", "fp32", 20, "", "", "fast"]] });
+    const norm = [...root.querySelectorAll<HTMLElement>(".jmi-rows .jmi-row")][3];
+    expect(norm.querySelector(".jmi-fast")!.textContent).toBe("fast");
+    expect(root.querySelectorAll(".jmi-fast").length).toBe(1);
+  });
+
+  it("disables Materialize with the reason when the selection does not fit", () => {
+    const { root, model } = mount(smallTree(), { selected: ["norm"] });
+    model.set("selected", ["norm"]);
+    model.set("selection", { bytes: 20, fit: { cpu: { fits: false, need: 2 ** 30, free: 2 ** 20 } } });
+    const cpu = root.querySelector<HTMLButtonElement>(".jmi-mat-cpu")!;
+    expect(cpu.getAttribute("aria-disabled")).toBe("true");
+    expect(cpu.title).toContain("Does not fit");
+    cpu.click();
+    expect(model.sent).toEqual([]);
   });
 
   it("scrolls the filter's first match into view", () => {
