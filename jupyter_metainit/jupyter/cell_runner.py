@@ -69,6 +69,7 @@ def user_traceback(error: BaseException) -> None:
          if not _is_ours(frames[i].tb_frame) and not _is_library(frames[i].tb_frame)),
         None,
     )  # fmt: skip
+
     def user(i: int) -> bool:
         return not _is_ours(frames[i].tb_frame) and not _is_library(frames[i].tb_frame)
 
