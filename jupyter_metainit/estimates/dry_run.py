@@ -258,8 +258,8 @@ class _ModelGuard:
     deferred tensor would be recorded and change what it materializes to). Afterwards every
     module gets back its attributes, tensors and train/eval mode, and the random generators
     (CPU, CUDA, generators kept on modules or passed in) their states: Dropout in the run
-    draws nothing the user sees. Lazy modules (``nn.LazyLinear``) keep their inferred parameters: giving
-    them a shape is what a dry run is for.
+    draws nothing the user sees. Lazy modules (``nn.LazyLinear``) keep their inferred
+    parameters: giving them a shape is what a dry run is for.
     """
 
     def __init__(self, root: nn.Module, inputs: Any = ()) -> None:
