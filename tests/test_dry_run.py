@@ -291,3 +291,17 @@ def test_dry_run_on_a_partly_real_model_leaves_both_parts_as_eager_builds_them()
     materialize(model)
     torch.manual_seed(0)
     assert _same_state(model, _snapshot(build()))
+
+
+def test_dry_run_forward_sees_attributes_set_on_the_model_tensors():
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3, 3))
+            self.w.scale = 2.0  # read by forward, as quantized layers read their state
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.w * self.w.scale
+
+    table = dry_run(Scaled(), (2, 3))
+    assert table.loc["", "output_shape"] == (2, 3)

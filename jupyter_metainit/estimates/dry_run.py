@@ -233,8 +233,15 @@ def _stand_in(t: torch.Tensor, on_meta: bool) -> torch.Tensor:
         else:
             new = t.detach().clone()
     if isinstance(t, nn.Parameter):
-        return nn.Parameter(new, requires_grad=t.requires_grad)
-    return new.requires_grad_(t.requires_grad) if t.requires_grad else new
+        new = nn.Parameter(new, requires_grad=t.requires_grad)
+    elif t.requires_grad:
+        new.requires_grad_(True)
+    # What code reads off the tensor object in forward (`weight.quant_state`, a user's tag);
+    # underscore names are bookkeeping, the core's own included, and stay with ``t``.
+    for name, value in getattr(t, "__dict__", {}).items():
+        if not name.startswith("_"):
+            setattr(new, name, value)
+    return new
 
 
 def _generators(obj: Any) -> Iterator[torch.Generator]:
