@@ -305,3 +305,18 @@ def test_dry_run_forward_sees_attributes_set_on_the_model_tensors():
 
     table = dry_run(Scaled(), (2, 3))
     assert table.loc["", "output_shape"] == (2, 3)
+
+
+def test_a_dry_run_inside_meta_init_leaves_later_draws_as_eager_makes_them():
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).train()
+
+    torch.manual_seed(0)
+    with meta_init():
+        model = build()
+        dry_run(model, (8, 4))
+        later = torch.randn(3)
+    materialize(later)
+    torch.manual_seed(0)
+    build()
+    assert torch.equal(later, torch.randn(3))
