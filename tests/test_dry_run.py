@@ -272,3 +272,57 @@ def test_memory_table_and_fits_leave_a_real_model_and_the_rng_unchanged():
     fits(model, "cpu", budget="1GiB")
     assert _same_state(model, before) and torch.equal(torch.get_rng_state(), state)
     assert model.training
+
+
+def test_dry_run_leaves_a_generator_passed_to_forward_unchanged():
+    class Noisy(nn.Module):
+        def forward(self, x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
+            return x + torch.randn(x.shape, generator=generator)
+
+    gen = torch.Generator().manual_seed(1)
+    state = gen.get_state()
+    dry_run(Noisy(), (2, 2), generator=gen)
+    assert torch.equal(gen.get_state(), state)
+
+
+def test_dry_run_on_a_partly_real_model_leaves_both_parts_as_eager_builds_them():
+    def build() -> nn.Module:
+        return nn.Sequential(nn.BatchNorm1d(4), nn.Linear(4, 4), nn.BatchNorm1d(4)).train()
+
+    torch.manual_seed(0)
+    with meta_init():
+        model = build()
+    materialize(model[0])
+    dry_run(model, (8, 4))
+    materialize(model)
+    torch.manual_seed(0)
+    assert _same_state(model, _snapshot(build()))
+
+
+def test_dry_run_forward_sees_attributes_set_on_the_model_tensors():
+    class Scaled(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3, 3))
+            self.w.scale = 2.0  # read by forward, as quantized layers read their state
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.w * self.w.scale
+
+    table = dry_run(Scaled(), (2, 3))
+    assert table.loc["", "output_shape"] == (2, 3)
+
+
+def test_a_dry_run_inside_meta_init_leaves_later_draws_as_eager_makes_them():
+    def build() -> nn.Module:
+        return nn.Sequential(nn.Linear(4, 4), nn.Dropout(0.5)).train()
+
+    torch.manual_seed(0)
+    with meta_init():
+        model = build()
+        dry_run(model, (8, 4))
+        later = torch.randn(3)
+    materialize(later)
+    torch.manual_seed(0)
+    build()
+    assert torch.equal(later, torch.randn(3))

@@ -548,3 +548,30 @@ def test_line_magics_refuse_a_module_never_set_up_with_the_fix(ip):
     message = usage_error(ip, "%materialize broken")
     assert message.startswith("%materialize: broken: NotSetUp, refused")
     assert message.endswith("(add super().__init__() at the start of NotSetUp.__init__)")
+
+
+def test_a_torch_error_in_the_cell_shows_one_short_traceback_ending_at_the_user_line(ip):
+    _, out = run(ip, "%%meta_init\nm = nn.Linear(3, 4)\ny = m(torch.ones(2, 5))")
+    shown = out.stdout
+    assert shown.count("Traceback (most recent call last)") == 1
+    assert "During handling of the above exception" not in shown
+    assert "jupyter_metainit" not in shown and "File " not in shown
+    assert "----> 3 y = m(torch.ones(2, 5))" in shown
+    assert shown.rstrip().endswith("mat1 and mat2 shapes cannot be multiplied (2x5 and 3x4)")
+
+
+def test_a_torch_error_in_a_users_forward_ends_at_the_forward_line(ip):
+    ok(
+        ip,
+        "class Proj(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.w = nn.Parameter(torch.ones(3, 4))\n"
+        "    def forward(self, x):\n        return x @ self.w\n",
+    )
+    _, out = run(ip, "%%meta_init\np = Proj()\ny = p(torch.ones(2, 5))")
+    shown = out.stdout
+    assert shown.count("Traceback (most recent call last)") == 1
+    assert "jupyter_metainit" not in shown and "During handling" not in shown
+    assert shown.rstrip().endswith(
+        "----> 6     return x @ self.w\n\n"
+        "RuntimeError: mat1 and mat2 shapes cannot be multiplied (2x5 and 3x4)"
+    )

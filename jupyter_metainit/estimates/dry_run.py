@@ -234,8 +234,27 @@ def _stand_in(t: torch.Tensor, on_meta: bool) -> torch.Tensor:
         else:
             new = t.detach().clone()
     if isinstance(t, nn.Parameter):
-        return nn.Parameter(new, requires_grad=t.requires_grad)
-    return new.requires_grad_(t.requires_grad) if t.requires_grad else new
+        new = nn.Parameter(new, requires_grad=t.requires_grad)
+    elif t.requires_grad:
+        new.requires_grad_(True)
+    # What code reads off the tensor object in forward (`weight.quant_state`, a user's tag);
+    # underscore names are bookkeeping, the core's own included, and stay with ``t``.
+    for name, value in getattr(t, "__dict__", {}).items():
+        if not name.startswith("_"):
+            setattr(new, name, value)
+    return new
+
+
+def _generators(obj: Any) -> Iterator[torch.Generator]:
+    """Generators in nested inputs (lists, tuples, dicts)."""
+    if isinstance(obj, torch.Generator):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _generators(item)
+    elif isinstance(obj, Mapping):
+        for item in obj.values():
+            yield from _generators(item)
 
 
 class _ModelGuard:
@@ -246,12 +265,12 @@ class _ModelGuard:
     stats, counters, caches) never reach the model's tensors, real or deferred (a write on a
     deferred tensor would be recorded and change what it materializes to). Afterwards every
     module gets back its attributes, tensors and train/eval mode, and the random generators
-    (CPU, CUDA, generators kept on modules) their states: Dropout in the run draws nothing
-    the user sees. Lazy modules (``nn.LazyLinear``) keep their inferred parameters: giving
-    them a shape is what a dry run is for.
+    (CPU, CUDA, generators kept on modules or passed in) their states: Dropout in the run
+    draws nothing the user sees. Lazy modules (``nn.LazyLinear``) keep their inferred
+    parameters: giving them a shape is what a dry run is for.
     """
 
-    def __init__(self, root: nn.Module) -> None:
+    def __init__(self, root: nn.Module, inputs: Any = ()) -> None:
         self.modules = list(root.modules())
         self.training = [m.training for m in self.modules]
         self.lazy = [
@@ -273,6 +292,8 @@ class _ModelGuard:
             for v in m.__dict__.values():
                 if isinstance(v, torch.Generator):
                     generators[id(v)] = v
+        for g in _generators(inputs):  # `dry_run(model, x, generator=g)`
+            generators[id(g)] = g
         self.generators = list(generators.values())
         # `torch.get_rng_state` inside a block first settles draws recorded so far (see
         # core._context); the generator's own get_state is the same after that.
@@ -363,7 +384,7 @@ def dry_run(
     tracker = _ActivationTracker(modules.stack)
     start = time.perf_counter()
     flops = FlopCounterMode(display=False, custom_mapping=_extra_flop_formulas())
-    guard = _ModelGuard(module)
+    guard = _ModelGuard(module, (example_inputs, kwargs))
     try:
         with ctx:
             guard.swap_in_stand_ins(on_meta=use_meta)

@@ -8,7 +8,12 @@ the *enclosing* cell (so "Run All" and ``nbclient`` stop there) without being ra
 
 from __future__ import annotations
 
-from collections.abc import Coroutine
+import contextlib
+import os
+import sys
+import sysconfig
+import types
+from collections.abc import Coroutine, Iterator
 from typing import Any
 
 from IPython.core.error import UsageError
@@ -23,6 +28,84 @@ class CellFailed(Exception):
     Only raised when there is no enclosing cell to mark (the magic was called from Python code,
     e.g. ``get_ipython().run_cell_magic(...)``), so that such callers still see an exception.
     """
+
+
+# Frames of this package, and of installed libraries (torch): what a traceback hides below the
+# last line of the user's own code.
+_PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+_LIBRARY_DIRS = tuple(
+    {os.path.abspath(p) + os.sep for key in ("purelib", "platlib", "stdlib")
+     if (p := sysconfig.get_paths().get(key))}
+)  # fmt: skip
+
+
+def _is_ours(frame: types.FrameType) -> bool:
+    return os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR)
+
+
+def _is_library(frame: types.FrameType) -> bool:
+    return os.path.abspath(frame.f_code.co_filename).startswith(_LIBRARY_DIRS)
+
+
+def user_traceback(error: BaseException) -> None:
+    """Make ``error`` show one short traceback ending at the user's line: this package's frames
+    (recording, replay), the library frames between the user's last line and ours (torch's
+    ``Module.__call__``, ``Linear.forward``) and what ours called are cut off, and an exception
+    our code was handling when the error arose (a meta kernel's refusal before the real op ran)
+    is not chained in.
+
+    A user's own function called from our frames (a hook) stays, from its first frame on.
+    """
+    frames: list[types.TracebackType] = []
+    tb = error.__traceback__
+    while tb is not None:
+        frames.append(tb)
+        tb = tb.tb_next
+    first_ours = next((i for i, t in enumerate(frames) if _is_ours(t.tb_frame)), None)
+    if first_ours is None:
+        return
+    later_user = next(
+        (i for i in range(first_ours, len(frames))
+         if not _is_ours(frames[i].tb_frame) and not _is_library(frames[i].tb_frame)),
+        None,
+    )  # fmt: skip
+
+    def user(i: int) -> bool:
+        return not _is_ours(frames[i].tb_frame) and not _is_library(frames[i].tb_frame)
+
+    # End at the user's last line before ours (`y = m(x)`), not in torch's module machinery.
+    last_user = next((i for i in reversed(range(first_ours)) if user(i)), first_ours - 1)
+    kept = frames[: last_user + 1] + (frames[later_user:] if later_user is not None else [])
+    rebuilt: types.TracebackType | None = None
+    for t in reversed(kept):
+        rebuilt = types.TracebackType(rebuilt, t.tb_frame, t.tb_lasti, t.tb_lineno)
+    error.__traceback__ = rebuilt
+    if later_user is None:
+        error.__suppress_context__ = True  # what we were handling is ours, not the user's
+
+
+@contextlib.contextmanager
+def _user_tracebacks(shell: InteractiveShell) -> Iterator[None]:
+    """While the body runs, tracebacks IPython shows are made user tracebacks first."""
+    original = shell.showtraceback
+    own = shell.__dict__.get("showtraceback")  # set by an enclosing %%meta_init, if any
+
+    def showtraceback(exc_tuple: Any = None, *args: Any, **kwargs: Any) -> Any:
+        __tracebackhide__ = True
+        etype, value, _tb = exc_tuple if exc_tuple is not None else sys.exc_info()
+        if value is not None and not isinstance(value, SyntaxError):
+            user_traceback(value)
+            exc_tuple = (etype, value, value.__traceback__)
+        return original(exc_tuple, *args, **kwargs)
+
+    shell.showtraceback = showtraceback  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if own is not None:
+            shell.showtraceback = own  # type: ignore[method-assign]
+        else:
+            del shell.showtraceback  # the class's method again
 
 
 def _drive(coro: Coroutine[Any, Any, bool]) -> bool:
@@ -104,11 +187,12 @@ def run_cell_body(shell: InteractiveShell, body: str) -> bool:
         return _finish(result, enclosing)
 
     interactivity = shell.ast_node_interactivity
-    _drive(
-        shell.run_ast_nodes(
-            tree.body, cell_name, interactivity=interactivity, compiler=compiler, result=result
+    with _user_tracebacks(shell):
+        _drive(
+            shell.run_ast_nodes(
+                tree.body, cell_name, interactivity=interactivity, compiler=compiler, result=result
+            )
         )
-    )
     # A nested magic that runs a cell of its own (``%%capture``) resets this; restore it.
     shell.displayhook.exec_result = enclosing
     return _finish(result, enclosing)
