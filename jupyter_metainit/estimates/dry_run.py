@@ -33,7 +33,14 @@ def _cpu_flash_sdpa_flops(
     out_shape: Any = None,
     **kwargs: Any,
 ) -> int:
-    """FLOPs of the CPU flash-attention kernel, which FlopCounterMode does not map (torch 2.13)."""
+    """FLOPs of the CPU flash-attention kernel, which FlopCounterMode does not map (torch 2.13).
+
+    Grouped-query attention (fewer key/value heads) counts as its heads repeated, which is the
+    work the kernel does; older ``sdpa_flop_count`` (torch 2.11) refuses unequal head counts.
+    """
+    heads = query_shape[1]
+    key_shape = (key_shape[0], heads, *key_shape[2:])
+    value_shape = (value_shape[0], heads, *value_shape[2:])
     return sdpa_flop_count(query_shape, key_shape, value_shape)
 
 
