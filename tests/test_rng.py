@@ -547,3 +547,20 @@ def test_initial_seeds_read_during_a_build_are_the_eager_ones():
     with meta_init():
         deferred = build_and_read()
     assert deferred == eager
+
+
+def test_a_value_dependent_sample_of_a_transposed_input_read_during_the_build_equals_eager():
+    class ReadsItsSample(nn.Module):
+        def __init__(self):
+            super().__init__()
+            rate = torch.empty(5, 10).uniform_(0.5, 3.0)
+            self.register_buffer("sample", torch.poisson(rate.t() * 4)[1:, ::2])
+            self.total = float(self.sample.sum())  # a read: values computed during the build
+            self.later = nn.Parameter(torch.randn(20))
+
+    from _twins import assert_same, eager_and_deferred
+
+    eager, deferred = eager_and_deferred(ReadsItsSample)
+    assert deferred.total == eager.total
+    materialize(deferred)
+    assert_same(eager, deferred)

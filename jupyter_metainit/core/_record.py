@@ -923,8 +923,14 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
             nbytes = sum(o.numel() * o.element_size() for o in outs if isinstance(o, torch.Tensor))
             rng, computed = _place_random(func, meta_args, meta_kwargs, info.has_generator,
                                           gen, nbytes, (args, kwargs, info))  # fmt: skip
-            if computed is not None and values is None and not mutates:
-                values = list(computed) if isinstance(computed, (tuple, list)) else [computed]
+            computed_outs = computed if isinstance(computed, (tuple, list)) else [computed]
+            if (
+                computed is not None
+                and values is None
+                and not mutates
+                and all(_same_layout(v, o) for v, o in zip(computed_outs, outs, strict=False))
+            ):
+                values = list(computed_outs)  # computed anyway: later reads start from here
             if "generator" in rec_kwargs:
                 rec_kwargs["generator"] = None
             elif info.has_generator:
@@ -963,6 +969,19 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
     if isinstance(out, (tuple, list)):
         return type(out)(results)
     return results[0]
+
+
+def _same_layout(value: Any, meta: Any) -> bool:
+    """Whether a real output can stand for the storage of its recorded (meta) output."""
+    if not isinstance(value, torch.Tensor) or not isinstance(meta, torch.Tensor):
+        return not isinstance(value, torch.Tensor) and not isinstance(meta, torch.Tensor)
+    return (
+        value.shape == meta.shape
+        and value.stride() == meta.stride()
+        and value.storage_offset() == meta.storage_offset() == 0
+        and value.dtype == meta.dtype
+        and value.untyped_storage().nbytes() == _storage_nbytes(meta)
+    )
 
 
 _VALUES_FOR_ERRORS = 64 << 20  # bytes of deferred inputs worth computing to check an error
