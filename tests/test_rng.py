@@ -404,8 +404,16 @@ def test_value_dependent_random_op_recorded_after_the_block_advances_the_generat
         lambda p: torch.multinomial(p.clamp(0.1).view(5, 10), 3),
         lambda p: torch.multinomial(p.clamp(0.1), 30, replacement=True),
     ],
-    ids=["randperm", "randperm_float", "bernoulli", "bernoulli_p", "bernoulli_tensor_p",
-         "bernoulli_f64", "multinomial", "multinomial_replacement"],  # fmt: skip
+    ids=[
+        "randperm",
+        "randperm_float",
+        "bernoulli",
+        "bernoulli_p",
+        "bernoulli_tensor_p",
+        "bernoulli_f64",
+        "multinomial",
+        "multinomial_replacement",
+    ],
 )
 def test_rng_state_after_randperm_bernoulli_multinomial_in_init_is_the_eager_one(draw):
     class Draws(nn.Module):
