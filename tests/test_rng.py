@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -572,3 +574,24 @@ def test_a_value_dependent_sample_of_a_transposed_input_read_during_the_build_eq
     assert deferred.total == eager.total
     materialize(deferred)
     assert_same(eager, deferred)
+
+
+def test_a_generator_state_saved_in_one_block_and_restored_in_the_next_replays_like_eager():
+    def build(deferred):
+        g = torch.Generator().manual_seed(5)
+        with meta_init() if deferred else contextlib.nullcontext():
+            first = torch.randn(40, generator=g)
+            saved = g.get_state()
+            torch.randn(40, generator=g)
+        with meta_init() if deferred else contextlib.nullcontext():
+            g.set_state(saved)
+            again = torch.randn(40, generator=g)
+        return first, again, g.get_state()
+
+    eager_first, eager_again, eager_state = build(deferred=False)
+    first, again, state = build(deferred=True)
+    materialize(again)
+    assert torch.equal(again, eager_again)
+    assert torch.equal(state, eager_state)
+    materialize(first)
+    assert torch.equal(first, eager_first)
