@@ -595,3 +595,21 @@ def test_a_generator_state_saved_in_one_block_and_restored_in_the_next_replays_l
     assert torch.equal(state, eager_state)
     materialize(first)
     assert torch.equal(first, eager_first)
+
+
+def test_real_random_work_on_a_generator_given_a_saved_state_draws_like_eager():
+    real = torch.empty(30)
+
+    def build(deferred):
+        g = torch.Generator().manual_seed(5)
+        with meta_init() if deferred else contextlib.nullcontext():
+            torch.randn(40, generator=g)
+            other = torch.Generator()
+            other.set_state(g.get_state())
+            real.normal_(generator=other)  # a real tensor: drawn now, from `other`
+            return real.clone(), other.get_state()
+
+    eager_values, eager_state = build(deferred=False)
+    values, state = build(deferred=True)
+    assert torch.equal(values, eager_values)
+    assert torch.equal(state, eager_state)

@@ -241,14 +241,22 @@ def handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
                 return func(*args, **kwargs)
         if mutated_real or func.is_view or not info.returns_tensors:
             if info.is_random:
-                _rng.flush_all()  # real random work: the generator must be where eager has it
+                # Real random work: the generator must be where eager code has it.
+                _rng.before_real_draw(_generator_argument(info, bound))
             with plain():
                 return func(*args, **kwargs)
     elif mutated_real or not info.returns_tensors:
+        if info.is_random:
+            _rng.before_real_draw(_generator_argument(info, bound))
         return _run_on_values(func, args, kwargs)
     if info.is_inplace_view:
         return _inplace_view(func, info, bound, args, kwargs)
     return _record(func, info, bound, flat, args, kwargs)
+
+
+def _generator_argument(info: OpInfo, bound: list) -> torch.Generator | None:
+    gen = bound[info.arg_index("generator")] if info.has_generator else None
+    return gen if isinstance(gen, torch.Generator) else None
 
 
 def _view(func: Any, args: tuple, kwargs: dict) -> Any:

@@ -51,6 +51,7 @@ from jupyter_metainit.core._plain import plain
 __all__ = [
     "BurnSpec",
     "RngSegment",
+    "before_real_draw",
     "draws_depend_on_values",
     "fast_generator",
     "flush_all",
@@ -617,8 +618,9 @@ def _next_mark_fields() -> tuple[int, int]:
     while True:
         _mark_count += 1
         left = 1 + _mark_count % _MT_N
-        position = (_mark_count // _MT_N) % (_MT_N + 1)
-        if left + position != _MT_N + 1 and (left, position) != (1, 0):
+        position = (_mark_count // _MT_N) % _MT_N
+        # left + next < 625: drawing from a mark by mistake reads inside the block, no further
+        if left + position <= _MT_N and (left, position) != (1, 0):
             return left, position
 
 
@@ -719,6 +721,19 @@ def flush_all() -> None:
     with plain(), _lock:
         for tracker in list(_trackers.values()):
             _flush(tracker)
+
+
+def before_real_draw(generator: torch.Generator | None) -> None:
+    """Real random work is about to draw from ``generator`` (None: the default CPU one): every
+    followed generator is brought to its exact state, and ``generator`` too if it holds a mark
+    copied from another one (``other.set_state(g.get_state())``)."""
+    gen = generator if generator is not None else torch.default_generator
+    with plain(), _lock:
+        flush_all()
+        if gen.device.type == "cpu":
+            restored = true_state(gen.get_state())
+            if restored is not None:
+                gen.set_state(restored)
 
 
 def flush_default() -> None:
