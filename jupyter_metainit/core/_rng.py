@@ -583,12 +583,13 @@ _lock = threading.RLock()
 # Every state we left a real generator in while draws were pending (a *mark*), by digest, with
 # the exact position it stands for (segment, index: the state before that op). A mark is the
 # exact state with its ``left``/``next`` fields (see ``_mt19937``) set to a pair no generator
-# ever holds (a draw keeps ``left + next == 625``; seeding sets ``(1, 0)``), taken from a
-# process-wide counter: no ``manual_seed``/``set_state`` of a real state gives it, and each
-# recorded op gets a new one. ``g.get_state()`` cannot be intercepted (``torch.Generator`` is an
-# immutable C type), so a user who saves a state during a build saves a mark; restoring it
-# (``g.set_state(st)``, also on another generator) is recognized here and stands for the exact
-# state eager code would have saved; a restore is never mistaken for no change.
+# ever holds (a draw keeps ``left + next == 625``, seeding sets ``(1, 0)``; marks take pairs with
+# ``left + next < 625``), from a process-wide counter cycling through ~194,000 pairs: no
+# ``manual_seed``/``set_state`` of a real state gives it, and each recorded op gets a new one.
+# ``g.get_state()`` cannot be intercepted (``torch.Generator`` is an immutable C type), so a
+# user who saves a state during a build saves a mark; restoring it (``g.set_state(st)``, also on
+# another generator) is recognized here and stands for the exact state eager code would have
+# saved; a restore is never mistaken for no change.
 _marks: OrderedDict[bytes, tuple[RngSegment, int]] = OrderedDict()
 _MARKS_KEPT = 1 << 16
 _STATE_BYTES = 5056  # a CPU generator's state (see ``_mt19937``); only CPU ones are marked
