@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from jupyter_metainit.core._interrupts import critical
@@ -597,8 +598,13 @@ _MT_N = 624
 _mark_count = 0
 
 
+# A mark is told apart by its seed, left/next fields and first words: real states never share a
+# mark's left/next pair, and two marks with the same pair differ in their words.
+_KEY_BYTES = 24 + 8 * 16
+
+
 def _state_key(state: torch.Tensor) -> bytes:
-    return hashlib.blake2b(state.numpy().tobytes(), digest_size=16).digest()
+    return state[:_KEY_BYTES].numpy().tobytes()
 
 
 def true_state(state: torch.Tensor) -> torch.Tensor | None:
@@ -626,14 +632,12 @@ def _next_mark_fields() -> tuple[int, int]:
 
 
 def _new_mark(tracker: _Tracker) -> torch.Tensor:
-    # Bytes edited in numpy: a few tensor-indexing calls would cost more than the op's record.
-    data = bytearray(tracker.exact.numpy().tobytes())
+    mark = tracker.exact.clone()
+    data = mark.numpy()  # bytes edited in numpy: tensor indexing would cost more than the record
     left, position = _next_mark_fields()
-    data[8:12] = left.to_bytes(4, "little")
-    data[16:24] = position.to_bytes(8, "little")
-    mark = torch.frombuffer(data, dtype=torch.uint8)
-    key = hashlib.blake2b(data, digest_size=16).digest()
-    _marks[key] = (tracker.segment, len(tracker.segment.specs))
+    data[8:12] = np.frombuffer(left.to_bytes(4, "little"), dtype=np.uint8)
+    data[16:24] = np.frombuffer(position.to_bytes(8, "little"), dtype=np.uint8)
+    _marks[data[:_KEY_BYTES].tobytes()] = (tracker.segment, len(tracker.segment.specs))
     while len(_marks) > _MARKS_KEPT:
         _marks.popitem(last=False)
     return mark
