@@ -152,3 +152,66 @@ if __name__ == "__main__":  # the counts for the README and the closing note
         for op in OP_DB:
             total += check_op(op)
     print(f"{len(OP_DB)} operators with CPU float32 samples:", dict(total))
+
+
+# Random operators: ``op_db`` wraps each in ``wrapper_set_seed`` (reseed to 42, restore the RNG
+# state afterwards), which would hide where the op leaves the generator. Here the wrapper is
+# bypassed, so each op draws from the stream a model's code would: between a draw before it and
+# a tensor drawn after it, which is materialized alone first (it needs the generator's position
+# after the op).
+RANDOM_OPS = [
+    op for op in OP_DB
+    if any("wrapper_set_seed" in fn.__code__.co_names for _, fn in _variants(op)
+           if hasattr(fn, "__code__"))
+]  # fmt: skip
+
+
+def _in_stream(fn: Callable, sample: Any, deferred: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
+    """(the op's output, a tensor drawn after it, the RNG state after both)."""
+    torch.manual_seed(0)
+    if deferred:
+        with meta_init():
+            torch.randn(5)
+            inp, args, kwargs = tree_map(_clone, (sample.input, sample.args, sample.kwargs))
+            out = fn(inp, *args, **kwargs)
+            later = torch.randn(7)
+    else:
+        torch.randn(5)
+        inp, args, kwargs = tree_map(_clone, (sample.input, sample.args, sample.kwargs))
+        out = fn(inp, *args, **kwargs)
+        later = torch.randn(7)
+    return out, later, torch.get_rng_state()
+
+
+@pytest.mark.parametrize(
+    "op", RANDOM_OPS, ids=[f"{op.name}.{op.variant_test_name}".rstrip(".") for op in RANDOM_OPS]
+)
+def test_random_operator_matches_eager_in_the_stream_and_leaves_the_rng_state_as_eager(
+    op, monkeypatch
+):
+    monkeypatch.setattr(
+        common_methods_invocations, "wrapper_set_seed", lambda f, *a, **k: f(*a, **k)
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert _check_in_stream(op), f"{op.name}: no sample ran"
+
+
+def _check_in_stream(op: Any) -> int:
+    ran = 0
+    samples = list(op.sample_inputs("cpu", torch.float32, requires_grad=False))
+    for variant, fn in _variants(op):
+        for i, sample in enumerate(samples[:SAMPLES_PER_VARIANT]):
+            where = f"{op.name} ({variant}, sample {i})"
+            try:
+                expected, expected_later, expected_state = _in_stream(fn, sample, deferred=False)
+            except Exception:
+                continue
+            got, later, state = _in_stream(fn, sample, deferred=True)
+            assert torch.equal(state, expected_state), f"{where}: RNG state after the build"
+            materialize(later)
+            assert torch.equal(later, expected_later), f"{where}: a tensor drawn after it"
+            materialize([t for t in tree_flatten(got)[0] if isinstance(t, DeferredTensor)])
+            assert _equal(expected, got, values=op.name not in METADATA_ONLY), where
+            ran += 1
+    return ran

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 from torch import nn
@@ -413,7 +415,7 @@ def test_value_dependent_random_op_recorded_after_the_block_advances_the_generat
         "bernoulli_f64",
         "multinomial",
         "multinomial_replacement",
-    ],  # fmt: skip
+    ],
 )
 def test_rng_state_after_randperm_bernoulli_multinomial_in_init_is_the_eager_one(draw):
     class Draws(nn.Module):
@@ -555,3 +557,59 @@ def test_initial_seeds_read_during_a_build_are_the_eager_ones():
     with meta_init():
         deferred = build_and_read()
     assert deferred == eager
+
+
+def test_a_value_dependent_sample_of_a_transposed_input_read_during_the_build_equals_eager():
+    class ReadsItsSample(nn.Module):
+        def __init__(self):
+            super().__init__()
+            rate = torch.empty(5, 10).uniform_(0.5, 3.0)
+            self.register_buffer("sample", torch.poisson(rate.t() * 4)[1:, ::2])
+            self.total = float(self.sample.sum())  # a read: values computed during the build
+            self.later = nn.Parameter(torch.randn(20))
+
+    from _twins import assert_same, eager_and_deferred
+
+    eager, deferred = eager_and_deferred(ReadsItsSample)
+    assert deferred.total == eager.total
+    materialize(deferred)
+    assert_same(eager, deferred)
+
+
+def test_a_generator_state_saved_in_one_block_and_restored_in_the_next_replays_like_eager():
+    def build(deferred):
+        g = torch.Generator().manual_seed(5)
+        with meta_init() if deferred else contextlib.nullcontext():
+            first = torch.randn(40, generator=g)
+            saved = g.get_state()
+            torch.randn(40, generator=g)
+        with meta_init() if deferred else contextlib.nullcontext():
+            g.set_state(saved)
+            again = torch.randn(40, generator=g)
+        return first, again, g.get_state()
+
+    eager_first, eager_again, eager_state = build(deferred=False)
+    first, again, state = build(deferred=True)
+    materialize(again)
+    assert torch.equal(again, eager_again)
+    assert torch.equal(state, eager_state)
+    materialize(first)
+    assert torch.equal(first, eager_first)
+
+
+def test_real_random_work_on_a_generator_given_a_saved_state_draws_like_eager():
+    real = torch.empty(30)
+
+    def build(deferred):
+        g = torch.Generator().manual_seed(5)
+        with meta_init() if deferred else contextlib.nullcontext():
+            torch.randn(40, generator=g)
+            other = torch.Generator()
+            other.set_state(g.get_state())
+            real.normal_(generator=other)  # a real tensor: drawn now, from `other`
+            return real.clone(), other.get_state()
+
+    eager_values, eager_state = build(deferred=False)
+    values, state = build(deferred=True)
+    assert torch.equal(values, eager_values)
+    assert torch.equal(state, eager_state)

@@ -246,14 +246,22 @@ def handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
                 return func(*args, **kwargs)
         if mutated_real or func.is_view or not info.returns_tensors:
             if info.is_random:
-                _rng.flush_all()  # real random work: the generator must be where eager has it
+                # Real random work: the generator must be where eager code has it.
+                _rng.before_real_draw(_generator_argument(info, bound))
             with plain():
                 return func(*args, **kwargs)
     elif mutated_real or not info.returns_tensors:
+        if info.is_random:
+            _rng.before_real_draw(_generator_argument(info, bound))
         return _run_on_values(func, args, kwargs)
     if info.is_inplace_view:
         return _inplace_view(func, info, bound, args, kwargs)
     return _record(func, info, bound, flat, args, kwargs)
+
+
+def _generator_argument(info: OpInfo, bound: list) -> torch.Generator | None:
+    gen = bound[info.arg_index("generator")] if info.has_generator else None
+    return gen if isinstance(gen, torch.Generator) else None
 
 
 def _view(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -946,8 +954,14 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
             nbytes = sum(o.numel() * o.element_size() for o in outs if isinstance(o, torch.Tensor))
             rng, computed = _place_random(func, meta_args, meta_kwargs, info.has_generator,
                                           gen, nbytes, (args, kwargs, info))  # fmt: skip
-            if computed is not None and values is None and not mutates:
-                values = list(computed) if isinstance(computed, (tuple, list)) else [computed]
+            computed_outs = computed if isinstance(computed, (tuple, list)) else [computed]
+            if (
+                computed is not None
+                and values is None
+                and not mutates
+                and all(_same_layout(v, o) for v, o in zip(computed_outs, outs, strict=False))
+            ):
+                values = list(computed_outs)  # computed anyway: later reads start from here
             if "generator" in rec_kwargs:
                 rec_kwargs["generator"] = None
             elif info.has_generator:
@@ -1041,6 +1055,19 @@ def _output_requires_grad(
         _grad_rules.clear()
     _grad_rules[key] = rule
     return rule
+
+
+def _same_layout(value: Any, meta: Any) -> bool:
+    """Whether a real output can stand for the storage of its recorded (meta) output."""
+    if not isinstance(value, torch.Tensor) or not isinstance(meta, torch.Tensor):
+        return not isinstance(value, torch.Tensor) and not isinstance(meta, torch.Tensor)
+    return (
+        value.shape == meta.shape
+        and value.stride() == meta.stride()
+        and value.storage_offset() == meta.storage_offset() == 0
+        and value.dtype == meta.dtype
+        and value.untyped_storage().nbytes() == _storage_nbytes(meta)
+    )
 
 
 _VALUES_FOR_ERRORS = 64 << 20  # bytes of deferred inputs worth computing to check an error

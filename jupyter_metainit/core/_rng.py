@@ -42,6 +42,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from jupyter_metainit.core._interrupts import critical
@@ -51,6 +52,7 @@ from jupyter_metainit.core._plain import plain
 __all__ = [
     "BurnSpec",
     "RngSegment",
+    "before_real_draw",
     "draws_depend_on_values",
     "fast_generator",
     "flush_all",
@@ -582,12 +584,13 @@ _lock = threading.RLock()
 # Every state we left a real generator in while draws were pending (a *mark*), by digest, with
 # the exact position it stands for (segment, index: the state before that op). A mark is the
 # exact state with its ``left``/``next`` fields (see ``_mt19937``) set to a pair no generator
-# ever holds (a draw keeps ``left + next == 625``; seeding sets ``(1, 0)``), taken from a
-# process-wide counter: no ``manual_seed``/``set_state`` of a real state gives it, and each
-# recorded op gets a new one. ``g.get_state()`` cannot be intercepted (``torch.Generator`` is an
-# immutable C type), so a user who saves a state during a build saves a mark; restoring it
-# (``g.set_state(st)``, also on another generator) is recognized here and stands for the exact
-# state eager code would have saved; a restore is never mistaken for no change.
+# ever holds (a draw keeps ``left + next == 625``, seeding sets ``(1, 0)``; marks take pairs with
+# ``left + next < 625``), from a process-wide counter cycling through ~194,000 pairs: no
+# ``manual_seed``/``set_state`` of a real state gives it, and each recorded op gets a new one.
+# ``g.get_state()`` cannot be intercepted (``torch.Generator`` is an immutable C type), so a
+# user who saves a state during a build saves a mark; restoring it (``g.set_state(st)``, also on
+# another generator) is recognized here and stands for the exact state eager code would have
+# saved; a restore is never mistaken for no change.
 _marks: OrderedDict[bytes, tuple[RngSegment, int]] = OrderedDict()
 _MARKS_KEPT = 1 << 16
 _STATE_BYTES = 5056  # a CPU generator's state (see ``_mt19937``); only CPU ones are marked
@@ -595,8 +598,13 @@ _MT_N = 624
 _mark_count = 0
 
 
+# A mark is told apart by its seed, left/next fields and first words: real states never share a
+# mark's left/next pair, and two marks with the same pair differ in their words.
+_KEY_BYTES = 24 + 8 * 16
+
+
 def _state_key(state: torch.Tensor) -> bytes:
-    return hashlib.blake2b(state.numpy().tobytes(), digest_size=16).digest()
+    return state[:_KEY_BYTES].numpy().tobytes()
 
 
 def true_state(state: torch.Tensor) -> torch.Tensor | None:
@@ -617,20 +625,19 @@ def _next_mark_fields() -> tuple[int, int]:
     while True:
         _mark_count += 1
         left = 1 + _mark_count % _MT_N
-        position = (_mark_count // _MT_N) % (_MT_N + 1)
-        if left + position != _MT_N + 1 and (left, position) != (1, 0):
+        position = (_mark_count // _MT_N) % _MT_N
+        # left + next < 625: drawing from a mark by mistake reads inside the block, no further
+        if left + position <= _MT_N and (left, position) != (1, 0):
             return left, position
 
 
 def _new_mark(tracker: _Tracker) -> torch.Tensor:
-    # Bytes edited in numpy: a few tensor-indexing calls would cost more than the op's record.
-    data = bytearray(tracker.exact.numpy().tobytes())
+    mark = tracker.exact.clone()
+    data = mark.numpy()  # bytes edited in numpy: tensor indexing would cost more than the record
     left, position = _next_mark_fields()
-    data[8:12] = left.to_bytes(4, "little")
-    data[16:24] = position.to_bytes(8, "little")
-    mark = torch.frombuffer(data, dtype=torch.uint8)
-    key = hashlib.blake2b(data, digest_size=16).digest()
-    _marks[key] = (tracker.segment, len(tracker.segment.specs))
+    data[8:12] = np.frombuffer(left.to_bytes(4, "little"), dtype=np.uint8)
+    data[16:24] = np.frombuffer(position.to_bytes(8, "little"), dtype=np.uint8)
+    _marks[data[:_KEY_BYTES].tobytes()] = (tracker.segment, len(tracker.segment.specs))
     while len(_marks) > _MARKS_KEPT:
         _marks.popitem(last=False)
     return mark
@@ -719,6 +726,19 @@ def flush_all() -> None:
     with plain(), _lock:
         for tracker in list(_trackers.values()):
             _flush(tracker)
+
+
+def before_real_draw(generator: torch.Generator | None) -> None:
+    """Real random work is about to draw from ``generator`` (None: the default CPU one): every
+    followed generator is brought to its exact state, and ``generator`` too if it holds a mark
+    copied from another one (``other.set_state(g.get_state())``)."""
+    gen = generator if generator is not None else torch.default_generator
+    with plain(), _lock:
+        flush_all()
+        if gen.device.type == "cpu":
+            restored = true_state(gen.get_state())
+            if restored is not None:
+                gen.set_state(restored)
 
 
 def flush_default() -> None:
