@@ -9,6 +9,7 @@ from __future__ import annotations
 import html
 import os
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -44,13 +45,12 @@ def _text(page: Path) -> str:
     return html.unescape(re.sub(r"<[^>]+>", "", page.read_text(encoding="utf-8")))
 
 
-@pytest.fixture(scope="module")
-def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("site")
-    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1"}  # Material's banner, not a build warning
+def _build(root: Path, out: Path, **env: str) -> Path:
+    env = {**os.environ, "NO_MKDOCS_2_WARNING": "1", **env}  # Material's banner is no warning
+    config = root / "mkdocs.yml"
     result = subprocess.run(
-        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(CONFIG), "-d", str(out)],
-        cwd=ROOT,
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config), "-d", str(out)],
+        cwd=root,
         env=env,
         capture_output=True,
         text=True,
@@ -59,6 +59,11 @@ def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
     )
     assert result.returncode == 0, f"mkdocs build --strict failed:\n{result.stderr[-5000:]}"
     return out
+
+
+@pytest.fixture(scope="module")
+def site(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return _build(ROOT, tmp_path_factory.mktemp("site"))
 
 
 def test_the_site_builds_strictly_with_every_guide_page(site: Path):
@@ -108,3 +113,28 @@ def test_the_quickstart_page_shows_the_outputs_of_its_run(site: Path):
     text = _text(site / "notebooks/quickstart/index.html")
     assert "materialized model.model.layers[0]: LlamaDecoderLayer, 856 M parameters" in text
     assert "all 80 layers deferred again" in text
+
+
+def test_the_architecture_page_shows_ARCHITECTURE_md_with_links_outside_the_site_as_paths(
+    tmp_path: Path,
+):
+    # A copy of the documentation sources with an ARCHITECTURE.md at its root, built without
+    # running the notebooks.
+    root = tmp_path / "repo"
+    root.mkdir()
+    shutil.copy(CONFIG, root / "mkdocs.yml")
+    for folder in ["docs", "notebooks", "jupyter_metainit"]:
+        shutil.copytree(ROOT / folder, root / folder, ignore=shutil.ignore_patterns("__pycache__"))
+    (root / "ARCHITECTURE.md").write_text(
+        "# Layers of the package\n\n"
+        "The core is in [`jupyter_metainit/core`](jupyter_metainit/core/__init__.py); its limits"
+        " are [listed](docs/limits.md#random-numbers).\n"
+    )
+    site = _build(root, tmp_path / "site", METAINIT_DOCS_EXECUTE="false")
+    page = (site / "architecture/index.html").read_text(encoding="utf-8")
+    assert "Layers of the package" in page
+    assert (
+        "<code>jupyter_metainit/core</code> (<code>jupyter_metainit/core/__init__.py</code>)"
+        in page
+    )
+    assert '<a href="../limits/#random-numbers">listed</a>' in page
