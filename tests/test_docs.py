@@ -91,6 +91,19 @@ def test_the_api_page_shows_the_lazily_imported_public_names(site: Path):
     assert "jupyter_metainit.distributed.materialize_sharded" in text
 
 
+def test_the_api_page_documents_functions_not_the_submodules_of_the_same_name(site: Path):
+    # estimates.dry_run and estimates.summary are both a submodule and the function it defines.
+    page = (site / "api/index.html").read_text(encoding="utf-8")
+    assert 'id="jupyter_metainit.dry_run"' in page
+    assert "jupyter_metainit.dry_run.dry_run" not in page
+    assert "jupyter_metainit.summary.summary" not in page
+
+
+def test_the_api_page_shows_sphinx_roles_as_code(site: Path):
+    text = _text(site / "api/index.html")
+    assert re.findall(r":(?:func|class|meth|attr):", text) == []
+
+
 def test_the_api_page_names_no_internal_module(site: Path):
     text = _text(site / "api/index.html")
     assert re.findall(r"jupyter_metainit(?:\.\w+)*\._\w+", text) == []
