@@ -8,7 +8,7 @@
 2. A checkpoint that fits (a 0.5 B Llama in bfloat16, written for real), loaded whole: eager
    ``from_pretrained``, ``accelerate``'s ``init_empty_weights`` + ``load_checkpoint_and_dispatch``,
    and ``meta_init`` + ``from_pretrained`` + ``materialize``, each in fresh processes.
-3. What checking the bytes read costs (a CRC-32 of every byte, compared with earlier reads of
+3. What checking the bytes read costs (a sum of their 64-bit words, compared with earlier reads of
    them: ``_files.CHECK_CONTENT``): the same checkpoint materialized whole, its files in the page
    cache, with and without the check, alternating in one process.
 
@@ -136,7 +136,7 @@ def content_check(directory: str, rounds: int) -> dict[str, Any]:
         for i in range(2 * rounds + 1):
             mode = "with" if i % 2 else "without"  # the first run warms the page cache
             _files.CHECK_CONTENT = mode == "with"
-            _files._read_digests.clear()  # each run is a first read: compute the CRCs
+            _files._read_digests.clear()  # each run is a first read: digest every byte
             with jmi.meta_init():
                 model = transformers.AutoModelForCausalLM.from_pretrained(directory)
             start = time.perf_counter()

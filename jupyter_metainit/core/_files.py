@@ -10,9 +10,9 @@ bytes with ``pread`` (no mapping, so the process holds only the copy it keeps), 
 that the file is still the one that was recorded (size, modification and change times, inode,
 header). The change time (ctime) catches rewrites that restore the modification time
 (``cp -p``, ``rsync -t``, ``os.utime``): no user call can set it back. What is read is also
-checked: a CRC-32 of the bytes (computed by the reading threads) must equal that of any earlier
-read of the same bytes of the same file version, which catches writes the timestamps miss
-(through a shared mapping, within the clock's granularity) before the bytes are used.
+checked: a sum of the bytes' 64-bit words (computed by the reading threads) must equal that of
+any earlier read of the same bytes of the same file version, which catches writes the timestamps
+miss (through a shared mapping, within the clock's granularity) before the bytes are used.
 """
 
 from __future__ import annotations
@@ -204,12 +204,12 @@ _CHUNK = 64 << 20
 
 # Switch for benchmarks/bench_checkpoint.py, which measures what the content check costs.
 CHECK_CONTENT = True
-# (file version, offset, nbytes) -> CRC-32 of each chunk, from the first read of those bytes
+# (file version, offset, nbytes) -> digest of each chunk, from the first read of those bytes
 _read_digests: dict[tuple[FileRef, int, int], tuple[int, ...]] = {}
 
 
 def _read_into(fd: int, view: memoryview, offset: int, path: str) -> int:
-    """Fill ``view`` from ``offset``; returns the CRC-32 of what was read (0 if not checked)."""
+    """Fill ``view`` from ``offset``; returns a digest of what was read (0 if not checked)."""
     done = 0
     while done < len(view):
         chunk = view[done:]
@@ -222,7 +222,19 @@ def _read_into(fd: int, view: memoryview, offset: int, path: str) -> int:
         if n <= 0:
             raise MaterializationError(f"the checkpoint file {path} ended early (truncated?)")
         done += n
-    return zlib.crc32(view) if CHECK_CONTENT else 0  # zlib releases the GIL: threads overlap
+    return _content_sum(view) if CHECK_CONTENT else 0
+
+
+def _content_sum(view: memoryview) -> int:
+    """A cheap digest of ``view``'s bytes: the wrapping sum of its 64-bit words (exact and
+    order-free, so any thread count gives the same; it changes with any single changed word),
+    plus a CRC-32 of the few tail bytes. Memory bandwidth, several times faster than CRC-32."""
+    data = torch.frombuffer(view, dtype=torch.uint8) if len(view) else None
+    if data is None:
+        return 0
+    words = len(view) // 8 * 8
+    total = int(data[:words].view(torch.int64).sum()) if words else 0
+    return total ^ (zlib.crc32(view[words:]) << 64)
 
 
 def read_file_bytes(region: FileRegion) -> torch.Tensor:
