@@ -26,6 +26,7 @@ import zlib
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from jupyter_metainit.core.errors import MaterializationError
@@ -208,33 +209,53 @@ CHECK_CONTENT = True
 _read_digests: dict[tuple[FileRef, int, int], tuple[int, ...]] = {}
 
 
+_PIECE = 1 << 20  # digested right after it is read, while it is in the CPU's cache
+
+
 def _read_into(fd: int, view: memoryview, offset: int, path: str) -> int:
-    """Fill ``view`` from ``offset``; returns a digest of what was read (0 if not checked)."""
-    done = 0
-    while done < len(view):
-        chunk = view[done:]
-        if hasattr(os, "preadv"):
-            n = os.preadv(fd, [chunk], offset + done)
-        else:  # no preadv (Windows, macOS before 11): read, then copy
-            data = os.pread(fd, len(chunk), offset + done)
-            n = len(data)
-            chunk[:n] = data
-        if n <= 0:
-            raise MaterializationError(f"the checkpoint file {path} ended early (truncated?)")
-        done += n
-    return _content_sum(view) if CHECK_CONTENT else 0
+    """Fill ``view`` from ``offset``; returns a digest of what was read (0 if not checked).
+
+    With the check, it reads piece by piece and digests each piece right after reading it,
+    while it is in the CPU's cache; pieces are fixed, so the digest does not depend on how the
+    system split the reads.
+    """
+    step = _PIECE if CHECK_CONTENT else len(view)
+    total = 0
+    for start in range(0, len(view), step):
+        piece = view[start : start + step]
+        done = 0
+        while done < len(piece):
+            rest = piece[done:]
+            if hasattr(os, "preadv"):
+                n = os.preadv(fd, [rest], offset + start + done)
+            else:  # no preadv (Windows, macOS before 11): read, then copy
+                data = os.pread(fd, len(rest), offset + start + done)
+                n = len(data)
+                rest[:n] = data
+            if n <= 0:
+                raise MaterializationError(f"the checkpoint file {path} ended early (truncated?)")
+            done += n
+        if CHECK_CONTENT:
+            total = _content_sum(piece, total, start // _PIECE)
+    return total
 
 
-def _content_sum(view: memoryview) -> int:
-    """A cheap digest of ``view``'s bytes: the wrapping sum of its 64-bit words (exact and
-    order-free, so any thread count gives the same; it changes with any single changed word),
-    plus a CRC-32 of the few tail bytes. Memory bandwidth, several times faster than CRC-32."""
-    data = torch.frombuffer(view, dtype=torch.uint8) if len(view) else None
-    if data is None:
-        return 0
-    words = len(view) // 8 * 8
-    total = int(data[:words].view(torch.int64).sum()) if words else 0
-    return total ^ (zlib.crc32(view[words:]) << 64)
+def _content_sum(piece: memoryview, total: int, index: int) -> int:
+    """``total`` with piece number ``index`` added: a cheap digest of the bytes, the wrapping
+    sum of their 64-bit words times an odd number from the piece's position (so that moved
+    pieces count too), and a CRC-32 of a last piece's odd tail. Any changed word changes it."""
+    words = len(piece) // 8 * 8
+    weight = 2 * index + 1
+    if words:
+        values = np.frombuffer(piece[:words], dtype=np.uint64)
+        total += int(np.add.reduce(values, dtype=np.uint64)) * weight
+    if words != len(piece):
+        total += zlib.crc32(piece[words:]) * weight
+    return total & _MASK
+
+
+_PIECE = 1 << 20  # digested right after it is read, while it is in the CPU's cache
+_MASK = (1 << 64) - 1
 
 
 def read_file_bytes(region: FileRegion) -> torch.Tensor:
