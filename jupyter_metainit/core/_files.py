@@ -47,8 +47,9 @@ class FileRef:
     header: bytes
     ctime_ns: int = 0  # metadata or contents changed (os.utime cannot set it back)
 
-    def check(self) -> None:
-        """Raise a clear error if the file is gone, unreadable or not the same any more."""
+    def check(self, header: bool = True) -> None:
+        """Raise a clear error if the file is gone, unreadable or not the same any more
+        (``header=False``: by its metadata only, which any write changes)."""
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
@@ -63,7 +64,7 @@ class FileRef:
             ) from None
         identity = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
         if identity != (self.size, self.mtime_ns, self.ctime_ns, self.inode) or (
-            _header_digest(self.path) != self.header
+            header and _header_digest(self.path) != self.header
         ):
             raise self.changed("size, modification or change time, or contents differ")
 
@@ -290,7 +291,7 @@ def read_file_bytes(region: FileRegion) -> torch.Tensor:
     finally:
         os.close(fd)
     if CHECK_CONTENT:
-        region.file.check()  # not changed while it was read
+        region.file.check(header=False)  # not changed while it was read
         key = (region.file, region.offset, region.nbytes)
         with _lock:
             earlier = _read_digests.setdefault(key, crcs)
