@@ -499,3 +499,14 @@ def test_torch_save_after_keep_cache_loads_with_weights_only_and_without_this_pa
     )
     subprocess.run([sys.executable, "-c", code], check=True)
     assert torch.equal(torch.load(tmp_path / "param.pt"), m.layers[0].weight)
+
+
+def test_a_cast_by_other_code_is_refused_by_name_and_force_gives_the_recorded_values():
+    eager, m = eager_and_deferred(Net)
+    materialize(m.layers[0], keep_cache=True)
+    m.layers[0].half()  # nn.Module's own cast: not a conversion materialize recorded
+    with pytest.raises(MaterializationError, match=r"weight .*cast or moved.*force=True"):
+        dematerialize(m.layers[0])
+    dematerialize(m.layers[0], force=True)
+    materialize(m.layers[0])
+    assert torch.equal(m.layers[0].weight, eager.layers[0].weight)
