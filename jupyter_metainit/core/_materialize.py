@@ -619,17 +619,18 @@ def _holder_for(
     they are compared with it rather than digested now. So can tensors loaded with
     ``checkpoint=``: their recording becomes that file read.
     """
-    if file_read is not None:
-        return file_read, None
-    if not keep and not from_file:
+    if file_read is None and not keep and not from_file:
         return None
-    recording: DeferredTensor | None = None
-    if real.dtype != t.dtype or real.device != t.device:
+    recording = t if file_read is None else file_read
+    converted = None
+    if real.dtype != recording.dtype or real.device != recording.device:
         # Cast (dtype=) or placed (device=) on the way: keep a recording of that too, so that
         # materializing again gives these values, not the uncast ones.
         with torch.no_grad():
-            recording = t.to(device=real.device, dtype=real.dtype)
-    return recording, None if from_file else digest(real)
+            converted = recording.to(device=real.device, dtype=real.dtype)
+    if file_read is not None:
+        return (file_read if converted is None else converted), None
+    return converted, None if from_file else digest(real)
 
 
 def _converted_reals(
