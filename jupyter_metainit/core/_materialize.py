@@ -706,7 +706,8 @@ def dematerialize(obj: Any, *, force: bool = False) -> Any:
 
     Works on tensors materialized with ``keep_cache=True`` (the widget and magics do that), read
     from a file (``from_pretrained`` under ``meta_init``) or loaded with ``checkpoint=``.
-    Materializing them again in ``exact`` mode gives the values they have now, bit for bit: that
+    Materializing them again gives the values they have now, bit for bit (in the ``rng`` mode
+    they were materialized with: ``fast`` values come back with ``rng="fast"`` only): that
     is checked here, whatever happened since (training, loads, casts, moves, a changed source
     tensor or file). A tensor that fails the check is refused, by name, unless ``force=True``
     (which drops its current values). Refusals change nothing. What the user set on the tensor
