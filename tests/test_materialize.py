@@ -510,3 +510,12 @@ def test_a_cast_by_other_code_is_refused_by_name_and_force_gives_the_recorded_va
     dematerialize(m.layers[0], force=True)
     materialize(m.layers[0])
     assert torch.equal(m.layers[0].weight, eager.layers[0].weight)
+
+
+def test_a_refusal_for_a_list_of_parts_names_tensors_by_their_name_in_root():
+    _, m = eager_and_deferred(Net)
+    materialize([m.layers[1], m.layers[2]], keep_cache=True)
+    with torch.no_grad():
+        m.layers[2].weight.add_(1)
+    with pytest.raises(MaterializationError, match=r"layers\.2\.weight"):
+        dematerialize([m.layers[1], m.layers[2]], root=m)

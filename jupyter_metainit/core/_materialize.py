@@ -701,7 +701,7 @@ def _swap_all(
 # dematerialize
 
 
-def dematerialize(obj: Any, *, force: bool = False) -> Any:
+def dematerialize(obj: Any, *, force: bool = False, root: torch.nn.Module | None = None) -> Any:
     """Make materialized tensors deferred again and free their memory.
 
     Works on tensors materialized with ``keep_cache=True`` (the widget and magics do that), read
@@ -711,14 +711,15 @@ def dematerialize(obj: Any, *, force: bool = False) -> Any:
     is checked here, whatever happened since (training, loads, casts, moves, a changed source
     tensor or file). A tensor that fails the check is refused, by name, unless ``force=True``
     (which drops its current values). Refusals change nothing. What the user set on the tensor
-    objects (``requires_grad``, attributes, hooks, a Parameter subclass) is kept.
+    objects (``requires_grad``, attributes, hooks, a Parameter subclass) is kept. ``root``
+    (the whole model, when ``obj`` is a part or a list of parts) only names tensors in errors.
     """
     with handling_interrupts(), exclusive(f"freeing {_describe(obj)}"):
         tensors = [
             _freeable(t) for t in _collect(obj, "dematerialize")
             if not isinstance(t, DeferredTensor) and not t.is_meta
         ]  # fmt: skip
-        names = _names_in(obj)
+        names = _names_in(root) if root is not None else _names_in(obj)
         pairs: list[tuple[torch.Tensor, _Shadow]] = []
         refused: list[str] = []
         lost = 0
