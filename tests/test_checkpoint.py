@@ -270,3 +270,13 @@ def test_an_index_with_a_non_string_file_name_is_a_clear_error(tmp_path):
         m = Model()
     with pytest.raises(MaterializationError, match=r"5 as the file of 'head.weight'"):
         materialize(m, checkpoint=index)
+
+
+def test_a_part_loaded_and_cast_frees_to_the_cast_checkpoint_values(tmp_path):
+    real, path = _saved(tmp_path)
+    with meta_init():
+        m = Model()
+    materialize(m.head, checkpoint=path, root=m, dtype=torch.bfloat16, keep_cache=True)
+    dematerialize(m.head)
+    materialize(m.head)
+    assert torch.equal(m.head.weight, real.head.weight.to(torch.bfloat16))

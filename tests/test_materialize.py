@@ -683,3 +683,23 @@ def test_a_module_recorded_for_cuda_materializes_on_cuda_without_device():
     eager = nn.Linear(4, 4)  # exact mode draws CUDA tensors' values as eager does on the CPU
     assert m.weight.device.type == "cuda" and m.bias.device.type == "cuda"
     assert torch.equal(m.weight.cpu(), eager.weight)
+
+
+def test_a_cast_by_other_code_is_refused_by_name_and_force_gives_the_recorded_values():
+    eager, m = eager_and_deferred(Net)
+    materialize(m.layers[0], keep_cache=True)
+    m.layers[0].half()  # nn.Module's own cast: not a conversion materialize recorded
+    with pytest.raises(MaterializationError, match=r"weight .*cast or moved.*force=True"):
+        dematerialize(m.layers[0])
+    dematerialize(m.layers[0], force=True)
+    materialize(m.layers[0])
+    assert torch.equal(m.layers[0].weight, eager.layers[0].weight)
+
+
+def test_a_refusal_for_a_list_of_parts_names_tensors_by_their_name_in_root():
+    _, m = eager_and_deferred(Net)
+    materialize([m.layers[1], m.layers[2]], keep_cache=True)
+    with torch.no_grad():
+        m.layers[2].weight.add_(1)
+    with pytest.raises(MaterializationError, match=r"layers\.2\.weight"):
+        dematerialize([m.layers[1], m.layers[2]], root=m)

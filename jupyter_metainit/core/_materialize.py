@@ -762,17 +762,18 @@ def _holder_for(
     they are compared with it rather than digested now. So can tensors loaded with
     ``checkpoint=``: their recording becomes that file read.
     """
-    if file_read is not None:
-        return file_read, None
-    if not keep and not from_file:
+    if file_read is None and not keep and not from_file:
         return None
-    recording: DeferredTensor | None = None
-    if real.dtype != t.dtype or real.device != t.device:
+    recording = t if file_read is None else file_read
+    converted = None
+    if real.dtype != recording.dtype or real.device != recording.device:
         # Cast (dtype=) or placed (device=) on the way: keep a recording of that too, so that
         # materializing again gives these values, not the uncast ones.
         with torch.no_grad():
-            recording = t.to(device=real.device, dtype=real.dtype)
-    return recording, None if from_file else digest(real)
+            converted = recording.to(device=real.device, dtype=real.dtype)
+    if file_read is not None:
+        return (file_read if converted is None else converted), None
+    return converted, None if from_file else digest(real)
 
 
 def _converted_reals(
@@ -843,16 +844,18 @@ def _swap_all(
 # dematerialize
 
 
-def dematerialize(obj: Any, *, force: bool = False) -> Any:
+def dematerialize(obj: Any, *, force: bool = False, root: torch.nn.Module | None = None) -> Any:
     """Make materialized tensors deferred again and free their memory.
 
     Works on tensors materialized with ``keep_cache=True`` (the widget and magics do that), read
     from a file (``from_pretrained`` under ``meta_init``) or loaded with ``checkpoint=``.
-    Materializing them again in ``exact`` mode gives the values they have now, bit for bit: that
+    Materializing them again gives the values they have now, bit for bit (in the ``rng`` mode
+    they were materialized with: ``fast`` values come back with ``rng="fast"`` only): that
     is checked here, whatever happened since (training, loads, casts, moves, a changed source
     tensor or file). A tensor that fails the check is refused, by name, unless ``force=True``
     (which drops its current values). Refusals change nothing. What the user set on the tensor
-    objects (``requires_grad``, attributes, hooks, a Parameter subclass) is kept.
+    objects (``requires_grad``, attributes, hooks, a Parameter subclass) is kept. ``root``
+    (the whole model, when ``obj`` is a part or a list of parts) only names tensors in errors.
     """
     obj = _as_list_if_iterator(obj)
     with handling_interrupts(), exclusive(f"freeing {_describe(obj)}"):
@@ -860,7 +863,7 @@ def dematerialize(obj: Any, *, force: bool = False) -> Any:
             _freeable(t) for t in _collect(obj, "dematerialize")
             if not isinstance(t, DeferredTensor) and not t.is_meta
         ]  # fmt: skip
-        names = _names_in(obj)
+        names = _names_in(root) if root is not None else _names_in(obj)
         pairs: list[tuple[torch.Tensor, _Shadow]] = []
         refused: list[str] = []
         lost = 0

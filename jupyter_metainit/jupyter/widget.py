@@ -405,7 +405,7 @@ class ModuleTreeWidget(anywidget.AnyWidget):
                     progress=self._progress,
                 )
             else:
-                core.dematerialize(modules)
+                core.dematerialize(modules, root=self.module)  # refusals name layers.3.weight
         except ActionCancelled:
             self.refresh()
             self.status = f"Cancelled: nothing was changed ({what} as before)."
