@@ -504,3 +504,20 @@ def test_a_view_materialized_after_training_its_base_sees_the_training():
         m.a.weight.add_(1.0)
     materialize(m.b)
     assert torch.equal(m.b.w_t, m.a.weight.t())
+
+
+def test_share_memory_inside_meta_init_is_done_when_materialized():
+    eager, m = eager_and_deferred(lambda: nn.Linear(3, 3).share_memory())
+    assert m.weight.is_shared()
+    materialize(m)
+    assert m.weight.is_shared() and m.bias.is_shared()
+    assert torch.equal(m.weight, eager.weight)
+
+
+def test_share_memory_on_a_deferred_model_after_the_block_is_done_when_materialized():
+    with meta_init():
+        m = nn.Linear(3, 3)
+    assert not m.weight.is_shared()
+    m.share_memory()
+    materialize(m)
+    assert m.weight.is_shared() and m.bias.is_shared()

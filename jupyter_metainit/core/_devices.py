@@ -26,7 +26,7 @@ from jupyter_metainit.core._record import (
     wrap_file_region,
 )
 from jupyter_metainit.core._state import canonical_device, default_device, dtype_override, tls
-from jupyter_metainit.core._tensor import DeferredTensor
+from jupyter_metainit.core._tensor import SHARE_MEMORY_ATTR, DeferredTensor
 
 __all__ = [
     "DATA_FACTORIES",
@@ -238,6 +238,12 @@ def _handle_function(func: Any, args: tuple, kwargs: dict) -> Any:
         return func(value, *args[1:], **kwargs)
     if func is torch.Tensor.new_tensor:
         return data_factory(func, args, dict(kwargs))
+    if func is torch.Tensor.share_memory_ and args and isinstance(args[0], DeferredTensor):
+        # No memory to share yet (the storage call would crash): done when materialized.
+        args[0].__dict__[SHARE_MEMORY_ATTR] = True
+        return args[0]
+    if func is torch.Tensor.is_shared and args and isinstance(args[0], DeferredTensor):
+        return bool(args[0].__dict__.get(SHARE_MEMORY_ATTR, False))
     if func in SUBCLASS_SENSITIVE:
         return record_call(func, args, kwargs)
     if "device" in kwargs:

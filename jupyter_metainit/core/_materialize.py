@@ -30,6 +30,7 @@ from jupyter_metainit.core._swap import swap_in_place
 from jupyter_metainit.core._tensor import (
     INTERNAL_ATTRS,
     PARAMETER_ATTRS,
+    SHARE_MEMORY_ATTR,
     DeferredTensor,
     as_parameter,
 )
@@ -584,6 +585,8 @@ def _build_real(
     for k, v in t.__dict__.items():
         if k not in INTERNAL_ATTRS and k not in PARAMETER_ATTRS:
             setattr(real, k, v)
+    if t.__dict__.get(SHARE_MEMORY_ATTR) and real.device.type == "cpu":
+        real.share_memory_()  # asked for while deferred (``model.share_memory()``)
     return real
 
 

@@ -11,11 +11,15 @@ import torch
 
 from jupyter_metainit.core._graph import TensorRecord
 
-__all__ = ["DeferredTensor", "as_parameter"]
+__all__ = ["SHARE_MEMORY_ATTR", "DeferredTensor", "as_parameter"]
 
 # Attributes of ours in a deferred tensor's __dict__; everything else there is the user's
 # (e.g. transformers' ``_is_hf_initialized``) and is carried over on materialization.
-INTERNAL_ATTRS = frozenset({"_meta", "_rec", "_rg", "_derived"})
+INTERNAL_ATTRS = frozenset({"_meta", "_rec", "_rg", "_derived", "_jmi_share_memory"})
+
+# ``t.share_memory_()`` on a deferred tensor (``model.share_memory()`` in or after ``meta_init``):
+# there is no memory to share yet, so it is noted here and done to the real tensor.
+SHARE_MEMORY_ATTR = "_jmi_share_memory"
 
 
 def _not_registered(*_args: Any) -> Any:
