@@ -143,3 +143,16 @@ def test_factories_report_the_default_device_torch_would_give():
         finally:
             torch.set_default_device(None)
         assert torch.zeros(2).device == torch.device("cpu")
+
+
+def test_torch_compile_of_a_deferred_model_runs_deferred_then_real_after_materialize():
+    from _twins import eager_and_deferred
+
+    from jupyter_metainit import is_deferred
+
+    eager, m = eager_and_deferred(lambda: nn.Linear(3, 3))
+    compiled = torch.compile(m, backend="eager")
+    x = torch.randn(2, 3)
+    assert is_deferred(compiled(x))
+    materialize(m)
+    assert torch.equal(compiled(x), eager(x))
