@@ -521,3 +521,13 @@ def test_share_memory_on_a_deferred_model_after_the_block_is_done_when_materiali
     m.share_memory()
     materialize(m)
     assert m.weight.is_shared() and m.bias.is_shared()
+
+
+def test_views_keep_aliasing_after_a_part_is_freed_and_materialized_again():
+    eager, m = eager_and_deferred(KeepsViews)
+    materialize(m.a, keep_cache=True)
+    dematerialize(m.a)
+    materialize(m.b)
+    materialize(m.a)
+    assert _shares_memory(m.b.w_t, m.a.weight)
+    assert torch.equal(m.a.weight, eager.a.weight)

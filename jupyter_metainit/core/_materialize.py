@@ -99,6 +99,20 @@ def _realized_base(
     storage = rec.storage
     if id(storage) in bases:
         return bases[id(storage)]
+    real = _realized_tensor(storage)
+    if real is None or (device is not None and real.device != device):
+        return None
+    memory = real.untyped_storage()
+    with plain():
+        base = torch.empty(0, dtype=storage.dtype, device=real.device)
+        base.set_(memory, 0, (storage.nbytes // storage.dtype.itemsize,))
+    bases[id(storage)] = base
+    return base
+
+
+def _realized_tensor(storage: StorageRecord) -> torch.Tensor | None:
+    """The real tensor an earlier call made over ``storage``, while it still holds that memory
+    and nothing was recorded on the storage since."""
     entry = _realized.get(storage)
     if entry is None:
         return None
@@ -111,14 +125,9 @@ def _realized_base(
         len(storage.writes) != writes
         or memory.data_ptr() != address
         or memory.nbytes() != storage.nbytes
-        or (device is not None and real.device != device)
     ):
         return None
-    with plain():
-        base = torch.empty(0, dtype=storage.dtype, device=real.device)
-        base.set_(memory, 0, (storage.nbytes // storage.dtype.itemsize,))
-    bases[id(storage)] = base
-    return base
+    return real
 
 
 def _remember_realized(tensors: list[torch.Tensor], records: list[TensorRecord]) -> None:
@@ -128,7 +137,7 @@ def _remember_realized(tensors: list[torch.Tensor], records: list[TensorRecord])
         if t.dtype != rec.dtype or isinstance(t, DeferredTensor):
             continue
         memory = t.untyped_storage()
-        if memory.nbytes() == rec.storage.nbytes and rec.storage not in _realized:
+        if memory.nbytes() == rec.storage.nbytes and _realized_tensor(rec.storage) is None:
             _realized[rec.storage] = (weakref.ref(t), len(rec.storage.writes), memory.data_ptr())
 
 
