@@ -175,3 +175,31 @@ def test_root_that_does_not_contain_the_part_is_a_clear_error(sharded):
         m, other = Model(), Model()
     with pytest.raises(MaterializationError, match="root= does not contain"):
         materialize(m.layers[0], checkpoint=index, root=other)
+
+
+class KeepsTables(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Module()
+        self.inner.lin = nn.Linear(3, 3)
+        self.inner.tables = {"k": torch.randn(2)}
+        self.inner.freqs = torch.arange(4.0)
+
+
+@pytest.mark.parametrize("part", ["whole", "part_with_root"])
+def test_tensor_attributes_keep_their_init_when_loading_a_checkpoint(tmp_path, part):
+    torch.manual_seed(0)
+    eager = KeepsTables()
+    path = tmp_path / "m.safetensors"
+    save_file({k: v.contiguous() for k, v in eager.state_dict().items()}, str(path))
+    torch.manual_seed(0)
+    with meta_init():
+        m = KeepsTables()
+    if part == "whole":
+        materialize(m, checkpoint=path)
+    else:
+        materialize(m.inner, checkpoint=path, root=m)
+    assert not is_deferred(m.inner)
+    assert torch.equal(m.inner.tables["k"], eager.inner.tables["k"])
+    assert torch.equal(m.inner.freqs, eager.inner.freqs)
+    assert torch.equal(m.inner.lin.weight, eager.inner.lin.weight)
