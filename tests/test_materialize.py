@@ -531,3 +531,11 @@ def test_views_keep_aliasing_after_a_part_is_freed_and_materialized_again():
     materialize(m.a)
     assert _shares_memory(m.b.w_t, m.a.weight)
     assert torch.equal(m.a.weight, eager.a.weight)
+
+
+def test_named_parameters_is_a_type_error_that_says_to_pass_parameters():
+    with meta_init():
+        m = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"pass parameters\(\)"):
+        materialize(m.named_parameters())
+    assert is_deferred(m.weight)

@@ -228,9 +228,10 @@ def _collect(obj: Any, verb: str = "materialize") -> list[torch.Tensor]:
         out: dict[int, torch.Tensor] = {}
         for x in obj:
             if not isinstance(x, (torch.Tensor, torch.nn.Module, list, tuple)):
+                hint = " (for named_parameters(), pass parameters())" if isinstance(x, str) else ""
                 raise TypeError(
                     f"{verb}() takes a tensor, a module, or a list (or other iterable, e.g. "
-                    f"model.parameters()) of them; got a {type(x).__name__} in the list"
+                    f"model.parameters()) of them; got a {type(x).__name__} in the list{hint}"
                 )
             for t in _collect(x, verb):
                 out.setdefault(id(t), t)
