@@ -703,3 +703,38 @@ def test_a_refusal_for_a_list_of_parts_names_tensors_by_their_name_in_root():
         m.layers[2].weight.add_(1)
     with pytest.raises(MaterializationError, match=r"layers\.2\.weight"):
         dematerialize([m.layers[1], m.layers[2]], root=m)
+
+
+def test_share_memory_inside_meta_init_is_done_when_materialized():
+    eager, m = eager_and_deferred(lambda: nn.Linear(3, 3).share_memory())
+    assert m.weight.is_shared()
+    materialize(m)
+    assert m.weight.is_shared() and m.bias.is_shared()
+    assert torch.equal(m.weight, eager.weight)
+
+
+def test_share_memory_on_a_deferred_model_after_the_block_is_done_when_materialized():
+    with meta_init():
+        m = nn.Linear(3, 3)
+    assert not m.weight.is_shared()
+    m.share_memory()
+    materialize(m)
+    assert m.weight.is_shared() and m.bias.is_shared()
+
+
+def test_views_keep_aliasing_after_a_part_is_freed_and_materialized_again():
+    eager, m = eager_and_deferred(KeepsViews)
+    materialize(m.a, keep_cache=True)
+    dematerialize(m.a)
+    materialize(m.b)
+    materialize(m.a)
+    assert _shares_memory(m.b.w_t, m.a.weight)
+    assert torch.equal(m.a.weight, eager.a.weight)
+
+
+def test_named_parameters_is_a_type_error_that_says_to_pass_parameters():
+    with meta_init():
+        m = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"pass parameters\(\)"):
+        materialize(m.named_parameters())
+    assert is_deferred(m.weight)

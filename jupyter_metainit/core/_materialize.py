@@ -32,6 +32,7 @@ from jupyter_metainit.core._swap import swap_in_place
 from jupyter_metainit.core._tensor import (
     INTERNAL_ATTRS,
     PARAMETER_ATTRS,
+    SHARE_MEMORY_ATTR,
     DeferredTensor,
     as_parameter,
 )
@@ -128,6 +129,20 @@ def _realized_base(
     storage = rec.storage
     if id(storage) in bases:
         return bases[id(storage)]
+    real = _realized_tensor(storage)
+    if real is None or (device is not None and real.device != device):
+        return None
+    memory = real.untyped_storage()
+    with plain():
+        base = torch.empty(0, dtype=storage.dtype, device=real.device)
+        base.set_(memory, 0, (storage.nbytes // storage.dtype.itemsize,))
+    bases[id(storage)] = base
+    return base
+
+
+def _realized_tensor(storage: StorageRecord) -> torch.Tensor | None:
+    """The real tensor an earlier call made over ``storage``, while it still holds that memory
+    and nothing was recorded on the storage since."""
     entry = _realized.get(storage)
     if entry is None:
         return None
@@ -140,14 +155,9 @@ def _realized_base(
         len(storage.writes) != writes
         or memory.data_ptr() != address
         or memory.nbytes() != storage.nbytes
-        or (device is not None and real.device != device)
     ):
         return None
-    with plain():
-        base = torch.empty(0, dtype=storage.dtype, device=real.device)
-        base.set_(memory, 0, (storage.nbytes // storage.dtype.itemsize,))
-    bases[id(storage)] = base
-    return base
+    return real
 
 
 def _remember_realized(tensors: list[torch.Tensor], records: list[TensorRecord]) -> None:
@@ -157,7 +167,7 @@ def _remember_realized(tensors: list[torch.Tensor], records: list[TensorRecord])
         if t.dtype != rec.dtype or isinstance(t, DeferredTensor):
             continue
         memory = t.untyped_storage()
-        if memory.nbytes() == rec.storage.nbytes and rec.storage not in _realized:
+        if memory.nbytes() == rec.storage.nbytes and _realized_tensor(rec.storage) is None:
             _realized[rec.storage] = (weakref.ref(t), len(rec.storage.writes), memory.data_ptr())
 
 
@@ -257,9 +267,10 @@ def _collect(obj: Any, verb: str = "materialize") -> list[torch.Tensor]:
         out: dict[int, torch.Tensor] = {}
         for x in obj:
             if not isinstance(x, (torch.Tensor, torch.nn.Module, list, tuple)):
+                hint = " (for named_parameters(), pass parameters())" if isinstance(x, str) else ""
                 raise TypeError(
                     f"{verb}() takes a tensor, a module, or a list (or other iterable, e.g. "
-                    f"model.parameters()) of them; got a {type(x).__name__} in the list"
+                    f"model.parameters()) of them; got a {type(x).__name__} in the list{hint}"
                 )
             for t in _collect(x, verb):
                 out.setdefault(id(t), t)
@@ -660,6 +671,8 @@ def _build_real(
     for k, v in t.__dict__.items():
         if k not in INTERNAL_ATTRS and k not in PARAMETER_ATTRS:
             setattr(real, k, v)
+    if t.__dict__.get(SHARE_MEMORY_ATTR) and real.device.type == "cpu":
+        real.share_memory_()  # asked for while deferred (``model.share_memory()``)
     return real
 
 

@@ -47,6 +47,7 @@ from jupyter_metainit.core._swap import swap_in_place
 from jupyter_metainit.core._tensor import (
     INTERNAL_ATTRS,
     PARAMETER_ATTRS,
+    SHARE_MEMORY_ATTR,
     DeferredTensor,
     as_parameter,
 )
@@ -1223,6 +1224,8 @@ def set_data(self: DeferredTensor, new: torch.Tensor) -> None:
     """``t.data = x`` on a deferred tensor: ``t`` now stands for ``x``'s values (same object)."""
     if isinstance(new, DeferredTensor):
         replacement = DeferredTensor(new._meta, new._rec, new.device, self._rg)
+        if new.__dict__.get(SHARE_MEMORY_ATTR):  # ``p.data = p`` (``Module._apply``) keeps it
+            replacement.__dict__[SHARE_MEMORY_ATTR] = True
     else:
         replacement = new.detach()
         if getattr(self, "_is_param", False):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -11,15 +12,43 @@ import torch
 
 from jupyter_metainit.core._graph import TensorRecord
 
-__all__ = ["DeferredTensor", "as_parameter"]
+__all__ = ["SHARE_MEMORY_ATTR", "DeferredTensor", "as_parameter"]
 
 # Attributes of ours in a deferred tensor's __dict__; everything else there is the user's
 # (e.g. transformers' ``_is_hf_initialized``) and is carried over on materialization.
-INTERNAL_ATTRS = frozenset({"_meta", "_rec", "_rg", "_derived", "_view_of"})
+INTERNAL_ATTRS = frozenset({"_meta", "_rec", "_rg", "_derived", "_view_of", "_jmi_share_memory"})
+
+# ``t.share_memory_()`` on a deferred tensor (``model.share_memory()`` in or after ``meta_init``):
+# there is no memory to share yet, so it is noted here and done to the real tensor.
+SHARE_MEMORY_ATTR = "_jmi_share_memory"
 
 
 def _not_registered(*_args: Any) -> Any:
     raise RuntimeError("jupyter_metainit.core._record was not imported")
+
+
+def _outside_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run outside ``torch.compile``'s tracing: compiling a deferred model would trace into
+    the recorder and fail deep inside it (a dynamo assertion). Skipped, every call on a deferred
+    tensor is a graph break that runs as in eager mode (outputs deferred, as an eager forward's).
+
+    ``torch._dynamo`` takes seconds to import: until something has imported it nothing can be
+    compiling, and the plain function runs.
+    """
+    disabled: Callable[..., Any] | None = None
+
+    @functools.wraps(fn)
+    def outside_dynamo(*args: Any, **kwargs: Any) -> Any:
+        nonlocal disabled
+        if disabled is None:
+            if "torch._dynamo" not in sys.modules:
+                return fn(*args, **kwargs)
+            import torch._dynamo
+
+            disabled = torch._dynamo.disable(fn, recursive=True)
+        return disabled(*args, **kwargs)
+
+    return outside_dynamo
 
 
 class DeferredTensor(torch.Tensor):
@@ -69,11 +98,14 @@ class DeferredTensor(torch.Tensor):
         t._derived = derived
         return t
 
+    # Never traced by dynamo (see ``_outside_dynamo``).
     @classmethod
+    @_outside_dynamo
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         return DeferredTensor.handle_op(func, args, kwargs or {})
 
     @classmethod
+    @_outside_dynamo
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         return DeferredTensor.handle_function(func, args, kwargs or {})
 
