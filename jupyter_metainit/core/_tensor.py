@@ -21,6 +21,10 @@ def _not_registered(*_args: Any) -> Any:
     raise RuntimeError("jupyter_metainit.core._record was not imported")
 
 
+_cpp_requires_grad = torch._C.TensorBase.requires_grad.__get__
+_cpp_is_leaf = torch._C.TensorBase.is_leaf.__get__
+
+
 class DeferredTensor(torch.Tensor):
     """A deferred tensor: shape, dtype, stride and device are real; the values are a recording.
 
@@ -109,7 +113,8 @@ class DeferredTensor(torch.Tensor):
     # requires_grad lives in Python (see class docstring).
     @property
     def requires_grad(self) -> bool:  # type: ignore[override]
-        return self._rg
+        # C++ sets autograd's own flag on outputs of a custom ``autograd.Function``.
+        return self._rg or _cpp_requires_grad(self)
 
     @requires_grad.setter
     def requires_grad(self, value: bool) -> None:
@@ -135,7 +140,7 @@ class DeferredTensor(torch.Tensor):
     def is_leaf(self) -> bool:  # type: ignore[override]
         # As in eager: a tensor computed (in grad mode) from tensors that require grad is not
         # a leaf; every other tensor is.
-        return not (self._rg and self._derived)
+        return not (self._rg and self._derived) and _cpp_is_leaf(self)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         prefix = "Parameter containing:\n" if getattr(self, "_is_param", False) else ""
