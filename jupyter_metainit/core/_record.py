@@ -525,11 +525,38 @@ _PROBE_BYTES = 16 << 20
 _probed: dict[Any, tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] | None] = {}
 
 
-def _probe_layout(func: Any, meta_args: tuple, meta_kwargs: dict, out: Any) -> Any:
+def _has_size_one_or_zero(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and any(n <= 1 for n in t.shape)
+
+
+def _layout_may_differ(info: OpInfo, meta_args: tuple, meta_kwargs: dict, out: Any) -> bool:
+    """True for a new tensor whose strides PyTorch's Python meta kernels may choose otherwise
+    than the CPU kernels: on dimensions of size 1 (or 0), elementwise ops and ``*_like`` keep or
+    drop the input's stride there by other rules (``empty_like`` of a ``(1, 3, 3)`` tensor with
+    strides ``(3, 3, 1)``: ``(9, 3, 1)`` on meta, ``(3, 3, 1)`` on the CPU). Those get the CPU's
+    layout by :func:`_probe_layout`."""
+    if info.mutated or any(a is not None for a in info.return_alias):
+        return False  # writes or views: the layout is the input's own
+    if info.is_random and not info.has_generator:
+        return False  # the probe must not draw from the global generator
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    if not any(isinstance(o, torch.Tensor) and o.dim() for o in outs):
+        return False
+    return any(_has_size_one_or_zero(o) for o in outs) or any(
+        _has_size_one_or_zero(x) for x in iter_args(meta_args, meta_kwargs)
+    )
+
+
+def _probe_layout(
+    func: Any, meta_args: tuple, meta_kwargs: dict, out: Any, has_generator: bool = False
+) -> Any:
     try:
         key = (func, _arg_key(meta_args), _arg_key(tuple(meta_kwargs.items())))
     except _Unkeyable:
         return out
+    if has_generator:
+        # A generator of its own: the probe's draws touch no generator the user has.
+        meta_kwargs = {**meta_kwargs, "generator": torch.Generator()}
     if key not in _probed:
         _probed[key] = None
         tensors = [x for x in iter_args(meta_args, meta_kwargs) if isinstance(x, torch.Tensor)]
@@ -774,6 +801,8 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
         out = _cpu_layout(func, _meta_outputs(func, bound, meta_args, meta_kwargs, info))
         if func in _PROBED:
             out = _probe_layout(func, meta_args, meta_kwargs, out)
+        elif _layout_may_differ(info, meta_args, meta_kwargs, out):
+            out = _probe_layout(func, meta_args, meta_kwargs, out, info.has_generator)
     except _NO_META_KERNEL:
         out, values = _outputs_from_values(func, info, args, kwargs, where)
     except RuntimeError:
