@@ -9,6 +9,8 @@ from typing import Any, ClassVar
 import torch
 
 from jupyter_metainit.core._graph import TensorRecord
+from jupyter_metainit.core._ops import user_frame
+from jupyter_metainit.core.errors import UnsupportedOperatorError
 
 __all__ = ["DeferredTensor"]
 
@@ -150,6 +152,15 @@ class DeferredTensor(torch.Tensor):
         if self._rg:
             parts.append("requires_grad=True")
         return f"{prefix}tensor(..., {', '.join(parts)}, deferred)"
+
+    def as_subclass(self, cls: type) -> torch.Tensor:  # type: ignore[override]
+        # The result would share this tensor's memory as another Python type; a deferred
+        # tensor's Python object is always a DeferredTensor (torch would fail internally).
+        raise UnsupportedOperatorError(
+            f"`tensor.as_subclass({getattr(cls, '__name__', cls)})` cannot be applied to a "
+            f"deferred tensor (called at {user_frame()}); call it after materializing "
+            "(jupyter_metainit.materialize), or build this tensor outside meta_init"
+        )
 
     def __reduce_ex__(self, proto: Any) -> Any:
         raise TypeError(
