@@ -665,8 +665,8 @@ def _build_real(
         real = real.detach()  # a second object over the same storage (aliases stay aliases)
     used.add(id(real))
     if getattr(t, "_is_param", False):
-        real = as_parameter(t, real, t._rg)
-    elif t._rg and (real.is_floating_point() or real.is_complex()):
+        real = as_parameter(t, real, t.requires_grad)
+    elif t.requires_grad and (real.is_floating_point() or real.is_complex()):
         real = real.detach().requires_grad_(True)
     for k, v in t.__dict__.items():
         if k not in INTERNAL_ATTRS and k not in PARAMETER_ATTRS:

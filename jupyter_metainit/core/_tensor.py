@@ -11,6 +11,8 @@ from typing import Any, ClassVar
 import torch
 
 from jupyter_metainit.core._graph import TensorRecord
+from jupyter_metainit.core._ops import user_frame
+from jupyter_metainit.core.errors import UnsupportedOperatorError
 
 __all__ = ["SHARE_MEMORY_ATTR", "DeferredTensor", "as_parameter"]
 
@@ -49,6 +51,10 @@ def _outside_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
         return disabled(*args, **kwargs)
 
     return outside_dynamo
+
+
+_cpp_requires_grad = torch._C.TensorBase.requires_grad.__get__
+_cpp_is_leaf = torch._C.TensorBase.is_leaf.__get__
 
 
 class DeferredTensor(torch.Tensor):
@@ -159,7 +165,8 @@ class DeferredTensor(torch.Tensor):
     # requires_grad lives in Python (see class docstring).
     @property
     def requires_grad(self) -> bool:  # type: ignore[override]
-        return self._rg
+        # C++ sets autograd's own flag on outputs of a custom ``autograd.Function``.
+        return self._rg or _cpp_requires_grad(self)
 
     @requires_grad.setter
     def requires_grad(self, value: bool) -> None:
@@ -185,7 +192,7 @@ class DeferredTensor(torch.Tensor):
     def is_leaf(self) -> bool:  # type: ignore[override]
         # As in eager: a tensor computed (in grad mode) from tensors that require grad is not
         # a leaf; every other tensor is.
-        return not (self._rg and self._derived)
+        return not (self._rg and self._derived) and _cpp_is_leaf(self)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         prefix = "Parameter containing:\n" if getattr(self, "_is_param", False) else ""
@@ -195,6 +202,15 @@ class DeferredTensor(torch.Tensor):
         if self._rg:
             parts.append("requires_grad=True")
         return f"{prefix}tensor(..., {', '.join(parts)}, deferred)"
+
+    def as_subclass(self, cls: type) -> torch.Tensor:  # type: ignore[override]
+        # The result would share this tensor's memory as another Python type; a deferred
+        # tensor's Python object is always a DeferredTensor (torch would fail internally).
+        raise UnsupportedOperatorError(
+            f"`tensor.as_subclass({getattr(cls, '__name__', cls)})` cannot be applied to a "
+            f"deferred tensor (called at {user_frame()}); call it after materializing "
+            "(jupyter_metainit.materialize), or build this tensor outside meta_init"
+        )
 
     def __reduce_ex__(self, proto: Any) -> Any:
         raise TypeError(
