@@ -479,3 +479,27 @@ def test_the_fit_counts_the_chosen_dtype_and_what_is_already_there():
     w.materialize("cpu")
     w.selected = [""]
     assert w.selection["fit"]["cpu"]["need"] == 2 * (64 + 8)
+
+
+def test_the_saved_output_says_what_it_was_and_how_to_get_a_live_tree(net):
+    data, _metadata = explore(net)._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in data
+    for mime in ("text/plain", "text/html"):
+        assert "Net: 3.28 K params" in data[mime], mime
+        assert "Run the cell again" in data[mime], mime
+
+
+@pytest.mark.parametrize("state", [None, ["selected"], "selected", 3])
+def test_a_page_update_with_a_malformed_state_is_a_notice(net, state):
+    w = explore(net)
+    w._handle_msg({"content": {"data": {"method": "update", "state": state}}, "buffers": []})
+    assert "malformed" in w.notice["text"]
+    assert w.selected == []
+
+
+def test_a_page_update_of_an_unknown_trait_is_a_notice(net):
+    w = explore(net)
+    w._handle_msg(
+        {"content": {"data": {"method": "update", "state": {"no_such": 1}}}, "buffers": []}
+    )
+    assert "no such trait" in w.notice["text"]

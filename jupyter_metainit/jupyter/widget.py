@@ -57,6 +57,12 @@ _MODEL_GONE = (
 )
 
 
+_SAVED_ADVICE = (
+    "This is a saved copy: the live tree needs the kernel that made it. Run the cell again "
+    "(or jupyter_metainit.explore(model) on a model you have) to get a live tree."
+)
+
+
 def _static_text(name: str) -> str:
     # The built front end as text, not as a path: anywidget turns a path into a FileContents
     # whose class-level `changed` signal holds every widget ever made (file watching or not),
@@ -191,6 +197,29 @@ class ModuleTreeWidget(anywidget.AnyWidget):
             f"{format_bytes(root.bytes)}, {root.state}{gone})"
         )
 
+    def _summary_line(self) -> str:
+        root = self._stats[0]
+        return (
+            f"{self._model_type}: {format_count(root.params)} params, "
+            f"{format_bytes(root.bytes)}, {root.state or 'no tensors'}"
+        )
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        """The live widget, plus what a saved notebook shows once the kernel is gone (GitHub,
+        nbconvert, an untrusted or reopened notebook): the model's summary line in words and
+        how to get a live tree again, instead of a bare "model not found"."""
+        bundle = super()._repr_mimebundle_(**kwargs)
+        if bundle is None:
+            return None
+        data, metadata = bundle
+        line = self._summary_line()
+        data["text/plain"] = f"Model tree of {line}.\n{_SAVED_ADVICE}"
+        data["text/html"] = (
+            f"<div class='jmi-saved'><b>Model tree</b> of {escape(line)}.<br>"
+            f"<small>{escape(_SAVED_ADVICE)}</small></div>"
+        )
+        return data, metadata
+
     # ------------------------------------------------------------------ what the page may write
     def set_state(self, sync_data: dict) -> None:
         """Apply the page's writes of page-writable traits; refuse the rest, visibly.
@@ -198,19 +227,44 @@ class ModuleTreeWidget(anywidget.AnyWidget):
         A refused or invalid write is undone on the page (the kernel's value is sent back)
         and said in a notice; nothing in the kernel changes.
         """
-        allowed = {k: v for k, v in sync_data.items() if k in _PAGE_WRITABLE}
-        refused = sorted(set(sync_data) - set(allowed))
-        if refused:
+        if not isinstance(sync_data, dict):
             self._notify(
-                f"Ignored a change of {', '.join(refused)} from the page: the kernel owns it."
+                f"Ignored a malformed update from the page (a {type(sync_data).__name__}, "
+                "not a set of traits); nothing changed."
             )
-            self.send_state(refused)
+            return
+        allowed = {k: v for k, v in sync_data.items() if k in _PAGE_WRITABLE}
+        refused = sorted(str(k) for k in set(sync_data) - set(allowed))
+        unknown = [k for k in refused if not self.has_trait(k)]
+        owned = [k for k in refused if self.has_trait(k)]
+        if unknown:
+            self._notify(f"Ignored an update of {', '.join(unknown)} from the page: no such trait.")
+        if owned:
+            self._notify(
+                f"Ignored a change of {', '.join(owned)} from the page: the kernel owns it."
+            )
+            self.send_state(owned)
         for key, value in allowed.items():
             try:
                 super().set_state({key: value})
             except (traitlets.TraitError, TypeError, ValueError) as exc:
                 self._notify(f"Refused from the page: {exc}")
                 self.send_state([key])
+
+    def _handle_msg(self, msg: dict) -> None:
+        # A page message of an unexpected shape is a notice, never a traceback in the kernel.
+        data = msg.get("content", {}).get("data") if isinstance(msg, dict) else None
+        if not isinstance(data, dict) or not isinstance(data.get("method"), str):
+            self._notify("Ignored a malformed message from the page.")
+            return
+        if data["method"] == "update" and "buffer_paths" in data:
+            if not isinstance(data.get("state"), dict):
+                self._notify("Ignored a malformed update from the page.")
+                return
+        try:
+            super()._handle_msg(msg)
+        except Exception as exc:  # whatever the page sent, the kernel stays quiet and unchanged
+            self._notify(f"Ignored a message from the page that could not be read ({exc}).")
 
     def _notify(self, text: str) -> None:
         self.notice = {"id": int(self.notice.get("id", 0)) + 1, "text": text}
