@@ -766,6 +766,8 @@ export class TreeView {
       nameCell.append(chip);
     }
 
+    if (t.values[n]) nameCell.append(fastTag(t.values[n]));
+
     const typeCell = h("div", "jmi-c-type");
     appendHighlighted(typeCell, t.type[n], row.match ? this.query : "");
     if (t.info[n]) typeCell.title = `${t.type[n]}(${t.info[n]})`;
@@ -782,7 +784,7 @@ export class TreeView {
     const size = h("div", "jmi-c-num jmi-c-size", humanBytes(t.bytes[n]));
     if (t.dtype[n]) size.prepend(dtypeTag(t.dtype[n]), " ");
     if (t.source[n]) size.prepend(sourceTag(t.source[n]), " ");
-    if (t.values[n]) size.prepend(fastTag(t.values[n]), " ");
+
 
     el.append(
       cbCell,
