@@ -856,7 +856,8 @@ export function fastTag(values: string): HTMLElement {
 
 /** A small dtype tag: bf16, fp32, mixed. */
 function dtypeTag(dtype: string): HTMLElement {
-  const tag = h("span", "jmi-dtype", dtype);
+  // "multi", not "mixed": the state badge beside it says "mixed" for something else
+  const tag = h("span", "jmi-dtype", dtype === "mixed" ? "multi" : dtype);
   tag.title = dtype === "mixed" ? "Tensors of several dtypes" : `dtype ${dtype}`;
   return tag;
 }
