@@ -503,3 +503,25 @@ def test_a_page_update_of_an_unknown_trait_is_a_notice(net):
         {"content": {"data": {"method": "update", "state": {"no_such": 1}}}, "buffers": []}
     )
     assert "no such trait" in w.notice["text"]
+
+
+# ---------------------------------------------------------------------------- smaller points
+
+
+def test_a_change_made_elsewhere_clears_the_last_message(net):
+    from jupyter_metainit import dematerialize
+
+    w = explore(net)
+    w.selected = ["norm"]
+    w.materialize("cpu")
+    assert w.status.startswith("Materialized")
+    dematerialize(net.norm)  # as %dematerialize in a later cell
+    assert wait_until(lambda: w.status == "", timeout=2.0)
+
+
+def test_the_table_says_which_module_it_shows(net):
+    w = explore(net, name="net")
+    w.show_table = True
+    assert "Memory table of net (whole model)" in w.table_html
+    w.selected = ["layers.1"]
+    assert "Memory table of net.layers[1]" in w.table_html
