@@ -556,7 +556,9 @@ export class TreeView {
       );
       const dtype = this.model.get("dtype");
       if (dtype && s.bytes_as !== undefined && s.bytes_as !== s.bytes) {
-        parts.push(h("span", "jmi-muted", `→ ${humanBytes(s.bytes_as)} as ${dtype}`));
+        const as = h("span", "jmi-muted", `→ ${humanBytes(s.bytes_as)}`);
+        as.title = `Size as ${dtype}`;
+        parts.push(as);
       }
       // Fits before acting: per device, what the selection needs there against its free memory
       const fit: Record<string, { fits: boolean; need: number; free: number }> = s.fit ?? {};
@@ -688,7 +690,13 @@ export class TreeView {
     this.fullBtn.title = full ? "Back to the compact table" : "Show every column of the table";
     // the HTML is rendered by pandas in the kernel, never from page input
     const body = h("div", "jmi-table");
-    body.innerHTML = show ? (this.model.get("table_html") ?? "") : "";
+    const html: string = this.model.get("table_html") ?? "";
+    body.innerHTML = show ? html : "";
+    if (show && !html) {
+      body.textContent = this.disconnected
+        ? "No table: it is computed by the kernel, which is gone."
+        : "Computing the table…";
+    }
     this.tableEl.replaceChildren(...(show ? [this.fullBtn, body] : []));
   }
 
@@ -746,14 +754,22 @@ export class TreeView {
     const name = h("span", "jmi-name");
     const label = n === 0 ? "(model)" : t.name[n];
     appendHighlighted(name, label, row.match ? this.query : "");
-    name.title = t.qname[n] || "the whole model";
+    const code = codePath(String(this.model.get("var_name") ?? "model"), t.qname[n]);
+    name.title = `${t.qname[n] || "the whole model"}\nIn code and the magics: ${code}`;
+    name.dataset.code = code;
     nameCell.append(caret, name);
     const rep = t.repeatedChildren(n);
     if (rep) {
       const chip = h("span", "jmi-chip", `×${rep[0]}, identical`);
       chip.title = `${rep[0]} identical ${rep[1]} blocks`;
       nameCell.append(chip);
-    } else if (t.repN[n] > 1 && t.repI[n] === 0 && t.children[t.parent[n]].length !== t.repN[n]) {
+    } else if (
+      hasKids &&
+      t.repN[n] > 1 &&
+      t.repI[n] === 0 &&
+      t.children[t.parent[n]].length !== t.repN[n]
+    ) {
+      // a run of identical blocks among other children; leaves (two equal Linears) are not blocks
       const chip = h("span", "jmi-chip", `×${t.repN[n]}, identical`);
       chip.title = `This ${t.type[n]} and the next ${t.repN[n] - 1} are identical blocks`;
       nameCell.append(chip);
@@ -814,6 +830,19 @@ function cellWith(child: HTMLElement, cls: string): HTMLElement {
   const c = h("div", cls);
   c.append(child);
   return c;
+}
+
+/** A module's qualified name as Python the magics take: `model.layers.5` of `model` is
+ *  `model.model.layers[5]`. */
+export function codePath(varName: string, qname: string): string {
+  if (!qname) return varName;
+  let out = varName;
+  for (const part of qname.split(".")) {
+    if (/^\d+$/.test(part)) out += `[${part}]`;
+    else if (/^[A-Za-z_][A-Za-z0-9_]*$/.test(part)) out += `.${part}`;
+    else return `${varName}.get_submodule(${JSON.stringify(qname)})`;
+  }
+  return out;
 }
 
 /** What a state badge says: `deferred → cuda:0` when deferred parts have a target. */
