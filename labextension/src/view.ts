@@ -412,6 +412,11 @@ export class TreeView {
     if (!rowEl || rowEl.dataset.node === undefined) return;
     const node = Number(rowEl.dataset.node);
     this.focusNode = node;
+    const copy = target.closest<HTMLElement>(".jmi-copy");
+    if (copy) {
+      void navigator.clipboard?.writeText(copy.dataset.code ?? "").catch(() => undefined);
+      return;
+    }
     if (target.closest(".jmi-check")) this.toggleCheck(node);
     else if (target.closest(".jmi-caret, .jmi-name")) {
       if (this.tree.children[node].length) this.toggleExpand(node);
@@ -754,10 +759,16 @@ export class TreeView {
     const name = h("span", "jmi-name");
     const label = n === 0 ? "(model)" : t.name[n];
     appendHighlighted(name, label, row.match ? this.query : "");
+    name.title = t.qname[n] || "the whole model";
+    // the path as code the magics take, to copy (shown on hover and on the focused row)
     const code = codePath(String(this.model.get("var_name") ?? "model"), t.qname[n]);
-    name.title = `${t.qname[n] || "the whole model"}\nIn code and the magics: ${code}`;
-    name.dataset.code = code;
-    nameCell.append(caret, name);
+    const copy = h("button", "jmi-copy", "⧉");
+    copy.type = "button";
+    copy.tabIndex = -1; // the row is the focus stop
+    copy.title = `Copy ${code} (the path %materialize and the other magics take)`;
+    copy.setAttribute("aria-label", `Copy ${code}`);
+    copy.dataset.code = code;
+    nameCell.append(caret, name, copy);
     const rep = t.repeatedChildren(n);
     if (rep) {
       const chip = h("span", "jmi-chip", `×${rep[0]}, identical`);

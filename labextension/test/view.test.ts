@@ -292,8 +292,9 @@ describe("TreeView", () => {
     expect(codePath("m", "")).toBe("m");
     expect(codePath("m", "blocks.a-b")).toBe('m.get_submodule("blocks.a-b")');
     const { root } = mount(smallTree(), { var_name: "net" });
-    const layers = [...root.querySelectorAll<HTMLElement>(".jmi-rows .jmi-row .jmi-name")][2];
-    expect(layers.title).toContain("net.layers");
+    const layers = [...root.querySelectorAll<HTMLElement>(".jmi-rows .jmi-row")][2];
+    expect(layers.querySelector<HTMLElement>(".jmi-name")!.title).toBe("layers");
+    expect(layers.querySelector<HTMLElement>(".jmi-copy")!.dataset.code).toBe("net.layers");
   });
 
   it("says why the table is empty once the kernel is gone", () => {
