@@ -195,7 +195,7 @@ def _summary(name: str, module: nn.Module, depth: int | None) -> None:
 def _widget(name: str, module: nn.Module, depth: int | None) -> Any:
     from jupyter_metainit.jupyter.widget import explore
 
-    return explore(module) if depth is None else explore(module, depth=depth)
+    return explore(module, name=name) if depth is None else explore(module, depth=depth, name=name)
 
 
 def _table(name: str, module: nn.Module, depth: int | None) -> Any:
