@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
 import torch
 from torch import nn
 
-from jupyter_metainit import materialize, meta_init
+from jupyter_metainit import is_deferred, materialize, meta_init
 
 
 class Positional(nn.Module):
@@ -143,3 +144,12 @@ def test_factories_report_the_default_device_torch_would_give():
         finally:
             torch.set_default_device(None)
         assert torch.zeros(2).device == torch.device("cpu")
+
+
+def test_a_deep_copy_of_a_real_tensor_inside_the_block_is_a_deferred_copy_with_its_values():
+    real = torch.arange(6.0).requires_grad_()
+    real.note = "kept"
+    with meta_init():
+        copied = copy.deepcopy(real)
+    assert is_deferred(copied) and copied.requires_grad and copied.note == "kept"
+    assert torch.equal(materialize(copied), real.detach())

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -692,6 +693,7 @@ def test_a_generator_state_cloned_during_a_build_carries_the_eager_state():
 # Ways to keep a saved state that make a new tensor inside the block (a deferred one).
 _STATE_COPIES = {
     "clone": lambda st: st.clone(),
+    "deepcopy": lambda st: copy.deepcopy(st),
     "from_numpy": lambda st: torch.from_numpy(st.numpy().copy()),
     "tensor": lambda st: torch.tensor(st.numpy()),
     "slice": lambda st: st[:],

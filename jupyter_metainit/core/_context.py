@@ -22,6 +22,7 @@ invisible (counted, so nested and concurrent blocks share one wrapping):
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import os
 import threading
@@ -111,12 +112,31 @@ class _FunctionMode(TorchFunctionMode):
         if DeferredTensor in types:
             # What DeferredTensor.__torch_function__ would do next, one call earlier.
             return handle_function(func, args, kwargs)
+        if func is torch.Tensor.__deepcopy__ and type(args[0]) is torch.Tensor:
+            return _deep_copy_of_real(*args, **kwargs)
         if func in DATA_FACTORIES:
             return requires_grad_kwarg(data_factory(func, args, dict(kwargs)), kwargs)
         if "device" in kwargs or func in FACTORIES:
             made = rewrite_device(func, args, kwargs, in_context=True)
             return requires_grad_kwarg(made, kwargs, func)
         return func(*args, **kwargs)
+
+
+def _deep_copy_of_real(tensor: torch.Tensor, memo: dict) -> torch.Tensor:
+    """``copy.deepcopy`` of a real tensor inside a block: a deferred copy, as ``clone`` gives
+    (torch's own ``__deepcopy__`` builds the copy with ``new_empty``, deferred here, and then
+    refuses the mix of a real and a deferred tensor)."""
+    if id(tensor) in memo:
+        return memo[id(tensor)]
+    if not tensor.is_leaf:
+        return torch.Tensor.__deepcopy__(tensor, memo)  # torch's own error for non-leaves
+    with torch.no_grad():
+        copied = tensor.clone()
+    copied.requires_grad_(tensor.requires_grad)
+    memo[id(tensor)] = copied
+    for name, value in tensor.__dict__.items():
+        setattr(copied, name, copy.deepcopy(value, memo))
+    return copied
 
 
 class _DispatchMode(TorchDispatchMode):
