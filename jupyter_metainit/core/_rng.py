@@ -53,6 +53,7 @@ __all__ = [
     "BurnSpec",
     "RngSegment",
     "before_real_draw",
+    "default_generator_for",
     "draws_depend_on_values",
     "fast_generator",
     "flush_all",
@@ -134,6 +135,20 @@ def _device_default_generator(device: torch.device) -> torch.Generator:
     if device.type == "cuda":
         return torch.cuda.default_generators[device.index or 0]
     raise RuntimeError(f"no default generator for {device}")
+
+
+def default_generator_for(device: torch.device) -> torch.Generator | None:
+    """The generator an op on ``device`` without an explicit one draws from eagerly: the
+    device's default CUDA generator when that GPU is present at recording; otherwise None (the
+    default CPU one; also for a tensor recorded for a GPU this machine lacks, ``cuda:1`` on a
+    CPU-only machine, whose values are then the CPU stream's)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        return None
+    torch.cuda.init()  # fills torch.cuda.default_generators (lazily, as eager code would)
+    return torch.cuda.default_generators[index]
 
 
 # Random ops that have no ``generator`` argument at all (dropout, fused attention, RNNs) must
