@@ -731,3 +731,16 @@ def test_restoring_a_copy_of_a_saved_state_with_torch_set_rng_state_draws_like_e
 
     eager = build(deferred=False)
     assert torch.equal(materialize(build(deferred=True)), eager)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 1, reason="needs a machine without cuda:1")
+def test_a_build_for_an_absent_gpu_draws_from_the_cpu_stream_as_eager_code_on_the_cpu():
+    torch.manual_seed(0)
+    eager = nn.Linear(8, 8)
+    eager_state = torch.get_rng_state()
+    torch.manual_seed(0)
+    with meta_init():
+        model = nn.Linear(8, 8, device="cuda:1")
+    assert torch.equal(torch.get_rng_state(), eager_state)
+    materialize(model, device="cpu")
+    assert torch.equal(model.weight, eager.weight) and torch.equal(model.bias, eager.bias)
