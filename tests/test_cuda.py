@@ -211,3 +211,35 @@ def test_fits_reads_the_gpus_free_memory():
     model = _deferred(_small_model)
     table = fits(model, "cuda:0")
     assert bool(table["fits"].all())
+
+
+_CUDA_RANDOM_OPS = {
+    "rand": lambda: torch.rand(1000, device="cuda"),
+    "randn": lambda: torch.randn(3, 7, device="cuda"),
+    "randperm": lambda: torch.randperm(50, device="cuda"),
+    "randint": lambda: torch.randint(-(1 << 40), 1 << 40, (33,), device="cuda"),
+    "uniform_": lambda: torch.empty(5000, device="cuda").uniform_(),
+    "normal_strided": lambda: torch.empty(8, 8, device="cuda").t().normal_(),
+    "bernoulli_": lambda: torch.empty(99, device="cuda").bernoulli_(0.3),
+    "multinomial": lambda: torch.multinomial(torch.ones(20, device="cuda"), 5),
+    "exponential_": lambda: torch.empty(77, device="cuda").exponential_(),
+    "poisson": lambda: torch.poisson(torch.full((66,), 3.0, device="cuda")),
+    "dropout": lambda: nn.functional.dropout(torch.ones(300, device="cuda"), 0.5),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_CUDA_RANDOM_OPS))
+def test_each_random_op_recorded_for_cuda_gives_eager_values_and_cuda_state(name):
+    def build() -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        first = _CUDA_RANDOM_OPS[name]()
+        second = torch.rand(10, device="cuda")  # where the first op left the generator
+        return first, second, torch.cuda.get_rng_state()
+
+    eager = _eager(build)
+    eager_cpu = torch.get_rng_state()
+    deferred = _deferred(build)
+    assert torch.equal(torch.get_rng_state(), eager_cpu)
+    assert torch.equal(deferred[2], eager[2])
+    assert torch.equal(torch.cuda.get_rng_state(), eager[2])
+    assert torch.equal(materialize(deferred[1]), eager[1])
+    assert torch.equal(materialize(deferred[0]), eager[0])
