@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
 import torch
 from torch import nn
 
-from jupyter_metainit import materialize, meta_init
+from jupyter_metainit import is_deferred, materialize, meta_init
 
 
 class Positional(nn.Module):
@@ -178,3 +179,12 @@ def test_a_gradient_inside_meta_init_names_the_call_and_says_materialize_first(u
     expected = r"(?s)in __init__.*materialize\(model\)"
     with pytest.raises(UnsupportedOperatorError, match=expected), meta_init():
         GradInit(use_backward)
+
+
+def test_a_deep_copy_of_a_real_tensor_inside_the_block_is_a_deferred_copy_with_its_values():
+    real = torch.arange(6.0).requires_grad_()
+    real.note = "kept"
+    with meta_init():
+        copied = copy.deepcopy(real)
+    assert is_deferred(copied) and copied.requires_grad and copied.note == "kept"
+    assert torch.equal(materialize(copied), real.detach())

@@ -199,14 +199,16 @@ def test_progress_reports_bytes_up_to_total():
 
 def test_cuda_recorded_model_materializes_to_cpu_when_asked():
     torch.manual_seed(0)
-    eager = nn.Linear(4, 4)
+    # with a GPU present, eager draws on it (test_cuda.py); without one, from the CPU stream
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        eager = nn.Linear(4, 4)
     torch.manual_seed(0)
     with meta_init(device="cuda"):
         m = nn.Linear(4, 4)
     assert m.weight.device.type == "cuda"
     materialize(m, device="cpu")
     assert m.weight.device == torch.device("cpu")
-    assert torch.equal(m.weight, eager.weight)
+    assert torch.equal(m.weight, eager.weight.cpu())
 
 
 def test_cuda_recorded_tensor_without_gpu_says_what_to_do():
@@ -680,7 +682,7 @@ def test_a_module_recorded_for_cuda_materializes_on_cuda_without_device():
         m = nn.Linear(4, 4)
     materialize(m)
     torch.manual_seed(0)
-    eager = nn.Linear(4, 4)  # exact mode draws CUDA tensors' values as eager does on the CPU
+    eager = nn.Linear(4, 4, device="cuda")  # drawn from the GPU's generator, as eagerly
     assert m.weight.device.type == "cuda" and m.bias.device.type == "cuda"
     assert torch.equal(m.weight.cpu(), eager.weight)
 
@@ -738,3 +740,5 @@ def test_named_parameters_is_a_type_error_that_says_to_pass_parameters():
     with pytest.raises(TypeError, match=r"pass parameters\(\)"):
         materialize(m.named_parameters())
     assert is_deferred(m.weight)
+
+    assert torch.equal(m.weight, eager.weight)

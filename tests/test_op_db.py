@@ -166,21 +166,26 @@ RANDOM_OPS = [
 ]  # fmt: skip
 
 
-def _in_stream(fn: Callable, sample: Any, deferred: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
-    """(the op's output, a tensor drawn after it, the RNG state after both)."""
+def _in_stream(
+    fn: Callable, sample: Any, deferred: bool
+) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the op's output, a tensor drawn after it, the state read right after the op through the
+    generator object itself, the RNG state after both)."""
     torch.manual_seed(0)
     if deferred:
         with meta_init():
             torch.randn(5)
             inp, args, kwargs = tree_map(_clone, (sample.input, sample.args, sample.kwargs))
             out = fn(inp, *args, **kwargs)
+            right_after = torch.default_generator.get_state()
             later = torch.randn(7)
     else:
         torch.randn(5)
         inp, args, kwargs = tree_map(_clone, (sample.input, sample.args, sample.kwargs))
         out = fn(inp, *args, **kwargs)
+        right_after = torch.default_generator.get_state()
         later = torch.randn(7)
-    return out, later, torch.get_rng_state()
+    return out, later, right_after, torch.get_rng_state()
 
 
 @pytest.mark.parametrize(
@@ -204,10 +209,13 @@ def _check_in_stream(op: Any) -> int:
         for i, sample in enumerate(samples[:SAMPLES_PER_VARIANT]):
             where = f"{op.name} ({variant}, sample {i})"
             try:
-                expected, expected_later, expected_state = _in_stream(fn, sample, deferred=False)
+                expected, expected_later, expected_after, expected_state = _in_stream(
+                    fn, sample, deferred=False
+                )
             except Exception:
                 continue
-            got, later, state = _in_stream(fn, sample, deferred=True)
+            got, later, after, state = _in_stream(fn, sample, deferred=True)
+            assert torch.equal(after, expected_after), f"{where}: get_state() right after it"
             assert torch.equal(state, expected_state), f"{where}: RNG state after the build"
             materialize(later)
             assert torch.equal(later, expected_later), f"{where}: a tensor drawn after it"

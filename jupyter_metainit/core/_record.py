@@ -775,7 +775,7 @@ def _record_fill(func: Any, args: tuple, kwargs: dict) -> DeferredTensor | None:
     if func not in _PLAIN_FILLS:
         meta = self._meta
         rng, _ = _place_random(func, (meta, *args[1:]), kwargs, True, generator,
-                               meta.numel() * meta.element_size())  # fmt: skip
+                               meta.numel() * meta.element_size(), self.device)  # fmt: skip
         if "generator" in rec_kwargs:
             rec_kwargs["generator"] = None
     op = OpRecord(
@@ -792,11 +792,14 @@ _PLAIN_FILLS = frozenset({aten.fill_.Scalar, aten.zero_.default})
 
 def _place_random(
     func: Any, meta_args: tuple, meta_kwargs: dict, has_generator: bool,
-    generator: torch.Generator | None, nbytes: int,
+    generator: torch.Generator | None, nbytes: int, device: torch.device,
     real_call: tuple[tuple, dict, OpInfo] | None = None,
 ) -> tuple[RngUse, Any]:  # fmt: skip
     """The place of a new random op in its generator's stream (see ``_rng.record_random``),
     and the op's real outputs when its draw count depends on values (else None).
+
+    ``device``: where the op's output is recorded; without an explicit generator the op draws
+    from that device's default generator, as eagerly (``_rng.default_generator_for``).
 
     ``real_call``: the op's arguments and info, for an op whose draws may depend on the values
     it reads (``_rng.draws_depend_on_values``): its inputs are computed now and it runs from
@@ -804,6 +807,8 @@ def _place_random(
     """
     spec = _rng.BurnSpec(func, _spec_args(meta_args), _spec_kwargs(meta_kwargs), has_generator,
                          nbytes)  # fmt: skip
+    if generator is None:
+        generator = _rng.default_generator_for(device)
     gen = generator if generator is not None else torch.default_generator
     run = None
     if (
@@ -1004,8 +1009,10 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
         if info.is_random:
             gen = bound[info.arg_index("generator")] if info.has_generator else None
             nbytes = sum(o.numel() * o.element_size() for o in outs if isinstance(o, torch.Tensor))
+            # An op writing a tensor draws where that tensor lives (`t.uniform_()`).
+            on = mutates[0].device if mutates else device
             rng, computed = _place_random(func, meta_args, meta_kwargs, info.has_generator,
-                                          gen, nbytes, (args, kwargs, info))  # fmt: skip
+                                          gen, nbytes, on, (args, kwargs, info))  # fmt: skip
             computed_outs = computed if isinstance(computed, (tuple, list)) else [computed]
             if (
                 computed is not None
