@@ -703,3 +703,80 @@ def test_a_refusal_for_a_list_of_parts_names_tensors_by_their_name_in_root():
         m.layers[2].weight.add_(1)
     with pytest.raises(MaterializationError, match=r"layers\.2\.weight"):
         dematerialize([m.layers[1], m.layers[2]], root=m)
+
+
+def _trained_one_step() -> nn.Linear:
+    """A layer materialized with keep_cache=True, after a backward pass (gradients set)."""
+    with meta_init():
+        layer = nn.Linear(4, 4)
+    materialize(layer, keep_cache=True)
+    layer(torch.ones(2, 4)).sum().backward()
+    return layer
+
+
+def test_dematerialize_refuses_a_tensor_holding_a_gradient_and_names_it():
+    layer = _trained_one_step()
+    with pytest.raises(MaterializationError, match=r"gradient.*weight, bias.*zero_grad"):
+        dematerialize(layer)
+    assert not is_deferred(layer) and layer.weight.grad is not None
+
+
+def test_dematerialize_frees_once_the_gradients_are_set_to_none():
+    layer = _trained_one_step()
+    first = layer.weight.detach().clone()
+    layer.zero_grad(set_to_none=True)
+    dematerialize(layer)
+    materialize(layer)
+    assert torch.equal(layer.weight, first)
+
+
+def test_dematerialize_with_force_drops_the_gradient():
+    layer = _trained_one_step()
+    dematerialize(layer, force=True)
+    assert is_deferred(layer.weight) and layer.weight.grad is None
+    materialize(layer)
+    assert layer.weight.grad is None
+
+
+def test_a_view_kept_by_the_user_keeps_its_values_after_the_base_is_freed():
+    eager, m = eager_and_deferred(lambda: nn.Linear(4, 4))
+    materialize(m, keep_cache=True)
+    row = m.weight[1]  # a real view, held outside the module
+    dematerialize(m)
+    gc.collect()
+    assert torch.equal(row, eager.weight[1]) and row._base is not None
+    materialize(m)
+    assert torch.equal(m.weight, eager.weight)
+
+
+def test_keep_cache_on_a_tensor_materialized_earlier_without_it_warns_it_cannot_be_kept():
+    with meta_init():
+        layer = nn.Linear(3, 3)
+    materialize(layer)
+    with pytest.warns(UserWarning, match=r"2 were materialized without keep_cache=True"):
+        materialize(layer, keep_cache=True)
+
+
+def test_dematerialize_says_keep_cache_on_a_real_tensor_does_not_bring_its_recording_back():
+    with meta_init():
+        layer = nn.Linear(3, 3)
+    materialize(layer)
+    with pytest.warns(UserWarning):
+        materialize(layer, keep_cache=True)
+    with pytest.raises(MaterializationError, match="the first time they are materialized"):
+        dematerialize(layer)
+    assert not is_deferred(layer)
+
+
+def test_dematerialize_after_clear_meta_init_cache_says_the_cache_was_cleared():
+    with meta_init():
+        t = torch.ones(2)
+    materialize(t, keep_cache=True)
+    clear_meta_init_cache()
+    with pytest.raises(MaterializationError, match=r"clear_meta_init_cache\(\)"):
+        dematerialize(t)
+
+
+def test_dematerialize_of_a_tensor_never_deferred_says_so():
+    with pytest.raises(MaterializationError, match="never deferred"):
+        dematerialize(torch.ones(2))

@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import os
 import traceback
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sized, ValuesView
 from typing import Any
@@ -109,6 +110,8 @@ _kept: WeakIdKeyDictionary = WeakIdKeyDictionary()  # real tensor -> _Shadow
 _sources = materialized_sources  # real tensor -> "checkpoint" / "init"
 _fast_values: WeakIdKeyDictionary = WeakIdKeyDictionary()  # real tensors with rng="fast" values
 _freed_state: WeakIdKeyDictionary = WeakIdKeyDictionary()  # freed tensor -> _UserState
+# Real tensors whose shadow clear_meta_init_cache dropped (only to say so when freeing them).
+_cleared: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 # Storages a materialization made real, with the tensor over each, the writes recorded on the
 # storage then, and the memory's address: a deferred view of the same storage materialized in a
@@ -619,11 +622,28 @@ def materialize(
                 failure = _released(exc, _describe(obj), target_device, tensors, dtype)
             if failure is not None:
                 raise failure  # outside the handler: no implicit link to the replay's frames
+            if keep_cache:
+                _warn_unkept(reals, _describe(obj))
             _events.publish("materialized", swapped)
     finally:
         if bar is not None:
             bar.close()
     return obj
+
+
+def _warn_unkept(reals: list[torch.Tensor], what: str) -> None:
+    """keep_cache=True cannot apply to parts that were real already with nothing kept: say so
+    now, rather than let a later dematerialize be the first to tell."""
+    unkept = [
+        t for t in reals if _freeable(t) not in _kept and not _is_uninitialized(t)
+    ]  # fmt: skip
+    if unkept:
+        warnings.warn(
+            f"keep_cache=True does not apply to the parts of {what} that were real already: "
+            + _why_not_kept(unkept, "cannot be freed again with dematerialize"),
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _refuse_unmaterializable(collected: list[torch.Tensor], tensors: list) -> None:
@@ -853,36 +873,49 @@ def dematerialize(obj: Any, *, force: bool = False, root: torch.nn.Module | None
     they were materialized with: ``fast`` values come back with ``rng="fast"`` only): that
     is checked here, whatever happened since (training, loads, casts, moves, a changed source
     tensor or file). A tensor that fails the check is refused, by name, unless ``force=True``
-    (which drops its current values). Refusals change nothing. What the user set on the tensor
+    (which drops its current values); so is a tensor holding a gradient (``.grad``: clear it
+    with ``zero_grad(set_to_none=True)``, or ``force=True`` drops it). Refusals change nothing.
+    What the user set on the tensor
     objects (``requires_grad``, attributes, hooks, a Parameter subclass) is kept. ``root``
     (the whole model, when ``obj`` is a part or a list of parts) only names tensors in errors.
     """
     obj = _as_list_if_iterator(obj)
     with handling_interrupts(), exclusive(f"freeing {_describe(obj)}"):
+        # (the object the user holds, the one that holds the memory): a DTensor and its shard
         tensors = [
-            _freeable(t) for t in _collect(obj, "dematerialize")
+            (t, _freeable(t)) for t in _collect(obj, "dematerialize")
             if not isinstance(t, DeferredTensor) and not t.is_meta
         ]  # fmt: skip
         names = _names_in(root) if root is not None else _names_in(obj)
         pairs: list[tuple[torch.Tensor, _Shadow]] = []
         refused: list[str] = []
-        lost = 0
-        for t in tensors:
+        with_grad: list[str] = []
+        lost: list[torch.Tensor] = []
+        for held, t in tensors:
             holder = _kept.get(t)
             if holder is None:
-                lost += not _is_uninitialized(t)
+                if not _is_uninitialized(t):
+                    lost.append(t)
                 continue
             if not force:
+                # A gradient is the user's data and its memory: freeing would drop it silently.
+                if held.grad is not None or t.grad is not None:
+                    with_grad.append(_name(t, names))
                 reason = _why_not_reproducible(t, holder)
                 if reason is not None:
                     refused.append(f"{_name(t, names)} {reason}")
             pairs.append((t, holder))
         if lost:
             raise MaterializationError(
-                f"{lost} tensor(s) cannot be made deferred again: they were not materialized "
-                "with keep_cache=True (or the cache was cleared, or they were never deferred). "
-                "Nothing was changed. Use materialize(..., keep_cache=True) to be able to free "
-                "them."
+                _why_not_kept(lost, "cannot be made deferred again") + " Nothing was changed."
+            )
+        if with_grad:
+            more = f" (and {len(with_grad) - 3} more)" if len(with_grad) > 3 else ""
+            raise MaterializationError(
+                f"cannot free {len(with_grad)} tensor(s) holding a gradient (.grad), which "
+                f"freeing would drop: {', '.join(with_grad[:3])}{more}. Nothing was changed. "
+                "Clear the gradients first (model.zero_grad(set_to_none=True), or "
+                "optimizer.zero_grad()), or pass force=True to drop them."
             )
         if refused:
             more = f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""
@@ -907,6 +940,25 @@ def dematerialize(obj: Any, *, force: bool = False, root: torch.nn.Module | None
         _return_memory_to_the_os()
         _events.publish("dematerialized", freed)
     return obj
+
+
+def _why_not_kept(tensors: list[torch.Tensor], what: str) -> str:
+    """Why real ``tensors`` have nothing kept to free them with, each reason counted."""
+    earlier = sum(1 for t in tensors if t in _sources and t not in _cleared)
+    cleared = sum(1 for t in tensors if t in _cleared)
+    never = len(tensors) - earlier - cleared
+    reasons = []
+    if earlier:
+        reasons.append(
+            f"{earlier} were materialized without keep_cache=True, which released their "
+            "recording (materialize(..., keep_cache=True) on a tensor that is real already "
+            "cannot bring it back: pass keep_cache=True the first time they are materialized)"
+        )
+    if cleared:
+        reasons.append(f"{cleared} lost their recording to clear_meta_init_cache()")
+    if never:
+        reasons.append(f"{never} were never deferred (made real outside meta_init)")
+    return f"{len(tensors)} tensor(s) {what}: {'; '.join(reasons)}."
 
 
 def _freeable(t: torch.Tensor) -> torch.Tensor:
@@ -1024,6 +1076,8 @@ def clear_meta_init_cache() -> None:
     with ``keep_cache=True`` can no longer be dematerialized, and exact-mode calls may have to
     regenerate random streams again.
     """
+    for t in list(_kept.keys()):
+        _cleared[t] = True
     _kept.clear()
     _rng.forget_generators()
     for seg in _rng.live_segments():
