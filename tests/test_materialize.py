@@ -780,3 +780,62 @@ def test_dematerialize_after_clear_meta_init_cache_says_the_cache_was_cleared():
 def test_dematerialize_of_a_tensor_never_deferred_says_so():
     with pytest.raises(MaterializationError, match="never deferred"):
         dematerialize(torch.ones(2))
+
+
+class Rope(nn.Module):
+    """Tensors kept as plain attributes, as rotary-embedding code keeps them."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.freqs = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+        self.cache = {"cos": torch.randn(4)}
+        self.noise = [torch.rand(3)]
+        self.w_t = self.lin.weight.t()
+
+
+def _rope_attributes(m: Rope) -> list[torch.Tensor]:
+    return [m.freqs, m.cache["cos"], m.noise[0], m.w_t]
+
+
+def test_attribute_dict_and_list_tensors_are_freed_with_their_module_once_real():
+    with meta_init():
+        m = Rope()
+    materialize(m, keep_cache=True)
+    assert not is_deferred(m)
+    dematerialize(m)
+    assert all(tensor_state(t) == "deferred" for t in _rope_attributes(m))
+
+
+def test_attribute_dict_and_list_tensors_come_back_equal_to_eager_after_a_free():
+    eager, m = eager_and_deferred(Rope)
+    materialize(m, keep_cache=True)
+    dematerialize(m)
+    materialize(m)
+    for want, got in zip(_rope_attributes(eager), _rope_attributes(m), strict=True):
+        assert torch.equal(want, got) and want.stride() == got.stride()
+
+
+def test_a_view_attribute_is_a_view_of_its_parameter_again_after_a_free():
+    with meta_init():
+        m = Rope()
+    materialize(m, keep_cache=True)
+    dematerialize(m)
+    materialize(m)
+    assert m.w_t.data_ptr() == m.lin.weight.data_ptr()
+
+
+def test_an_attribute_materialized_alone_is_freed_by_freeing_its_parent_module():
+    with meta_init():
+        outer = nn.Sequential(Rope())
+    materialize(outer[0].freqs, keep_cache=True)
+    dematerialize(outer)
+    assert tensor_state(outer[0].freqs) == "deferred" and is_deferred(outer)
+
+
+def test_is_deferred_sees_a_freed_attribute_of_an_otherwise_real_module():
+    with meta_init():
+        m = Rope()
+    materialize(m, keep_cache=True)
+    dematerialize(m.cache["cos"])
+    assert is_deferred(m)
