@@ -17,7 +17,7 @@ from jupyter_metainit import (
     materialize,
     meta_init,
 )
-from jupyter_metainit.core import _replay, tensor_state
+from jupyter_metainit.core import _replay, tensor_state, tensor_values
 from jupyter_metainit.core.errors import MaterializationError
 
 
@@ -839,3 +839,45 @@ def test_is_deferred_sees_a_freed_attribute_of_an_otherwise_real_module():
     materialize(m, keep_cache=True)
     dematerialize(m.cache["cos"])
     assert is_deferred(m)
+
+
+def _freed_after_fast(model: nn.Module, part: nn.Module) -> dict[str, torch.Tensor]:
+    """Materialize ``part`` with rng="fast" and keep_cache=True, free it; its fast values."""
+    materialize(part, rng="fast", keep_cache=True)
+    values = {k: v.detach().clone() for k, v in part.state_dict().items()}
+    dematerialize(part)
+    return values
+
+
+def test_a_part_freed_with_fast_values_gets_them_back_from_a_default_materialize():
+    with meta_init():
+        layer = nn.Linear(8, 8)
+    fast = _freed_after_fast(layer, layer)
+    materialize(layer)
+    assert torch.equal(layer.weight, fast["weight"]) and torch.equal(layer.bias, fast["bias"])
+    assert tensor_values(layer.weight) == "fast"
+
+
+def test_a_part_freed_with_fast_values_gets_eager_values_with_rng_exact():
+    eager, layer = eager_and_deferred(lambda: nn.Linear(8, 8))
+    _freed_after_fast(layer, layer)
+    materialize(layer, rng="exact")
+    assert torch.equal(layer.weight, eager.weight) and tensor_values(layer.weight) == "exact"
+
+
+def test_a_default_materialize_gives_eager_values_to_parts_beside_a_freed_fast_part():
+    eager, m = eager_and_deferred(Net)
+    fast = _freed_after_fast(m, m.layers[0])
+    materialize(m)
+    assert torch.equal(m.layers[0].weight, fast["weight"])
+    assert torch.equal(m.layers[1].weight, eager.layers[1].weight)
+    assert tensor_values(m.layers[1].weight) == "exact"
+
+
+def test_a_view_over_a_freed_fast_tensor_shares_its_memory_and_values_again():
+    with meta_init():
+        m = Rope()
+    fast = _freed_after_fast(m, m.lin)
+    materialize(m)
+    assert torch.equal(m.lin.weight, fast["weight"])
+    assert m.w_t.data_ptr() == m.lin.weight.data_ptr()

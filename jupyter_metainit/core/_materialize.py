@@ -109,6 +109,9 @@ class _UserState:
 _kept: WeakIdKeyDictionary = WeakIdKeyDictionary()  # real tensor -> _Shadow
 _sources = materialized_sources  # real tensor -> "checkpoint" / "init"
 _fast_values: WeakIdKeyDictionary = WeakIdKeyDictionary()  # real tensors with rng="fast" values
+# Tensors freed while holding rng="fast" values: materialize's default (rng=None) gives them
+# those values again, so that a free and a materialize change nothing.
+_freed_fast: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _freed_state: WeakIdKeyDictionary = WeakIdKeyDictionary()  # freed tensor -> _UserState
 # Real tensors whose shadow clear_meta_init_cache dropped (only to say so when freeing them).
 _cleared: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -543,7 +546,7 @@ def materialize(
     device: Any = None,
     *,
     dtype: torch.dtype | None = None,
-    rng: str = "exact",
+    rng: str | None = None,
     keep_cache: bool = False,
     progress: Any = None,
     checkpoint: Any = None,
@@ -565,10 +568,13 @@ def materialize(
             ``nn.Module.to`` does (same tensor objects, ties kept).
         dtype: cast floating-point tensors to this dtype after replay; real parts are cast in
             place too.
-        rng: ``"exact"`` (default): bit-identical to eager construction, whatever was
-            materialized before and in whatever grouping. ``"fast"``: every random op draws from
-            its own stream seeded from the recorded seed and the op's position; deterministic,
-            order-independent, parallel and generated on the target device.
+        rng: ``"exact"``: bit-identical to eager construction, whatever was materialized
+            before and in whatever grouping. ``"fast"``: every random op draws from its own
+            stream seeded from the recorded seed and the op's position; deterministic,
+            order-independent, parallel and generated on the target device. ``None``
+            (default): ``"exact"``, except for tensors freed by :func:`dematerialize` while
+            holding fast values, which get those fast values back (a free and a materialize
+            change no values); ``rng="exact"`` gives them eager's.
         keep_cache: keep the recording of these tensors, so that :func:`dematerialize` can make
             them deferred again. By default it is released (with everything no other deferred
             tensor needs).
@@ -592,8 +598,8 @@ def materialize(
         allocated. Calls from several threads on the same model are serialized (see ``_busy``).
     """
     obj = _as_list_if_iterator(obj)
-    if rng not in _RNG_MODES:
-        raise ValueError(f"rng must be 'exact' or 'fast', not {rng!r}")
+    if rng is not None and rng not in _RNG_MODES:
+        raise ValueError(f"rng must be 'exact', 'fast' or None (the default), not {rng!r}")
     if missing not in ("error", "init"):
         raise ValueError(f"missing must be 'error' or 'init', not {missing!r}")
     _check_dtype(dtype)
@@ -685,7 +691,7 @@ def _build_real(
 
 def _materialize_now(
     obj: Any, tensors: list[DeferredTensor], reals: list[torch.Tensor],
-    device: torch.device | None, dtype: torch.dtype | None, rng: str, keep: bool,
+    device: torch.device | None, dtype: torch.dtype | None, rng: str | None, keep: bool,
     callback: Any, checkpoint: Any, missing: str, root: torch.nn.Module | None,
 ) -> list[torch.Tensor]:  # fmt: skip
     """Compute everything, then swap it into place; nothing changes if anything fails."""
@@ -713,14 +719,23 @@ def _materialize_now(
     if tracker is not None and aliased:
         tracker.loaded([t for t in tensors if id(t) in aliased])
     to_replay = [t for t in tensors if id(t) not in loaded and id(t) not in aliased]
-    replay = plan([t._rec for t in to_replay])
+    modes = _rng_modes(to_replay, rng)
+    # One replay per mode (the storages of the two never overlap: see _rng_modes).
+    replays = {
+        mode: plan([t._rec for t in to_replay if modes[id(t)] == mode])
+        for mode in _RNG_MODES
+        if mode in modes.values()
+    }
     # A tensor's own plan says where its values come from; only worth asking if any file is read.
-    reads_files = any(op.func is read_file_bytes for op in replay.ops)
+    reads_files = any(op.func is read_file_bytes for p in replays.values() for op in p.ops)
     sources = {
         id(t): "checkpoint" if id(t) in loaded else tensor_source(t) if reads_files else "init"
         for t in tensors
     }
-    env = execute(replay, device, rng, tracker)
+    env: dict[int, torch.Tensor] = {}
+    for mode, replay in replays.items():
+        env.update(execute(replay, device, mode, tracker))
+
     used: set[int] = set()
     new = []
     fast: set[int] = set()  # ids of tensors whose values come from rng="fast" draws
@@ -736,7 +751,7 @@ def _materialize_now(
             state.apply(new[-1])
         # Values differ from eager only where a random op ran in fast mode.
         if (
-            rng == "fast"
+            modes.get(id(t), rng) == "fast"
             and id(t) not in loaded
             and any(op.rng is not None for op in plan([t._rec]).ops)
         ):
@@ -754,6 +769,7 @@ def _materialize_now(
         for t in tensors:
             _sources[t] = sources[id(t)]
             _freed_state.pop(t, None)
+            _freed_fast.pop(t, None)
             if id(t) in fast:
                 _fast_values[t] = True
         with torch.no_grad():
@@ -769,6 +785,16 @@ def _materialize_now(
             _restamped(t, restamp)
     _remember_realized(tensors, records)
     return [*tensors, *(t for t in reals if id(t) in loaded), *(t for t, _ in converted)]
+
+
+def _rng_modes(tensors: list[DeferredTensor], rng: str | None) -> dict[int, str]:
+    """The rng mode each tensor is replayed in, by ``id``: ``rng`` if given, else ``"fast"``
+    for tensors freed while holding fast values and ``"exact"`` for the others. Tensors over one
+    storage (tied, views) share the mode, so that they stay one memory: fast if any is."""
+    if rng is not None:
+        return {id(t): rng for t in tensors}
+    fast_storages = {id(t._rec.storage) for t in tensors if t in _freed_fast}
+    return {id(t): "fast" if id(t._rec.storage) in fast_storages else "exact" for t in tensors}
 
 
 def _holder_for(
@@ -869,15 +895,15 @@ def dematerialize(obj: Any, *, force: bool = False, root: torch.nn.Module | None
 
     Works on tensors materialized with ``keep_cache=True`` (the widget and magics do that), read
     from a file (``from_pretrained`` under ``meta_init``) or loaded with ``checkpoint=``.
-    Materializing them again gives the values they have now, bit for bit (in the ``rng`` mode
-    they were materialized with: ``fast`` values come back with ``rng="fast"`` only): that
-    is checked here, whatever happened since (training, loads, casts, moves, a changed source
-    tensor or file). A tensor that fails the check is refused, by name, unless ``force=True``
-    (which drops its current values); so is a tensor holding a gradient (``.grad``: clear it
-    with ``zero_grad(set_to_none=True)``, or ``force=True`` drops it). Refusals change nothing.
-    What the user set on the tensor
-    objects (``requires_grad``, attributes, hooks, a Parameter subclass) is kept. ``root``
-    (the whole model, when ``obj`` is a part or a list of parts) only names tensors in errors.
+    Materializing them again gives the values they have now, bit for bit (``fast`` values
+    too: a tensor freed with them gets them again from ``materialize``'s default, eager's from
+    an explicit ``rng="exact"``): that is checked here, whatever happened since (training,
+    loads, casts, moves, a changed source tensor or file). A tensor that fails the check is
+    refused, by name, unless ``force=True`` (which drops its current values); so is a tensor
+    holding a gradient (``.grad``: clear it with ``zero_grad(set_to_none=True)``, or
+    ``force=True`` drops it). Refusals change nothing. What the user set on the tensor objects
+    (``requires_grad``, attributes, hooks, a Parameter subclass) is kept. ``root`` (the whole
+    model, when ``obj`` is a part or a list of parts) only names tensors in errors.
     """
     obj = _as_list_if_iterator(obj)
     with handling_interrupts(), exclusive(f"freeing {_describe(obj)}"):
@@ -930,7 +956,8 @@ def dematerialize(obj: Any, *, force: bool = False, root: torch.nn.Module | None
             for t, deferred, state in prepared:
                 del _kept[t]
                 _sources.pop(t, None)
-                _fast_values.pop(t, None)
+                if _fast_values.pop(t, None):  # a default materialize gives these values back
+                    _freed_fast[t] = True
                 swap_in_place(t, deferred)
                 _freed_state[t] = state
         freed = [t for t, _, _ in prepared]
