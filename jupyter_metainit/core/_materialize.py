@@ -916,7 +916,6 @@ def dematerialize(obj: Any, *, force: bool = False, root: torch.nn.Module | None
         pairs: list[tuple[torch.Tensor, _Shadow]] = []
         refused: list[str] = []
         with_grad: list[str] = []
-        awaiting: list[str] = []  # used by a graph whose backward has not run
         lost: list[torch.Tensor] = []
         for held, t in tensors:
             holder = _kept.get(t)
@@ -928,8 +927,6 @@ def dematerialize(obj: Any, *, force: bool = False, root: torch.nn.Module | None
                 # A gradient is the user's data and its memory: freeing would drop it silently.
                 if held.grad is not None or t.grad is not None:
                     with_grad.append(_name(t, names))
-                elif _awaits_backward(held):
-                    awaiting.append(_name(t, names))
                 reason = _why_not_reproducible(t, holder)
                 if reason is not None:
                     refused.append(f"{_name(t, names)} {reason}")
@@ -945,15 +942,6 @@ def dematerialize(obj: Any, *, force: bool = False, root: torch.nn.Module | None
                 f"freeing would drop: {', '.join(with_grad[:3])}{more}. Nothing was changed. "
                 "Clear the gradients first (model.zero_grad(set_to_none=True), or "
                 "optimizer.zero_grad()), or pass force=True to drop them."
-            )
-        if awaiting:
-            more = f" (and {len(awaiting) - 3} more)" if len(awaiting) > 3 else ""
-            raise MaterializationError(
-                f"cannot free {len(awaiting)} tensor(s) used by an autograd graph whose "
-                "backward has not run (an output of a forward pass, or a view such as w[0] "
-                f"made with gradients on, is still alive): {', '.join(awaiting[:3])}{more}; "
-                "their gradients would be lost and their memory kept. Nothing was changed. Run "
-                "backward, or drop those outputs (del loss), or pass force=True."
             )
         if refused:
             more = f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""
@@ -998,20 +986,6 @@ def _why_not_kept(tensors: list[torch.Tensor], what: str) -> str:
     if never:
         reasons.append(f"{never} were never deferred (made real outside meta_init)")
     return f"{len(tensors)} tensor(s) {what}: {'; '.join(reasons)}."
-
-
-def _awaits_backward(t: torch.Tensor) -> bool:
-    """Whether a live autograd graph will accumulate a gradient into ``t`` (a forward pass's
-    output is alive, its backward not run): its gradient accumulator exists. Asking for it
-    creates one when there is none, which then holds ``t`` once more (the test that
-    ``torch.utils.swap_tensors`` uses)."""
-    if not (t.requires_grad and t.is_leaf):
-        return False
-    before = t._use_count()
-    accumulator = torch.autograd.graph.get_gradient_edge(t).node
-    existed = t._use_count() == before
-    del accumulator
-    return existed
 
 
 def _freeable(t: torch.Tensor) -> torch.Tensor:
