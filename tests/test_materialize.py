@@ -881,3 +881,13 @@ def test_a_view_over_a_freed_fast_tensor_shares_its_memory_and_values_again():
     materialize(m)
     assert torch.equal(m.lin.weight, fast["weight"])
     assert m.w_t.data_ptr() == m.lin.weight.data_ptr()
+
+
+def test_a_backward_through_an_output_made_before_the_free_leaves_the_tensor_deferred():
+    with meta_init():
+        layer = nn.Linear(4, 4)
+    materialize(layer, keep_cache=True)
+    loss = layer(torch.ones(2, 4)).sum()
+    dematerialize(layer)
+    loss.backward()
+    assert is_deferred(layer.weight) and layer.weight.grad is None
