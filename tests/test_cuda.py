@@ -128,3 +128,14 @@ def test_fits_reads_the_gpus_free_memory():
     model = _deferred(_small_model)
     table = fits(model, "cuda:0")
     assert bool(table["fits"].all())
+
+
+def test_a_fast_part_made_on_cuda_comes_back_with_the_same_values_after_a_free():
+    model = _deferred(_small_model)  # recorded for the CPU, drawn on the GPU
+    materialize(model, device="cuda", rng="fast", keep_cache=True)
+    before = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    dematerialize(model)
+    materialize(model)
+    for name, value in model.state_dict().items():
+        assert value.device.type == "cuda", name
+        assert torch.equal(value.cpu(), before[name]), name

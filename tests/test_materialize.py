@@ -891,3 +891,23 @@ def test_a_backward_through_an_output_made_before_the_free_leaves_the_tensor_def
     dematerialize(layer)
     loss.backward()
     assert is_deferred(layer.weight) and layer.weight.grad is None
+
+
+def test_a_part_recorded_for_cuda_and_made_on_the_cpu_comes_back_on_the_cpu_after_a_free():
+    with meta_init(device="cuda"):
+        layer = nn.Linear(8, 8)
+    materialize(layer, device="cpu", keep_cache=True)
+    first = layer.weight.detach().clone()
+    dematerialize(layer)
+    materialize(layer)
+    assert layer.weight.device.type == "cpu" and torch.equal(layer.weight, first)
+
+
+def test_a_fast_part_made_on_an_explicit_device_comes_back_fast_after_a_free():
+    with meta_init(device="cuda"):
+        layer = nn.Linear(8, 8)
+    materialize(layer, device="cpu", rng="fast", keep_cache=True)
+    first = layer.weight.detach().clone()
+    dematerialize(layer)
+    materialize(layer)
+    assert torch.equal(layer.weight, first) and tensor_values(layer.weight) == "fast"

@@ -109,9 +109,12 @@ class _UserState:
 _kept: WeakIdKeyDictionary = WeakIdKeyDictionary()  # real tensor -> _Shadow
 _sources = materialized_sources  # real tensor -> "checkpoint" / "init"
 _fast_values: WeakIdKeyDictionary = WeakIdKeyDictionary()  # real tensors with rng="fast" values
-# Tensors freed while holding rng="fast" values: materialize's default (rng=None) gives them
-# those values again, so that a free and a materialize change nothing.
-_freed_fast: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# Real tensors materialized with device=: the device their values were computed on.
+_made_on: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# Freed tensors -> (held rng="fast" values, device they were computed on or None): a default
+# materialize replays them so again, so that a free and a materialize change nothing (fast draws
+# depend on the device; a part recorded for a GPU and made on the CPU needs no GPU to return).
+_freed_how: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _freed_state: WeakIdKeyDictionary = WeakIdKeyDictionary()  # freed tensor -> _UserState
 # Real tensors whose shadow clear_meta_init_cache dropped (only to say so when freeing them).
 _cleared: WeakIdKeyDictionary = WeakIdKeyDictionary()
@@ -719,22 +722,28 @@ def _materialize_now(
     if tracker is not None and aliased:
         tracker.loaded([t for t in tensors if id(t) in aliased])
     to_replay = [t for t in tensors if id(t) not in loaded and id(t) not in aliased]
-    modes = _rng_modes(to_replay, rng)
-    # One replay per mode (the storages of the two never overlap: see _rng_modes).
-    replays = {
-        mode: plan([t._rec for t in to_replay if modes[id(t)] == mode])
-        for mode in _RNG_MODES
-        if mode in modes.values()
-    }
+    how = _replay_how(to_replay, rng, device)
+    # One replay per (mode, device); the storages of two never overlap (see _replay_how).
+    groups: dict[tuple[str, torch.device | None], list[DeferredTensor]] = {}
+    for t in to_replay:
+        groups.setdefault(how[id(t)], []).append(t)
+    replays = {key: (plan([t._rec for t in group]), group) for key, group in groups.items()}
     # A tensor's own plan says where its values come from; only worth asking if any file is read.
-    reads_files = any(op.func is read_file_bytes for p in replays.values() for op in p.ops)
+    reads_files = any(
+        op.func is read_file_bytes for p, _ in replays.values() for op in p.ops
+    )  # fmt: skip
     sources = {
         id(t): "checkpoint" if id(t) in loaded else tensor_source(t) if reads_files else "init"
         for t in tensors
     }
     env: dict[int, torch.Tensor] = {}
-    for mode, replay in replays.items():
-        env.update(execute(replay, device, mode, tracker))
+    for (mode, on), (replay, group) in replays.items():
+        out = execute(replay, on, mode, tracker)
+        for t in group:  # made where it was made before, then put where it is asked for
+            key, target = id(t._rec.storage), device or t.device
+            if on is not None and out[key].device != target:
+                out[key] = out[key].to(target)
+        env.update(out)
 
     used: set[int] = set()
     new = []
@@ -751,7 +760,7 @@ def _materialize_now(
             state.apply(new[-1])
         # Values differ from eager only where a random op ran in fast mode.
         if (
-            modes.get(id(t), rng) == "fast"
+            how.get(id(t), (rng, None))[0] == "fast"
             and id(t) not in loaded
             and any(op.rng is not None for op in plan([t._rec]).ops)
         ):
@@ -769,7 +778,10 @@ def _materialize_now(
         for t in tensors:
             _sources[t] = sources[id(t)]
             _freed_state.pop(t, None)
-            _freed_fast.pop(t, None)
+            _freed_how.pop(t, None)
+            made_on = how.get(id(t), (None, None))[1]
+            if made_on is not None:
+                _made_on[t] = made_on
             if id(t) in fast:
                 _fast_values[t] = True
         with torch.no_grad():
@@ -787,14 +799,31 @@ def _materialize_now(
     return [*tensors, *(t for t in reals if id(t) in loaded), *(t for t, _ in converted)]
 
 
-def _rng_modes(tensors: list[DeferredTensor], rng: str | None) -> dict[int, str]:
-    """The rng mode each tensor is replayed in, by ``id``: ``rng`` if given, else ``"fast"``
-    for tensors freed while holding fast values and ``"exact"`` for the others. Tensors over one
-    storage (tied, views) share the mode, so that they stay one memory: fast if any is."""
-    if rng is not None:
-        return {id(t): rng for t in tensors}
-    fast_storages = {id(t._rec.storage) for t in tensors if t in _freed_fast}
-    return {id(t): "fast" if id(t._rec.storage) in fast_storages else "exact" for t in tensors}
+def _replay_how(
+    tensors: list[DeferredTensor], rng: str | None, device: torch.device | None
+) -> dict[int, tuple[str, torch.device | None]]:
+    """``(rng mode, device to compute on)`` for each tensor, by ``id``.
+
+    The mode is ``rng`` if given, else ``"fast"`` for tensors freed while holding fast values
+    and ``"exact"`` for the others. The device is ``device``, except for tensors freed after
+    being made on a device of their own (``device=`` then): computed there again where
+    ``device`` is None, and always when their fast values come back (fast draws differ
+    between devices), then moved. Tensors over one storage (tied, views) share both, so that
+    they stay one memory.
+    """
+    by_storage: dict[int, tuple[bool, torch.device | None]] = {}
+    for t in tensors:
+        fast, made_on = _freed_how.get(t, (False, None))
+        was_fast, was_on = by_storage.get(id(t._rec.storage), (False, None))
+        by_storage[id(t._rec.storage)] = (fast or was_fast, was_on or made_on)
+    out: dict[int, tuple[str, torch.device | None]] = {}
+    for t in tensors:
+        fast, made_on = by_storage[id(t._rec.storage)]
+        mode = rng if rng is not None else "fast" if fast else "exact"
+        keep_draws = mode == "fast" and fast  # its fast values, drawn where they were drawn
+        on = made_on if made_on is not None and (device is None or keep_draws) else device
+        out[id(t)] = (mode, on)
+    return out
 
 
 def _holder_for(
@@ -956,8 +985,9 @@ def dematerialize(obj: Any, *, force: bool = False, root: torch.nn.Module | None
             for t, deferred, state in prepared:
                 del _kept[t]
                 _sources.pop(t, None)
-                if _fast_values.pop(t, None):  # a default materialize gives these values back
-                    _freed_fast[t] = True
+                fast, made_on = _fast_values.pop(t, None), _made_on.pop(t, None)
+                if fast or made_on is not None:  # a default materialize makes them so again
+                    _freed_how[t] = (bool(fast), made_on)
                 swap_in_place(t, deferred)
                 _freed_state[t] = state
         freed = [t for t, _, _ in prepared]
