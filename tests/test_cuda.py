@@ -139,3 +139,13 @@ def test_a_fast_part_made_on_cuda_comes_back_with_the_same_values_after_a_free()
     for name, value in model.state_dict().items():
         assert value.device.type == "cuda", name
         assert torch.equal(value.cpu(), before[name]), name
+
+
+def test_a_fast_part_made_on_the_cpu_comes_back_with_the_same_values_on_cuda():
+    model = _deferred(_small_model)
+    materialize(model, rng="fast", keep_cache=True)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    dematerialize(model)
+    materialize(model, device="cuda")
+    for name, value in model.state_dict().items():
+        assert torch.equal(value.cpu(), before[name]), name

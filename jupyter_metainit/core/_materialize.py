@@ -780,6 +780,8 @@ def _materialize_now(
             _freed_state.pop(t, None)
             _freed_how.pop(t, None)
             made_on = how.get(id(t), (None, None))[1]
+            if made_on is None and id(t) in fast:
+                made_on = t.device  # fast draws depend on the device they were made on
             if made_on is not None:
                 _made_on[t] = made_on
             if id(t) in fast:
