@@ -243,3 +243,24 @@ def test_each_random_op_recorded_for_cuda_gives_eager_values_and_cuda_state(name
     assert torch.equal(torch.cuda.get_rng_state(), eager[2])
     assert torch.equal(materialize(deferred[1]), eager[1])
     assert torch.equal(materialize(deferred[0]), eager[0])
+
+
+def test_a_fast_part_made_on_cuda_comes_back_with_the_same_values_after_a_free():
+    model = _deferred(_small_model)  # recorded for the CPU, drawn on the GPU
+    materialize(model, device="cuda", rng="fast", keep_cache=True)
+    before = {k: v.detach().cpu() for k, v in model.state_dict().items()}
+    dematerialize(model)
+    materialize(model)
+    for name, value in model.state_dict().items():
+        assert value.device.type == "cuda", name
+        assert torch.equal(value.cpu(), before[name]), name
+
+
+def test_a_fast_part_made_on_the_cpu_comes_back_with_the_same_values_on_cuda():
+    model = _deferred(_small_model)
+    materialize(model, rng="fast", keep_cache=True)
+    before = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    dematerialize(model)
+    materialize(model, device="cuda")
+    for name, value in model.state_dict().items():
+        assert torch.equal(value.cpu(), before[name]), name
