@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from jupyter_metainit import materialize, meta_init
+from jupyter_metainit.core import tensor_state
 from jupyter_metainit.estimates import dry_run, fits, memory_table
 
 
@@ -326,3 +327,33 @@ def test_a_dry_run_inside_meta_init_leaves_later_draws_as_eager_makes_them():
     torch.manual_seed(0)
     build()
     assert torch.equal(later, torch.randn(3))
+
+
+def test_dry_run_leaves_lazy_modules_of_a_real_model_lazy():
+    model = nn.Sequential(nn.LazyLinear(4), nn.LazyBatchNorm1d())
+    dry_run(model, torch.randn(2, 7))
+    assert [type(m).__name__ for m in model] == ["LazyLinear", "LazyBatchNorm1d"]
+    assert isinstance(model[0].weight, nn.parameter.UninitializedParameter)
+    assert isinstance(model[1].running_mean, nn.parameter.UninitializedBuffer)
+
+
+def test_a_real_lazy_model_after_a_dry_run_trains_as_one_without_it():
+    def build() -> nn.Module:
+        return nn.Sequential(nn.LazyLinear(4), nn.LazyBatchNorm1d()).train()
+
+    x = torch.randn(2, 7)
+    model = build()
+    dry_run(model, x)
+    torch.manual_seed(0)
+    out = model(x)
+    torch.manual_seed(0)
+    twin = build()
+    assert torch.equal(out, twin(x)) and _same_state(model, _snapshot(twin))
+
+
+def test_forward_hooks_of_a_real_model_see_deferred_tensors_during_a_dry_run():
+    seen: list[str] = []
+    model = nn.Sequential(nn.Linear(3, 3))
+    model[0].register_forward_hook(lambda mod, args, out: seen.append(tensor_state(out)))
+    dry_run(model, torch.randn(2, 3))
+    assert seen == ["deferred"]
