@@ -357,3 +357,50 @@ def test_forward_hooks_of_a_real_model_see_deferred_tensors_during_a_dry_run():
     model[0].register_forward_hook(lambda mod, args, out: seen.append(tensor_state(out)))
     dry_run(model, torch.randn(2, 3))
     assert seen == ["deferred"]
+
+
+_PARAMETRIZATIONS = [
+    nn.utils.parametrizations.weight_norm,
+    nn.utils.parametrizations.spectral_norm,
+    nn.utils.parametrizations.orthogonal,
+]
+
+
+@pytest.mark.parametrize("parametrize", _PARAMETRIZATIONS, ids=lambda f: f.__name__)
+def test_dry_run_of_a_real_parametrized_model_leaves_it_unchanged(parametrize):
+    model = nn.Sequential(parametrize(nn.Linear(3, 3)), nn.ReLU()).train()
+    x = torch.randn(2, 3)
+    before, state = _snapshot(model), torch.get_rng_state()
+    table = dry_run(model, x)
+    # the parametrization's own ops (orthogonal's matrix_exp) run inside module 0
+    assert table.loc["0", "output_shape"] == (2, 3) and table.loc["0", "flops"] >= 2 * 2 * 3 * 3
+    assert _same_state(model, before) and torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("parametrize", _PARAMETRIZATIONS, ids=lambda f: f.__name__)
+def test_dry_run_of_a_deferred_parametrized_model_materializes_equal_to_eager(parametrize):
+    def build() -> nn.Module:
+        return nn.Sequential(parametrize(nn.Linear(3, 3)), nn.ReLU()).train()
+
+    torch.manual_seed(0)
+    with meta_init():
+        model = build()
+    assert dry_run(model, (2, 3)).loc["0", "output_shape"] == (2, 3)
+    materialize(model)
+    torch.manual_seed(0)
+    assert _same_state(model, _snapshot(build()))
+
+
+def test_dry_run_of_a_module_called_on_a_parameter_counts_it():
+    class LearnedQuery(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.query = nn.Parameter(torch.zeros(4, 3))
+            self.proj = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.proj(self.query).T
+
+    with meta_init():
+        model = LearnedQuery()
+    assert dry_run(model, (2, 3)).loc["proj", "output_shape"] == (4, 3)

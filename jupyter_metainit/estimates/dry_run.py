@@ -52,6 +52,33 @@ def _extra_flop_formulas() -> dict[Any, Any]:
     return {op: _cpu_flash_sdpa_flops}
 
 
+def _track_forward_only(flops: FlopCounterMode) -> FlopCounterMode:
+    """Keep ``flops``' module tracker off autograd: the dry run has no backward.
+
+    Its hooks register gradient hooks on a module's inputs and outputs that require grad;
+    on deferred tensors (no autograd graph) that fails whenever a module is called on a
+    parameter (``parametrizations.weight_norm``, ``spectral_norm``, ``orthogonal``, a learned
+    query fed to a Linear). The same names are pushed and popped without them.
+    """
+    tracker = getattr(flops, "mod_tracker", None)
+    name_of = getattr(tracker, "_get_mod_name", None)
+    push = getattr(tracker, "_get_append_fn", None)
+    pop = getattr(tracker, "_get_pop_fn", None)
+    if name_of is None or push is None or pop is None:  # another torch: keep its own hooks
+        return flops
+
+    def pre_hook(mod: nn.Module, args: Any) -> None:
+        push(name_of(mod), False)()
+
+    def post_hook(mod: nn.Module, args: Any, output: Any) -> None:
+        pop(name_of(mod), False)()
+
+    # ModuleTracker.__enter__ registers these instance attributes as its global hooks.
+    tracker._fw_pre_hook = pre_hook  # type: ignore[union-attr]
+    tracker._fw_post_hook = post_hook  # type: ignore[union-attr]
+    return flops
+
+
 def _core_meta_init() -> Callable[..., Any] | None:
     try:
         from jupyter_metainit.core import meta_init
@@ -420,7 +447,9 @@ def dry_run(
     modules = _ModuleStack(module)
     tracker = _ActivationTracker(modules.stack)
     start = time.perf_counter()
-    flops = FlopCounterMode(display=False, custom_mapping=_extra_flop_formulas())
+    flops = _track_forward_only(
+        FlopCounterMode(display=False, custom_mapping=_extra_flop_formulas())
+    )
     guard = _ModelGuard(module, (example_inputs, kwargs))
     try:
         with ctx:
