@@ -404,3 +404,14 @@ def test_dry_run_of_a_module_called_on_a_parameter_counts_it():
     with meta_init():
         model = LearnedQuery()
     assert dry_run(model, (2, 3)).loc["proj", "output_shape"] == (4, 3)
+
+
+@pytest.mark.parametrize("name", ["float16", "torch.float16", "fp16"])
+def test_dry_run_accepts_an_input_dtype_name(name):
+    table = dry_run(nn.Sequential(nn.Linear(3, 3).half()), (2, 3), input_dtype=name)
+    assert table.attrs["dry_run"]["output_shapes"] == [(2, 3)]
+
+
+def test_dry_run_with_an_unknown_input_dtype_name_lists_the_valid_forms():
+    with pytest.raises(ValueError, match="'bfloat16'"):
+        dry_run(nn.Linear(3, 3), (2, 3), input_dtype="floot16")

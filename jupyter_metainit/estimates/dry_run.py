@@ -20,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
 
 from jupyter_metainit.core import tensor_state
-from jupyter_metainit.estimates._arguments import require_module
+from jupyter_metainit.estimates._arguments import parse_dtype, require_module
 from jupyter_metainit.estimates.memory import _DRY_RUN_ATTR, MemoryTable, memory_table
 
 __all__ = ["dry_run"]
@@ -405,7 +405,7 @@ class _ModelGuard:
 def dry_run(
     module: nn.Module,
     *example_inputs: Any,
-    input_dtype: torch.dtype | None = None,
+    input_dtype: torch.dtype | str | None = None,
     **kwargs: Any,
 ) -> MemoryTable:
     """Run ``module(*example_inputs, **kwargs)`` on deferred tensors and record what it costs.
@@ -419,9 +419,9 @@ def dry_run(
 
     Inputs may be real tensors (converted with ``torch.empty_like`` inside ``meta_init``, dtype
     kept), deferred tensors, or shapes (``(1, 4096)`` or ``torch.Size``), which become deferred
-    tensors of ``input_dtype`` (default: ``torch.long`` when the model starts with an
-    ``nn.Embedding``, else the default float dtype). Keyword arguments go to ``forward``
-    (tensors in them are converted the same way).
+    tensors of ``input_dtype`` (a ``torch.dtype`` or its name, ``"float16"``; default:
+    ``torch.long`` when the model starts with an ``nn.Embedding``, else the default float
+    dtype). Keyword arguments go to ``forward`` (tensors in them are converted the same way).
 
     The forward runs under ``torch.no_grad()`` with forward hooks (output shapes and bytes per
     module) and ``torch.utils.flop_counter.FlopCounterMode`` (FLOPs per module, subtree
@@ -440,7 +440,7 @@ def dry_run(
     require_module(module, "dry_run")
     meta_init = _core_meta_init()
     use_meta = meta_init is None or _uses_meta(module)
-    shape_dtype = input_dtype or _default_input_dtype(module)
+    shape_dtype = parse_dtype(input_dtype, "input_dtype") or _default_input_dtype(module)
     ctx: contextlib.AbstractContextManager[Any] = (
         contextlib.nullcontext() if use_meta else meta_init()
     )
