@@ -27,7 +27,7 @@ from jupyter_metainit.core._record import (
 )
 from jupyter_metainit.core._state import canonical_device, default_device, dtype_override, tls
 from jupyter_metainit.core._tensor import SHARE_MEMORY_ATTR, DeferredTensor
-from jupyter_metainit.core.errors import UnsupportedOperatorError
+from jupyter_metainit.core.errors import DeferredDataError, UnsupportedOperatorError
 
 __all__ = [
     "DATA_FACTORIES",
@@ -271,7 +271,22 @@ def _handle_outermost(func: Any, args: tuple, kwargs: dict) -> Any:
         tls.where = None
 
 
+# Gradients need an autograd graph of real values; deferred tensors record no graph.
+_GRADIENT_CALLS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
+
+
+def _refuse_gradients(func: Any) -> None:
+    name = "backward()" if func is not torch.autograd.grad else "torch.autograd.grad()"
+    raise DeferredDataError(
+        f"{name} on a deferred tensor: it holds no values and no autograd graph, so there is "
+        "nothing to differentiate. Materialize first (jupyter_metainit.materialize(model)), "
+        "then run the forward and the loss again on the real model and call backward on that."
+    )
+
+
 def _handle_function(func: Any, args: tuple, kwargs: dict) -> Any:
+    if func in _GRADIENT_CALLS:
+        _refuse_gradients(func)
     if func in TO_METHODS and args and isinstance(args[0], DeferredTensor):
         return retarget(func, args[0], args[1:], dict(kwargs))
     if func is torch.Tensor.numpy or func is torch.Tensor.tolist:

@@ -361,6 +361,14 @@ def _check_recorded_devices(tensors: list[DeferredTensor], what: str) -> None:
     for t in tensors:
         seen[t.device] = seen.get(t.device, 0) + 1
     for d, count in seen.items():
+        if d.type == "meta":
+            raise MaterializationError(
+                f"{count} tensor(s) of {what} were recorded for PyTorch's meta device (moved "
+                "there with .to('meta') or built with device='meta'): a meta tensor has a shape "
+                "but never values, so there is nothing to materialize there. Their recorded "
+                "values can be materialized on a real device: pass device='cpu' (or 'cuda'). "
+                "Nothing was materialized."
+            )
         reason = _missing_device_reason(d)
         if reason is not None:
             raise MaterializationError(
