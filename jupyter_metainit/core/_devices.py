@@ -27,7 +27,7 @@ from jupyter_metainit.core._record import (
 )
 from jupyter_metainit.core._state import canonical_device, default_device, dtype_override, tls
 from jupyter_metainit.core._tensor import SHARE_MEMORY_ATTR, DeferredTensor
-from jupyter_metainit.core.errors import DeferredDataError, UnsupportedOperatorError
+from jupyter_metainit.core.errors import DeferredDataError
 
 __all__ = [
     "DATA_FACTORIES",
@@ -271,22 +271,7 @@ def _handle_outermost(func: Any, args: tuple, kwargs: dict) -> Any:
         tls.where = None
 
 
-# Gradients need an autograd graph of real values; deferred tensors record no graph.
-_GRADIENT_CALLS = (torch.Tensor.backward, torch.autograd.backward, torch.autograd.grad)
-
-
-def _refuse_gradients(func: Any) -> None:
-    name = "backward()" if func is not torch.autograd.grad else "torch.autograd.grad()"
-    raise DeferredDataError(
-        f"{name} on a deferred tensor: it holds no values and no autograd graph, so there is "
-        "nothing to differentiate. Materialize first (jupyter_metainit.materialize(model)), "
-        "then run the forward and the loss again on the real model and call backward on that."
-    )
-
-
 def _handle_function(func: Any, args: tuple, kwargs: dict) -> Any:
-    if func in _GRADIENT_CALLS:
-        _refuse_gradients(func)
     if func in TO_METHODS and args and isinstance(args[0], DeferredTensor):
         return retarget(func, args[0], args[1:], dict(kwargs))
     if func is torch.Tensor.numpy or func is torch.Tensor.tolist:
@@ -295,11 +280,13 @@ def _handle_function(func: Any, args: tuple, kwargs: dict) -> Any:
     if func is torch.Tensor.new_tensor:
         return data_factory(func, args, dict(kwargs))
     if func in _AUTOGRAD_CALLS:
-        raise UnsupportedOperatorError(
-            f"{_AUTOGRAD_CALLS[func]} on deferred tensors (at {tls.where}): deferred tensors have "
-            "no autograd graph, so a gradient cannot be taken while the model is deferred "
-            "(GradInit-style initialisation). Run that step after "
-            "jupyter_metainit.materialize(model), or build this model without meta_init."
+        # Gradients need an autograd graph of real values; deferred tensors record none.
+        raise DeferredDataError(
+            f"{_AUTOGRAD_CALLS[func]} on deferred tensors (at {tls.where}): they hold no values "
+            "and no autograd graph, so there is nothing to differentiate (GradInit-style "
+            "initialisation included). Materialize first (jupyter_metainit.materialize(model)), "
+            "then run the forward and the loss again on the real model, or build this model "
+            "without meta_init."
         )
     if func is torch.Tensor.share_memory_ and args and isinstance(args[0], DeferredTensor):
         # No memory to share yet (the storage call would crash): done when materialized.
