@@ -306,9 +306,10 @@ class MetaInitMagics(Magics):
     @argument(
         "--rng",
         choices=("exact", "fast"),
-        default="exact",
-        help="exact: bit-identical to eager construction (default); "
-        "fast: independent per-op random streams, parallel.",
+        default=None,
+        help="exact: bit-identical to eager construction (the default, except that parts "
+        "freed while holding fast values get those back); fast: independent per-op random "
+        "streams, parallel.",
     )
     @line_magic
     def materialize(self, line: str) -> None:
