@@ -1,6 +1,10 @@
 """Random-number policy: where each deferred random op sits in its generator's stream.
 
-Eager construction draws from a generator (usually the default CPU one) in program order.
+Eager construction draws from a generator (usually the default CPU one) in program order. An op
+without an explicit generator draws from the default generator of its device: the CPU one, or,
+for a tensor recorded for a GPU present at recording, that GPU's default CUDA generator
+(``default_generator_for``; a GPU absent at recording, ``cuda:1`` on a CPU-only machine, gets the
+CPU stream).
 Recording draws nothing, so each random op is stored as ``(segment, index)``: a *segment* is a
 run of deferred random ops that would have consumed one generator back to back, starting from
 ``start_state``.
@@ -20,15 +24,16 @@ The real generator after a deferred build
     the last op boundary it computed plus the draws of the known-count ops recorded since
     (``pending``), and *flushes* (one jump-ahead for all of them) whenever the real state can be
     observed: when the outermost ``meta_init`` block exits, before a real random op runs inside
-    one, when ``torch.get_rng_state()``/``fork_rng`` reads it, and after every op recorded
-    outside a block. An op whose draw count is not known is run on scratch memory at recording
-    time, from the exact state, so the stream stays exact; an op whose draw count depends on the
+    one, when ``torch.get_rng_state()``/``fork_rng``/``g.get_state()``/``g.clone_state()``/
+    pickling reads it (``exact_state``), and after every op recorded outside a block. An op
+    whose draw count is not known is run on scratch memory at recording time, from the exact
+    state, so the stream stays exact; an op whose draw count depends on the
     values it reads (``poisson``, ``torch.distributions`` sampling) runs on its real inputs, and
     the state it ends in is kept for good (``RngSegment.fixed``). While draws are pending the
     real generator is left at a *mark* (``_marks``), a state no real generator holds, new for
     every op: reseeding (even with the same seed) or ``set_rng_state`` between two recorded ops
     is seen, and starts a new segment from the state the user set, exactly as eager code sees
-    it; a mark saved by ``g.get_state()`` and restored later stands for the exact state.
+    it; a mark that still reaches user code and is restored stands for the exact state.
 """
 
 from __future__ import annotations
