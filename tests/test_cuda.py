@@ -243,3 +243,16 @@ def test_each_random_op_recorded_for_cuda_gives_eager_values_and_cuda_state(name
     assert torch.equal(torch.cuda.get_rng_state(), eager[2])
     assert torch.equal(materialize(deferred[1]), eager[1])
     assert torch.equal(materialize(deferred[0]), eager[0])
+
+
+def test_a_random_tensor_larger_than_its_gpu_says_what_to_do_and_records_nothing():
+    from jupyter_metainit.core.errors import MetaInitError
+
+    elements = torch.cuda.mem_get_info()[1] // 4 + (1 << 28)  # float32: more than the whole GPU
+    torch.manual_seed(0)
+    with meta_init(device="cuda"):
+        with pytest.raises(MetaInitError, match=r"do not fit.*device='cpu'"):
+            torch.randn(elements)
+        later = torch.randn(10)
+    torch.manual_seed(0)
+    assert torch.equal(materialize(later), torch.randn(10, device="cuda"))

@@ -53,6 +53,7 @@ import torch
 from jupyter_metainit.core._interrupts import critical
 from jupyter_metainit.core._mt19937 import advance_by_generating, jump_is_cheap, jump_state
 from jupyter_metainit.core._plain import plain
+from jupyter_metainit.core.errors import MetaInitError
 
 __all__ = [
     "BurnSpec",
@@ -717,16 +718,32 @@ def record_random(
         draws = known_draws(spec, gen.device)
         if draws is not None:
             tracker.pending += draws
-        elif run is not None:
-            real = torch.Generator(device=gen.device)
-            real.set_state(advance_state(tracker.exact, tracker.pending))
-            result = run_random(run, real, spec.has_generator)
-            tracker.exact, tracker.pending = raw_get_state(real), 0
-            segment.add_fixed(index + 1, tracker.exact)
         else:
-            current = advance_state(tracker.exact, tracker.pending)
-            tracker.exact, tracker.pending = run_on_scratch(spec, current, gen.device), 0
-            segment.add_checkpoint(index + 1, tracker.exact)
+            try:
+                current = advance_state(tracker.exact, tracker.pending)
+                if run is not None:
+                    real = torch.Generator(device=gen.device)
+                    real.set_state(current)
+                    result = run_random(run, real, spec.has_generator)
+                    after = raw_get_state(real)
+                else:
+                    after = run_on_scratch(spec, current, gen.device)
+            except BaseException as e:
+                segment.specs.pop()  # not recorded: the stream stays as it was
+                if isinstance(e, torch.cuda.OutOfMemoryError):
+                    raise MetaInitError(
+                        f"{spec.func} draws from {gen.device}'s generator: to follow that stream "
+                        f"exactly it runs once at recording, on {spec.nbytes:,} bytes of scratch "
+                        f"memory on {gen.device}, and they do not fit; free memory there, or "
+                        "record for the CPU (meta_init(device='cpu'): the CPU stream's values) "
+                        "and materialize(..., device='cuda')"
+                    ) from e
+                raise
+            tracker.exact, tracker.pending = after, 0
+            if run is not None:
+                segment.add_fixed(index + 1, after)
+            else:
+                segment.add_checkpoint(index + 1, after)
         if flush_now:
             _flush(tracker)
         else:
