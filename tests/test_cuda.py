@@ -264,3 +264,16 @@ def test_a_fast_part_made_on_the_cpu_comes_back_with_the_same_values_on_cuda():
     materialize(model, device="cuda")
     for name, value in model.state_dict().items():
         assert torch.equal(value.cpu(), before[name]), name
+
+
+def test_a_random_tensor_larger_than_its_gpu_says_what_to_do_and_records_nothing():
+    from jupyter_metainit.core.errors import MetaInitError
+
+    elements = torch.cuda.mem_get_info()[1] // 4 + (1 << 28)  # float32: more than the whole GPU
+    torch.manual_seed(0)
+    with meta_init(device="cuda"):
+        with pytest.raises(MetaInitError, match=r"do not fit.*device='cpu'"):
+            torch.randn(elements)
+        later = torch.randn(10)
+    torch.manual_seed(0)
+    assert torch.equal(materialize(later), torch.randn(10, device="cuda"))

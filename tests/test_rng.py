@@ -699,7 +699,18 @@ _STATE_COPIES = {
     "slice": lambda st: st[:],
     "cat": lambda st: torch.cat([st[:100], st[100:]]),
     "to_int_and_back": lambda st: st.to(torch.int32).to(torch.uint8),
+    "copy_into_empty": lambda st: torch.empty_like(st).copy_(st),
+    "torch_save_load": lambda st: _saved_and_loaded(st),
 }
+
+
+def _saved_and_loaded(t):
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(t, buffer)
+    buffer.seek(0)
+    return torch.load(buffer)
 
 
 @pytest.mark.parametrize("name", sorted(_STATE_COPIES))

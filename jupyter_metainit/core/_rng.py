@@ -1,6 +1,10 @@
 """Random-number policy: where each deferred random op sits in its generator's stream.
 
-Eager construction draws from a generator (usually the default CPU one) in program order.
+Eager construction draws from a generator (usually the default CPU one) in program order. An op
+without an explicit generator draws from the default generator of its device: the CPU one, or,
+for a tensor recorded for a GPU present at recording, that GPU's default CUDA generator
+(``default_generator_for``; a GPU absent at recording, ``cuda:1`` on a CPU-only machine, gets the
+CPU stream).
 Recording draws nothing, so each random op is stored as ``(segment, index)``: a *segment* is a
 run of deferred random ops that would have consumed one generator back to back, starting from
 ``start_state``.
@@ -20,15 +24,16 @@ The real generator after a deferred build
     the last op boundary it computed plus the draws of the known-count ops recorded since
     (``pending``), and *flushes* (one jump-ahead for all of them) whenever the real state can be
     observed: when the outermost ``meta_init`` block exits, before a real random op runs inside
-    one, when ``torch.get_rng_state()``/``fork_rng`` reads it, and after every op recorded
-    outside a block. An op whose draw count is not known is run on scratch memory at recording
-    time, from the exact state, so the stream stays exact; an op whose draw count depends on the
+    one, when ``torch.get_rng_state()``/``fork_rng``/``g.get_state()``/``g.clone_state()``/
+    pickling reads it (``exact_state``), and after every op recorded outside a block. An op
+    whose draw count is not known is run on scratch memory at recording time, from the exact
+    state, so the stream stays exact; an op whose draw count depends on the
     values it reads (``poisson``, ``torch.distributions`` sampling) runs on its real inputs, and
     the state it ends in is kept for good (``RngSegment.fixed``). While draws are pending the
     real generator is left at a *mark* (``_marks``), a state no real generator holds, new for
     every op: reseeding (even with the same seed) or ``set_rng_state`` between two recorded ops
     is seen, and starts a new segment from the state the user set, exactly as eager code sees
-    it; a mark saved by ``g.get_state()`` and restored later stands for the exact state.
+    it; a mark that still reaches user code and is restored stands for the exact state.
 """
 
 from __future__ import annotations
@@ -48,6 +53,7 @@ import torch
 from jupyter_metainit.core._interrupts import critical
 from jupyter_metainit.core._mt19937 import advance_by_generating, jump_is_cheap, jump_state
 from jupyter_metainit.core._plain import plain
+from jupyter_metainit.core.errors import MetaInitError
 
 __all__ = [
     "BurnSpec",
@@ -712,16 +718,32 @@ def record_random(
         draws = known_draws(spec, gen.device)
         if draws is not None:
             tracker.pending += draws
-        elif run is not None:
-            real = torch.Generator(device=gen.device)
-            real.set_state(advance_state(tracker.exact, tracker.pending))
-            result = run_random(run, real, spec.has_generator)
-            tracker.exact, tracker.pending = raw_get_state(real), 0
-            segment.add_fixed(index + 1, tracker.exact)
         else:
-            current = advance_state(tracker.exact, tracker.pending)
-            tracker.exact, tracker.pending = run_on_scratch(spec, current, gen.device), 0
-            segment.add_checkpoint(index + 1, tracker.exact)
+            try:
+                current = advance_state(tracker.exact, tracker.pending)
+                if run is not None:
+                    real = torch.Generator(device=gen.device)
+                    real.set_state(current)
+                    result = run_random(run, real, spec.has_generator)
+                    after = raw_get_state(real)
+                else:
+                    after = run_on_scratch(spec, current, gen.device)
+            except BaseException as e:
+                segment.specs.pop()  # not recorded: the stream stays as it was
+                if isinstance(e, torch.cuda.OutOfMemoryError):
+                    raise MetaInitError(
+                        f"{spec.func} draws from {gen.device}'s generator: to follow that stream "
+                        f"exactly it runs once at recording, on {spec.nbytes:,} bytes of scratch "
+                        f"memory on {gen.device}, and they do not fit; free memory there, or "
+                        "record for the CPU (meta_init(device='cpu'): the CPU stream's values) "
+                        "and materialize(..., device='cuda')"
+                    ) from e
+                raise
+            tracker.exact, tracker.pending = after, 0
+            if run is not None:
+                segment.add_fixed(index + 1, after)
+            else:
+                segment.add_checkpoint(index + 1, after)
         if flush_now:
             _flush(tracker)
         else:
