@@ -8,6 +8,9 @@
 2. A checkpoint that fits (a 0.5 B Llama in bfloat16, written for real), loaded whole: eager
    ``from_pretrained``, ``accelerate``'s ``init_empty_weights`` + ``load_checkpoint_and_dispatch``,
    and ``meta_init`` + ``from_pretrained`` + ``materialize``, each in fresh processes.
+3. What checking the bytes read costs (a sum of their 64-bit words, compared with earlier reads of
+   them: ``_files.CHECK_CONTENT``): the same checkpoint materialized whole, its files in the page
+   cache, with and without the check, alternating in one process.
 
     .venv/bin/python benchmarks/bench_checkpoint.py            # ~2 min, 1 GB of disk
     .venv/bin/python benchmarks/bench_checkpoint.py --quick    # smoke run, tiny model
@@ -118,7 +121,41 @@ def load_whole(directory: str, method: str) -> dict[str, Any]:
     return meter.as_dict() | {"bytes": tensor_bytes(model)}
 
 
-MEASUREMENTS = {"write": write, "open_and_layer": open_and_layer, "load_whole": load_whole}
+def content_check(directory: str, rounds: int) -> dict[str, Any]:
+    """Materialize the whole model from warm files, with and without the content check."""
+    import time
+
+    import transformers
+
+    from jupyter_metainit.core import _files
+
+    jmi = load_core()
+    times: dict[str, list[float]] = {"with": [], "without": []}
+    nbytes = 0
+    try:
+        for i in range(2 * rounds + 1):
+            mode = "with" if i % 2 else "without"  # the first run warms the page cache
+            _files.CHECK_CONTENT = mode == "with"
+            _files._read_digests.clear()  # each run is a first read: digest every byte
+            with jmi.meta_init():
+                model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+            start = time.perf_counter()
+            jmi.materialize(model)
+            if i:
+                times[mode].append(time.perf_counter() - start)
+            nbytes = tensor_bytes(model)
+            del model
+    finally:
+        _files.CHECK_CONTENT = True
+    return {"bytes": nbytes, **{k: sorted(v)[len(v) // 2] for k, v in times.items()}}
+
+
+MEASUREMENTS = {
+    "write": write,
+    "open_and_layer": open_and_layer,
+    "load_whole": load_whole,
+    "content_check": content_check,
+}
 METHODS = {
     "eager": "eager `from_pretrained`",
     "accelerate": "`init_empty_weights` + `load_checkpoint_and_dispatch`",
@@ -202,6 +239,22 @@ def main() -> None:
             "first used; meta_init reads the bytes into memory when materializing)"
         )
         print_errors({METHODS[m]: x for m, x in by.items()})
+        check = run_children(
+            __file__, [("content_check", {"directory": fits, "rounds": 1 if args.quick else 3})]
+        )[0]
+        print_errors({"content check": check})
+        if "error" not in check:
+            gib = check["bytes"] / 2**30
+            print_table(
+                f"Reading the whole checkpoint ({gib:.2f} GiB, files in the page cache) with and "
+                "without the check of the bytes read (median of alternating runs)",
+                ["materialize(model)", "time", "GiB/s", "vs without"],
+                [
+                    [f"{mode} the content check", fmt_s(check[mode]), f"{gib / check[mode]:.2f}",
+                     fmt_ratio(check[mode] / check["without"])]
+                    for mode in ("without", "with")
+                ],
+            )  # fmt: skip
     finally:
         shutil.rmtree(root, ignore_errors=True)
 

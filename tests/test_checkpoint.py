@@ -270,3 +270,41 @@ def test_an_index_with_a_non_string_file_name_is_a_clear_error(tmp_path):
         m = Model()
     with pytest.raises(MaterializationError, match=r"5 as the file of 'head.weight'"):
         materialize(m, checkpoint=index)
+
+
+def test_a_part_loaded_and_cast_frees_to_the_cast_checkpoint_values(tmp_path):
+    real, path = _saved(tmp_path)
+    with meta_init():
+        m = Model()
+    materialize(m.head, checkpoint=path, root=m, dtype=torch.bfloat16, keep_cache=True)
+    dematerialize(m.head)
+    materialize(m.head)
+    assert torch.equal(m.head.weight, real.head.weight.to(torch.bfloat16))
+
+
+class KeepsTables(nn.Module):
+    def __init__(self):
+        super().__init__()
+        self.inner = nn.Module()
+        self.inner.lin = nn.Linear(3, 3)
+        self.inner.tables = {"k": torch.randn(2)}
+        self.inner.freqs = torch.arange(4.0)
+
+
+@pytest.mark.parametrize("part", ["whole", "part_with_root"])
+def test_tensor_attributes_keep_their_init_when_loading_a_checkpoint(tmp_path, part):
+    torch.manual_seed(0)
+    eager = KeepsTables()
+    path = tmp_path / "m.safetensors"
+    save_file({k: v.contiguous() for k, v in eager.state_dict().items()}, str(path))
+    torch.manual_seed(0)
+    with meta_init():
+        m = KeepsTables()
+    if part == "whole":
+        materialize(m, checkpoint=path)
+    else:
+        materialize(m.inner, checkpoint=path, root=m)
+    assert not is_deferred(m.inner)
+    assert torch.equal(m.inner.tables["k"], eager.inner.tables["k"])
+    assert torch.equal(m.inner.freqs, eager.inner.freqs)
+    assert torch.equal(m.inner.lin.weight, eager.inner.lin.weight)

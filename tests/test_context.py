@@ -2,13 +2,14 @@
 
 from __future__ import annotations
 
+import copy
 import threading
 
 import pytest
 import torch
 from torch import nn
 
-from jupyter_metainit import materialize, meta_init
+from jupyter_metainit import is_deferred, materialize, meta_init
 
 
 class Positional(nn.Module):
@@ -143,3 +144,47 @@ def test_factories_report_the_default_device_torch_would_give():
         finally:
             torch.set_default_device(None)
         assert torch.zeros(2).device == torch.device("cpu")
+
+
+def test_torch_compile_of_a_deferred_model_runs_deferred_then_real_after_materialize():
+    from _twins import eager_and_deferred
+
+    from jupyter_metainit import is_deferred
+
+    eager, m = eager_and_deferred(lambda: nn.Linear(3, 3))
+    compiled = torch.compile(m, backend="eager")
+    x = torch.randn(2, 3)
+    assert is_deferred(compiled(x))
+    materialize(m)
+    assert torch.equal(compiled(x), eager(x))
+
+
+class GradInit(nn.Module):
+    """Scales its weight by a gradient taken in ``__init__`` (GradInit-style)."""
+
+    def __init__(self, use_backward: bool = False):
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        loss = self.lin(torch.randn(4, 3)).pow(2).sum()
+        if use_backward:
+            loss.backward()
+        else:
+            torch.autograd.grad(loss, [self.lin.weight])
+
+
+@pytest.mark.parametrize("use_backward", [False, True], ids=["autograd_grad", "backward"])
+def test_a_gradient_inside_meta_init_names_the_call_and_says_materialize_first(use_backward):
+    from jupyter_metainit.core.errors import DeferredDataError
+
+    expected = r"(?s)in __init__.*materialize\(model\)"
+    with pytest.raises(DeferredDataError, match=expected), meta_init():
+        GradInit(use_backward)
+
+
+def test_a_deep_copy_of_a_real_tensor_inside_the_block_is_a_deferred_copy_with_its_values():
+    real = torch.arange(6.0).requires_grad_()
+    real.note = "kept"
+    with meta_init():
+        copied = copy.deepcopy(real)
+    assert is_deferred(copied) and copied.requires_grad and copied.note == "kept"
+    assert torch.equal(materialize(copied), real.detach())

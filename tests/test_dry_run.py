@@ -12,6 +12,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
 from jupyter_metainit import materialize, meta_init
+from jupyter_metainit.core import tensor_state
 from jupyter_metainit.estimates import dry_run, fits, memory_table
 
 
@@ -326,3 +327,91 @@ def test_a_dry_run_inside_meta_init_leaves_later_draws_as_eager_makes_them():
     torch.manual_seed(0)
     build()
     assert torch.equal(later, torch.randn(3))
+
+
+def test_dry_run_leaves_lazy_modules_of_a_real_model_lazy():
+    model = nn.Sequential(nn.LazyLinear(4), nn.LazyBatchNorm1d())
+    dry_run(model, torch.randn(2, 7))
+    assert [type(m).__name__ for m in model] == ["LazyLinear", "LazyBatchNorm1d"]
+    assert isinstance(model[0].weight, nn.parameter.UninitializedParameter)
+    assert isinstance(model[1].running_mean, nn.parameter.UninitializedBuffer)
+
+
+def test_a_real_lazy_model_after_a_dry_run_trains_as_one_without_it():
+    def build() -> nn.Module:
+        return nn.Sequential(nn.LazyLinear(4), nn.LazyBatchNorm1d()).train()
+
+    x = torch.randn(2, 7)
+    model = build()
+    dry_run(model, x)
+    torch.manual_seed(0)
+    out = model(x)
+    torch.manual_seed(0)
+    twin = build()
+    assert torch.equal(out, twin(x)) and _same_state(model, _snapshot(twin))
+
+
+def test_forward_hooks_of_a_real_model_see_deferred_tensors_during_a_dry_run():
+    seen: list[str] = []
+    model = nn.Sequential(nn.Linear(3, 3))
+    model[0].register_forward_hook(lambda mod, args, out: seen.append(tensor_state(out)))
+    dry_run(model, torch.randn(2, 3))
+    assert seen == ["deferred"]
+
+
+_PARAMETRIZATIONS = [
+    nn.utils.parametrizations.weight_norm,
+    nn.utils.parametrizations.spectral_norm,
+    nn.utils.parametrizations.orthogonal,
+]
+
+
+@pytest.mark.parametrize("parametrize", _PARAMETRIZATIONS, ids=lambda f: f.__name__)
+def test_dry_run_of_a_real_parametrized_model_leaves_it_unchanged(parametrize):
+    model = nn.Sequential(parametrize(nn.Linear(3, 3)), nn.ReLU()).train()
+    x = torch.randn(2, 3)
+    before, state = _snapshot(model), torch.get_rng_state()
+    table = dry_run(model, x)
+    # the parametrization's own ops (orthogonal's matrix_exp) run inside module 0
+    assert table.loc["0", "output_shape"] == (2, 3) and table.loc["0", "flops"] >= 2 * 2 * 3 * 3
+    assert _same_state(model, before) and torch.equal(torch.get_rng_state(), state)
+
+
+@pytest.mark.parametrize("parametrize", _PARAMETRIZATIONS, ids=lambda f: f.__name__)
+def test_dry_run_of_a_deferred_parametrized_model_materializes_equal_to_eager(parametrize):
+    def build() -> nn.Module:
+        return nn.Sequential(parametrize(nn.Linear(3, 3)), nn.ReLU()).train()
+
+    torch.manual_seed(0)
+    with meta_init():
+        model = build()
+    assert dry_run(model, (2, 3)).loc["0", "output_shape"] == (2, 3)
+    materialize(model)
+    torch.manual_seed(0)
+    assert _same_state(model, _snapshot(build()))
+
+
+def test_dry_run_of_a_module_called_on_a_parameter_counts_it():
+    class LearnedQuery(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.query = nn.Parameter(torch.zeros(4, 3))
+            self.proj = nn.Linear(3, 3)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x @ self.proj(self.query).T
+
+    with meta_init():
+        model = LearnedQuery()
+    assert dry_run(model, (2, 3)).loc["proj", "output_shape"] == (4, 3)
+
+
+@pytest.mark.parametrize("name", ["float16", "torch.float16", "fp16"])
+def test_dry_run_accepts_an_input_dtype_name(name):
+    table = dry_run(nn.Sequential(nn.Linear(3, 3).half()), (2, 3), input_dtype=name)
+    assert table.attrs["dry_run"]["output_shapes"] == [(2, 3)]
+
+
+def test_dry_run_with_an_unknown_input_dtype_name_lists_the_valid_forms():
+    with pytest.raises(ValueError, match="'bfloat16'"):
+        dry_run(nn.Linear(3, 3), (2, 3), input_dtype="floot16")

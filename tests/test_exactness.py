@@ -161,7 +161,7 @@ class _NormWarmUp(nn.Module):
 
 
 def test_train_mode_forward_in_init_updates_norm_running_stats_as_eager():
-    eager, deferred = assert_exact(_NormWarmUp)
+    eager, _ = assert_exact(_NormWarmUp)
     assert not torch.equal(eager.bn1d.running_mean, torch.zeros(3))  # the batch was counted
 
 
@@ -203,3 +203,40 @@ def test_fresh_tensor_made_from_a_parameter_requires_grad_as_eager(name):
     assert (got.requires_grad, got.is_leaf) == (expected.requires_grad, expected.is_leaf)
     materialize(got)
     assert (got.requires_grad, got.is_leaf) == (expected.requires_grad, expected.is_leaf)
+
+
+_SIZE_ONE_LAYOUTS = {
+    "(1,3,3) strides (3,3,1)": lambda: torch.randn(3, 3).unsqueeze(0),
+    "(2,2,1,1) strides (2,1,2,1)": lambda: torch.randn(2, 2, 1, 1).as_strided(
+        (2, 2, 1, 1), (2, 1, 2, 1)
+    ),
+    "(1,2,1,2) strides (2,2,4,1)": lambda: torch.randn(4).as_strided((1, 2, 1, 2), (2, 2, 4, 1)),
+    "(2,2,1) strides (2,1,2)": lambda: torch.randn(4).as_strided((2, 2, 1), (2, 1, 2)),
+}
+_ELEMENTWISE = {
+    "mul": lambda x: x * 2,
+    "add": lambda x: x + x,
+    "exp": torch.exp,
+    "sigmoid": torch.sigmoid,
+    "where": lambda x: torch.where(x > 0, x, -x),
+    "empty_like": torch.empty_like,
+    "zeros_like": torch.zeros_like,
+    "rand_like": torch.rand_like,
+    "to_float64": lambda x: x.double(),
+}
+
+
+@pytest.mark.parametrize("layout", sorted(_SIZE_ONE_LAYOUTS))
+@pytest.mark.parametrize("op", sorted(_ELEMENTWISE))
+def test_elementwise_output_strides_on_size_one_dims_equal_eager(op, layout):
+    make, fn = _SIZE_ONE_LAYOUTS[layout], _ELEMENTWISE[op]
+    torch.manual_seed(0)
+    expected = fn(make().clone())
+    torch.manual_seed(0)
+    with meta_init():
+        got = fn(make().clone())
+    assert got.stride() == expected.stride()
+    materialize(got)
+    assert got.stride() == expected.stride()
+    if op != "empty_like":
+        assert torch.equal(got, expected)

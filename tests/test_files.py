@@ -153,3 +153,66 @@ def test_tensors_read_from_a_file_can_be_freed_without_keep_cache(weights):
     with pytest.raises(MaterializationError, match="written since"):
         dematerialize(loaded["w"])
     assert not is_deferred(loaded["w"])
+
+
+@pytest.fixture
+def big_weights(tmp_path):
+    """A checkpoint well past the 64 KiB header the identity check digests."""
+    tensors = {"w": torch.randn(256, 256, generator=torch.Generator().manual_seed(0))}
+    path = tmp_path / "big.safetensors"
+    save_file(tensors, str(path))
+    return tensors, path
+
+
+def test_a_checkpoint_rewritten_in_place_with_its_mtime_restored_is_refused_before_use(
+    big_weights,
+):
+    _, path = big_weights
+    with meta_init():
+        loaded = load_file(str(path))
+    st = os.stat(path)
+    with open(path, "r+b") as f:  # same size, same inode, bytes past the first 64 KiB
+        f.seek(st.st_size - 1024)
+        f.write(b"\x7f" * 512)
+    os.utime(path, ns=(st.st_atime_ns, st.st_mtime_ns))  # as cp -p and rsync -t do
+    assert os.stat(path).st_mtime_ns == st.st_mtime_ns
+    with pytest.raises(MaterializationError, match=f"{path}.* changed since"):
+        materialize(loaded["w"])
+    assert is_deferred(loaded["w"])
+
+
+def test_bytes_changed_without_new_timestamps_are_refused_before_use(big_weights):
+    import mmap
+
+    tensors, path = big_weights
+    with open(path, "r+b") as f:
+        shared = mmap.mmap(f.fileno(), 0)
+    shared[-8] = shared[-8]  # the first write through the mapping stamps the file's times
+    with meta_init():
+        loaded = load_file(str(path))
+    materialize(loaded["w"])
+    assert torch.equal(loaded["w"], tensors["w"])
+    dematerialize(loaded["w"])
+    stamp = os.stat(path)
+    shared[-8] ^= 0xFF  # a page already written: the kernel stamps no new time
+    try:
+        if os.stat(path).st_ctime_ns != stamp.st_ctime_ns:
+            pytest.skip("this kernel stamps every write through a mapping")
+        with pytest.raises(MaterializationError, match="differ from an earlier read"):
+            materialize(loaded["w"])
+        assert is_deferred(loaded["w"])
+    finally:
+        shared.close()
+
+
+def test_a_freed_tensor_whose_file_was_deleted_says_force_true_frees_it(weights):
+    _, path = weights
+    with meta_init():
+        loaded = load_file(str(path))
+    materialize(loaded["w"])
+    os.remove(path)
+    with pytest.raises(MaterializationError, match=r"no longer exists.*force=True"):
+        dematerialize(loaded["w"])
+    assert not is_deferred(loaded["w"])
+    dematerialize(loaded["w"], force=True)
+    assert is_deferred(loaded["w"])

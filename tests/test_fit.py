@@ -97,3 +97,21 @@ def test_a_budget_that_is_no_memory_size_is_a_clear_error(budget):
 def test_summary_of_none_asks_whether_the_model_was_built():
     with pytest.raises(TypeError, match=r"summary\(\) takes an nn.Module .* not NoneType"):
         summary(None)
+
+
+def test_fits_of_a_missing_local_path_says_it_does_not_exist():
+    with pytest.raises(FileNotFoundError, match="no such file or directory"):
+        fits("/tmp/no-such-model-dir/nope.safetensors", budget="1GiB")
+
+
+def test_fits_of_a_weights_file_asks_for_the_model_directory(tmp_path):
+    weights = tmp_path / "model.safetensors"
+    weights.write_bytes(b"")
+    with pytest.raises(ValueError, match="directory"):
+        fits(str(weights), budget="1GiB")
+
+
+@pytest.mark.parametrize("budget", [None, "1GiB"])
+def test_fits_with_an_unknown_device_name_lists_the_valid_forms(budget):
+    with pytest.raises(ValueError, match="'cuda:0'"):
+        fits(model(), device="gpu", budget=budget)

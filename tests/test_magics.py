@@ -397,6 +397,9 @@ def test_materialize_rng_fast(ip, model):
         ("%materialize m --rng fast extra", "%materialize: unexpected argument(s) 'extra'"),
         ("%dematerialize nothere", "%dematerialize: cannot evaluate 'nothere'"),
         ("%meta_table nothere", "%meta_table: cannot evaluate 'nothere'"),
+        ("%materialize 1/0", "%materialize: cannot evaluate '1/0': division by zero (Zero"),
+        ("%dematerialize int('x')", "%dematerialize: cannot evaluate \"int('x')\": invalid"),
+        ("%meta_table m(1)", "%meta_table: cannot evaluate 'm(1)': "),
         ("%meta_table m[0].weight", "%meta_table: m[0].weight is a tensor, not a torch.nn.Module"),
         ("%meta_table m --depth x", "argument --depth: invalid int value: 'x'"),
         ("%meta_table m --dtype int3", "--dtype: unknown dtype 'int3'"),
@@ -575,3 +578,34 @@ def test_a_torch_error_in_a_users_forward_ends_at_the_forward_line(ip):
         "----> 6     return x @ self.w\n\n"
         "RuntimeError: mat1 and mat2 shapes cannot be multiplied (2x5 and 3x4)"
     )
+
+
+def test_a_torch_error_on_a_deferred_model_in_a_plain_cell_shows_one_short_traceback(ip):
+    ok(ip, "%%meta_init --no-display\nm = nn.Linear(3, 4)")
+    _, out = run(ip, "y = m(torch.ones(2, 5))")
+    shown = out.stdout
+    assert shown.count("Traceback (most recent call last)") == 1
+    assert "During handling of the above exception" not in shown
+    assert "jupyter_metainit" not in shown and "File " not in shown
+    assert "----> 1 y = m(torch.ones(2, 5))" in shown
+
+
+def test_a_users_forward_in_a_plain_cell_shows_no_chained_traceback(ip):
+    ok(
+        ip,
+        "class Head(nn.Module):\n    def __init__(self):\n        super().__init__()\n"
+        "        self.lin = nn.Linear(3, 4)\n"
+        "    def forward(self, x):\n        return self.lin(x)\n",
+    )
+    ok(ip, "%%meta_init --no-display\nh = Head()")
+    _, out = run(ip, "y = h(torch.ones(2, 5))")
+    shown = out.stdout
+    assert shown.count("Traceback (most recent call last)") == 1
+    assert "jupyter_metainit" not in shown and "During handling" not in shown
+    assert "----> 6     return self.lin(x)" in shown
+
+
+def test_unloading_the_extension_gives_back_ipythons_own_tracebacks(ip):
+    ip.run_cell(f"%unload_ext {EXT}")
+    assert "showtraceback" not in ip.__dict__
+    ip.run_cell(f"%load_ext {EXT}")

@@ -17,7 +17,7 @@ from jupyter_metainit import (
     materialize,
     meta_init,
 )
-from jupyter_metainit.core import _replay, tensor_state
+from jupyter_metainit.core import _replay, tensor_state, tensor_values
 from jupyter_metainit.core.errors import MaterializationError
 
 
@@ -199,14 +199,16 @@ def test_progress_reports_bytes_up_to_total():
 
 def test_cuda_recorded_model_materializes_to_cpu_when_asked():
     torch.manual_seed(0)
-    eager = nn.Linear(4, 4)
+    # with a GPU present, eager draws on it (test_cuda.py); without one, from the CPU stream
+    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
+        eager = nn.Linear(4, 4)
     torch.manual_seed(0)
     with meta_init(device="cuda"):
         m = nn.Linear(4, 4)
     assert m.weight.device.type == "cuda"
     materialize(m, device="cpu")
     assert m.weight.device == torch.device("cpu")
-    assert torch.equal(m.weight, eager.weight)
+    assert torch.equal(m.weight, eager.weight.cpu())
 
 
 def test_cuda_recorded_tensor_without_gpu_says_what_to_do():
@@ -680,6 +682,269 @@ def test_a_module_recorded_for_cuda_materializes_on_cuda_without_device():
         m = nn.Linear(4, 4)
     materialize(m)
     torch.manual_seed(0)
-    eager = nn.Linear(4, 4)  # exact mode draws CUDA tensors' values as eager does on the CPU
+    eager = nn.Linear(4, 4, device="cuda")  # drawn from the GPU's generator, as eagerly
     assert m.weight.device.type == "cuda" and m.bias.device.type == "cuda"
-    assert torch.equal(m.weight.cpu(), eager.weight)
+    assert torch.equal(m.weight, eager.weight) and torch.equal(m.bias, eager.bias)
+
+
+def test_a_cast_by_other_code_is_refused_by_name_and_force_gives_the_recorded_values():
+    eager, m = eager_and_deferred(Net)
+    materialize(m.layers[0], keep_cache=True)
+    m.layers[0].half()  # nn.Module's own cast: not a conversion materialize recorded
+    with pytest.raises(MaterializationError, match=r"weight .*cast or moved.*force=True"):
+        dematerialize(m.layers[0])
+    dematerialize(m.layers[0], force=True)
+    materialize(m.layers[0])
+    assert torch.equal(m.layers[0].weight, eager.layers[0].weight)
+
+
+def test_a_refusal_for_a_list_of_parts_names_tensors_by_their_name_in_root():
+    _, m = eager_and_deferred(Net)
+    materialize([m.layers[1], m.layers[2]], keep_cache=True)
+    with torch.no_grad():
+        m.layers[2].weight.add_(1)
+    with pytest.raises(MaterializationError, match=r"layers\.2\.weight"):
+        dematerialize([m.layers[1], m.layers[2]], root=m)
+
+
+def test_share_memory_inside_meta_init_is_done_when_materialized():
+    eager, m = eager_and_deferred(lambda: nn.Linear(3, 3).share_memory())
+    assert m.weight.is_shared()
+    materialize(m)
+    assert m.weight.is_shared() and m.bias.is_shared()
+    assert torch.equal(m.weight, eager.weight)
+
+
+def test_share_memory_on_a_deferred_model_after_the_block_is_done_when_materialized():
+    with meta_init():
+        m = nn.Linear(3, 3)
+    assert not m.weight.is_shared()
+    m.share_memory()
+    materialize(m)
+    assert m.weight.is_shared() and m.bias.is_shared()
+
+
+def test_views_keep_aliasing_after_a_part_is_freed_and_materialized_again():
+    eager, m = eager_and_deferred(KeepsViews)
+    materialize(m.a, keep_cache=True)
+    dematerialize(m.a)
+    materialize(m.b)
+    materialize(m.a)
+    assert _shares_memory(m.b.w_t, m.a.weight)
+    assert torch.equal(m.a.weight, eager.a.weight)
+
+
+def test_named_parameters_is_a_type_error_that_says_to_pass_parameters():
+    with meta_init():
+        m = nn.Linear(2, 2)
+    with pytest.raises(TypeError, match=r"pass parameters\(\)"):
+        materialize(m.named_parameters())
+    assert is_deferred(m.weight)
+
+
+def _trained_one_step() -> nn.Linear:
+    """A layer materialized with keep_cache=True, after a backward pass (gradients set)."""
+    with meta_init():
+        layer = nn.Linear(4, 4)
+    materialize(layer, keep_cache=True)
+    layer(torch.ones(2, 4)).sum().backward()
+    return layer
+
+
+def test_dematerialize_refuses_a_tensor_holding_a_gradient_and_names_it():
+    layer = _trained_one_step()
+    with pytest.raises(MaterializationError, match=r"gradient.*weight, bias.*zero_grad"):
+        dematerialize(layer)
+    assert not is_deferred(layer) and layer.weight.grad is not None
+
+
+def test_dematerialize_frees_once_the_gradients_are_set_to_none():
+    layer = _trained_one_step()
+    first = layer.weight.detach().clone()
+    layer.zero_grad(set_to_none=True)
+    dematerialize(layer)
+    materialize(layer)
+    assert torch.equal(layer.weight, first)
+
+
+def test_dematerialize_with_force_drops_the_gradient():
+    layer = _trained_one_step()
+    dematerialize(layer, force=True)
+    assert is_deferred(layer.weight) and layer.weight.grad is None
+    materialize(layer)
+    assert layer.weight.grad is None
+
+
+def test_a_view_kept_by_the_user_keeps_its_values_after_the_base_is_freed():
+    eager, m = eager_and_deferred(lambda: nn.Linear(4, 4))
+    materialize(m, keep_cache=True)
+    row = m.weight[1]  # a real view, held outside the module
+    dematerialize(m)
+    gc.collect()
+    assert torch.equal(row, eager.weight[1]) and row._base is not None
+    materialize(m)
+    assert torch.equal(m.weight, eager.weight)
+
+
+def test_keep_cache_on_a_tensor_materialized_earlier_without_it_warns_it_cannot_be_kept():
+    with meta_init():
+        layer = nn.Linear(3, 3)
+    materialize(layer)
+    with pytest.warns(UserWarning, match=r"2 were materialized without keep_cache=True"):
+        materialize(layer, keep_cache=True)
+
+
+def test_dematerialize_says_keep_cache_on_a_real_tensor_does_not_bring_its_recording_back():
+    with meta_init():
+        layer = nn.Linear(3, 3)
+    materialize(layer)
+    with pytest.warns(UserWarning):
+        materialize(layer, keep_cache=True)
+    with pytest.raises(MaterializationError, match="the first time they are materialized"):
+        dematerialize(layer)
+    assert not is_deferred(layer)
+
+
+def test_dematerialize_after_clear_meta_init_cache_says_the_cache_was_cleared():
+    with meta_init():
+        t = torch.ones(2)
+    materialize(t, keep_cache=True)
+    clear_meta_init_cache()
+    with pytest.raises(MaterializationError, match=r"clear_meta_init_cache\(\)"):
+        dematerialize(t)
+
+
+def test_dematerialize_of_a_tensor_never_deferred_says_so():
+    with pytest.raises(MaterializationError, match="never deferred"):
+        dematerialize(torch.ones(2))
+
+
+class Rope(nn.Module):
+    """Tensors kept as plain attributes, as rotary-embedding code keeps them."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.freqs = 1.0 / (10000 ** (torch.arange(0, 8, 2).float() / 8))
+        self.cache = {"cos": torch.randn(4)}
+        self.noise = [torch.rand(3)]
+        self.w_t = self.lin.weight.t()
+
+
+def _rope_attributes(m: Rope) -> list[torch.Tensor]:
+    return [m.freqs, m.cache["cos"], m.noise[0], m.w_t]
+
+
+def test_attribute_dict_and_list_tensors_are_freed_with_their_module_once_real():
+    with meta_init():
+        m = Rope()
+    materialize(m, keep_cache=True)
+    assert not is_deferred(m)
+    dematerialize(m)
+    assert all(tensor_state(t) == "deferred" for t in _rope_attributes(m))
+
+
+def test_attribute_dict_and_list_tensors_come_back_equal_to_eager_after_a_free():
+    eager, m = eager_and_deferred(Rope)
+    materialize(m, keep_cache=True)
+    dematerialize(m)
+    materialize(m)
+    for want, got in zip(_rope_attributes(eager), _rope_attributes(m), strict=True):
+        assert torch.equal(want, got) and want.stride() == got.stride()
+
+
+def test_a_view_attribute_is_a_view_of_its_parameter_again_after_a_free():
+    with meta_init():
+        m = Rope()
+    materialize(m, keep_cache=True)
+    dematerialize(m)
+    materialize(m)
+    assert m.w_t.data_ptr() == m.lin.weight.data_ptr()
+
+
+def test_an_attribute_materialized_alone_is_freed_by_freeing_its_parent_module():
+    with meta_init():
+        outer = nn.Sequential(Rope())
+    materialize(outer[0].freqs, keep_cache=True)
+    dematerialize(outer)
+    assert tensor_state(outer[0].freqs) == "deferred" and is_deferred(outer)
+
+
+def test_is_deferred_sees_a_freed_attribute_of_an_otherwise_real_module():
+    with meta_init():
+        m = Rope()
+    materialize(m, keep_cache=True)
+    dematerialize(m.cache["cos"])
+    assert is_deferred(m)
+
+
+def _freed_after_fast(model: nn.Module, part: nn.Module) -> dict[str, torch.Tensor]:
+    """Materialize ``part`` with rng="fast" and keep_cache=True, free it; its fast values."""
+    materialize(part, rng="fast", keep_cache=True)
+    values = {k: v.detach().clone() for k, v in part.state_dict().items()}
+    dematerialize(part)
+    return values
+
+
+def test_a_part_freed_with_fast_values_gets_them_back_from_a_default_materialize():
+    with meta_init():
+        layer = nn.Linear(8, 8)
+    fast = _freed_after_fast(layer, layer)
+    materialize(layer)
+    assert torch.equal(layer.weight, fast["weight"]) and torch.equal(layer.bias, fast["bias"])
+    assert tensor_values(layer.weight) == "fast"
+
+
+def test_a_part_freed_with_fast_values_gets_eager_values_with_rng_exact():
+    eager, layer = eager_and_deferred(lambda: nn.Linear(8, 8))
+    _freed_after_fast(layer, layer)
+    materialize(layer, rng="exact")
+    assert torch.equal(layer.weight, eager.weight) and tensor_values(layer.weight) == "exact"
+
+
+def test_a_default_materialize_gives_eager_values_to_parts_beside_a_freed_fast_part():
+    eager, m = eager_and_deferred(Net)
+    fast = _freed_after_fast(m, m.layers[0])
+    materialize(m)
+    assert torch.equal(m.layers[0].weight, fast["weight"])
+    assert torch.equal(m.layers[1].weight, eager.layers[1].weight)
+    assert tensor_values(m.layers[1].weight) == "exact"
+
+
+def test_a_view_over_a_freed_fast_tensor_shares_its_memory_and_values_again():
+    with meta_init():
+        m = Rope()
+    fast = _freed_after_fast(m, m.lin)
+    materialize(m)
+    assert torch.equal(m.lin.weight, fast["weight"])
+    assert m.w_t.data_ptr() == m.lin.weight.data_ptr()
+
+
+def test_a_backward_through_an_output_made_before_the_free_leaves_the_tensor_deferred():
+    with meta_init():
+        layer = nn.Linear(4, 4)
+    materialize(layer, keep_cache=True)
+    loss = layer(torch.ones(2, 4)).sum()
+    dematerialize(layer)
+    loss.backward()
+    assert is_deferred(layer.weight) and layer.weight.grad is None
+
+
+def test_a_part_recorded_for_cuda_and_made_on_the_cpu_comes_back_on_the_cpu_after_a_free():
+    with meta_init(device="cuda"):
+        layer = nn.Linear(8, 8)
+    materialize(layer, device="cpu", keep_cache=True)
+    first = layer.weight.detach().clone()
+    dematerialize(layer)
+    materialize(layer)
+    assert layer.weight.device.type == "cpu" and torch.equal(layer.weight, first)
+
+
+def test_a_fast_part_made_on_an_explicit_device_comes_back_fast_after_a_free():
+    with meta_init(device="cuda"):
+        layer = nn.Linear(8, 8)
+    materialize(layer, device="cpu", rng="fast", keep_cache=True)
+    first = layer.weight.detach().clone()
+    dematerialize(layer)
+    materialize(layer)
+    assert torch.equal(layer.weight, first) and tensor_values(layer.weight) == "fast"

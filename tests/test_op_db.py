@@ -166,21 +166,26 @@ RANDOM_OPS = [
 ]  # fmt: skip
 
 
-def _in_stream(fn: Callable, sample: Any, deferred: bool) -> tuple[Any, torch.Tensor, torch.Tensor]:
-    """(the op's output, a tensor drawn after it, the RNG state after both)."""
+def _in_stream(
+    fn: Callable, sample: Any, deferred: bool
+) -> tuple[Any, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(the op's output, a tensor drawn after it, the state read right after the op through the
+    generator object itself, the RNG state after both)."""
     torch.manual_seed(0)
     if deferred:
         with meta_init():
             torch.randn(5)
             inp, args, kwargs = tree_map(_clone, (sample.input, sample.args, sample.kwargs))
             out = fn(inp, *args, **kwargs)
+            right_after = torch.default_generator.get_state()
             later = torch.randn(7)
     else:
         torch.randn(5)
         inp, args, kwargs = tree_map(_clone, (sample.input, sample.args, sample.kwargs))
         out = fn(inp, *args, **kwargs)
+        right_after = torch.default_generator.get_state()
         later = torch.randn(7)
-    return out, later, torch.get_rng_state()
+    return out, later, right_after, torch.get_rng_state()
 
 
 @pytest.mark.parametrize(
@@ -204,10 +209,13 @@ def _check_in_stream(op: Any) -> int:
         for i, sample in enumerate(samples[:SAMPLES_PER_VARIANT]):
             where = f"{op.name} ({variant}, sample {i})"
             try:
-                expected, expected_later, expected_state = _in_stream(fn, sample, deferred=False)
+                expected, expected_later, expected_after, expected_state = _in_stream(
+                    fn, sample, deferred=False
+                )
             except Exception:
                 continue
-            got, later, state = _in_stream(fn, sample, deferred=True)
+            got, later, after, state = _in_stream(fn, sample, deferred=True)
+            assert torch.equal(after, expected_after), f"{where}: get_state() right after it"
             assert torch.equal(state, expected_state), f"{where}: RNG state after the build"
             materialize(later)
             assert torch.equal(later, expected_later), f"{where}: a tensor drawn after it"
@@ -215,3 +223,90 @@ def _check_in_stream(op: Any) -> int:
             assert _equal(expected, got, values=op.name not in METADATA_ONLY), where
             ran += 1
     return ran
+
+
+# Outputs whose requires_grad autograd cannot tell from meta tensors (no meta kernel for the
+# probe): every floating output of such an op requires grad when an input does.
+GRAD_RULE_UNKNOWN = {"linalg.lstsq"}
+GRAD_SAMPLES_PER_VARIANT = 2
+
+
+def _grad_flags(out: Any) -> list[tuple[bool, bool]]:
+    return [(t.requires_grad, t.is_leaf) for t in tree_flatten(out)[0]
+            if isinstance(t, torch.Tensor)]  # fmt: skip
+
+
+def check_requires_grad(op: Any) -> int:
+    """On inputs that require grad: every output's ``requires_grad`` and ``is_leaf`` as eager's,
+    deferred and after materializing (``requires_grad``). Returns the samples compared."""
+    compared = 0
+    samples = list(op.sample_inputs("cpu", torch.float32, requires_grad=True))
+    for variant, fn in _variants(op):
+        for i, sample in enumerate(samples[:GRAD_SAMPLES_PER_VARIANT]):
+            where = f"{op.name} ({variant}, sample {i})"
+            try:
+                expected = _eager(fn, sample)
+            except Exception:
+                continue
+            torch.manual_seed(0)
+            try:
+                with meta_init():
+                    inp, args, kwargs = tree_map(_clone, (sample.input, sample.args, sample.kwargs))
+                    got = fn(inp, *args, **kwargs)
+            except MetaInitError:
+                continue  # CLEAR_ERRORS, checked by test_operator_matches_eager
+            assert _grad_flags(got) == _grad_flags(expected), where
+            materialize([t for t in tree_flatten(got)[0] if isinstance(t, DeferredTensor)])
+            assert [f[0] for f in _grad_flags(got)] == [f[0] for f in _grad_flags(expected)], where
+            compared += 1
+    return compared
+
+
+@pytest.mark.parametrize(
+    "op",
+    [op for op in OP_DB if op.name not in GRAD_RULE_UNKNOWN and op.supports_autograd],
+    ids=lambda op: f"{op.name}.{op.variant_test_name}".rstrip("."),
+)
+def test_operator_output_requires_grad_matches_eager(op):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        check_requires_grad(op)
+
+
+def check_inputs_after(op: Any) -> int:
+    """Every tensor handed to the op holds eager's values afterwards: writes the op makes into
+    its inputs (declared in its schema or not, such as batch norm's running statistics) are
+    recorded. Returns the samples compared."""
+    compared = 0
+    samples = list(op.sample_inputs("cpu", torch.float32, requires_grad=False))
+    for variant, fn in _variants(op):
+        for i, sample in enumerate(samples[:GRAD_SAMPLES_PER_VARIANT]):
+            where = f"{op.name} ({variant}, sample {i})"
+            torch.manual_seed(0)
+            eager_inputs = tree_map(_clone, (sample.input, sample.args, sample.kwargs))
+            try:
+                fn(eager_inputs[0], *eager_inputs[1], **eager_inputs[2])
+            except Exception:
+                continue
+            torch.manual_seed(0)
+            try:
+                with meta_init():
+                    inputs = tree_map(_clone, (sample.input, sample.args, sample.kwargs))
+                    fn(inputs[0], *inputs[1], **inputs[2])
+            except MetaInitError:
+                continue  # CLEAR_ERRORS, checked by test_operator_matches_eager
+            deferred = [t for t in tree_flatten(inputs)[0] if isinstance(t, DeferredTensor)]
+            materialize(deferred)
+            values = op.name not in METADATA_ONLY
+            assert _equal(tree_flatten(eager_inputs)[0], tree_flatten(inputs)[0], values), where
+            compared += 1
+    return compared
+
+
+@pytest.mark.parametrize(
+    "op", OP_DB, ids=[f"{op.name}.{op.variant_test_name}".rstrip(".") for op in OP_DB]
+)
+def test_operator_leaves_its_inputs_as_eager_does(op):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        check_inputs_after(op)

@@ -586,3 +586,45 @@ def test_a_fill_is_recorded_as_the_general_path_records_it(fill, monkeypatch):
         spec = lambda op: op.rng.segment.specs[op.rng.index]  # noqa: E731
         assert spec(short_op) == spec(general_op)
     assert torch.equal(materialize(short), materialize(general))
+
+
+def test_as_subclass_of_a_deferred_tensor_raises_a_clear_error():
+    class Tagged(torch.Tensor):
+        pass
+
+    with meta_init():
+        t = torch.randn(3)
+        with pytest.raises(UnsupportedOperatorError, match=r"as_subclass\(Tagged\).*materializ"):
+            t.as_subclass(Tagged)
+
+
+def test_sparse_tensor_made_under_meta_init_is_computed_with_eager_values():
+    def build():
+        dense = torch.randn(3, 4) * (torch.rand(3, 4) > 0.5)
+        return dense.to_sparse(), torch.sparse_coo_tensor(
+            torch.tensor([[0, 2]]), torch.randn(2), (3,)
+        )
+
+    torch.manual_seed(0)
+    expected = build()
+    torch.manual_seed(0)
+    with meta_init():
+        got = build()
+    for e, g in zip(expected, got, strict=True):
+        assert g.layout == torch.sparse_coo
+        assert torch.equal(g.to_dense(), e.to_dense())
+
+
+def test_nested_tensor_made_under_meta_init_is_computed_with_eager_values():
+    torch.manual_seed(0)
+    expected = torch.nested.nested_tensor([torch.randn(2), torch.randn(3)])
+    torch.manual_seed(0)
+    with meta_init():
+        got = torch.nested.nested_tensor([torch.randn(2), torch.randn(3)])
+    assert got.is_nested
+    assert all(torch.equal(g, e) for g, e in zip(got.unbind(), expected.unbind(), strict=True))
+
+
+def test_jagged_nested_tensor_under_meta_init_raises_a_clear_error():
+    with meta_init(), pytest.raises(UnsupportedOperatorError, match="outside meta_init"):
+        torch.nested.nested_tensor([torch.randn(2), torch.randn(3)], layout=torch.jagged)

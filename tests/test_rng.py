@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import copy
 
 import pytest
 import torch
@@ -613,3 +614,144 @@ def test_real_random_work_on_a_generator_given_a_saved_state_draws_like_eager():
     values, state = build(deferred=True)
     assert torch.equal(values, eager_values)
     assert torch.equal(state, eager_state)
+
+
+# Every kind of recorded random op, on an explicit generator (None: the default CPU one): known
+# draw counts (left pending, lazily), counts found by re-running on scratch memory, and counts
+# that depend on the values read.
+_RANDOM_OPS = {
+    "rand": lambda g: torch.rand(100, generator=g),
+    "randn": lambda g: torch.randn(100, generator=g),
+    "randn_small": lambda g: torch.randn(3, generator=g),
+    "randperm": lambda g: torch.randperm(6, generator=g),
+    "randint": lambda g: torch.randint(10, (5,), generator=g),
+    "randint_wide": lambda g: torch.randint(-(1 << 40), 1 << 40, (5,), generator=g),
+    "uniform_": lambda g: torch.empty(50).uniform_(generator=g),
+    "normal_": lambda g: torch.empty(50).normal_(generator=g),
+    "normal_strided": lambda g: torch.empty(8, 8).t().normal_(generator=g),
+    "bernoulli_": lambda g: torch.empty(5).bernoulli_(0.5, generator=g),
+    "bernoulli": lambda g: torch.bernoulli(torch.full((7,), 0.3), generator=g),
+    "multinomial": lambda g: torch.multinomial(torch.ones(5), 3, generator=g),
+    "exponential_": lambda g: torch.empty(9).exponential_(generator=g),
+    "cauchy_": lambda g: torch.empty(9).cauchy_(generator=g),
+    "geometric_": lambda g: torch.empty(9).geometric_(0.3, generator=g),
+    "log_normal_": lambda g: torch.empty(9).log_normal_(generator=g),
+    "random_": lambda g: torch.empty(9, dtype=torch.int64).random_(generator=g),
+    "poisson": lambda g: torch.poisson(torch.full((6,), 3.0), generator=g),
+    "normal_tensor": lambda g: torch.normal(torch.zeros(6), torch.ones(6), generator=g),
+}
+
+
+def _state_after_op(op, explicit, deferred):
+    if explicit:
+        g = torch.Generator().manual_seed(5)
+        read = g
+    else:
+        torch.manual_seed(5)
+        g, read = None, torch.default_generator
+    with meta_init() if deferred else contextlib.nullcontext():
+        op(g)
+        saved = read.get_state()
+    return saved
+
+
+@pytest.mark.parametrize("explicit", [True, False], ids=["explicit", "default"])
+@pytest.mark.parametrize("name", sorted(_RANDOM_OPS))
+def test_a_state_saved_right_after_a_recorded_random_op_draws_like_eager_outside_the_block(
+    name, explicit
+):
+    draws = []
+    for deferred in (False, True):
+        fresh = torch.Generator()
+        fresh.set_state(_state_after_op(_RANDOM_OPS[name], explicit, deferred))
+        draws.append(torch.randn(30, generator=fresh))
+    assert torch.equal(draws[1], draws[0])
+
+
+def test_a_generator_pickled_during_a_build_carries_the_eager_state():
+    import pickle
+
+    def pickled(deferred):
+        g = torch.Generator().manual_seed(5)
+        with meta_init() if deferred else contextlib.nullcontext():
+            torch.rand(100, generator=g)
+            return pickle.loads(pickle.dumps(g)).get_state()
+
+    assert torch.equal(pickled(deferred=True), pickled(deferred=False))
+
+
+def test_a_generator_state_cloned_during_a_build_carries_the_eager_state():
+    def cloned(deferred):
+        g = torch.Generator().manual_seed(5)
+        with meta_init() if deferred else contextlib.nullcontext():
+            torch.rand(100, generator=g)
+            return g.clone_state().get_state()
+
+    assert torch.equal(cloned(deferred=True), cloned(deferred=False))
+
+
+# Ways to keep a saved state that make a new tensor inside the block (a deferred one).
+_STATE_COPIES = {
+    "clone": lambda st: st.clone(),
+    "deepcopy": lambda st: copy.deepcopy(st),
+    "from_numpy": lambda st: torch.from_numpy(st.numpy().copy()),
+    "tensor": lambda st: torch.tensor(st.numpy()),
+    "slice": lambda st: st[:],
+    "cat": lambda st: torch.cat([st[:100], st[100:]]),
+    "to_int_and_back": lambda st: st.to(torch.int32).to(torch.uint8),
+    "copy_into_empty": lambda st: torch.empty_like(st).copy_(st),
+    "torch_save_load": lambda st: _saved_and_loaded(st),
+}
+
+
+def _saved_and_loaded(t):
+    import io
+
+    buffer = io.BytesIO()
+    torch.save(t, buffer)
+    buffer.seek(0)
+    return torch.load(buffer)
+
+
+@pytest.mark.parametrize("name", sorted(_STATE_COPIES))
+def test_restoring_a_copy_of_a_saved_state_inside_the_block_draws_like_eager(name):
+    def build(deferred):
+        g = torch.Generator().manual_seed(5)
+        with meta_init() if deferred else contextlib.nullcontext():
+            torch.rand(100, generator=g)
+            saved = g.get_state()
+            torch.randn(2, generator=g)
+            g.set_state(_STATE_COPIES[name](saved))
+            return torch.randn(20, generator=g), g.get_state()
+
+    eager, eager_state = build(deferred=False)
+    deferred, deferred_state = build(deferred=True)
+    assert torch.equal(materialize(deferred), eager)
+    assert torch.equal(deferred_state, eager_state)
+
+
+def test_restoring_a_copy_of_a_saved_state_with_torch_set_rng_state_draws_like_eager():
+    def build(deferred):
+        torch.manual_seed(5)
+        with meta_init() if deferred else contextlib.nullcontext():
+            torch.rand(100)
+            saved = torch.get_rng_state()
+            torch.randn(2)
+            torch.set_rng_state(saved.clone())
+            return torch.randn(20)
+
+    eager = build(deferred=False)
+    assert torch.equal(materialize(build(deferred=True)), eager)
+
+
+@pytest.mark.skipif(torch.cuda.device_count() > 1, reason="needs a machine without cuda:1")
+def test_a_build_for_an_absent_gpu_draws_from_the_cpu_stream_as_eager_code_on_the_cpu():
+    torch.manual_seed(0)
+    eager = nn.Linear(8, 8)
+    eager_state = torch.get_rng_state()
+    torch.manual_seed(0)
+    with meta_init():
+        model = nn.Linear(8, 8, device="cuda:1")
+    assert torch.equal(torch.get_rng_state(), eager_state)
+    materialize(model, device="cpu")
+    assert torch.equal(model.weight, eager.weight) and torch.equal(model.bias, eager.bias)

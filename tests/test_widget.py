@@ -507,3 +507,49 @@ def test_the_fit_counts_the_chosen_dtype_and_what_is_already_there():
     w.materialize("cpu")
     w.selected = [""]
     assert w.selection["fit"]["cpu"]["need"] == 2 * (64 + 8)
+
+
+def test_the_saved_output_says_what_it_was_and_how_to_get_a_live_tree(net):
+    data, _metadata = explore(net)._repr_mimebundle_()
+    assert "application/vnd.jupyter.widget-view+json" in data
+    for mime in ("text/plain", "text/html"):
+        assert "Net: 3.28 K params" in data[mime], mime
+        assert "Run the cell again" in data[mime], mime
+
+
+@pytest.mark.parametrize("state", [None, ["selected"], "selected", 3])
+def test_a_page_update_with_a_malformed_state_is_a_notice(net, state):
+    w = explore(net)
+    w._handle_msg({"content": {"data": {"method": "update", "state": state}}, "buffers": []})
+    assert "malformed" in w.notice["text"]
+    assert w.selected == []
+
+
+def test_a_page_update_of_an_unknown_trait_is_a_notice(net):
+    w = explore(net)
+    w._handle_msg(
+        {"content": {"data": {"method": "update", "state": {"no_such": 1}}}, "buffers": []}
+    )
+    assert "no such trait" in w.notice["text"]
+
+
+# ---------------------------------------------------------------------------- smaller points
+
+
+def test_a_change_made_elsewhere_clears_the_last_message(net):
+    from jupyter_metainit import dematerialize
+
+    w = explore(net)
+    w.selected = ["norm"]
+    w.materialize("cpu")
+    assert w.status.startswith("Materialized")
+    dematerialize(net.norm)  # as %dematerialize in a later cell
+    assert wait_until(lambda: w.status == "", timeout=2.0)
+
+
+def test_the_table_says_which_module_it_shows(net):
+    w = explore(net, name="net")
+    w.show_table = True
+    assert "Memory table of net (whole model)" in w.table_html
+    w.selected = ["layers.1"]
+    assert "Memory table of net.layers[1]" in w.table_html

@@ -566,3 +566,92 @@ def test_notebook_shortcuts_never_fire_while_focus_is_in_the_widget(browser, fro
         f"() => document.querySelectorAll('.jp-Notebook .jp-Cell').length == {count + 1}",
         timeout=5_000,
     )
+
+
+DOCS_IMG = ROOT / "docs" / "img"
+
+_CITIZEN_CELLS = [
+    "%load_ext jupyter_metainit",
+    _FLOW_CELLS[1],
+    "%materialize model.model.layers[1] --rng fast",
+    # holds the GIL for 12 s: no other kernel thread (comm handling included) runs meanwhile
+    "import sys, time\nsys.setswitchinterval(100)\nt0 = time.time()\n"
+    "while time.time() - t0 < 12:\n    pass\nsys.setswitchinterval(0.005)",
+    """%%meta_init
+import torch.nn as nn
+big = nn.Sequential(nn.Linear(8, 8), nn.Linear(1_000_000, 1_000_000, bias=False))""",
+]
+
+
+def test_busy_kernel_fast_values_fits_and_focus(browser, frontend):
+    """Points 2, 4, 5 and 6 of the widget being a good citizen, in each front end (JupyterLab 4
+    in the light theme, Notebook 7 in the dark one); screenshots go to docs/img/."""
+    app = "jupyterlab4" if frontend["app"] == "jupyterlab" else "notebook7"
+    theme = "light" if app == "jupyterlab4" else "dark"
+    if theme == "dark":
+        _set_theme(frontend["settings"], "JupyterLab Dark")
+    _write_notebook(frontend["dir"] / "citizen.ipynb", _CITIZEN_CELLS)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    _open(page, frontend, "citizen.ipynb")
+    _run_cell(page, 0)
+    _run_cell(page, 1)
+    widget = page.locator(".jmi-root").first
+    widget.wait_for(timeout=60_000)
+
+    def row(qname: str):
+        return widget.locator(f".jmi-rows .jmi-row:has(.jmi-name[title='{qname}'])")
+
+    # 4: a part materialized with --rng fast is marked on its row and its ancestors
+    _run_cell(page, 2)
+    row("model.layers").locator(".jmi-caret").click()
+    row("model.layers.1").locator(".jmi-fast").wait_for(timeout=10_000)
+    assert row("model.layers.0").locator(".jmi-fast").count() == 0
+    widget.screenshot(path=str(DOCS_IMG / f"widget-{app}-{theme}-1400.png"))
+
+    # 2: a busy kernel is waited for, not declared dead; the action runs when it is free
+    row("model.layers.0").locator(".jmi-check").check()
+    widget.locator(".jmi-seltotals", has_text="1 subtree").wait_for(timeout=10_000)
+    page.locator(".jp-Notebook .jp-Cell").nth(3).locator(".jp-InputArea-editor").click()
+    page.keyboard.press("Shift+Enter")
+    page.wait_for_timeout(1_000)
+    mat = widget.locator(".jmi-mat-cpu")
+    mat.focus()
+    page.keyboard.press("Enter")  # 6: by keyboard
+    try:
+        widget.locator(".jmi-waiting").wait_for(state="visible", timeout=10_000)
+    except Exception:
+        page.screenshot(path=str(ARTIFACTS / f"failure-waiting-{app}.png"))
+        raise
+    assert widget.locator(".jmi-disconnected").is_hidden()
+    widget.screenshot(path=str(ARTIFACTS / f"widget-{app}-waiting.png"))
+    row("model.layers.0").locator(".jmi-badge", has_text="cpu").wait_for(timeout=40_000)
+    widget.locator(".jmi-waiting").wait_for(state="hidden", timeout=5_000)
+    widget.locator(".jmi-message.jmi-ok").wait_for(timeout=20_000)
+    assert mat.get_attribute("aria-disabled") == "false"
+    assert widget.locator(".jmi-disconnected").is_hidden()
+
+    # 6: focus stays on the button after Enter, with a visible 2px ring
+    assert page.evaluate("() => document.activeElement.classList.contains('jmi-mat-cpu')")
+    ring = page.evaluate(
+        "() => { const s = getComputedStyle(document.activeElement);"
+        " return [s.outlineStyle, s.outlineWidth]; }"
+    )
+    assert ring == ["solid", "2px"], ring
+    widget.screenshot(path=str(ARTIFACTS / f"widget-{app}-focus.png"))
+
+    # 5: a selection that cannot fit the CPU's free memory is refused before acting
+    _run_cell(page, 4)
+    big = page.locator(".jmi-root").nth(1)
+    big.wait_for(timeout=30_000)
+    big.locator(".jmi-rows .jmi-row:has(.jmi-name[title='1']) .jmi-check").check()
+    big.locator(".jmi-nofit", has_text="too big for cpu").wait_for(timeout=10_000)
+    big_mat = big.locator(".jmi-mat-cpu")
+    assert big_mat.get_attribute("aria-disabled") == "true"
+    assert "Does not fit" in big_mat.get_attribute("title")
+    big.screenshot(path=str(DOCS_IMG / f"widget-{app}-{theme}-toobig.png"))
+
+    page.set_viewport_size({"width": 700, "height": 1000})
+    page.wait_for_timeout(300)
+    widget.scroll_into_view_if_needed()
+    widget.screenshot(path=str(DOCS_IMG / f"widget-{app}-{theme}-700.png"))

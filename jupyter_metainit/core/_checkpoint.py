@@ -105,6 +105,15 @@ def _names(obj: Any, tensors: list[DeferredTensor]) -> dict[int, list[str]]:
     return names
 
 
+def _attribute_ids(module: torch.nn.Module) -> set[int]:
+    """Tensors ``module``'s tree keeps as plain attributes (also in containers)."""
+    return {
+        id(own.tensor)
+        for _, own in named_tensors(module, attributes=True)
+        if own.kind == "attribute"
+    }
+
+
 def _infer_prefix(names: dict[int, list[str]], keys: set[str]) -> str:
     """The prefix under which a submodule's names appear in a whole-model checkpoint."""
     candidates: dict[str, int] = {}
@@ -149,7 +158,8 @@ def load_for(
     files = _key_to_file(checkpoint)
     if root is not None and root is not obj:
         names, prefix = _names(root, tensors), ""
-        unnamed = [t for t in tensors if not names[id(t)]]
+        attributes = _attribute_ids(root)
+        unnamed = [t for t in tensors if not names[id(t)] and id(t) not in attributes]
         if unnamed:
             raise MaterializationError(
                 f"root= does not contain what is being materialized ({len(unnamed)} of its "
@@ -158,10 +168,15 @@ def load_for(
             )
     else:
         names = _names(obj, tensors)
+        attributes = _attribute_ids(obj) if isinstance(obj, torch.nn.Module) else set()
         prefix = _infer_prefix(names, set(files))
     wanted: dict[int, str] = {}
     absent: list[str] = []
     for t in tensors:
+        if not names[id(t)] and id(t) in attributes:
+            # A tensor kept as a plain attribute (``self.freqs``, ``self.tables["k"]``) is in no
+            # state dict, so in no checkpoint: as after ``load_state_dict``, it keeps its init.
+            continue
         hit = next((prefix + n for n in names[id(t)] if prefix + n in files), None)
         if hit is None:
             absent.extend(names[id(t)][:1] or ["<unnamed tensor>"])

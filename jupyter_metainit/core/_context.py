@@ -22,6 +22,7 @@ invisible (counted, so nested and concurrent blocks share one wrapping):
 from __future__ import annotations
 
 import contextlib
+import copy
 import gc
 import os
 import threading
@@ -51,7 +52,7 @@ from jupyter_metainit.core._interrupts import (
 from jupyter_metainit.core._lazy import lazy_module_support
 from jupyter_metainit.core._ops import user_frame
 from jupyter_metainit.core._plain import subclass_functions_off
-from jupyter_metainit.core._record import handle_op
+from jupyter_metainit.core._record import handle_op, read_value
 from jupyter_metainit.core._state import (
     _global_default_dtype,
     canonical_device,
@@ -61,6 +62,7 @@ from jupyter_metainit.core._state import (
 from jupyter_metainit.core._tensor import DeferredTensor
 from jupyter_metainit.core._trunc_normal import trunc_normal_
 from jupyter_metainit.core._values import value_cache
+from jupyter_metainit.core.errors import MetaInitError
 
 __all__ = ["is_meta_init", "meta_init"]
 
@@ -110,12 +112,31 @@ class _FunctionMode(TorchFunctionMode):
         if DeferredTensor in types:
             # What DeferredTensor.__torch_function__ would do next, one call earlier.
             return handle_function(func, args, kwargs)
+        if func is torch.Tensor.__deepcopy__ and type(args[0]) is torch.Tensor:
+            return _deep_copy_of_real(*args, **kwargs)
         if func in DATA_FACTORIES:
             return requires_grad_kwarg(data_factory(func, args, dict(kwargs)), kwargs)
         if "device" in kwargs or func in FACTORIES:
             made = rewrite_device(func, args, kwargs, in_context=True)
             return requires_grad_kwarg(made, kwargs, func)
         return func(*args, **kwargs)
+
+
+def _deep_copy_of_real(tensor: torch.Tensor, memo: dict) -> torch.Tensor:
+    """``copy.deepcopy`` of a real tensor inside a block: a deferred copy, as ``clone`` gives
+    (torch's own ``__deepcopy__`` builds the copy with ``new_empty``, deferred here, and then
+    refuses the mix of a real and a deferred tensor)."""
+    if id(tensor) in memo:
+        return memo[id(tensor)]
+    if not tensor.is_leaf:
+        return torch.Tensor.__deepcopy__(tensor, memo)  # torch's own error for non-leaves
+    with torch.no_grad():
+        copied = tensor.clone()
+    copied.requires_grad_(tensor.requires_grad)
+    memo[id(tensor)] = copied
+    for name, value in tensor.__dict__.items():
+        setattr(copied, name, copy.deepcopy(value, memo))
+    return copied
 
 
 class _DispatchMode(TorchDispatchMode):
@@ -163,6 +184,83 @@ _wrapped = (
     (torch, "set_default_dtype", _set_default_dtype),
     (torch.nn.init, "trunc_normal_", trunc_normal_),
 )
+
+
+# ``torch.Generator``'s methods are C methods of an immutable type: ``setattr`` refuses them, so
+# its type dict is edited instead (and the type's method cache invalidated). Reads of a state
+# flush the generator first: a state saved mid-build is the exact one, usable anywhere (another
+# generator, outside any block, a file). ``set_state`` accepts a state transformed inside a block
+# (``st.clone()``, ``torch.tensor(st.numpy())``: deferred tensors) by computing its values.
+def _generator_type_dict() -> dict | None:
+    try:
+        import ctypes
+
+        referents = gc.get_referents(torch._C.Generator.__dict__)
+        modified = ctypes.pythonapi.PyType_Modified
+    except (AttributeError, OSError):  # not CPython: states read mid-build may be placeholders
+        return None
+    if len(referents) != 1 or not isinstance(referents[0], dict):
+        return None
+    modified.argtypes = [ctypes.py_object]
+    modified.restype = None
+    return referents[0]
+
+
+_generator_dict = _generator_type_dict()
+_generator_methods = {
+    name: torch._C.Generator.__dict__[name]
+    for name in ("get_state", "set_state", "clone_state", "__reduce__")
+    if name in torch._C.Generator.__dict__
+}
+
+
+def _exact_then(name: str) -> Any:
+    original = _generator_methods[name]
+
+    def method(self: torch.Generator, *args: Any) -> Any:
+        _rng.exact_state(self)
+        return original(self, *args)
+
+    method.__name__ = name
+    return method
+
+
+def _generator_set_state(self: torch.Generator, new_state: torch.Tensor) -> Any:
+    if isinstance(new_state, DeferredTensor):
+        try:
+            new_state = read_value(new_state)
+        except MetaInitError as e:
+            raise MetaInitError(
+                "set_state() got a tensor computed inside meta_init whose values cannot be "
+                f"computed ({e}); pass the tensor that get_state() returned, or a copy made "
+                "outside the block"
+            ) from e
+    return _generator_methods["set_state"](self, new_state)
+
+
+def _generator_get_state(self: torch.Generator) -> torch.Tensor:
+    return _rng.exact_state(self)
+
+
+def _generator_wrappers() -> dict[str, Any]:
+    wrappers: dict[str, Any] = {"get_state": _generator_get_state}
+    if "set_state" in _generator_methods:
+        wrappers["set_state"] = _generator_set_state
+    for name in ("clone_state", "__reduce__"):
+        if name in _generator_methods:
+            wrappers[name] = _exact_then(name)
+    return wrappers
+
+
+def _set_generator_methods(methods: dict[str, Any]) -> None:
+    if _generator_dict is None:
+        return
+    import ctypes
+
+    _generator_dict.update(methods)
+    ctypes.pythonapi.PyType_Modified(torch._C.Generator)
+
+
 _wrap_count = 0
 _wrap_lock = threading.Lock()
 _saved: list[tuple[Any, str, Any]] = []
@@ -189,6 +287,7 @@ def _process_wrappers() -> Iterator[None]:
             for owner, name, wrapper in _wrapped:
                 _saved.append((owner, name, getattr(owner, name)))
                 setattr(owner, name, wrapper)
+            _set_generator_methods(_generator_wrappers())
             for key, value in _ENVIRONMENT.items():
                 _saved_environment[key] = os.environ.get(key)
                 os.environ[key] = value
@@ -202,6 +301,7 @@ def _process_wrappers() -> Iterator[None]:
                 for owner, name, original in reversed(_saved):
                     setattr(owner, name, original)
                 _saved.clear()
+                _set_generator_methods(_generator_methods)
                 for key, value in _saved_environment.items():
                     if value is None:
                         os.environ.pop(key, None)

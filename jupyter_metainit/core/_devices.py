@@ -26,7 +26,8 @@ from jupyter_metainit.core._record import (
     wrap_file_region,
 )
 from jupyter_metainit.core._state import canonical_device, default_device, dtype_override, tls
-from jupyter_metainit.core._tensor import DeferredTensor
+from jupyter_metainit.core._tensor import SHARE_MEMORY_ATTR, DeferredTensor
+from jupyter_metainit.core.errors import DeferredDataError
 
 __all__ = [
     "DATA_FACTORIES",
@@ -58,6 +59,12 @@ _LIKE = {
     torch.randn_like, torch.randint_like,
 }  # fmt: skip
 TO_METHODS = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.type}
+# Autograd entry points: deferred tensors keep ``requires_grad`` in Python and have no graph.
+_AUTOGRAD_CALLS = {
+    torch.autograd.grad: "torch.autograd.grad",
+    torch.autograd.backward: "torch.autograd.backward",
+    torch.Tensor.backward: "Tensor.backward()",
+}
 
 
 class pending:
@@ -272,6 +279,21 @@ def _handle_function(func: Any, args: tuple, kwargs: dict) -> Any:
         return func(value, *args[1:], **kwargs)
     if func is torch.Tensor.new_tensor:
         return data_factory(func, args, dict(kwargs))
+    if func in _AUTOGRAD_CALLS:
+        # Gradients need an autograd graph of real values; deferred tensors record none.
+        raise DeferredDataError(
+            f"{_AUTOGRAD_CALLS[func]} on deferred tensors (at {tls.where}): they hold no values "
+            "and no autograd graph, so there is nothing to differentiate (GradInit-style "
+            "initialisation included). Materialize first (jupyter_metainit.materialize(model)), "
+            "then run the forward and the loss again on the real model, or build this model "
+            "without meta_init."
+        )
+    if func is torch.Tensor.share_memory_ and args and isinstance(args[0], DeferredTensor):
+        # No memory to share yet (the storage call would crash): done when materialized.
+        args[0].__dict__[SHARE_MEMORY_ATTR] = True
+        return args[0]
+    if func is torch.Tensor.is_shared and args and isinstance(args[0], DeferredTensor):
+        return bool(args[0].__dict__.get(SHARE_MEMORY_ATTR, False))
     if func in SUBCLASS_SENSITIVE:
         return record_call(func, args, kwargs)
     if "device" in kwargs:

@@ -7,7 +7,12 @@ intercepted (``_devices.data_factory``, ``_record``): the memory's address is lo
 process's mappings (``/proc/self/maps``), which give the file and the offset, and the tensor
 becomes deferred, its recording one :func:`read_file_bytes` op. Replaying it reads exactly those
 bytes with ``pread`` (no mapping, so the process holds only the copy it keeps), after checking
-that the file is still the one that was recorded (size, modification time, inode, header).
+that the file is still the one that was recorded (size, modification and change times, inode,
+header). The change time (ctime) catches rewrites that restore the modification time
+(``cp -p``, ``rsync -t``, ``os.utime``): no user call can set it back. What is read is also
+checked: a sum of the bytes' 64-bit words (computed by the reading threads) must equal that of
+any earlier read of the same bytes of the same file version, which catches writes the timestamps
+miss (through a shared mapping, within the clock's granularity) before the bytes are used.
 """
 
 from __future__ import annotations
@@ -17,9 +22,11 @@ import concurrent.futures
 import hashlib
 import os
 import threading
+import zlib
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from jupyter_metainit.core.errors import MaterializationError
@@ -38,9 +45,11 @@ class FileRef:
     mtime_ns: int
     inode: int
     header: bytes
+    ctime_ns: int = 0  # metadata or contents changed (os.utime cannot set it back)
 
-    def check(self) -> None:
-        """Raise a clear error if the file is gone, unreadable or not the same any more."""
+    def check(self, header: bool = True) -> None:
+        """Raise a clear error if the file is gone, unreadable or not the same any more
+        (``header=False``: by its metadata only, which any write changes)."""
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
@@ -53,14 +62,18 @@ class FileRef:
                 f"the checkpoint file {self.path} cannot be read (permission denied). Nothing "
                 "was materialized."
             ) from None
-        if (st.st_size, st.st_mtime_ns, st.st_ino) != (self.size, self.mtime_ns, self.inode) or (
-            _header_digest(self.path) != self.header
+        identity = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
+        if identity != (self.size, self.mtime_ns, self.ctime_ns, self.inode) or (
+            header and _header_digest(self.path) != self.header
         ):
-            raise MaterializationError(
-                f"the checkpoint file {self.path} changed since the model was opened from it "
-                "(size, modification time or contents differ); open it again (e.g. re-run "
-                "from_pretrained under meta_init). Nothing was materialized."
-            )
+            raise self.changed("size, modification or change time, or contents differ")
+
+    def changed(self, how: str) -> MaterializationError:
+        return MaterializationError(
+            f"the checkpoint file {self.path} changed since the model was opened from it "
+            f"({how}); open it again (e.g. re-run from_pretrained under meta_init). Nothing "
+            "was materialized."
+        )
 
 
 @dataclass(frozen=True)
@@ -143,10 +156,11 @@ def _file_ref(path: str) -> FileRef | None:
         st = os.stat(path)
     except OSError:
         return None
-    key = (path, st.st_size, st.st_mtime_ns, st.st_ino)
+    key = (path, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
     ref = _refs.get(key)
     if ref is None:
-        ref = FileRef(path, st.st_size, st.st_mtime_ns, st.st_ino, _header_digest(path))
+        header = _header_digest(path)
+        ref = FileRef(path, st.st_size, st.st_mtime_ns, st.st_ino, header, st.st_ctime_ns)
         _refs[key] = ref
     return ref
 
@@ -190,26 +204,67 @@ def storage_region(data: Any) -> FileRegion | None:
 _CHUNK = 64 << 20
 
 
-def _read_into(fd: int, view: memoryview, offset: int, path: str) -> None:
-    done = 0
-    while done < len(view):
-        chunk = view[done:]
-        if hasattr(os, "preadv"):
-            n = os.preadv(fd, [chunk], offset + done)
-        else:  # no preadv (Windows, macOS before 11): read, then copy
-            data = os.pread(fd, len(chunk), offset + done)
-            n = len(data)
-            chunk[:n] = data
-        if n <= 0:
-            raise MaterializationError(f"the checkpoint file {path} ended early (truncated?)")
-        done += n
+# Switch for benchmarks/bench_checkpoint.py, which measures what the content check costs.
+CHECK_CONTENT = True
+# (file version, offset, nbytes) -> digest of each chunk, from the first read of those bytes
+_read_digests: dict[tuple[FileRef, int, int], tuple[int, ...]] = {}
+
+
+_PIECE = 1 << 20  # digested right after it is read, while it is in the CPU's cache
+
+
+def _read_into(fd: int, view: memoryview, offset: int, path: str) -> int:
+    """Fill ``view`` from ``offset``; returns a digest of what was read (0 if not checked).
+
+    With the check, it reads piece by piece and digests each piece right after reading it,
+    while it is in the CPU's cache; pieces are fixed, so the digest does not depend on how the
+    system split the reads.
+    """
+    step = _PIECE if CHECK_CONTENT else len(view)
+    total = 0
+    for start in range(0, len(view), step):
+        piece = view[start : start + step]
+        done = 0
+        while done < len(piece):
+            rest = piece[done:]
+            if hasattr(os, "preadv"):
+                n = os.preadv(fd, [rest], offset + start + done)
+            else:  # no preadv (Windows, macOS before 11): read, then copy
+                data = os.pread(fd, len(rest), offset + start + done)
+                n = len(data)
+                rest[:n] = data
+            if n <= 0:
+                raise MaterializationError(f"the checkpoint file {path} ended early (truncated?)")
+            done += n
+        if CHECK_CONTENT:
+            total = _content_sum(piece, total, start // _PIECE)
+    return total
+
+
+def _content_sum(piece: memoryview, total: int, index: int) -> int:
+    """``total`` with piece number ``index`` added: a cheap digest of the bytes, the wrapping
+    sum of their 64-bit words times an odd number from the piece's position (so that moved
+    pieces count too), and a CRC-32 of a last piece's odd tail. Any changed word changes it."""
+    words = len(piece) // 8 * 8
+    weight = 2 * index + 1
+    if words:
+        values = np.frombuffer(piece[:words], dtype=np.uint64)
+        total += int(np.add.reduce(values, dtype=np.uint64)) * weight
+    if words != len(piece):
+        total += zlib.crc32(piece[words:]) * weight
+    return total & _MASK
+
+
+_PIECE = 1 << 20  # digested right after it is read, while it is in the CPU's cache
+_MASK = (1 << 64) - 1
 
 
 def read_file_bytes(region: FileRegion) -> torch.Tensor:
     """The region's bytes, read into a new CPU ``uint8`` tensor (the replay of a file read).
 
     Large regions are read in chunks on several threads: most of the time goes to the kernel
-    faulting in the new memory, which parallelizes.
+    faulting in the new memory, which parallelizes. The file is checked before (identity) and
+    after (identity again, and the bytes against any earlier read of them) reading.
     """
     region.file.check()
     out = torch.empty(region.nbytes, dtype=torch.uint8)
@@ -225,17 +280,27 @@ def read_file_bytes(region: FileRegion) -> torch.Tensor:
         starts = range(0, region.nbytes, _CHUNK)
         workers = min(len(starts), os.cpu_count() or 1)
         if workers <= 1:
-            _read_into(fd, view, region.offset, path)
+            crcs = (_read_into(fd, view, region.offset, path),)
         else:
             with concurrent.futures.ThreadPoolExecutor(workers) as pool:
                 jobs = [
                     pool.submit(_read_into, fd, view[i : i + _CHUNK], region.offset + i, path)
                     for i in starts
                 ]
-                for job in jobs:
-                    job.result()
+                crcs = tuple(job.result() for job in jobs)
     finally:
         os.close(fd)
+    if CHECK_CONTENT:
+        region.file.check(header=False)  # not changed while it was read
+        key = (region.file, region.offset, region.nbytes)
+        with _lock:
+            earlier = _read_digests.setdefault(key, crcs)
+            if len(_read_digests) > 1 << 17:  # bounded: forget, keep checking new reads
+                _read_digests.clear()
+        if earlier != crcs:
+            raise region.file.changed(
+                "these bytes differ from an earlier read of them, though its times are the same"
+            )
     return out
 
 

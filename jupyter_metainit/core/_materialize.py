@@ -11,6 +11,7 @@ from __future__ import annotations
 import inspect
 import os
 import traceback
+import warnings
 import weakref
 from collections.abc import Callable, Iterable, Iterator, Sized, ValuesView
 from typing import Any
@@ -32,6 +33,7 @@ from jupyter_metainit.core._swap import swap_in_place
 from jupyter_metainit.core._tensor import (
     INTERNAL_ATTRS,
     PARAMETER_ATTRS,
+    SHARE_MEMORY_ATTR,
     DeferredTensor,
     as_parameter,
 )
@@ -108,7 +110,15 @@ class _UserState:
 _kept: WeakIdKeyDictionary = WeakIdKeyDictionary()  # real tensor -> _Shadow
 _sources = materialized_sources  # real tensor -> "checkpoint" / "init"
 _fast_values: WeakIdKeyDictionary = WeakIdKeyDictionary()  # real tensors with rng="fast" values
+# Real tensors materialized with device=: the device their values were computed on.
+_made_on: WeakIdKeyDictionary = WeakIdKeyDictionary()
+# Freed tensors -> (held rng="fast" values, device they were computed on or None): a default
+# materialize replays them so again, so that a free and a materialize change nothing (fast draws
+# depend on the device; a part recorded for a GPU and made on the CPU needs no GPU to return).
+_freed_how: WeakIdKeyDictionary = WeakIdKeyDictionary()
 _freed_state: WeakIdKeyDictionary = WeakIdKeyDictionary()  # freed tensor -> _UserState
+# Real tensors whose shadow clear_meta_init_cache dropped (only to say so when freeing them).
+_cleared: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
 # Storages a materialization made real, with the tensor over each, the writes recorded on the
 # storage then, and the memory's address: a deferred view of the same storage materialized in a
@@ -128,6 +138,20 @@ def _realized_base(
     storage = rec.storage
     if id(storage) in bases:
         return bases[id(storage)]
+    real = _realized_tensor(storage)
+    if real is None or (device is not None and real.device != device):
+        return None
+    memory = real.untyped_storage()
+    with plain():
+        base = torch.empty(0, dtype=storage.dtype, device=real.device)
+        base.set_(memory, 0, (storage.nbytes // storage.dtype.itemsize,))
+    bases[id(storage)] = base
+    return base
+
+
+def _realized_tensor(storage: StorageRecord) -> torch.Tensor | None:
+    """The real tensor an earlier call made over ``storage``, while it still holds that memory
+    and nothing was recorded on the storage since."""
     entry = _realized.get(storage)
     if entry is None:
         return None
@@ -140,14 +164,9 @@ def _realized_base(
         len(storage.writes) != writes
         or memory.data_ptr() != address
         or memory.nbytes() != storage.nbytes
-        or (device is not None and real.device != device)
     ):
         return None
-    with plain():
-        base = torch.empty(0, dtype=storage.dtype, device=real.device)
-        base.set_(memory, 0, (storage.nbytes // storage.dtype.itemsize,))
-    bases[id(storage)] = base
-    return base
+    return real
 
 
 def _remember_realized(tensors: list[torch.Tensor], records: list[TensorRecord]) -> None:
@@ -157,7 +176,7 @@ def _remember_realized(tensors: list[torch.Tensor], records: list[TensorRecord])
         if t.dtype != rec.dtype or isinstance(t, DeferredTensor):
             continue
         memory = t.untyped_storage()
-        if memory.nbytes() == rec.storage.nbytes and rec.storage not in _realized:
+        if memory.nbytes() == rec.storage.nbytes and _realized_tensor(rec.storage) is None:
             _realized[rec.storage] = (weakref.ref(t), len(rec.storage.writes), memory.data_ptr())
 
 
@@ -257,9 +276,10 @@ def _collect(obj: Any, verb: str = "materialize") -> list[torch.Tensor]:
         out: dict[int, torch.Tensor] = {}
         for x in obj:
             if not isinstance(x, (torch.Tensor, torch.nn.Module, list, tuple)):
+                hint = " (for named_parameters(), pass parameters())" if isinstance(x, str) else ""
                 raise TypeError(
                     f"{verb}() takes a tensor, a module, or a list (or other iterable, e.g. "
-                    f"model.parameters()) of them; got a {type(x).__name__} in the list"
+                    f"model.parameters()) of them; got a {type(x).__name__} in the list{hint}"
                 )
             for t in _collect(x, verb):
                 out.setdefault(id(t), t)
@@ -341,6 +361,14 @@ def _check_recorded_devices(tensors: list[DeferredTensor], what: str) -> None:
     for t in tensors:
         seen[t.device] = seen.get(t.device, 0) + 1
     for d, count in seen.items():
+        if d.type == "meta":
+            raise MaterializationError(
+                f"{count} tensor(s) of {what} were recorded for PyTorch's meta device (moved "
+                "there with .to('meta') or built with device='meta'): a meta tensor has a shape "
+                "but never values, so there is nothing to materialize there. Their recorded "
+                "values can be materialized on a real device: pass device='cpu' (or 'cuda'). "
+                "Nothing was materialized."
+            )
         reason = _missing_device_reason(d)
         if reason is not None:
             raise MaterializationError(
@@ -540,7 +568,7 @@ def materialize(
     device: Any = None,
     *,
     dtype: torch.dtype | None = None,
-    rng: str = "exact",
+    rng: str | None = None,
     keep_cache: bool = False,
     progress: Any = None,
     checkpoint: Any = None,
@@ -562,10 +590,13 @@ def materialize(
             ``nn.Module.to`` does (same tensor objects, ties kept).
         dtype: cast floating-point tensors to this dtype after replay; real parts are cast in
             place too.
-        rng: ``"exact"`` (default): bit-identical to eager construction, whatever was
-            materialized before and in whatever grouping. ``"fast"``: every random op draws from
-            its own stream seeded from the recorded seed and the op's position; deterministic,
-            order-independent, parallel and generated on the target device.
+        rng: ``"exact"``: bit-identical to eager construction, whatever was materialized
+            before and in whatever grouping. ``"fast"``: every random op draws from its own
+            stream seeded from the recorded seed and the op's position; deterministic,
+            order-independent, parallel and generated on the target device. ``None``
+            (default): ``"exact"``, except for tensors freed by :func:`dematerialize` while
+            holding fast values, which get those fast values back (a free and a materialize
+            change no values); ``rng="exact"`` gives them eager's.
         keep_cache: keep the recording of these tensors, so that :func:`dematerialize` can make
             them deferred again. By default it is released (with everything no other deferred
             tensor needs).
@@ -589,8 +620,8 @@ def materialize(
         allocated. Calls from several threads on the same model are serialized (see ``_busy``).
     """
     obj = _as_list_if_iterator(obj)
-    if rng not in _RNG_MODES:
-        raise ValueError(f"rng must be 'exact' or 'fast', not {rng!r}")
+    if rng is not None and rng not in _RNG_MODES:
+        raise ValueError(f"rng must be 'exact', 'fast' or None (the default), not {rng!r}")
     if missing not in ("error", "init"):
         raise ValueError(f"missing must be 'error' or 'init', not {missing!r}")
     _check_dtype(dtype)
@@ -619,11 +650,28 @@ def materialize(
                 failure = _released(exc, _describe(obj), target_device, tensors, dtype)
             if failure is not None:
                 raise failure  # outside the handler: no implicit link to the replay's frames
+            if keep_cache:
+                _warn_unkept(reals, _describe(obj))
             _events.publish("materialized", swapped)
     finally:
         if bar is not None:
             bar.close()
     return obj
+
+
+def _warn_unkept(reals: list[torch.Tensor], what: str) -> None:
+    """keep_cache=True cannot apply to parts that were real already with nothing kept: say so
+    now, rather than let a later dematerialize be the first to tell."""
+    unkept = [
+        t for t in reals if _freeable(t) not in _kept and not _is_uninitialized(t)
+    ]  # fmt: skip
+    if unkept:
+        warnings.warn(
+            f"keep_cache=True does not apply to the parts of {what} that were real already: "
+            + _why_not_kept(unkept, "cannot be freed again with dematerialize"),
+            UserWarning,
+            stacklevel=3,
+        )
 
 
 def _refuse_unmaterializable(collected: list[torch.Tensor], tensors: list) -> None:
@@ -654,18 +702,20 @@ def _build_real(
         real = real.detach()  # a second object over the same storage (aliases stay aliases)
     used.add(id(real))
     if getattr(t, "_is_param", False):
-        real = as_parameter(t, real, t._rg)
-    elif t._rg and (real.is_floating_point() or real.is_complex()):
+        real = as_parameter(t, real, t.requires_grad)
+    elif t.requires_grad and (real.is_floating_point() or real.is_complex()):
         real = real.detach().requires_grad_(True)
     for k, v in t.__dict__.items():
         if k not in INTERNAL_ATTRS and k not in PARAMETER_ATTRS:
             setattr(real, k, v)
+    if t.__dict__.get(SHARE_MEMORY_ATTR) and real.device.type == "cpu":
+        real.share_memory_()  # asked for while deferred (``model.share_memory()``)
     return real
 
 
 def _materialize_now(
     obj: Any, tensors: list[DeferredTensor], reals: list[torch.Tensor],
-    device: torch.device | None, dtype: torch.dtype | None, rng: str, keep: bool,
+    device: torch.device | None, dtype: torch.dtype | None, rng: str | None, keep: bool,
     callback: Any, checkpoint: Any, missing: str, root: torch.nn.Module | None,
 ) -> list[torch.Tensor]:  # fmt: skip
     """Compute everything, then swap it into place; nothing changes if anything fails."""
@@ -693,14 +743,29 @@ def _materialize_now(
     if tracker is not None and aliased:
         tracker.loaded([t for t in tensors if id(t) in aliased])
     to_replay = [t for t in tensors if id(t) not in loaded and id(t) not in aliased]
-    replay = plan([t._rec for t in to_replay])
+    how = _replay_how(to_replay, rng, device)
+    # One replay per (mode, device); the storages of two never overlap (see _replay_how).
+    groups: dict[tuple[str, torch.device | None], list[DeferredTensor]] = {}
+    for t in to_replay:
+        groups.setdefault(how[id(t)], []).append(t)
+    replays = {key: (plan([t._rec for t in group]), group) for key, group in groups.items()}
     # A tensor's own plan says where its values come from; only worth asking if any file is read.
-    reads_files = any(op.func is read_file_bytes for op in replay.ops)
+    reads_files = any(
+        op.func is read_file_bytes for p, _ in replays.values() for op in p.ops
+    )  # fmt: skip
     sources = {
         id(t): "checkpoint" if id(t) in loaded else tensor_source(t) if reads_files else "init"
         for t in tensors
     }
-    env = execute(replay, device, rng, tracker)
+    env: dict[int, torch.Tensor] = {}
+    for (mode, on), (replay, group) in replays.items():
+        out = execute(replay, on, mode, tracker)
+        for t in group:  # made where it was made before, then put where it is asked for
+            key, target = id(t._rec.storage), device or t.device
+            if on is not None and out[key].device != target:
+                out[key] = out[key].to(target)
+        env.update(out)
+
     used: set[int] = set()
     new = []
     fast: set[int] = set()  # ids of tensors whose values come from rng="fast" draws
@@ -716,7 +781,7 @@ def _materialize_now(
             state.apply(new[-1])
         # Values differ from eager only where a random op ran in fast mode.
         if (
-            rng == "fast"
+            how.get(id(t), (rng, None))[0] == "fast"
             and id(t) not in loaded
             and any(op.rng is not None for op in plan([t._rec]).ops)
         ):
@@ -734,6 +799,12 @@ def _materialize_now(
         for t in tensors:
             _sources[t] = sources[id(t)]
             _freed_state.pop(t, None)
+            _freed_how.pop(t, None)
+            made_on = how.get(id(t), (None, None))[1]
+            if made_on is None and id(t) in fast:
+                made_on = t.device  # fast draws depend on the device they were made on
+            if made_on is not None:
+                _made_on[t] = made_on
             if id(t) in fast:
                 _fast_values[t] = True
         with torch.no_grad():
@@ -751,6 +822,33 @@ def _materialize_now(
     return [*tensors, *(t for t in reals if id(t) in loaded), *(t for t, _ in converted)]
 
 
+def _replay_how(
+    tensors: list[DeferredTensor], rng: str | None, device: torch.device | None
+) -> dict[int, tuple[str, torch.device | None]]:
+    """``(rng mode, device to compute on)`` for each tensor, by ``id``.
+
+    The mode is ``rng`` if given, else ``"fast"`` for tensors freed while holding fast values
+    and ``"exact"`` for the others. The device is ``device``, except for tensors freed after
+    being made on a device of their own (``device=`` then): computed there again where
+    ``device`` is None, and always when their fast values come back (fast draws differ
+    between devices), then moved. Tensors over one storage (tied, views) share both, so that
+    they stay one memory.
+    """
+    by_storage: dict[int, tuple[bool, torch.device | None]] = {}
+    for t in tensors:
+        fast, made_on = _freed_how.get(t, (False, None))
+        was_fast, was_on = by_storage.get(id(t._rec.storage), (False, None))
+        by_storage[id(t._rec.storage)] = (fast or was_fast, was_on or made_on)
+    out: dict[int, tuple[str, torch.device | None]] = {}
+    for t in tensors:
+        fast, made_on = by_storage[id(t._rec.storage)]
+        mode = rng if rng is not None else "fast" if fast else "exact"
+        keep_draws = mode == "fast" and fast  # its fast values, drawn where they were drawn
+        on = made_on if made_on is not None and (device is None or keep_draws) else device
+        out[id(t)] = (mode, on)
+    return out
+
+
 def _holder_for(
     t: DeferredTensor, real: torch.Tensor, keep: bool, from_file: bool,
     file_read: DeferredTensor | None,
@@ -762,17 +860,18 @@ def _holder_for(
     they are compared with it rather than digested now. So can tensors loaded with
     ``checkpoint=``: their recording becomes that file read.
     """
-    if file_read is not None:
-        return file_read, None
-    if not keep and not from_file:
+    if file_read is None and not keep and not from_file:
         return None
-    recording: DeferredTensor | None = None
-    if real.dtype != t.dtype or real.device != t.device:
+    recording = t if file_read is None else file_read
+    converted = None
+    if real.dtype != recording.dtype or real.device != recording.device:
         # Cast (dtype=) or placed (device=) on the way: keep a recording of that too, so that
         # materializing again gives these values, not the uncast ones.
         with torch.no_grad():
-            recording = t.to(device=real.device, dtype=real.dtype)
-    return recording, None if from_file else digest(real)
+            converted = recording.to(device=real.device, dtype=real.dtype)
+    if file_read is not None:
+        return (file_read if converted is None else converted), None
+    return converted, None if from_file else digest(real)
 
 
 def _converted_reals(
@@ -843,43 +942,58 @@ def _swap_all(
 # dematerialize
 
 
-def dematerialize(obj: Any, *, force: bool = False) -> Any:
+def dematerialize(obj: Any, *, force: bool = False, root: torch.nn.Module | None = None) -> Any:
     """Make materialized tensors deferred again and free their memory.
 
     Works on tensors materialized with ``keep_cache=True`` (the widget and magics do that), read
     from a file (``from_pretrained`` under ``meta_init``) or loaded with ``checkpoint=``.
-    Materializing them again in ``exact`` mode gives the values they have now, bit for bit: that
-    is checked here, whatever happened since (training, loads, casts, moves, a changed source
-    tensor or file). A tensor that fails the check is refused, by name, unless ``force=True``
-    (which drops its current values). Refusals change nothing. What the user set on the tensor
-    objects (``requires_grad``, attributes, hooks, a Parameter subclass) is kept.
+    Materializing them again gives the values they have now, bit for bit (``fast`` values
+    too: a tensor freed with them gets them again from ``materialize``'s default, eager's from
+    an explicit ``rng="exact"``): that is checked here, whatever happened since (training,
+    loads, casts, moves, a changed source tensor or file). A tensor that fails the check is
+    refused, by name, unless ``force=True`` (which drops its current values); so is a tensor
+    holding a gradient (``.grad``: clear it with ``zero_grad(set_to_none=True)``, or
+    ``force=True`` drops it). Refusals change nothing. What the user set on the tensor objects
+    (``requires_grad``, attributes, hooks, a Parameter subclass) is kept. ``root`` (the whole
+    model, when ``obj`` is a part or a list of parts) only names tensors in errors.
     """
     obj = _as_list_if_iterator(obj)
     with handling_interrupts(), exclusive(f"freeing {_describe(obj)}"):
+        # (the object the user holds, the one that holds the memory): a DTensor and its shard
         tensors = [
-            _freeable(t) for t in _collect(obj, "dematerialize")
+            (t, _freeable(t)) for t in _collect(obj, "dematerialize")
             if not isinstance(t, DeferredTensor) and not t.is_meta
         ]  # fmt: skip
-        names = _names_in(obj)
+        names = _names_in(root) if root is not None else _names_in(obj)
         pairs: list[tuple[torch.Tensor, _Shadow]] = []
         refused: list[str] = []
-        lost = 0
-        for t in tensors:
+        with_grad: list[str] = []
+        lost: list[torch.Tensor] = []
+        for held, t in tensors:
             holder = _kept.get(t)
             if holder is None:
-                lost += not _is_uninitialized(t)
+                if not _is_uninitialized(t):
+                    lost.append(t)
                 continue
             if not force:
+                # A gradient is the user's data and its memory: freeing would drop it silently.
+                if held.grad is not None or t.grad is not None:
+                    with_grad.append(_name(t, names))
                 reason = _why_not_reproducible(t, holder)
                 if reason is not None:
                     refused.append(f"{_name(t, names)} {reason}")
             pairs.append((t, holder))
         if lost:
             raise MaterializationError(
-                f"{lost} tensor(s) cannot be made deferred again: they were not materialized "
-                "with keep_cache=True (or the cache was cleared, or they were never deferred). "
-                "Nothing was changed. Use materialize(..., keep_cache=True) to be able to free "
-                "them."
+                _why_not_kept(lost, "cannot be made deferred again") + " Nothing was changed."
+            )
+        if with_grad:
+            more = f" (and {len(with_grad) - 3} more)" if len(with_grad) > 3 else ""
+            raise MaterializationError(
+                f"cannot free {len(with_grad)} tensor(s) holding a gradient (.grad), which "
+                f"freeing would drop: {', '.join(with_grad[:3])}{more}. Nothing was changed. "
+                "Clear the gradients first (model.zero_grad(set_to_none=True), or "
+                "optimizer.zero_grad()), or pass force=True to drop them."
             )
         if refused:
             more = f" (and {len(refused) - 3} more)" if len(refused) > 3 else ""
@@ -894,7 +1008,9 @@ def dematerialize(obj: Any, *, force: bool = False) -> Any:
             for t, deferred, state in prepared:
                 del _kept[t]
                 _sources.pop(t, None)
-                _fast_values.pop(t, None)
+                fast, made_on = _fast_values.pop(t, None), _made_on.pop(t, None)
+                if fast or made_on is not None:  # a default materialize makes them so again
+                    _freed_how[t] = (bool(fast), made_on)
                 swap_in_place(t, deferred)
                 _freed_state[t] = state
         freed = [t for t, _, _ in prepared]
@@ -904,6 +1020,25 @@ def dematerialize(obj: Any, *, force: bool = False) -> Any:
         _return_memory_to_the_os()
         _events.publish("dematerialized", freed)
     return obj
+
+
+def _why_not_kept(tensors: list[torch.Tensor], what: str) -> str:
+    """Why real ``tensors`` have nothing kept to free them with, each reason counted."""
+    earlier = sum(1 for t in tensors if t in _sources and t not in _cleared)
+    cleared = sum(1 for t in tensors if t in _cleared)
+    never = len(tensors) - earlier - cleared
+    reasons = []
+    if earlier:
+        reasons.append(
+            f"{earlier} were materialized without keep_cache=True, which released their "
+            "recording (materialize(..., keep_cache=True) on a tensor that is real already "
+            "cannot bring it back: pass keep_cache=True the first time they are materialized)"
+        )
+    if cleared:
+        reasons.append(f"{cleared} lost their recording to clear_meta_init_cache()")
+    if never:
+        reasons.append(f"{never} were never deferred (made real outside meta_init)")
+    return f"{len(tensors)} tensor(s) {what}: {'; '.join(reasons)}."
 
 
 def _freeable(t: torch.Tensor) -> torch.Tensor:
@@ -1021,6 +1156,8 @@ def clear_meta_init_cache() -> None:
     with ``keep_cache=True`` can no longer be dematerialized, and exact-mode calls may have to
     regenerate random streams again.
     """
+    for t in list(_kept.keys()):
+        _cleared[t] = True
     _kept.clear()
     _rng.forget_generators()
     for seg in _rng.live_segments():

@@ -47,6 +47,7 @@ from jupyter_metainit.core._swap import swap_in_place
 from jupyter_metainit.core._tensor import (
     INTERNAL_ATTRS,
     PARAMETER_ATTRS,
+    SHARE_MEMORY_ATTR,
     DeferredTensor,
     as_parameter,
 )
@@ -193,6 +194,20 @@ def _is_float(dtype: torch.dtype) -> bool:
 
 
 def handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
+    """Record one ATen call (see :func:`_handle_op`)."""
+    try:
+        return _handle_op(func, args, kwargs)
+    except NotImplementedError as e:
+        if "NestedTensorMeta" not in str(e) and "SparseMeta" not in str(e):
+            raise
+        # Nested (jagged) and sparse tensors built on PyTorch's meta device inside meta_init.
+        raise UnsupportedOperatorError(
+            f"{func} on a nested or sparse tensor cannot be deferred (called at {call_site()}); "
+            "build nested and sparse tensors outside meta_init, or use dense tensors"
+        ) from None
+
+
+def _handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
     """Record one ATen call that involves a deferred tensor (or any call inside ``meta_init``).
 
     Use it only as the dispatch handler of ``DeferredTensor`` and of the ``meta_init`` mode.
@@ -538,11 +553,38 @@ _PROBE_BYTES = 16 << 20
 _probed: dict[Any, tuple[tuple[tuple[int, ...], tuple[int, ...]], ...] | None] = {}
 
 
-def _probe_layout(func: Any, meta_args: tuple, meta_kwargs: dict, out: Any) -> Any:
+def _has_size_one_or_zero(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and any(n <= 1 for n in t.shape)
+
+
+def _layout_may_differ(info: OpInfo, meta_args: tuple, meta_kwargs: dict, out: Any) -> bool:
+    """True for a new tensor whose strides PyTorch's Python meta kernels may choose otherwise
+    than the CPU kernels: on dimensions of size 1 (or 0), elementwise ops and ``*_like`` keep or
+    drop the input's stride there by other rules (``empty_like`` of a ``(1, 3, 3)`` tensor with
+    strides ``(3, 3, 1)``: ``(9, 3, 1)`` on meta, ``(3, 3, 1)`` on the CPU). Those get the CPU's
+    layout by :func:`_probe_layout`."""
+    if info.mutated or any(a is not None for a in info.return_alias):
+        return False  # writes or views: the layout is the input's own
+    if info.is_random and not info.has_generator:
+        return False  # the probe must not draw from the global generator
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    if not any(isinstance(o, torch.Tensor) and o.dim() for o in outs):
+        return False
+    return any(_has_size_one_or_zero(o) for o in outs) or any(
+        _has_size_one_or_zero(x) for x in iter_args(meta_args, meta_kwargs)
+    )
+
+
+def _probe_layout(
+    func: Any, meta_args: tuple, meta_kwargs: dict, out: Any, has_generator: bool = False
+) -> Any:
     try:
         key = (func, _arg_key(meta_args), _arg_key(tuple(meta_kwargs.items())))
     except _Unkeyable:
         return out
+    if has_generator:
+        # A generator of its own: the probe's draws touch no generator the user has.
+        meta_kwargs = {**meta_kwargs, "generator": torch.Generator()}
     if key not in _probed:
         _probed[key] = None
         tensors = [x for x in iter_args(meta_args, meta_kwargs) if isinstance(x, torch.Tensor)]
@@ -733,7 +775,7 @@ def _record_fill(func: Any, args: tuple, kwargs: dict) -> DeferredTensor | None:
     if func not in _PLAIN_FILLS:
         meta = self._meta
         rng, _ = _place_random(func, (meta, *args[1:]), kwargs, True, generator,
-                               meta.numel() * meta.element_size())  # fmt: skip
+                               meta.numel() * meta.element_size(), self.device)  # fmt: skip
         if "generator" in rec_kwargs:
             rec_kwargs["generator"] = None
     op = OpRecord(
@@ -750,11 +792,14 @@ _PLAIN_FILLS = frozenset({aten.fill_.Scalar, aten.zero_.default})
 
 def _place_random(
     func: Any, meta_args: tuple, meta_kwargs: dict, has_generator: bool,
-    generator: torch.Generator | None, nbytes: int,
+    generator: torch.Generator | None, nbytes: int, device: torch.device,
     real_call: tuple[tuple, dict, OpInfo] | None = None,
 ) -> tuple[RngUse, Any]:  # fmt: skip
     """The place of a new random op in its generator's stream (see ``_rng.record_random``),
     and the op's real outputs when its draw count depends on values (else None).
+
+    ``device``: where the op's output is recorded; without an explicit generator the op draws
+    from that device's default generator, as eagerly (``_rng.default_generator_for``).
 
     ``real_call``: the op's arguments and info, for an op whose draws may depend on the values
     it reads (``_rng.draws_depend_on_values``): its inputs are computed now and it runs from
@@ -762,6 +807,8 @@ def _place_random(
     """
     spec = _rng.BurnSpec(func, _spec_args(meta_args), _spec_kwargs(meta_kwargs), has_generator,
                          nbytes)  # fmt: skip
+    if generator is None:
+        generator = _rng.default_generator_for(device)
     gen = generator if generator is not None else torch.default_generator
     run = None
     if (
@@ -834,16 +881,26 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
     default_dtype: torch.dtype | None = None
     try:
         out = _cpu_layout(func, _meta_outputs(func, bound, meta_args, meta_kwargs, info))
+        if _not_strided(out):
+            return _computed_not_strided(func, args, kwargs, device, where)
         if func in _PROBED:
             out = _probe_layout(func, meta_args, meta_kwargs, out)
+        elif _layout_may_differ(info, meta_args, meta_kwargs, out):
+            out = _probe_layout(func, meta_args, meta_kwargs, out, info.has_generator)
     except _NO_META_KERNEL:
-        out, values = _outputs_from_values(func, info, args, kwargs, where)
+        try:
+            out, values = _outputs_from_values(func, info, args, kwargs, where)
+        except _NotStridedResult as e:
+            return e.result
     except RuntimeError:
         # A meta kernel stricter than the real one (an in-place op that resizes): decide on
         # the real kernel when that is cheap; an error eager code gets too is raised as is.
         if _deferred_input_bytes(flat) > _VALUES_FOR_ERRORS:
             raise
-        out, values = _outputs_from_values(func, info, args, kwargs, where)
+        try:
+            out, values = _outputs_from_values(func, info, args, kwargs, where)
+        except _NotStridedResult as e:
+            return e.result
     else:
         if info.dtype_index is not None and not info.takes_tensors:
             # A factory: replay gets the dtype explicitly, never the default in force then.
@@ -952,8 +1009,10 @@ def _record(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwarg
         if info.is_random:
             gen = bound[info.arg_index("generator")] if info.has_generator else None
             nbytes = sum(o.numel() * o.element_size() for o in outs if isinstance(o, torch.Tensor))
+            # An op writing a tensor draws where that tensor lives (`t.uniform_()`).
+            on = mutates[0].device if mutates else device
             rng, computed = _place_random(func, meta_args, meta_kwargs, info.has_generator,
-                                          gen, nbytes, (args, kwargs, info))  # fmt: skip
+                                          gen, nbytes, on, (args, kwargs, info))  # fmt: skip
             computed_outs = computed if isinstance(computed, (tuple, list)) else [computed]
             if (
                 computed is not None
@@ -1070,6 +1129,54 @@ def _same_layout(value: Any, meta: Any) -> bool:
     )
 
 
+class _NotStridedResult(Exception):
+    """Carries the real result of an op whose output cannot be deferred (see below)."""
+
+    def __init__(self, result: Any) -> None:
+        self.result = result
+
+
+def _not_strided(out: Any) -> bool:
+    outs = out if isinstance(out, (tuple, list)) else (out,)
+    return any(
+        isinstance(o, torch.Tensor) and (o.layout != torch.strided or o.is_nested) for o in outs
+    )
+
+
+def device_of(args: tuple, kwargs: dict) -> torch.device:
+    return _output_device(kwargs, iter_args(args, kwargs))
+
+
+def _computed_not_strided(
+    func: Any, args: tuple, kwargs: dict, device: torch.device, where: Where, real: Any = None
+) -> Any:
+    """Sparse and nested results (``torch.sparse_coo_tensor``, ``.to_sparse()``,
+    ``torch.nested.nested_tensor``) have no deferred form: they are computed now, from the exact
+    values of their deferred inputs, and returned as real CPU tensors (not deferred: materialize
+    has nothing to do for them). On another device, a clear error."""
+    layout = "nested" if kwargs.get("layout") is torch.jagged else "sparse or nested"
+    if device.type != "cpu":
+        raise UnsupportedOperatorError(
+            f"{func} makes a {layout} tensor, which cannot be deferred, and it would be on "
+            f"{device} (called at {where}); build it outside meta_init, or on the CPU "
+            "(device='cpu') and move it after materializing"
+        )
+    if real is not None:
+        return real
+    deferred = [x for x in iter_args(args, kwargs) if isinstance(x, DeferredTensor)]
+    values = _values_of(deferred, func)
+    by_id = {id(d): v for d, v in zip(deferred, values, strict=True)}
+
+    def real_of(x: Any) -> Any:
+        if isinstance(x, torch.device):
+            return torch.device("cpu")
+        return by_id.get(id(x), x)
+
+    a, k = map_args(real_of, args, kwargs)
+    with plain():
+        return func(*a, **k)
+
+
 _VALUES_FOR_ERRORS = 64 << 20  # bytes of deferred inputs worth computing to check an error
 
 
@@ -1112,11 +1219,9 @@ def _outputs_from_values(
     with plain():
         real = func(*a, **k)
     reals = real if isinstance(real, (tuple, list)) else (real,)
-    if any(isinstance(r, torch.Tensor) and r.layout != torch.strided for r in reals):
-        raise UnsupportedOperatorError(
-            f"{func} returns a {reals[0].layout} tensor, which cannot be deferred (called at "
-            f"{where}); build it outside meta_init"
-        )
+    if _not_strided(real):
+        device = device_of(args, kwargs)
+        raise _NotStridedResult(_computed_not_strided(func, args, kwargs, device, where, real))
     metas = []
     for i, r in enumerate(reals):
         alias = info.return_alias[i] if i < len(info.return_alias) else None
@@ -1223,6 +1328,8 @@ def set_data(self: DeferredTensor, new: torch.Tensor) -> None:
     """``t.data = x`` on a deferred tensor: ``t`` now stands for ``x``'s values (same object)."""
     if isinstance(new, DeferredTensor):
         replacement = DeferredTensor(new._meta, new._rec, new.device, self._rg)
+        if new.__dict__.get(SHARE_MEMORY_ATTR):  # ``p.data = p`` (``Module._apply``) keeps it
+            replacement.__dict__[SHARE_MEMORY_ATTR] = True
     else:
         replacement = new.detach()
         if getattr(self, "_is_param", False):

@@ -1,6 +1,10 @@
 """Random-number policy: where each deferred random op sits in its generator's stream.
 
-Eager construction draws from a generator (usually the default CPU one) in program order.
+Eager construction draws from a generator (usually the default CPU one) in program order. An op
+without an explicit generator draws from the default generator of its device: the CPU one, or,
+for a tensor recorded for a GPU present at recording, that GPU's default CUDA generator
+(``default_generator_for``; a GPU absent at recording, ``cuda:1`` on a CPU-only machine, gets the
+CPU stream).
 Recording draws nothing, so each random op is stored as ``(segment, index)``: a *segment* is a
 run of deferred random ops that would have consumed one generator back to back, starting from
 ``start_state``.
@@ -20,15 +24,16 @@ The real generator after a deferred build
     the last op boundary it computed plus the draws of the known-count ops recorded since
     (``pending``), and *flushes* (one jump-ahead for all of them) whenever the real state can be
     observed: when the outermost ``meta_init`` block exits, before a real random op runs inside
-    one, when ``torch.get_rng_state()``/``fork_rng`` reads it, and after every op recorded
-    outside a block. An op whose draw count is not known is run on scratch memory at recording
-    time, from the exact state, so the stream stays exact; an op whose draw count depends on the
+    one, when ``torch.get_rng_state()``/``fork_rng``/``g.get_state()``/``g.clone_state()``/
+    pickling reads it (``exact_state``), and after every op recorded outside a block. An op
+    whose draw count is not known is run on scratch memory at recording time, from the exact
+    state, so the stream stays exact; an op whose draw count depends on the
     values it reads (``poisson``, ``torch.distributions`` sampling) runs on its real inputs, and
     the state it ends in is kept for good (``RngSegment.fixed``). While draws are pending the
     real generator is left at a *mark* (``_marks``), a state no real generator holds, new for
     every op: reseeding (even with the same seed) or ``set_rng_state`` between two recorded ops
     is seen, and starts a new segment from the state the user set, exactly as eager code sees
-    it; a mark saved by ``g.get_state()`` and restored later stands for the exact state.
+    it; a mark that still reaches user code and is restored stands for the exact state.
 """
 
 from __future__ import annotations
@@ -48,11 +53,13 @@ import torch
 from jupyter_metainit.core._interrupts import critical
 from jupyter_metainit.core._mt19937 import advance_by_generating, jump_is_cheap, jump_state
 from jupyter_metainit.core._plain import plain
+from jupyter_metainit.core.errors import MetaInitError
 
 __all__ = [
     "BurnSpec",
     "RngSegment",
     "before_real_draw",
+    "default_generator_for",
     "draws_depend_on_values",
     "fast_generator",
     "flush_all",
@@ -64,6 +71,12 @@ __all__ = [
 ]
 
 aten = torch.ops.aten
+
+# The C methods themselves: while a block is active ``meta_init`` wraps ``torch.Generator``'s
+# ``get_state``/``set_state`` (``_context``) so that user code reads exact states; the tracking
+# below reads and leaves marks, and must not flush on every op.
+raw_get_state = torch._C.Generator.get_state
+raw_set_state = torch._C.Generator.set_state
 
 
 @dataclass(frozen=True)
@@ -130,6 +143,20 @@ def _device_default_generator(device: torch.device) -> torch.Generator:
     raise RuntimeError(f"no default generator for {device}")
 
 
+def default_generator_for(device: torch.device) -> torch.Generator | None:
+    """The generator an op on ``device`` without an explicit one draws from eagerly: the
+    device's default CUDA generator when that GPU is present at recording; otherwise None (the
+    default CPU one; also for a tensor recorded for a GPU this machine lacks, ``cuda:1`` on a
+    CPU-only machine, whose values are then the CPU stream's)."""
+    if device.type != "cuda" or not torch.cuda.is_available():
+        return None
+    index = device.index if device.index is not None else torch.cuda.current_device()
+    if index >= torch.cuda.device_count():
+        return None
+    torch.cuda.init()  # fills torch.cuda.default_generators (lazily, as eager code would)
+    return torch.cuda.default_generators[index]
+
+
 # Random ops that have no ``generator`` argument at all (dropout, fused attention, RNNs) must
 # run on a device's default generator: it is swapped for ours and restored under this lock.
 _default_swap_lock = threading.Lock()
@@ -152,13 +179,13 @@ def run_random(
         return call(generator)
     default = _device_default_generator(generator.device)
     with critical(), _default_swap_lock:
-        saved = default.get_state()
-        default.set_state(generator.get_state())
+        saved = raw_get_state(default)
+        raw_set_state(default, raw_get_state(generator))
         try:
             out = call(None)
-            generator.set_state(default.get_state())
+            raw_set_state(generator, raw_get_state(default))
         finally:
-            default.set_state(saved)
+            raw_set_state(default, saved)
     return out
 
 
@@ -578,6 +605,9 @@ class _Tracker:
         self.marked = state  # the state we left the real generator in
 
 
+# By the C++ generator (``_cdata``): an explicit generator reaches the recorder as a new Python
+# object for every op, the same one the user holds only for default generators. A tracker keeps
+# its generator alive, so the address is never reused while it is kept.
 _trackers: dict[int, _Tracker] = {}
 _lock = threading.RLock()
 
@@ -587,10 +617,11 @@ _lock = threading.RLock()
 # ever holds (a draw keeps ``left + next == 625``, seeding sets ``(1, 0)``; marks take pairs with
 # ``left + next < 625``), from a process-wide counter cycling through ~194,000 pairs: no
 # ``manual_seed``/``set_state`` of a real state gives it, and each recorded op gets a new one.
-# ``g.get_state()`` cannot be intercepted (``torch.Generator`` is an immutable C type), so a
-# user who saves a state during a build saves a mark; restoring it (``g.set_state(st)``, also on
-# another generator) is recognized here and stands for the exact state eager code would have
-# saved; a restore is never mistaken for no change.
+# While a block is active, ``g.get_state()`` (and ``clone_state``, pickling) flush first and so
+# never hand a mark out (``_context`` wraps them); a mark that still reaches a generator (saved
+# through a path not wrapped) is recognized when restored (``g.set_state(st)``, also on another
+# generator) and stands for the exact state eager code would have saved; a restore is never
+# mistaken for no change.
 _marks: OrderedDict[bytes, tuple[RngSegment, int]] = OrderedDict()
 _MARKS_KEPT = 1 << 16
 _STATE_BYTES = 5056  # a CPU generator's state (see ``_mt19937``); only CPU ones are marked
@@ -647,7 +678,7 @@ def _mark(tracker: _Tracker) -> None:
     """Leave the real generator at the exact state, or, while draws are pending, at a fresh
     mark (see ``_marks``): reseeding or ``set_state`` between two recorded ops is then seen."""
     state = _new_mark(tracker) if tracker.pending else tracker.exact
-    tracker.generator.set_state(state)
+    raw_set_state(tracker.generator, state)
     tracker.marked = state
 
 
@@ -669,34 +700,50 @@ def record_random(
     gen = generator if generator is not None else torch.default_generator
     result = None
     with plain(), _lock:
-        state = gen.get_state()
-        tracker = _trackers.get(id(gen))
+        state = raw_get_state(gen)
+        tracker = _trackers.get(gen._cdata)
         if (
             tracker is None
-            or tracker.generator is not gen
+            or tracker.generator._cdata != gen._cdata
             or not torch.equal(tracker.marked, state)
         ):
             # A new stream: the user set the state (or this is the generator's first op). A
             # state saved from one of our marks stands for the exact state at that point.
             restored = true_state(state) if gen.device.type == "cpu" else None
             tracker = _Tracker(gen, restored if restored is not None else state)
-            _trackers[id(gen)] = tracker
+            _trackers[gen._cdata] = tracker
         segment = tracker.segment
         index = len(segment.specs)
         segment.specs.append(spec)
         draws = known_draws(spec, gen.device)
         if draws is not None:
             tracker.pending += draws
-        elif run is not None:
-            real = torch.Generator(device=gen.device)
-            real.set_state(advance_state(tracker.exact, tracker.pending))
-            result = run_random(run, real, spec.has_generator)
-            tracker.exact, tracker.pending = real.get_state(), 0
-            segment.add_fixed(index + 1, tracker.exact)
         else:
-            current = advance_state(tracker.exact, tracker.pending)
-            tracker.exact, tracker.pending = run_on_scratch(spec, current, gen.device), 0
-            segment.add_checkpoint(index + 1, tracker.exact)
+            try:
+                current = advance_state(tracker.exact, tracker.pending)
+                if run is not None:
+                    real = torch.Generator(device=gen.device)
+                    real.set_state(current)
+                    result = run_random(run, real, spec.has_generator)
+                    after = raw_get_state(real)
+                else:
+                    after = run_on_scratch(spec, current, gen.device)
+            except BaseException as e:
+                segment.specs.pop()  # not recorded: the stream stays as it was
+                if isinstance(e, torch.cuda.OutOfMemoryError):
+                    raise MetaInitError(
+                        f"{spec.func} draws from {gen.device}'s generator: to follow that stream "
+                        f"exactly it runs once at recording, on {spec.nbytes:,} bytes of scratch "
+                        f"memory on {gen.device}, and they do not fit; free memory there, or "
+                        "record for the CPU (meta_init(device='cpu'): the CPU stream's values) "
+                        "and materialize(..., device='cuda')"
+                    ) from e
+                raise
+            tracker.exact, tracker.pending = after, 0
+            if run is not None:
+                segment.add_fixed(index + 1, after)
+            else:
+                segment.add_checkpoint(index + 1, after)
         if flush_now:
             _flush(tracker)
         else:
@@ -706,13 +753,13 @@ def record_random(
 
 def _flush(tracker: _Tracker) -> None:
     gen = tracker.generator
-    state = gen.get_state()
+    state = raw_get_state(gen)
     if not torch.equal(state, tracker.marked):
         # Someone set the generator since: their state stands, unless it is one of our marks
         # (saved with ``get_state()`` during the build), which stands for an exact state.
         restored = true_state(state) if gen.device.type == "cpu" else None
         if restored is not None:
-            gen.set_state(restored)
+            raw_set_state(gen, restored)
         return
     if tracker.pending:
         tracker.exact = advance_state(tracker.exact, tracker.pending)
@@ -736,9 +783,9 @@ def before_real_draw(generator: torch.Generator | None) -> None:
     with plain(), _lock:
         flush_all()
         if gen.device.type == "cpu":
-            restored = true_state(gen.get_state())
+            restored = true_state(raw_get_state(gen))
             if restored is not None:
-                gen.set_state(restored)
+                raw_set_state(gen, restored)
 
 
 def flush_default() -> None:
@@ -748,8 +795,8 @@ def flush_default() -> None:
 
 def _flush_generator(generator: torch.Generator) -> None:
     with plain(), _lock:
-        tracker = _trackers.get(id(generator))
-        if tracker is not None and tracker.generator is generator:
+        tracker = _trackers.get(generator._cdata)
+        if tracker is not None:
             _flush(tracker)
 
 
@@ -757,7 +804,7 @@ def exact_state(generator: torch.Generator) -> torch.Tensor:
     """Flush ``generator`` and return its state: where eager code would have it now."""
     with plain(), _lock:
         _flush_generator(generator)
-        return generator.get_state()
+        return raw_get_state(generator)
 
 
 def settle(segment: RngSegment, index: int, state: torch.Tensor) -> bool:
@@ -774,7 +821,7 @@ def settle(segment: RngSegment, index: int, state: torch.Tensor) -> bool:
             if (
                 len(segment.specs) != index + 1
                 or tracker.pending != known_draws(segment.specs[index], gen.device)
-                or not torch.equal(gen.get_state(), tracker.marked)
+                or not torch.equal(raw_get_state(gen), tracker.marked)
             ):
                 return False
             tracker.exact, tracker.pending = state, 0

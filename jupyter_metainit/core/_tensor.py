@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import functools
 import sys
 from collections.abc import Callable
 from typing import Any, ClassVar
@@ -10,16 +11,50 @@ from typing import Any, ClassVar
 import torch
 
 from jupyter_metainit.core._graph import TensorRecord
+from jupyter_metainit.core._ops import user_frame
+from jupyter_metainit.core.errors import UnsupportedOperatorError
 
-__all__ = ["DeferredTensor", "as_parameter"]
+__all__ = ["SHARE_MEMORY_ATTR", "DeferredTensor", "as_parameter"]
 
 # Attributes of ours in a deferred tensor's __dict__; everything else there is the user's
 # (e.g. transformers' ``_is_hf_initialized``) and is carried over on materialization.
-INTERNAL_ATTRS = frozenset({"_meta", "_rec", "_rg", "_derived", "_view_of"})
+INTERNAL_ATTRS = frozenset({"_meta", "_rec", "_rg", "_derived", "_view_of", "_jmi_share_memory"})
+
+# ``t.share_memory_()`` on a deferred tensor (``model.share_memory()`` in or after ``meta_init``):
+# there is no memory to share yet, so it is noted here and done to the real tensor.
+SHARE_MEMORY_ATTR = "_jmi_share_memory"
 
 
 def _not_registered(*_args: Any) -> Any:
     raise RuntimeError("jupyter_metainit.core._record was not imported")
+
+
+def _outside_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
+    """``fn`` run outside ``torch.compile``'s tracing: compiling a deferred model would trace into
+    the recorder and fail deep inside it (a dynamo assertion). Skipped, every call on a deferred
+    tensor is a graph break that runs as in eager mode (outputs deferred, as an eager forward's).
+
+    ``torch._dynamo`` takes seconds to import: until something has imported it nothing can be
+    compiling, and the plain function runs.
+    """
+    disabled: Callable[..., Any] | None = None
+
+    @functools.wraps(fn)
+    def outside_dynamo(*args: Any, **kwargs: Any) -> Any:
+        nonlocal disabled
+        if disabled is None:
+            if "torch._dynamo" not in sys.modules:
+                return fn(*args, **kwargs)
+            import torch._dynamo
+
+            disabled = torch._dynamo.disable(fn, recursive=True)
+        return disabled(*args, **kwargs)
+
+    return outside_dynamo
+
+
+_cpp_requires_grad = torch._C.TensorBase.requires_grad.__get__
+_cpp_is_leaf = torch._C.TensorBase.is_leaf.__get__
 
 
 class DeferredTensor(torch.Tensor):
@@ -69,11 +104,14 @@ class DeferredTensor(torch.Tensor):
         t._derived = derived
         return t
 
+    # Never traced by dynamo (see ``_outside_dynamo``).
     @classmethod
+    @_outside_dynamo
     def __torch_dispatch__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         return DeferredTensor.handle_op(func, args, kwargs or {})
 
     @classmethod
+    @_outside_dynamo
     def __torch_function__(cls, func: Any, types: Any, args: tuple = (), kwargs: Any = None) -> Any:
         return DeferredTensor.handle_function(func, args, kwargs or {})
 
@@ -127,7 +165,8 @@ class DeferredTensor(torch.Tensor):
     # requires_grad lives in Python (see class docstring).
     @property
     def requires_grad(self) -> bool:  # type: ignore[override]
-        return self._rg
+        # C++ sets autograd's own flag on outputs of a custom ``autograd.Function``.
+        return self._rg or _cpp_requires_grad(self)
 
     @requires_grad.setter
     def requires_grad(self, value: bool) -> None:
@@ -153,7 +192,7 @@ class DeferredTensor(torch.Tensor):
     def is_leaf(self) -> bool:  # type: ignore[override]
         # As in eager: a tensor computed (in grad mode) from tensors that require grad is not
         # a leaf; every other tensor is.
-        return not (self._rg and self._derived)
+        return not (self._rg and self._derived) and _cpp_is_leaf(self)
 
     def __repr__(self, *, tensor_contents: Any = None) -> str:  # type: ignore[override]
         prefix = "Parameter containing:\n" if getattr(self, "_is_param", False) else ""
@@ -163,6 +202,15 @@ class DeferredTensor(torch.Tensor):
         if self._rg:
             parts.append("requires_grad=True")
         return f"{prefix}tensor(..., {', '.join(parts)}, deferred)"
+
+    def as_subclass(self, cls: type) -> torch.Tensor:  # type: ignore[override]
+        # The result would share this tensor's memory as another Python type; a deferred
+        # tensor's Python object is always a DeferredTensor (torch would fail internally).
+        raise UnsupportedOperatorError(
+            f"`tensor.as_subclass({getattr(cls, '__name__', cls)})` cannot be applied to a "
+            f"deferred tensor (called at {user_frame()}); call it after materializing "
+            "(jupyter_metainit.materialize), or build this tensor outside meta_init"
+        )
 
     def __reduce_ex__(self, proto: Any) -> Any:
         raise TypeError(

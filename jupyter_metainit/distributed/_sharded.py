@@ -57,7 +57,13 @@ def _fsdp_params(module: torch.nn.Module) -> list[Any]:
     out: list[Any] = []
     for m in module.modules():
         if isinstance(m, FSDPModule):
-            for group in m._get_fsdp_state()._fsdp_param_groups:
+            state = m._get_fsdp_state()
+            # torch >= 2.12 keeps a list of groups; earlier releases one group or None.
+            groups = getattr(state, "_fsdp_param_groups", None)
+            if groups is None:
+                single = getattr(state, "_fsdp_param_group", None)
+                groups = [] if single is None else [single]
+            for group in groups:
                 out.extend(group.fsdp_params)
     return out
 

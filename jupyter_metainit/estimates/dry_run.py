@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import sys
 import time
+from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
@@ -19,7 +20,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_count
 
 from jupyter_metainit.core import tensor_state
-from jupyter_metainit.estimates._arguments import require_module
+from jupyter_metainit.estimates._arguments import parse_dtype, require_module
 from jupyter_metainit.estimates.memory import _DRY_RUN_ATTR, MemoryTable, memory_table
 
 __all__ = ["dry_run"]
@@ -49,6 +50,33 @@ def _extra_flop_formulas() -> dict[Any, Any]:
     if op is None or op in flop_registry:
         return {}
     return {op: _cpu_flash_sdpa_flops}
+
+
+def _track_forward_only(flops: FlopCounterMode) -> FlopCounterMode:
+    """Keep ``flops``' module tracker off autograd: the dry run has no backward.
+
+    Its hooks register gradient hooks on a module's inputs and outputs that require grad;
+    on deferred tensors (no autograd graph) that fails whenever a module is called on a
+    parameter (``parametrizations.weight_norm``, ``spectral_norm``, ``orthogonal``, a learned
+    query fed to a Linear). The same names are pushed and popped without them.
+    """
+    tracker = getattr(flops, "mod_tracker", None)
+    name_of = getattr(tracker, "_get_mod_name", None)
+    push = getattr(tracker, "_get_append_fn", None)
+    pop = getattr(tracker, "_get_pop_fn", None)
+    if name_of is None or push is None or pop is None:  # another torch: keep its own hooks
+        return flops
+
+    def pre_hook(mod: nn.Module, args: Any) -> None:
+        push(name_of(mod), False)()
+
+    def post_hook(mod: nn.Module, args: Any, output: Any) -> None:
+        pop(name_of(mod), False)()
+
+    # ModuleTracker.__enter__ registers these instance attributes as its global hooks.
+    tracker._fw_pre_hook = pre_hook  # type: ignore[union-attr]
+    tracker._fw_post_hook = post_hook  # type: ignore[union-attr]
+    return flops
 
 
 def _core_meta_init() -> Callable[..., Any] | None:
@@ -229,12 +257,26 @@ def _uses_meta(module: nn.Module) -> bool:
     return any(t.is_meta and not is_lazy(t) for t in tensors)
 
 
+_PLAIN_DICTS = (dict, OrderedDict)
+
+
+def _inferred_in_meta_init(t: Any) -> bool:
+    """An uninitialized lazy tensor made inside ``meta_init``: a dry run may give it its shape.
+
+    ``core._lazy`` marks those with the device their deferred replacement reports.
+    """
+    return isinstance(t, torch.Tensor) and is_lazy(t) and "_jmi_device" in t.__dict__
+
+
 def _stand_in(t: torch.Tensor, on_meta: bool) -> torch.Tensor:
     """A tensor like ``t`` that the run may read and write instead of ``t``.
 
     Inside ``meta_init`` a deferred clone: its values are ``t``'s if the forward needs them,
     and a write lands on the clone only. On the meta path an empty meta tensor.
     """
+    if is_lazy(t):
+        # A fresh uninitialized tensor of the same kind: shape inference fills it in place.
+        return type(t)(requires_grad=t.requires_grad, device=t.device, dtype=t.dtype)
     with torch.no_grad():
         if on_meta:
             new = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
@@ -273,23 +315,32 @@ class _ModelGuard:
     deferred tensor would be recorded and change what it materializes to). Afterwards every
     module gets back its attributes, tensors and train/eval mode, and the random generators
     (CPU, CUDA, generators kept on modules or passed in) their states: Dropout in the run
-    draws nothing the user sees. Lazy modules (``nn.LazyLinear``) keep their inferred
-    parameters: giving them a shape is what a dry run is for.
+    draws nothing the user sees. Lazy modules built inside ``meta_init`` keep their inferred
+    (deferred) parameters: giving them a shape is what a dry run is for. Any other lazy module
+    (a real model's) runs on fresh uninitialized stand-ins and stays lazy, class included.
     """
 
     def __init__(self, root: nn.Module, inputs: Any = ()) -> None:
         self.modules = list(root.modules())
         self.training = [m.training for m in self.modules]
+        self.classes = [type(m) for m in self.modules]
         self.lazy = [
             any(
-                is_lazy(t) for t in (*m._parameters.values(), *m._buffers.values()) if t is not None
+                _inferred_in_meta_init(t)
+                for t in (*m._parameters.values(), *m._buffers.values())
+                if t is not None
             )
             for m in self.modules
         ]
         self.attributes = [dict(m.__dict__) for m in self.modules]
+        # Contents of every dict a module holds (hook tables included: shape inference
+        # removes a lazy module's hooks from them in place; RemovableHandles point at them).
+        self.dict_contents = [
+            {name: dict(v) for name, v in m.__dict__.items() if type(v) in _PLAIN_DICTS}
+            for m in self.modules
+        ]
         self.parameters = [dict(m._parameters) for m in self.modules]
         self.buffers = [dict(m._buffers) for m in self.modules]
-        self.modules_of = [dict(m._modules) for m in self.modules]
         self.transient = [set(m._non_persistent_buffers_set) for m in self.modules]
         generators = {id(torch.default_generator): torch.default_generator}
         if torch.cuda.is_available() and torch.cuda.is_initialized():
@@ -311,7 +362,7 @@ class _ModelGuard:
         made: dict[int, torch.Tensor] = {}
 
         def stand_in(t: Any) -> Any:
-            if not isinstance(t, torch.Tensor) or is_lazy(t):
+            if not isinstance(t, torch.Tensor) or _inferred_in_meta_init(t):
                 return t
             if id(t) not in made:
                 made[id(t)] = _stand_in(t, on_meta)
@@ -337,11 +388,11 @@ class _ModelGuard:
                         if t is not None and not is_lazy(t):
                             slots[name] = t
             else:
+                m.__class__ = self.classes[i]  # shape inference turns LazyLinear into Linear
                 m.__dict__.clear()
                 m.__dict__.update(self.attributes[i])
-                for slots, saved in ((m._parameters, self.parameters[i]),
-                                     (m._buffers, self.buffers[i]),
-                                     (m._modules, self.modules_of[i])):  # fmt: skip
+                for name, saved in self.dict_contents[i].items():
+                    slots = m.__dict__[name]
                     slots.clear()
                     slots.update(saved)
                 m._non_persistent_buffers_set.clear()
@@ -354,21 +405,23 @@ class _ModelGuard:
 def dry_run(
     module: nn.Module,
     *example_inputs: Any,
-    input_dtype: torch.dtype | None = None,
+    input_dtype: torch.dtype | str | None = None,
     **kwargs: Any,
 ) -> MemoryTable:
     """Run ``module(*example_inputs, **kwargs)`` on deferred tensors and record what it costs.
 
     When to use: to learn output shapes, activation sizes, FLOPs and peak forward memory of a
     model (deferred, partially materialized or real) without allocating activations, and to
-    infer the shapes of lazy modules on a deferred model. Lazy modules' initialization is
-    recorded, so materializing them afterwards equals an eager forward with the same seed.
+    infer the shapes of lazy modules on a deferred model. Lazy modules built inside
+    ``meta_init`` keep their inferred shapes and their initialization is recorded, so
+    materializing them afterwards equals an eager forward with the same seed; any other model,
+    lazy modules included, is left exactly as it was.
 
     Inputs may be real tensors (converted with ``torch.empty_like`` inside ``meta_init``, dtype
     kept), deferred tensors, or shapes (``(1, 4096)`` or ``torch.Size``), which become deferred
-    tensors of ``input_dtype`` (default: ``torch.long`` when the model starts with an
-    ``nn.Embedding``, else the default float dtype). Keyword arguments go to ``forward``
-    (tensors in them are converted the same way).
+    tensors of ``input_dtype`` (a ``torch.dtype`` or its name, ``"float16"``; default:
+    ``torch.long`` when the model starts with an ``nn.Embedding``, else the default float
+    dtype). Keyword arguments go to ``forward`` (tensors in them are converted the same way).
 
     The forward runs under ``torch.no_grad()`` with forward hooks (output shapes and bytes per
     module) and ``torch.utils.flop_counter.FlopCounterMode`` (FLOPs per module, subtree
@@ -378,19 +431,25 @@ def dry_run(
     appear as columns ``output_shape``, ``activation_bytes``, ``flops``, ``peak_forward_bytes``
     (= the subtree's weights + that peak) in later :func:`memory_table` calls.
 
+    The model's own forward hooks run as in eager, and see the run's tensors: deferred tensors
+    (meta tensors for a model on the meta device) standing in for its weights and activations,
+    never real values.
+
     Returns ``memory_table(module)`` with those columns.
     """
     require_module(module, "dry_run")
     meta_init = _core_meta_init()
     use_meta = meta_init is None or _uses_meta(module)
-    shape_dtype = input_dtype or _default_input_dtype(module)
+    shape_dtype = parse_dtype(input_dtype, "input_dtype") or _default_input_dtype(module)
     ctx: contextlib.AbstractContextManager[Any] = (
         contextlib.nullcontext() if use_meta else meta_init()
     )
     modules = _ModuleStack(module)
     tracker = _ActivationTracker(modules.stack)
     start = time.perf_counter()
-    flops = FlopCounterMode(display=False, custom_mapping=_extra_flop_formulas())
+    flops = _track_forward_only(
+        FlopCounterMode(display=False, custom_mapping=_extra_flop_formulas())
+    )
     guard = _ModelGuard(module, (example_inputs, kwargs))
     try:
         with ctx:

@@ -11,7 +11,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from jupyter_metainit.estimates._arguments import check_budget, require_module
+from jupyter_metainit.estimates._arguments import check_budget, check_device, require_module
 from jupyter_metainit.estimates.memory import memory_table
 
 __all__ = ["fits"]
@@ -39,7 +39,7 @@ def parse_bytes(budget: int | float | str) -> int:
 
 def device_budget(device: str | torch.device) -> int:
     """Free memory of ``device`` in bytes: CUDA free memory, or the host's available memory."""
-    dev = torch.device(device)
+    dev = check_device(device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"no CUDA device here to measure {dev}; pass budget= (e.g. '80GiB')")
@@ -54,8 +54,33 @@ def device_budget(device: str | torch.device) -> int:
     raise ValueError(f"cannot measure free memory of {dev}; pass budget=")
 
 
+# What a hub name never looks like: a local path (hub names are "name" or "org/name").
+_FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".json", ".gguf", ".h5")
+
+
+def _looks_local(path: str) -> bool:
+    return (
+        path.startswith(("/", ".", "~"))
+        or path.count("/") > 1
+        or "\\" in path
+        or path.lower().endswith(_FILE_SUFFIXES)
+    )
+
+
 def _model_from_path(path: str) -> nn.Module:
     """An empty (deferred) model from a local directory or hub name with a transformers config."""
+    local = Path(path).expanduser()
+    if local.is_file():
+        raise ValueError(
+            f"fits({path!r}): that is a file; pass the model's directory (the one with its "
+            "config.json), a hub name such as 'meta-llama/Llama-3.1-8B', or the model object"
+        )
+    if not local.exists() and _looks_local(path):
+        raise FileNotFoundError(
+            f"fits({path!r}): no such file or directory; pass an existing model directory "
+            "(with a config.json), a hub name such as 'meta-llama/Llama-3.1-8B', or the model "
+            "object"
+        )
     import transformers
 
     config = transformers.AutoConfig.from_pretrained(path)
@@ -99,6 +124,7 @@ def fits(
     """
     module = _model_from_path(module_or_path) if isinstance(module_or_path, str) else module_or_path
     require_module(module, "fits", also=" or a model directory / hub name")
+    device = check_device(device)
     limit = check_budget(parse_bytes(budget), budget) if budget is not None else None
     if limit is None:
         limit = device_budget(device)

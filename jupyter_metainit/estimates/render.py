@@ -276,6 +276,9 @@ def render_html(
         ]
     )
     caption = _summary_line(table)
+    if top:  # say what the highlight means
+        legend = f"highlighted: the {len(top)} largest lea{'f' if len(top) == 1 else 'ves'}"
+        caption = f"{caption} — {legend}" if caption else legend
     if note:
         caption = f"{caption} — {note}" if caption else note
     if caption:

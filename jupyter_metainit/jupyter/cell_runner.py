@@ -19,7 +19,12 @@ from typing import Any
 from IPython.core.error import UsageError
 from IPython.core.interactiveshell import ExecutionResult, InteractiveShell
 
-__all__ = ["CellFailed", "run_cell_body"]
+__all__ = [
+    "CellFailed",
+    "install_short_tracebacks",
+    "run_cell_body",
+    "uninstall_short_tracebacks",
+]
 
 
 class CellFailed(Exception):
@@ -80,15 +85,18 @@ def user_traceback(error: BaseException) -> None:
     for t in reversed(kept):
         rebuilt = types.TracebackType(rebuilt, t.tb_frame, t.tb_lasti, t.tb_lineno)
     error.__traceback__ = rebuilt
-    if later_user is None:
+    context = error.__context__
+    caught_by_us = (
+        context is not None
+        and context.__traceback__ is not None
+        and _is_ours(context.__traceback__.tb_frame)
+    )
+    if later_user is None or caught_by_us:
         error.__suppress_context__ = True  # what we were handling is ours, not the user's
 
 
-@contextlib.contextmanager
-def _user_tracebacks(shell: InteractiveShell) -> Iterator[None]:
-    """While the body runs, tracebacks IPython shows are made user tracebacks first."""
-    original = shell.showtraceback
-    own = shell.__dict__.get("showtraceback")  # set by an enclosing %%meta_init, if any
+def _short_showtraceback(original: Any) -> Any:
+    """``shell.showtraceback`` that makes a traceback a user traceback before showing it."""
 
     def showtraceback(exc_tuple: Any = None, *args: Any, **kwargs: Any) -> Any:
         __tracebackhide__ = True
@@ -98,7 +106,31 @@ def _user_tracebacks(shell: InteractiveShell) -> Iterator[None]:
             exc_tuple = (etype, value, value.__traceback__)
         return original(exc_tuple, *args, **kwargs)
 
-    shell.showtraceback = showtraceback  # type: ignore[method-assign]
+    showtraceback._jmi_short = True  # type: ignore[attr-defined]
+    return showtraceback
+
+
+def install_short_tracebacks(shell: InteractiveShell) -> None:
+    """Every cell's traceback is a user traceback while the extension is loaded: a torch error
+    on a deferred model in a plain cell (``y = model(x)`` after ``%%meta_init``) ends at the
+    user's line too. Tracebacks with none of this package's frames are shown unchanged."""
+    if not getattr(shell.__dict__.get("showtraceback"), "_jmi_short", False):
+        shell.showtraceback = _short_showtraceback(shell.showtraceback)  # type: ignore[method-assign]
+
+
+def uninstall_short_tracebacks(shell: InteractiveShell) -> None:
+    if getattr(shell.__dict__.get("showtraceback"), "_jmi_short", False):
+        del shell.showtraceback  # the class's method again
+
+
+@contextlib.contextmanager
+def _user_tracebacks(shell: InteractiveShell) -> Iterator[None]:
+    """While the body runs, tracebacks IPython shows are made user tracebacks first."""
+    own = shell.__dict__.get("showtraceback")  # set by an enclosing %%meta_init, if any
+    if getattr(own, "_jmi_short", False):  # already short (the extension's or an outer cell's)
+        yield
+        return
+    shell.showtraceback = _short_showtraceback(shell.showtraceback)  # type: ignore[method-assign]
     try:
         yield
     finally:

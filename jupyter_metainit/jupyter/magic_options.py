@@ -10,6 +10,8 @@ from collections.abc import Callable
 import torch
 from IPython.core.error import UsageError
 
+from jupyter_metainit.estimates._arguments import parse_dtype as dtype_from_name
+
 __all__ = [
     "parse_depth",
     "parse_device",
@@ -18,15 +20,6 @@ __all__ = [
     "strip_comment",
 ]
 
-_DTYPE_ALIASES = {
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "half": "float16",
-    "fp32": "float32",
-    "float": "float32",
-    "fp64": "float64",
-    "double": "float64",
-}
 #: dtypes ``meta_init`` can use as the default floating dtype of a block.
 DEFAULT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
 
@@ -35,9 +28,10 @@ def parse_dtype(text: str | None, *, default_dtypes_only: bool = False) -> torch
     """``"bfloat16"``, ``"torch.bfloat16"`` or ``"bf16"`` -> ``torch.bfloat16``; None stays None."""
     if text is None:
         return None
-    name = text.strip().removeprefix("torch.")
-    name = _DTYPE_ALIASES.get(name.lower(), name)
-    value = getattr(torch, name, None)
+    try:
+        value = dtype_from_name(text, "--dtype")
+    except ValueError:
+        value = None
     allowed = DEFAULT_DTYPES if default_dtypes_only else None
     if (
         not isinstance(value, torch.dtype)

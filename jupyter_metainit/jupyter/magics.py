@@ -25,7 +25,11 @@ from torch.nn.parameter import is_lazy
 
 from jupyter_metainit.core._format import format_bytes, format_count, format_duration
 from jupyter_metainit.core._walk import unique_tensors
-from jupyter_metainit.jupyter.cell_runner import run_cell_body
+from jupyter_metainit.jupyter.cell_runner import (
+    install_short_tracebacks,
+    run_cell_body,
+    uninstall_short_tracebacks,
+)
 from jupyter_metainit.jupyter.magic_options import (
     parse_depth,
     parse_device,
@@ -35,8 +39,6 @@ from jupyter_metainit.jupyter.magic_options import (
 )
 
 __all__ = ["MetaInitMagics", "load_ipython_extension", "unload_ipython_extension"]
-
-_EVAL_ERRORS = (NameError, AttributeError, LookupError, SyntaxError)
 
 
 def _tensors(obj: Any) -> list[torch.Tensor]:
@@ -195,7 +197,7 @@ def _summary(name: str, module: nn.Module, depth: int | None) -> None:
 def _widget(name: str, module: nn.Module, depth: int | None) -> Any:
     from jupyter_metainit.jupyter.widget import explore
 
-    return explore(module) if depth is None else explore(module, depth=depth)
+    return explore(module, name=name) if depth is None else explore(module, depth=depth, name=name)
 
 
 def _table(name: str, module: nn.Module, depth: int | None) -> Any:
@@ -214,8 +216,9 @@ class MetaInitMagics(Magics):
             raise UsageError(f"%{magic}: missing EXPR (e.g. %{magic} model.layers[0])")
         try:
             return self.shell.ev(expr)
-        except _EVAL_ERRORS as exc:
-            message = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        except Exception as exc:  # whatever EXPR raises is the user's mistake, not ours
+            text = str(exc).splitlines()[0] if str(exc).strip() else ""
+            message = f"{text} ({type(exc).__name__})" if text else type(exc).__name__
             raise UsageError(f"%{magic}: cannot evaluate {expr!r}: {message}") from None
 
     def _target(self, magic: str, line: str) -> tuple[str, Any, Any]:
@@ -303,9 +306,10 @@ class MetaInitMagics(Magics):
     @argument(
         "--rng",
         choices=("exact", "fast"),
-        default="exact",
-        help="exact: bit-identical to eager construction (default); "
-        "fast: independent per-op random streams, parallel.",
+        default=None,
+        help="exact: bit-identical to eager construction (the default, except that parts "
+        "freed while holding fast values get those back); fast: independent per-op random "
+        "streams, parallel.",
     )
     @line_magic
     def materialize(self, line: str) -> None:
@@ -414,6 +418,7 @@ def load_ipython_extension(ipython: InteractiveShell) -> None:
     """Register the magics (``%load_ext jupyter_metainit``); loading twice replaces them."""
     unload_ipython_extension(ipython)
     ipython.register_magics(MetaInitMagics)
+    install_short_tracebacks(ipython)
 
 
 def unload_ipython_extension(ipython: InteractiveShell) -> None:
@@ -425,3 +430,4 @@ def unload_ipython_extension(ipython: InteractiveShell) -> None:
         if owner is not None and type(owner).__name__ == MetaInitMagics.__name__:
             del manager.magics[kind][name]
     manager.registry.pop(MetaInitMagics.__name__, None)
+    uninstall_short_tracebacks(ipython)

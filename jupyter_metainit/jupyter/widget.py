@@ -57,6 +57,12 @@ _MODEL_GONE = (
 )
 
 
+_SAVED_ADVICE = (
+    "This is a saved copy: the live tree needs the kernel that made it. Run the cell again "
+    "(or jupyter_metainit.explore(model) on a model you have) to get a live tree."
+)
+
+
 def _static_text(name: str) -> str:
     # The built front end as text, not as a path: anywidget turns a path into a FileContents
     # whose class-level `changed` signal holds every widget ever made (file watching or not),
@@ -135,6 +141,9 @@ class ModuleTreeWidget(anywidget.AnyWidget):
     devices = traitlets.List(help="Visible CUDA devices.").tag(sync=True)
     no_cuda_reason = traitlets.Unicode("").tag(sync=True)
     table_html = traitlets.Unicode("").tag(sync=True)
+    var_name = traitlets.Unicode(
+        "model", help="The model's name in the notebook, for paths usable in the magics."
+    ).tag(sync=True)
     # page-writable: the selection and the options of the next action
     selected = traitlets.List(traitlets.Unicode(), help="Selected subtrees (qualified names).").tag(
         sync=True
@@ -146,7 +155,9 @@ class ModuleTreeWidget(anywidget.AnyWidget):
     )
     table_full = traitlets.Bool(False, help="All columns of the memory table.").tag(sync=True)
 
-    def __init__(self, module: nn.Module, *, depth: int = 2, **kwargs: Any) -> None:
+    def __init__(
+        self, module: nn.Module, *, depth: int = 2, name: str = "model", **kwargs: Any
+    ) -> None:
         if not isinstance(module, nn.Module):
             raise TypeError(f"explore() needs an nn.Module, got {type(module).__name__}")
         # Held weakly (see ModuleTree): the widget outlives its output in ipywidgets' registry.
@@ -165,6 +176,7 @@ class ModuleTreeWidget(anywidget.AnyWidget):
         super().__init__(
             tree=self._tree.to_json(self._stats),
             expand_depth=depth,
+            var_name=name,
             devices=devices,
             no_cuda_reason=reason,
             **kwargs,
@@ -191,6 +203,29 @@ class ModuleTreeWidget(anywidget.AnyWidget):
             f"{format_bytes(root.bytes)}, {root.state}{gone})"
         )
 
+    def _summary_line(self) -> str:
+        root = self._stats[0]
+        return (
+            f"{self._model_type}: {format_count(root.params)} params, "
+            f"{format_bytes(root.bytes)}, {root.state or 'no tensors'}"
+        )
+
+    def _repr_mimebundle_(self, **kwargs: Any) -> Any:
+        """The live widget, plus what a saved notebook shows once the kernel is gone (GitHub,
+        nbconvert, an untrusted or reopened notebook): the model's summary line in words and
+        how to get a live tree again, instead of a bare "model not found"."""
+        bundle = super()._repr_mimebundle_(**kwargs)
+        if bundle is None:
+            return None
+        data, metadata = bundle
+        line = self._summary_line()
+        data["text/plain"] = f"Model tree of {line}.\n{_SAVED_ADVICE}"
+        data["text/html"] = (
+            f"<div class='jmi-saved'><b>Model tree</b> of {escape(line)}.<br>"
+            f"<small>{escape(_SAVED_ADVICE)}</small></div>"
+        )
+        return data, metadata
+
     # ------------------------------------------------------------------ what the page may write
     def set_state(self, sync_data: dict) -> None:
         """Apply the page's writes of page-writable traits; refuse the rest, visibly.
@@ -198,19 +233,47 @@ class ModuleTreeWidget(anywidget.AnyWidget):
         A refused or invalid write is undone on the page (the kernel's value is sent back)
         and said in a notice; nothing in the kernel changes.
         """
-        allowed = {k: v for k, v in sync_data.items() if k in _PAGE_WRITABLE}
-        refused = sorted(set(sync_data) - set(allowed))
-        if refused:
+        if not isinstance(sync_data, dict):
             self._notify(
-                f"Ignored a change of {', '.join(refused)} from the page: the kernel owns it."
+                f"Ignored a malformed update from the page (a {type(sync_data).__name__}, "
+                "not a set of traits); nothing changed."
             )
-            self.send_state(refused)
+            return
+        allowed = {k: v for k, v in sync_data.items() if k in _PAGE_WRITABLE}
+        refused = sorted(str(k) for k in set(sync_data) - set(allowed))
+        unknown = [k for k in refused if not self.has_trait(k)]
+        owned = [k for k in refused if self.has_trait(k)]
+        if unknown:
+            self._notify(f"Ignored an update of {', '.join(unknown)} from the page: no such trait.")
+        if owned:
+            self._notify(
+                f"Ignored a change of {', '.join(owned)} from the page: the kernel owns it."
+            )
+            self.send_state(owned)
         for key, value in allowed.items():
             try:
                 super().set_state({key: value})
             except (traitlets.TraitError, TypeError, ValueError) as exc:
                 self._notify(f"Refused from the page: {exc}")
                 self.send_state([key])
+
+    def _handle_msg(self, msg: dict) -> None:
+        # A page message of an unexpected shape is a notice, never a traceback in the kernel.
+        data = msg.get("content", {}).get("data") if isinstance(msg, dict) else None
+        if not isinstance(data, dict) or not isinstance(data.get("method"), str):
+            self._notify("Ignored a malformed message from the page.")
+            return
+        if (
+            data["method"] == "update"
+            and "buffer_paths" in data
+            and not isinstance(data.get("state"), dict)
+        ):
+            self._notify("Ignored a malformed update from the page.")
+            return
+        try:
+            super()._handle_msg(msg)
+        except Exception as exc:  # whatever the page sent, the kernel stays quiet and unchanged
+            self._notify(f"Ignored a message from the page that could not be read ({exc}).")
 
     def _notify(self, text: str) -> None:
         self.notice = {"id": int(self.notice.get("id", 0)) + 1, "text": text}
@@ -281,8 +344,9 @@ class ModuleTreeWidget(anywidget.AnyWidget):
             table = memory_table(
                 self.module.get_submodule(name), depth=depth, dtype=_DTYPES[self.dtype]
             )
-            if len(names) > 1:
-                parts.append(f"<h4 class='jmi-table-title'>{escape(name or '(model)')}</h4>")
+            # always say which module the table shows (the selection, or the whole model)
+            title = _code_path(self.var_name, name) if name else f"{self.var_name} (whole model)"
+            parts.append(f"<h4 class='jmi-table-title'>Memory table of {escape(title)}</h4>")
             parts.append(table.to_html_view(compact=not self.table_full))
         return "\n".join(parts)
 
@@ -405,7 +469,7 @@ class ModuleTreeWidget(anywidget.AnyWidget):
                     progress=self._progress,
                 )
             else:
-                core.dematerialize(modules)
+                core.dematerialize(modules, root=self.module)  # refusals name layers.3.weight
         except ActionCancelled:
             self.refresh()
             self.status = f"Cancelled: nothing was changed ({what} as before)."
@@ -496,13 +560,18 @@ class ModuleTreeWidget(anywidget.AnyWidget):
             # Runs in a timer thread while other threads may be swapping tensors: a refresh
             # that catches one half-way is dropped, the change that follows refreshes again.
             with contextlib.suppress(Exception):
-                self.refresh()
+                # A change made elsewhere (code, a magic, another widget) makes this widget's
+                # last message stale: it is about a state that no longer holds.
+                if self.refresh() and not self.busy:
+                    self.status = ""
+                    self.error = ""
 
-    def refresh(self) -> None:
-        """Recompute every node's totals and state; send the page only the rows that changed."""
+    def refresh(self) -> bool:
+        """Recompute every node's totals and state; send the page only the rows that changed.
+        True if any row changed."""
         if not self._tree.alive:
             self.error = _MODEL_GONE
-            return
+            return False
         with self._refresh_lock:
             stats = self._tree.stats()
             changed = [
@@ -522,6 +591,7 @@ class ModuleTreeWidget(anywidget.AnyWidget):
             self.selection = self._selection_summary()
         if self.show_table:
             self._update_table()
+        return bool(changed)
 
     def close(self) -> None:
         timer = getattr(self, "_sync_timer", None)  # None if __init__ failed
@@ -556,6 +626,19 @@ def _forget_fast_values(modules: list[nn.Module]) -> tuple[int, str]:
     return len(fast), ""
 
 
+def _code_path(var_name: str, qname: str) -> str:
+    """``model.layers.5`` of ``model`` as Python the magics take: ``model.model.layers[5]``."""
+    path = var_name
+    for part in qname.split(".") if qname else []:
+        if part.isdigit():
+            path += f"[{part}]"
+        elif part.isidentifier():
+            path += f".{part}"
+        else:
+            return f"{var_name}.get_submodule({qname!r})"
+    return path
+
+
 def _describe(names: Sequence[str]) -> str:
     shown = ", ".join(n or "the whole model" for n in names[:3])
     return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
@@ -578,10 +661,12 @@ def _explain(exc: Exception, action: str, device: str, what: str, nbytes: int) -
     return f"{verb} {what} failed ({name}): {exc}."
 
 
-def explore(module: nn.Module, *, depth: int = 2) -> ModuleTreeWidget:
+def explore(module: nn.Module, *, depth: int = 2, name: str = "model") -> ModuleTreeWidget:
     """Show ``module`` as an interactive tree (what ``%%meta_init`` displays under the cell).
 
-    ``depth`` is how many levels are open at first.  Works on deferred, real and partly
-    materialized models alike; the returned widget's ``selected`` lists the ticked subtrees.
+    ``depth`` is how many levels are open at first; ``name`` is the model's name in the notebook,
+    used to offer each row's path as code (``model.model.layers[5]``). Works on deferred, real
+    and partly materialized models alike; the returned widget's ``selected`` lists the ticked
+    subtrees.
     """
-    return ModuleTreeWidget(module, depth=depth)
+    return ModuleTreeWidget(module, depth=depth, name=name)

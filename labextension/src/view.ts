@@ -412,6 +412,11 @@ export class TreeView {
     if (!rowEl || rowEl.dataset.node === undefined) return;
     const node = Number(rowEl.dataset.node);
     this.focusNode = node;
+    const copy = target.closest<HTMLElement>(".jmi-copy");
+    if (copy) {
+      void navigator.clipboard?.writeText(copy.dataset.code ?? "").catch(() => undefined);
+      return;
+    }
     if (target.closest(".jmi-check")) this.toggleCheck(node);
     else if (target.closest(".jmi-caret, .jmi-name")) {
       if (this.tree.children[node].length) this.toggleExpand(node);
@@ -556,7 +561,9 @@ export class TreeView {
       );
       const dtype = this.model.get("dtype");
       if (dtype && s.bytes_as !== undefined && s.bytes_as !== s.bytes) {
-        parts.push(h("span", "jmi-muted", `→ ${humanBytes(s.bytes_as)} as ${dtype}`));
+        const as = h("span", "jmi-muted", `→ ${humanBytes(s.bytes_as)}`);
+        as.title = `Size as ${dtype}`;
+        parts.push(as);
       }
       // Fits before acting: per device, what the selection needs there against its free memory
       const fit: Record<string, { fits: boolean; need: number; free: number }> = s.fit ?? {};
@@ -688,7 +695,13 @@ export class TreeView {
     this.fullBtn.title = full ? "Back to the compact table" : "Show every column of the table";
     // the HTML is rendered by pandas in the kernel, never from page input
     const body = h("div", "jmi-table");
-    body.innerHTML = show ? (this.model.get("table_html") ?? "") : "";
+    const html: string = this.model.get("table_html") ?? "";
+    body.innerHTML = show ? html : "";
+    if (show && !html) {
+      body.textContent = this.disconnected
+        ? "No table: it is computed by the kernel, which is gone."
+        : "Computing the table…";
+    }
     this.tableEl.replaceChildren(...(show ? [this.fullBtn, body] : []));
   }
 
@@ -747,13 +760,27 @@ export class TreeView {
     const label = n === 0 ? "(model)" : t.name[n];
     appendHighlighted(name, label, row.match ? this.query : "");
     name.title = t.qname[n] || "the whole model";
-    nameCell.append(caret, name);
+    // the path as code the magics take, to copy (shown on hover and on the focused row)
+    const code = codePath(String(this.model.get("var_name") ?? "model"), t.qname[n]);
+    const copy = h("button", "jmi-copy", "⧉");
+    copy.type = "button";
+    copy.tabIndex = -1; // the row is the focus stop
+    copy.title = `Copy ${code} (the path %materialize and the other magics take)`;
+    copy.setAttribute("aria-label", `Copy ${code}`);
+    copy.dataset.code = code;
+    nameCell.append(caret, name, copy);
     const rep = t.repeatedChildren(n);
     if (rep) {
       const chip = h("span", "jmi-chip", `×${rep[0]}, identical`);
       chip.title = `${rep[0]} identical ${rep[1]} blocks`;
       nameCell.append(chip);
-    } else if (t.repN[n] > 1 && t.repI[n] === 0 && t.children[t.parent[n]].length !== t.repN[n]) {
+    } else if (
+      hasKids &&
+      t.repN[n] > 1 &&
+      t.repI[n] === 0 &&
+      t.children[t.parent[n]].length !== t.repN[n]
+    ) {
+      // a run of identical blocks among other children; leaves (two equal Linears) are not blocks
       const chip = h("span", "jmi-chip", `×${t.repN[n]}, identical`);
       chip.title = `This ${t.type[n]} and the next ${t.repN[n] - 1} are identical blocks`;
       nameCell.append(chip);
@@ -765,6 +792,8 @@ export class TreeView {
       chip.title = `Shares a tensor with ${names.join(", ")}: counted once, and real or deferred together`;
       nameCell.append(chip);
     }
+
+    if (t.values[n]) nameCell.append(fastTag(t.values[n]));
 
     const typeCell = h("div", "jmi-c-type");
     appendHighlighted(typeCell, t.type[n], row.match ? this.query : "");
@@ -782,7 +811,7 @@ export class TreeView {
     const size = h("div", "jmi-c-num jmi-c-size", humanBytes(t.bytes[n]));
     if (t.dtype[n]) size.prepend(dtypeTag(t.dtype[n]), " ");
     if (t.source[n]) size.prepend(sourceTag(t.source[n]), " ");
-    if (t.values[n]) size.prepend(fastTag(t.values[n]), " ");
+
 
     el.append(
       cbCell,
@@ -812,6 +841,19 @@ function cellWith(child: HTMLElement, cls: string): HTMLElement {
   const c = h("div", cls);
   c.append(child);
   return c;
+}
+
+/** A module's qualified name as Python the magics take: `model.layers.5` of `model` is
+ *  `model.model.layers[5]`. */
+export function codePath(varName: string, qname: string): string {
+  if (!qname) return varName;
+  let out = varName;
+  for (const part of qname.split(".")) {
+    if (/^\d+$/.test(part)) out += `[${part}]`;
+    else if (/^[A-Za-z_][A-Za-z0-9_]*$/.test(part)) out += `.${part}`;
+    else return `${varName}.get_submodule(${JSON.stringify(qname)})`;
+  }
+  return out;
 }
 
 /** What a state badge says: `deferred → cuda:0` when deferred parts have a target. */
@@ -854,7 +896,8 @@ export function fastTag(values: string): HTMLElement {
 
 /** A small dtype tag: bf16, fp32, mixed. */
 function dtypeTag(dtype: string): HTMLElement {
-  const tag = h("span", "jmi-dtype", dtype);
+  // "multi", not "mixed": the state badge beside it says "mixed" for something else
+  const tag = h("span", "jmi-dtype", dtype === "mixed" ? "multi" : dtype);
   tag.title = dtype === "mixed" ? "Tensors of several dtypes" : `dtype ${dtype}`;
   return tag;
 }

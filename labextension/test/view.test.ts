@@ -1,5 +1,5 @@
 import { afterEach, describe, expect, it, vi } from "vitest";
-import { TreeView, type WidgetModel } from "../src/view";
+import { codePath, TreeView, type WidgetModel } from "../src/view";
 import { bigTree, smallTree } from "./fixture";
 import type { TreeJSON } from "../src/tree";
 
@@ -285,6 +285,22 @@ describe("TreeView", () => {
     const norm = [...root.querySelectorAll<HTMLElement>(".jmi-rows .jmi-row")][3];
     expect(norm.querySelector(".jmi-fast")!.textContent).toBe("fast");
     expect(root.querySelectorAll(".jmi-fast").length).toBe(1);
+  });
+
+  it("offers each row's path as code the magics take", () => {
+    expect(codePath("model", "model.layers.5")).toBe("model.model.layers[5]");
+    expect(codePath("m", "")).toBe("m");
+    expect(codePath("m", "blocks.a-b")).toBe('m.get_submodule("blocks.a-b")');
+    const { root } = mount(smallTree(), { var_name: "net" });
+    const layers = [...root.querySelectorAll<HTMLElement>(".jmi-rows .jmi-row")][2];
+    expect(layers.querySelector<HTMLElement>(".jmi-name")!.title).toBe("layers");
+    expect(layers.querySelector<HTMLElement>(".jmi-copy")!.dataset.code).toBe("net.layers");
+  });
+
+  it("says why the table is empty once the kernel is gone", () => {
+    const { root, model } = mount(smallTree(), { show_table: true, table_html: "" });
+    model.emit("comm_live_update");
+    expect(root.querySelector(".jmi-table")!.textContent).toContain("kernel, which is gone");
   });
 
   it("disables Materialize with the reason when the selection does not fit", () => {
