@@ -151,3 +151,25 @@ def test_the_architecture_page_shows_ARCHITECTURE_md_with_links_outside_the_site
         in page
     )
     assert '<a href="../limits/#random-numbers">listed</a>' in page
+
+
+def _readme() -> str:
+    return (ROOT / "README.md").read_text(encoding="utf-8")
+
+
+def test_the_readme_is_a_landing_page_of_at_most_250_lines():
+    assert len(_readme().splitlines()) <= 250
+
+
+def test_every_relative_link_of_the_readme_points_to_a_file_that_exists():
+    # The README is read on the forge, outside the site: mkdocs does not check its links.
+    targets = re.findall(r"\]\((?![a-z]+:)([^)#\s]+)(?:#[^)\s]*)?\)", _readme())
+    assert targets
+    assert [t for t in targets if not (ROOT / t).exists()] == []
+
+
+def test_the_readme_and_getting_started_give_the_same_set_up_commands():
+    getting_started = (ROOT / "docs" / "getting-started.md").read_text(encoding="utf-8")
+    commands = re.findall(r"^bash scripts/setup\.sh.*$", _readme(), flags=re.MULTILINE)
+    assert len(commands) == 2
+    assert all(command in getting_started for command in commands)
