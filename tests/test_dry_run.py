@@ -425,6 +425,7 @@ _MIXED_DTYPE_MODELS = {
     "conv_transpose1d": (lambda: nn.ConvTranspose1d(3, 4, 3, bias=False), (1, 3, 5)),
     "layer_norm": (lambda: nn.LayerNorm(3), (2, 3)),
     "group_norm": (lambda: nn.GroupNorm(1, 4), (2, 4, 3)),
+    "batch_norm": (lambda: nn.BatchNorm1d(3), (2, 3)),
     "lstm": (lambda: nn.LSTM(3, 4), (2, 1, 3)),
 }
 

@@ -136,7 +136,8 @@ class _EagerDtypeChecks:
     """
 
     _SMALL = 1 << 16  # elements: probe with the real shapes below this
-    _DTYPE_WORDS = ("dtype", "scalar type", "datatype", "scalartype")
+    # torch's dtype checks say one of these ("not implemented for 'Long'": a kernel's dtypes)
+    _DTYPE_WORDS = ("dtype", "scalar type", "datatype", "scalartype", "not implemented for '")
 
     def __init__(self) -> None:
         self.refused: dict[Any, tuple[type[BaseException], str] | None] = {}
@@ -186,8 +187,8 @@ class _EagerDtypeChecks:
             if not any(word in lowered for word in self._DTYPE_WORDS):
                 return None
             # "not implemented for 'Half'" is a fact about the CPU kernel; a tensor recorded
-            # for another device may have the kernel there.
-            elsewhere = any(t.device.type not in ("cpu", "meta") for t in _tensors((args, kwargs)))
+            # for another device (or a meta model, headed anywhere) may have the kernel there.
+            elsewhere = any(t.device.type != "cpu" for t in _tensors((args, kwargs)))
             if "not implemented for" in lowered and elsewhere:
                 return None
             return type(e), message
