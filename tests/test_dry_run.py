@@ -462,3 +462,22 @@ def test_dry_run_refuses_matmul_of_two_dtypes_as_eager_does():
         MatMul()(torch.ones(2, 2, 3))
     with pytest.raises(RuntimeError, match="expected scalar type Float but found Half"):
         dry_run(MatMul(), (2, 2, 3))
+
+
+def test_dry_run_checking_dtypes_allocates_no_large_output_of_small_inputs():
+    script = textwrap.dedent(
+        """
+        import resource, torch
+        from torch import nn
+        from jupyter_metainit.estimates import dry_run
+        class Grows(nn.Module):  # 1.6 GB outputs from a 1-element input
+            def forward(self, x):
+                return x.new_zeros(20000, 20000) + x.repeat(20000, 20000)
+        assert dry_run(Grows(), (1, 1)).loc["", "output_shape"] == (20000, 20000)
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert int(done.stdout.split()[-1]) < 1024**3

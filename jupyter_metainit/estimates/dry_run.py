@@ -174,13 +174,25 @@ class _EagerDtypeChecks:
     ) -> tuple[type[BaseException], str] | None:
         from jupyter_metainit.core._plain import plain
 
-        def probe_tensor(t: torch.Tensor) -> torch.Tensor:
-            shape = t.shape if small else (1,) * t.dim()
-            return torch.zeros(shape, dtype=t.dtype)
+        def probe_on(device: str) -> Callable[[torch.Tensor], torch.Tensor]:
+            def probe_tensor(t: torch.Tensor) -> torch.Tensor:
+                shape = t.shape if small else (1,) * t.dim()
+                return torch.zeros(shape, dtype=t.dtype, device=device)
 
-        try:
+            return probe_tensor
+
+        def run(device: str) -> Any:
+            to_probe = probe_on(device)
             with plain():
-                func(*_map_tensors(args, probe_tensor), **_map_tensors(kwargs, probe_tensor))
+                return func(*_map_tensors(args, to_probe), **_map_tensors(kwargs, to_probe))
+
+        with contextlib.suppress(Exception):
+            # On the meta device first: an output too large to compute cheaply (`new_zeros`
+            # of a big size, `repeat`) is not probed on the CPU.
+            if sum(t.numel() for t in _tensors(run("meta"))) > self._SMALL:
+                return None
+        try:
+            run("cpu")
         except (RuntimeError, TypeError, ValueError, IndexError, NotImplementedError) as e:
             message = str(e).splitlines()[0] if str(e) else ""
             lowered = message.lower()
