@@ -11,7 +11,7 @@ import sys
 import time
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -139,8 +139,9 @@ class _EagerDtypeChecks:
     # torch's dtype checks say one of these ("not implemented for 'Long'": a kernel's dtypes)
     _DTYPE_WORDS = ("dtype", "scalar type", "datatype", "scalartype", "not implemented for '")
 
-    def __init__(self) -> None:
-        self.refused: dict[Any, tuple[type[BaseException], str] | None] = {}
+    # Shared by every dry run (a probe's answer depends on the signature only); bounded.
+    refused: ClassVar[dict[Any, tuple[type[BaseException], str] | None]] = {}
+    _MAX_SIGNATURES = 1 << 14
 
     @staticmethod
     def _probed(func: Any) -> bool:
@@ -154,13 +155,17 @@ class _EagerDtypeChecks:
         tensors = list(_tensors((args, kwargs)))
         if not tensors or any(is_lazy(t) for t in tensors):  # shapeless until inferred
             return
-        small = sum(t.numel() for t in tensors) <= self._SMALL
-        key = (
-            func,
-            small,
-            *((t.dtype, t.device.type, t.shape if small else t.dim()) for t in tensors),
-        )
+        # Metadata reads without each tensor subclass's __torch_function__ (every op: cheap).
+        with torch._C.DisableTorchFunctionSubclass():
+            small = sum(t.numel() for t in tensors) <= self._SMALL
+            key = (
+                func,
+                small,
+                *((t.dtype, t.device.type, t.shape if small else t.dim()) for t in tensors),
+            )
         if key not in self.refused:
+            if len(self.refused) >= self._MAX_SIGNATURES:
+                self.refused.clear()
             self.refused[key] = (
                 self._probe(func, args, kwargs, small) if self._probed(func) else None
             )
