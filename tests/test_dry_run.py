@@ -415,3 +415,69 @@ def test_dry_run_accepts_an_input_dtype_name(name):
 def test_dry_run_with_an_unknown_input_dtype_name_lists_the_valid_forms():
     with pytest.raises(ValueError, match="'bfloat16'"):
         dry_run(nn.Linear(3, 3), (2, 3), input_dtype="floot16")
+
+
+_MIXED_DTYPE_MODELS = {
+    "linear": (lambda: nn.Linear(3, 3), (2, 3)),
+    "linear_no_bias": (lambda: nn.Linear(3, 3, bias=False), (2, 3)),
+    "bilinear_matmul": (lambda: nn.Sequential(nn.Flatten(0), nn.Linear(6, 2)), (2, 3)),
+    "conv2d": (lambda: nn.Conv2d(3, 4, 3, bias=False), (1, 3, 5, 5)),
+    "conv_transpose1d": (lambda: nn.ConvTranspose1d(3, 4, 3, bias=False), (1, 3, 5)),
+    "layer_norm": (lambda: nn.LayerNorm(3), (2, 3)),
+    "group_norm": (lambda: nn.GroupNorm(1, 4), (2, 4, 3)),
+    "batch_norm": (lambda: nn.BatchNorm1d(3), (2, 3)),
+    "lstm": (lambda: nn.LSTM(3, 4), (2, 1, 3)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(_MIXED_DTYPE_MODELS))
+@pytest.mark.parametrize("input_dtype", [torch.int64, torch.float64])
+def test_dry_run_refuses_the_input_dtype_eager_refuses(name, input_dtype):
+    build, shape = _MIXED_DTYPE_MODELS[name]
+    x = torch.zeros(shape, dtype=input_dtype)
+    with pytest.raises((RuntimeError, ValueError)) as eager:
+        build()(x)
+    with pytest.raises((RuntimeError, ValueError)) as dry:
+        dry_run(build(), x)
+    assert str(dry.value) == str(eager.value)
+
+
+def test_dry_run_of_a_deferred_model_refuses_a_mismatched_input_dtype_as_eager_does():
+    with meta_init():
+        model = nn.Linear(3, 3)
+    with pytest.raises(RuntimeError, match="same dtype"):
+        dry_run(model, torch.zeros(2, 3, dtype=torch.int64))
+
+
+def test_dry_run_refuses_matmul_of_two_dtypes_as_eager_does():
+    class MatMul(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.w = nn.Parameter(torch.ones(3, 4, dtype=torch.float16))
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return torch.bmm(x, self.w.expand(2, 3, 4))
+
+    with pytest.raises(RuntimeError, match="expected scalar type Float but found Half"):
+        MatMul()(torch.ones(2, 2, 3))
+    with pytest.raises(RuntimeError, match="expected scalar type Float but found Half"):
+        dry_run(MatMul(), (2, 2, 3))
+
+
+def test_dry_run_checking_dtypes_allocates_no_large_output_of_small_inputs():
+    script = textwrap.dedent(
+        """
+        import resource, torch
+        from torch import nn
+        from jupyter_metainit.estimates import dry_run
+        class Grows(nn.Module):  # 1.6 GB outputs from a 1-element input
+            def forward(self, x):
+                return x.new_zeros(20000, 20000) + x.repeat(20000, 20000)
+        assert dry_run(Grows(), (1, 1)).loc["", "output_shape"] == (20000, 20000)
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        """
+    )
+    done = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
+    )
+    assert int(done.stdout.split()[-1]) < 1024**3

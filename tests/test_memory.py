@@ -298,3 +298,9 @@ def test_values_column_says_which_parts_hold_fast_rng_values():
     assert table.loc["2", "values"] == ""
     assert table.loc["", "values"] == "mixed"
     assert "values" in table.to_html_view(compact=True)
+
+
+@pytest.mark.parametrize(("name", "itemsize"), [("double", 8), ("torch.float64", 8), ("fp16", 2)])
+def test_memory_table_reads_any_torch_dtype_name(name, itemsize):
+    table = memory_table(nn.Linear(4, 4), dtype=name)
+    assert table.loc["", "total_bytes"] == 20 * itemsize

@@ -20,6 +20,7 @@ from jupyter_metainit.core._walk import counted_attributes, own_tensors, storage
 from jupyter_metainit.estimates._arguments import (
     check_depth,
     check_optimizer_bytes,
+    parse_dtype,
     require_module,
 )
 
@@ -128,6 +129,10 @@ def _whatif_bits(dtype: torch.dtype | str | None) -> tuple[int | None, str | Non
         return dtype.itemsize * 8, name
     key = str(dtype).lower().removeprefix("torch.")
     if key not in _WHATIF_BITS:
+        try:  # any other torch dtype name ("double", "torch.int16"): the shared parser
+            return _whatif_bits(parse_dtype(dtype))
+        except (TypeError, ValueError):
+            pass
         raise ValueError(
             f"unknown dtype {dtype!r}; use a torch.dtype or one of {sorted(_WHATIF_BITS)}"
         )
