@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import gc
+import types
 import weakref
 
 import pytest
@@ -738,3 +741,84 @@ def test_named_parameters_is_a_type_error_that_says_to_pass_parameters():
     with pytest.raises(TypeError, match=r"pass parameters\(\)"):
         materialize(m.named_parameters())
     assert is_deferred(m.weight)
+
+
+# ---------------------------------------------------------------------------------------------
+# tensors kept in other containers: dataclasses, SimpleNamespace, plain objects, deque, sets
+
+
+@dataclasses.dataclass
+class _TableHolder:
+    table: torch.Tensor
+
+
+class _SlottedHolder:
+    __slots__ = ("table",)
+
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table
+
+
+class _PlainHolder:
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table
+        self.me = self  # a cycle must not trap the walk
+
+
+def _table_in(kind: str, table: torch.Tensor) -> object:
+    if kind == "dataclass":
+        return _TableHolder(table)
+    if kind == "namespace":
+        return types.SimpleNamespace(table=table)
+    if kind == "slots":
+        return _SlottedHolder(table)
+    if kind == "plain object":
+        return _PlainHolder(table)
+    if kind == "deque":
+        return collections.deque([table])
+    return frozenset([table]) if kind == "frozenset" else {table}
+
+
+def _table_of(holder: object) -> torch.Tensor:
+    if isinstance(holder, (collections.deque, set, frozenset)):
+        return next(iter(holder))
+    return holder.table  # type: ignore[attr-defined]
+
+
+class _KeepsTableIn(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.holder = _table_in(kind, torch.randn(1000))
+
+
+_CONTAINER_KINDS = ["dataclass", "namespace", "slots", "plain object", "deque", "set", "frozenset"]
+
+
+@pytest.mark.parametrize("kind", _CONTAINER_KINDS)
+def test_a_tensor_kept_in_another_container_is_materialized_with_its_model(kind):
+    eager, m = eager_and_deferred(lambda: _KeepsTableIn(kind))
+    assert is_deferred(m)
+    materialize(m)
+    assert not is_deferred(_table_of(m.holder))
+    assert torch.equal(_table_of(m.holder), _table_of(eager.holder))
+
+
+@pytest.mark.parametrize("kind", _CONTAINER_KINDS)
+def test_a_tensor_kept_in_another_container_is_freed_with_its_model(kind):
+    _, m = eager_and_deferred(lambda: _KeepsTableIn(kind))
+    materialize(m, keep_cache=True)
+    table = _table_of(m.holder)
+    assert not is_deferred(table)
+    dematerialize(m)
+    assert is_deferred(table)
+
+
+@pytest.mark.parametrize("kind", _CONTAINER_KINDS)
+def test_a_tensor_kept_in_another_container_counts_in_the_memory_table(kind):
+    from jupyter_metainit.estimates import memory_table
+
+    _, m = eager_and_deferred(lambda: _KeepsTableIn(kind))
+    assert memory_table(m).loc["", "attribute_bytes"] == 4000
+    materialize(m)
+    assert memory_table(m).loc["", "attribute_bytes"] == 4000
