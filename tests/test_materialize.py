@@ -822,3 +822,96 @@ def test_a_tensor_kept_in_another_container_counts_in_the_memory_table(kind):
     assert memory_table(m).loc["", "attribute_bytes"] == 4000
     materialize(m)
     assert memory_table(m).loc["", "attribute_bytes"] == 4000
+
+
+# ---------------------------------------------------------------------------------------------
+# non-leaf tensors keep eager's autograd link to the parameters they were computed from
+
+
+class _KeepsScaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+        self.scaled = self.w * 2
+
+
+def test_an_attribute_computed_from_a_parameter_passes_gradients_to_it():
+    eager, m = eager_and_deferred(_KeepsScaled)
+    materialize(m)
+    assert torch.equal(m.scaled, eager.scaled) and not m.scaled.is_leaf
+    m.scaled.sum().backward()
+    eager.scaled.sum().backward()
+    assert torch.equal(m.w.grad, eager.w.grad)
+
+
+def test_a_pruned_weight_passes_gradients_to_weight_orig():
+    from torch.nn.utils import prune
+
+    eager, m = eager_and_deferred(lambda: prune.l1_unstructured(nn.Linear(6, 5), "weight", 0.5))
+    materialize(m)
+    assert torch.equal(m.weight, eager.weight)
+    m.weight.sum().backward()
+    eager.weight.sum().backward()
+    assert torch.equal(m.weight_orig.grad, eager.weight_orig.grad)
+
+
+def test_a_weight_norm_weight_passes_gradients_to_weight_g_and_weight_v():
+    def build() -> nn.Module:
+        with pytest.warns(FutureWarning):
+            return nn.utils.weight_norm(nn.Linear(4, 3))
+
+    eager, m = eager_and_deferred(build)
+    materialize(m)
+    m.weight.sum().backward()
+    eager.weight.sum().backward()
+    assert torch.equal(m.weight_g.grad, eager.weight_g.grad)
+    assert torch.equal(m.weight_v.grad, eager.weight_v.grad)
+
+
+class _KeepsCachedSnapshot(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.utils.parametrizations.orthogonal(nn.Linear(3, 3))
+        with nn.utils.parametrize.cached():
+            self.snapshot = self.lin.weight
+
+
+def test_a_cached_parametrization_snapshot_passes_gradients_to_the_original():
+    eager, m = eager_and_deferred(_KeepsCachedSnapshot)
+    materialize(m)
+    assert torch.equal(m.snapshot, eager.snapshot)
+    m.snapshot.sum().backward()
+    eager.snapshot.sum().backward()
+    original = m.lin.parametrizations.weight.original
+    assert torch.equal(original.grad, eager.lin.parametrizations.weight.original.grad)
+
+
+def _forward_on_both() -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
+    eager, m = eager_and_deferred(lambda: nn.Linear(3, 2))
+    x = torch.randn(4, 3)
+    return eager, m, eager(x), m(x)
+
+
+def test_a_forward_output_materialized_with_its_model_gives_eager_gradients():
+    eager, m, eager_z, z = _forward_on_both()
+    materialize([m, z])
+    assert torch.equal(z, eager_z)
+    z.sum().backward()
+    eager_z.sum().backward()
+    assert torch.equal(m.weight.grad, eager.weight.grad)
+
+
+def test_a_forward_output_materialized_after_its_model_gives_eager_gradients():
+    eager, m, eager_z, z = _forward_on_both()
+    materialize(m)
+    materialize(z)
+    z.sum().backward()
+    eager_z.sum().backward()
+    assert torch.equal(m.bias.grad, eager.bias.grad)
+
+
+def test_a_forward_output_without_its_deferred_parameters_warns_that_gradients_will_not_reach():
+    _, m, eager_z, z = _forward_on_both()
+    with pytest.warns(UserWarning, match=r"as a leaf.*2 of them are not being materialized"):
+        materialize(z)
+    assert torch.equal(z, eager_z) and is_deferred(m)
