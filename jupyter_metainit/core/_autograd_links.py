@@ -149,7 +149,6 @@ def _where(t: DeferredTensor) -> str:
     return str(writes[0].where) if writes else "an unknown line"
 
 
-
 def link_non_leaves(
     tensors: list[DeferredTensor], reals: list[torch.Tensor], device: torch.device | None,
     rng: str,

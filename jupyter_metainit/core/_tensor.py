@@ -27,6 +27,7 @@ def _note_leaf(t: DeferredTensor) -> None:
     if t._rg and not t._derived:
         grad_leaves[t._rec.storage] = weakref.ref(t)
 
+
 # Attributes of ours in a deferred tensor's __dict__; everything else there is the user's
 # (e.g. transformers' ``_is_hf_initialized``) and is carried over on materialization.
 INTERNAL_ATTRS = frozenset({"_meta", "_rec", "_rg", "_derived", "_view_of", "_jmi_share_memory"})

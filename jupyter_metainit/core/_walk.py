@@ -100,7 +100,7 @@ def _attribute_tensors(
 _NEVER_ENTERED = (
     str, bytes, bytearray, memoryview, nn.Module, type, types.ModuleType, types.FunctionType,
     types.MethodType, types.BuiltinFunctionType, functools.partial, weakref.ref, range,
-)
+)  # fmt: skip
 
 
 def _container_items(value: object) -> Iterable[tuple[object, object]] | None:
