@@ -649,3 +649,17 @@ def test_set_with_the_storage_of_a_deferred_tensor_says_it_holds_no_memory():
             UnsupportedOperatorError, match=r"storage of a deferred tensor.*materialize"
         ):
             u.set_(source.untyped_storage(), 2, (2, 3), (3, 1))
+
+
+class _OtherTensor(torch.Tensor):
+    pass
+
+
+def test_make_subclass_of_a_deferred_tensor_says_to_build_outside_meta_init_and_names_the_line():
+    with meta_init():
+        data = torch.randn(3)
+        with pytest.raises(
+            UnsupportedOperatorError,
+            match=r"_OtherTensor.*test_recorder\.py:\d+.*outside meta_init",
+        ):
+            torch.Tensor._make_subclass(_OtherTensor, data)
