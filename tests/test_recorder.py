@@ -663,3 +663,12 @@ def test_make_subclass_of_a_deferred_tensor_says_to_build_outside_meta_init_and_
             match=r"_OtherTensor.*test_recorder\.py:\d+.*outside meta_init",
         ):
             torch.Tensor._make_subclass(_OtherTensor, data)
+
+
+def test_reading_the_bytes_of_a_deferred_tensors_storage_says_to_read_the_tensor_or_materialize():
+    with meta_init():
+        w = nn.Linear(2, 2).weight
+    with pytest.raises(
+        UnsupportedOperatorError, match=r"test_recorder\.py:\d+.*t\.tolist\(\).*materialize"
+    ):
+        bytes(w.untyped_storage())
