@@ -915,3 +915,27 @@ def test_a_forward_output_without_its_deferred_parameters_warns_that_gradients_w
     with pytest.warns(UserWarning, match=r"as a leaf.*2 of them are not being materialized"):
         materialize(z)
     assert torch.equal(z, eager_z) and is_deferred(m)
+
+
+def test_an_attribute_computed_from_a_parameter_cast_by_dtype_passes_gradients_to_it():
+    eager, m = eager_and_deferred(_KeepsScaled)
+    materialize(m, dtype=torch.bfloat16)
+    assert torch.equal(m.scaled, eager.scaled.bfloat16())
+    m.scaled.float().sum().backward()
+    assert torch.equal(m.w.grad, torch.full((4,), 2.0, dtype=torch.bfloat16))
+
+
+class _ScaledThenZeroed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+        self.scaled = self.w * 2
+        with torch.no_grad():
+            self.w.zero_()
+
+
+def test_an_attribute_whose_parameter_was_written_after_keeps_its_values_and_warns():
+    eager, m = eager_and_deferred(_ScaledThenZeroed)
+    with pytest.warns(UserWarning, match=r"as a leaf.*written after it was computed"):
+        materialize(m)
+    assert torch.equal(m.scaled, eager.scaled)

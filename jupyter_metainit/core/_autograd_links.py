@@ -60,14 +60,14 @@ def linked_non_leaf(
         if linked.device != plain_value.device or linked.dtype != plain_value.dtype:
             linked = linked.to(plain_value.device, plain_value.dtype)
     if linked.grad_fn is None or not torch.equal(linked.detach(), plain_value):
-        # Its leaves were written after it was computed (an initialisation that reads a
-        # parameter before filling it, as ``orthogonal`` does): no graph from the real leaves
-        # gives its values. The values win; the lost link is said, not silent.
+        # No graph from the real leaves gives its values (a leaf written after it was computed,
+        # or cast lossily by ``dtype=``). The values win; the lost link is said, not silent.
         warnings.warn(
             f"a tensor of shape {tuple(t.shape)} computed from parameters (recorded at "
-            f"{_where(t)}) is materialized as a leaf: the parameters it was computed from were "
-            "written after it was computed, so its gradients cannot reach them. Recompute it "
-            "from the real parameters after materializing if you need them.",
+            f"{_where(t)}) is materialized as a leaf, so its gradients will not reach them: "
+            "recomputing it from the real parameters does not give its recorded values (they "
+            "were written after it was computed, or cast with dtype=). Recompute it from the "
+            "real parameters after materializing if you need them.",
             stacklevel=2,
         )
         return None
@@ -93,6 +93,8 @@ def _real_leaves(
                     missing.append(leaf)
                 continue
             real = leaf  # materialized before: the very object the model holds
+        if real.dtype != storage.dtype:  # cast by ``dtype=``: computed as recorded, then cast
+            real = real.to(storage.dtype)
         seeds[id(storage)] = (storage, real)
     if missing:
         which = ", ".join(f"shape {tuple(x.shape)} recorded at {_where(x)}" for x in missing[:3])
