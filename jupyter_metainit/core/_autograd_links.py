@@ -52,14 +52,20 @@ def linked_non_leaf(
     if not seeds:
         return None
     target = t._rec.storage
-    with plain(), torch.inference_mode(False), torch.enable_grad():
-        if id(target) in seeds:  # a view of a leaf (``self.w_t = self.w.t()``)
-            linked = real_view(seeds[id(target)][1], t._rec)
-        else:
-            linked = _replay_with_grad(t, seeds, device, rng)
-        if linked.device != plain_value.device or linked.dtype != plain_value.dtype:
-            linked = linked.to(plain_value.device, plain_value.dtype)
-    if linked.grad_fn is None or not torch.equal(linked.detach(), plain_value):
+    linked: torch.Tensor | None = None
+    try:
+        with plain(), torch.inference_mode(False), torch.enable_grad():
+            if id(target) in seeds:  # a view of a leaf (``self.w_t = self.w.t()``)
+                linked = real_view(seeds[id(target)][1], t._rec)
+            else:
+                linked = _replay_with_grad(t, seeds, device, rng)
+            if linked.device != plain_value.device or linked.dtype != plain_value.dtype:
+                linked = linked.to(plain_value.device, plain_value.dtype)
+    except RuntimeError:
+        # Autograd refuses the recorded ops (an in-place write of a leaf among them): the
+        # values come from the plain replay, which has already run.
+        linked = None
+    if linked is None or linked.grad_fn is None or not torch.equal(linked.detach(), plain_value):
         # No graph from the real leaves gives its values (a leaf written after it was computed,
         # or cast lossily by ``dtype=``). The values win; the lost link is said, not silent.
         warnings.warn(
@@ -68,14 +74,14 @@ def linked_non_leaf(
             "recomputing it from the real parameters does not give its recorded values (they "
             "were written after it was computed, or cast with dtype=). Recompute it from the "
             "real parameters after materializing if you need them.",
-            stacklevel=2,
+            stacklevel=5,  # the caller of materialize
         )
         return None
     return linked
 
 
 def _real_leaves(
-    t: DeferredTensor, in_call: Callable[[DeferredTensor], torch.Tensor | None]
+    t: DeferredTensor, in_call: Callable[[StorageRecord], torch.Tensor | None]
 ) -> dict[int, tuple[StorageRecord, torch.Tensor]]:
     """storage id -> (storage, the real leaf over it) for every leaf requiring grad that ``t``
     was computed from; nothing (with a warning) if one of them is deferred and not requested."""
@@ -107,7 +113,7 @@ def _real_leaves(
             f"{len(missing)} of them are not being materialized ({which}{more}). Materialize "
             "them with it, in the same call (materialize([model, tensor])) or first, to keep "
             "the link.",
-            stacklevel=4,
+            stacklevel=6,  # the caller of materialize
         )
         return {}
     return seeds
