@@ -121,14 +121,17 @@ def _container_items(value: object) -> Iterable[tuple[object, object]] | None:
     if module == "builtins" or module.split(".", 1)[0] in _LIBRARIES_NOT_ENTERED:
         return None
     pairs: list[tuple[object, object]] = []
-    attrs = getattr(value, "__dict__", None)
-    if isinstance(attrs, dict):
-        pairs += list(attrs.items())
-    for cls in type(value).__mro__:
-        slots = cls.__dict__.get("__slots__", ())
-        for slot in (slots,) if isinstance(slots, str) else slots:
-            if slot not in ("__dict__", "__weakref__") and hasattr(value, slot):
-                pairs.append((slot, getattr(value, slot)))
+    try:  # a proxy's ``__getattr__`` may raise anything: such an object is not looked into
+        attrs = getattr(value, "__dict__", None)
+        if isinstance(attrs, dict):
+            pairs += list(attrs.items())
+        for cls in type(value).__mro__:
+            slots = cls.__dict__.get("__slots__", ())
+            for slot in (slots,) if isinstance(slots, str) else slots:
+                if slot not in ("__dict__", "__weakref__") and hasattr(value, slot):
+                    pairs.append((slot, getattr(value, slot)))
+    except Exception:
+        return None
     return pairs
 
 
