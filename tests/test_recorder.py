@@ -628,3 +628,47 @@ def test_nested_tensor_made_under_meta_init_is_computed_with_eager_values():
 def test_jagged_nested_tensor_under_meta_init_raises_a_clear_error():
     with meta_init(), pytest.raises(UnsupportedOperatorError, match="outside meta_init"):
         torch.nested.nested_tensor([torch.randn(2), torch.randn(3)], layout=torch.jagged)
+
+
+def test_quantize_dynamic_on_a_deferred_model_says_to_materialize_first_and_names_the_line():
+    with meta_init():
+        m = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(
+        UnsupportedOperatorError, match=r"quantized.*test_recorder\.py:\d+.*Materialize first"
+    ):
+        torch.ao.quantization.quantize_dynamic(m, {nn.Linear}, dtype=torch.qint8)
+    materialize(m)  # the model is left deferred and usable
+    assert not is_deferred(m)
+
+
+def test_set_with_the_storage_of_a_deferred_tensor_says_it_holds_no_memory():
+    with meta_init():
+        source = torch.arange(8.0)
+        u = torch.empty(0)
+        with pytest.raises(
+            UnsupportedOperatorError, match=r"storage of a deferred tensor.*materialize"
+        ):
+            u.set_(source.untyped_storage(), 2, (2, 3), (3, 1))
+
+
+class _OtherTensor(torch.Tensor):
+    pass
+
+
+def test_make_subclass_of_a_deferred_tensor_says_to_build_outside_meta_init_and_names_the_line():
+    with meta_init():
+        data = torch.randn(3)
+        with pytest.raises(
+            UnsupportedOperatorError,
+            match=r"_OtherTensor.*test_recorder\.py:\d+.*outside meta_init",
+        ):
+            torch.Tensor._make_subclass(_OtherTensor, data)
+
+
+def test_reading_the_bytes_of_a_deferred_tensors_storage_says_to_read_the_tensor_or_materialize():
+    with meta_init():
+        w = nn.Linear(2, 2).weight
+    with pytest.raises(
+        UnsupportedOperatorError, match=r"test_recorder\.py:\d+.*t\.tolist\(\).*materialize"
+    ):
+        bytes(w.untyped_storage())

@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from jupyter_metainit.core import _events, _rng
+from jupyter_metainit.core._autograd_links import link_non_leaves
 from jupyter_metainit.core._busy import exclusive
 from jupyter_metainit.core._digest import digest
 from jupyter_metainit.core._files import read_file_bytes
@@ -787,6 +788,8 @@ def _materialize_now(
         ):
             fast.add(id(t))
     del env
+    # Non-leaves (``self.scaled = self.w * 2``, a forward's output) get eager's grad_fn.
+    link_non_leaves(tensors, new, device, rng)
     holders = [
         _holder_for(t, r, keep, sources[id(t)] == "checkpoint", file_reads.get(id(t)))
         for t, r in zip(tensors, new, strict=True)

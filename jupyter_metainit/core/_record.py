@@ -269,9 +269,35 @@ def _handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
         if info.is_random:
             _rng.before_real_draw(_generator_argument(info, bound))
         return _run_on_values(func, args, kwargs)
+    if _makes_quantized(func, kwargs):
+        raise UnsupportedOperatorError(
+            f"{func} makes a quantized tensor, which cannot be deferred (called at "
+            f"{call_site()}; e.g. torch.ao.quantization.quantize_dynamic on a deferred model). "
+            "Materialize first (jupyter_metainit.materialize(model)), then quantize; or build "
+            "the quantized tensor outside meta_init"
+        )
     if info.is_inplace_view:
         return _inplace_view(func, info, bound, args, kwargs)
     return _record(func, info, bound, flat, args, kwargs)
+
+
+_QUANTIZED_DTYPES = frozenset(
+    {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+)
+
+
+def _makes_quantized(func: Any, kwargs: dict) -> bool:
+    """Whether ``func`` returns a quantized tensor (``quantize_per_tensor``,
+    ``_empty_affine_quantized``, a factory with a quantized dtype): replay has no way to make
+    one (its values are integers plus scales, and they copy into no plain tensor)."""
+    name = func._schema.name.split("::")[-1]
+    if "fake_quantize" in name:  # returns a float tensor: recorded like any op
+        return False
+    return (
+        name.startswith("quantize_per")
+        or "affine_quantized" in name
+        or kwargs.get("dtype") in _QUANTIZED_DTYPES
+    )
 
 
 def _generator_argument(info: OpInfo, bound: list) -> torch.Generator | None:
@@ -372,6 +398,13 @@ def _inplace_view(func: Any, info: OpInfo, bound: list, args: tuple, kwargs: dic
         raise UnsupportedOperatorError(f"{func} with these arguments ({source!r}) at {where}")
     if func in (aten.set_.source_Storage, aten.set_.source_Storage_storage_offset):
         storage = bound[1]
+        if isinstance(storage, torch.UntypedStorage) and _holds_no_memory(storage):
+            raise UnsupportedOperatorError(
+                f"`tensor.set_(storage, ...)` with the storage of a deferred tensor (called at "
+                f"{where}): a deferred tensor's storage holds no memory to share. Pass the "
+                "deferred tensor itself, `tensor.set_(deferred, offset, size, stride)`, or "
+                "materialize it first (jupyter_metainit.materialize)"
+            )
         region = storage_region(storage) if isinstance(storage, torch.UntypedStorage) else None
         if region is not None:
             # torch.load(mmap=True) rebuilds each tensor as `empty(0).set_(storage, ...)` over
@@ -427,6 +460,17 @@ def _inplace_view(func: Any, info: OpInfo, bound: list, args: tuple, kwargs: dic
     if func is aten.detach_.default:
         self._rg = False
     return self
+
+
+def _holds_no_memory(storage: torch.UntypedStorage) -> bool:
+    """A deferred tensor's ``untyped_storage()``: PyTorch refuses to give its address."""
+    if storage.device.type == "meta" or storage.nbytes() == 0:
+        return False
+    try:
+        storage.data_ptr()
+    except RuntimeError:
+        return True
+    return False
 
 
 class _Unkeyable(Exception):
