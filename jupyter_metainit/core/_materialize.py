@@ -980,7 +980,7 @@ def dematerialize(obj: Any, *, force: bool = False, root: torch.nn.Module | None
                 continue
             if not force:
                 # A gradient is the user's data and its memory: freeing would drop it silently.
-                if held.grad is not None or t.grad is not None:
+                if _grad_of(held) is not None or _grad_of(t) is not None:
                     with_grad.append(_name(t, names))
                 reason = _why_not_reproducible(t, holder)
                 if reason is not None:
@@ -1042,6 +1042,11 @@ def _why_not_kept(tensors: list[torch.Tensor], what: str) -> str:
     if never:
         reasons.append(f"{never} were never deferred (made real outside meta_init)")
     return f"{len(tensors)} tensor(s) {what}: {'; '.join(reasons)}."
+
+
+def _grad_of(t: torch.Tensor) -> torch.Tensor | None:
+    """``t.grad`` without torch's warning for non-leaf tensors (they hold none)."""
+    return t.grad if t.is_leaf else None
 
 
 def _freeable(t: torch.Tensor) -> torch.Tensor:
