@@ -260,9 +260,12 @@ _READS = {
 }
 
 
-def _written_and_read(source: str, reads: tuple[str, ...], path) -> dict[str, torch.Tensor]:
+def _written_and_read(
+    source: str, reads: tuple[str, ...], path, read: list
+) -> dict[str, torch.Tensor]:
     """In-place writes on a tensor from ``source``, its values read between them (``reads``,
-    one after each write), a snapshot taken midway and a draw made after."""
+    one after each write, what they give appended to ``read``), a snapshot taken midway and a
+    draw made after."""
     t = _SOURCES[source](path)
     steps = [
         lambda: t.add_(torch.randn(4)),
@@ -273,7 +276,7 @@ def _written_and_read(source: str, reads: tuple[str, ...], path) -> dict[str, to
     for i, step in enumerate(steps):
         step()
         if i < len(reads):
-            _READS[reads[i]](t)
+            read.append(_READS[reads[i]](t))
         if i == 1:
             snapshot = t.clone()
     return {"t": t, "snapshot": snapshot, "after": torch.randn(2)}
@@ -293,11 +296,13 @@ def saved_four(tmp_path):
 @pytest.mark.parametrize("source", sorted(_SOURCES))
 @pytest.mark.parametrize("how", ["whole", "parts", "again_after_free"])
 def test_in_place_writes_with_value_reads_between_them_equal_eager(source, reads, how, saved_four):
+    expected_read, read = [], []
     torch.manual_seed(0)
-    eager = _written_and_read(source, reads, saved_four)
+    eager = _written_and_read(source, reads, saved_four, expected_read)
     torch.manual_seed(0)
     with meta_init():
-        got = _written_and_read(source, reads, saved_four)
+        got = _written_and_read(source, reads, saved_four, read)
+    assert read == expected_read
     if how == "parts":
         for name in ("snapshot", "after", "t"):
             materialize(got[name])
@@ -324,3 +329,38 @@ class _Counter(nn.Module):
 
 def test_a_counter_buffer_read_while_counting_equals_eager():
     assert_exact(_Counter)
+
+
+def _foreach_add(first: torch.Tensor, second: torch.Tensor) -> None:
+    torch._foreach_add_([first, second], 1.0)
+
+
+def _batch_norm_stats(first: torch.Tensor, second: torch.Tensor) -> None:
+    nn.functional.batch_norm(torch.randn(4, 3), first, second, training=True)
+
+
+# Ops that write several tensors at once: reading one of them replays the op whole.
+_MULTI_WRITES = {"foreach_add_": _foreach_add, "batch_norm_running_stats": _batch_norm_stats}
+
+
+@pytest.mark.parametrize("op", sorted(_MULTI_WRITES))
+@pytest.mark.parametrize("source", ["tensor", "zeros"])
+def test_reading_one_tensor_an_op_wrote_leaves_the_others_it_wrote_as_eager(op, source):
+    def build():
+        make = _SOURCES[source]
+        first, second = make(None)[:3].clone(), make(None)[:3].clone() + 1
+        read = []
+        for _ in range(2):
+            _MULTI_WRITES[op](first, second)
+            read.append(first.tolist())  # replays the op, which writes `second` too
+            read.append(second.tolist())
+        return [first, second], read
+
+    torch.manual_seed(0)
+    expected, expected_read = build()
+    torch.manual_seed(0)
+    with meta_init():
+        got, read = build()
+    assert read == expected_read
+    materialize(got)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))

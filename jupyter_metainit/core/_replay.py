@@ -187,6 +187,13 @@ def _closure(
             for s in op.reads:
                 work.append((s, op.seq))
     ops = sorted(included.values(), key=lambda o: o.seq)
+    for op in ops:
+        # An op that writes several storages (``_foreach_add_`` over a list, batch norm's
+        # running statistics) runs whole: the storages it writes besides the one asked for
+        # come out with its write applied too, and are cached as such.
+        for s in op.mutates:
+            if id(s) in final:
+                final[id(s)] = max(final[id(s)], _writes_before(s, op.seq) + 1)
     allocate: dict[int, TensorRecord] = {}
     for sid, storage in storages.items():
         creator = storage.writes[0]
