@@ -346,3 +346,29 @@ def test_foreach_operator_writes_and_outputs_match_eager(op):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert check_foreach_op(op), f"{op.name}: no sample ran"
+
+
+def _all_overloads() -> Iterator[torch._ops.OpOverload]:
+    for full in torch._C._dispatch_get_all_op_names():
+        namespace, _, rest = full.partition("::")
+        name, _, overload = rest.partition(".")
+        try:
+            yield getattr(getattr(getattr(torch.ops, namespace), name), overload or "default")
+        except (AttributeError, RuntimeError):
+            continue
+
+
+def test_every_argument_a_schema_marks_written_is_recorded_as_written():
+    """The forms of ``(a!)`` in every registered schema are ``Tensor(a!)`` and ``Tensor(a!)[]``
+    (a new form, such as ``Tensor(a!)?``, would need the recorder to look inside it), and
+    ``op_info`` lists each such argument as written."""
+    from jupyter_metainit.core._ops import op_info
+
+    forms = set()
+    for op in _all_overloads():
+        mutated = op_info(op).mutated
+        for i, arg in enumerate(op._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write and "Tensor" in str(arg.type):
+                forms.add(str(arg.type))
+                assert i in mutated, f"{op}: {arg.name}"
+    assert forms == {"Tensor", "List[Tensor]"}
