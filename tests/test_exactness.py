@@ -364,3 +364,18 @@ def test_reading_one_tensor_an_op_wrote_leaves_the_others_it_wrote_as_eager(op, 
     assert read == expected_read
     materialize(got)
     assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+
+
+@pytest.mark.parametrize("source", ["tensor", "as_tensor", "from_numpy"])
+def test_training_a_tensor_made_from_user_data_then_forcing_a_free_rematerializes_the_original(
+    source,
+):
+    with meta_init():
+        t = _SOURCES[source](None)
+    materialize(t, keep_cache=True)
+    original = t.clone()
+    with torch.no_grad():
+        t.mul_(3)  # training: the recording must not see it
+    dematerialize(t, force=True)
+    materialize(t)
+    assert torch.equal(t, original)

@@ -948,7 +948,7 @@ def compute_values(records: list[TensorRecord]) -> list[torch.Tensor]:
         )
         for sid, (storage, writes) in p.versions.items():
             value = env.get(sid)
-            if value is not None and writes > 0:
+            if isinstance(value, torch.Tensor) and writes > 0:  # not a _ShapeMismatch
                 value_cache.put(storage, writes, value)
         with plain():
             return [real_view(env[id(r.storage)], r).clone() for r in records]
