@@ -249,6 +249,8 @@ _SOURCES = {
     "tensor": lambda path: torch.tensor([1.0, 2.0, 3.0, 4.0]),
     "as_tensor": lambda path: torch.as_tensor([1.0, 2.0, 3.0, 4.0]),
     "from_numpy": lambda path: torch.from_numpy(np.arange(4, dtype=np.float32)),
+    "asarray": lambda path: torch.asarray(np.arange(4, dtype=np.float32)),
+    "new_tensor": lambda path: torch.zeros(1).new_tensor([1.0, 2.0, 3.0, 4.0]),
     "zeros": lambda path: torch.zeros(4),
     "randn": lambda path: torch.randn(4),
     "file": lambda path: torch.load(path, mmap=True, weights_only=True)["t"],
