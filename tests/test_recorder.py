@@ -737,3 +737,19 @@ def test_grad_scaler_unscale_of_deferred_grads_into_a_real_found_inf_equals_eage
     assert torch.equal(found, expected_found)
     materialize(grads)
     assert torch.equal(grads[0], expected[0])
+
+
+def test_a_foreach_out_variant_writes_its_out_list_as_eager():
+    def add_into():
+        a = [torch.randn(3), torch.randn(2)]
+        out = [torch.zeros(3), torch.zeros(2)]
+        torch.ops.aten._foreach_add.List_out(a, a, out=out)
+        return out
+
+    torch.manual_seed(0)
+    expected = add_into()
+    torch.manual_seed(0)
+    with meta_init():
+        got = add_into()
+    materialize(got)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
