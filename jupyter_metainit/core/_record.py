@@ -245,11 +245,16 @@ def _handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
     flat = iter_args(args, kwargs)
     has_deferred = any(isinstance(x, DeferredTensor) for x in flat)
     bound = bind_arguments(func, args, kwargs)
-    mutated_real = any(
-        isinstance(t, torch.Tensor) and not isinstance(t, DeferredTensor)
+    # Every tensor the op writes: ``Tensor(a!)``, each element of ``Tensor(a!)[]`` (the
+    # ``_foreach_*_`` ops, fused optimizers, ``out=`` lists) and undeclared writes.
+    written = [
+        t
         for i in info.written(bound)
         for t in (bound[i] if isinstance(bound[i], (list, tuple)) else [bound[i]])
-    )
+        if isinstance(t, torch.Tensor)
+    ]
+    mutated_real = any(not isinstance(t, DeferredTensor) for t in written)
+    mutated_deferred = any(isinstance(t, DeferredTensor) for t in written)
     if not has_deferred:
         if func is aten.lift_fresh.default:
             return wrap_constant(args[0], _output_device(kwargs, flat))
@@ -265,9 +270,13 @@ def _handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
                 _rng.before_real_draw(_generator_argument(info, bound))
             with plain():
                 return func(*args, **kwargs)
-    elif mutated_real or not info.returns_tensors:
+    elif mutated_real or (not info.returns_tensors and not mutated_deferred):
+        # Values needed now. (An op that returns nothing but writes deferred tensors, as
+        # ``_foreach_mul_`` and the fused optimizers do, is recorded like any in-place op.)
         if info.is_random:
             _rng.before_real_draw(_generator_argument(info, bound))
+        if mutated_deferred:
+            return _run_on_values_and_record_writes(func, args, kwargs, written)
         return _run_on_values(func, args, kwargs)
     if _makes_quantized(func, kwargs):
         raise UnsupportedOperatorError(
@@ -357,6 +366,31 @@ def _run_on_values(func: Any, args: tuple, kwargs: dict) -> Any:
     a, k = map_args(lambda x: by_id.get(id(x), x), args, kwargs)
     with plain():
         return func(*a, **k)
+
+
+def _run_on_values_and_record_writes(
+    func: Any, args: tuple, kwargs: dict, written: list[torch.Tensor]
+) -> Any:
+    """An op that writes real and deferred tensors together (``_foreach_add_([real,
+    deferred], 1)``): it runs now on the deferred inputs' exact values, so the real tensors get
+    their writes, and each written deferred tensor gets the values it came out with as a
+    recorded ``copy_``."""
+    deferred = [x for x in iter_args(args, kwargs) if isinstance(x, DeferredTensor)]
+    values = _values_of(deferred, func)
+    by_id = {id(d): v for d, v in zip(deferred, values, strict=True)}
+    a, k = map_args(lambda x: by_id.get(id(x), x), args, kwargs)
+    with plain():
+        out = func(*a, **k)
+    for t in written:
+        if isinstance(t, DeferredTensor):
+            t.copy_(by_id[id(t)])
+    # An output that is a written input is the deferred tensor itself, as eagerly.
+    back = {id(v): d for d, v in zip(deferred, values, strict=True)}
+    if isinstance(out, torch.Tensor):
+        return back.get(id(out), out)
+    if isinstance(out, (tuple, list)):
+        return type(out)(back.get(id(o), o) for o in out)
+    return out
 
 
 def _values_of(deferred: list[DeferredTensor], func: Any) -> list[torch.Tensor]:
