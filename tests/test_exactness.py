@@ -4,12 +4,13 @@ from __future__ import annotations
 
 import warnings
 
+import numpy as np
 import pytest
 import torch
 from _twins import assert_same, eager_and_deferred
 from torch import nn
 
-from jupyter_metainit import is_deferred, materialize, meta_init
+from jupyter_metainit import dematerialize, is_deferred, materialize, meta_init
 
 
 def assert_exact(ctor, seed=0):
@@ -240,3 +241,143 @@ def test_elementwise_output_strides_on_size_one_dims_equal_eager(op, layout):
     assert got.stride() == expected.stride()
     if op != "empty_like":
         assert torch.equal(got, expected)
+
+
+# Where a tensor's first values come from: data the user hands over (kept in the recording),
+# a factory, a random factory, or bytes of a file.
+_SOURCES = {
+    "tensor": lambda path: torch.tensor([1.0, 2.0, 3.0, 4.0]),
+    "as_tensor": lambda path: torch.as_tensor([1.0, 2.0, 3.0, 4.0]),
+    "from_numpy": lambda path: torch.from_numpy(np.arange(4, dtype=np.float32)),
+    "asarray": lambda path: torch.asarray(np.arange(4, dtype=np.float32)),
+    "new_tensor": lambda path: torch.zeros(1).new_tensor([1.0, 2.0, 3.0, 4.0]),
+    "zeros": lambda path: torch.zeros(4),
+    "randn": lambda path: torch.randn(4),
+    "file": lambda path: torch.load(path, mmap=True, weights_only=True)["t"],
+}
+_READS = {
+    "item": lambda t: t.sum().item(),
+    "tolist": lambda t: t.tolist(),
+    "bool": lambda t: bool(t[0] > -100),
+}
+
+
+def _written_and_read(
+    source: str, reads: tuple[str, ...], path, read: list
+) -> dict[str, torch.Tensor]:
+    """In-place writes on a tensor from ``source``, its values read between them (``reads``,
+    one after each write, what they give appended to ``read``), a snapshot taken midway and a
+    draw made after."""
+    t = _SOURCES[source](path)
+    steps = [
+        lambda: t.add_(torch.randn(4)),
+        lambda: t.mul_(2),
+        lambda: t[1:3].sub_(1),  # through a view
+    ]
+    snapshot = None
+    for i, step in enumerate(steps):
+        step()
+        if i < len(reads):
+            read.append(_READS[reads[i]](t))
+        if i == 1:
+            snapshot = t.clone()
+    return {"t": t, "snapshot": snapshot, "after": torch.randn(2)}
+
+
+_READ_PATTERNS = [(), ("item",), ("tolist", "bool"), ("item", "item", "tolist")]
+
+
+@pytest.fixture
+def saved_four(tmp_path):
+    path = tmp_path / "t.pt"
+    torch.save({"t": torch.arange(4, dtype=torch.float32)}, path)
+    return path
+
+
+@pytest.mark.parametrize("reads", _READ_PATTERNS, ids="-".join)
+@pytest.mark.parametrize("source", sorted(_SOURCES))
+@pytest.mark.parametrize("how", ["whole", "parts", "again_after_free"])
+def test_in_place_writes_with_value_reads_between_them_equal_eager(source, reads, how, saved_four):
+    expected_read, read = [], []
+    torch.manual_seed(0)
+    eager = _written_and_read(source, reads, saved_four, expected_read)
+    torch.manual_seed(0)
+    with meta_init():
+        got = _written_and_read(source, reads, saved_four, read)
+    assert read == expected_read
+    if how == "parts":
+        for name in ("snapshot", "after", "t"):
+            materialize(got[name])
+    else:
+        materialize(list(got.values()), keep_cache=how == "again_after_free")
+    if how == "again_after_free":
+        dematerialize(list(got.values()))
+        materialize(list(got.values()))
+    for name, value in eager.items():
+        assert torch.equal(got[name], value), name
+
+
+class _Counter(nn.Module):
+    """Counts in a buffer made from Python data, reading it after every step."""
+
+    def __init__(self):
+        super().__init__()
+        self.register_buffer("n", torch.tensor(0))
+        for _ in range(3):
+            self.n += 1
+            if self.n.item() > 100:
+                break
+
+
+def test_a_counter_buffer_read_while_counting_equals_eager():
+    assert_exact(_Counter)
+
+
+def _foreach_add(first: torch.Tensor, second: torch.Tensor) -> None:
+    torch._foreach_add_([first, second], 1.0)
+
+
+def _batch_norm_stats(first: torch.Tensor, second: torch.Tensor) -> None:
+    nn.functional.batch_norm(torch.randn(4, 3), first, second, training=True)
+
+
+# Ops that write several tensors at once: reading one of them replays the op whole.
+_MULTI_WRITES = {"foreach_add_": _foreach_add, "batch_norm_running_stats": _batch_norm_stats}
+
+
+@pytest.mark.parametrize("op", sorted(_MULTI_WRITES))
+@pytest.mark.parametrize("source", ["tensor", "zeros"])
+def test_reading_one_tensor_an_op_wrote_leaves_the_others_it_wrote_as_eager(op, source):
+    def build():
+        make = _SOURCES[source]
+        first, second = make(None)[:3].clone(), make(None)[:3].clone() + 1
+        read = []
+        for _ in range(2):
+            _MULTI_WRITES[op](first, second)
+            read.append(first.tolist())  # replays the op, which writes `second` too
+            read.append(second.tolist())
+        return [first, second], read
+
+    torch.manual_seed(0)
+    expected, expected_read = build()
+    torch.manual_seed(0)
+    with meta_init():
+        got, read = build()
+    assert read == expected_read
+    materialize(got)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+
+
+@pytest.mark.parametrize("source", ["tensor", "as_tensor", "from_numpy"])
+def test_training_a_tensor_made_from_user_data_then_forcing_a_free_rematerializes_the_original(
+    source,
+):
+    with meta_init():
+        t = _SOURCES[source](None)
+    materialize(t, keep_cache=True)
+    original = t.clone()
+    with torch.no_grad():
+        t.mul_(3)  # training: the recording must not see it
+    dematerialize(t, force=True)
+    materialize(t)
+    assert torch.equal(t, original)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import gc
+import types
 import weakref
 
 import pytest
@@ -948,3 +951,201 @@ def test_a_fast_part_made_on_an_explicit_device_comes_back_fast_after_a_free():
     dematerialize(layer)
     materialize(layer)
     assert torch.equal(layer.weight, first) and tensor_values(layer.weight) == "fast"
+
+
+# ---------------------------------------------------------------------------------------------
+# tensors kept in other containers: dataclasses, SimpleNamespace, plain objects, deque, sets
+
+
+@dataclasses.dataclass
+class _TableHolder:
+    table: torch.Tensor
+
+
+class _SlottedHolder:
+    __slots__ = ("table",)
+
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table
+
+
+class _PlainHolder:
+    def __init__(self, table: torch.Tensor) -> None:
+        self.table = table
+        self.me = self  # a cycle must not trap the walk
+
+
+def _table_in(kind: str, table: torch.Tensor) -> object:
+    if kind == "dataclass":
+        return _TableHolder(table)
+    if kind == "namespace":
+        return types.SimpleNamespace(table=table)
+    if kind == "slots":
+        return _SlottedHolder(table)
+    if kind == "plain object":
+        return _PlainHolder(table)
+    if kind == "deque":
+        return collections.deque([table])
+    return frozenset([table]) if kind == "frozenset" else {table}
+
+
+def _table_of(holder: object) -> torch.Tensor:
+    if isinstance(holder, (collections.deque, set, frozenset)):
+        return next(iter(holder))
+    return holder.table  # type: ignore[attr-defined]
+
+
+class _KeepsTableIn(nn.Module):
+    def __init__(self, kind: str) -> None:
+        super().__init__()
+        self.lin = nn.Linear(3, 3)
+        self.holder = _table_in(kind, torch.randn(1000))
+
+
+_CONTAINER_KINDS = ["dataclass", "namespace", "slots", "plain object", "deque", "set", "frozenset"]
+
+
+@pytest.mark.parametrize("kind", _CONTAINER_KINDS)
+def test_a_tensor_kept_in_another_container_is_materialized_with_its_model(kind):
+    eager, m = eager_and_deferred(lambda: _KeepsTableIn(kind))
+    assert is_deferred(m)
+    materialize(m)
+    assert not is_deferred(_table_of(m.holder))
+    assert torch.equal(_table_of(m.holder), _table_of(eager.holder))
+
+
+@pytest.mark.parametrize("kind", _CONTAINER_KINDS)
+def test_a_tensor_kept_in_another_container_is_freed_with_its_model(kind):
+    _, m = eager_and_deferred(lambda: _KeepsTableIn(kind))
+    materialize(m, keep_cache=True)
+    table = _table_of(m.holder)
+    assert not is_deferred(table)
+    dematerialize(m)
+    assert is_deferred(table)
+
+
+@pytest.mark.parametrize("kind", _CONTAINER_KINDS)
+def test_a_tensor_kept_in_another_container_counts_in_the_memory_table(kind):
+    from jupyter_metainit.estimates import memory_table
+
+    _, m = eager_and_deferred(lambda: _KeepsTableIn(kind))
+    assert memory_table(m).loc["", "attribute_bytes"] == 4000
+    materialize(m)
+    assert memory_table(m).loc["", "attribute_bytes"] == 4000
+
+
+# ---------------------------------------------------------------------------------------------
+# non-leaf tensors keep eager's autograd link to the parameters they were computed from
+
+
+class _KeepsScaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+        self.scaled = self.w * 2
+
+
+def test_an_attribute_computed_from_a_parameter_passes_gradients_to_it():
+    eager, m = eager_and_deferred(_KeepsScaled)
+    materialize(m)
+    assert torch.equal(m.scaled, eager.scaled) and not m.scaled.is_leaf
+    m.scaled.sum().backward()
+    eager.scaled.sum().backward()
+    assert torch.equal(m.w.grad, eager.w.grad)
+
+
+def test_a_pruned_weight_passes_gradients_to_weight_orig():
+    from torch.nn.utils import prune
+
+    eager, m = eager_and_deferred(lambda: prune.l1_unstructured(nn.Linear(6, 5), "weight", 0.5))
+    materialize(m)
+    assert torch.equal(m.weight, eager.weight)
+    m.weight.sum().backward()
+    eager.weight.sum().backward()
+    assert torch.equal(m.weight_orig.grad, eager.weight_orig.grad)
+
+
+def test_a_weight_norm_weight_passes_gradients_to_weight_g_and_weight_v():
+    def build() -> nn.Module:
+        with pytest.warns(FutureWarning):
+            return nn.utils.weight_norm(nn.Linear(4, 3))
+
+    eager, m = eager_and_deferred(build)
+    materialize(m)
+    m.weight.sum().backward()
+    eager.weight.sum().backward()
+    assert torch.equal(m.weight_g.grad, eager.weight_g.grad)
+    assert torch.equal(m.weight_v.grad, eager.weight_v.grad)
+
+
+class _KeepsCachedSnapshot(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.utils.parametrizations.orthogonal(nn.Linear(3, 3))
+        with nn.utils.parametrize.cached():
+            self.snapshot = self.lin.weight
+
+
+def test_a_cached_parametrization_snapshot_passes_gradients_to_the_original():
+    eager, m = eager_and_deferred(_KeepsCachedSnapshot)
+    materialize(m)
+    assert torch.equal(m.snapshot, eager.snapshot)
+    m.snapshot.sum().backward()
+    eager.snapshot.sum().backward()
+    original = m.lin.parametrizations.weight.original
+    assert torch.equal(original.grad, eager.lin.parametrizations.weight.original.grad)
+
+
+def _forward_on_both() -> tuple[nn.Module, nn.Module, torch.Tensor, torch.Tensor]:
+    eager, m = eager_and_deferred(lambda: nn.Linear(3, 2))
+    x = torch.randn(4, 3)
+    return eager, m, eager(x), m(x)
+
+
+def test_a_forward_output_materialized_with_its_model_gives_eager_gradients():
+    eager, m, eager_z, z = _forward_on_both()
+    materialize([m, z])
+    assert torch.equal(z, eager_z)
+    z.sum().backward()
+    eager_z.sum().backward()
+    assert torch.equal(m.weight.grad, eager.weight.grad)
+
+
+def test_a_forward_output_materialized_after_its_model_gives_eager_gradients():
+    eager, m, eager_z, z = _forward_on_both()
+    materialize(m)
+    materialize(z)
+    z.sum().backward()
+    eager_z.sum().backward()
+    assert torch.equal(m.bias.grad, eager.bias.grad)
+
+
+def test_a_forward_output_without_its_deferred_parameters_warns_that_gradients_will_not_reach():
+    _, m, eager_z, z = _forward_on_both()
+    with pytest.warns(UserWarning, match=r"as a leaf.*2 of them are not being materialized"):
+        materialize(z)
+    assert torch.equal(z, eager_z) and is_deferred(m)
+
+
+def test_an_attribute_computed_from_a_parameter_cast_by_dtype_passes_gradients_to_it():
+    eager, m = eager_and_deferred(_KeepsScaled)
+    materialize(m, dtype=torch.bfloat16)
+    assert torch.equal(m.scaled, eager.scaled.bfloat16())
+    m.scaled.float().sum().backward()
+    assert torch.equal(m.w.grad, torch.full((4,), 2.0, dtype=torch.bfloat16))
+
+
+class _ScaledThenZeroed(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(4))
+        self.scaled = self.w * 2
+        with torch.no_grad():
+            self.w.zero_()
+
+
+def test_an_attribute_whose_parameter_was_written_after_keeps_its_values_and_warns():
+    eager, m = eager_and_deferred(_ScaledThenZeroed)
+    with pytest.warns(UserWarning, match=r"as a leaf.*written after it was computed"):
+        materialize(m)
+    assert torch.equal(m.scaled, eager.scaled)

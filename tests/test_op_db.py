@@ -310,3 +310,73 @@ def test_operator_leaves_its_inputs_as_eager_does(op):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         check_inputs_after(op)
+
+
+# The ``_foreach_*`` ops (what SGD/Adam with ``foreach=True``, ``clip_grad_norm_`` and EMA
+# updates run): their in-place variants write every tensor of a list argument
+# (``Tensor(a!)[]``) and return nothing.
+FOREACH_OP_DB = [
+    op for name in sorted(n for n in dir(common_methods_invocations)
+                          if n.startswith("foreach_") and n.endswith("_op_db"))
+    for op in getattr(common_methods_invocations, name)
+]  # fmt: skip
+FOREACH_SAMPLES = 4
+
+
+def check_foreach_op(op: Any) -> int:
+    """Each variant's outputs and every tensor handed to it (lists included) afterwards, as
+    eager's. Returns the samples compared."""
+    compared = 0
+    samples = list(op.sample_inputs("cpu", torch.float32, requires_grad=False))
+    for variant, fn in _variants(op):
+        for i, sample in enumerate(samples[:FOREACH_SAMPLES]):
+            where = f"{op.name} ({variant}, sample {i})"
+            torch.manual_seed(0)
+            eager_inputs = tree_map(_clone, (sample.input, sample.args, sample.kwargs))
+            try:
+                expected = fn(eager_inputs[0], *eager_inputs[1], **eager_inputs[2])
+            except Exception:
+                continue
+            torch.manual_seed(0)
+            with meta_init():
+                inputs = tree_map(_clone, (sample.input, sample.args, sample.kwargs))
+                got = fn(inputs[0], *inputs[1], **inputs[2])
+            deferred = [t for t in tree_flatten((inputs, got))[0] if isinstance(t, DeferredTensor)]
+            materialize(deferred)
+            assert _equal(tree_flatten(eager_inputs)[0], tree_flatten(inputs)[0]), where
+            assert _equal(expected, got), where
+            compared += 1
+    return compared
+
+
+@pytest.mark.parametrize("op", FOREACH_OP_DB, ids=lambda op: op.name)
+def test_foreach_operator_writes_and_outputs_match_eager(op):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert check_foreach_op(op), f"{op.name}: no sample ran"
+
+
+def _all_overloads() -> Iterator[torch._ops.OpOverload]:
+    for full in torch._C._dispatch_get_all_op_names():
+        namespace, _, rest = full.partition("::")
+        name, _, overload = rest.partition(".")
+        try:
+            yield getattr(getattr(getattr(torch.ops, namespace), name), overload or "default")
+        except (AttributeError, RuntimeError):
+            continue
+
+
+def test_every_argument_a_schema_marks_written_is_recorded_as_written():
+    """The forms of ``(a!)`` in every registered schema are ``Tensor(a!)`` and ``Tensor(a!)[]``
+    (a new form, such as ``Tensor(a!)?``, would need the recorder to look inside it), and
+    ``op_info`` lists each such argument as written."""
+    from jupyter_metainit.core._ops import op_info
+
+    forms = set()
+    for op in _all_overloads():
+        mutated = op_info(op).mutated
+        for i, arg in enumerate(op._schema.arguments):
+            if arg.alias_info is not None and arg.alias_info.is_write and "Tensor" in str(arg.type):
+                forms.add(str(arg.type))
+                assert i in mutated, f"{op}: {arg.name}"
+    assert forms == {"Tensor", "List[Tensor]"}

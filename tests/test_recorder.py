@@ -628,3 +628,172 @@ def test_nested_tensor_made_under_meta_init_is_computed_with_eager_values():
 def test_jagged_nested_tensor_under_meta_init_raises_a_clear_error():
     with meta_init(), pytest.raises(UnsupportedOperatorError, match="outside meta_init"):
         torch.nested.nested_tensor([torch.randn(2), torch.randn(3)], layout=torch.jagged)
+
+
+def test_quantize_dynamic_on_a_deferred_model_says_to_materialize_first_and_names_the_line():
+    with meta_init():
+        m = nn.Sequential(nn.Linear(4, 4))
+    with pytest.raises(
+        UnsupportedOperatorError, match=r"quantized.*test_recorder\.py:\d+.*Materialize first"
+    ):
+        torch.ao.quantization.quantize_dynamic(m, {nn.Linear}, dtype=torch.qint8)
+    materialize(m)  # the model is left deferred and usable
+    assert not is_deferred(m)
+
+
+def test_set_with_the_storage_of_a_deferred_tensor_says_it_holds_no_memory():
+    with meta_init():
+        source = torch.arange(8.0)
+        u = torch.empty(0)
+        with pytest.raises(
+            UnsupportedOperatorError, match=r"storage of a deferred tensor.*materialize"
+        ):
+            u.set_(source.untyped_storage(), 2, (2, 3), (3, 1))
+
+
+class _OtherTensor(torch.Tensor):
+    pass
+
+
+def test_make_subclass_of_a_deferred_tensor_says_to_build_outside_meta_init_and_names_the_line():
+    with meta_init():
+        data = torch.randn(3)
+        with pytest.raises(
+            UnsupportedOperatorError,
+            match=r"_OtherTensor.*test_recorder\.py:\d+.*outside meta_init",
+        ):
+            torch.Tensor._make_subclass(_OtherTensor, data)
+
+
+def test_reading_the_bytes_of_a_deferred_tensors_storage_says_to_read_the_tensor_or_materialize():
+    with meta_init():
+        w = nn.Linear(2, 2).weight
+    with pytest.raises(
+        UnsupportedOperatorError, match=r"test_recorder\.py:\d+.*t\.tolist\(\).*materialize"
+    ):
+        bytes(w.untyped_storage())
+
+
+def _optimizer_steps(make_opt) -> list[torch.Tensor]:
+    """Two steps of an optimizer on two parameters with gradients: params, then state tensors."""
+    params = [nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(5))]
+    for p in params:
+        p.grad = torch.randn_like(p)
+    opt = make_opt(params)
+    for _ in range(2):
+        opt.step()
+    state = [v for p in params for v in opt.state[p].values() if isinstance(v, torch.Tensor)]
+    return params + state
+
+
+def _implementation(impl: str) -> dict:
+    return {"fused": True} if impl == "fused" else {"foreach": impl == "foreach"}
+
+
+_OPTIMIZERS = {
+    f"{cls.__name__}-{impl}": (
+        lambda params, cls=cls, impl=impl, kw=kw: cls(params, lr=0.1, **kw, **_implementation(impl))
+    )
+    for cls, kw in (
+        (torch.optim.SGD, {"momentum": 0.9}),
+        (torch.optim.Adam, {}),
+        (torch.optim.AdamW, {"amsgrad": True}),
+    )
+    for impl in ("for-loop", "foreach", "fused")
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("name", sorted(_OPTIMIZERS))
+@pytest.mark.parametrize("parts", [False, True], ids=["whole", "params_alone_first"])
+def test_optimizer_steps_inside_meta_init_equal_eager(name, parts):
+    make_opt = _OPTIMIZERS[name]
+    torch.manual_seed(0)
+    expected = _optimizer_steps(make_opt)
+    torch.manual_seed(0)
+    with meta_init():
+        got = _optimizer_steps(make_opt)
+    if parts:
+        materialize(got[0])
+        assert torch.equal(got[0], expected[0])
+    materialize(got)
+    for e, g in zip(expected, got, strict=True):
+        assert torch.equal(g, e) and g.dtype == e.dtype
+
+
+def test_clip_grad_norm_with_foreach_scales_deferred_grads_as_eager():
+    def clipped():
+        params = [nn.Parameter(torch.randn(4, 3)), nn.Parameter(torch.randn(5))]
+        for p in params:
+            p.grad = torch.randn_like(p) * 10
+        norm = nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
+        return [p.grad for p in params] + [norm]
+
+    torch.manual_seed(0)
+    expected = clipped()
+    torch.manual_seed(0)
+    with meta_init():
+        got = clipped()
+    materialize(got)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+
+
+def test_foreach_lerp_ema_update_of_a_teacher_equals_eager():
+    def ema():
+        student, teacher = nn.Linear(4, 3), nn.Linear(4, 3)
+        with torch.no_grad():
+            for _ in range(3):
+                torch._foreach_lerp_(list(teacher.parameters()), list(student.parameters()), 0.1)
+                torch._foreach_mul_(list(student.parameters()), 1.5)
+        return list(teacher.parameters()) + list(student.parameters())
+
+    torch.manual_seed(0)
+    expected = ema()
+    torch.manual_seed(0)
+    with meta_init():
+        got = ema()
+    materialize(got)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+
+
+def test_one_foreach_write_to_real_and_deferred_tensors_together_equals_eager():
+    real, expected_real = torch.ones(3), torch.ones(3)
+    torch.manual_seed(0)
+    expected = torch.randn(3)
+    torch._foreach_add_([expected_real, expected], [torch.ones(3), torch.full((3,), 2.0)])
+    expected_after = torch.randn(2)
+    torch.manual_seed(0)
+    with meta_init():
+        got = torch.randn(3)
+        torch._foreach_add_([real, got], [torch.ones(3), torch.full((3,), 2.0)])
+        after = torch.randn(2)
+    assert torch.equal(real, expected_real)
+    materialize([got, after])
+    assert torch.equal(got, expected) and torch.equal(after, expected_after)
+
+
+def test_grad_scaler_unscale_of_deferred_grads_into_a_real_found_inf_equals_eager():
+    found, expected_found = torch.zeros(1), torch.zeros(1)
+    expected = [torch.tensor([4.0, float("inf")])]
+    torch._amp_foreach_non_finite_check_and_unscale_(expected, expected_found, torch.tensor(0.5))
+    with meta_init():
+        grads = [torch.tensor([4.0, float("inf")])]
+        torch._amp_foreach_non_finite_check_and_unscale_(grads, found, torch.tensor(0.5))
+    assert torch.equal(found, expected_found)
+    materialize(grads)
+    assert torch.equal(grads[0], expected[0])
+
+
+def test_a_foreach_out_variant_writes_its_out_list_as_eager():
+    def add_into():
+        a = [torch.randn(3), torch.randn(2)]
+        out = [torch.zeros(3), torch.zeros(2)]
+        torch.ops.aten._foreach_add.List_out(a, a, out=out)
+        return out
+
+    torch.manual_seed(0)
+    expected = add_into()
+    torch.manual_seed(0)
+    with meta_init():
+        got = add_into()
+    materialize(got)
+    assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))

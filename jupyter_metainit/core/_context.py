@@ -62,7 +62,7 @@ from jupyter_metainit.core._state import (
 from jupyter_metainit.core._tensor import DeferredTensor
 from jupyter_metainit.core._trunc_normal import trunc_normal_
 from jupyter_metainit.core._values import value_cache
-from jupyter_metainit.core.errors import MetaInitError
+from jupyter_metainit.core.errors import MetaInitError, UnsupportedOperatorError
 
 __all__ = ["is_meta_init", "meta_init"]
 
@@ -177,7 +177,28 @@ def _set_default_dtype(d: torch.dtype) -> None:
     _orig_set_default_dtype(d)
 
 
+_orig_make_subclass = torch.Tensor._make_subclass
+
+
+def _make_subclass(
+    cls: type, data: torch.Tensor, requires_grad: bool = False, **kwargs: Any
+) -> torch.Tensor:
+    # On a deferred tensor PyTorch fails with "already associated to a python object of type
+    # DeferredTensor": a deferred tensor's Python object is always a DeferredTensor. (The
+    # signature is PyTorch's: dynamo, imported inside a block, checks it against its polyfill.)
+    if isinstance(data, DeferredTensor):
+        raise UnsupportedOperatorError(
+            f"`torch.Tensor._make_subclass({getattr(cls, '__name__', cls)}, ...)` cannot make a "
+            f"deferred tensor of another class (called at {user_frame()}; bitsandbytes' "
+            "Int8Params and other tensor subclasses do this). Build this part outside "
+            "meta_init, or materialize first (jupyter_metainit.materialize) and convert after; "
+            "a `class MyParam(nn.Parameter)` made with `MyParam(data)` can be deferred"
+        )
+    return _orig_make_subclass(cls, data, requires_grad, **kwargs)
+
+
 _wrapped = (
+    (torch.Tensor, "_make_subclass", staticmethod(_make_subclass)),
     (torch, "get_rng_state", _get_rng_state),
     (torch.random, "get_rng_state", _get_rng_state),
     (torch, "get_default_dtype", _get_default_dtype),

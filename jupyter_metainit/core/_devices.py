@@ -27,7 +27,7 @@ from jupyter_metainit.core._record import (
 )
 from jupyter_metainit.core._state import canonical_device, default_device, dtype_override, tls
 from jupyter_metainit.core._tensor import SHARE_MEMORY_ATTR, DeferredTensor
-from jupyter_metainit.core.errors import DeferredDataError
+from jupyter_metainit.core.errors import DeferredDataError, UnsupportedOperatorError
 
 __all__ = [
     "DATA_FACTORIES",
@@ -296,6 +296,14 @@ def _handle_function(func: Any, args: tuple, kwargs: dict) -> Any:
         return bool(args[0].__dict__.get(SHARE_MEMORY_ATTR, False))
     if func in SUBCLASS_SENSITIVE:
         return record_call(func, args, kwargs)
+    if func is torch.Tensor.untyped_storage and args and isinstance(args[0], DeferredTensor):
+        with subclass_functions_off():
+            storage = func(*args, **kwargs)
+        if type(storage) is torch.UntypedStorage:
+            # The same object (its identity, size and device are real), whose data reads say
+            # what to do instead of PyTorch's "data is not allocated yet".
+            storage.__class__ = _DeferredStorage
+        return storage
     if "device" in kwargs:
         return rewrite_device(func, args, kwargs, in_context=False)
     try:
@@ -305,6 +313,19 @@ def _handle_function(func: Any, args: tuple, kwargs: dict) -> Any:
         if "data is not allocated yet" not in str(e):
             raise
         return _with_index_values(func, args, kwargs, e)
+
+
+class _DeferredStorage(torch.UntypedStorage):
+    """The storage of a deferred tensor: no memory yet, so reading its bytes is refused."""
+
+    def _refuse(self, *_args: Any, **_kwargs: Any) -> Any:
+        raise UnsupportedOperatorError(
+            f"the storage of a deferred tensor has no memory to read (called at {user_frame()}):"
+            " read the tensor instead (t.tolist(), t.numpy(): its values are computed), or "
+            "materialize first (jupyter_metainit.materialize)"
+        )
+
+    __getitem__ = __iter__ = __bytes__ = tolist = _refuse
 
 
 def _with_index_values(func: Any, args: tuple, kwargs: dict, error: Exception) -> Any:

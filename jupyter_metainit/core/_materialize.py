@@ -21,6 +21,7 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from jupyter_metainit.core import _events, _rng
+from jupyter_metainit.core._autograd_links import link_non_leaves
 from jupyter_metainit.core._busy import exclusive
 from jupyter_metainit.core._digest import digest
 from jupyter_metainit.core._files import read_file_bytes
@@ -787,6 +788,8 @@ def _materialize_now(
         ):
             fast.add(id(t))
     del env
+    # Non-leaves (``self.scaled = self.w * 2``, a forward's output) get eager's grad_fn.
+    link_non_leaves(tensors, new, device, rng)
     holders = [
         _holder_for(t, r, keep, sources[id(t)] == "checkpoint", file_reads.get(id(t)))
         for t, r in zip(tensors, new, strict=True)
@@ -977,7 +980,7 @@ def dematerialize(obj: Any, *, force: bool = False, root: torch.nn.Module | None
                 continue
             if not force:
                 # A gradient is the user's data and its memory: freeing would drop it silently.
-                if held.grad is not None or t.grad is not None:
+                if _grad_of(held) is not None or _grad_of(t) is not None:
                     with_grad.append(_name(t, names))
                 reason = _why_not_reproducible(t, holder)
                 if reason is not None:
@@ -1039,6 +1042,11 @@ def _why_not_kept(tensors: list[torch.Tensor], what: str) -> str:
     if never:
         reasons.append(f"{never} were never deferred (made real outside meta_init)")
     return f"{len(tensors)} tensor(s) {what}: {'; '.join(reasons)}."
+
+
+def _grad_of(t: torch.Tensor) -> torch.Tensor | None:
+    """``t.grad`` without torch's warning for non-leaf tensors (they hold none)."""
+    return t.grad if t.is_leaf else None
 
 
 def _freeable(t: torch.Tensor) -> torch.Tensor:

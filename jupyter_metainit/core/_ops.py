@@ -186,7 +186,12 @@ _internal_codes: dict[CodeType, bool] = {}
 
 def _is_internal(filename: str) -> bool:
     path = os.path.abspath(filename)
-    return path.startswith((_PACKAGE_DIR, _TORCH_DIR)) or "importlib" in path
+    # typing_extensions' ``@deprecated`` wrapper (quantize_dynamic has one) only passes the call on
+    return (
+        path.startswith((_PACKAGE_DIR, _TORCH_DIR))
+        or "importlib" in path
+        or os.path.basename(path) == "typing_extensions.py"
+    )
 
 
 def user_frame() -> Where:

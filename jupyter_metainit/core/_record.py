@@ -245,11 +245,16 @@ def _handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
     flat = iter_args(args, kwargs)
     has_deferred = any(isinstance(x, DeferredTensor) for x in flat)
     bound = bind_arguments(func, args, kwargs)
-    mutated_real = any(
-        isinstance(t, torch.Tensor) and not isinstance(t, DeferredTensor)
+    # Every tensor the op writes: ``Tensor(a!)``, each element of ``Tensor(a!)[]`` (the
+    # ``_foreach_*_`` ops, fused optimizers, ``out=`` lists) and undeclared writes.
+    written = [
+        t
         for i in info.written(bound)
         for t in (bound[i] if isinstance(bound[i], (list, tuple)) else [bound[i]])
-    )
+        if isinstance(t, torch.Tensor)
+    ]
+    mutated_real = any(not isinstance(t, DeferredTensor) for t in written)
+    mutated_deferred = any(isinstance(t, DeferredTensor) for t in written)
     if not has_deferred:
         if func is aten.lift_fresh.default:
             return wrap_constant(args[0], _output_device(kwargs, flat))
@@ -265,13 +270,43 @@ def _handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
                 _rng.before_real_draw(_generator_argument(info, bound))
             with plain():
                 return func(*args, **kwargs)
-    elif mutated_real or not info.returns_tensors:
+    elif mutated_real or (not info.returns_tensors and not mutated_deferred):
+        # Values needed now. (An op that returns nothing but writes deferred tensors, as
+        # ``_foreach_mul_`` and the fused optimizers do, is recorded like any in-place op.)
         if info.is_random:
             _rng.before_real_draw(_generator_argument(info, bound))
+        if mutated_deferred:
+            return _run_on_values_and_record_writes(func, args, kwargs, written)
         return _run_on_values(func, args, kwargs)
+    if _makes_quantized(func, kwargs):
+        raise UnsupportedOperatorError(
+            f"{func} makes a quantized tensor, which cannot be deferred (called at "
+            f"{call_site()}; e.g. torch.ao.quantization.quantize_dynamic on a deferred model). "
+            "Materialize first (jupyter_metainit.materialize(model)), then quantize; or build "
+            "the quantized tensor outside meta_init"
+        )
     if info.is_inplace_view:
         return _inplace_view(func, info, bound, args, kwargs)
     return _record(func, info, bound, flat, args, kwargs)
+
+
+_QUANTIZED_DTYPES = frozenset(
+    {torch.qint8, torch.quint8, torch.qint32, torch.quint4x2, torch.quint2x4}
+)
+
+
+def _makes_quantized(func: Any, kwargs: dict) -> bool:
+    """Whether ``func`` returns a quantized tensor (``quantize_per_tensor``,
+    ``_empty_affine_quantized``, a factory with a quantized dtype): replay has no way to make
+    one (its values are integers plus scales, and they copy into no plain tensor)."""
+    name = func._schema.name.split("::")[-1]
+    if "fake_quantize" in name:  # returns a float tensor: recorded like any op
+        return False
+    return (
+        name.startswith("quantize_per")
+        or "affine_quantized" in name
+        or kwargs.get("dtype") in _QUANTIZED_DTYPES
+    )
 
 
 def _generator_argument(info: OpInfo, bound: list) -> torch.Generator | None:
@@ -333,6 +368,31 @@ def _run_on_values(func: Any, args: tuple, kwargs: dict) -> Any:
         return func(*a, **k)
 
 
+def _run_on_values_and_record_writes(
+    func: Any, args: tuple, kwargs: dict, written: list[torch.Tensor]
+) -> Any:
+    """An op that writes real and deferred tensors together (``_foreach_add_([real,
+    deferred], 1)``): it runs now on the deferred inputs' exact values, so the real tensors get
+    their writes, and each written deferred tensor gets the values it came out with as a
+    recorded ``copy_``."""
+    deferred = [x for x in iter_args(args, kwargs) if isinstance(x, DeferredTensor)]
+    values = _values_of(deferred, func)
+    by_id = {id(d): v for d, v in zip(deferred, values, strict=True)}
+    a, k = map_args(lambda x: by_id.get(id(x), x), args, kwargs)
+    with plain():
+        out = func(*a, **k)
+    for t in written:
+        if isinstance(t, DeferredTensor):
+            t.copy_(by_id[id(t)])
+    # An output that is a written input is the deferred tensor itself, as eagerly.
+    back = {id(v): d for d, v in zip(deferred, values, strict=True)}
+    if isinstance(out, torch.Tensor):
+        return back.get(id(out), out)
+    if isinstance(out, (tuple, list)):
+        return type(out)(back.get(id(o), o) for o in out)
+    return out
+
+
 def _values_of(deferred: list[DeferredTensor], func: Any) -> list[torch.Tensor]:
     try:
         return compute_values([d._rec for d in deferred])
@@ -372,6 +432,13 @@ def _inplace_view(func: Any, info: OpInfo, bound: list, args: tuple, kwargs: dic
         raise UnsupportedOperatorError(f"{func} with these arguments ({source!r}) at {where}")
     if func in (aten.set_.source_Storage, aten.set_.source_Storage_storage_offset):
         storage = bound[1]
+        if isinstance(storage, torch.UntypedStorage) and _holds_no_memory(storage):
+            raise UnsupportedOperatorError(
+                f"`tensor.set_(storage, ...)` with the storage of a deferred tensor (called at "
+                f"{where}): a deferred tensor's storage holds no memory to share. Pass the "
+                "deferred tensor itself, `tensor.set_(deferred, offset, size, stride)`, or "
+                "materialize it first (jupyter_metainit.materialize)"
+            )
         region = storage_region(storage) if isinstance(storage, torch.UntypedStorage) else None
         if region is not None:
             # torch.load(mmap=True) rebuilds each tensor as `empty(0).set_(storage, ...)` over
@@ -427,6 +494,17 @@ def _inplace_view(func: Any, info: OpInfo, bound: list, args: tuple, kwargs: dic
     if func is aten.detach_.default:
         self._rg = False
     return self
+
+
+def _holds_no_memory(storage: torch.UntypedStorage) -> bool:
+    """A deferred tensor's ``untyped_storage()``: PyTorch refuses to give its address."""
+    if storage.device.type == "meta" or storage.nbytes() == 0:
+        return False
+    try:
+        storage.data_ptr()
+    except RuntimeError:
+        return True
+    return False
 
 
 class _Unkeyable(Exception):

@@ -187,6 +187,13 @@ def _closure(
             for s in op.reads:
                 work.append((s, op.seq))
     ops = sorted(included.values(), key=lambda o: o.seq)
+    for op in ops:
+        # An op that writes several storages (``_foreach_add_`` over a list, batch norm's
+        # running statistics) runs whole: the storages it writes besides the one asked for
+        # come out with its write applied too, and are cached as such.
+        for s in op.mutates:
+            if id(s) in final:
+                final[id(s)] = max(final[id(s)], _writes_before(s, op.seq) + 1)
     allocate: dict[int, TensorRecord] = {}
     for sid, storage in storages.items():
         creator = storage.writes[0]
@@ -305,8 +312,8 @@ class _Run:
                     self.finishing.setdefault(i, []).append(s)
         self._thread = threading.local()
         self.checked: set[int] = set()  # External inputs verified unchanged
-        written = {id(r.storage) for op in p.ops for r in op.outputs if r is not None}
-        written |= {id(s) for op in p.ops for s in op.mutates}
+        mutated = {id(s) for op in p.ops for s in op.mutates}
+        written = mutated | {id(r.storage) for op in p.ops for r in op.outputs if r is not None}
         target_ids = {id(s) for s in p.targets}
         for sid, (_storage, value) in p.seeds.items():
             # A cached value is shared: copy it before anything writes it or hands it out.
@@ -326,6 +333,10 @@ class _Run:
             self.last_use[sid] = len(p.ops)
         self._keep = keep
         self._targets = target_ids
+        # Storages whose memory this replay writes in place or hands out: a constant (the
+        # user's ``torch.tensor`` data, kept in the recording) must be copied before it lands
+        # there, or the recording itself is changed and the next replay starts from written data.
+        self._not_shared = mutated | keep
         self._noted = _noted.whole  # captured here: fast mode replays in worker threads
         self._extents: dict[int, tuple[int, int]] | None = None  # computed on first need
         self._copied_once: set[int] | None = None
@@ -413,7 +424,10 @@ class _Run:
             if op.func is not constant_op:
                 self.phase("reading checkpoint files")
             out = op.func(*op.args)
-            out = out.to(device) if out.device != device else out
+            if out.device != device:
+                out = out.to(device)
+            elif op.func is constant_op and id(op.outputs[0].storage) in self._not_shared:
+                out = _copy_storage(out)
             self._store(op, (out,))
             if self._noted is not None:
                 self._note_whole(op)
@@ -618,6 +632,13 @@ class _Run:
         for s in op.reads:
             if self.last_use.get(id(s)) == index:
                 self.env.pop(id(s), None)
+
+
+def _copy_storage(t: torch.Tensor) -> torch.Tensor:
+    """``t`` over a copy of its whole storage (same geometry, offset included)."""
+    copy = torch.empty(0, dtype=t.dtype, device=t.device)
+    copy.set_(t.untyped_storage().clone(), t.storage_offset(), t.shape, t.stride())
+    return copy
 
 
 def _byte_range(r: TensorRecord) -> tuple[int, int]:
@@ -927,7 +948,7 @@ def compute_values(records: list[TensorRecord]) -> list[torch.Tensor]:
         )
         for sid, (storage, writes) in p.versions.items():
             value = env.get(sid)
-            if value is not None and writes > 0:
+            if isinstance(value, torch.Tensor) and writes > 0:  # not a _ShapeMismatch
                 value_cache.put(storage, writes, value)
         with plain():
             return [real_view(env[id(r.storage)], r).clone() for r in records]

@@ -5,6 +5,7 @@ from __future__ import annotations
 import copy
 import functools
 import sys
+import weakref
 from collections.abc import Callable
 from typing import Any, ClassVar
 
@@ -14,7 +15,18 @@ from jupyter_metainit.core._graph import TensorRecord
 from jupyter_metainit.core._ops import user_frame
 from jupyter_metainit.core.errors import UnsupportedOperatorError
 
-__all__ = ["SHARE_MEMORY_ATTR", "DeferredTensor", "as_parameter"]
+__all__ = ["SHARE_MEMORY_ATTR", "DeferredTensor", "as_parameter", "grad_leaves"]
+
+# Storage -> the deferred leaf that requires grad over it (weakly: a parameter). Materializing a
+# non-leaf computed from it links its autograd graph to that object (``_autograd_links``); the
+# object keeps its identity when it turns real, so the link reaches the model's parameter.
+grad_leaves: weakref.WeakKeyDictionary[Any, weakref.ref] = weakref.WeakKeyDictionary()
+
+
+def _note_leaf(t: DeferredTensor) -> None:
+    if t._rg and not t._derived:
+        grad_leaves[t._rec.storage] = weakref.ref(t)
+
 
 # Attributes of ours in a deferred tensor's __dict__; everything else there is the user's
 # (e.g. transformers' ``_is_hf_initialized``) and is carried over on materialization.
@@ -102,6 +114,7 @@ class DeferredTensor(torch.Tensor):
         t._rec = rec
         t._rg = requires_grad
         t._derived = derived
+        _note_leaf(t)
         return t
 
     # Never traced by dynamo (see ``_outside_dynamo``).
@@ -171,9 +184,11 @@ class DeferredTensor(torch.Tensor):
     @requires_grad.setter
     def requires_grad(self, value: bool) -> None:
         self._rg = bool(value)
+        _note_leaf(self)
 
     def requires_grad_(self, requires_grad: bool = True) -> DeferredTensor:  # type: ignore[override]
         self._rg = bool(requires_grad)
+        _note_leaf(self)
         return self
 
     @property

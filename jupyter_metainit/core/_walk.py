@@ -7,6 +7,10 @@ is acted on.
 
 from __future__ import annotations
 
+import collections
+import functools
+import types
+import weakref
 from collections.abc import Iterable, Iterator
 from typing import NamedTuple
 
@@ -49,7 +53,8 @@ def own_tensors(
     """The parameters and buffers ``module`` holds itself (not its children's), in order.
 
     With ``attributes``, also the deferred tensors kept as plain attributes, directly or in
-    containers (lists, tuples, dicts, nested): a model's ``self.freqs = torch.arange(...)`` or
+    containers (lists, tuples, dicts, deques, sets, dataclasses, ``SimpleNamespace`` and other
+    plain objects, nested): a model's ``self.freqs = torch.arange(...)`` or
     ``self.tables = {"k": t}`` is built and materialized with it, and so are tensors that were
     deferred once (materialized, so that a later call moves, casts or frees them again). With
     ``real_attributes``, every tensor attribute counts (for estimates: they hold memory).
@@ -68,23 +73,71 @@ def own_tensors(
     return out
 
 
-def _attribute_tensors(name: str, value: object, real: bool, depth: int) -> list[OwnTensor]:
+def _attribute_tensors(
+    name: str, value: object, real: bool, depth: int, entered: set[int] | None = None
+) -> list[OwnTensor]:
     if isinstance(value, torch.Tensor):
         if real or isinstance(value, DeferredTensor) or _was_deferred(value):
             return [OwnTensor(name, value, "attribute")]
         return []
-    if depth >= _MAX_CONTAINER_DEPTH or isinstance(value, (str, bytes, nn.Module)):
+    if depth >= _MAX_CONTAINER_DEPTH or isinstance(value, _NEVER_ENTERED):
         return []
-    if isinstance(value, dict):
-        items: Iterable[tuple[object, object]] = value.items()
-    elif isinstance(value, (list, tuple)):
-        items = enumerate(value)
-    else:
+    items = _container_items(value)
+    if items is None:
         return []
+    # Cycle-safe: a structure that refers to itself (a node's ``parent``) is entered once.
+    entered = set() if entered is None else entered
+    if id(value) in entered:
+        return []
+    entered.add(id(value))
     out: list[OwnTensor] = []
     for key, item in items:
-        out += _attribute_tensors(f"{name}.{key}", item, real, depth + 1)
+        out += _attribute_tensors(f"{name}.{key}", item, real, depth + 1, entered)
     return out
+
+
+# Never entered: text, modules (their children are walked as modules), classes, functions.
+_NEVER_ENTERED = (
+    str, bytes, bytearray, memoryview, nn.Module, type, types.ModuleType, types.FunctionType,
+    types.MethodType, types.BuiltinFunctionType, functools.partial, weakref.ref, range,
+)  # fmt: skip
+
+
+def _container_items(value: object) -> Iterable[tuple[object, object]] | None:
+    """The ``(key, item)`` pairs of a container worth looking into for tensors, or None.
+
+    Besides dicts, lists and tuples: deques, sets, and plain Python objects (dataclasses,
+    ``SimpleNamespace``, a user's own class) through their ``__dict__`` and ``__slots__``.
+    Objects of torch's and other libraries' compiled types are not entered (an optimizer, a
+    generator, a hook handle hold nothing of the model's that is not walked already).
+    """
+    if isinstance(value, dict):
+        return list(value.items())
+    if isinstance(value, (list, tuple, collections.deque)):
+        return list(enumerate(value))
+    if isinstance(value, (set, frozenset)):
+        return list(enumerate(value))
+    module = getattr(type(value), "__module__", "") or ""
+    if module == "builtins" or module.split(".", 1)[0] in _LIBRARIES_NOT_ENTERED:
+        return None
+    pairs: list[tuple[object, object]] = []
+    try:  # a proxy's ``__getattr__`` may raise anything: such an object is not looked into
+        attrs = getattr(value, "__dict__", None)
+        if isinstance(attrs, dict):
+            pairs += list(attrs.items())
+        for cls in type(value).__mro__:
+            slots = cls.__dict__.get("__slots__", ())
+            for slot in (slots,) if isinstance(slots, str) else slots:
+                if slot not in ("__dict__", "__weakref__") and hasattr(value, slot):
+                    pairs.append((slot, getattr(value, slot)))
+    except Exception:
+        return None
+    return pairs
+
+
+# Libraries whose objects kept as attributes are machinery, not containers of the model's
+# tensors (an optimizer's state, numpy arrays, a tokenizer's tables).
+_LIBRARIES_NOT_ENTERED = frozenset({"torch", "numpy", "jupyter_metainit", "IPython", "ipywidgets"})
 
 
 # Every tensor ``materialize`` made real -> where its values came from ("init" or "checkpoint").
