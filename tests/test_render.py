@@ -49,6 +49,13 @@ def test_html_caption_is_the_summary():
     assert "largest leaf 0 (Embedding, 195 MiB)" in html
 
 
+def test_html_table_scrolls_sideways_in_a_narrow_output_instead_of_being_cut():
+    html = render_html(memory_table(model()), columns="all")
+    box = re.match(r'<div [^>]*style="([^"]*)"[^>]*>', html)
+    assert box is not None and "overflow-x: auto" in box.group(1)
+    assert html.rstrip().endswith("</div>") and html.count("<table") == 1
+
+
 def test_large_table_shows_shallow_levels_within_max_rows():
     cfg = llama_config(num_hidden_layers=30)
     with torch.device("meta"):

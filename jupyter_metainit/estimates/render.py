@@ -283,4 +283,7 @@ def render_html(
         caption = f"{caption} — {note}" if caption else note
     if caption:
         styler.set_caption(html.escape(caption))
-    return styler.to_html()
+    # A wide table scrolls sideways inside its own box instead of being cut off by a narrow
+    # output area (700 px): every column stays reachable.
+    box = '<div class="jmi-table-scroll" style="overflow-x: auto; max-width: 100%;">'
+    return f"{box}{styler.to_html()}</div>"

@@ -71,6 +71,8 @@ export class TreeView {
   private readonly pending = new Map<number, number>();
   private readonly actionButtons = new Map<string, HTMLButtonElement>();
   private readonly sepEl = h("span", "jmi-sep");
+  /** Visually hidden texts the action buttons' aria-describedby point to. */
+  private readonly whysEl = h("div", "jmi-sr");
 
   // parts
   private readonly totalsEl = h("div", "jmi-totals");
@@ -344,6 +346,7 @@ export class TreeView {
       colhead,
       this.scroller,
       this.tableEl,
+      this.whysEl,
     );
     this.syncSelects();
     this.renderActions();
@@ -568,10 +571,11 @@ export class TreeView {
       // Fits before acting: per device, what the selection needs there against its free memory
       const fit: Record<string, { fits: boolean; need: number; free: number }> = s.fit ?? {};
       for (const [device, f] of Object.entries(fit)) {
+        // by how much, in the text itself: a hover tooltip is out of reach of the keyboard
         const el = h(
           "span",
           f.fits ? "jmi-fit" : "jmi-nofit",
-          f.fits ? `fits ${device}` : `too big for ${device}`,
+          f.fits ? `fits ${device}` : `too big for ${device}: ${fitAmounts(device, f)}`,
         );
         el.title = `Needs ${humanBytes(f.need)} more on ${device}; ${humanBytes(f.free)} free there now${dtype ? ` (as ${dtype})` : ""}`;
         parts.push(el);
@@ -600,9 +604,23 @@ export class TreeView {
         if (b!.getAttribute("aria-disabled") !== "true") onClick();
       });
       this.actionButtons.set(key, b);
+      // what the button does, or why it is unavailable, read out when it gets focus: the
+      // title alone is a hover tooltip, which keyboard and screen-reader users never see
+      const why = h("span", "jmi-sr");
+      why.id = `jmi-why-${viewId}-${++whyIds}`;
+      this.whysEl.append(why);
+      b.setAttribute("aria-describedby", why.id);
     }
     b.textContent = label;
     return b;
+  }
+
+  /** Set a button's reason: its tooltip and the text its aria-describedby points to. */
+  private explain(b: HTMLButtonElement, why: string): void {
+    b.title = why;
+    const el = b.getAttribute("aria-describedby");
+    const target = el ? this.whysEl.querySelector<HTMLElement>(`#${el}`) : null;
+    if (target && target.textContent !== why) target.textContent = why;
   }
 
   renderActions(): void {
@@ -618,7 +636,7 @@ export class TreeView {
     const noRoom = (device: string): string => {
       const f = fit[device];
       return f && !f.fits
-        ? `Does not fit: the selection needs ${humanBytes(f.need)} more on ${device}, which has ${humanBytes(f.free)} free. Select less, pick a smaller dtype or free something first.`
+        ? `Does not fit: the selection ${fitAmounts(device, f)}. Select less, pick a smaller dtype or free something first.`
         : "";
     };
     const act = (action: string, device?: string) => () =>
@@ -626,24 +644,24 @@ export class TreeView {
 
     const cpu = this.actionButton("cpu", "Materialize → CPU", "jmi-primary jmi-mat-cpu", act("materialize", "cpu"));
     setEnabled(cpu, !(busy || none || noRoom("cpu")));
-    cpu.title = why || noRoom("cpu") || "Allocate the selected subtrees on the CPU and compute their values";
+    this.explain(cpu, why || noRoom("cpu") || "Allocate the selected subtrees on the CPU and compute their values");
     const buttons: HTMLElement[] = [cpu];
     const devices: Array<{ name: string; label: string }> = this.model.get("devices") ?? [];
     if (!devices.length) {
       const b = this.actionButton("nocuda", "Materialize → cuda", "jmi-mat-cuda", () => undefined);
       b.disabled = true;
-      b.title = this.model.get("no_cuda_reason") || "No CUDA device is visible to this kernel.";
+      this.explain(b, this.model.get("no_cuda_reason") || "No CUDA device is visible to this kernel.");
       buttons.push(b);
     }
     for (const d of devices) {
       const b = this.actionButton(`cuda ${d.name}`, `→ ${d.name}`, "jmi-mat-cuda", act("materialize", d.name));
       setEnabled(b, !(busy || none || noRoom(d.name)));
-      b.title = why || noRoom(d.name) || `Materialize on ${d.name} (${d.label})`;
+      this.explain(b, why || noRoom(d.name) || `Materialize on ${d.name} (${d.label})`);
       buttons.push(b);
     }
     const free = this.actionButton("free", "Free", "jmi-free", act("free"));
     setEnabled(free, !(busy || none || !anyReal));
-    free.title = why || (anyReal ? "Back to deferred: release the memory" : "Nothing selected is materialized");
+    this.explain(free, why || (anyReal ? "Back to deferred: release the memory" : "Nothing selected is materialized"));
     buttons.push(free, this.sepEl, this.rngSel, this.dtypeSel);
     this.rngSel.disabled = busy;
     this.dtypeSel.disabled = busy;
@@ -762,7 +780,9 @@ export class TreeView {
     name.title = t.qname[n] || "the whole model";
     // the path as code the magics take, to copy (shown on hover and on the focused row)
     const code = codePath(String(this.model.get("var_name") ?? "model"), t.qname[n]);
-    const copy = h("button", "jmi-copy", "⧉");
+    // an inline SVG, not a glyph: "⧉" and its kin are missing from common Linux fonts (tofu)
+    const copy = h("button", "jmi-copy");
+    copy.append(copyIcon());
     copy.type = "button";
     copy.tabIndex = -1; // the row is the focus stop
     copy.title = `Copy ${code} (the path %materialize and the other magics take)`;
@@ -826,6 +846,35 @@ export class TreeView {
   }
 }
 
+const SVG_NS = "http://www.w3.org/2000/svg";
+
+/** Two overlapping sheets, the usual "copy" icon, drawn in the text colour. */
+export function copyIcon(): SVGSVGElement {
+  const svg = document.createElementNS(SVG_NS, "svg");
+  svg.setAttribute("viewBox", "0 0 16 16");
+  svg.setAttribute("width", "12");
+  svg.setAttribute("height", "12");
+  svg.setAttribute("aria-hidden", "true");
+  svg.setAttribute("focusable", "false");
+  svg.classList.add("jmi-icon");
+  // the front sheet whole, the back one as the corner that shows behind it: no fill needed,
+  // so it reads on any row background (hover, selected, dark)
+  const back = document.createElementNS(SVG_NS, "path");
+  back.setAttribute("d", "M2.75 10.5V3.5a.75.75 0 0 1 .75-.75h7");
+  const front = document.createElementNS(SVG_NS, "rect");
+  for (const [k, v] of [["x", "5.25"], ["y", "5.25"], ["width", "8"], ["height", "8"], ["rx", "1"]]) {
+    front.setAttribute(k, v);
+  }
+  for (const part of [back, front]) {
+    part.setAttribute("fill", "none");
+    part.setAttribute("stroke", "currentColor");
+    part.setAttribute("stroke-width", "1.5");
+    part.setAttribute("stroke-linecap", "round");
+    svg.append(part);
+  }
+  return svg;
+}
+
 /** Available or not, keeping the button focusable (see renderActions). */
 function setEnabled(b: HTMLButtonElement, enabled: boolean): void {
   b.disabled = false;
@@ -841,6 +890,15 @@ function cellWith(child: HTMLElement, cls: string): HTMLElement {
   const c = h("div", cls);
   c.append(child);
   return c;
+}
+
+let whyIds = 0;
+/** Ids must be unique in the page, which may hold several widgets (and several pages). */
+const viewId = Math.random().toString(36).slice(2, 8);
+
+/** "needs 3.64 TiB, 19.8 GiB free on cpu": by how much a selection misses a device. */
+export function fitAmounts(device: string, f: { need: number; free: number }): string {
+  return `needs ${humanBytes(f.need)}, ${humanBytes(f.free)} free on ${device}`;
 }
 
 /** A module's qualified name as Python the magics take: `model.layers.5` of `model` is

@@ -314,6 +314,35 @@ describe("TreeView", () => {
     expect(model.sent).toEqual([]);
   });
 
+  it("draws the copy-path button as an SVG icon with a label, not a font glyph", () => {
+    const { root } = mount(smallTree(), { var_name: "net" });
+    const copy = root.querySelectorAll<HTMLElement>(".jmi-rows .jmi-row .jmi-copy")[2];
+    expect(copy.textContent).toBe("");
+    expect(copy.querySelector("svg")!.getAttribute("aria-hidden")).toBe("true");
+    expect(copy.getAttribute("aria-label")).toBe("Copy net.layers");
+  });
+
+  it("says by how much a selection misses the device, in the summary text", () => {
+    const { root, model } = mount(smallTree(), { selected: ["norm"] });
+    model.set("selected", ["norm"]);
+    model.set("selection", { bytes: 20, fit: { cpu: { fits: false, need: 4 * 2 ** 40, free: 20 * 2 ** 30 } } });
+    expect(root.querySelector(".jmi-nofit")!.textContent).toBe(
+      "too big for cpu: needs 4.00 TiB, 20.0 GiB free on cpu",
+    );
+  });
+
+  it("gives a disabled Materialize's reason to the keyboard through aria-describedby", () => {
+    const { root, model } = mount(smallTree(), { selected: ["norm"] });
+    model.set("selected", ["norm"]);
+    model.set("selection", { bytes: 20, fit: { cpu: { fits: false, need: 4 * 2 ** 40, free: 20 * 2 ** 30 } } });
+    const cpu = root.querySelector<HTMLButtonElement>(".jmi-mat-cpu")!;
+    const described = document.getElementById(cpu.getAttribute("aria-describedby")!)!;
+    expect(root.contains(described)).toBe(true);
+    expect(described.textContent).toContain("Does not fit: the selection needs 4.00 TiB, 20.0 GiB free on cpu");
+    model.set("selection", { bytes: 20, fit: { cpu: { fits: true, need: 20, free: 20 * 2 ** 30 } } });
+    expect(described.textContent).toBe("Allocate the selected subtrees on the CPU and compute their values");
+  });
+
   it("scrolls the filter's first match into view", () => {
     const { root, view } = mount(bigTree());
     const scroller = root.querySelector<HTMLElement>(".jmi-scroll")!;
