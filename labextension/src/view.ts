@@ -920,7 +920,14 @@ export function stateText(state: string, target = ""): string {
 }
 
 export function badge(state: string, target = ""): HTMLElement {
-  const b = h("span", `jmi-badge jmi-state-${stateKind(state)}`, stateText(state, target));
+  const b = h("span", `jmi-badge jmi-state-${stateKind(state)}`);
+  if (state === "deferred" && target) {
+    // two parts, so that a narrow column shortens "deferred" and keeps the device readable
+    b.classList.add("jmi-badge-split");
+    b.append(h("span", "jmi-badge-state", "deferred"), h("span", "jmi-badge-target", ` → ${target}`));
+  } else {
+    b.textContent = stateText(state, target);
+  }
   b.title = state
     ? state === "deferred"
       ? `No memory allocated yet${target ? `; will be materialized on ${target} unless told otherwise` : ""}`
