@@ -553,3 +553,35 @@ def test_the_table_says_which_module_it_shows(net):
     assert "Memory table of net (whole model)" in w.table_html
     w.selected = ["layers.1"]
     assert "Memory table of net.layers[1]" in w.table_html
+
+
+def test_a_click_that_frees_waits_for_the_running_cell_to_end():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_cell("from jupyter_metainit.jupyter.widget import watch_cells; watch_cells()")
+    with meta_init():
+        net = Net()
+    shell.user_ns["w"] = w = explore(net)
+    w.selected = ["norm"]
+    w.materialize("cpu")
+    # the page's Free arrives on another thread while a cell uses the weights
+    cell = (
+        "import threading\n"
+        "from jupyter_metainit.core import tensor_state\n"
+        "msg = {'action': 'free', 'names': ['norm'], 'id': 1}\n"
+        "t = threading.Thread(target=w._on_msg, args=(w, msg, []))\n"
+        "t.start(); t.join()\n"
+        "during = {tensor_state(p) for p in w.module.norm.parameters()}\n"
+        "phase = w.phase"
+    )
+    try:
+        assert shell.run_cell(cell).success
+        assert shell.user_ns["during"] == {"cpu"}
+        assert "running cell" in shell.user_ns["phase"]
+        assert w.wait(60)
+        assert {tensor_state(p) for p in net.norm.parameters()} == {"deferred"}
+        assert w.busy == "" and "Freed norm" in w.status
+    finally:
+        for name in ("w", "during", "phase", "t", "msg"):
+            shell.user_ns.pop(name, None)

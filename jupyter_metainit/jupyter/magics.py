@@ -25,6 +25,7 @@ from torch.nn.parameter import is_lazy
 
 from jupyter_metainit.core._format import format_bytes, format_count, format_duration
 from jupyter_metainit.core._walk import unique_tensors
+from jupyter_metainit.jupyter._cells import watch_cells
 from jupyter_metainit.jupyter.cell_runner import run_cell_body
 from jupyter_metainit.jupyter.magic_options import (
     parse_depth,
@@ -414,6 +415,8 @@ def load_ipython_extension(ipython: InteractiveShell) -> None:
     """Register the magics (``%load_ext jupyter_metainit``); loading twice replaces them."""
     unload_ipython_extension(ipython)
     ipython.register_magics(MetaInitMagics)
+    # from the next cell on, widgets know when a cell runs (their clicks wait for it)
+    watch_cells(ipython)
 
 
 def unload_ipython_extension(ipython: InteractiveShell) -> None:
