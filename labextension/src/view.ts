@@ -417,7 +417,7 @@ export class TreeView {
     this.focusNode = node;
     const copy = target.closest<HTMLElement>(".jmi-copy");
     if (copy) {
-      void navigator.clipboard?.writeText(copy.dataset.code ?? "").catch(() => undefined);
+      this.copyPath(node);
       return;
     }
     if (target.closest(".jmi-check")) this.toggleCheck(node);
@@ -426,9 +426,34 @@ export class TreeView {
     }
   }
 
+  /** Copy a row's path as code the magics take (`model.model.layers[5]`) and say so. */
+  copyPath(node: number): string {
+    const code = codePath(String(this.model.get("var_name") ?? "model"), this.tree.qname[node]);
+    const said = (text: string) => {
+      clearTimeout(this.noticeTimer);
+      this.noticeEl.textContent = text;
+      this.noticeEl.hidden = false;
+      this.noticeTimer = window.setTimeout(() => (this.noticeEl.hidden = true), NOTICE_MS);
+    };
+    const clip = navigator.clipboard;
+    if (!clip) said(`Path: ${code} (this page gives no clipboard access; copy it from here)`);
+    else {
+      clip.writeText(code).then(
+        () => said(`Copied ${code}`),
+        () => said(`Path: ${code} (the clipboard refused it; copy it from here)`),
+      );
+    }
+    return code;
+  }
+
   /** Keyboard of an ARIA tree (WAI-ARIA Authoring Practices, "Tree View"); true if the key
-   *  was the tree's. */
+   *  was the tree's. `c` (or Ctrl/Cmd+C) copies the focused row's path, as its copy button. */
   onKey(ev: KeyboardEvent): boolean {
+    if (!ev.altKey && (ev.key === "c" || ev.key === "C")) {
+      ev.preventDefault();
+      this.copyPath(this.focusNode);
+      return true;
+    }
     if (ev.altKey || ev.ctrlKey || ev.metaKey) return false;
     const i = this.rows.findIndex((r) => r.node === this.focusNode);
     if (i < 0) return false;
@@ -649,7 +674,7 @@ export class TreeView {
     const devices: Array<{ name: string; label: string }> = this.model.get("devices") ?? [];
     if (!devices.length) {
       const b = this.actionButton("nocuda", "Materialize → cuda", "jmi-mat-cuda", () => undefined);
-      b.disabled = true;
+      setEnabled(b, false); // focusable, so that its reason reaches the keyboard
       this.explain(b, this.model.get("no_cuda_reason") || "No CUDA device is visible to this kernel.");
       buttons.push(b);
     }
@@ -757,6 +782,7 @@ export class TreeView {
     el.setAttribute("aria-selected", String(check === CHECKED));
     if (hasKids) el.setAttribute("aria-expanded", String(open));
     el.setAttribute("aria-label", `${t.qname[n] || "the whole model"}, ${t.type[n]}, ${humanBytes(t.bytes[n])}, ${stateText(t.state[n], t.target[n])}`);
+    el.setAttribute("aria-keyshortcuts", "C");
     el.tabIndex = n === this.focusNode ? 0 : -1;
     if (n === this.focusNode) el.classList.add("jmi-focus");
 
@@ -785,7 +811,7 @@ export class TreeView {
     copy.append(copyIcon());
     copy.type = "button";
     copy.tabIndex = -1; // the row is the focus stop
-    copy.title = `Copy ${code} (the path %materialize and the other magics take)`;
+    copy.title = `Copy ${code} (the path %materialize and the other magics take; key: c)`;
     copy.setAttribute("aria-label", `Copy ${code}`);
     copy.dataset.code = code;
     nameCell.append(caret, name, copy);

@@ -74,11 +74,30 @@ describe("TreeView", () => {
     expect(model.sent).toEqual([{ action: "materialize", device: "cpu", names: ["norm"], id: 1 }]);
   });
 
-  it("disables the CUDA button with a reason when there is no GPU", () => {
-    const { root } = mount(smallTree());
+  it("disables the CUDA button with a reason when there is no GPU, keeping it in the Tab order", () => {
+    const { root, model } = mount(smallTree(), { selected: ["norm"] });
     const b = root.querySelector<HTMLButtonElement>(".jmi-mat-cuda")!;
-    expect(b.disabled).toBe(true);
+    expect(b.disabled).toBe(false); // a disabled button is skipped by Tab: its reason unreachable
+    expect(b.getAttribute("aria-disabled")).toBe("true");
     expect(b.title).toBe("no GPU here");
+    expect(document.getElementById(b.getAttribute("aria-describedby")!)!.textContent).toBe("no GPU here");
+    b.click();
+    expect(model.sent).toEqual([]);
+  });
+
+  it("copies the focused row's path with the c key and says so", async () => {
+    const { root } = mount(smallTree(), { var_name: "net" });
+    const written: string[] = [];
+    Object.defineProperty(navigator, "clipboard", {
+      configurable: true,
+      value: { writeText: async (t: string) => void written.push(t) },
+    });
+    const row = root.querySelectorAll<HTMLElement>(".jmi-rows .jmi-row")[2];
+    row.focus();
+    row.dispatchEvent(new KeyboardEvent("keydown", { key: "c", bubbles: true }));
+    await new Promise((r) => setTimeout(r, 0));
+    expect(written).toEqual(["net.layers"]);
+    expect(root.querySelector(".jmi-notice")!.textContent).toBe("Copied net.layers");
   });
 
   it("disables buttons and shows progress while busy", () => {
