@@ -447,6 +447,14 @@ def test_rows_mark_parts_holding_fast_rng_values(net):
     assert rows(w)["layers.1"][15] == ""
 
 
+def test_a_fast_materialize_says_in_its_message_that_values_are_not_eagers(net):
+    w = explore(net)
+    w.selected = ["layers.0"]
+    w.rng = "fast"
+    w.materialize("cpu")
+    assert "with RNG fast" in w.status and "not those eager code gives" in w.status
+
+
 def test_an_exact_materialize_regenerates_fast_values_exactly_and_says_so():
     torch.manual_seed(0)
     eager = Net()

@@ -540,7 +540,13 @@ class ModuleTreeWidget(anywidget.AnyWidget):
             self.status = (
                 f"Materialized {what} on {device or 'its recorded device'}"
                 + (f" as {self.dtype}" if self.dtype else "")
-                + f" in {format_duration(took)}."
+                + f" in {format_duration(took)}"
+                # said, not only tagged: these values are deterministic but not eager's
+                + (
+                    " with RNG fast (its values are not those eager code gives)."
+                    if self.rng == "fast"
+                    else "."
+                )
                 + (
                     f" Re-generated {regenerated} tensor(s) that held fast-RNG values with "
                     "exact (eager) values."
