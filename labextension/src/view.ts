@@ -816,9 +816,13 @@ export class TreeView {
     copy.dataset.code = code;
     nameCell.append(caret, name, copy);
     const rep = t.repeatedChildren(n);
+    // "identical" only while it holds: a block cast to another dtype since differs
     if (rep) {
-      const chip = h("span", "jmi-chip", `×${rep[0]}, identical`);
-      chip.title = `${rep[0]} identical ${rep[1]} blocks`;
+      const same = t.stillIdentical(t.children[n][0], rep[0]);
+      const chip = h("span", "jmi-chip", same ? `×${rep[0]}, identical` : `×${rep[0]}, same structure`);
+      chip.title = same
+        ? `${rep[0]} identical ${rep[1]} blocks`
+        : `${rep[0]} ${rep[1]} blocks built identical; their dtypes or sizes now differ`;
       nameCell.append(chip);
     } else if (
       hasKids &&
@@ -827,8 +831,11 @@ export class TreeView {
       t.children[t.parent[n]].length !== t.repN[n]
     ) {
       // a run of identical blocks among other children; leaves (two equal Linears) are not blocks
-      const chip = h("span", "jmi-chip", `×${t.repN[n]}, identical`);
-      chip.title = `This ${t.type[n]} and the next ${t.repN[n] - 1} are identical blocks`;
+      const same = t.stillIdentical(n, t.repN[n]);
+      const chip = h("span", "jmi-chip", same ? `×${t.repN[n]}, identical` : `×${t.repN[n]}, same structure`);
+      chip.title = same
+        ? `This ${t.type[n]} and the next ${t.repN[n] - 1} are identical blocks`
+        : `This ${t.type[n]} and the next ${t.repN[n] - 1} were built identical; their dtypes or sizes now differ`;
       nameCell.append(chip);
     }
     const tied = t.tied[n];

@@ -111,6 +111,15 @@ describe("TreeView", () => {
     expect(model.sent).toEqual([{ action: "cancel", id: 1 }]);
   });
 
+  it("stops calling blocks identical once one was cast to another dtype", () => {
+    const { root, model } = mount(smallTree());
+    const chip = () => root.querySelectorAll<HTMLElement>(".jmi-rows .jmi-row")[2].querySelector<HTMLElement>(".jmi-chip")!;
+    expect(chip().textContent).toBe("×2, identical");
+    model.emit("msg:custom", { kind: "patch", nodes: [[6, 30, 60, "cpu", "bf16"], [2, 60, 180, "mixed", "mixed"]] });
+    expect(chip().textContent).toBe("×2, same structure");
+    expect(chip().title).toContain("now differ");
+  });
+
   it("updates badges from a patch", () => {
     const { root, model } = mount(smallTree());
     model.emit("msg:custom", { kind: "patch", nodes: [[9, 5, 20, "cpu"], [0, 165, 660, "mixed"]] });
