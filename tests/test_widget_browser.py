@@ -671,9 +671,12 @@ def test_busy_kernel_fast_values_fits_and_focus(browser, frontend):
     assert page.evaluate("() => document.activeElement.classList.contains('jmi-mat-cpu')")
     ring = page.evaluate(
         "() => { const s = getComputedStyle(document.activeElement);"
-        " return [s.outlineStyle, s.outlineWidth]; }"
+        " return [s.outlineStyle, s.outlineWidth, s.outlineOffset, s.outlineColor,"
+        " s.backgroundColor]; }"
     )
-    assert ring == ["solid", "2px"], ring
+    # outside the button (offset 2px), so it never blends into the button's own colour
+    assert ring[:3] == ["solid", "2px", "2px"], ring
+    assert ring[3] != ring[4], ring
     widget.screenshot(path=str(ARTIFACTS / f"widget-{app}-focus.png"))
 
     # 5: a selection that cannot fit the CPU's free memory is refused before acting

@@ -25,6 +25,11 @@ export const NOTICE_MS = 5000;
  *  page says it waits. Only the comm's close or the kernel's restart means it is gone. */
 export const ACK_TIMEOUT_MS = 1500;
 
+/** After this long without an answer, the page no longer assumes the kernel is only busy. */
+export const SILENCE_MS = 10_000;
+export const SILENT_KERNEL =
+  "No answer from the kernel for 10 s. It is still busy with a long cell (your action runs when it ends), or it was shut down: if the notebook shows no kernel, start one and run the cells that build the model again.";
+
 /** What the page says when the kernel restarted or stopped: the model went with it. */
 export const GONE_KERNEL =
   "The kernel was restarted or stopped, and the model went with it. Run the cells that build the model again to get a live tree.";
@@ -67,8 +72,11 @@ export class TreeView {
   private readonly disposers: Array<() => void> = [];
   private frame = 0;
   private noticeTimer = 0;
+  private silenceTimer = 0;
   private nextId = 1;
   private readonly pending = new Map<number, number>();
+  /** The unanswered messages that are actions (not pings). */
+  private readonly blocking = new Set<number>();
   private readonly actionButtons = new Map<string, HTMLButtonElement>();
   private readonly sepEl = h("span", "jmi-sep");
   /** Visually hidden texts the action buttons' aria-describedby point to. */
@@ -162,6 +170,7 @@ export class TreeView {
     for (const d of this.disposers) d();
     cancelAnimationFrame(this.frame);
     clearTimeout(this.noticeTimer);
+    clearTimeout(this.silenceTimer);
     for (const timer of this.pending.values()) clearTimeout(timer);
     this.el.remove();
   }
@@ -177,6 +186,8 @@ export class TreeView {
       id,
       window.setTimeout(() => this.setWaiting(true), ACK_TIMEOUT_MS),
     );
+    // a ping only asks whether the kernel is there: it does not hold back the actions
+    if (content.action !== "ping") this.blocking.add(id);
     this.model.send({ ...content, id });
     this.renderActions();
   }
@@ -184,6 +195,7 @@ export class TreeView {
   private acknowledged(id: number): void {
     clearTimeout(this.pending.get(id));
     this.pending.delete(id);
+    this.blocking.delete(id);
     // The kernel answers: whatever was said in doubt no longer holds.
     if (this.disconnected) this.setConnected();
     if (!this.pending.size) this.setWaiting(false);
@@ -197,6 +209,14 @@ export class TreeView {
     this.waitingEl.textContent = on
       ? "Waiting for the kernel… it is busy (a cell is running); your action is queued and runs when it is free."
       : "";
+    clearTimeout(this.silenceTimer);
+    // A shut-down kernel closes no comm and restarts nothing: it just never answers. After a
+    // long silence the page says both possibilities, and what to do in each.
+    if (on) {
+      this.silenceTimer = window.setTimeout(() => {
+        if (this.waiting) this.waitingEl.textContent = SILENT_KERNEL;
+      }, SILENCE_MS);
+    }
     this.renderActions();
   }
 
@@ -205,6 +225,7 @@ export class TreeView {
     this.disconnected = true;
     for (const timer of this.pending.values()) clearTimeout(timer);
     this.pending.clear();
+    this.blocking.clear();
     this.setWaiting(false);
     this.el.classList.add("jmi-off");
     this.disconnectedEl.textContent = `Disconnected. ${why}`;
@@ -402,6 +423,9 @@ export class TreeView {
     this.refreshChecks();
     this.model.set("selected", this.tree.namesOf(next));
     this.model.save_changes();
+    // a tick is answered by the kernel (the selection summary); ask for an acknowledgement so
+    // that a kernel shut down or busy shows as such instead of the tick being dropped silently
+    this.request({ action: "ping" });
   }
 
   applyPatch(rows: PatchRow[]): void {
@@ -650,7 +674,7 @@ export class TreeView {
 
   renderActions(): void {
     // an action sent and not yet answered counts as running: no second one meanwhile
-    const busy = Boolean(this.model.get("busy")) || this.disconnected || this.pending.size > 0;
+    const busy = Boolean(this.model.get("busy")) || this.disconnected || this.blocking.size > 0;
     const names: string[] = this.model.get("selected") ?? [];
     const s = this.model.get("selection") ?? {};
     const states: Record<string, number> = s.states ?? {};

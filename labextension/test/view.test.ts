@@ -242,16 +242,33 @@ describe("TreeView", () => {
     model.set("selected", ["norm"]);
     const cpu = root.querySelector<HTMLButtonElement>(".jmi-mat-cpu")!;
     cpu.click();
-    vi.advanceTimersByTime(20000); // a cell holds the kernel
+    vi.advanceTimersByTime(5000); // a cell holds the kernel
     const waiting = root.querySelector<HTMLElement>(".jmi-waiting")!;
     expect(waiting.hidden).toBe(false);
     expect(waiting.textContent).toContain("Waiting for the kernel");
+    vi.advanceTimersByTime(15000);
+    expect(waiting.textContent).toContain("busy with a long cell");
     expect(root.querySelector<HTMLElement>(".jmi-disconnected")!.hidden).toBe(true);
     cpu.click(); // no second action while the first waits
     expect(model.sent.length).toBe(1);
     model.emit("msg:custom", { kind: "ack", id: 1 });
     expect(waiting.hidden).toBe(true);
     expect(cpu.getAttribute("aria-disabled")).toBe("false");
+  });
+
+  it("says a tick went unanswered, and after 10 s that the kernel may be shut down", () => {
+    vi.useFakeTimers();
+    const { root, model } = mount(smallTree());
+    const norm = root.querySelectorAll<HTMLElement>(".jmi-rows .jmi-row")[3];
+    norm.querySelector<HTMLInputElement>(".jmi-check")!.click();
+    expect(model.sent.map((m) => m.action)).toEqual(["ping"]);
+    const waiting = root.querySelector<HTMLElement>(".jmi-waiting")!;
+    vi.advanceTimersByTime(2000);
+    expect(waiting.hidden).toBe(false);
+    vi.advanceTimersByTime(10000);
+    expect(waiting.textContent).toContain("shut down: if the notebook shows no kernel, start one");
+    model.emit("msg:custom", { kind: "ack", id: model.sent[0].id });
+    expect(waiting.hidden).toBe(true);
   });
 
   it("says the model went with a restarted kernel, and that a closed widget needs no rebuild", () => {
