@@ -671,10 +671,12 @@ def test_busy_kernel_fast_values_fits_and_focus(browser, frontend):
     assert page.evaluate("() => document.activeElement.classList.contains('jmi-mat-cpu')")
     ring = page.evaluate(
         "() => { const s = getComputedStyle(document.activeElement);"
+        " const root = getComputedStyle(document.activeElement.closest('.jmi-root'));"
         " return [s.outlineStyle, s.outlineWidth, s.outlineOffset, s.outlineColor,"
-        " s.backgroundColor]; }"
+        " root.backgroundColor]; }"
     )
-    # outside the button (offset 2px), so it never blends into the button's own colour
+    # outside the button (offset 2px), on the widget's background, so it never blends into
+    # the button's own colour (its contrast with the background: labextension/test/contrast)
     assert ring[:3] == ["solid", "2px", "2px"], ring
     assert ring[3] != ring[4], ring
     widget.screenshot(path=str(ARTIFACTS / f"widget-{app}-focus.png"))

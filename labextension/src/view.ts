@@ -73,6 +73,8 @@ export class TreeView {
   private frame = 0;
   private noticeTimer = 0;
   private silenceTimer = 0;
+  /** What the unanswered action is, in words ("Free", "Materialize → cpu"). */
+  private queuedLabel = "";
   private nextId = 1;
   private readonly pending = new Map<number, number>();
   /** The unanswered messages that are actions (not pings). */
@@ -187,7 +189,12 @@ export class TreeView {
       window.setTimeout(() => this.setWaiting(true), ACK_TIMEOUT_MS),
     );
     // a ping only asks whether the kernel is there: it does not hold back the actions
-    if (content.action !== "ping") this.blocking.add(id);
+    if (content.action !== "ping") {
+      this.blocking.add(id);
+      this.queuedLabel = actionLabel(content);
+      // the last action's message is not about this one: hide it until the kernel's next
+      this.messageEl.hidden = true;
+    }
     this.model.send({ ...content, id });
     this.renderActions();
   }
@@ -206,8 +213,9 @@ export class TreeView {
     if (this.waiting === on) return;
     this.waiting = on;
     this.waitingEl.hidden = !on;
+    const what = this.blocking.size && this.queuedLabel ? `your ${this.queuedLabel}` : "your action";
     this.waitingEl.textContent = on
-      ? "Waiting for the kernel… it is busy (a cell is running); your action is queued and runs when it is free."
+      ? `Waiting for the kernel… it is busy (a cell is running); ${what} is queued and runs when it is free.`
       : "";
     clearTimeout(this.silenceTimer);
     // A shut-down kernel closes no comm and restarts nothing: it just never answers. After a
@@ -947,6 +955,13 @@ function cellWith(child: HTMLElement, cls: string): HTMLElement {
   const c = h("div", cls);
   c.append(child);
   return c;
+}
+
+/** An action message in words, for the page to say what waits. */
+function actionLabel(content: Record<string, unknown>): string {
+  if (content.action === "materialize") return `Materialize → ${String(content.device ?? "its device")}`;
+  if (content.action === "free") return "Free";
+  return String(content.action ?? "action");
 }
 
 let whyIds = 0;

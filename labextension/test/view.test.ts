@@ -256,6 +256,16 @@ describe("TreeView", () => {
     expect(cpu.getAttribute("aria-disabled")).toBe("false");
   });
 
+  it("says which action waits for a busy kernel and hides the last action's message meanwhile", () => {
+    vi.useFakeTimers();
+    const { root, model } = mount(smallTree(), { selected: ["norm"], status: "Materialized norm on cpu in 5 ms." });
+    model.set("selected", ["norm"]);
+    root.querySelector<HTMLButtonElement>(".jmi-mat-cpu")!.click();
+    vi.advanceTimersByTime(2000);
+    expect(root.querySelector(".jmi-waiting")!.textContent).toContain("your Materialize → cpu is queued");
+    expect(root.querySelector<HTMLElement>(".jmi-message")!.hidden).toBe(true);
+  });
+
   it("says a tick went unanswered, and after 10 s that the kernel may be shut down", () => {
     vi.useFakeTimers();
     const { root, model } = mount(smallTree());
