@@ -455,6 +455,15 @@ def test_a_fast_materialize_says_in_its_message_that_values_are_not_eagers(net):
     assert "with RNG fast" in w.status and "not those eager code gives" in w.status
 
 
+def test_the_message_names_the_tied_modules_an_action_changed_too(net):
+    w = explore(net)
+    w.selected = ["embed"]
+    w.materialize("cpu")
+    assert "Tied to it, so changed too: head." in w.status
+    w.free()
+    assert "Tied to it, so changed too: head." in w.status
+
+
 def test_an_exact_materialize_regenerates_fast_values_exactly_and_says_so():
     torch.manual_seed(0)
     eager = Net()

@@ -495,6 +495,9 @@ class ModuleTreeWidget(anywidget.AnyWidget):
     def _run(self, action: str, names: list[str], device: str) -> None:
         modules = [self.module.get_submodule(n) for n in names]
         what = _describe(names)
+        # modules sharing a tensor with the selection change with it: the message names them
+        also = list(self.selection.get("also") or []) if names == list(self.selected) else []
+        tied_too = f" Tied to it, so changed too: {_describe(also)}." if also else ""
         # Measured now, not taken from the last refresh: a change made in code just before
         # (its refresh still pending) is not this action's doing.
         before = [s.row() for s in self._tree.stats()]
@@ -554,8 +557,9 @@ class ModuleTreeWidget(anywidget.AnyWidget):
                     else ""
                 )
                 + kept_fast
+                + tied_too
                 if action == "materialize"
-                else f"Freed {what} (deferred again) in {format_duration(took)}."
+                else f"Freed {what} (deferred again) in {format_duration(took)}." + tied_too
             )
         finally:
             self.phase = ""
