@@ -602,3 +602,28 @@ def test_a_click_that_frees_waits_for_the_running_cell_to_end():
     finally:
         for name in ("w", "during", "phase", "t", "msg"):
             shell.user_ns.pop(name, None)
+
+
+def test_cancel_drops_a_click_that_waits_for_the_running_cell():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_cell("from jupyter_metainit.jupyter.widget import watch_cells; watch_cells()")
+    with meta_init():
+        net = Net()
+    shell.user_ns["w"] = w = explore(net)
+    w.selected = ["norm"]
+    cell = (
+        "w._on_msg(w, {'action': 'materialize', 'device': 'cpu', 'names': ['norm'], 'id': 1}, [])\n"
+        "queued = w.busy\n"
+        "w._on_msg(w, {'action': 'cancel', 'id': 2}, [])"
+    )
+    try:
+        assert shell.run_cell(cell).success
+        assert shell.user_ns["queued"] == "materialize cpu"
+        assert w.wait(60)
+        assert w.busy == "" and "Cancelled before it ran" in w.status
+        assert {tensor_state(p) for p in net.norm.parameters()} == {"deferred"}
+    finally:
+        for name in ("w", "queued"):
+            shell.user_ns.pop(name, None)
