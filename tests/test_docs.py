@@ -112,9 +112,10 @@ def test_the_api_page_names_no_internal_module(site: Path):
 
 def test_the_notebook_workflow_page_shows_both_widget_screenshots(site: Path):
     page = (site / "notebook-workflow/index.html").read_text(encoding="utf-8")
-    for image in ["widget.png", "widget-narrow.png"]:
+    for image in ["widget-jupyterlab4-light-1400.png", "widget-notebook7-dark-700.png"]:
         assert (site / "img" / image).is_file()
-    assert "img/widget-narrow.png" in page
+    assert "img/widget-jupyterlab4-light-1400.png" in page
+    assert "img/widget-notebook7-dark-700.png" in page
 
 
 def test_every_example_notebook_is_a_page(site: Path):

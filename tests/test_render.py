@@ -44,9 +44,26 @@ def test_html_highlights_largest_leaves():
     assert highlighted_rows(render_html(table, highlight=2)) == {1, 2}
 
 
+def test_a_depth_limited_table_highlights_its_largest_deepest_rows_not_its_small_leaves():
+    with torch.device("meta"):
+        layer = nn.Sequential(
+            nn.Sequential(nn.Linear(512, 2048), nn.Linear(2048, 512)), nn.LayerNorm(512)
+        )
+    html = render_html(memory_table(layer, depth=1), highlight=1)
+    assert highlighted_rows(html) == {1}  # the mlp, not the (smaller) norm that is a leaf
+    assert "highlighted: the 1 largest of the deepest rows shown" in html
+
+
 def test_html_caption_is_the_summary():
     html = render_html(memory_table(model()))
     assert "largest leaf 0 (Embedding, 195 MiB)" in html
+
+
+def test_html_table_scrolls_sideways_in_a_narrow_output_instead_of_being_cut():
+    html = render_html(memory_table(model()), columns="all")
+    box = re.match(r'<div [^>]*style="([^"]*)"[^>]*>', html)
+    assert box is not None and "overflow-x: auto" in box.group(1)
+    assert html.rstrip().endswith("</div>") and html.count("<table") == 1
 
 
 def test_large_table_shows_shallow_levels_within_max_rows():

@@ -447,6 +447,23 @@ def test_rows_mark_parts_holding_fast_rng_values(net):
     assert rows(w)["layers.1"][15] == ""
 
 
+def test_a_fast_materialize_says_in_its_message_that_values_are_not_eagers(net):
+    w = explore(net)
+    w.selected = ["layers.0"]
+    w.rng = "fast"
+    w.materialize("cpu")
+    assert "with RNG fast" in w.status and "not those eager code gives" in w.status
+
+
+def test_the_message_names_the_tied_modules_an_action_changed_too(net):
+    w = explore(net)
+    w.selected = ["embed"]
+    w.materialize("cpu")
+    assert "Tied to it, so changed too: head." in w.status
+    w.free()
+    assert "Tied to it, so changed too: head." in w.status
+
+
 def test_an_exact_materialize_regenerates_fast_values_exactly_and_says_so():
     torch.manual_seed(0)
     eager = Net()
@@ -553,3 +570,60 @@ def test_the_table_says_which_module_it_shows(net):
     assert "Memory table of net (whole model)" in w.table_html
     w.selected = ["layers.1"]
     assert "Memory table of net.layers[1]" in w.table_html
+
+
+def test_a_click_that_frees_waits_for_the_running_cell_to_end():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_cell("from jupyter_metainit.jupyter.widget import watch_cells; watch_cells()")
+    with meta_init():
+        net = Net()
+    shell.user_ns["w"] = w = explore(net)
+    w.selected = ["norm"]
+    w.materialize("cpu")
+    # the page's Free arrives on another thread while a cell uses the weights
+    cell = (
+        "import threading\n"
+        "from jupyter_metainit.core import tensor_state\n"
+        "msg = {'action': 'free', 'names': ['norm'], 'id': 1}\n"
+        "t = threading.Thread(target=w._on_msg, args=(w, msg, []))\n"
+        "t.start(); t.join()\n"
+        "during = {tensor_state(p) for p in w.module.norm.parameters()}\n"
+        "phase = w.phase"
+    )
+    try:
+        assert shell.run_cell(cell).success
+        assert shell.user_ns["during"] == {"cpu"}
+        assert "running cell" in shell.user_ns["phase"]
+        assert w.wait(60)
+        assert {tensor_state(p) for p in net.norm.parameters()} == {"deferred"}
+        assert w.busy == "" and "Freed norm" in w.status
+    finally:
+        for name in ("w", "during", "phase", "t", "msg"):
+            shell.user_ns.pop(name, None)
+
+
+def test_cancel_drops_a_click_that_waits_for_the_running_cell():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_cell("from jupyter_metainit.jupyter.widget import watch_cells; watch_cells()")
+    with meta_init():
+        net = Net()
+    shell.user_ns["w"] = w = explore(net)
+    w.selected = ["norm"]
+    cell = (
+        "w._on_msg(w, {'action': 'materialize', 'device': 'cpu', 'names': ['norm'], 'id': 1}, [])\n"
+        "queued = w.busy\n"
+        "w._on_msg(w, {'action': 'cancel', 'id': 2}, [])"
+    )
+    try:
+        assert shell.run_cell(cell).success
+        assert shell.user_ns["queued"] == "materialize cpu"
+        assert w.wait(60)
+        assert w.busy == "" and "Cancelled before it ran" in w.status
+        assert {tensor_state(p) for p in net.norm.parameters()} == {"deferred"}
+    finally:
+        for name in ("w", "queued"):
+            shell.user_ns.pop(name, None)

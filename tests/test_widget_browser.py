@@ -21,6 +21,9 @@ import time
 
 import pytest
 from _models import llama70b_on_meta
+from torch import nn
+
+from jupyter_metainit import meta_init
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -155,6 +158,39 @@ def test_70b_tree_renders_and_responds_fast(browser):
     assert render_ms <= 1000, render_ms
     assert expand_ms <= 100, expand_ms
     assert filter_ms <= 100, filter_ms
+
+
+def test_deferred_to_cuda_badge_keeps_clear_of_the_size_column_at_700px(browser):
+    from jupyter_metainit.jupyter.widget import explore
+
+    with meta_init():
+        model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+    state = {k: v for k, v in explore(model).get_state().items() if not k.startswith("_")}
+    for row in state["tree"]["nodes"]:
+        row[12] = "cuda:15"  # the target a --device cuda:15 build gives (no GPU needed here)
+    for width in (1400, 700, 440):
+        page = browser.new_page(viewport={"width": width, "height": 600})
+        _serve_static(page)
+        page.evaluate("(s) => window.mount(s)", state)
+        boxes = page.evaluate(
+            """() => [...document.querySelectorAll('.jmi-rows .jmi-row')].map((r) => {
+                 const box = (sel) => r.querySelector(sel)?.getBoundingClientRect();
+                 const size = box('.jmi-c-size'), cell = box('.jmi-c-state');
+                 const badge = box('.jmi-badge');
+                 const target = box('.jmi-badge-target') || badge;
+                 return [size && size.width ? size.right : 0, cell.left, cell.right,
+                         badge.left, badge.right, target.left, target.right,
+                         r.querySelector('.jmi-badge').textContent, badge.height,
+                         r.querySelector('.jmi-badge').scrollWidth
+                           - r.querySelector('.jmi-badge').clientWidth]; })"""
+        )
+        for size_right, left, right, b_left, b_right, t_left, t_right, text, height, spill in boxes:
+            assert text == "deferred → cuda:15"
+            assert spill <= 1, (width, spill)  # no text runs out of the badge
+            assert height <= 20, (width, height)  # one line: a wrapped badge spills out of its row
+            assert size_right <= b_left - 4 and left <= b_left and b_right <= right, (width, text)
+            assert left <= t_left and t_right <= right, width  # the device is never cut
+        page.close()
 
 
 # ---------------------------------------------------------------------------- JupyterLab
@@ -635,9 +671,14 @@ def test_busy_kernel_fast_values_fits_and_focus(browser, frontend):
     assert page.evaluate("() => document.activeElement.classList.contains('jmi-mat-cpu')")
     ring = page.evaluate(
         "() => { const s = getComputedStyle(document.activeElement);"
-        " return [s.outlineStyle, s.outlineWidth]; }"
+        " const root = getComputedStyle(document.activeElement.closest('.jmi-root'));"
+        " return [s.outlineStyle, s.outlineWidth, s.outlineOffset, s.outlineColor,"
+        " root.backgroundColor]; }"
     )
-    assert ring == ["solid", "2px"], ring
+    # outside the button (offset 2px), on the widget's background, so it never blends into
+    # the button's own colour (its contrast with the background: labextension/test/contrast)
+    assert ring[:3] == ["solid", "2px", "2px"], ring
+    assert ring[3] != ring[4], ring
     widget.screenshot(path=str(ARTIFACTS / f"widget-{app}-focus.png"))
 
     # 5: a selection that cannot fit the CPU's free memory is refused before acting

@@ -249,11 +249,20 @@ def render_html(
     labels = _labels(shown)
 
     top: set[int] = set()
+    deepest_shown = False  # some highlighted row has children the table leaves out
     if highlight and "total_bytes" in shown.columns:
-        leaf = (shown["children"] == 0).to_numpy() if "children" in shown.columns else None
+        # The rows with nothing below them *in this table*: in a depth-limited table those are
+        # the deepest shown (a layer's mlp), not the few true leaves that happen to be shallow
+        # (its two norms), which would be highlighted as the "largest" while being the smallest.
+        names = [str(n) for n in shown.index]
+        parents = {n.rpartition(".")[0] for n in names if n}
+        bottom = [n not in parents for n in names]
         sizes = shown["total_bytes"].to_numpy()
-        order = [i for i in sizes.argsort()[::-1] if leaf is None or leaf[i]]
+        order = [i for i in sizes.argsort()[::-1] if bottom[i]]
         top = {int(i) for i in order[:highlight] if sizes[i] > 0}
+        if "children" in shown.columns:
+            children = shown["children"].to_numpy()
+            deepest_shown = any(children[i] > 0 for i in top)
 
     styler = display.style
     styler.format({c: (lambda v, c=c: html.escape(_format_cell(c, v))) for c in cols})
@@ -277,10 +286,17 @@ def render_html(
     )
     caption = _summary_line(table)
     if top:  # say what the highlight means
-        legend = f"highlighted: the {len(top)} largest lea{'f' if len(top) == 1 else 'ves'}"
+        legend = (
+            f"highlighted: the {len(top)} largest of the deepest rows shown"
+            if deepest_shown
+            else f"highlighted: the {len(top)} largest lea{'f' if len(top) == 1 else 'ves'}"
+        )
         caption = f"{caption} — {legend}" if caption else legend
     if note:
         caption = f"{caption} — {note}" if caption else note
     if caption:
         styler.set_caption(html.escape(caption))
-    return styler.to_html()
+    # A wide table scrolls sideways inside its own box instead of being cut off by a narrow
+    # output area (700 px): every column stays reachable.
+    box = '<div class="jmi-table-scroll" style="overflow-x: auto; max-width: 100%;">'
+    return f"{box}{styler.to_html()}</div>"

@@ -25,6 +25,7 @@ from torch.nn.parameter import is_lazy
 
 from jupyter_metainit.core._format import format_bytes, format_count, format_duration
 from jupyter_metainit.core._walk import unique_tensors
+from jupyter_metainit.jupyter._cells import watch_cells
 from jupyter_metainit.jupyter.cell_runner import (
     install_short_tracebacks,
     run_cell_body,
@@ -419,6 +420,8 @@ def load_ipython_extension(ipython: InteractiveShell) -> None:
     unload_ipython_extension(ipython)
     ipython.register_magics(MetaInitMagics)
     install_short_tracebacks(ipython)
+    # from the next cell on, widgets know when a cell runs (their clicks wait for it)
+    watch_cells(ipython)
 
 
 def unload_ipython_extension(ipython: InteractiveShell) -> None:

@@ -34,6 +34,8 @@ from jupyter_metainit.core._format import format_bytes, format_count, format_dur
 from jupyter_metainit.core._walk import unique_tensors
 from jupyter_metainit.estimates import memory_table
 from jupyter_metainit.estimates.fit import device_budget
+from jupyter_metainit.jupyter._cells import cells as _cells
+from jupyter_metainit.jupyter._cells import watch_cells
 from jupyter_metainit.jupyter._tree import ModelGoneError, ModuleTree, NodeStats
 
 __all__ = ["ModuleTreeWidget", "explore", "widgets_of"]
@@ -173,6 +175,7 @@ class ModuleTreeWidget(anywidget.AnyWidget):
         self._refresh_lock = threading.Lock()
         self._sync_timer: threading.Timer | None = None
         self._last_progress = 0.0
+        self._queued: dict | None = None  # a page action waiting for the running cell to end
         super().__init__(
             tree=self._tree.to_json(self._stats),
             expand_depth=depth,
@@ -183,6 +186,7 @@ class ModuleTreeWidget(anywidget.AnyWidget):
         )
         self.selection = self._selection_summary()
         self.on_msg(self._on_msg)
+        watch_cells()
         _events.subscribe(self._on_core_change)
         _live_widgets.add(self)
 
@@ -354,6 +358,46 @@ class ModuleTreeWidget(anywidget.AnyWidget):
     def _on_msg(self, _widget: Any, content: Any, _buffers: Any) -> None:
         if isinstance(content, dict) and content.get("id") is not None:
             self.send({"kind": "ack", "id": content.get("id")})  # the page knows we are alive
+        if isinstance(content, dict) and self._queue_while_a_cell_runs(content):
+            return
+        self.handle_action(content)
+
+    def _queue_while_a_cell_runs(self, content: dict) -> bool:
+        """A click that changes the model while a cell runs waits for the cell to end (the cell
+        may be using the very weights): True if the message was taken care of here."""
+        action = content.get("action")
+        if action == "cancel" and self._queued is not None:
+            with self._action_lock:
+                self._queued = None
+                self.busy = ""
+            _cells.waiting.discard(self)
+            self.phase = ""
+            self.status = "Cancelled before it ran: nothing was changed."
+            return True
+        if action not in ("materialize", "free") or not _cells.running:
+            return False
+        with self._action_lock:
+            if self.busy:
+                self._notify(f"Still busy with {self.busy}; wait for it or cancel it first.")
+                return True
+            device = content.get("device")
+            self.busy = f"{action} {device if isinstance(device, str) else ''}".strip()
+            self._queued = content
+        self.error = ""
+        self.status = ""
+        self.progress = [0, 0]
+        self.phase = "waits for the running cell to end (Cancel drops it)"
+        _cells.waiting.add(self)
+        return True
+
+    def _run_queued(self) -> None:
+        """The cell ended: carry out the action that waited for it."""
+        with self._action_lock:
+            content, self._queued = self._queued, None
+            if content is None:
+                return
+            self.busy = ""
+        self.phase = ""
         self.handle_action(content)
 
     def handle_action(self, content: Any) -> None:
@@ -451,6 +495,9 @@ class ModuleTreeWidget(anywidget.AnyWidget):
     def _run(self, action: str, names: list[str], device: str) -> None:
         modules = [self.module.get_submodule(n) for n in names]
         what = _describe(names)
+        # modules sharing a tensor with the selection change with it: the message names them
+        also = list(self.selection.get("also") or []) if names == list(self.selected) else []
+        tied_too = f" Tied to it, so changed too: {_describe(also)}." if also else ""
         # Measured now, not taken from the last refresh: a change made in code just before
         # (its refresh still pending) is not this action's doing.
         before = [s.row() for s in self._tree.stats()]
@@ -496,7 +543,13 @@ class ModuleTreeWidget(anywidget.AnyWidget):
             self.status = (
                 f"Materialized {what} on {device or 'its recorded device'}"
                 + (f" as {self.dtype}" if self.dtype else "")
-                + f" in {format_duration(took)}."
+                + f" in {format_duration(took)}"
+                # said, not only tagged: these values are deterministic but not eager's
+                + (
+                    " with RNG fast (its values are not those eager code gives)."
+                    if self.rng == "fast"
+                    else "."
+                )
                 + (
                     f" Re-generated {regenerated} tensor(s) that held fast-RNG values with "
                     "exact (eager) values."
@@ -504,8 +557,9 @@ class ModuleTreeWidget(anywidget.AnyWidget):
                     else ""
                 )
                 + kept_fast
+                + tied_too
                 if action == "materialize"
-                else f"Freed {what} (deferred again) in {format_duration(took)}."
+                else f"Freed {what} (deferred again) in {format_duration(took)}." + tied_too
             )
         finally:
             self.phase = ""

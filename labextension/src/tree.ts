@@ -128,6 +128,17 @@ export class Tree {
     return [kids.length, this.type[first]];
   }
 
+  /** Whether `count` siblings from `first` on, built identical, still are: same dtype and
+   *  size (one cast to bfloat16, say, is not identical to the others any more). */
+  stillIdentical(first: number, count: number): boolean {
+    const kids = this.children[this.parent[first]] ?? [];
+    const at = kids.indexOf(first);
+    for (const k of kids.slice(at + 1, at + count)) {
+      if (this.dtype[k] !== this.dtype[first] || this.bytes[k] !== this.bytes[first]) return false;
+    }
+    return true;
+  }
+
   /** Nodes open at first: every node above `depth` that has children. */
   expandedToDepth(depth: number): Set<number> {
     const open = new Set<number>();

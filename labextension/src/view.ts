@@ -25,6 +25,11 @@ export const NOTICE_MS = 5000;
  *  page says it waits. Only the comm's close or the kernel's restart means it is gone. */
 export const ACK_TIMEOUT_MS = 1500;
 
+/** After this long without an answer, the page no longer assumes the kernel is only busy. */
+export const SILENCE_MS = 10_000;
+export const SILENT_KERNEL =
+  "No answer from the kernel for 10 s. It is still busy with a long cell (your action runs when it ends), or it was shut down: if the notebook shows no kernel, start one and run the cells that build the model again.";
+
 /** What the page says when the kernel restarted or stopped: the model went with it. */
 export const GONE_KERNEL =
   "The kernel was restarted or stopped, and the model went with it. Run the cells that build the model again to get a live tree.";
@@ -67,10 +72,17 @@ export class TreeView {
   private readonly disposers: Array<() => void> = [];
   private frame = 0;
   private noticeTimer = 0;
+  private silenceTimer = 0;
+  /** What the unanswered action is, in words ("Free", "Materialize → cpu"). */
+  private queuedLabel = "";
   private nextId = 1;
   private readonly pending = new Map<number, number>();
+  /** The unanswered messages that are actions (not pings). */
+  private readonly blocking = new Set<number>();
   private readonly actionButtons = new Map<string, HTMLButtonElement>();
   private readonly sepEl = h("span", "jmi-sep");
+  /** Visually hidden texts the action buttons' aria-describedby point to. */
+  private readonly whysEl = h("div", "jmi-sr");
 
   // parts
   private readonly totalsEl = h("div", "jmi-totals");
@@ -160,6 +172,7 @@ export class TreeView {
     for (const d of this.disposers) d();
     cancelAnimationFrame(this.frame);
     clearTimeout(this.noticeTimer);
+    clearTimeout(this.silenceTimer);
     for (const timer of this.pending.values()) clearTimeout(timer);
     this.el.remove();
   }
@@ -175,6 +188,13 @@ export class TreeView {
       id,
       window.setTimeout(() => this.setWaiting(true), ACK_TIMEOUT_MS),
     );
+    // a ping only asks whether the kernel is there: it does not hold back the actions
+    if (content.action !== "ping") {
+      this.blocking.add(id);
+      this.queuedLabel = actionLabel(content);
+      // the last action's message is not about this one: hide it until the kernel's next
+      this.messageEl.hidden = true;
+    }
     this.model.send({ ...content, id });
     this.renderActions();
   }
@@ -182,6 +202,7 @@ export class TreeView {
   private acknowledged(id: number): void {
     clearTimeout(this.pending.get(id));
     this.pending.delete(id);
+    this.blocking.delete(id);
     // The kernel answers: whatever was said in doubt no longer holds.
     if (this.disconnected) this.setConnected();
     if (!this.pending.size) this.setWaiting(false);
@@ -192,9 +213,18 @@ export class TreeView {
     if (this.waiting === on) return;
     this.waiting = on;
     this.waitingEl.hidden = !on;
+    const what = this.blocking.size && this.queuedLabel ? `your ${this.queuedLabel}` : "your action";
     this.waitingEl.textContent = on
-      ? "Waiting for the kernel… it is busy (a cell is running); your action is queued and runs when it is free."
+      ? `Waiting for the kernel… it is busy (a cell is running); ${what} is queued and runs when it is free.`
       : "";
+    clearTimeout(this.silenceTimer);
+    // A shut-down kernel closes no comm and restarts nothing: it just never answers. After a
+    // long silence the page says both possibilities, and what to do in each.
+    if (on) {
+      this.silenceTimer = window.setTimeout(() => {
+        if (this.waiting) this.waitingEl.textContent = SILENT_KERNEL;
+      }, SILENCE_MS);
+    }
     this.renderActions();
   }
 
@@ -203,6 +233,7 @@ export class TreeView {
     this.disconnected = true;
     for (const timer of this.pending.values()) clearTimeout(timer);
     this.pending.clear();
+    this.blocking.clear();
     this.setWaiting(false);
     this.el.classList.add("jmi-off");
     this.disconnectedEl.textContent = `Disconnected. ${why}`;
@@ -344,6 +375,7 @@ export class TreeView {
       colhead,
       this.scroller,
       this.tableEl,
+      this.whysEl,
     );
     this.syncSelects();
     this.renderActions();
@@ -399,6 +431,9 @@ export class TreeView {
     this.refreshChecks();
     this.model.set("selected", this.tree.namesOf(next));
     this.model.save_changes();
+    // a tick is answered by the kernel (the selection summary); ask for an acknowledgement so
+    // that a kernel shut down or busy shows as such instead of the tick being dropped silently
+    this.request({ action: "ping" });
   }
 
   applyPatch(rows: PatchRow[]): void {
@@ -414,7 +449,7 @@ export class TreeView {
     this.focusNode = node;
     const copy = target.closest<HTMLElement>(".jmi-copy");
     if (copy) {
-      void navigator.clipboard?.writeText(copy.dataset.code ?? "").catch(() => undefined);
+      this.copyPath(node);
       return;
     }
     if (target.closest(".jmi-check")) this.toggleCheck(node);
@@ -423,9 +458,34 @@ export class TreeView {
     }
   }
 
+  /** Copy a row's path as code the magics take (`model.model.layers[5]`) and say so. */
+  copyPath(node: number): string {
+    const code = codePath(String(this.model.get("var_name") ?? "model"), this.tree.qname[node]);
+    const said = (text: string) => {
+      clearTimeout(this.noticeTimer);
+      this.noticeEl.textContent = text;
+      this.noticeEl.hidden = false;
+      this.noticeTimer = window.setTimeout(() => (this.noticeEl.hidden = true), NOTICE_MS);
+    };
+    const clip = navigator.clipboard;
+    if (!clip) said(`Path: ${code} (this page gives no clipboard access; copy it from here)`);
+    else {
+      clip.writeText(code).then(
+        () => said(`Copied ${code}`),
+        () => said(`Path: ${code} (the clipboard refused it; copy it from here)`),
+      );
+    }
+    return code;
+  }
+
   /** Keyboard of an ARIA tree (WAI-ARIA Authoring Practices, "Tree View"); true if the key
-   *  was the tree's. */
+   *  was the tree's. `c` (or Ctrl/Cmd+C) copies the focused row's path, as its copy button. */
   onKey(ev: KeyboardEvent): boolean {
+    if (!ev.altKey && (ev.key === "c" || ev.key === "C")) {
+      ev.preventDefault();
+      this.copyPath(this.focusNode);
+      return true;
+    }
     if (ev.altKey || ev.ctrlKey || ev.metaKey) return false;
     const i = this.rows.findIndex((r) => r.node === this.focusNode);
     if (i < 0) return false;
@@ -568,10 +628,11 @@ export class TreeView {
       // Fits before acting: per device, what the selection needs there against its free memory
       const fit: Record<string, { fits: boolean; need: number; free: number }> = s.fit ?? {};
       for (const [device, f] of Object.entries(fit)) {
+        // by how much, in the text itself: a hover tooltip is out of reach of the keyboard
         const el = h(
           "span",
           f.fits ? "jmi-fit" : "jmi-nofit",
-          f.fits ? `fits ${device}` : `too big for ${device}`,
+          f.fits ? `fits ${device}` : `too big for ${device}: ${fitAmounts(device, f)}`,
         );
         el.title = `Needs ${humanBytes(f.need)} more on ${device}; ${humanBytes(f.free)} free there now${dtype ? ` (as ${dtype})` : ""}`;
         parts.push(el);
@@ -600,14 +661,28 @@ export class TreeView {
         if (b!.getAttribute("aria-disabled") !== "true") onClick();
       });
       this.actionButtons.set(key, b);
+      // what the button does, or why it is unavailable, read out when it gets focus: the
+      // title alone is a hover tooltip, which keyboard and screen-reader users never see
+      const why = h("span", "jmi-sr");
+      why.id = `jmi-why-${viewId}-${++whyIds}`;
+      this.whysEl.append(why);
+      b.setAttribute("aria-describedby", why.id);
     }
     b.textContent = label;
     return b;
   }
 
+  /** Set a button's reason: its tooltip and the text its aria-describedby points to. */
+  private explain(b: HTMLButtonElement, why: string): void {
+    b.title = why;
+    const el = b.getAttribute("aria-describedby");
+    const target = el ? this.whysEl.querySelector<HTMLElement>(`#${el}`) : null;
+    if (target && target.textContent !== why) target.textContent = why;
+  }
+
   renderActions(): void {
     // an action sent and not yet answered counts as running: no second one meanwhile
-    const busy = Boolean(this.model.get("busy")) || this.disconnected || this.pending.size > 0;
+    const busy = Boolean(this.model.get("busy")) || this.disconnected || this.blocking.size > 0;
     const names: string[] = this.model.get("selected") ?? [];
     const s = this.model.get("selection") ?? {};
     const states: Record<string, number> = s.states ?? {};
@@ -618,7 +693,7 @@ export class TreeView {
     const noRoom = (device: string): string => {
       const f = fit[device];
       return f && !f.fits
-        ? `Does not fit: the selection needs ${humanBytes(f.need)} more on ${device}, which has ${humanBytes(f.free)} free. Select less, pick a smaller dtype or free something first.`
+        ? `Does not fit: the selection ${fitAmounts(device, f)}. Select less, pick a smaller dtype or free something first.`
         : "";
     };
     const act = (action: string, device?: string) => () =>
@@ -626,24 +701,24 @@ export class TreeView {
 
     const cpu = this.actionButton("cpu", "Materialize → CPU", "jmi-primary jmi-mat-cpu", act("materialize", "cpu"));
     setEnabled(cpu, !(busy || none || noRoom("cpu")));
-    cpu.title = why || noRoom("cpu") || "Allocate the selected subtrees on the CPU and compute their values";
+    this.explain(cpu, why || noRoom("cpu") || "Allocate the selected subtrees on the CPU and compute their values");
     const buttons: HTMLElement[] = [cpu];
     const devices: Array<{ name: string; label: string }> = this.model.get("devices") ?? [];
     if (!devices.length) {
       const b = this.actionButton("nocuda", "Materialize → cuda", "jmi-mat-cuda", () => undefined);
-      b.disabled = true;
-      b.title = this.model.get("no_cuda_reason") || "No CUDA device is visible to this kernel.";
+      setEnabled(b, false); // focusable, so that its reason reaches the keyboard
+      this.explain(b, this.model.get("no_cuda_reason") || "No CUDA device is visible to this kernel.");
       buttons.push(b);
     }
     for (const d of devices) {
       const b = this.actionButton(`cuda ${d.name}`, `→ ${d.name}`, "jmi-mat-cuda", act("materialize", d.name));
       setEnabled(b, !(busy || none || noRoom(d.name)));
-      b.title = why || noRoom(d.name) || `Materialize on ${d.name} (${d.label})`;
+      this.explain(b, why || noRoom(d.name) || `Materialize on ${d.name} (${d.label})`);
       buttons.push(b);
     }
     const free = this.actionButton("free", "Free", "jmi-free", act("free"));
     setEnabled(free, !(busy || none || !anyReal));
-    free.title = why || (anyReal ? "Back to deferred: release the memory" : "Nothing selected is materialized");
+    this.explain(free, why || (anyReal ? "Back to deferred: release the memory" : "Nothing selected is materialized"));
     buttons.push(free, this.sepEl, this.rngSel, this.dtypeSel);
     this.rngSel.disabled = busy;
     this.dtypeSel.disabled = busy;
@@ -739,6 +814,7 @@ export class TreeView {
     el.setAttribute("aria-selected", String(check === CHECKED));
     if (hasKids) el.setAttribute("aria-expanded", String(open));
     el.setAttribute("aria-label", `${t.qname[n] || "the whole model"}, ${t.type[n]}, ${humanBytes(t.bytes[n])}, ${stateText(t.state[n], t.target[n])}`);
+    el.setAttribute("aria-keyshortcuts", "C");
     el.tabIndex = n === this.focusNode ? 0 : -1;
     if (n === this.focusNode) el.classList.add("jmi-focus");
 
@@ -762,17 +838,23 @@ export class TreeView {
     name.title = t.qname[n] || "the whole model";
     // the path as code the magics take, to copy (shown on hover and on the focused row)
     const code = codePath(String(this.model.get("var_name") ?? "model"), t.qname[n]);
-    const copy = h("button", "jmi-copy", "⧉");
+    // an inline SVG, not a glyph: "⧉" and its kin are missing from common Linux fonts (tofu)
+    const copy = h("button", "jmi-copy");
+    copy.append(copyIcon());
     copy.type = "button";
     copy.tabIndex = -1; // the row is the focus stop
-    copy.title = `Copy ${code} (the path %materialize and the other magics take)`;
+    copy.title = `Copy ${code} (the path %materialize and the other magics take; key: c)`;
     copy.setAttribute("aria-label", `Copy ${code}`);
     copy.dataset.code = code;
     nameCell.append(caret, name, copy);
     const rep = t.repeatedChildren(n);
+    // "identical" only while it holds: a block cast to another dtype since differs
     if (rep) {
-      const chip = h("span", "jmi-chip", `×${rep[0]}, identical`);
-      chip.title = `${rep[0]} identical ${rep[1]} blocks`;
+      const same = t.stillIdentical(t.children[n][0], rep[0]);
+      const chip = h("span", "jmi-chip", same ? `×${rep[0]}, identical` : `×${rep[0]}, same structure`);
+      chip.title = same
+        ? `${rep[0]} identical ${rep[1]} blocks`
+        : `${rep[0]} ${rep[1]} blocks built identical; their dtypes or sizes now differ`;
       nameCell.append(chip);
     } else if (
       hasKids &&
@@ -781,8 +863,11 @@ export class TreeView {
       t.children[t.parent[n]].length !== t.repN[n]
     ) {
       // a run of identical blocks among other children; leaves (two equal Linears) are not blocks
-      const chip = h("span", "jmi-chip", `×${t.repN[n]}, identical`);
-      chip.title = `This ${t.type[n]} and the next ${t.repN[n] - 1} are identical blocks`;
+      const same = t.stillIdentical(n, t.repN[n]);
+      const chip = h("span", "jmi-chip", same ? `×${t.repN[n]}, identical` : `×${t.repN[n]}, same structure`);
+      chip.title = same
+        ? `This ${t.type[n]} and the next ${t.repN[n] - 1} are identical blocks`
+        : `This ${t.type[n]} and the next ${t.repN[n] - 1} were built identical; their dtypes or sizes now differ`;
       nameCell.append(chip);
     }
     const tied = t.tied[n];
@@ -826,6 +911,35 @@ export class TreeView {
   }
 }
 
+const SVG_NS = "http://www.w3.org/2000/svg";
+
+/** Two overlapping sheets, the usual "copy" icon, drawn in the text colour. */
+export function copyIcon(): SVGSVGElement {
+  const svg = document.createElementNS(SVG_NS, "svg");
+  svg.setAttribute("viewBox", "0 0 16 16");
+  svg.setAttribute("width", "12");
+  svg.setAttribute("height", "12");
+  svg.setAttribute("aria-hidden", "true");
+  svg.setAttribute("focusable", "false");
+  svg.classList.add("jmi-icon");
+  // the front sheet whole, the back one as the corner that shows behind it: no fill needed,
+  // so it reads on any row background (hover, selected, dark)
+  const back = document.createElementNS(SVG_NS, "path");
+  back.setAttribute("d", "M2.75 10.5V3.5a.75.75 0 0 1 .75-.75h7");
+  const front = document.createElementNS(SVG_NS, "rect");
+  for (const [k, v] of [["x", "5.25"], ["y", "5.25"], ["width", "8"], ["height", "8"], ["rx", "1"]]) {
+    front.setAttribute(k, v);
+  }
+  for (const part of [back, front]) {
+    part.setAttribute("fill", "none");
+    part.setAttribute("stroke", "currentColor");
+    part.setAttribute("stroke-width", "1.5");
+    part.setAttribute("stroke-linecap", "round");
+    svg.append(part);
+  }
+  return svg;
+}
+
 /** Available or not, keeping the button focusable (see renderActions). */
 function setEnabled(b: HTMLButtonElement, enabled: boolean): void {
   b.disabled = false;
@@ -841,6 +955,22 @@ function cellWith(child: HTMLElement, cls: string): HTMLElement {
   const c = h("div", cls);
   c.append(child);
   return c;
+}
+
+/** An action message in words, for the page to say what waits. */
+function actionLabel(content: Record<string, unknown>): string {
+  if (content.action === "materialize") return `Materialize → ${String(content.device ?? "its device")}`;
+  if (content.action === "free") return "Free";
+  return String(content.action ?? "action");
+}
+
+let whyIds = 0;
+/** Ids must be unique in the page, which may hold several widgets (and several pages). */
+const viewId = Math.random().toString(36).slice(2, 8);
+
+/** "needs 3.64 TiB, 19.8 GiB free on cpu": by how much a selection misses a device. */
+export function fitAmounts(device: string, f: { need: number; free: number }): string {
+  return `needs ${humanBytes(f.need)}, ${humanBytes(f.free)} free on ${device}`;
 }
 
 /** A module's qualified name as Python the magics take: `model.layers.5` of `model` is
@@ -862,7 +992,14 @@ export function stateText(state: string, target = ""): string {
 }
 
 export function badge(state: string, target = ""): HTMLElement {
-  const b = h("span", `jmi-badge jmi-state-${stateKind(state)}`, stateText(state, target));
+  const b = h("span", `jmi-badge jmi-state-${stateKind(state)}`);
+  if (state === "deferred" && target) {
+    // two parts, so that a narrow column shortens "deferred" and keeps the device readable
+    b.classList.add("jmi-badge-split");
+    b.append(h("span", "jmi-badge-state", "deferred"), h("span", "jmi-badge-target", ` → ${target}`));
+  } else {
+    b.textContent = stateText(state, target);
+  }
   b.title = state
     ? state === "deferred"
       ? `No memory allocated yet${target ? `; will be materialized on ${target} unless told otherwise` : ""}`

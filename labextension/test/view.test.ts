@@ -74,11 +74,30 @@ describe("TreeView", () => {
     expect(model.sent).toEqual([{ action: "materialize", device: "cpu", names: ["norm"], id: 1 }]);
   });
 
-  it("disables the CUDA button with a reason when there is no GPU", () => {
-    const { root } = mount(smallTree());
+  it("disables the CUDA button with a reason when there is no GPU, keeping it in the Tab order", () => {
+    const { root, model } = mount(smallTree(), { selected: ["norm"] });
     const b = root.querySelector<HTMLButtonElement>(".jmi-mat-cuda")!;
-    expect(b.disabled).toBe(true);
+    expect(b.disabled).toBe(false); // a disabled button is skipped by Tab: its reason unreachable
+    expect(b.getAttribute("aria-disabled")).toBe("true");
     expect(b.title).toBe("no GPU here");
+    expect(document.getElementById(b.getAttribute("aria-describedby")!)!.textContent).toBe("no GPU here");
+    b.click();
+    expect(model.sent).toEqual([]);
+  });
+
+  it("copies the focused row's path with the c key and says so", async () => {
+    const { root } = mount(smallTree(), { var_name: "net" });
+    const written: string[] = [];
+    Object.defineProperty(navigator, "clipboard", {
+      configurable: true,
+      value: { writeText: async (t: string) => void written.push(t) },
+    });
+    const row = root.querySelectorAll<HTMLElement>(".jmi-rows .jmi-row")[2];
+    row.focus();
+    row.dispatchEvent(new KeyboardEvent("keydown", { key: "c", bubbles: true }));
+    await new Promise((r) => setTimeout(r, 0));
+    expect(written).toEqual(["net.layers"]);
+    expect(root.querySelector(".jmi-notice")!.textContent).toBe("Copied net.layers");
   });
 
   it("disables buttons and shows progress while busy", () => {
@@ -90,6 +109,15 @@ describe("TreeView", () => {
     expect(root.querySelector<HTMLElement>(".jmi-progress-fill")!.style.width).toBe("25.0%");
     root.querySelector<HTMLButtonElement>(".jmi-cancel")!.click();
     expect(model.sent).toEqual([{ action: "cancel", id: 1 }]);
+  });
+
+  it("stops calling blocks identical once one was cast to another dtype", () => {
+    const { root, model } = mount(smallTree());
+    const chip = () => root.querySelectorAll<HTMLElement>(".jmi-rows .jmi-row")[2].querySelector<HTMLElement>(".jmi-chip")!;
+    expect(chip().textContent).toBe("×2, identical");
+    model.emit("msg:custom", { kind: "patch", nodes: [[6, 30, 60, "cpu", "bf16"], [2, 60, 180, "mixed", "mixed"]] });
+    expect(chip().textContent).toBe("×2, same structure");
+    expect(chip().title).toContain("now differ");
   });
 
   it("updates badges from a patch", () => {
@@ -214,16 +242,43 @@ describe("TreeView", () => {
     model.set("selected", ["norm"]);
     const cpu = root.querySelector<HTMLButtonElement>(".jmi-mat-cpu")!;
     cpu.click();
-    vi.advanceTimersByTime(20000); // a cell holds the kernel
+    vi.advanceTimersByTime(5000); // a cell holds the kernel
     const waiting = root.querySelector<HTMLElement>(".jmi-waiting")!;
     expect(waiting.hidden).toBe(false);
     expect(waiting.textContent).toContain("Waiting for the kernel");
+    vi.advanceTimersByTime(15000);
+    expect(waiting.textContent).toContain("busy with a long cell");
     expect(root.querySelector<HTMLElement>(".jmi-disconnected")!.hidden).toBe(true);
     cpu.click(); // no second action while the first waits
     expect(model.sent.length).toBe(1);
     model.emit("msg:custom", { kind: "ack", id: 1 });
     expect(waiting.hidden).toBe(true);
     expect(cpu.getAttribute("aria-disabled")).toBe("false");
+  });
+
+  it("says which action waits for a busy kernel and hides the last action's message meanwhile", () => {
+    vi.useFakeTimers();
+    const { root, model } = mount(smallTree(), { selected: ["norm"], status: "Materialized norm on cpu in 5 ms." });
+    model.set("selected", ["norm"]);
+    root.querySelector<HTMLButtonElement>(".jmi-mat-cpu")!.click();
+    vi.advanceTimersByTime(2000);
+    expect(root.querySelector(".jmi-waiting")!.textContent).toContain("your Materialize → cpu is queued");
+    expect(root.querySelector<HTMLElement>(".jmi-message")!.hidden).toBe(true);
+  });
+
+  it("says a tick went unanswered, and after 10 s that the kernel may be shut down", () => {
+    vi.useFakeTimers();
+    const { root, model } = mount(smallTree());
+    const norm = root.querySelectorAll<HTMLElement>(".jmi-rows .jmi-row")[3];
+    norm.querySelector<HTMLInputElement>(".jmi-check")!.click();
+    expect(model.sent.map((m) => m.action)).toEqual(["ping"]);
+    const waiting = root.querySelector<HTMLElement>(".jmi-waiting")!;
+    vi.advanceTimersByTime(2000);
+    expect(waiting.hidden).toBe(false);
+    vi.advanceTimersByTime(10000);
+    expect(waiting.textContent).toContain("shut down: if the notebook shows no kernel, start one");
+    model.emit("msg:custom", { kind: "ack", id: model.sent[0].id });
+    expect(waiting.hidden).toBe(true);
   });
 
   it("says the model went with a restarted kernel, and that a closed widget needs no rebuild", () => {
@@ -312,6 +367,35 @@ describe("TreeView", () => {
     expect(cpu.title).toContain("Does not fit");
     cpu.click();
     expect(model.sent).toEqual([]);
+  });
+
+  it("draws the copy-path button as an SVG icon with a label, not a font glyph", () => {
+    const { root } = mount(smallTree(), { var_name: "net" });
+    const copy = root.querySelectorAll<HTMLElement>(".jmi-rows .jmi-row .jmi-copy")[2];
+    expect(copy.textContent).toBe("");
+    expect(copy.querySelector("svg")!.getAttribute("aria-hidden")).toBe("true");
+    expect(copy.getAttribute("aria-label")).toBe("Copy net.layers");
+  });
+
+  it("says by how much a selection misses the device, in the summary text", () => {
+    const { root, model } = mount(smallTree(), { selected: ["norm"] });
+    model.set("selected", ["norm"]);
+    model.set("selection", { bytes: 20, fit: { cpu: { fits: false, need: 4 * 2 ** 40, free: 20 * 2 ** 30 } } });
+    expect(root.querySelector(".jmi-nofit")!.textContent).toBe(
+      "too big for cpu: needs 4.00 TiB, 20.0 GiB free on cpu",
+    );
+  });
+
+  it("gives a disabled Materialize's reason to the keyboard through aria-describedby", () => {
+    const { root, model } = mount(smallTree(), { selected: ["norm"] });
+    model.set("selected", ["norm"]);
+    model.set("selection", { bytes: 20, fit: { cpu: { fits: false, need: 4 * 2 ** 40, free: 20 * 2 ** 30 } } });
+    const cpu = root.querySelector<HTMLButtonElement>(".jmi-mat-cpu")!;
+    const described = document.getElementById(cpu.getAttribute("aria-describedby")!)!;
+    expect(root.contains(described)).toBe(true);
+    expect(described.textContent).toContain("Does not fit: the selection needs 4.00 TiB, 20.0 GiB free on cpu");
+    model.set("selection", { bytes: 20, fit: { cpu: { fits: true, need: 20, free: 20 * 2 ** 30 } } });
+    expect(described.textContent).toBe("Allocate the selected subtrees on the CPU and compute their values");
   });
 
   it("scrolls the filter's first match into view", () => {
