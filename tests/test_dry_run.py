@@ -473,11 +473,13 @@ def test_dry_run_checking_dtypes_allocates_no_large_output_of_small_inputs():
         class Grows(nn.Module):  # 1.6 GB outputs from a 1-element input
             def forward(self, x):
                 return x.new_zeros(20000, 20000) + x.repeat(20000, 20000)
+        before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
         assert dry_run(Grows(), (1, 1)).loc["", "output_shape"] == (20000, 20000)
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024 - before)
         """
     )
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
     )
-    assert int(done.stdout.split()[-1]) < 1024**3
+    # Growth, not the total: a CUDA build of torch alone takes about 1 GiB once imported.
+    assert int(done.stdout.split()[-1]) < 512 * 1024**2

@@ -666,7 +666,13 @@ def _probe_layout(
     if key not in _probed:
         _probed[key] = None
         tensors = [x for x in iter_args(meta_args, meta_kwargs) if isinstance(x, torch.Tensor)]
-        if sum(t.untyped_storage().nbytes() for t in tensors) <= _PROBE_BYTES:
+        # Outputs count too: small inputs can make a large result (``x.repeat(20000, 20000)``).
+        results = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
+                   if isinstance(o, torch.Tensor)]  # fmt: skip
+        probe_bytes = sum(t.untyped_storage().nbytes() for t in tensors) + sum(
+            o.numel() * o.element_size() for o in results
+        )
+        if probe_bytes <= _PROBE_BYTES:
 
             def zeros(x: Any) -> Any:
                 if not isinstance(x, torch.Tensor):
