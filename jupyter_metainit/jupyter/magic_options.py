@@ -5,7 +5,7 @@ from __future__ import annotations
 import io
 import re
 import tokenize
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 
 import torch
 from IPython.core.error import UsageError
@@ -96,6 +96,15 @@ def strip_comment(line: str) -> str:
         pass
     else:
         return line
+    for i, char in _outside_strings(line):
+        if char == "#":
+            return line[:i].rstrip()
+    return line
+
+
+def _outside_strings(line: str) -> Iterator[tuple[int, str]]:
+    """``(index, character)`` of every character of ``line`` outside string literals (quotes,
+    triple quotes and backslash escapes skipped), for the scans that must not look inside them."""
     quote: str | None = None
     i = 0
     while i < len(line):
@@ -104,14 +113,17 @@ def strip_comment(line: str) -> str:
             if char == "\\":
                 i += 2
                 continue
-            if char == quote:
+            if line.startswith(quote, i):
+                i += len(quote)
                 quote = None
+                continue
         elif char in "\"'":
-            quote = char
-        elif char == "#":
-            return line[:i].rstrip()
+            quote = line[i : i + 3] if line[i : i + 3] in ('"""', "'''") else char
+            i += len(quote)
+            continue
+        else:
+            yield i, char
         i += 1
-    return line
 
 
 _WORD = re.compile(r"\S+")
@@ -149,23 +161,8 @@ def split_expression(
 def _split_trailing(line: str) -> tuple[str, str]:
     """The expression and the options after it (see :func:`split_expression`)."""
     depth = 0
-    quote: str | None = None
-    i = 0
-    while i < len(line):
-        char = line[i]
-        if quote is not None:
-            if char == "\\":
-                i += 2
-                continue
-            if line.startswith(quote, i):
-                i += len(quote)
-                quote = None
-                continue
-        elif char in "\"'":
-            quote = line[i : i + 3] if line[i : i + 3] in ('"""', "'''") else char
-            i += len(quote)
-            continue
-        elif char in "([{":
+    for i, char in _outside_strings(line):
+        if char in "([{":
             depth += 1
         elif char in ")]}":
             depth -= 1
@@ -177,5 +174,4 @@ def _split_trailing(line: str) -> tuple[str, str]:
             and (line[i + 1].isalpha() or line[i + 1] == "-")
         ):
             return line[:i].strip(), line[i:].strip()
-        i += 1
     return line.strip(), ""
