@@ -27,6 +27,18 @@ pytestmark = pytest.mark.skipif(
 )
 
 
+@pytest.fixture(autouse=True)
+def _sigint_as_python_installs_it():
+    """A shell's background job starts with SIGINT ignored, and then Python installs no
+    ``default_int_handler``: these tests send SIGINT and need the handler an interactive
+    process has."""
+    previous = signal.getsignal(signal.SIGINT)
+    if previous == signal.SIG_IGN:
+        signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, previous)
+
+
 def _small_model():
     torch.manual_seed(0)
     with meta_init():

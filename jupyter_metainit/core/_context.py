@@ -43,6 +43,9 @@ from jupyter_metainit.core._devices import (
     rewrite_device,
 )
 from jupyter_metainit.core._interrupts import (
+    check as check_interrupts,
+)
+from jupyter_metainit.core._interrupts import (
     critical,
     handling_interrupts,
     hold_interrupts,
@@ -397,6 +400,7 @@ class meta_init(contextlib.ContextDecorator):
 
     def __exit__(self, *exc: Any) -> None:
         hold_interrupts()
+        handler: Any = None
         try:
             if not self._entered:
                 return
@@ -410,9 +414,14 @@ class meta_init(contextlib.ContextDecorator):
                 if outermost:
                     _rng.flush_all()
                     value_cache.clear()
-                handler.__exit__(None, None, None)
         finally:
-            release_interrupts(raise_pending=exc[0] is None)
+            # Our SIGINT handler goes last: once the previous one is back, a Ctrl-C raises at
+            # once, and it must not land before the critical section is closed.
+            release_interrupts(raise_pending=False)
+            if handler is not None:
+                handler.__exit__(None, None, None)
+            if exc[0] is None:
+                check_interrupts()  # a Ctrl-C held back in here surfaces now
 
 
 protect(meta_init.__enter__, meta_init.__exit__)
