@@ -91,16 +91,21 @@ def _tensor_bytes(t: torch.Tensor) -> int:
     return t.numel() * t.dtype.itemsize
 
 
-def _tensors(obj: Any) -> Iterator[torch.Tensor]:
-    """Tensors in nested outputs (tuples, lists, dicts, transformers' ModelOutput)."""
-    if isinstance(obj, torch.Tensor):
+def _nested(obj: Any, kind: type) -> Iterator[Any]:
+    """Instances of ``kind`` in nested lists, tuples and mappings (transformers' ModelOutput)."""
+    if isinstance(obj, kind):
         yield obj
     elif isinstance(obj, (list, tuple)):
         for item in obj:
-            yield from _tensors(item)
+            yield from _nested(item, kind)
     elif isinstance(obj, Mapping):
         for item in obj.values():
-            yield from _tensors(item)
+            yield from _nested(item, kind)
+
+
+def _tensors(obj: Any) -> Iterator[torch.Tensor]:
+    """Tensors in nested outputs (tuples, lists, dicts, transformers' ModelOutput)."""
+    return _nested(obj, torch.Tensor)
 
 
 def _map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
@@ -389,14 +394,7 @@ def _stand_in(t: torch.Tensor, on_meta: bool) -> torch.Tensor:
 
 def _generators(obj: Any) -> Iterator[torch.Generator]:
     """Generators in nested inputs (lists, tuples, dicts)."""
-    if isinstance(obj, torch.Generator):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _generators(item)
-    elif isinstance(obj, Mapping):
-        for item in obj.values():
-            yield from _generators(item)
+    return _nested(obj, torch.Generator)
 
 
 class _ModelGuard:
