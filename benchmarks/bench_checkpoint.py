@@ -127,7 +127,7 @@ def content_check(directory: str, rounds: int) -> dict[str, Any]:
 
     import transformers
 
-    from jupyter_metainit.core import _files
+    from jupyter_metainit.core.record import files as _files
 
     jmi = load_core()
     times: dict[str, list[float]] = {"with": [], "without": []}

@@ -28,7 +28,7 @@ def _collect_garbage():
 def _no_lock_left_behind():
     """A test that leaves the core's lock taken would make every later test wait forever."""
     yield
-    from jupyter_metainit.core import _busy
+    from jupyter_metainit.core.runtime import lock as _busy
 
     held = list(_busy._activity)
     if held:

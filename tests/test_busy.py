@@ -9,8 +9,8 @@ import torch
 from torch import nn
 
 from jupyter_metainit import dematerialize, is_deferred, materialize, meta_init
-from jupyter_metainit.core import _busy
 from jupyter_metainit.core.errors import BusyError
+from jupyter_metainit.core.runtime import lock as _busy
 
 
 def _twins(n=8):

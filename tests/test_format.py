@@ -7,7 +7,7 @@ import pathlib
 
 import pytest
 
-from jupyter_metainit.core._format import format_bytes, format_count, format_duration
+from jupyter_metainit.core.runtime.format import format_bytes, format_count, format_duration
 
 _CASES = json.loads(
     (pathlib.Path(__file__).parents[1] / "labextension" / "test" / "format_cases.json").read_text()

@@ -18,7 +18,7 @@ from torch import nn
 
 import jupyter_metainit
 from jupyter_metainit import is_deferred, materialize, meta_init
-from jupyter_metainit.core import _interrupts
+from jupyter_metainit.core.runtime import interrupts as _interrupts
 
 PACKAGE = os.path.dirname(os.path.abspath(jupyter_metainit.__file__))
 

@@ -20,8 +20,9 @@ from jupyter_metainit import (
     materialize,
     meta_init,
 )
-from jupyter_metainit.core import _replay, tensor_state, tensor_values
+from jupyter_metainit.core import tensor_state, tensor_values
 from jupyter_metainit.core.errors import MaterializationError
+from jupyter_metainit.core.replay import replay as _replay
 
 
 class Net(nn.Module):
@@ -325,7 +326,7 @@ def test_cuda_without_cuda_and_out_of_range_devices_say_what_exists():
 
 
 def test_state_changes_are_published():
-    from jupyter_metainit.core import _events
+    from jupyter_metainit.core.runtime import events as _events
 
     seen = []
 

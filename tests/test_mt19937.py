@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 import torch
 
-from jupyter_metainit.core import _mt19937
-from jupyter_metainit.core._mt19937 import jump_generator, jump_state
+from jupyter_metainit.core.rng import mt19937 as _mt19937
+from jupyter_metainit.core.rng.mt19937 import jump_generator, jump_state
 
 SIZES = [0, 1, 2, 623, 624, 625, 1247, 1248, 1249, 19_937, 100_000, 10**6 + 7]
 RANDOM_SIZES = random.Random(20261122).sample(range(2, 3_000_000), 8)
@@ -149,13 +149,13 @@ def test_huge_jump_is_fast_and_composes():
 
 
 def test_the_stored_characteristic_polynomial_is_mt19937s():
-    from jupyter_metainit.core import _mt19937
+    from jupyter_metainit.core.rng import mt19937 as _mt19937
 
     assert _mt19937._stored_phi() == _mt19937.characteristic_polynomial()
 
 
 def test_a_jump_is_cheap_once_its_distance_recurs_or_was_jumped():
-    from jupyter_metainit.core._mt19937 import jump_is_cheap
+    from jupyter_metainit.core.rng.mt19937 import jump_is_cheap
 
     state = torch.Generator().manual_seed(11).get_state()
     draws = 16**7 + 3 * 16**6 + 5 * 16**5 + 7 * 16**4 + 12_345  # 4 stored parts; no other test

@@ -370,7 +370,7 @@ def test_every_argument_a_schema_marks_written_is_recorded_as_written():
     """The forms of ``(a!)`` in every registered schema are ``Tensor(a!)`` and ``Tensor(a!)[]``
     (a new form, such as ``Tensor(a!)?``, would need the recorder to look inside it), and
     ``op_info`` lists each such argument as written."""
-    from jupyter_metainit.core._ops import op_info
+    from jupyter_metainit.core.record.ops import op_info
 
     forms = set()
     for op in _all_overloads():

@@ -568,7 +568,7 @@ def _recorded_fill(fill):
 @pytest.mark.parametrize("fill", _FILLS.values(), ids=_FILLS.keys())
 def test_a_fill_is_recorded_as_the_general_path_records_it(fill, monkeypatch):
     """Fills take a short path of their own (they are most of a model's ops): same record."""
-    from jupyter_metainit.core import _record
+    from jupyter_metainit.core.record import record as _record
 
     short, short_op = _recorded_fill(fill)
     monkeypatch.setattr(_record, "_record_fill", lambda func, args, kwargs: None)

@@ -6,8 +6,8 @@ import torch
 from torch import nn
 
 from jupyter_metainit import is_deferred, materialize, meta_init
-from jupyter_metainit.core import _replay
-from jupyter_metainit.core._replay import plan, stream_parts
+from jupyter_metainit.core.replay import replay as _replay
+from jupyter_metainit.core.replay.replay import plan, stream_parts
 
 
 class _Decoder(nn.Module):
@@ -160,8 +160,8 @@ def test_a_replay_on_every_thread_of_the_pool_runs_inline(monkeypatch):
     """Tasks that wait for tasks queued behind them in the same pool would wait forever."""
     import threading
 
-    from jupyter_metainit.core._replay import execute
-    from jupyter_metainit.core._split_fill import core_pool
+    from jupyter_metainit.core.replay.replay import execute
+    from jupyter_metainit.core.rng.split_fill import core_pool
 
     torch.manual_seed(0)
     eager = _Decoder()

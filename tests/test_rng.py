@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from jupyter_metainit import materialize, meta_init
-from jupyter_metainit.core import _rng
+from jupyter_metainit.core.rng import streams as _rng
 
 
 def build(n=6):

@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from jupyter_metainit import materialize, meta_init
-from jupyter_metainit.core import _split_fill
-from jupyter_metainit.core._split_fill import MIN_CHUNK, split_fill
+from jupyter_metainit.core.rng import split_fill as _split_fill
+from jupyter_metainit.core.rng.split_fill import MIN_CHUNK, split_fill
 
 aten = torch.ops.aten
 N = 2 * MIN_CHUNK + 16 * 1000 + 7  # not a multiple of 16: normal_ redraws its last block
@@ -81,7 +81,7 @@ def test_a_shard_is_generated_alone_and_exactly(rank, monkeypatch):
         regions.append(done)
         return done
 
-    monkeypatch.setattr("jupyter_metainit.core._replay.fill_region", spy)
+    monkeypatch.setattr("jupyter_metainit.core.replay.replay.fill_region", spy)
     torch.manual_seed(0)
     eager = torch.nn.Linear(4096, 2001)
     torch.nn.init.normal_(eager.weight, std=0.02)
@@ -111,7 +111,7 @@ def test_a_copied_shard_is_generated_straight_into_its_memory(rng, monkeypatch):
         fused.append(done)
         return done
 
-    monkeypatch.setattr("jupyter_metainit.core._replay.fill_region_into", spy)
+    monkeypatch.setattr("jupyter_metainit.core.replay.replay.fill_region_into", spy)
     torch.manual_seed(0)
     with meta_init():
         layer = torch.nn.Linear(4096, 2001)

@@ -9,7 +9,8 @@ import torch
 from torch import nn
 
 from jupyter_metainit import materialize, meta_init
-from jupyter_metainit.core import _rng, _trunc_normal
+from jupyter_metainit.core.record import trunc_normal as _trunc_normal
+from jupyter_metainit.core.rng import streams as _rng
 
 aten = torch.ops.aten
 

@@ -5,8 +5,7 @@ No Jupyter imports here: scripts, distributed launchers and the notebook layer s
 
 from __future__ import annotations
 
-from jupyter_metainit.core._context import is_meta_init, meta_init
-from jupyter_metainit.core._materialize import (
+from jupyter_metainit.core.materialize.materialize import (
     clear_meta_init_cache,
     dematerialize,
     is_deferred,
@@ -15,8 +14,9 @@ from jupyter_metainit.core._materialize import (
     tensor_state,
     tensor_values,
 )
-from jupyter_metainit.core._skip_init import skip_init
-from jupyter_metainit.core._tensor import DeferredTensor
+from jupyter_metainit.core.materialize.skip_init import skip_init
+from jupyter_metainit.core.record.context import is_meta_init, meta_init
+from jupyter_metainit.core.record.tensor import DeferredTensor
 
 __all__ = [
     "DeferredTensor",

@@ -26,12 +26,12 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core import materialize
-from jupyter_metainit.core._format import format_bytes
-from jupyter_metainit.core._materialize import iter_deferred, progress_callback
-from jupyter_metainit.core._replay import noting_whole_intermediates
-from jupyter_metainit.core._tensor import DeferredTensor
-from jupyter_metainit.core._walk import named_tensors, own_tensors
 from jupyter_metainit.core.errors import MaterializationError
+from jupyter_metainit.core.materialize.materialize import iter_deferred, progress_callback
+from jupyter_metainit.core.record.tensor import DeferredTensor
+from jupyter_metainit.core.replay.replay import noting_whole_intermediates
+from jupyter_metainit.core.runtime.format import format_bytes
+from jupyter_metainit.core.runtime.walk import named_tensors, own_tensors
 
 __all__ = ["WholeTensorWarning", "materialize_sharded"]
 

@@ -182,7 +182,7 @@ class _EagerDtypeChecks:
     def _probe(
         self, func: Any, args: tuple, kwargs: dict, small: bool
     ) -> tuple[type[BaseException], str] | None:
-        from jupyter_metainit.core._plain import plain
+        from jupyter_metainit.core.runtime.plain import plain
 
         def probe_on(device: str) -> Callable[[torch.Tensor], torch.Tensor]:
             def probe_tensor(t: torch.Tensor) -> torch.Tensor:

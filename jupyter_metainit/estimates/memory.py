@@ -16,7 +16,7 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from jupyter_metainit.core import tensor_source, tensor_state, tensor_values
-from jupyter_metainit.core._walk import counted_attributes, own_tensors, storage_of
+from jupyter_metainit.core.runtime.walk import counted_attributes, own_tensors, storage_of
 from jupyter_metainit.estimates._arguments import (
     check_depth,
     check_optimizer_bytes,

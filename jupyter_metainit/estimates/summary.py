@@ -6,7 +6,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from jupyter_metainit.core._format import format_bytes
+from jupyter_metainit.core.runtime.format import format_bytes
 from jupyter_metainit.estimates._arguments import require_module
 from jupyter_metainit.estimates.memory import memory_table
 

@@ -16,7 +16,7 @@ import torch
 from torch import nn
 
 from jupyter_metainit.core import tensor_source, tensor_state, tensor_values
-from jupyter_metainit.core._walk import counted_attributes, own_tensors
+from jupyter_metainit.core.runtime.walk import counted_attributes, own_tensors
 
 __all__ = ["ModelGoneError", "ModuleTree", "NodeStats"]
 

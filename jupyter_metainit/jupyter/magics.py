@@ -23,8 +23,8 @@ from IPython.display import display
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from jupyter_metainit.core._format import format_bytes, format_count, format_duration
-from jupyter_metainit.core._walk import unique_tensors
+from jupyter_metainit.core.runtime.format import format_bytes, format_count, format_duration
+from jupyter_metainit.core.runtime.walk import unique_tensors
 from jupyter_metainit.jupyter._cells import watch_cells
 from jupyter_metainit.jupyter.cell_runner import (
     install_short_tracebacks,

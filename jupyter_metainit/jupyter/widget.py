@@ -28,10 +28,10 @@ import traitlets
 from torch import nn
 
 from jupyter_metainit import core
-from jupyter_metainit.core import _events
-from jupyter_metainit.core._busy import busy_with as core_busy_with
-from jupyter_metainit.core._format import format_bytes, format_count, format_duration
-from jupyter_metainit.core._walk import unique_tensors
+from jupyter_metainit.core.runtime import events as _events
+from jupyter_metainit.core.runtime.format import format_bytes, format_count, format_duration
+from jupyter_metainit.core.runtime.lock import busy_with as core_busy_with
+from jupyter_metainit.core.runtime.walk import unique_tensors
 from jupyter_metainit.estimates import memory_table
 from jupyter_metainit.estimates.fit import device_budget
 from jupyter_metainit.jupyter._cells import cells as _cells

@@ -1,4 +1,4 @@
-// Human-readable numbers: the twin of jupyter_metainit/core/_format.py, tested against the
+// Human-readable numbers: the twin of jupyter_metainit/core/runtime/format.py, tested against the
 // same cases (test/format_cases.json): binary bytes and K/M/B/T counts, three digits.
 
 /** Three significant digits, trailing zeros kept (1.50, 15.0, 150). */

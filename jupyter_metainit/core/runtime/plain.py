@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core._interrupts import hold_interrupts, protect, release_interrupts
+from jupyter_metainit.core.runtime.interrupts import hold_interrupts, protect, release_interrupts
 
 
 class plain:

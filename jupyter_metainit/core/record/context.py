@@ -33,8 +33,8 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from jupyter_metainit.core import _rng
-from jupyter_metainit.core._devices import (
+from jupyter_metainit.core.errors import MetaInitError, UnsupportedOperatorError
+from jupyter_metainit.core.record.devices import (
     DATA_FACTORIES,
     FACTORIES,
     data_factory,
@@ -42,30 +42,30 @@ from jupyter_metainit.core._devices import (
     requires_grad_kwarg,
     rewrite_device,
 )
-from jupyter_metainit.core._interrupts import (
+from jupyter_metainit.core.record.lazy import lazy_module_support
+from jupyter_metainit.core.record.ops import user_frame
+from jupyter_metainit.core.record.record import handle_op, read_value
+from jupyter_metainit.core.record.state import (
+    _global_default_dtype,
+    canonical_device,
+    dtype_override,
+    tls,
+)
+from jupyter_metainit.core.record.tensor import DeferredTensor
+from jupyter_metainit.core.record.trunc_normal import trunc_normal_
+from jupyter_metainit.core.replay.values import value_cache
+from jupyter_metainit.core.rng import streams as _rng
+from jupyter_metainit.core.runtime.interrupts import (
     check as check_interrupts,
 )
-from jupyter_metainit.core._interrupts import (
+from jupyter_metainit.core.runtime.interrupts import (
     critical,
     handling_interrupts,
     hold_interrupts,
     protect,
     release_interrupts,
 )
-from jupyter_metainit.core._lazy import lazy_module_support
-from jupyter_metainit.core._ops import user_frame
-from jupyter_metainit.core._plain import subclass_functions_off
-from jupyter_metainit.core._record import handle_op, read_value
-from jupyter_metainit.core._state import (
-    _global_default_dtype,
-    canonical_device,
-    dtype_override,
-    tls,
-)
-from jupyter_metainit.core._tensor import DeferredTensor
-from jupyter_metainit.core._trunc_normal import trunc_normal_
-from jupyter_metainit.core._values import value_cache
-from jupyter_metainit.core.errors import MetaInitError, UnsupportedOperatorError
+from jupyter_metainit.core.runtime.plain import subclass_functions_off
 
 __all__ = ["is_meta_init", "meta_init"]
 

@@ -14,20 +14,20 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core._files import storage_region
-from jupyter_metainit.core._interrupts import critical, handling_interrupts
-from jupyter_metainit.core._ops import user_frame
-from jupyter_metainit.core._plain import plain, subclass_functions_off
-from jupyter_metainit.core._record import (
+from jupyter_metainit.core.errors import DeferredDataError, UnsupportedOperatorError
+from jupyter_metainit.core.record.files import storage_region
+from jupyter_metainit.core.record.ops import user_frame
+from jupyter_metainit.core.record.record import (
     SUBCLASS_SENSITIVE,
     read_value,
     record_call,
     wrap_constant,
     wrap_file_region,
 )
-from jupyter_metainit.core._state import canonical_device, default_device, dtype_override, tls
-from jupyter_metainit.core._tensor import SHARE_MEMORY_ATTR, DeferredTensor
-from jupyter_metainit.core.errors import DeferredDataError, UnsupportedOperatorError
+from jupyter_metainit.core.record.state import canonical_device, default_device, dtype_override, tls
+from jupyter_metainit.core.record.tensor import SHARE_MEMORY_ATTR, DeferredTensor
+from jupyter_metainit.core.runtime.interrupts import critical, handling_interrupts
+from jupyter_metainit.core.runtime.plain import plain, subclass_functions_off
 
 __all__ = [
     "DATA_FACTORIES",

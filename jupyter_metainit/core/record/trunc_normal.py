@@ -28,10 +28,10 @@ import math
 
 import torch
 
-from jupyter_metainit.core import _rng
-from jupyter_metainit.core._plain import plain
-from jupyter_metainit.core._state import tls
-from jupyter_metainit.core._tensor import DeferredTensor
+from jupyter_metainit.core.record.state import tls
+from jupyter_metainit.core.record.tensor import DeferredTensor
+from jupyter_metainit.core.rng import streams as _rng
+from jupyter_metainit.core.runtime.plain import plain
 
 __all__ = ["trunc_normal_"]
 

@@ -50,10 +50,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from jupyter_metainit.core._interrupts import critical
-from jupyter_metainit.core._mt19937 import advance_by_generating, jump_is_cheap, jump_state
-from jupyter_metainit.core._plain import plain
 from jupyter_metainit.core.errors import MetaInitError
+from jupyter_metainit.core.rng.mt19937 import advance_by_generating, jump_is_cheap, jump_state
+from jupyter_metainit.core.runtime.interrupts import critical
+from jupyter_metainit.core.runtime.plain import plain
 
 __all__ = [
     "BurnSpec",

@@ -13,8 +13,8 @@ import contextlib
 import threading
 import time
 
-from jupyter_metainit.core._interrupts import check, interrupted, protect
 from jupyter_metainit.core.errors import BusyError
+from jupyter_metainit.core.runtime.interrupts import check, interrupted, protect
 
 __all__ = ["busy_with", "exclusive"]
 

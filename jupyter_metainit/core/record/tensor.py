@@ -11,9 +11,9 @@ from typing import Any, ClassVar
 
 import torch
 
-from jupyter_metainit.core._graph import TensorRecord
-from jupyter_metainit.core._ops import user_frame
 from jupyter_metainit.core.errors import UnsupportedOperatorError
+from jupyter_metainit.core.record.graph import TensorRecord
+from jupyter_metainit.core.record.ops import user_frame
 
 __all__ = ["SHARE_MEMORY_ATTR", "DeferredTensor", "as_parameter", "grad_leaves"]
 
@@ -38,7 +38,7 @@ SHARE_MEMORY_ATTR = "_jmi_share_memory"
 
 
 def _not_registered(*_args: Any) -> Any:
-    raise RuntimeError("jupyter_metainit.core._record was not imported")
+    raise RuntimeError("jupyter_metainit.core.record.record was not imported")
 
 
 def _outside_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:

@@ -6,11 +6,11 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core._context import meta_init
-from jupyter_metainit.core._materialize import iter_deferred
-from jupyter_metainit.core._plain import plain
-from jupyter_metainit.core._swap import swap_in_place
-from jupyter_metainit.core._tensor import INTERNAL_ATTRS, PARAMETER_ATTRS, as_parameter
+from jupyter_metainit.core.materialize.materialize import iter_deferred
+from jupyter_metainit.core.record.context import meta_init
+from jupyter_metainit.core.record.tensor import INTERNAL_ATTRS, PARAMETER_ATTRS, as_parameter
+from jupyter_metainit.core.runtime.plain import plain
+from jupyter_metainit.core.runtime.swap import swap_in_place
 
 
 def skip_init(module_cls: type[torch.nn.Module], *args: Any, **kwargs: Any) -> torch.nn.Module:

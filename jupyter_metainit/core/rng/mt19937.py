@@ -47,8 +47,8 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
-from jupyter_metainit.core._interrupts import critical
-from jupyter_metainit.core._plain import plain
+from jupyter_metainit.core.runtime.interrupts import critical
+from jupyter_metainit.core.runtime.plain import plain
 
 __all__ = ["advance_by_generating", "jump_generator", "jump_is_cheap", "jump_state"]
 

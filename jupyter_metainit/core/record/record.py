@@ -20,10 +20,10 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core import _rng
-from jupyter_metainit.core._digest import digest
-from jupyter_metainit.core._files import FileRegion, read_file_bytes, storage_region
-from jupyter_metainit.core._graph import (
+from jupyter_metainit.core.errors import MetaInitError, UnsupportedOperatorError
+from jupyter_metainit.core.materialize.digest import digest
+from jupyter_metainit.core.record.files import FileRegion, read_file_bytes, storage_region
+from jupyter_metainit.core.record.graph import (
     Constant,
     External,
     OpRecord,
@@ -33,26 +33,26 @@ from jupyter_metainit.core._graph import (
     constant_op,
     next_seq,
 )
-from jupyter_metainit.core._ops import OpInfo, Where, bind_arguments, op_info, user_frame
-from jupyter_metainit.core._plain import iter_args, map_args, plain
-from jupyter_metainit.core._replay import compute_values, default_dtype_as
-from jupyter_metainit.core._state import (
+from jupyter_metainit.core.record.ops import OpInfo, Where, bind_arguments, op_info, user_frame
+from jupyter_metainit.core.record.state import (
     _global_default_dtype,
     canonical_device,
     default_device,
     dtype_override,
     tls,
 )
-from jupyter_metainit.core._swap import swap_in_place
-from jupyter_metainit.core._tensor import (
+from jupyter_metainit.core.record.tensor import (
     INTERNAL_ATTRS,
     PARAMETER_ATTRS,
     SHARE_MEMORY_ATTR,
     DeferredTensor,
     as_parameter,
 )
-from jupyter_metainit.core._values import value_cache
-from jupyter_metainit.core.errors import MetaInitError, UnsupportedOperatorError
+from jupyter_metainit.core.replay.replay import compute_values, default_dtype_as
+from jupyter_metainit.core.replay.values import value_cache
+from jupyter_metainit.core.rng import streams as _rng
+from jupyter_metainit.core.runtime.plain import iter_args, map_args, plain
+from jupyter_metainit.core.runtime.swap import swap_in_place
 
 __all__ = [
     "SUBCLASS_SENSITIVE",

@@ -20,31 +20,32 @@ import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
-from jupyter_metainit.core import _events, _rng
-from jupyter_metainit.core._autograd_links import link_non_leaves
-from jupyter_metainit.core._busy import exclusive
-from jupyter_metainit.core._digest import digest
-from jupyter_metainit.core._files import read_file_bytes
-from jupyter_metainit.core._format import format_bytes
-from jupyter_metainit.core._graph import StorageRecord, TensorRecord
-from jupyter_metainit.core._interrupts import critical, handling_interrupts
-from jupyter_metainit.core._plain import plain
-from jupyter_metainit.core._replay import Progress, compute_values, execute, plan, real_view
-from jupyter_metainit.core._swap import swap_in_place
-from jupyter_metainit.core._tensor import (
+from jupyter_metainit.core.errors import (
+    MaterializationError,
+    MetaInitError,
+    NotEnoughMemoryError,
+)
+from jupyter_metainit.core.materialize.autograd_links import link_non_leaves
+from jupyter_metainit.core.materialize.digest import digest
+from jupyter_metainit.core.record.files import read_file_bytes
+from jupyter_metainit.core.record.graph import StorageRecord, TensorRecord
+from jupyter_metainit.core.record.tensor import (
     INTERNAL_ATTRS,
     PARAMETER_ATTRS,
     SHARE_MEMORY_ATTR,
     DeferredTensor,
     as_parameter,
 )
-from jupyter_metainit.core._values import value_cache
-from jupyter_metainit.core._walk import materialized_sources, unique_tensors
-from jupyter_metainit.core.errors import (
-    MaterializationError,
-    MetaInitError,
-    NotEnoughMemoryError,
-)
+from jupyter_metainit.core.replay.replay import Progress, compute_values, execute, plan, real_view
+from jupyter_metainit.core.replay.values import value_cache
+from jupyter_metainit.core.rng import streams as _rng
+from jupyter_metainit.core.runtime import events as _events
+from jupyter_metainit.core.runtime.format import format_bytes
+from jupyter_metainit.core.runtime.interrupts import critical, handling_interrupts
+from jupyter_metainit.core.runtime.lock import exclusive
+from jupyter_metainit.core.runtime.plain import plain
+from jupyter_metainit.core.runtime.swap import swap_in_place
+from jupyter_metainit.core.runtime.walk import materialized_sources, unique_tensors
 
 __all__ = [
     "clear_meta_init_cache",
@@ -725,7 +726,7 @@ def _materialize_now(
     file_reads: dict[int, DeferredTensor] = {}
     tracker = _MemoryProgress(callback, tensors, dtype) if callback is not None else None
     if checkpoint is not None:
-        from jupyter_metainit.core._checkpoint import load_for
+        from jupyter_metainit.core.materialize.checkpoint import load_for
 
         if tracker is not None:
             tracker.phase("reading checkpoint files")
@@ -1057,7 +1058,7 @@ def _freeable(t: torch.Tensor) -> torch.Tensor:
 
 def _names_in(obj: Any) -> dict[int, str]:
     """Qualified names (``layers.3.weight``) of the tensors of ``obj``, by ``id``."""
-    from jupyter_metainit.core._walk import named_tensors
+    from jupyter_metainit.core.runtime.walk import named_tensors
 
     names: dict[int, str] = {}
     items = list(obj) if isinstance(obj, (list, tuple)) else [obj]
@@ -1111,7 +1112,7 @@ def _changed_sources(recording: DeferredTensor) -> str | None:
     """Why replaying ``recording`` would fail or differ now: a real tensor it was computed from
     (``load_state_dict`` of another model's tensors, by reference) was written since, or a file
     it reads changed or is gone."""
-    from jupyter_metainit.core._graph import External
+    from jupyter_metainit.core.record.graph import External
 
     for op in plan([recording._rec]).ops:
         if op.func is read_file_bytes:

@@ -18,7 +18,7 @@ import torch
 from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
-from jupyter_metainit.core._tensor import DeferredTensor
+from jupyter_metainit.core.record.tensor import DeferredTensor
 
 __all__ = [
     "OwnTensor",

@@ -23,10 +23,9 @@ from typing import Any
 import torch
 from torch.utils._pytree import tree_map
 
-from jupyter_metainit.core import _rng
-from jupyter_metainit.core._busy import exclusive
-from jupyter_metainit.core._digest import digest
-from jupyter_metainit.core._graph import (
+from jupyter_metainit.core.errors import DeferredDataError, MaterializationError
+from jupyter_metainit.core.materialize.digest import digest
+from jupyter_metainit.core.record.graph import (
     Constant,
     External,
     OpRecord,
@@ -34,9 +33,9 @@ from jupyter_metainit.core._graph import (
     TensorRecord,
     constant_op,
 )
-from jupyter_metainit.core._interrupts import check, critical, handling_interrupts, interrupted
-from jupyter_metainit.core._plain import iter_args, map_args, plain
-from jupyter_metainit.core._split_fill import (
+from jupyter_metainit.core.replay.values import ValueCache, value_cache
+from jupyter_metainit.core.rng import streams as _rng
+from jupyter_metainit.core.rng.split_fill import (
     FILLS,
     MIN_SKIP,
     available_cores,
@@ -46,8 +45,14 @@ from jupyter_metainit.core._split_fill import (
     on_core_pool,
     split_fill,
 )
-from jupyter_metainit.core._values import ValueCache, value_cache
-from jupyter_metainit.core.errors import DeferredDataError, MaterializationError
+from jupyter_metainit.core.runtime.interrupts import (
+    check,
+    critical,
+    handling_interrupts,
+    interrupted,
+)
+from jupyter_metainit.core.runtime.lock import exclusive
+from jupyter_metainit.core.runtime.plain import iter_args, map_args, plain
 
 __all__ = ["Plan", "compute_values", "execute", "plan", "real_view"]
 

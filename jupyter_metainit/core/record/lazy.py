@@ -15,10 +15,10 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core._interrupts import critical
-from jupyter_metainit.core._plain import plain
-from jupyter_metainit.core._state import canonical_device, default_device, tls
-from jupyter_metainit.core._swap import swap_in_place
+from jupyter_metainit.core.record.state import canonical_device, default_device, tls
+from jupyter_metainit.core.runtime.interrupts import critical
+from jupyter_metainit.core.runtime.plain import plain
+from jupyter_metainit.core.runtime.swap import swap_in_place
 
 __all__ = ["lazy_module_support"]
 

@@ -14,10 +14,10 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core._plain import plain
-from jupyter_metainit.core._tensor import DeferredTensor
-from jupyter_metainit.core._walk import named_tensors
 from jupyter_metainit.core.errors import MaterializationError
+from jupyter_metainit.core.record.tensor import DeferredTensor
+from jupyter_metainit.core.runtime.plain import plain
+from jupyter_metainit.core.runtime.walk import named_tensors
 
 __all__ = ["load_for"]
 
@@ -267,7 +267,7 @@ def _recorded_read(path: str, key: str, like: torch.Tensor) -> DeferredTensor:
     ``like``'s dtype, device and strides: what materializing it gives is what was loaded."""
     from safetensors import safe_open
 
-    from jupyter_metainit.core._context import meta_init
+    from jupyter_metainit.core.record.context import meta_init
 
     with meta_init(), safe_open(path, framework="pt") as f:
         stored = f.get_tensor(key)

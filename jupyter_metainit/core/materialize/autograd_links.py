@@ -22,10 +22,10 @@ from collections.abc import Callable
 
 import torch
 
-from jupyter_metainit.core._graph import OpRecord, StorageRecord
-from jupyter_metainit.core._plain import plain
-from jupyter_metainit.core._replay import Plan, _Run, plan, real_view
-from jupyter_metainit.core._tensor import DeferredTensor, grad_leaves
+from jupyter_metainit.core.record.graph import OpRecord, StorageRecord
+from jupyter_metainit.core.record.tensor import DeferredTensor, grad_leaves
+from jupyter_metainit.core.replay.replay import Plan, _Run, plan, real_view
+from jupyter_metainit.core.runtime.plain import plain
 
 __all__ = ["is_recorded_non_leaf", "link_non_leaves", "linked_non_leaf"]
 

@@ -23,8 +23,8 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core._mt19937 import jump_state
-from jupyter_metainit.core._plain import plain
+from jupyter_metainit.core.rng.mt19937 import jump_state
+from jupyter_metainit.core.runtime.plain import plain
 
 __all__ = [
     "FILLS",

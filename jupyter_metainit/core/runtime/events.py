@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core._interrupts import critical
+from jupyter_metainit.core.runtime.interrupts import critical
 
 __all__ = ["publish", "subscribe"]
 

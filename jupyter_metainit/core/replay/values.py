@@ -19,8 +19,8 @@ from collections import OrderedDict
 
 import torch
 
-from jupyter_metainit.core._graph import StorageRecord
-from jupyter_metainit.core._interrupts import critical
+from jupyter_metainit.core.record.graph import StorageRecord
+from jupyter_metainit.core.runtime.interrupts import critical
 
 __all__ = ["ValueCache", "value_cache"]
 

@@ -1,0 +1,1 @@
+"""Materialization: deferred tensors become real in place, and back."""

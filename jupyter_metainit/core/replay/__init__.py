@@ -1,0 +1,1 @@
+"""Replay: planning and running recorded ops to compute values."""

@@ -1,0 +1,1 @@
+"""Random numbers: where each recorded random op sits in its generator's stream, and exact fills."""

@@ -1,0 +1,1 @@
+"""Services every stage shares: interrupts, the lock, events, swapping, walking, formatting."""
