@@ -15,7 +15,6 @@ import bisect
 import concurrent.futures
 import contextlib
 import itertools
-import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -38,11 +37,8 @@ from jupyter_metainit.core.rng import streams as _rng
 from jupyter_metainit.core.rng.split_fill import (
     FILLS,
     MIN_SKIP,
-    available_cores,
-    core_pool,
     fill_region,
     fill_region_into,
-    on_core_pool,
     split_fill,
 )
 from jupyter_metainit.core.runtime.interrupts import (
@@ -53,6 +49,7 @@ from jupyter_metainit.core.runtime.interrupts import (
 )
 from jupyter_metainit.core.runtime.lock import exclusive
 from jupyter_metainit.core.runtime.plain import iter_args, map_args, plain
+from jupyter_metainit.core.runtime.pool import available_cores, core_pool, on_core_pool
 
 __all__ = ["Plan", "compute_values", "execute", "plan", "real_view"]
 
@@ -852,9 +849,9 @@ def execute(
     """
     with plain(), torch.inference_mode(False):
         run = _Run(p, device, rng, progress, retain)
-        if rng == "fast" and len(p.ops) > 1 and (threads or os.cpu_count() or 1) > 1:
+        if rng == "fast" and len(p.ops) > 1 and (threads or available_cores()) > 1:
             groups = _components(p.ops)
-            workers = min(threads or os.cpu_count() or 1, len(groups))
+            workers = min(threads or available_cores(), len(groups))
             if workers > 1:
                 _run_parallel(run, groups, workers)
                 return _results(run, p)
