@@ -343,5 +343,3 @@ def _with_index_values(func: Any, args: tuple, kwargs: dict, error: Exception) -
         raise error
     with subclass_functions_off():
         return func(*new_args, **new_kwargs)
-
-

@@ -50,6 +50,8 @@ MIN_CHUNK = 1 << 22
 MIN_SKIP = 1 << 22
 
 _verified: dict[tuple[Any, torch.dtype], bool] = {}
+
+
 def _chunks(n: int, parts: int, align: int) -> list[tuple[int, int]]:
     size = -(-n // parts)
     size = -(-size // align) * align

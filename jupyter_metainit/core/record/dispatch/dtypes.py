@@ -1,16 +1,32 @@
-"""TODO"""
+"""The default dtype: recorded explicitly wherever an op's result depends on it.
+
+PyTorch's default dtype is process-wide and may differ at replay (``meta_init(dtype=...)``,
+``torch.set_default_dtype`` later). The rule owned here: **replay never reads the default dtype
+in force then**. A factory whose dtype was left to the default gets it as an explicit ``dtype``
+argument; an op whose floating result comes from the default (``int_t / 16``) is rewritten with
+its dtype explicit where that changes no value, else its ``OpRecord`` keeps the default dtype
+it ran under (``default_dtype``; replay runs it under ``state.default_dtype_as``).
+"""
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
 from jupyter_metainit.core.record.dispatch.inputs import is_float
+from jupyter_metainit.core.record.dispatch.metadata import meta_outputs
 from jupyter_metainit.core.record.ops import OpInfo
+from jupyter_metainit.core.record.state import (
+    _global_default_dtype,
+    default_dtype_as,
+    dtype_override,
+)
 from jupyter_metainit.core.runtime.plain import plain
 
 aten = torch.ops.aten
+
 
 def uses_default_dtype(flat: list, out: Any) -> bool:
     """True if ``out``'s floating dtype can only have come from the default dtype."""
@@ -60,3 +76,48 @@ def explicit_default_dtype(
                 changed = True
                 break
     return (tuple(new_args), new_kwargs) if changed else None
+
+
+@dataclass
+class Dtypes:
+    """What :func:`resolve_dtypes` found: the call as recorded, its outputs, and the default
+    dtype replay must run it under (None: none needed)."""
+
+    kwargs: dict
+    meta_kwargs: dict
+    out: Any
+    default_dtype: torch.dtype | None = None
+    explicit: tuple[tuple, dict] | None = None  # the same op with its dtype explicit: record that
+
+
+def resolve_dtypes(
+    func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwargs: dict,
+    meta_args: tuple, meta_kwargs: dict, out: Any,
+) -> Dtypes:  # fmt: skip
+    """Make the call's dtype independent of the default dtype in force at replay."""
+    if info.dtype_index is not None and not info.takes_tensors:
+        # A factory: replay gets the dtype explicitly, never the default in force then.
+        if bound[info.dtype_index] is None:
+            global_default, override = _global_default_dtype(), dtype_override()
+            if (
+                override is not None
+                and override != global_default
+                and isinstance(out, torch.Tensor)
+                and out.dtype == global_default
+            ):
+                meta_kwargs = {**meta_kwargs, "dtype": override}
+                out = meta_outputs(func, bound, meta_args, meta_kwargs)
+            kwargs = {**kwargs, "dtype": out.dtype}
+            meta_kwargs = {**meta_kwargs, "dtype": out.dtype}
+        return Dtypes(kwargs, meta_kwargs, out)
+    if not uses_default_dtype(flat, out):
+        return Dtypes(kwargs, meta_kwargs, out)
+    global_default, override = _global_default_dtype(), dtype_override()
+    default_dtype = override if override is not None else global_default
+    explicit = explicit_default_dtype(func, info, args, kwargs, default_dtype, out)
+    if explicit is not None:
+        return Dtypes(kwargs, meta_kwargs, out, default_dtype, explicit)
+    if default_dtype != global_default:
+        with default_dtype_as(default_dtype):
+            out = meta_outputs(func, bound, meta_args, meta_kwargs)
+    return Dtypes(kwargs, meta_kwargs, out, default_dtype)

@@ -14,6 +14,7 @@ from jupyter_metainit.core.record.tensor import DeferredTensor
 
 aten = torch.ops.aten
 
+
 def record_fill(func: Any, args: tuple, kwargs: dict) -> DeferredTensor | None:
     """``t.zero_()``, ``t.fill_(v)``, ``t.normal_(...)`` on a deferred ``t`` with plain number
     arguments: the bulk of a model's initialisation, recorded as :func:`record_op` would, without

@@ -237,9 +237,7 @@ _AUTOGRAD_KEYS = torch._C.DispatchKeySet(torch._C.DispatchKey.AutogradFunctional
 )
 
 
-def output_requires_grad(
-    func: Any, args: tuple, kwargs: dict, out: Any
-) -> tuple[bool, ...] | None:
+def output_requires_grad(func: Any, args: tuple, kwargs: dict, out: Any) -> tuple[bool, ...] | None:
     """Eager's ``requires_grad`` of each of ``func``'s outputs, or None if it cannot be learned
     (then every floating output of an op with an input that requires grad does)."""
     flags: list[Any] = []

@@ -7,8 +7,14 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core.record.dispatch.inputs import META, call_site, new_output
-from jupyter_metainit.core.record.dispatch.metadata import Unkeyable, call_key
+from jupyter_metainit.core.record.dispatch.metadata import (
+    COLUMN_MAJOR_OUTPUTS,
+    PROBED,
+    Unkeyable,
+    call_key,
+)
 from jupyter_metainit.core.record.graph import OpRecord, next_seq
+from jupyter_metainit.core.record.ops import OpInfo
 from jupyter_metainit.core.record.state import tls
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.runtime.plain import plain
@@ -67,3 +73,26 @@ def record_from_recipe(func: Any, args: tuple, kwargs: dict) -> DeferredTensor |
                   None, (), ())  # fmt: skip
     storage.writes.append(op)
     return made
+
+
+def worth_a_recipe(
+    func: Any, info: OpInfo, device: torch.device, out: Any, new_records: list,
+    mutates: list, computed_or_default: bool,
+) -> bool:  # fmt: skip
+    """Whether a recorded call is a plain factory call whose recording a recipe can repeat:
+    one new output at offset 0 on the device the call named, nothing random, written, computed
+    from values or dependent on the default dtype, and no layout fix-up."""
+    return (
+        info.dtype_index is not None
+        and not info.takes_tensors
+        and not info.is_random
+        and not mutates
+        and not computed_or_default
+        and len(new_records) == 1
+        and not isinstance(out, (tuple, list))
+        and out.storage_offset() == 0
+        and tls.pending_device is not None
+        and device == tls.pending_device
+        and func not in PROBED
+        and func not in COLUMN_MAJOR_OUTPUTS
+    )

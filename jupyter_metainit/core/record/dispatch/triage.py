@@ -25,6 +25,7 @@ from jupyter_metainit.core.runtime.plain import iter_args, plain
 
 aten = torch.ops.aten
 
+
 def handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
     """Record one ATen call (see :func:`_handle_op`)."""
     try:

@@ -30,6 +30,7 @@ from jupyter_metainit.core.runtime.swap import swap_in_place
 
 aten = torch.ops.aten
 
+
 def record_view(func: Any, args: tuple, kwargs: dict) -> Any:
     """A view of a deferred tensor: new geometry over the same storage, nothing recorded.
 
