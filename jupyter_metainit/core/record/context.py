@@ -42,9 +42,10 @@ from jupyter_metainit.core.record.devices import (
     requires_grad_kwarg,
     rewrite_device,
 )
+from jupyter_metainit.core.record.dispatch.reads import read_value
+from jupyter_metainit.core.record.dispatch.triage import handle_op
 from jupyter_metainit.core.record.lazy import lazy_module_support
 from jupyter_metainit.core.record.ops import user_frame
-from jupyter_metainit.core.record.record import handle_op, read_value
 from jupyter_metainit.core.record.state import (
     _global_default_dtype,
     canonical_device,
@@ -53,7 +54,7 @@ from jupyter_metainit.core.record.state import (
 )
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.record.trunc_normal import trunc_normal_
-from jupyter_metainit.core.replay.values import value_cache
+from jupyter_metainit.core.record.value_reader import value_reader
 from jupyter_metainit.core.rng import streams as _rng
 from jupyter_metainit.core.runtime.arguments import check_floating_dtype
 from jupyter_metainit.core.runtime.interrupts import (
@@ -407,7 +408,7 @@ class meta_init(contextlib.ContextDecorator):
                 tls.dtypes.pop()
                 if outermost:
                     _rng.flush_all()
-                    value_cache.clear()
+                    value_reader().forget_all()
         finally:
             # Our SIGINT handler goes last: once the previous one is back, a Ctrl-C raises at
             # once, and it must not land before the critical section is closed.
