@@ -25,17 +25,17 @@ Materialize). This module is the core's public face; ``errors`` beside it holds 
 
 from __future__ import annotations
 
-from jupyter_metainit.core.materialize.materialize import (
-    clear_meta_init_cache,
-    dematerialize,
+from jupyter_metainit.core.materialize.dematerialize import dematerialize
+from jupyter_metainit.core.materialize.materialize import materialize
+from jupyter_metainit.core.materialize.progress import progress_callback
+from jupyter_metainit.core.materialize.queries import (
     is_deferred,
     iter_deferred,
-    materialize,
-    progress_callback,
     tensor_source,
     tensor_state,
     tensor_values,
 )
+from jupyter_metainit.core.materialize.shadows import clear_meta_init_cache
 from jupyter_metainit.core.materialize.skip_init import skip_init
 from jupyter_metainit.core.materialize.user_state import copy_user_attributes
 from jupyter_metainit.core.record.context import is_meta_init, meta_init

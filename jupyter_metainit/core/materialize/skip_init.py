@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core.materialize.materialize import iter_deferred
+from jupyter_metainit.core.materialize.queries import iter_deferred
 from jupyter_metainit.core.materialize.user_state import copy_user_attributes
 from jupyter_metainit.core.record.context import meta_init
 from jupyter_metainit.core.record.tensor import as_parameter
