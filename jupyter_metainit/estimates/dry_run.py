@@ -21,7 +21,7 @@ from torch.utils.flop_counter import FlopCounterMode, flop_registry, sdpa_flop_c
 
 from jupyter_metainit.core import tensor_state
 from jupyter_metainit.estimates._arguments import parse_dtype, require_module
-from jupyter_metainit.estimates.memory import _DRY_RUN_ATTR, MemoryTable, memory_table
+from jupyter_metainit.estimates.memory import DRY_RUN_ATTR, MemoryTable, memory_table
 
 __all__ = ["dry_run"]
 
@@ -607,9 +607,9 @@ def dry_run(
             }
             if mod is module:
                 record["run"] = run
-            object.__setattr__(mod, _DRY_RUN_ATTR, record)
+            object.__setattr__(mod, DRY_RUN_ATTR, record)
         else:
-            mod.__dict__.pop(_DRY_RUN_ATTR, None)
+            mod.__dict__.pop(DRY_RUN_ATTR, None)
     return memory_table(module)
 
 
