@@ -17,6 +17,8 @@ from torch import nn
 
 from jupyter_metainit.core import tensor_source, tensor_state, tensor_values
 from jupyter_metainit.core.runtime.walk import counted_attributes, own_tensors
+from jupyter_metainit.estimates.subtrees import TiedSubtrees, mixed_or_single
+from jupyter_metainit.jupyter.row_schema import STATS_FIELDS, make_row
 
 __all__ = ["ModelGoneError", "ModuleTree", "NodeStats"]
 
@@ -54,10 +56,6 @@ def _nbytes(t: torch.Tensor) -> int:
     return _numel(t) * t.dtype.itemsize
 
 
-def _summary(values: set[str]) -> str:
-    return values.pop() if len(values) == 1 else ("mixed" if values else "")
-
-
 @dataclass
 class NodeStats:
     """Totals of one subtree.
@@ -83,16 +81,8 @@ class NodeStats:
     values: str = ""
 
     def row(self) -> list:
-        return [
-            self.params,
-            self.bytes,
-            self.state,
-            self.dtype,
-            self.share_bytes,
-            self.target,
-            self.source,
-            self.values,
-        ]
+        """The fields a patch row carries after its node (``row_schema.STATS_FIELDS``)."""
+        return [getattr(self, name) for name in STATS_FIELDS]
 
 
 @dataclass
@@ -170,24 +160,25 @@ class ModuleTree:
             if o.kind != "attribute" or o.name in wanted
         ]
 
+    def _held(self) -> tuple[TiedSubtrees[int], dict[int, tuple[torch.Tensor, bool]]]:
+        """Which tensors (by id) every node holds directly, and each tensor with whether it is
+        a parameter (as its first holder in module order has it)."""
+        held: list[list[int]] = []
+        tensors: dict[int, tuple[torch.Tensor, bool]] = {}
+        for node in range(len(self.names)):
+            here = self.own_tensors(node)
+            held.append([id(t) for t, _ in here])
+            for t, is_param in here:
+                tensors.setdefault(id(t), (t, is_param))
+        return TiedSubtrees(self.parents, held), tensors
+
     def holders(self) -> dict[int, list[int]]:
         """``id(tensor)`` -> the nodes holding it directly, in module order (ties: several)."""
-        out: dict[int, list[int]] = {}
-        for node in range(len(self.names)):
-            for t, _ in self.own_tensors(node):
-                nodes = out.setdefault(id(t), [])
-                if node not in nodes:
-                    nodes.append(node)
-        return out
+        return self._held()[0].holders
 
     def tied(self) -> list[list[int]]:
         """Per node, the other nodes holding one of its own tensors (tied weights)."""
-        out: list[list[int]] = [[] for _ in self.names]
-        for nodes in self.holders().values():
-            if len(nodes) > 1:
-                for node in nodes:
-                    out[node].extend(n for n in nodes if n != node and n not in out[node])
-        return out
+        return self._held()[0].tied()
 
     def subtree_tensors(self) -> list[dict[int, tuple[torch.Tensor, bool]]]:
         """For each node, the unique tensors (by id) of its whole subtree."""
@@ -201,45 +192,46 @@ class ModuleTree:
         return sets
 
     def stats(self) -> list[NodeStats]:
-        """Totals, state, dtype and share of every subtree, tied tensors counted once."""
-        first_holder = {key: nodes[0] for key, nodes in self.holders().items()}
-        share = [0] * len(self.names)
-        for node in range(len(self.names)):
-            share[node] = sum(
-                _nbytes(t) for t, _ in self.own_tensors(node) if first_holder[id(t)] == node
-            )
-        for node in range(len(self.names) - 1, 0, -1):  # children come after parents
-            share[self.parents[node]] += share[node]
-        sets = self.subtree_tensors()
-        # per tensor once (the root's set holds them all), not once per ancestor
-        state_of = {key: tensor_state(t) for key, (t, _) in sets[0].items()}
-        source_of = {key: tensor_source(t) for key, (t, _) in sets[0].items()}
-        values_of = {key: tensor_values(t) for key, (t, _) in sets[0].items()}
+        """Totals, state, dtype and share of every subtree, tied tensors counted once (the
+        estimates' aggregator, the same rule as ``memory_table``'s)."""
+        subtrees, tensors = self._held()
+        # per tensor once, not once per subtree holding it
+        facts = {
+            key: (t, is_param, tensor_state(t), tensor_source(t), tensor_values(t))
+            for key, (t, is_param) in tensors.items()
+        }
+        params = subtrees.totals(lambda k: _numel(facts[k][0]) if facts[k][1] else 0)
+        nbytes = subtrees.totals(lambda k: _nbytes(facts[k][0]))
+        share = subtrees.first_holder_totals(lambda k: _nbytes(facts[k][0]))
+        states = subtrees.labels(lambda k: facts[k][2])
+        floats = subtrees.labels(
+            lambda k: dtype_label(facts[k][0]) if facts[k][0].is_floating_point() else None
+        )
+        others = subtrees.labels(
+            lambda k: None if facts[k][0].is_floating_point() else dtype_label(facts[k][0])
+        )
+        targets = subtrees.labels(
+            lambda k: str(facts[k][0].device) if facts[k][2] == "deferred" else None
+        )
+        sources = subtrees.labels(lambda k: facts[k][3] or None)
+        values = subtrees.labels(lambda k: facts[k][4] or None)
         out = []
-        for node, tensors in enumerate(sets):
-            st = NodeStats(share_bytes=share[node])
-            states, floats, others, targets, sources = set(), set(), set(), set(), set()
-            values = set()
-            for key, (t, is_param) in tensors.items():
-                if is_param:
-                    st.params += _numel(t)
-                st.bytes += _nbytes(t)
-                state = state_of[key]
-                states.add(state)
-                (floats if t.is_floating_point() else others).add(dtype_label(t))
-                if state == "deferred":
-                    targets.add(str(t.device))
-                sources.add(source_of[key])
-                values.add(values_of[key])
-            st.state = _summary(states)
-            st.dtype = _summary(floats or others)
-            target = _summary(targets)
-            st.target = "" if target in ("cpu", "") else target
-            known = sources - {""}
-            st.source = "" if "checkpoint" not in known else _summary(known)
-            real = values - {""}
-            st.values = "" if "fast" not in real else _summary(real)
-            out.append(st)
+        for node in range(len(self.names)):
+            target = mixed_or_single(targets[node])
+            source = mixed_or_single(sources[node])
+            out.append(
+                NodeStats(
+                    params=params[node],
+                    bytes=nbytes[node],
+                    share_bytes=share[node],
+                    state=mixed_or_single(states[node]),
+                    dtype=mixed_or_single(floats[node] or others[node]),
+                    target="" if target in ("cpu", "") else target,
+                    # a file's values or fast-RNG values are worth saying; init/eager's are not
+                    source="" if "checkpoint" not in sources[node] else source,
+                    values="" if "fast" not in values[node] else mixed_or_single(values[node]),
+                )
+            )
         return out
 
     def selection_stats(self, nodes: Iterable[int], dtype: torch.dtype | None = None) -> dict:
@@ -346,14 +338,14 @@ class ModuleTree:
     def to_json(self, stats: list[NodeStats] | None = None) -> dict:
         """The whole tree as one compact JSON structure (rows of arrays, types interned).
 
-        Row layout: ``[parent, local_name, type_index, params, bytes, state, rep_i, rep_n,
-        info, own, dtype, share_bytes, target, tied, source, values]`` where ``info`` is a leaf
-        module's ``extra_repr()`` (shortened), else ``""``, ``own`` is 1 when the module holds
-        parameters or buffers itself, and ``tied`` lists the nodes sharing a tensor with it
-        (see :class:`NodeStats` for the rest).
+        Row fields, by position from ``row_schema.ROW_FIELDS``: ``info`` is a leaf module's
+        ``extra_repr()`` (shortened), else ``""``, ``own`` is 1 when the module holds
+        parameters or buffers itself, ``tied`` lists the nodes sharing a tensor with it,
+        ``rep_i``/``rep_n`` see :meth:`repeats` (see :class:`NodeStats` for the rest).
         """
         stats = stats if stats is not None else self.stats()
         tied = self.tied()
+        repeats = self.repeats()
         types: list[str] = []
         type_index: dict[str, int] = {}
         rows = []
@@ -373,25 +365,23 @@ class ModuleTree:
                     info = info[: _EXTRA_REPR_MAX - 1] + "…"
             st = stats[node]
             rows.append(
-                [
-                    parent,
-                    name.rpartition(".")[2],
-                    type_index[tname],
-                    st.params,
-                    st.bytes,
-                    st.state,
-                    0,
-                    1,
-                    info,
-                    int(bool(self.own_tensors(node))),
-                    st.dtype,
-                    st.share_bytes,
-                    st.target,
-                    tied[node],
-                    st.source,
-                    st.values,
-                ]
+                make_row(
+                    parent=parent,
+                    name=name.rpartition(".")[2],
+                    type=type_index[tname],
+                    params=st.params,
+                    bytes=st.bytes,
+                    state=st.state,
+                    rep_i=repeats[node][0],
+                    rep_n=repeats[node][1],
+                    info=info,
+                    own=int(bool(self.own_tensors(node))),
+                    dtype=st.dtype,
+                    share_bytes=st.share_bytes,
+                    target=st.target,
+                    tied=tied[node],
+                    source=st.source,
+                    values=st.values,
+                )
             )
-        for node, (i, n) in enumerate(self.repeats()):
-            rows[node][6], rows[node][7] = i, n
         return {"v": 2, "types": types, "nodes": rows}

@@ -37,6 +37,7 @@ from jupyter_metainit.estimates.fit import device_budget
 from jupyter_metainit.jupyter._cells import cells as _cells
 from jupyter_metainit.jupyter._cells import watch_cells
 from jupyter_metainit.jupyter._tree import ModelGoneError, ModuleTree, NodeStats
+from jupyter_metainit.jupyter.row_schema import ROW, STATS_FIELDS
 
 __all__ = ["ModuleTreeWidget", "explore", "widgets_of"]
 
@@ -635,11 +636,10 @@ class ModuleTreeWidget(anywidget.AnyWidget):
             ]
             self._stats: list[NodeStats] = stats
             rows = self.tree["nodes"]
-            for node, params, nbytes, state, dtype, share, target, source, values in changed:
+            for node, *fields in changed:
                 # keep the synced tree current for pages opened later
-                rows[node][3], rows[node][4], rows[node][5] = params, nbytes, state
-                rows[node][10], rows[node][11], rows[node][12] = dtype, share, target
-                rows[node][14], rows[node][15] = source, values
+                for name, value in zip(STATS_FIELDS, fields, strict=True):
+                    rows[node][ROW[name]] = value
             if changed:
                 self.send({"kind": "patch", "nodes": changed})
             self.selection = self._selection_summary()
