@@ -645,3 +645,17 @@ def test_cancel_drops_a_click_that_waits_for_the_running_cell():
     finally:
         for name in ("w", "queued"):
             shell.user_ns.pop(name, None)
+
+
+def test_a_sliced_tensor_attribute_counts_its_whole_storage_in_the_tree_as_in_the_table():
+    from jupyter_metainit.estimates import memory_table
+
+    class Sliced(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.lin = nn.Linear(4, 4, bias=False)  # 64 bytes
+            self.part = torch.zeros(1000)[:10]  # keeps all 4000 bytes alive
+
+    model = Sliced()
+    root = rows(explore(model))[""]
+    assert root[ROW["bytes"]] == 64 + 4000 == memory_table(model).loc["", "total_bytes"]

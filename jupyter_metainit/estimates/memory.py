@@ -17,10 +17,10 @@ from torch import nn
 from torch.nn.parameter import is_lazy
 
 from jupyter_metainit.core import tensor_source, tensor_state, tensor_values
-from jupyter_metainit.core.runtime.walk import counted_attributes, own_tensors, storage_of
+from jupyter_metainit.core.runtime.walk import counted_attributes, own_tensors
 from jupyter_metainit.estimates._arguments import check_depth, require_module
 from jupyter_metainit.estimates.sizing import optimizer_state_bytes, whatif_bits
-from jupyter_metainit.estimates.subtrees import TiedSubtrees, mixed_or_single
+from jupyter_metainit.estimates.subtrees import TiedSubtrees, elements_held, mixed_or_single
 from jupyter_metainit.estimates.table import MemoryTable
 
 __all__ = ["DRY_RUN_ATTR", "MemoryTable", "memory_table"]
@@ -81,9 +81,7 @@ def _facts_of(t: torch.Tensor, kind: int, bits: int | None, whatif: str | None) 
     own_name = str(dtype).removeprefix("torch.")
     if is_lazy(t):  # shape unknown until a (dry) forward: counts as empty
         return TensorFacts(0, 0, kind, False, own_name, "uninitialized", "", "")
-    numel = t.numel()
-    if kind == ATTRIBUTE:  # the whole storage is held, also when the attribute is a slice
-        numel = storage_of(t)[1] // dtype.itemsize
+    numel = elements_held(t, is_attribute=kind == ATTRIBUTE)
     if bits is not None and (dtype.is_floating_point or dtype.is_complex):
         nbytes, name = math.ceil(numel * bits / 8), whatif or own_name
     else:

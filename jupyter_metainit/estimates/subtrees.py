@@ -13,9 +13,25 @@ from __future__ import annotations
 from collections.abc import Callable, Hashable, Iterable, Sequence
 from typing import Any, Generic, TypeVar
 
-__all__ = ["TiedSubtrees", "mixed_or_single"]
+import torch
+from torch.nn.parameter import is_lazy
+
+from jupyter_metainit.core.runtime.walk import storage_of
+
+__all__ = ["TiedSubtrees", "elements_held", "mixed_or_single"]
 
 Key = TypeVar("Key", bound=Hashable)
+
+
+def elements_held(t: torch.Tensor, is_attribute: bool) -> int:
+    """The elements of memory a module's tensor stands for: its own for a parameter or buffer,
+    the whole storage for a tensor attribute (a slice ``self.x = big[:10]`` keeps ``big``
+    alive), none for a lazy tensor before its first (dry) forward (no shape yet)."""
+    if is_lazy(t):
+        return 0
+    if is_attribute:
+        return storage_of(t)[1] // t.dtype.itemsize
+    return t.numel()
 
 
 def mixed_or_single(labels: set[str]) -> str:

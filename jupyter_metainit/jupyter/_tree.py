@@ -11,13 +11,14 @@ import hashlib
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
 from jupyter_metainit.core import tensor_source, tensor_state, tensor_values
 from jupyter_metainit.core.runtime.walk import counted_attributes, own_tensors
-from jupyter_metainit.estimates.subtrees import TiedSubtrees, mixed_or_single
+from jupyter_metainit.estimates.subtrees import TiedSubtrees, elements_held, mixed_or_single
 from jupyter_metainit.jupyter.row_schema import STATS_FIELDS, make_row
 
 __all__ = ["ModelGoneError", "ModuleTree", "NodeStats"]
@@ -45,15 +46,16 @@ def dtype_label(t: torch.Tensor) -> str:
     return _DTYPE_SHORT.get(t.dtype, str(t.dtype).removeprefix("torch."))
 
 
-def _numel(t: torch.Tensor) -> int:
-    # A lazy module's parameters have no shape before their first forward pass.
-    if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
-        return 0
-    return t.numel()
+class Held(NamedTuple):
+    """A tensor a node holds directly, with what it counts for (the estimates' rule)."""
 
+    tensor: torch.Tensor
+    is_param: bool
+    elements: int  # elements_held: a tensor attribute's whole storage, 0 while lazy
 
-def _nbytes(t: torch.Tensor) -> int:
-    return _numel(t) * t.dtype.itemsize
+    @property
+    def nbytes(self) -> int:
+        return self.elements * self.tensor.dtype.itemsize
 
 
 @dataclass
@@ -144,7 +146,7 @@ class ModuleTree:
         return any(ref() is module for ref in self.module_refs)
 
     # ----------------------------------------------------------------- tensors and statistics
-    def own_tensors(self, node: int) -> list[tuple[torch.Tensor, bool]]:
+    def own_tensors(self, node: int) -> list[Held]:
         """The parameters (True), buffers and tensor attributes (False) a node holds directly;
         an attribute that only views a parameter or buffer is left out (it costs nothing)."""
         module = self.module(node)
@@ -155,21 +157,21 @@ class ModuleTree:
         wanted = self.attribute_names[node]
         owned = own_tensors(module, real_attributes=bool(wanted))
         return [
-            (o.tensor, o.kind == "parameter")
+            Held(o.tensor, o.kind == "parameter", elements_held(o.tensor, o.kind == "attribute"))
             for o in owned
             if o.kind != "attribute" or o.name in wanted
         ]
 
-    def _held(self) -> tuple[TiedSubtrees[int], dict[int, tuple[torch.Tensor, bool]]]:
-        """Which tensors (by id) every node holds directly, and each tensor with whether it is
-        a parameter (as its first holder in module order has it)."""
+    def _held(self) -> tuple[TiedSubtrees[int], dict[int, Held]]:
+        """Which tensors (by id) every node holds directly, and each tensor as its first
+        holder in module order holds it."""
         held: list[list[int]] = []
-        tensors: dict[int, tuple[torch.Tensor, bool]] = {}
+        tensors: dict[int, Held] = {}
         for node in range(len(self.names)):
             here = self.own_tensors(node)
-            held.append([id(t) for t, _ in here])
-            for t, is_param in here:
-                tensors.setdefault(id(t), (t, is_param))
+            held.append([id(h.tensor) for h in here])
+            for h in here:
+                tensors.setdefault(id(h.tensor), h)
         return TiedSubtrees(self.parents, held), tensors
 
     def holders(self) -> dict[int, list[int]]:
@@ -180,13 +182,13 @@ class ModuleTree:
         """Per node, the other nodes holding one of its own tensors (tied weights)."""
         return self._held()[0].tied()
 
-    def subtree_tensors(self) -> list[dict[int, tuple[torch.Tensor, bool]]]:
+    def subtree_tensors(self) -> list[dict[int, Held]]:
         """For each node, the unique tensors (by id) of its whole subtree."""
-        sets: list[dict[int, tuple[torch.Tensor, bool]]] = [{} for _ in self.names]
+        sets: list[dict[int, Held]] = [{} for _ in self.names]
         for node in range(len(self.names) - 1, -1, -1):  # children come after parents
             s = sets[node]
-            for t, is_param in self.own_tensors(node):
-                s[id(t)] = (t, is_param)
+            for h in self.own_tensors(node):
+                s[id(h.tensor)] = h
             for child in self.children[node]:
                 s.update(sets[child])
         return sets
@@ -195,26 +197,23 @@ class ModuleTree:
         """Totals, state, dtype and share of every subtree, tied tensors counted once (the
         estimates' aggregator, the same rule as ``memory_table``'s)."""
         subtrees, tensors = self._held()
-        # per tensor once, not once per subtree holding it
-        facts = {
-            key: (t, is_param, tensor_state(t), tensor_source(t), tensor_values(t))
-            for key, (t, is_param) in tensors.items()
-        }
-        params = subtrees.totals(lambda k: _numel(facts[k][0]) if facts[k][1] else 0)
-        nbytes = subtrees.totals(lambda k: _nbytes(facts[k][0]))
-        share = subtrees.first_holder_totals(lambda k: _nbytes(facts[k][0]))
-        states = subtrees.labels(lambda k: facts[k][2])
-        floats = subtrees.labels(
-            lambda k: dtype_label(facts[k][0]) if facts[k][0].is_floating_point() else None
-        )
-        others = subtrees.labels(
-            lambda k: None if facts[k][0].is_floating_point() else dtype_label(facts[k][0])
-        )
+        # read once per tensor, not once per subtree holding it
+        state = {key: tensor_state(h.tensor) for key, h in tensors.items()}
+        source = {key: tensor_source(h.tensor) for key, h in tensors.items()}
+        value = {key: tensor_values(h.tensor) for key, h in tensors.items()}
+        label = {key: dtype_label(h.tensor) for key, h in tensors.items()}
+        floating = {key: h.tensor.is_floating_point() for key, h in tensors.items()}
+        params = subtrees.totals(lambda k: tensors[k].elements if tensors[k].is_param else 0)
+        nbytes = subtrees.totals(lambda k: tensors[k].nbytes)
+        share = subtrees.first_holder_totals(lambda k: tensors[k].nbytes)
+        states = subtrees.labels(lambda k: state[k])
+        floats = subtrees.labels(lambda k: label[k] if floating[k] else None)
+        others = subtrees.labels(lambda k: None if floating[k] else label[k])
         targets = subtrees.labels(
-            lambda k: str(facts[k][0].device) if facts[k][2] == "deferred" else None
+            lambda k: str(tensors[k].tensor.device) if state[k] == "deferred" else None
         )
-        sources = subtrees.labels(lambda k: facts[k][3] or None)
-        values = subtrees.labels(lambda k: facts[k][4] or None)
+        sources = subtrees.labels(lambda k: source[k] or None)
+        values = subtrees.labels(lambda k: value[k] or None)
         out = []
         for node in range(len(self.names)):
             target = mixed_or_single(targets[node])
@@ -236,7 +235,7 @@ class ModuleTree:
 
     def selection_stats(self, nodes: Iterable[int], dtype: torch.dtype | None = None) -> dict:
         """Totals of the union of the given subtrees; ``bytes_as`` if floats were cast to dtype."""
-        union: dict[int, tuple[torch.Tensor, bool]] = {}
+        union: dict[int, Held] = {}
         sets = self.subtree_tensors()
         nodes = list(nodes)
         for node in nodes:
@@ -244,12 +243,12 @@ class ModuleTree:
         params = nbytes = nbytes_as = 0
         states: dict[str, int] = {}
         states_as: dict[str, int] = {}  # bytes in ``dtype``, by state
-        for t, is_param in union.values():
+        for t, is_param, elements in union.values():
             if is_param:
-                params += _numel(t)
-            b = _nbytes(t)
+                params += elements
+            b = elements * t.dtype.itemsize
             nbytes += b
-            b_as = _numel(t) * dtype.itemsize if dtype is not None and t.is_floating_point() else b
+            b_as = elements * dtype.itemsize if dtype is not None and t.is_floating_point() else b
             nbytes_as += b_as
             s = tensor_state(t)
             states[s] = states.get(s, 0) + b
@@ -306,7 +305,7 @@ class ModuleTree:
         for node in range(len(self.names) - 1, -1, -1):
             h = hashlib.blake2b(digest_size=8)
             h.update(type(self.module(node)).__qualname__.encode())
-            for t, _ in self.own_tensors(node):
+            for t, *_ in self.own_tensors(node):
                 lazy = isinstance(t, torch.nn.parameter.UninitializedTensorMixin)
                 shape = "lazy" if lazy else tuple(t.shape)
                 h.update(f"{shape}{t.dtype}".encode())
