@@ -568,10 +568,10 @@ def _recorded_fill(fill):
 @pytest.mark.parametrize("fill", _FILLS.values(), ids=_FILLS.keys())
 def test_a_fill_is_recorded_as_the_general_path_records_it(fill, monkeypatch):
     """Fills take a short path of their own (they are most of a model's ops): same record."""
-    from jupyter_metainit.core.record import record as _record
+    from jupyter_metainit.core.record.dispatch import triage as _record
 
     short, short_op = _recorded_fill(fill)
-    monkeypatch.setattr(_record, "_record_fill", lambda func, args, kwargs: None)
+    monkeypatch.setattr(_record, "record_fill", lambda func, args, kwargs: None)
     general, general_op = _recorded_fill(fill)
     assert short_op.func is general_op.func
     assert (short_op.args[1:], short_op.kwargs) == (general_op.args[1:], general_op.kwargs)

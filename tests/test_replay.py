@@ -161,7 +161,7 @@ def test_a_replay_on_every_thread_of_the_pool_runs_inline(monkeypatch):
     import threading
 
     from jupyter_metainit.core.replay.replay import execute
-    from jupyter_metainit.core.rng.split_fill import core_pool
+    from jupyter_metainit.core.runtime.pool import core_pool
 
     torch.manual_seed(0)
     eager = _Decoder()

@@ -22,6 +22,7 @@ from collections.abc import Callable
 
 import torch
 
+from jupyter_metainit.core.materialize.user_state import copy_user_attributes
 from jupyter_metainit.core.record.graph import OpRecord, StorageRecord
 from jupyter_metainit.core.record.tensor import DeferredTensor, grad_leaves
 from jupyter_metainit.core.replay.replay import Plan, _Run, plan, real_view
@@ -174,5 +175,5 @@ def link_non_leaves(
         linked = linked_non_leaf(t, reals[i], lambda storage: leaves.get(id(storage)), device, rng)
         if linked is None:
             continue
-        linked.__dict__.update(reals[i].__dict__)
+        copy_user_attributes(reals[i], linked)
         reals[i] = linked

@@ -27,11 +27,11 @@ from jupyter_metainit.core.errors import (
 )
 from jupyter_metainit.core.materialize.autograd_links import link_non_leaves
 from jupyter_metainit.core.materialize.digest import digest
+from jupyter_metainit.core.materialize.user_state import UserState, copy_user_attributes
 from jupyter_metainit.core.record.files import read_file_bytes
 from jupyter_metainit.core.record.graph import StorageRecord, TensorRecord
 from jupyter_metainit.core.record.tensor import (
     INTERNAL_ATTRS,
-    PARAMETER_ATTRS,
     SHARE_MEMORY_ATTR,
     DeferredTensor,
     as_parameter,
@@ -40,9 +40,16 @@ from jupyter_metainit.core.replay.replay import Progress, compute_values, execut
 from jupyter_metainit.core.replay.values import value_cache
 from jupyter_metainit.core.rng import streams as _rng
 from jupyter_metainit.core.runtime import events as _events
+from jupyter_metainit.core.runtime.arguments import (
+    check_floating_dtype,
+    missing_device_reason,
+    parse_device,
+)
+from jupyter_metainit.core.runtime.dtensor import local_tensor
 from jupyter_metainit.core.runtime.format import format_bytes
 from jupyter_metainit.core.runtime.interrupts import critical, handling_interrupts
 from jupyter_metainit.core.runtime.lock import exclusive
+from jupyter_metainit.core.runtime.memory import free_memory, is_out_of_memory
 from jupyter_metainit.core.runtime.plain import plain
 from jupyter_metainit.core.runtime.swap import swap_in_place
 from jupyter_metainit.core.runtime.walk import materialized_sources, unique_tensors
@@ -83,31 +90,6 @@ class _Shadow:
         self.digest = content
 
 
-class _UserState:
-    """What a user set on a tensor object that its ``__dict__`` does not hold (autograd hooks,
-    a Parameter subclass), kept while it is freed and put back when it is materialized."""
-
-    __slots__ = ("backward_hooks", "cls", "post_accumulate_grad_hooks")
-
-    def __init__(self, t: torch.Tensor) -> None:
-        self.cls = type(t)
-        self.backward_hooks = t._backward_hooks
-        self.post_accumulate_grad_hooks = getattr(t, "_post_accumulate_grad_hooks", None)
-
-    def apply(self, real: torch.Tensor) -> None:
-        if (
-            isinstance(real, torch.nn.Parameter)
-            and issubclass(self.cls, torch.nn.Parameter)
-            and type(real) is not self.cls
-        ):
-            real.__class__ = self.cls
-        # The same dicts: handles returned by register_hook still remove them.
-        if self.backward_hooks is not None:
-            real._backward_hooks = self.backward_hooks
-        if self.post_accumulate_grad_hooks is not None:
-            real._post_accumulate_grad_hooks = self.post_accumulate_grad_hooks
-
-
 # Keyed by the tensor object, whose identity materialize and dematerialize preserve.
 _kept: WeakIdKeyDictionary = WeakIdKeyDictionary()  # real tensor -> _Shadow
 _sources = materialized_sources  # real tensor -> "checkpoint" / "init"
@@ -118,7 +100,7 @@ _made_on: WeakIdKeyDictionary = WeakIdKeyDictionary()
 # materialize replays them so again, so that a free and a materialize change nothing (fast draws
 # depend on the device; a part recorded for a GPU and made on the CPU needs no GPU to return).
 _freed_how: WeakIdKeyDictionary = WeakIdKeyDictionary()
-_freed_state: WeakIdKeyDictionary = WeakIdKeyDictionary()  # freed tensor -> _UserState
+_freed_state: WeakIdKeyDictionary = WeakIdKeyDictionary()  # freed tensor -> UserState
 # Real tensors whose shadow clear_meta_init_cache dropped (only to say so when freeing them).
 _cleared: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
@@ -245,7 +227,7 @@ def _deferred_local(t: torch.Tensor) -> torch.Tensor:
     """
     if isinstance(t, DeferredTensor):
         return t
-    local = getattr(t, "_local_tensor", None)
+    local = local_tensor(t)
     return local if isinstance(local, DeferredTensor) else t
 
 
@@ -300,59 +282,26 @@ def iter_deferred(obj: Any) -> Iterable[DeferredTensor]:
 # arguments
 
 
-def parse_device(device: Any) -> torch.device | None:
-    """Check a target device; every refusal says what would work instead."""
-    if device is None:
+def _target_device(device: Any) -> torch.device | None:
+    """Check ``device=``; every refusal says what would work instead."""
+    d = parse_device(device)
+    if d is None:
         return None
-    try:
-        d = torch.device(device)
-    except (RuntimeError, TypeError) as e:
-        raise ValueError(f"not a device: {device!r} (use e.g. 'cpu' or 'cuda:0')") from e
     if d.type == "meta":
         raise ValueError(
             "materialize(device='meta') makes no sense; the tensor is deferred already"
         )
-    if d.type == "cuda":
-        if not torch.cuda.is_available():
-            raise MaterializationError(
-                f"cannot materialize to {device!r}: CUDA is not available here; use device='cpu'"
-            )
-        count = torch.cuda.device_count()
-        if d.index is None:
-            d = torch.device("cuda", torch.cuda.current_device())
-        if not 0 <= d.index < count:
-            raise MaterializationError(
-                f"cannot materialize to {device!r}: this machine has {count} CUDA device(s), "
-                f"cuda:0 to cuda:{count - 1}"
-            )
-        return d
-    if d.type != "cpu":
-        available = getattr(torch, d.type, None)
-        is_available = getattr(available, "is_available", None)
-        if not (callable(is_available) and is_available()):
-            raise MaterializationError(
-                f"cannot materialize to {device!r}: no {d.type} device is available here; "
-                "use 'cpu' or a CUDA device"
-            )
+    reason = missing_device_reason(d)
+    if reason is not None:
+        hint = (
+            "" if d.type == "cuda" and torch.cuda.is_available()
+            else "; use device='cpu'" if d.type == "cuda"
+            else "; use 'cpu' or a CUDA device"
+        )  # fmt: skip
+        raise MaterializationError(f"cannot materialize to {device!r}: {reason}{hint}")
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
     return d
-
-
-def _missing_device_reason(d: torch.device) -> str | None:
-    """Why ``d`` cannot hold tensors on this machine, or None when it can."""
-    if d.type == "cpu":
-        return None
-    if d.type == "cuda":
-        if not torch.cuda.is_available():
-            return "CUDA is not available here"
-        count = torch.cuda.device_count()
-        if d.index is not None and not 0 <= d.index < count:
-            return f"this machine has {count} CUDA device(s), cuda:0 to cuda:{count - 1}"
-        return None
-    backend = getattr(torch, d.type, None)
-    is_available = getattr(backend, "is_available", None)
-    if not (callable(is_available) and is_available()):
-        return f"no {d.type} device is available here"
-    return None
 
 
 def _check_recorded_devices(tensors: list[DeferredTensor], what: str) -> None:
@@ -371,26 +320,13 @@ def _check_recorded_devices(tensors: list[DeferredTensor], what: str) -> None:
                 "values can be materialized on a real device: pass device='cpu' (or 'cuda'). "
                 "Nothing was materialized."
             )
-        reason = _missing_device_reason(d)
+        reason = missing_device_reason(d)
         if reason is not None:
             raise MaterializationError(
                 f"{count} tensor(s) of {what} were recorded for {d}, and {reason}; pass "
                 "device='cpu' (or another device you have) to materialize them there. "
                 "Nothing was materialized."
             )
-
-
-def _check_dtype(dtype: Any) -> None:
-    if dtype is None:
-        return
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16), not {dtype!r}")
-    if not dtype.is_floating_point:
-        raise ValueError(
-            f"dtype={dtype} is not a floating-point dtype; dtype= casts the floating-point "
-            "tensors (torch.bfloat16, torch.float16, torch.float32, ...). Quantize after "
-            "materializing instead."
-        )
 
 
 ProgressCallback = Callable[..., None]
@@ -462,46 +398,6 @@ class _MemoryProgress(Progress):
 # failures
 
 
-def _is_oom(exc: BaseException) -> bool:
-    if isinstance(exc, (MemoryError, torch.OutOfMemoryError)):
-        return True
-    text = str(exc).lower()
-    return isinstance(exc, RuntimeError) and (
-        "out of memory" in text or "can't allocate memory" in text
-    )
-
-
-def _free_bytes(device: torch.device) -> int | None:
-    """Memory this process can still get on ``device``: for the CPU the least of the machine's
-    available memory, the address-space limit (``ulimit -v``) and the cgroup's limit."""
-    try:
-        if device.type == "cuda":
-            return torch.cuda.mem_get_info(device)[0]
-    except Exception:
-        return None
-    candidates = []
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    candidates.append(int(line.split()[1]) * 1024)
-        import resource
-
-        limit = resource.getrlimit(resource.RLIMIT_AS)[0]
-        if limit != resource.RLIM_INFINITY:
-            with open("/proc/self/statm") as f:
-                used = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-            candidates.append(max(0, limit - used))
-        with open("/sys/fs/cgroup/memory.max") as f:
-            cap = f.read().strip()
-        if cap != "max":
-            with open("/sys/fs/cgroup/memory.current") as f:
-                candidates.append(max(0, int(cap) - int(f.read())))
-    except (OSError, ValueError, ImportError):
-        pass
-    return min(candidates) if candidates else None
-
-
 def _storage_sizes(tensors: list[DeferredTensor], dtype: torch.dtype | None) -> dict[int, int]:
     """Bytes each storage of ``tensors`` holds when real, floating ones cast to ``dtype``."""
     sizes: dict[int, int] = {}
@@ -531,10 +427,10 @@ def _released(
     while chained is not None:
         chained.__traceback__ = None if chained is not exc else chained.__traceback__
         chained = chained.__cause__ or chained.__context__
-    if _is_oom(exc):
+    if is_out_of_memory(exc):
         exc.__traceback__ = None
         target = device or (tensors[0].device if tensors else torch.device("cpu"))
-        free = _free_bytes(target)
+        free = free_memory(target)
         need = sum(_storage_sizes(tensors, dtype).values())
         return NotEnoughMemoryError(
             f"not enough memory on {target} to materialize {what}: it needs "
@@ -626,8 +522,13 @@ def materialize(
         raise ValueError(f"rng must be 'exact', 'fast' or None (the default), not {rng!r}")
     if missing not in ("error", "init"):
         raise ValueError(f"missing must be 'error' or 'init', not {missing!r}")
-    _check_dtype(dtype)
-    target_device = parse_device(device)
+    check_floating_dtype(
+        dtype,
+        arg="dtype",
+        use="dtype= casts the floating-point tensors (torch.bfloat16, "
+        "torch.float16, torch.float32, ...). Quantize after materializing instead.",
+    )
+    target_device = _target_device(device)
     callback, bar = progress_callback(progress)
     try:
         with handling_interrupts(), exclusive(f"materializing {_describe(obj)}"):
@@ -707,9 +608,7 @@ def _build_real(
         real = as_parameter(t, real, t.requires_grad)
     elif t.requires_grad and (real.is_floating_point() or real.is_complex()):
         real = real.detach().requires_grad_(True)
-    for k, v in t.__dict__.items():
-        if k not in INTERNAL_ATTRS and k not in PARAMETER_ATTRS:
-            setattr(real, k, v)
+    copy_user_attributes(t, real)
     if t.__dict__.get(SHARE_MEMORY_ATTR) and real.device.type == "cpu":
         real.share_memory_()  # asked for while deferred (``model.share_memory()``)
     return real
@@ -1007,7 +906,7 @@ def dematerialize(obj: Any, *, force: bool = False, root: torch.nn.Module | None
                 f"{more}. Nothing was changed. Pass force=True to free them anyway (their "
                 "current values are dropped; materializing gives the recorded ones)."
             )
-        prepared = [(t, _deferred_for(t, holder), _UserState(t)) for t, holder in pairs]
+        prepared = [(t, _deferred_for(t, holder), UserState(t)) for t, holder in pairs]
         with critical():
             for t, deferred, state in prepared:
                 del _kept[t]
@@ -1052,8 +951,8 @@ def _grad_of(t: torch.Tensor) -> torch.Tensor | None:
 
 def _freeable(t: torch.Tensor) -> torch.Tensor:
     """A sharded tensor's (DTensor's) real local shard when that is what was kept, else ``t``."""
-    local = getattr(t, "_local_tensor", None)
-    return local if isinstance(local, torch.Tensor) and local in _kept else t
+    local = local_tensor(t)
+    return local if local in _kept else t
 
 
 def _names_in(obj: Any) -> dict[int, str]:

@@ -42,9 +42,10 @@ from jupyter_metainit.core.record.devices import (
     requires_grad_kwarg,
     rewrite_device,
 )
+from jupyter_metainit.core.record.dispatch.reads import read_value
+from jupyter_metainit.core.record.dispatch.triage import handle_op
 from jupyter_metainit.core.record.lazy import lazy_module_support
 from jupyter_metainit.core.record.ops import user_frame
-from jupyter_metainit.core.record.record import handle_op, read_value
 from jupyter_metainit.core.record.state import (
     _global_default_dtype,
     canonical_device,
@@ -53,8 +54,9 @@ from jupyter_metainit.core.record.state import (
 )
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.record.trunc_normal import trunc_normal_
-from jupyter_metainit.core.replay.values import value_cache
+from jupyter_metainit.core.record.value_reader import value_reader
 from jupyter_metainit.core.rng import streams as _rng
+from jupyter_metainit.core.runtime.arguments import check_floating_dtype
 from jupyter_metainit.core.runtime.interrupts import (
     check as check_interrupts,
 )
@@ -337,17 +339,6 @@ def _process_wrappers() -> Iterator[None]:
                     _saved_gc_threshold.clear()
 
 
-def _check_dtype(dtype: Any) -> torch.dtype | None:
-    if dtype is None:
-        return None
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        raise TypeError(
-            f"meta_init(dtype=...) is the default floating dtype of the block; got {dtype!r} "
-            "(use torch.bfloat16, torch.float16, torch.float32 or torch.float64)"
-        )
-    return dtype
-
-
 class meta_init(contextlib.ContextDecorator):
     """Defer every tensor created in the block: no memory, every operation recorded.
 
@@ -371,7 +362,11 @@ class meta_init(contextlib.ContextDecorator):
 
     def __init__(self, device: Any = None, dtype: torch.dtype | None = None) -> None:
         self.device = canonical_device(device) if device is not None else None
-        self.dtype = _check_dtype(dtype)
+        self.dtype = check_floating_dtype(
+            dtype, arg="meta_init(dtype=...)", not_floating=TypeError,
+            use="it is the block's default floating dtype (use torch.bfloat16, torch.float16, "
+            "torch.float32 or torch.float64)",
+        )  # fmt: skip
         self._entered: list[tuple[bool, Any, contextlib.ExitStack]] = []
 
     def __enter__(self) -> None:
@@ -413,7 +408,7 @@ class meta_init(contextlib.ContextDecorator):
                 tls.dtypes.pop()
                 if outermost:
                     _rng.flush_all()
-                    value_cache.clear()
+                    value_reader().forget_all()
         finally:
             # Our SIGINT handler goes last: once the previous one is back, a Ctrl-C raises at
             # once, and it must not land before the critical section is closed.

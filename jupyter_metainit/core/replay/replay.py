@@ -15,7 +15,6 @@ import bisect
 import concurrent.futures
 import contextlib
 import itertools
-import os
 import threading
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -33,26 +32,24 @@ from jupyter_metainit.core.record.graph import (
     TensorRecord,
     constant_op,
 )
+from jupyter_metainit.core.record.state import default_dtype_as
 from jupyter_metainit.core.replay.values import ValueCache, value_cache
 from jupyter_metainit.core.rng import streams as _rng
 from jupyter_metainit.core.rng.split_fill import (
     FILLS,
     MIN_SKIP,
-    available_cores,
-    core_pool,
     fill_region,
     fill_region_into,
-    on_core_pool,
     split_fill,
 )
 from jupyter_metainit.core.runtime.interrupts import (
     check,
-    critical,
     handling_interrupts,
     interrupted,
 )
 from jupyter_metainit.core.runtime.lock import exclusive
 from jupyter_metainit.core.runtime.plain import iter_args, map_args, plain
+from jupyter_metainit.core.runtime.pool import available_cores, core_pool, on_core_pool
 
 __all__ = ["Plan", "compute_values", "execute", "plan", "real_view"]
 
@@ -235,28 +232,6 @@ def real_view(base: torch.Tensor, r: TensorRecord) -> torch.Tensor:
     if r.neg:
         view = view._neg_view()
     return view
-
-
-_default_dtype_lock = threading.Lock()
-
-
-@contextlib.contextmanager
-def default_dtype_as(dtype: torch.dtype | None) -> Iterator[None]:
-    """Run one op whose result dtype comes from the default dtype as it was recorded.
-
-    PyTorch's default dtype is process-wide; the few ops that depend on it (an integer tensor
-    divided by an int) switch it for their own duration only, under a lock.
-    """
-    if dtype is None or dtype == torch.get_default_dtype():
-        yield
-        return
-    with critical(), _default_dtype_lock:
-        saved = torch.get_default_dtype()
-        torch.set_default_dtype(dtype)
-        try:
-            yield
-        finally:
-            torch.set_default_dtype(saved)
 
 
 class _ShapeMismatch:
@@ -852,9 +827,9 @@ def execute(
     """
     with plain(), torch.inference_mode(False):
         run = _Run(p, device, rng, progress, retain)
-        if rng == "fast" and len(p.ops) > 1 and (threads or os.cpu_count() or 1) > 1:
+        if rng == "fast" and len(p.ops) > 1 and (threads or available_cores()) > 1:
             groups = _components(p.ops)
-            workers = min(threads or os.cpu_count() or 1, len(groups))
+            workers = min(threads or available_cores(), len(groups))
             if workers > 1:
                 _run_parallel(run, groups, workers)
                 return _results(run, p)
@@ -957,3 +932,17 @@ def compute_values(records: list[TensorRecord]) -> list[torch.Tensor]:
                 value_cache.put(storage, writes, value)
         with plain():
             return [real_view(env[id(r.storage)], r).clone() for r in records]
+
+
+class ReplayValueReader:
+    """Recording's value reads (see ``core.record.value_reader``), answered by exact replay on
+    the CPU with the shared :data:`value_cache`."""
+
+    def values(self, records: list[TensorRecord]) -> list[torch.Tensor]:
+        return compute_values(records)
+
+    def keep(self, storage: StorageRecord, writes: int, value: torch.Tensor) -> None:
+        value_cache.put(storage, writes, value)
+
+    def forget_all(self) -> None:
+        value_cache.clear()

@@ -9,30 +9,25 @@ the last chunk ends where the single stream ends. Chunks run in threads (the ker
 GIL); the result is bit-identical to the serial fill, which is checked once per op and dtype in
 each process before it is trusted.
 
-Used by exact-mode replay (``_replay``) for fills on the CPU; ``fast`` mode is parallel by
+Used by exact-mode replay (``core.replay``) for fills on the CPU; ``fast`` mode is parallel by
 construction (one stream per op).
 """
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
 from jupyter_metainit.core.rng.mt19937 import jump_state
 from jupyter_metainit.core.runtime.plain import plain
+from jupyter_metainit.core.runtime.pool import available_cores, core_pool
 
 __all__ = [
     "FILLS",
-    "available_cores",
-    "core_pool",
     "fill_region",
     "fill_region_into",
-    "on_core_pool",
     "split_fill",
 ]
 
@@ -55,51 +50,6 @@ MIN_CHUNK = 1 << 22
 MIN_SKIP = 1 << 22
 
 _verified: dict[tuple[Any, torch.dtype], bool] = {}
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-class _PoolThread(threading.local):
-    inside = False
-
-
-_pool_thread = _PoolThread()
-
-
-def _mark_pool_thread() -> None:
-    _pool_thread.inside = True
-
-
-def on_core_pool() -> bool:
-    """Whether this thread is one of :func:`core_pool`'s (work it submits there could wait
-    behind itself)."""
-    return _pool_thread.inside
-
-
-def available_cores() -> int:
-    """Threads a fill may use: the cores this process may run on (``taskset`` and cgroup CPU
-    sets respected), at most ``torch.get_num_threads()`` (one rank of several per machine sets
-    it lower); 1 on a thread of :func:`core_pool` itself (the cores are taken, and a task
-    waiting for tasks queued behind it in the same pool would wait forever)."""
-    if on_core_pool():
-        return 1
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(cores, torch.get_num_threads()))
-
-
-def core_pool(workers: int) -> ThreadPoolExecutor:
-    """The process's pool of at least ``workers`` threads for replay work on all cores (chunks
-    of one fill, or parts of a replay). Kept for the process: every new thread costs glibc a
-    malloc arena (64 MiB of address space), which a pool per call would add up."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool._max_workers < workers:
-            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jmi-fill",
-                                       initializer=_mark_pool_thread)  # fmt: skip
-        return _pool
 
 
 def _chunks(n: int, parts: int, align: int) -> list[tuple[int, int]]:
