@@ -16,8 +16,8 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from jupyter_metainit.core import meta_init, tensor_state
-from jupyter_metainit.estimates._arguments import parse_dtype, require_module
+from jupyter_metainit.core import dtype_name, meta_init, parse_dtype, tensor_state
+from jupyter_metainit.estimates._arguments import require_module
 from jupyter_metainit.estimates.forward.activations import ActivationTracker, ModuleStack
 from jupyter_metainit.estimates.forward.flops import flop_counter, flops_by_module
 from jupyter_metainit.estimates.forward.model_guard import ModelGuard
@@ -65,7 +65,7 @@ def _stand_in_inputs(
 def _input_label(obj: Any) -> Any:
     """How the run's record names an input: a tensor's shape and dtype, else its type."""
     if isinstance(obj, torch.Tensor):
-        return f"{tuple(obj.shape)} {str(obj.dtype).removeprefix('torch.')}"
+        return f"{tuple(obj.shape)} {dtype_name(obj.dtype)}"
     return type(obj).__name__
 
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import pandas as pd
 
-from jupyter_metainit.core.runtime.format import format_bytes
+from jupyter_metainit.core import format_bytes
 
 __all__ = ["table_headline"]
 

@@ -16,8 +16,14 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from jupyter_metainit.core import tensor_source, tensor_state, tensor_values
-from jupyter_metainit.core.runtime.walk import counted_attributes, own_tensors
+from jupyter_metainit.core import (
+    counted_attributes,
+    dtype_name,
+    own_tensors,
+    tensor_source,
+    tensor_state,
+    tensor_values,
+)
 from jupyter_metainit.estimates._arguments import check_depth, require_module
 from jupyter_metainit.estimates.sizing import optimizer_state_bytes, whatif_bits
 from jupyter_metainit.estimates.subtrees import TiedSubtrees, elements_held, mixed_or_single
@@ -78,7 +84,7 @@ def _module_paths(module: nn.Module) -> _Modules:
 
 def _facts_of(t: torch.Tensor, kind: int, bits: int | None, whatif: str | None) -> TensorFacts:
     dtype = t.dtype
-    own_name = str(dtype).removeprefix("torch.")
+    own_name = dtype_name(dtype)
     if is_lazy(t):  # shape unknown until a (dry) forward: counts as empty
         return TensorFacts(0, 0, kind, False, own_name, "uninitialized", "", "")
     numel = elements_held(t, is_attribute=kind == ATTRIBUTE)

@@ -11,7 +11,7 @@ from typing import Any
 
 import pandas as pd
 
-from jupyter_metainit.core.runtime.format import format_bytes
+from jupyter_metainit.core import format_bytes
 from jupyter_metainit.estimates.headline import table_headline
 
 __all__ = ["format_table", "render_html", "to_text"]

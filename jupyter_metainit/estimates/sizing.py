@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from jupyter_metainit.estimates._arguments import check_optimizer_bytes, parse_dtype
+from jupyter_metainit.core import dtype_name, parse_dtype
+from jupyter_metainit.estimates._arguments import check_optimizer_bytes
 
 __all__ = ["OPTIMIZER_STATE_BYTES", "optimizer_state_bytes", "whatif_bits"]
 
@@ -39,7 +40,7 @@ def whatif_bits(dtype: torch.dtype | str | None) -> tuple[int | None, str | None
     if dtype is None:
         return None, None
     if isinstance(dtype, torch.dtype):
-        return dtype.itemsize * 8, str(dtype).removeprefix("torch.")
+        return dtype.itemsize * 8, dtype_name(dtype)
     key = str(dtype).lower().removeprefix("torch.")
     if key in _WHATIF_ONLY_BITS:
         return _WHATIF_ONLY_BITS[key], _WHATIF_CANONICAL.get(key, key)

@@ -16,7 +16,7 @@ from typing import Any, Generic, TypeVar
 import torch
 from torch.nn.parameter import is_lazy
 
-from jupyter_metainit.core.runtime.walk import storage_of
+from jupyter_metainit.core import storage_of
 
 __all__ = ["TiedSubtrees", "elements_held", "mixed_or_single"]
 

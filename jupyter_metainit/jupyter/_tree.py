@@ -16,8 +16,14 @@ from typing import NamedTuple
 import torch
 from torch import nn
 
-from jupyter_metainit.core import tensor_source, tensor_state, tensor_values
-from jupyter_metainit.core.runtime.walk import counted_attributes, own_tensors
+from jupyter_metainit.core import (
+    counted_attributes,
+    dtype_name,
+    own_tensors,
+    tensor_source,
+    tensor_state,
+    tensor_values,
+)
 from jupyter_metainit.estimates.subtrees import TiedSubtrees, elements_held, mixed_or_single
 from jupyter_metainit.jupyter.row_schema import STATS_FIELDS, make_row
 
@@ -29,21 +35,11 @@ class ModelGoneError(ReferenceError):
 
 
 _EXTRA_REPR_MAX = 80
-_DTYPE_SHORT = {
-    torch.float32: "fp32",
-    torch.bfloat16: "bf16",
-    torch.float16: "fp16",
-    torch.float64: "fp64",
-    torch.float8_e4m3fn: "fp8",
-    torch.float8_e5m2: "fp8",
-    torch.complex64: "c64",
-    torch.complex128: "c128",
-}
 
 
 def dtype_label(t: torch.Tensor) -> str:
     """``"bf16"``, ``"fp32"``, ``"int64"``: what a dtype badge shows."""
-    return _DTYPE_SHORT.get(t.dtype, str(t.dtype).removeprefix("torch."))
+    return dtype_name(t.dtype, short=True)
 
 
 class Held(NamedTuple):

@@ -12,9 +12,7 @@ import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from jupyter_metainit.core import tensor_state
-from jupyter_metainit.core.runtime.format import format_bytes, format_count
-from jupyter_metainit.core.runtime.walk import unique_tensors
+from jupyter_metainit.core import format_bytes, format_count, tensor_state, unique_tensors
 
 __all__ = [
     "is_set_up",

@@ -20,9 +20,8 @@ from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 from torch import nn
 
-from jupyter_metainit import core
+from jupyter_metainit.core import dematerialize, format_duration, materialize, meta_init
 from jupyter_metainit.core.errors import MetaInitError
-from jupyter_metainit.core.runtime.format import format_duration
 from jupyter_metainit.jupyter._cells import watch_cells
 from jupyter_metainit.jupyter.cell_models import (
     is_set_up,
@@ -131,7 +130,7 @@ class MetaInitMagics(Magics):
         depth = parse_depth(args.depth)
 
         before = dict(self.shell.user_ns)
-        with core.meta_init(device=device, dtype=dtype):
+        with meta_init(device=device, dtype=dtype):
             ok = run_cell_body(self.shell, cell)
         if not ok or args.no_display:
             return
@@ -168,7 +167,7 @@ class MetaInitMagics(Magics):
         start = time.perf_counter()
         # keep_cache: so that %dematerialize can make it deferred again later.
         _one_line_errors(
-            "materialize", lambda: core.materialize(obj, device, dtype=dtype, rng=args.rng,
+            "materialize", lambda: materialize(obj, device, dtype=dtype, rng=args.rng,
                                                keep_cache=True),
             {"device='cpu'": f" With the magic: %materialize {expr} --device cpu"},
         )  # fmt: skip
@@ -193,7 +192,7 @@ class MetaInitMagics(Magics):
         expr, obj, args = self._target("dematerialize", line)
         _one_line_errors(
             "dematerialize",
-            lambda: core.dematerialize(obj, force=args.force),
+            lambda: dematerialize(obj, force=args.force),
             {"force=True": f" With the magic: %dematerialize {expr} --force"},
         )
         print(f"dematerialized {summary_line(expr, obj)}")

@@ -14,7 +14,7 @@ from typing import Any, ClassVar
 import torch
 from torch.nn.parameter import is_lazy
 
-from jupyter_metainit.core.runtime.plain import plain
+from jupyter_metainit.core import plain
 from jupyter_metainit.estimates.forward.nested import map_tensors, tensors_in
 
 __all__ = ["EagerDtypeChecks"]
