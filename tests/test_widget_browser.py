@@ -24,6 +24,7 @@ from _models import llama70b_on_meta
 from torch import nn
 
 from jupyter_metainit import meta_init
+from jupyter_metainit.jupyter.row_schema import ROW
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -167,7 +168,9 @@ def test_deferred_to_cuda_badge_keeps_clear_of_the_size_column_at_700px(browser)
         model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
     state = {k: v for k, v in explore(model).get_state().items() if not k.startswith("_")}
     for row in state["tree"]["nodes"]:
-        row[12] = "cuda:15"  # the target a --device cuda:15 build gives (no GPU needed here)
+        row[ROW["target"]] = (
+            "cuda:15"  # the target a --device cuda:15 build gives (no GPU needed here)
+        )
     for width in (1400, 700, 440):
         page = browser.new_page(viewport={"width": width, "height": 600})
         _serve_static(page)
