@@ -59,6 +59,28 @@ def test_core_has_no_jupyter_or_pandas_imports():
             assert mod.split(".")[0] not in banned, f"{path.name} imports {mod}"
 
 
+def test_the_core_imports_torch_and_numpy_and_the_rest_only_when_used():
+    # What the README says: torch and numpy at import; safetensors (checkpoints) and tqdm
+    # (progress=True) only inside the functions that need them.
+    allowed = set(sys.stdlib_module_names) | {"torch", "numpy", "jupyter_metainit"}
+    when_used = {"safetensors", "tqdm"}
+    found = []
+    for path in (PACKAGE / "core").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        at_import = {id(node) for node in tree.body}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            else:
+                continue
+            for top in {name.split(".")[0] for name in names} - allowed:
+                if top not in when_used or id(node) in at_import:
+                    found.append(f"{path.relative_to(PACKAGE)} imports {top}")
+    assert not found, found
+
+
 def test_importing_the_package_loads_neither_pandas_nor_ipython():
     code = "import sys, jupyter_metainit; print('pandas' in sys.modules, 'IPython' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
