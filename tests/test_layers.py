@@ -52,6 +52,12 @@ def test_layer_imports_point_downwards(layer):
                 assert target in ALLOWED[layer], f"{path.name} imports {mod}"
 
 
+def test_every_top_level_subpackage_says_which_layers_it_may_import():
+    # A new layer (plan, save, ...) is checked only once it is in ALLOWED.
+    subpackages = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
+    assert subpackages <= set(ALLOWED), f"add to ALLOWED: {sorted(subpackages - set(ALLOWED))}"
+
+
 def test_core_has_no_jupyter_or_pandas_imports():
     banned = {"IPython", "ipywidgets", "anywidget", "pandas", "jupyter_client", "traitlets"}
     for path in (PACKAGE / "core").rglob("*.py"):
