@@ -170,10 +170,10 @@ class ExactRandom(RandomMode):
 RANDOM_MODES: dict[str, RandomMode] = {"exact": ExactRandom(), "fast": FastRandom()}
 
 
-def random_mode(name: str) -> RandomMode:
-    """The strategy for ``rng=name`` (``"exact"`` or ``"fast"``)."""
+def random_mode(name: str | None) -> RandomMode:
+    """The strategy for ``rng=name`` (``"exact"`` or ``"fast"``; None: exact)."""
     try:
-        return RANDOM_MODES[name]
+        return RANDOM_MODES["exact" if name is None else name]
     except KeyError:
         raise ValueError(f"rng must be 'exact' or 'fast', not {name!r}") from None
 
