@@ -55,7 +55,7 @@ from jupyter_metainit.core.record.state import (
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.record.trunc_normal import trunc_normal_
 from jupyter_metainit.core.record.value_reader import value_reader
-from jupyter_metainit.core.rng import streams as _rng
+from jupyter_metainit.core.rng.streams import exact_state, flush_all, flush_default
 from jupyter_metainit.core.runtime.interrupts import (
     check as check_interrupts,
 )
@@ -163,7 +163,7 @@ _orig_set_default_dtype = torch.set_default_dtype
 
 
 def _get_rng_state() -> torch.Tensor:
-    _rng.flush_default()
+    flush_default()
     return _orig_get_rng_state()
 
 
@@ -243,7 +243,7 @@ def _exact_then(name: str) -> Any:
     original = _generator_methods[name]
 
     def method(self: torch.Generator, *args: Any) -> Any:
-        _rng.exact_state(self)
+        exact_state(self)
         return original(self, *args)
 
     method.__name__ = name
@@ -264,7 +264,7 @@ def _generator_set_state(self: torch.Generator, new_state: torch.Tensor) -> Any:
 
 
 def _generator_get_state(self: torch.Generator) -> torch.Tensor:
-    return _rng.exact_state(self)
+    return exact_state(self)
 
 
 def _generator_wrappers() -> dict[str, Any]:
@@ -413,7 +413,7 @@ class meta_init(contextlib.ContextDecorator):
                 tls.devices.pop()
                 tls.dtypes.pop()
                 if outermost:
-                    _rng.flush_all()
+                    flush_all()
                     value_reader().forget_all()
         finally:
             # Our SIGINT handler goes last: once the previous one is back, a Ctrl-C raises at
