@@ -70,7 +70,6 @@ __all__ = [
     "record_random",
     "settle",
     "true_state",
-    ,
 ]
 
 
