@@ -23,8 +23,8 @@ __all__ = ["BurnSpec", "RngSegment", "live_segments", "raw_get_state", "raw_set_
 
 
 # The C methods themselves: while a block is active ``meta_init`` wraps ``torch.Generator``'s
-# ``get_state``/``set_state`` (``_context``) so that user code reads exact states; the tracking
-# below reads and leaves marks, and must not flush on every op.
+# ``get_state``/``set_state`` (``record.process_wrappers``) so that user code reads exact
+# states; the tracking (``streams``) reads and leaves marks, and must not flush on every op.
 raw_get_state = torch._C.Generator.get_state
 
 

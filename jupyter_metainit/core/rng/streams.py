@@ -97,12 +97,12 @@ _lock = threading.RLock()
 
 # Every state we left a real generator in while draws were pending (a *mark*), by digest, with
 # the exact position it stands for (segment, index: the state before that op). A mark is the
-# exact state with its ``left``/``next`` fields (see ``_mt19937``) set to a pair no generator
+# exact state with its ``left``/``next`` fields (see ``mt19937``) set to a pair no generator
 # ever holds (a draw keeps ``left + next == 625``, seeding sets ``(1, 0)``; marks take pairs with
 # ``left + next < 625``), from a process-wide counter cycling through ~194,000 pairs: no
 # ``manual_seed``/``set_state`` of a real state gives it, and each recorded op gets a new one.
 # While a block is active, ``g.get_state()`` (and ``clone_state``, pickling) flush first and so
-# never hand a mark out (``_context`` wraps them); a mark that still reaches a generator (saved
+# never hand a mark out (``process_wrappers``); a mark that still reaches a generator (saved
 # through a path not wrapped) is recognized when restored (``g.set_state(st)``, also on another
 # generator) and stands for the exact state eager code would have saved; a restore is never
 # mistaken for no change.
@@ -112,7 +112,7 @@ _marks: OrderedDict[bytes, tuple[RngSegment, int]] = OrderedDict()
 _MARKS_KEPT = 1 << 16
 
 
-_STATE_BYTES = 5056  # a CPU generator's state (see ``_mt19937``); only CPU ones are marked
+_STATE_BYTES = 5056  # a CPU generator's state (see ``mt19937``); only CPU ones are marked
 
 
 _MT_N = 624
