@@ -9,7 +9,14 @@ import pytest
 import torch
 
 from jupyter_metainit.core.rng import mt19937 as _mt19937
-from jupyter_metainit.core.rng.mt19937 import jump_generator, jump_state
+from jupyter_metainit.core.rng import mt19937_polynomial as _poly
+from jupyter_metainit.core.rng.mt19937 import jump_state
+
+
+def jump_generator(generator: torch.Generator, draws: int) -> None:
+    """Advance a CPU ``generator`` in place by ``draws`` 32-bit outputs."""
+    generator.set_state(jump_state(generator.get_state(), draws))
+
 
 SIZES = [0, 1, 2, 623, 624, 625, 1247, 1248, 1249, 19_937, 100_000, 10**6 + 7]
 RANDOM_SIZES = random.Random(20261122).sample(range(2, 3_000_000), 8)
@@ -44,7 +51,7 @@ def temper(y: np.ndarray) -> np.ndarray:
 def reference_outputs(state: torch.Tensor, n: int) -> np.ndarray:
     """The next ``n`` raw 32-bit outputs, from a pure-numpy model of at::mt19937."""
     left, _, words = fields(state)
-    seq = _mt19937._sequence(words, 624 + n + 624)
+    seq = _poly.sequence(words, 624 + n + 624)
     # Outputs still in the current block are words[625 - left ..]; then the next blocks follow.
     first = 624 - (left - 1)
     return temper(seq[first : first + n])
@@ -147,9 +154,8 @@ def test_a_huge_jump_equals_two_jumps_of_half_its_distance():
 
 
 def test_the_stored_characteristic_polynomial_is_mt19937s():
-    from jupyter_metainit.core.rng import mt19937 as _mt19937
 
-    assert _mt19937._stored_phi() == _mt19937.characteristic_polynomial()
+    assert _poly._stored_phi() == _poly.characteristic_polynomial()
 
 
 def test_a_jump_is_cheap_once_its_distance_recurs_or_was_jumped():
@@ -167,7 +173,7 @@ def test_a_jump_is_cheap_once_its_distance_recurs_or_was_jumped():
 
 
 def test_the_stored_jump_parts_are_powers_of_t():
-    poly = _mt19937._get_poly()
+    poly = _poly.get_poly()
     for j, d in [(0, 1), (5, 7), (_mt19937._DIGITS - 1, 15)]:
         assert _mt19937._digit_part(j, d) == poly.power_of_t(d * 16**j - 1), (j, d)
 
@@ -177,7 +183,7 @@ def test_a_long_jump_made_of_stored_parts_equals_one_power(steps):
     block = np.random.default_rng(steps % 1000).integers(0, 2**32, 624, dtype=np.uint32)
     by_parts = _mt19937._advance_in_parts(block, steps)
     assert by_parts is not None
-    by_power = _mt19937._apply(block, _mt19937._get_poly().power_of_t(steps - 1))
+    by_power = _mt19937._apply(block, _poly.get_poly().power_of_t(steps - 1))
     assert np.array_equal(by_parts, by_power)
 
 
@@ -217,7 +223,7 @@ def _recurrence(block: np.ndarray, length: int) -> list[int]:
 def test_the_sequence_is_mt19937s_recurrence(length):
     block = np.random.default_rng(length).integers(0, 2**32, 624, dtype=np.uint64)
     block = block.astype(np.uint32)
-    assert _mt19937._sequence(block, length).tolist() == _recurrence(block, length)
+    assert _poly.sequence(block, length).tolist() == _recurrence(block, length)
 
 
 @pytest.mark.parametrize("group_bits", [1, 3, 5, 8])

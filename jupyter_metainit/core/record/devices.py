@@ -3,7 +3,7 @@
 PyTorch's argument parser turns ``device="cuda:1"`` into a real device before any dispatch
 happens (and fails without CUDA), so device arguments are rewritten to ``meta`` here, one level
 above ATen, while the device the result must *report* is remembered in ``tls.pending_device``
-for the recorder (``_record``) to pick up. Data handed over by the user (``torch.tensor([...])``,
+for the recorder (``dispatch``) to pick up. Data handed over by the user (``torch.tensor([...])``,
 ``from_numpy``) is copied and kept as a constant of the recording. ``t.to(...)``/``t.cuda()`` on
 a deferred tensor become a recorded copy that reports the new device.
 """

@@ -38,7 +38,7 @@ class RecordingState(threading.local):
         self.dtypes: list[torch.dtype | None] = []
         # Device the tensors of the torch-level call being recorded must report.
         self.pending_device: torch.device | None = None
-        # Where user code made the torch-level call being handled (``_ops.Where``): found once
+        # Where user code made the torch-level call being handled (``ops.Where``): found once
         # per call rather than once per ATen op it dispatches.
         self.where: Any = None
 
@@ -109,7 +109,7 @@ def default_dtype() -> torch.dtype:
 
 
 # ``torch.get_default_dtype`` may be replaced while a ``meta_init(dtype=)`` block runs (see
-# ``_context``); the real one is kept here.
+# ``context``); the real one is kept here.
 _global_default_dtype = torch.get_default_dtype
 
 

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from jupyter_metainit.core.record.graph import OpRecord
-from jupyter_metainit.core.rng import streams as _rng
+from jupyter_metainit.core.rng.draws import known_draws
 from jupyter_metainit.core.runtime.interrupts import check, interrupted
 from jupyter_metainit.core.runtime.plain import plain
 from jupyter_metainit.core.runtime.pool import core_pool, on_core_pool
@@ -84,7 +84,7 @@ def stream_parts(ops: list[OpRecord], workers: int) -> list[list[tuple[int, OpRe
         return None
     for op in random_ops:
         seg = op.rng.segment
-        if _rng.known_draws(seg.specs[op.rng.index], seg.device) is None:
+        if known_draws(seg.specs[op.rng.index], seg.device) is None:
             return None
     groups = components(ops)  # in the order of their first op
     if len(groups) < workers:

@@ -22,7 +22,9 @@ from torch.utils._pytree import tree_map
 
 from jupyter_metainit.core.record.graph import OpRecord
 from jupyter_metainit.core.replay.parallel import components, stream_parts
-from jupyter_metainit.core.rng import streams as _rng
+from jupyter_metainit.core.rng.draws import known_draws
+from jupyter_metainit.core.rng.positions import fast_generator, state_before
+from jupyter_metainit.core.rng.scratch import run_random
 from jupyter_metainit.core.rng.split_fill import FILLS, fill_region, split_fill
 
 __all__ = ["ExactRandom", "FastRandom", "RandomMode", "call_with_generator", "random_mode"]
@@ -92,7 +94,7 @@ class FastRandom(RandomMode):
         self, run: RandomRun, op: OpRecord, args: tuple, kwargs: dict, device: torch.device
     ) -> tuple[Any, bool]:
         has_gen, region, fusable = _fill_facts(run, op, device)
-        gen = _rng.fast_generator(op.rng.segment, op.rng.index, device)
+        gen = fast_generator(op.rng.segment, op.rng.index, device)
         if fusable:
             run.pending_fills[id(op.args[0].storage)] = (op, args[1:], kwargs, gen)
             return args[0], True
@@ -101,7 +103,7 @@ class FastRandom(RandomMode):
             if out is not None:
                 return out, True
         call = lambda g: call_with_generator(op, args, kwargs, g)  # noqa: E731
-        return _rng.run_random(call, gen, has_gen), False
+        return run_random(call, gen, has_gen), False
 
     def parallel_groups(self, ops: list[OpRecord], cores: int) -> tuple[Groups, int] | None:
         groups = components(ops)
@@ -125,11 +127,11 @@ class ExactRandom(RandomMode):
             gen = current[0]
         else:
             gen = torch.Generator(device=gen_dev)
-            gen.set_state(_rng.state_before(seg, index, run.burn_progress))
+            gen.set_state(state_before(seg, index, run.burn_progress))
         if device != gen_dev:
             out = _run_on_generator_device(op, args, kwargs, gen, has_gen, gen_dev, device)
         else:
-            if region is not None and _rng.known_draws(seg.specs[index], gen_dev) is None:
+            if region is not None and known_draws(seg.specs[index], gen_dev) is None:
                 region = None  # the next op could not jump past the rest of this one
             if region is not None and fusable:
                 # Run later, by the copy that reads the shard's slice (_copy_from_pending_fill);
@@ -170,10 +172,10 @@ class ExactRandom(RandomMode):
 RANDOM_MODES: dict[str, RandomMode] = {"exact": ExactRandom(), "fast": FastRandom()}
 
 
-def random_mode(name: str) -> RandomMode:
-    """The strategy for ``rng=name`` (``"exact"`` or ``"fast"``)."""
+def random_mode(name: str | None) -> RandomMode:
+    """The strategy for ``rng=name`` (``"exact"`` or ``"fast"``; None: exact)."""
     try:
-        return RANDOM_MODES[name]
+        return RANDOM_MODES["exact" if name is None else name]
     except KeyError:
         raise ValueError(f"rng must be 'exact' or 'fast', not {name!r}") from None
 
@@ -210,7 +212,7 @@ def run_from(
         return target if has_gen and fill_region(op.func, target, fill, gen, region) else None
     if has_gen and split_fill(op.func, target, fill, gen):
         return target
-    return _rng.run_random(lambda g: call_with_generator(op, args, kwargs, g), gen, has_gen)
+    return run_random(lambda g: call_with_generator(op, args, kwargs, g), gen, has_gen)
 
 
 def _to(x: Any, device: torch.device) -> Any:

@@ -18,7 +18,7 @@ import torch
 
 from jupyter_metainit.core.record.graph import OpRecord, StorageRecord, TensorRecord
 from jupyter_metainit.core.replay.planning import Plan, last_writes
-from jupyter_metainit.core.rng import streams as _rng
+from jupyter_metainit.core.rng.draws import is_contiguous
 from jupyter_metainit.core.rng.split_fill import FILLS, MIN_SKIP
 from jupyter_metainit.core.runtime.plain import iter_args
 
@@ -95,8 +95,8 @@ def copied_once(p: Plan, keep: set[int]) -> set[int]:
             and id(dst.storage) != sid
             and dst.dtype == src.dtype == src.storage.dtype
             and dst.size == src.size
-            and _rng.is_contiguous(dst.size, dst.stride)
-            and _rng.is_contiguous(src.size, src.stride)
+            and is_contiguous(dst.size, dst.stride)
+            and is_contiguous(src.size, src.stride)
             and not (src.conj or src.neg or dst.conj or dst.neg)
         ):
             out.add(sid)

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from jupyter_metainit.core.rng.draws import draws_per_element
 from jupyter_metainit.core.rng.mt19937 import jump_state
 from jupyter_metainit.core.runtime.plain import plain
 from jupyter_metainit.core.runtime.pool import available_cores, core_pool
@@ -36,12 +37,6 @@ aten = torch.ops.aten
 # op -> the chunk alignment its kernel needs (normal_ works in blocks of 16 elements)
 _ALIGN = {aten.normal_.default: 16, aten.uniform_.default: 1}
 FILLS = frozenset(_ALIGN)
-_DRAWS_PER_ELEMENT = {
-    torch.float32: 1,
-    torch.bfloat16: 1,
-    torch.float16: 1,
-    torch.float64: 2,
-}
 # Below this many elements per chunk, a jump-ahead (up to about 10 ms) costs more than the chunk's
 # share of the fill saves (about 7 ns an element on one core).
 MIN_CHUNK = 1 << 22
@@ -101,7 +96,7 @@ def _split_is_exact(func: Any, dtype: torch.dtype, fill: Callable) -> bool:
                 a, b = torch.Generator().manual_seed(n), torch.Generator().manual_seed(n)
                 fill(serial, a)
                 bounds = _chunks(n, parts, _ALIGN[func])
-                _fill_in_chunks(chunked, fill, b, bounds, _DRAWS_PER_ELEMENT[dtype], False)
+                _fill_in_chunks(chunked, fill, b, bounds, draws_per_element(dtype), False)
                 same_values = torch.equal(serial.view(torch.uint8), chunked.view(torch.uint8))
                 ok = ok and same_values and torch.equal(a.get_state(), b.get_state())
         _verified[key] = ok
@@ -126,7 +121,7 @@ def _fillable(func: Any, t: Any, generator: torch.Generator) -> bool:
         and isinstance(t, torch.Tensor)
         and t.device.type == "cpu"
         and generator.device.type == "cpu"
-        and t.dtype in _DRAWS_PER_ELEMENT
+        and draws_per_element(t.dtype) is not None
         and t.is_contiguous()
     )
 
@@ -168,7 +163,7 @@ def split_fill(
         return False
     parts = min(workers, target.numel() // MIN_CHUNK)
     bounds = _chunks(target.numel(), parts, _ALIGN[func])
-    _fill_in_chunks(target, fill_plainly, generator, bounds, _DRAWS_PER_ELEMENT[target.dtype], True)
+    _fill_in_chunks(target, fill_plainly, generator, bounds, draws_per_element(target.dtype), True)
     return True
 
 
@@ -189,7 +184,7 @@ def fill_region(
     if not _fillable(func, target, generator):
         return False
     n = target.numel()
-    align, per = _ALIGN[func], _DRAWS_PER_ELEMENT[target.dtype]
+    align, per = _ALIGN[func], draws_per_element(target.dtype)
     lo, hi = _covering(func, n, *region)
     if n - (hi - lo) < MIN_SKIP:
         return False
@@ -229,7 +224,7 @@ def fill_region_into(
     next fill of the stream starts from it without a jump). False if not possible."""
     if not _fillable(func, dst, generator):
         return False
-    align, per = _ALIGN[func], _DRAWS_PER_ELEMENT[dst.dtype]
+    align, per = _ALIGN[func], draws_per_element(dst.dtype)
     lo, hi = first, first + dst.numel()
     start, end = _covering(func, numel, lo, hi)
     fill_plainly = _plainly(fill)

@@ -17,7 +17,10 @@ from jupyter_metainit.core.record.graph import RngUse
 from jupyter_metainit.core.record.ops import OpInfo, bind_arguments
 from jupyter_metainit.core.record.state import tls
 from jupyter_metainit.core.record.tensor import DeferredTensor
-from jupyter_metainit.core.rng import streams as _rng
+from jupyter_metainit.core.rng.draws import draws_depend_on_values, known_draws
+from jupyter_metainit.core.rng.scratch import default_generator_for
+from jupyter_metainit.core.rng.segments import BurnSpec
+from jupyter_metainit.core.rng.streams import record_random
 from jupyter_metainit.core.runtime.plain import iter_args, map_args, plain
 
 
@@ -26,29 +29,29 @@ def place_random(
     generator: torch.Generator | None, nbytes: int, device: torch.device,
     real_call: tuple[tuple, dict, OpInfo] | None = None,
 ) -> tuple[RngUse, Any]:  # fmt: skip
-    """The place of a new random op in its generator's stream (see ``_rng.record_random``),
+    """The place of a new random op in its generator's stream (see ``record_random``),
     and the op's real outputs when its draw count depends on values (else None).
 
     ``device``: where the op's output is recorded; without an explicit generator the op draws
-    from that device's default generator, as eagerly (``_rng.default_generator_for``).
+    from that device's default generator, as eagerly (``default_generator_for``).
 
     ``real_call``: the op's arguments and info, for an op whose draws may depend on the values
-    it reads (``_rng.draws_depend_on_values``): its inputs are computed now and it runs from
+    it reads (``draws_depend_on_values``): its inputs are computed now and it runs from
     the exact generator state, so the stream after it is exact whatever is materialized later.
     """
-    spec = _rng.BurnSpec(func, _spec_args(meta_args), _spec_kwargs(meta_kwargs), has_generator,
+    spec = BurnSpec(func, _spec_args(meta_args), _spec_kwargs(meta_kwargs), has_generator,
                          nbytes)  # fmt: skip
     if generator is None:
-        generator = _rng.default_generator_for(device)
+        generator = default_generator_for(device)
     gen = generator if generator is not None else torch.default_generator
     run = None
     if (
         real_call is not None
-        and _rng.draws_depend_on_values(func)
-        and _rng.known_draws(spec, gen.device) is None
+        and draws_depend_on_values(func)
+        and known_draws(spec, gen.device) is None
     ):
         run = _real_random_call(func, *real_call, gen.device)
-    segment, index, outputs = _rng.record_random(generator, spec, flush_now=tls.depth == 0, run=run)
+    segment, index, outputs = record_random(generator, spec, flush_now=tls.depth == 0, run=run)
     return RngUse(segment, index), outputs
 
 

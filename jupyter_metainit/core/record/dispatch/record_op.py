@@ -100,7 +100,7 @@ def record_op(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwa
     what is in force later: the device each output reports, the dtype of factories whose dtype
     was left to the default, a generator slot for every random op (``rand`` is recorded as
     ``rand.generator``), and the default dtype for the few ops whose result dtype comes from it.
-    Random ops also get their place in their generator's stream (``_rng.record_random``).
+    Random ops also get their place in their generator's stream (``rng.streams.record_random``).
     """
     call = _Call(func, info, bound, flat, args, kwargs, call_site(), output_device(kwargs, flat),
                  func, (args, kwargs))  # fmt: skip

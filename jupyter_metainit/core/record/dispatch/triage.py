@@ -33,7 +33,7 @@ from jupyter_metainit.core.record.dispatch.views import inplace_view, record_vie
 from jupyter_metainit.core.record.ops import OpInfo, bind_arguments, op_info
 from jupyter_metainit.core.record.state import tls
 from jupyter_metainit.core.record.tensor import DeferredTensor
-from jupyter_metainit.core.rng import streams as _rng
+from jupyter_metainit.core.rng.streams import before_real_draw
 from jupyter_metainit.core.runtime.plain import iter_args, plain
 
 aten = torch.ops.aten
@@ -113,14 +113,14 @@ def _handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
         if mutated_real or func.is_view or not info.returns_tensors:
             if info.is_random:
                 # Real random work: the generator must be where eager code has it.
-                _rng.before_real_draw(_generator_argument(info, bound))
+                before_real_draw(_generator_argument(info, bound))
             with plain():
                 return func(*args, **kwargs)
     elif mutated_real or (not info.returns_tensors and not mutated_deferred):
         # Values needed now. (An op that returns nothing but writes deferred tensors, as
         # ``_foreach_mul_`` and the fused optimizers do, is recorded like any in-place op.)
         if info.is_random:
-            _rng.before_real_draw(_generator_argument(info, bound))
+            before_real_draw(_generator_argument(info, bound))
         if mutated_deferred:
             return run_on_values_and_record_writes(func, args, kwargs, written)
         return run_on_values(func, args, kwargs)
