@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import random
-import time
 
 import numpy as np
 import pytest
@@ -136,12 +135,11 @@ def test_bad_input():
         jump_state(torch.zeros(5056, dtype=torch.int32), 1)
 
 
-def test_huge_jump_is_fast_and_composes():
+def test_a_huge_jump_equals_two_jumps_of_half_its_distance():
+    # 10**11 draws one by one would take hours; the time of the jump itself is a figure
+    # (benchmarks/bench_rng.py prints it).
     s = seeded(11, 321).get_state()
-    t0 = time.perf_counter()
     once = jump_state(s, 10**11)
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 5, elapsed
     twice = jump_state(jump_state(s, 5 * 10**10), 5 * 10**10)
     assert torch.equal(once, twice)
     # a different split, landing mid-block on the way

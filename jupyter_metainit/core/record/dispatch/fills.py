@@ -1,4 +1,10 @@
-"""TODO"""
+"""The fill fast path: ``zero_``, ``fill_``, ``normal_``, ``uniform_``... on a deferred tensor.
+
+Fills are most of a model's initialisation: :func:`record_fill` records them as the general
+path (``record_op``) would, without its machinery. Also owns the write-ordering shortcut
+:func:`full_overwrite`: an op that writes every byte of a storage without reading it ends that
+storage's dependence on what came before.
+"""
 
 from __future__ import annotations
 

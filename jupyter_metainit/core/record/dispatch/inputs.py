@@ -1,4 +1,12 @@
-"""TODO"""
+"""Inputs as recording sees them, and how real inputs are kept.
+
+Every argument of a recorded op has a meta tensor standing for it (:func:`to_meta`,
+:func:`meta_of`); outputs get the device the call asked for (:func:`output_device`). The rule
+owned here: **a real tensor handed to deferred code is kept as it is now** — small ones copied
+(``Constant``), large ones referenced with a digest of their memory (``External``, checked at
+replay) — and data the user hands over (``torch.tensor(...)``, a memory-mapped file region)
+becomes a recording of its own (:func:`wrap_constant`, :func:`wrap_file_region`).
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,11 @@
-"""TODO"""
+"""Outputs' metadata: shape, strides, dtype and ``requires_grad`` of an op's outputs, as eager.
+
+An op runs on the meta tensors underneath (:func:`meta_outputs`, cached per call key: a model's
+repeated blocks run the same ops on the same shapes). Where PyTorch's meta kernels lay outputs out
+otherwise than the CPU kernels, the CPU's layout is learned (:func:`probe_layout`,
+:func:`cpu_layout`); which outputs require grad is learned from autograd itself
+(:func:`output_requires_grad`).
+"""
 
 from __future__ import annotations
 

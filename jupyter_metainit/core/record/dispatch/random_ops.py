@@ -1,4 +1,10 @@
-"""TODO"""
+"""A random op's place in its generator's stream, decided while recording.
+
+:func:`place_random` hands the op to ``rng.streams`` (which keeps every generator's stream
+positions) with a spec of its draws; an op whose draw count depends on the values it reads
+runs now on the exact values of its inputs (:func:`_real_random_call`), so the stream after it
+is exact whatever is materialized later.
+"""
 
 from __future__ import annotations
 

@@ -1,4 +1,11 @@
-"""TODO"""
+"""Value reads while recording: ops that need the exact values of deferred tensors now.
+
+``.item()``, ``bool(t)``, writing into a real tensor, ops with no meta kernel or a
+data-dependent output shape, sparse and nested results: these run for real, on the CPU, on the
+exact values of their deferred inputs, which the installed
+:class:`~jupyter_metainit.core.record.value_reader.ValueReader` computes (by replay). The deferred
+inputs stay deferred.
+"""
 
 from __future__ import annotations
 

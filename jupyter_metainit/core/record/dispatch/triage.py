@@ -1,4 +1,17 @@
-"""TODO"""
+"""Dispatch triage: what happens to every ATen op that touches a deferred tensor.
+
+Two interception points feed :func:`handle_op`, as in ``torch._subclasses.fake_tensor``:
+
+* ``DeferredTensor.__torch_dispatch__`` sees every ATen op that has a deferred input, inside or
+  outside ``meta_init`` (so ``model.half()`` or ``model.apply(init)`` later are recorded too);
+* inside ``meta_init``, a dispatch mode (``record.context``) also sees factory ops
+  (``torch.ones``) and ops on real tensors.
+
+:func:`_handle_op` decides, per op, which path takes it — and so **what may run for real while
+recording** (its docstring states the rules): views (``views``), fills (``fills``), factory
+recipes (``recipes``), ops that need values now (``reads``), in-place view ops (``views``), and
+everything else (``record_op``).
+"""
 
 from __future__ import annotations
 
@@ -44,7 +57,7 @@ def _handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
     """Record one ATen call that involves a deferred tensor (or any call inside ``meta_init``).
 
     Use it only as the dispatch handler of ``DeferredTensor`` and of the ``meta_init`` mode.
-    What it does, and the rules replay (``_replay.plan``) relies on:
+    What it does, and the rules replay (``core.replay``'s ``plan``) relies on:
 
     * **No deferred input** (only seen inside ``meta_init``): views of real tensors, ops that
       write a real tensor and ops that return no tensor run for real; everything else (factory

@@ -1,4 +1,12 @@
-"""TODO"""
+"""Views and in-place view ops of deferred tensors: where aliasing between tensors is decided.
+
+A view (``view``, ``t``, slicing) is not recorded: :func:`record_view` gives a new
+``TensorRecord`` (geometry, dtype) over the input's ``StorageRecord``, so everything done
+through any view lands on the one storage. In-place view ops (``t_``, ``squeeze_``,
+``as_strided_``, ``set_``) give the same Python object new metadata (:func:`inplace_view`), and
+``t.data = x`` makes it stand for ``x`` (:func:`set_data`). (Outputs of recorded ops that alias
+an input are decided by ``record_op._wrap_outputs`` from the op's schema.)
+"""
 
 from __future__ import annotations
 

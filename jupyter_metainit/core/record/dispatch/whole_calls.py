@@ -1,4 +1,9 @@
-"""TODO"""
+"""Whole-call recording: a torch-level call recorded as one op.
+
+Some composite functions take another branch for tensor subclasses, which changes the last bits
+of their result (``SUBCLASS_SENSITIVE``); they are recorded as one call (:func:`record_call`)
+and replayed as one call on real tensors, so replay takes the branch eager code takes.
+"""
 
 from __future__ import annotations
 

@@ -1,0 +1,66 @@
+// GENERATED from jupyter_metainit/jupyter/row_schema.py; do not edit. Regenerate with
+// python -m jupyter_metainit.jupyter.row_schema > labextension/src/rows.ts
+
+/** A tree row's fields by position (ModuleTree.to_json). */
+export const ROW = {
+  parent: 0,
+  name: 1,
+  type: 2,
+  params: 3,
+  bytes: 4,
+  state: 5,
+  rep_i: 6,
+  rep_n: 7,
+  info: 8,
+  own: 9,
+  dtype: 10,
+  share_bytes: 11,
+  target: 12,
+  tied: 13,
+  source: 14,
+  values: 15,
+} as const;
+
+export type Row = [
+  parent: number,
+  name: string,
+  type: number,
+  params: number,
+  bytes: number,
+  state: string,
+  rep_i: number,
+  rep_n: number,
+  info: string,
+  own: number,
+  dtype?: string,
+  share_bytes?: number,
+  target?: string,
+  tied?: number[],
+  source?: string,
+  values?: string,
+];
+
+/** A patch row (a node whose statistics changed) by position. */
+export const PATCH = {
+  node: 0,
+  params: 1,
+  bytes: 2,
+  state: 3,
+  dtype: 4,
+  share_bytes: 5,
+  target: 6,
+  source: 7,
+  values: 8,
+} as const;
+
+export type PatchRow = [
+  node: number,
+  params: number,
+  bytes: number,
+  state: string,
+  dtype?: string,
+  share_bytes?: number,
+  target?: string,
+  source?: string,
+  values?: string,
+];
