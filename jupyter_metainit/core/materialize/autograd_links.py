@@ -25,7 +25,7 @@ import torch
 from jupyter_metainit.core.materialize.user_state import copy_user_attributes
 from jupyter_metainit.core.record.graph import OpRecord, StorageRecord
 from jupyter_metainit.core.record.tensor import DeferredTensor, grad_leaves
-from jupyter_metainit.core.replay.replay import Plan, _Run, plan, real_view
+from jupyter_metainit.core.replay import Plan, Run, plan, real_view
 from jupyter_metainit.core.runtime.plain import plain
 
 __all__ = ["link_non_leaves"]
@@ -147,7 +147,7 @@ def _replay_with_grad(
         needed |= {id(s) for s in op.reads if id(s) not in seeds}
     ops.reverse()
     p = Plan(ops, [t._rec.storage], dict(seeds), {}, full.allocate)
-    run = _Run(p, device, rng, None, None)
+    run = Run(p, device, rng, None, None)
     for i, op in enumerate(ops):
         run.run(i, op)
     return run.real(t._rec, run.op_device(ops[-1]) if ops else torch.device("cpu"))
@@ -160,7 +160,7 @@ def _where(t: DeferredTensor) -> str:
 
 def link_non_leaves(
     tensors: list[DeferredTensor], reals: list[torch.Tensor], device: torch.device | None,
-    rng: str,
+    rng: str | None,
 ) -> None:  # fmt: skip
     """Replace, in ``reals`` (the real tensors of ``tensors``, same order), those of recorded
     non-leaves by their linked versions, with the attributes set on them."""
@@ -169,6 +169,7 @@ def link_non_leaves(
         id(t._rec.storage): r for t, r in zip(tensors, reals, strict=True)
         if t.requires_grad and not _is_recorded_non_leaf(t)
     }  # fmt: skip
+    rng = rng or "exact"  # materialize's default: eager's draws
     for i, t in enumerate(tensors):
         if not _is_recorded_non_leaf(t):
             continue

@@ -15,11 +15,10 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core.materialize import shadows
+from jupyter_metainit.core.materialize.walk import local_tensor, unique_tensors
 from jupyter_metainit.core.record.files import read_file_bytes
 from jupyter_metainit.core.record.tensor import DeferredTensor
-from jupyter_metainit.core.replay.replay import plan
-from jupyter_metainit.core.runtime.dtensor import local_tensor
-from jupyter_metainit.core.runtime.walk import unique_tensors
+from jupyter_metainit.core.replay import plan
 
 __all__ = ["is_deferred", "iter_deferred", "tensor_source", "tensor_state", "tensor_values"]
 
