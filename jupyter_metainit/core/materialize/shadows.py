@@ -6,7 +6,8 @@ values again (fast draws, the device they were made on) and the user's hooks bac
 view of memory made real earlier becomes a view of that memory again (``realized``). All of it
 lives in side tables keyed weakly by the tensor object (whose identity materialize and
 dematerialize preserve), never on the tensor: ``torch.save`` and pickling write nothing of
-ours. :func:`clear_meta_init_cache` drops what can be dropped.
+ours. :func:`why_not_reproducible` says whether a shadow still gives a tensor's current values
+(checked before freeing it); :func:`clear_meta_init_cache` drops what can be dropped.
 """
 
 from __future__ import annotations
