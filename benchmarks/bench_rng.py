@@ -1,11 +1,11 @@
 """Jumping the CPU generator (MT19937) ahead: the time of one jump, by distance.
 
 Exact replay skips dead random writes and splits large fills across cores by jumping the
-generator's state ahead instead of drawing the skipped numbers. A jump costs a polynomial
-multiplication modulo MT19937's characteristic polynomial, so its time grows with the number of
-digits of the distance, not with the distance: drawing 10**11 numbers one by one takes hours.
-The first jump of a distance pays for its polynomial; a distance seen before (or one its digits
-were already jumped by) is cheap.
+generator's state ahead instead of drawing the skipped numbers. A jump applies a polynomial
+modulo MT19937's characteristic polynomial, so its time grows with the logarithm of the
+distance, not with the distance: drawing 10**11 numbers one by one takes hours. "first jump" is
+the first of that distance in the process (it includes one-off set-up: the first jump of all
+derives the characteristic polynomial); "again" repeats the same jump.
 
 Target: a jump of 10**11 in under 5 s, cold (the figure tests/test_mt19937.py used to assert).
 

@@ -17,7 +17,7 @@ import pytest
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jupyter_metainit"
 RESTRUCTURE = pytest.mark.xfail(strict=False, reason="issue 22 restructure in progress")
 # The core's stages, lowest first: a module imports its own folder, lower stages and core.errors.
-STAGES = ("runtime", "record", "rng", "replay", "materialize")
+STAGES = ("runtime", "rng", "record", "replay", "materialize")
 # What an upper layer (any top-level subpackage but core) may import from the core.
 CORE_FACE = {"jupyter_metainit.core", "jupyter_metainit.core.errors"}
 MAX_MODULE_LINES = 400
@@ -52,11 +52,39 @@ def test_layer_imports_point_downwards(layer):
                 assert target in ALLOWED[layer], f"{path.name} imports {mod}"
 
 
+def test_every_top_level_subpackage_says_which_layers_it_may_import():
+    # A new layer (plan, save, ...) is checked only once it is in ALLOWED.
+    subpackages = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
+    assert subpackages <= set(ALLOWED), f"add to ALLOWED: {sorted(subpackages - set(ALLOWED))}"
+
+
 def test_core_has_no_jupyter_or_pandas_imports():
     banned = {"IPython", "ipywidgets", "anywidget", "pandas", "jupyter_client", "traitlets"}
     for path in (PACKAGE / "core").rglob("*.py"):
         for mod in _imports(path):
             assert mod.split(".")[0] not in banned, f"{path.name} imports {mod}"
+
+
+def test_the_core_imports_torch_and_numpy_and_the_rest_only_when_used():
+    # What the README says: torch and numpy at import; safetensors (checkpoints) and tqdm
+    # (progress=True) only inside the functions that need them.
+    allowed = set(sys.stdlib_module_names) | {"torch", "numpy", "jupyter_metainit"}
+    when_used = {"safetensors", "tqdm"}
+    found = []
+    for path in (PACKAGE / "core").rglob("*.py"):
+        tree = ast.parse(path.read_text())
+        at_import = {id(node) for node in tree.body}
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names = [alias.name for alias in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+                names = [node.module]
+            else:
+                continue
+            for top in {name.split(".")[0] for name in names} - allowed:
+                if top not in when_used or id(node) in at_import:
+                    found.append(f"{path.relative_to(PACKAGE)} imports {top}")
+    assert not found, found
 
 
 def test_importing_the_package_loads_neither_pandas_nor_ipython():

@@ -168,7 +168,7 @@ def _materialize_now(
     new, fast = _real_tensors(call, loaded, aliased, values, how)
     del values
     # Non-leaves (``self.scaled = self.w * 2``, a forward's output) get eager's grad_fn.
-    link_non_leaves(call.tensors, new, call.device, call.rng)
+    link_non_leaves(call.tensors, new, call.device, call.rng or "exact")
     kept = [
         shadows.shadow_for(t, r, call.keep, sources[id(t)] == "checkpoint", file_reads.get(id(t)))
         for t, r in zip(call.tensors, new, strict=True)
