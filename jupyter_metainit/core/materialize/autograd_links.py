@@ -160,7 +160,7 @@ def _where(t: DeferredTensor) -> str:
 
 def link_non_leaves(
     tensors: list[DeferredTensor], reals: list[torch.Tensor], device: torch.device | None,
-    rng: str | None,
+    rng: str,
 ) -> None:  # fmt: skip
     """Replace, in ``reals`` (the real tensors of ``tensors``, same order), those of recorded
     non-leaves by their linked versions, with the attributes set on them."""
@@ -169,7 +169,6 @@ def link_non_leaves(
         id(t._rec.storage): r for t, r in zip(tensors, reals, strict=True)
         if t.requires_grad and not _is_recorded_non_leaf(t)
     }  # fmt: skip
-    rng = rng or "exact"  # materialize's default: eager's draws
     for i, t in enumerate(tensors):
         if not _is_recorded_non_leaf(t):
             continue
