@@ -38,9 +38,17 @@ from jupyter_metainit.core.materialize.queries import (
 from jupyter_metainit.core.materialize.shadows import clear_meta_init_cache
 from jupyter_metainit.core.materialize.skip_init import skip_init
 from jupyter_metainit.core.materialize.user_state import copy_user_attributes
+from jupyter_metainit.core.materialize.walk import (
+    counted_attributes,
+    local_tensor,
+    named_tensors,
+    own_tensors,
+    storage_of,
+    unique_tensors,
+)
 from jupyter_metainit.core.record.context import is_meta_init, meta_init
 from jupyter_metainit.core.record.tensor import DeferredTensor
-from jupyter_metainit.core.replay.replay import noting_whole_intermediates
+from jupyter_metainit.core.replay import noting_whole_intermediates
 from jupyter_metainit.core.runtime import events
 from jupyter_metainit.core.runtime.arguments import (
     dtype_name,
@@ -48,18 +56,10 @@ from jupyter_metainit.core.runtime.arguments import (
     parse_device,
     parse_dtype,
 )
-from jupyter_metainit.core.runtime.dtensor import local_tensor
 from jupyter_metainit.core.runtime.format import format_bytes, format_count, format_duration
 from jupyter_metainit.core.runtime.lock import busy_with
 from jupyter_metainit.core.runtime.memory import available_memory, is_out_of_memory
 from jupyter_metainit.core.runtime.plain import plain
-from jupyter_metainit.core.runtime.walk import (
-    counted_attributes,
-    named_tensors,
-    own_tensors,
-    storage_of,
-    unique_tensors,
-)
 
 __all__ = [
     "DeferredTensor",

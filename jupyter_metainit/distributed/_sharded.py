@@ -171,7 +171,7 @@ def materialize_sharded(
     for fp in _fsdp_params(module):
         # FSDP2 keeps the padded shard (the all-gather input) next to the parameter's local
         # tensor, a view of the same storage; both must become real together.
-        inner = [fp.sharded_param._local_tensor, getattr(fp, "_sharded_param_data", None)]
+        inner = [local_tensor(fp.sharded_param), getattr(fp, "_sharded_param_data", None)]
         inner = [t for t in inner if isinstance(t, DeferredTensor)]
         if inner:
             fsdp_params.append(fp)

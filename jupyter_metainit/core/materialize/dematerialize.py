@@ -24,12 +24,12 @@ from jupyter_metainit.core.materialize.queries import (
 )
 from jupyter_metainit.core.materialize.shadows import Shadow, freeable, why_not_reproducible
 from jupyter_metainit.core.materialize.user_state import UserState
+from jupyter_metainit.core.materialize.walk import named_tensors
 from jupyter_metainit.core.record.tensor import INTERNAL_ATTRS, DeferredTensor
 from jupyter_metainit.core.runtime import events
 from jupyter_metainit.core.runtime.interrupts import critical, handling_interrupts
 from jupyter_metainit.core.runtime.lock import exclusive
 from jupyter_metainit.core.runtime.swap import swap_in_place
-from jupyter_metainit.core.runtime.walk import named_tensors
 
 __all__ = ["dematerialize"]
 

@@ -38,9 +38,7 @@ __all__ = [
 RNG_MODES = ("exact", "fast")
 
 
-def check_arguments(
-    rng: str | None, missing: str, dtype: torch.dtype | None
-) -> None:  # fmt: skip
+def check_arguments(rng: str | None, missing: str, dtype: torch.dtype | None) -> None:
     """Refuse ``rng=``, ``missing=`` and ``dtype=`` values that make no sense."""
     if rng is not None and rng not in RNG_MODES:
         raise ValueError(f"rng must be 'exact', 'fast' or None (the default), not {rng!r}")
@@ -65,11 +63,12 @@ def target_device(device: Any) -> torch.device | None:
         )
     reason = missing_device_reason(d)
     if reason is not None:
-        hint = (
-            "" if d.type == "cuda" and torch.cuda.is_available()
-            else "; use device='cpu'" if d.type == "cuda"
-            else "; use 'cpu' or a CUDA device"
-        )  # fmt: skip
+        if d.type != "cuda":
+            hint = "; use 'cpu' or a CUDA device"
+        elif not torch.cuda.is_available():
+            hint = "; use device='cpu'"
+        else:  # an index past the last GPU: the reason lists the ones there are
+            hint = ""
         raise MaterializationError(f"cannot materialize to {device!r}: {reason}{hint}")
     if d.type == "cuda" and d.index is None:
         d = torch.device("cuda", torch.cuda.current_device())
@@ -102,6 +101,8 @@ def check_recorded_devices(tensors: list[DeferredTensor], what: str) -> None:
 
 
 def refuse_unmaterializable(collected: list[torch.Tensor], tensors: list) -> None:
+    """Refuse a lazy module's parameters (no shape yet) and tensors on PyTorch's meta device
+    (no recording of their values) among ``collected``; ``tensors`` are its deferred ones."""
     if any(is_uninitialized(t) for t in collected):
         raise MaterializationError(
             "a lazy module's parameters have no shape yet; run a forward pass on example inputs "

@@ -39,7 +39,7 @@ from jupyter_metainit.core.materialize.queries import (
 from jupyter_metainit.core.materialize.user_state import copy_user_attributes
 from jupyter_metainit.core.record.files import read_file_bytes
 from jupyter_metainit.core.record.tensor import SHARE_MEMORY_ATTR, DeferredTensor, as_parameter
-from jupyter_metainit.core.replay.replay import Plan, execute, plan, real_view
+from jupyter_metainit.core.replay import Plan, execute, plan, real_view
 from jupyter_metainit.core.runtime import events
 from jupyter_metainit.core.runtime.interrupts import critical, handling_interrupts
 from jupyter_metainit.core.runtime.lock import exclusive

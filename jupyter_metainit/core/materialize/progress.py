@@ -16,7 +16,7 @@ import torch
 
 from jupyter_metainit.core.record.graph import StorageRecord
 from jupyter_metainit.core.record.tensor import DeferredTensor
-from jupyter_metainit.core.replay.replay import Progress
+from jupyter_metainit.core.replay import Progress
 
 __all__ = ["MemoryProgress", "progress_callback", "storage_sizes"]
 

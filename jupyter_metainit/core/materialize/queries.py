@@ -15,11 +15,10 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core.materialize import shadows
+from jupyter_metainit.core.materialize.walk import local_tensor, unique_tensors
 from jupyter_metainit.core.record.files import read_file_bytes
 from jupyter_metainit.core.record.tensor import DeferredTensor
-from jupyter_metainit.core.replay.replay import plan
-from jupyter_metainit.core.runtime.dtensor import local_tensor
-from jupyter_metainit.core.runtime.walk import unique_tensors
+from jupyter_metainit.core.replay import plan
 
 __all__ = ["is_deferred", "iter_deferred", "tensor_source", "tensor_state", "tensor_values"]
 
@@ -28,7 +27,7 @@ def is_deferred(obj: Any) -> bool:
     """True for a deferred tensor, or a module with at least one deferred parameter, buffer or
     tensor attribute (also one kept in a dict, list or tuple attribute)."""
     if isinstance(obj, torch.Tensor):
-        return isinstance(deferred_local(obj), DeferredTensor) or is_uninitialized(obj)
+        return isinstance(_deferred_local(obj), DeferredTensor) or is_uninitialized(obj)
     if isinstance(obj, torch.nn.Module):
         return any(is_deferred(t) for t in _module_tensors(obj))
     if isinstance(obj, (list, tuple, set, frozenset, ValuesView, Iterator)):
@@ -42,7 +41,7 @@ def tensor_state(t: torch.Tensor) -> str:
     parameter before its first forward pass), or the device of a real tensor (``"cpu"``)."""
     if is_uninitialized(t):
         return "uninitialized"
-    if isinstance(deferred_local(t), DeferredTensor):
+    if isinstance(_deferred_local(t), DeferredTensor):
         return "deferred"
     if t.is_meta:
         return "meta"
@@ -53,7 +52,7 @@ def tensor_values(t: torch.Tensor) -> str:
     """Whether a real tensor's values are eager's: ``"exact"``, or ``"fast"`` when random ops
     were replayed with ``rng="fast"`` (deterministic, but not what eager construction gives).
     ``""`` for a tensor with no values (deferred, meta, lazy)."""
-    if is_uninitialized(t) or t.is_meta or isinstance(deferred_local(t), DeferredTensor):
+    if is_uninitialized(t) or t.is_meta or isinstance(_deferred_local(t), DeferredTensor):
         return ""
     return "fast" if t in shadows.fast_values else "exact"
 
@@ -62,7 +61,7 @@ def tensor_source(t: torch.Tensor) -> str:
     """Where a tensor's values come from: ``"checkpoint"`` (read from a file, perhaps
     converted), ``"init"`` (computed by the model's code) or ``""`` (not known: a tensor that
     was never deferred, or a meta/lazy one)."""
-    local = deferred_local(t)
+    local = _deferred_local(t)
     if isinstance(local, DeferredTensor):
         ops = plan([local._rec]).ops
         from_file = any(op.func is read_file_bytes for op in ops)
@@ -75,7 +74,7 @@ def is_uninitialized(t: torch.Tensor) -> bool:
     return isinstance(t, torch.nn.parameter.UninitializedTensorMixin)
 
 
-def deferred_local(t: torch.Tensor) -> torch.Tensor:
+def _deferred_local(t: torch.Tensor) -> torch.Tensor:
     """A sharded tensor's (DTensor's) deferred local shard, else ``t`` itself: materializing
     that local tensor in place materializes the shard."""
     if isinstance(t, DeferredTensor):
@@ -91,7 +90,7 @@ def _module_tensors(module: torch.nn.Module) -> list[torch.Tensor]:
     """
     seen: dict[int, torch.Tensor] = {}
     for t in unique_tensors(module, attributes=True):
-        local = deferred_local(t)
+        local = _deferred_local(t)
         seen.setdefault(id(local), local)
     return list(seen.values())
 
@@ -108,7 +107,7 @@ def collect(obj: Any, verb: str = "materialize") -> list[torch.Tensor]:
     """The tensor objects ``obj`` names, each once; anything else is a ``TypeError`` that says
     what ``verb()`` takes."""
     if isinstance(obj, torch.Tensor):
-        return [deferred_local(obj)]
+        return [_deferred_local(obj)]
     if isinstance(obj, torch.nn.Module):
         return _module_tensors(obj)
     if isinstance(obj, (list, tuple, set, frozenset, ValuesView)):

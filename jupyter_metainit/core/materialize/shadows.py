@@ -6,7 +6,8 @@ values again (fast draws, the device they were made on) and the user's hooks bac
 view of memory made real earlier becomes a view of that memory again (``realized``). All of it
 lives in side tables keyed weakly by the tensor object (whose identity materialize and
 dematerialize preserve), never on the tensor: ``torch.save`` and pickling write nothing of
-ours. :func:`clear_meta_init_cache` drops what can be dropped.
+ours. :func:`why_not_reproducible` says whether a shadow still gives a tensor's current values
+(checked before freeing it); :func:`clear_meta_init_cache` drops what can be dropped.
 """
 
 from __future__ import annotations
@@ -19,16 +20,15 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from jupyter_metainit.core.errors import MaterializationError
 from jupyter_metainit.core.materialize.digest import digest
+from jupyter_metainit.core.materialize.walk import local_tensor, materialized_sources
 from jupyter_metainit.core.record.files import read_file_bytes
 from jupyter_metainit.core.record.graph import External, StorageRecord, TensorRecord
 from jupyter_metainit.core.record.tensor import DeferredTensor
-from jupyter_metainit.core.replay.replay import compute_values, plan
+from jupyter_metainit.core.replay import compute_values, plan
 from jupyter_metainit.core.replay.values import value_cache
 from jupyter_metainit.core.rng import streams as _rng
-from jupyter_metainit.core.runtime.dtensor import local_tensor
 from jupyter_metainit.core.runtime.plain import plain
 from jupyter_metainit.core.runtime.swap import swap_in_place
-from jupyter_metainit.core.runtime.walk import materialized_sources
 
 __all__ = ["clear_meta_init_cache"]
 

@@ -303,4 +303,4 @@ def read_file_bytes(region: FileRegion) -> torch.Tensor:
     return out
 
 
-read_file_bytes.host_op = True  # type: ignore[attr-defined]  # runs on the CPU (see replay/replay)
+read_file_bytes.host_op = True  # type: ignore[attr-defined]  # runs on the CPU (see replay/run)
