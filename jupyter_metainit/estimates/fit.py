@@ -79,7 +79,7 @@ def _model_from_path(path: str) -> nn.Module:
             "(with a config.json), a hub name such as 'meta-llama/Llama-3.1-8B', or the model "
             "object"
         )
-    import transformers
+    import transformers  # optional: only hub names and model folders need it
 
     config = transformers.AutoConfig.from_pretrained(path)
     arch = (getattr(config, "architectures", None) or [None])[0]

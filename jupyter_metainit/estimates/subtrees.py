@@ -2,10 +2,10 @@
 
 The one tie-aware aggregator. A tied weight (``lm_head.weight is embed.weight``) or a submodule
 reachable by two paths is held by several modules; every subtree that holds it, through one
-holder or several, counts it exactly once. :func:`~jupyter_metainit.estimates.memory_table` and
-the widget's tree (``jupyter/_tree.py``) both add up their columns here, so the table and the
-tree can never disagree on what a subtree holds. Callers say what each tensor is worth (bytes,
-parameters, a state label); this module only decides which subtrees count it.
+holder or several, counts it exactly once. :func:`~jupyter_metainit.estimates.memory_table`
+and the widget's tree (``jupyter/module_tree.py``) both add up their columns here, so the table
+and the tree can never disagree on what a subtree holds. Callers say what each tensor is worth
+(bytes, parameters, a state label); this module only decides which subtrees count it.
 """
 
 from __future__ import annotations

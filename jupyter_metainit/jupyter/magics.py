@@ -22,7 +22,6 @@ from torch import nn
 
 from jupyter_metainit.core import dematerialize, format_duration, materialize, meta_init
 from jupyter_metainit.core.errors import MetaInitError
-from jupyter_metainit.jupyter._cells import watch_cells
 from jupyter_metainit.jupyter.cell_models import (
     is_set_up,
     new_bindings,
@@ -35,6 +34,7 @@ from jupyter_metainit.jupyter.cell_runner import (
     run_cell_body,
     uninstall_short_tracebacks,
 )
+from jupyter_metainit.jupyter.cell_watch import watch_cells
 from jupyter_metainit.jupyter.magic_options import (
     parse_depth,
     parse_device,

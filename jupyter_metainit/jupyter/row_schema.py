@@ -87,6 +87,15 @@ def _ts_positions(fields: tuple[str, ...]) -> str:
     return "{\n" + "".join(f"  {name}: {i},\n" for i, name in enumerate(fields)) + "} as const"
 
 
+def _ts_fields(fields: tuple[str, ...], first_optional: str) -> str:
+    optional = False
+    parts = []
+    for name in fields:
+        optional = optional or name == first_optional
+        parts.append(f"  {name}{'?' if optional else ''}: {_ROW_TYPES[name]};\n")
+    return "{\n" + "".join(parts) + "}"
+
+
 def typescript_source() -> str:
     """The text of ``labextension/src/rows.ts``: the same positions and types, for the page."""
     return (
@@ -95,6 +104,12 @@ def typescript_source() -> str:
         "/** A tree row's fields by position (ModuleTree.to_json). */\n"
         f"export const ROW = {_ts_positions(ROW_FIELDS)};\n\n"
         f"export type Row = {_ts_tuple(ROW_FIELDS, _FIRST_OPTIONAL)};\n\n"
+        "/** A tree row's fields by name (what rowOf takes). */\n"
+        f"export interface RowFields {_ts_fields(ROW_FIELDS, _FIRST_OPTIONAL)}\n\n"
+        "/** A tree row from its fields by name, in the kernel's positions. */\n"
+        "export function rowOf(f: RowFields): Row {\n"
+        f"  return [{', '.join('f.' + name for name in ROW_FIELDS)}];\n"
+        "}\n\n"
         "/** A patch row (a node whose statistics changed) by position. */\n"
         f"export const PATCH = {_ts_positions(PATCH_FIELDS)};\n\n"
         f"export type PatchRow = {_ts_tuple(PATCH_FIELDS, _FIRST_OPTIONAL_PATCH)};\n"

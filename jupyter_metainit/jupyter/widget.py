@@ -27,8 +27,8 @@ from torch import nn
 
 from jupyter_metainit.core import events, format_bytes, format_count, parse_dtype
 from jupyter_metainit.estimates import memory_table
-from jupyter_metainit.jupyter._cells import watch_cells
-from jupyter_metainit.jupyter._tree import ModelGoneError, ModuleTree
+from jupyter_metainit.jupyter.cell_watch import watch_cells
+from jupyter_metainit.jupyter.module_tree import ModelGoneError, ModuleTree
 from jupyter_metainit.jupyter.tree_widget.actions import TreeActions
 from jupyter_metainit.jupyter.tree_widget.devices import fit_per_device, visible_cuda_devices
 from jupyter_metainit.jupyter.tree_widget.following import FollowsModel

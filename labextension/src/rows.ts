@@ -40,6 +40,31 @@ export type Row = [
   values?: string,
 ];
 
+/** A tree row's fields by name (what rowOf takes). */
+export interface RowFields {
+  parent: number;
+  name: string;
+  type: number;
+  params: number;
+  bytes: number;
+  state: string;
+  rep_i: number;
+  rep_n: number;
+  info: string;
+  own: number;
+  dtype?: string;
+  share_bytes?: number;
+  target?: string;
+  tied?: number[];
+  source?: string;
+  values?: string;
+}
+
+/** A tree row from its fields by name, in the kernel's positions. */
+export function rowOf(f: RowFields): Row {
+  return [f.parent, f.name, f.type, f.params, f.bytes, f.state, f.rep_i, f.rep_n, f.info, f.own, f.dtype, f.share_bytes, f.target, f.tied, f.source, f.values];
+}
+
 /** A patch row (a node whose statistics changed) by position. */
 export const PATCH = {
   node: 0,

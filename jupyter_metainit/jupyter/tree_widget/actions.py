@@ -24,7 +24,7 @@ from jupyter_metainit.core import (
     tensor_values,
     unique_tensors,
 )
-from jupyter_metainit.jupyter._cells import cells as _cells
+from jupyter_metainit.jupyter.cell_watch import cells as _cells
 from jupyter_metainit.jupyter.tree_widget.wording import (
     MODEL_GONE,
     failure_in_words,

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core import local_tensor, unique_tensors
-from jupyter_metainit.jupyter._tree import NodeStats
+from jupyter_metainit.jupyter.module_tree import NodeStats
 from jupyter_metainit.jupyter.row_schema import ROW, STATS_FIELDS
 from jupyter_metainit.jupyter.tree_widget.wording import MODEL_GONE
 
