@@ -38,8 +38,9 @@ class Load:
 
     Inference: weights + cache + the largest transient. Training, per step: weights and
     optimizer states stay; going backward through part k the device holds the saved
-    activations of its parts up to k, the gradients of its parts from k on, and k's working
-    set: ``max_k (saved[<=k] + grads[>=k] + transient[k])``; the optimizer step then holds
+    activations of its parts up to k, the gradients of its parts after k, and k's working set
+    or its gradients, whichever is larger:
+    ``max_k (saved[<=k] + grads[>k] + max(transient[k], grads[k]))``; the optimizer step holds
     every gradient plus the update's temporaries (``foreach``: for all parameters at once, as
     torch's optimizers do on accelerators; else for one tensor at a time, as on the CPU).
     """
@@ -54,7 +55,7 @@ class Load:
         self.weights = self.cache = self.transient = 0
         self.grads = self.states = self.saved = 0
         self.step_all = self.step_one = 0
-        self.backward = 0  # max_k (saved[<=k] - grads[<k] + transient[k])
+        self.backward = 0  # max_k (saved[<=k] - grads[<=k] + max(transient[k], grads[k]))
 
     def add(self, c: Costs) -> None:
         self.weights += c.weights
@@ -62,7 +63,9 @@ class Load:
         self.transient = max(self.transient, c.transient)
         if self.training:
             self.saved += c.saved
-            self.backward = max(self.backward, self.saved - self.grads + c.transient)
+            # Its weights' gradients are made as its working set is released: the larger counts.
+            working = max(c.transient, c.grads)
+            self.backward = max(self.backward, self.saved - self.grads - c.grads + working)
             self.grads += c.grads
             self.states += c.states
             self.step_all += c.step_all

@@ -20,6 +20,8 @@ from typing import Any
 import torch
 from torch import nn
 from torch.func import functional_call
+from torch.nn import functional as F
+from torch.overrides import TorchFunctionMode
 
 from jupyter_metainit.estimates import dry_run
 from jupyter_metainit.plan.parts import Part
@@ -151,6 +153,33 @@ def _on_meta(spec: Any, grad: bool) -> Any:
     return spec
 
 
+class _FusedAttention(TorchFunctionMode):
+    """Attention as the fused kernels run it (what CUDA's flash/efficient kernels and the CPU's
+    flash kernel save for backward: inputs, output, log-sum-exp), not the meta device's
+    decomposition into matmul and softmax, which would also keep the attention matrix."""
+
+    _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        if func is not F.scaled_dot_product_attention or self._FLASH is None:
+            return func(*args, **kwargs)
+        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
+                 "enable_gqa")  # fmt: skip
+        bound = dict(zip(names, args, strict=False)) | kwargs
+        # Grouped-query attention: the kernels read the shared key/value heads as they are.
+        out, _ = self._FLASH(
+            bound["query"],
+            bound["key"],
+            bound["value"],
+            bound.get("dropout_p", 0.0),
+            bound.get("is_causal", False),
+            attn_mask=bound.get("attn_mask"),
+            scale=bound.get("scale"),
+        )
+        return out
+
+
 def _saved_bytes(module: nn.Module, args: Any, kwargs: Any) -> int:
     """Bytes autograd saves for the backward of one forward of ``module`` on meta tensors:
     each storage once, weights and buffers not counted (they are the part's own memory)."""
@@ -172,7 +201,8 @@ def _saved_bytes(module: nn.Module, args: Any, kwargs: Any) -> int:
             storages[storage._cdata] = storage.nbytes()
         return t
 
-    with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
+    with torch.enable_grad(), hooks, _FusedAttention():
         out = functional_call(module, stand_ins, _on_meta(args, True), _on_meta(kwargs, False),
                               strict=False)  # fmt: skip
     del out
@@ -246,13 +276,15 @@ def measure(model: nn.Module, parts: list[Part], *, training: bool, inputs: tupl
         name = ranked[-1].name
         activity.transient[name] = max(activity.transient[name], root_peak - before)
     if training:
-        _measure_saved(parts, specs, activity)
+        _measure_saved(parts, specs, activity, max(0, outside))
     activity.dtype = _activation_dtype(model)
     activity.seconds = time.perf_counter() - start
     return activity
 
 
-def _measure_saved(parts: list[Part], specs: dict[str, tuple], activity: Activity) -> None:
+def _measure_saved(
+    parts: list[Part], specs: dict[str, tuple], activity: Activity, outside: int
+) -> None:
     measured: dict[str, int] = {}
     for part in parts:
         if part.name not in specs:
@@ -273,10 +305,10 @@ def _measure_saved(parts: list[Part], specs: dict[str, tuple], activity: Activit
         activity.saved[part.name] = saved
         if part.group:
             measured[part.group] = saved
-    # The model's own code outside the parts (the loss) keeps what it computed for backward.
+    # The model's own code after the parts (a loss on the logits) keeps what it adds to the
+    # peak for backward (cross-entropy's log-softmax).
     if activity.order:
-        last = activity.order[-1]
-        activity.saved[last] = max(activity.saved[last], activity.transient[last])
+        activity.saved[activity.order[-1]] += outside
 
 
 def _activation_dtype(model: nn.Module) -> torch.dtype:
