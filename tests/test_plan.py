@@ -200,3 +200,37 @@ def test_a_mistake_is_a_clear_error_that_says_what_to_do(llama, devices, pin, wo
 def test_a_missing_workload_says_to_give_seq_len_or_inputs(llama):
     with pytest.raises(ValueError, match="seq_len="):
         place(llama, FOUR)
+
+
+def _measured_peak(model, ids, training):
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    if not training:
+        model.eval()
+        tracker.track_external(model)
+        with tracker, torch.no_grad():
+            model(ids, use_cache=True)
+    else:
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters())
+        tracker.track_external(model, optimizer)
+        with tracker:
+            for step in range(2):  # the second step: optimizer states exist, as in every later one
+                model(ids, labels=ids).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                if step == 0:
+                    tracker.reset_mod_stats()
+    return max(int(stats["Total"]) for stats in tracker.get_tracker_snapshot("peak").values())
+
+
+@pytest.mark.parametrize("training", [False, True], ids=["inference", "training"])
+def test_the_predicted_peak_is_within_5_percent_of_a_real_run_on_the_cpu(training):
+    from jupyter_metainit import materialize
+
+    model = _llama(hidden_size=128, intermediate_size=256, num_attention_heads=4)
+    predicted = place(model, {"cpu": "1GiB"}, batch=4, seq_len=64, training=training).peak["cpu"]
+    materialize(model)
+    measured = _measured_peak(model, torch.randint(0, 1000, (4, 64)), training)
+    assert predicted == pytest.approx(measured, rel=0.05)
