@@ -58,16 +58,16 @@ def _deferred(config: dict[str, Any]) -> Any:
 
 
 def plan_time(config: dict[str, Any], gpus: int, batch: int, seq_len: int) -> dict[str, Any]:
-    """``place`` over ``gpus`` x 80 GiB: first call (measures) and a re-plan (reuses)."""
+    """``place`` over ``gpus`` x 80 GiB in bf16: first call (measures) and a re-plan (reuses)."""
     from jupyter_metainit import place
 
     model = _deferred(config)
     devices = {f"cuda:{i}": 80 * GiB for i in range(gpus)}
     start = time.perf_counter()
-    first = place(model, devices, batch=batch, seq_len=seq_len)
+    first = place(model, devices, batch=batch, seq_len=seq_len, precision="bf16")
     first_seconds = time.perf_counter() - start
     start = time.perf_counter()
-    plan = place(model, devices, batch=batch, seq_len=seq_len)
+    plan = place(model, devices, batch=batch, seq_len=seq_len, precision="bf16")
     seconds = time.perf_counter() - start
     return {
         "seconds": seconds,
@@ -80,29 +80,38 @@ def plan_time(config: dict[str, Any], gpus: int, batch: int, seq_len: int) -> di
 
 
 def accelerate_time(config: dict[str, Any], gpus: int, batch: int, seq_len: int) -> dict:
-    """``infer_auto_device_map`` with the same budgets; its map judged by ``place``'s costs."""
+    """``infer_auto_device_map`` (bf16) with the same budgets; its map's peaks by ``place``'s
+    per-part costs (weights, cache, activations) for the same workload."""
+    import torch
     from accelerate import infer_auto_device_map
 
     from jupyter_metainit import place
+    from jupyter_metainit.plan.partition import Load
 
     model = _deferred(config)
     budgets = {i: 80 * GiB for i in range(gpus)}
     start = time.perf_counter()
-    device_map = infer_auto_device_map(model, max_memory=budgets,
-                                       no_split_module_classes=["LlamaDecoderLayer"])  # fmt: skip
+    device_map = infer_auto_device_map(
+        model, max_memory=budgets, no_split_module_classes=["LlamaDecoderLayer"],
+        dtype=torch.bfloat16,
+    )  # fmt: skip
     seconds = time.perf_counter() - start
-    # The workload on accelerate's map: pin every part where accelerate put it.
-    devices = {f"cuda:{i}": 80 * GiB for i in range(gpus)}
-    pins = {name: f"cuda:{d}" if isinstance(d, int) else d for name, d in device_map.items()}
-    if any(d not in devices for d in pins.values()):
-        return {"seconds": seconds, "balance": None, "fits": False, "offloaded": True}
-    judged = place(model, devices, batch=batch, seq_len=seq_len, pin=_pins(model, pins))
-    return {"seconds": seconds, "balance": judged.balance, "fits": judged.fits,
-            "peak": max(judged.peak.values())}  # fmt: skip
-
-
-def _pins(model: Any, device_map: dict[str, str]) -> dict[str, str]:
-    return {name: device for name, device in device_map.items() if name}
+    costs = place(model, {"cpu": 1 << 50}, batch=batch, seq_len=seq_len, precision="bf16")
+    loads: dict[str, Load] = {}
+    for name, _, _, part in costs.parts:  # in execution order
+        key = max((k for k in device_map if k == "" or name == k or name.startswith(k + ".")),
+                  key=len)  # fmt: skip
+        device = device_map[key]
+        loads.setdefault(f"cuda:{device}" if isinstance(device, int) else device, Load(False))
+        loads[f"cuda:{device}" if isinstance(device, int) else device].add(part)
+    peaks = {d: load.peak for d, load in loads.items()}
+    used = [p / (80 * GiB) for p in peaks.values()]
+    return {
+        "seconds": seconds,
+        "balance": max(used) / (sum(used) / len(used)),
+        "fits": all(d.startswith("cuda") and p <= 80 * GiB for d, p in peaks.items()),
+        "peak": max(peaks.values()),
+    }
 
 
 def measured_peak(config: dict[str, Any], batch: int, seq_len: int, training: bool) -> dict:
