@@ -28,7 +28,8 @@ ALLOWED = {
     "core": {"core"},
     "estimates": {"core", "estimates"},
     "distributed": {"core", "distributed"},
-    "jupyter": {"core", "estimates", "jupyter"},
+    "plan": {"core", "estimates", "plan"},
+    "jupyter": {"core", "estimates", "plan", "jupyter"},
 }
 
 

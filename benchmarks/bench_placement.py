@@ -1,0 +1,213 @@
+"""Placement plans: planning time, balance and fit against accelerate; predicted vs real peaks.
+
+Three tables, each measurement in a fresh process:
+
+1. Planning a Llama-3-70B-shaped deferred model over 2, 4 and 8 x 80 GiB: ``place`` (the first
+   call, which runs the dry run of the workload, and a re-plan that reuses it) against
+   ``accelerate.infer_auto_device_map``; balance (most loaded device / mean, by the plan's own
+   predicted peaks) and whether the workload (batch 8, seq 4096 inference) fits by
+   ``place``'s prediction.
+2. Predicted against measured peak on the CPU: a ~0.3 B Llama (fp32), batch 4, seq 512,
+   inference with the cache and one AdamW training step. The measured peak is PyTorch's own
+   ``torch.distributed._tools.mem_tracker.MemTracker`` (live storage bytes of parameters,
+   buffers, gradients, optimizer states, activations and temporaries, by a dispatch mode and
+   weak references), on the real model materialized from the same deferred one; the second
+   training step is measured (the optimizer states exist then, as in every later step).
+
+    .venv/bin/python benchmarks/bench_placement.py            # full (~3 min on 2 cores)
+    .venv/bin/python benchmarks/bench_placement.py --quick    # smoke run, small models
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from _common import (
+    LLAMA_70B,
+    base_parser,
+    child_main,
+    environment_line,
+    fmt_mb,
+    fmt_s,
+    llama_config,
+    print_errors,
+    print_table,
+    run_children,
+    verdict,
+)
+
+GiB = 1 << 30
+SMALL_LLAMA = dict(
+    hidden_size=1024,
+    intermediate_size=2816,
+    num_hidden_layers=24,
+    num_attention_heads=16,
+    num_key_value_heads=4,
+    vocab_size=32000,
+)
+
+
+def _deferred(config: dict[str, Any]) -> Any:
+    import transformers
+
+    from jupyter_metainit import meta_init
+
+    with meta_init():
+        return transformers.LlamaForCausalLM(llama_config(**config))
+
+
+def plan_time(config: dict[str, Any], gpus: int, batch: int, seq_len: int) -> dict[str, Any]:
+    """``place`` over ``gpus`` x 80 GiB in bf16: first call (measures) and a re-plan (reuses)."""
+    from jupyter_metainit import place
+
+    model = _deferred(config)
+    devices = {f"cuda:{i}": 80 * GiB for i in range(gpus)}
+    start = time.perf_counter()
+    first = place(model, devices, batch=batch, seq_len=seq_len, precision="bf16")
+    first_seconds = time.perf_counter() - start
+    start = time.perf_counter()
+    plan = place(model, devices, batch=batch, seq_len=seq_len, precision="bf16")
+    seconds = time.perf_counter() - start
+    return {
+        "seconds": seconds,
+        "first_seconds": first_seconds,
+        "measure_seconds": first.measure_seconds,
+        "balance": plan.balance,
+        "fits": plan.fits,
+        "peak": max(plan.peak.values()),
+    }
+
+
+def accelerate_time(config: dict[str, Any], gpus: int, batch: int, seq_len: int) -> dict:
+    """``infer_auto_device_map`` (bf16) with the same budgets; its map's peaks by ``place``'s
+    per-part costs (weights, cache, activations) for the same workload."""
+    import torch
+    from accelerate import infer_auto_device_map
+
+    from jupyter_metainit import place
+    from jupyter_metainit.plan.partition import Load
+
+    model = _deferred(config)
+    budgets = {i: 80 * GiB for i in range(gpus)}
+    start = time.perf_counter()
+    device_map = infer_auto_device_map(
+        model, max_memory=budgets, no_split_module_classes=["LlamaDecoderLayer"],
+        dtype=torch.bfloat16,
+    )  # fmt: skip
+    seconds = time.perf_counter() - start
+    costs = place(model, {"cpu": 1 << 50}, batch=batch, seq_len=seq_len, precision="bf16")
+    loads: dict[str, Load] = {}
+    for name, _, _, part in costs.parts:  # in execution order
+        key = max((k for k in device_map if k == "" or name == k or name.startswith(k + ".")),
+                  key=len)  # fmt: skip
+        device = device_map[key]
+        loads.setdefault(f"cuda:{device}" if isinstance(device, int) else device, Load(False))
+        loads[f"cuda:{device}" if isinstance(device, int) else device].add(part)
+    peaks = {d: load.peak for d, load in loads.items()}
+    used = [p / (80 * GiB) for p in peaks.values()]
+    return {
+        "seconds": seconds,
+        "balance": max(used) / (sum(used) / len(used)),
+        "fits": all(d.startswith("cuda") and p <= 80 * GiB for d, p in peaks.items()),
+        "peak": max(peaks.values()),
+    }
+
+
+def measured_peak(config: dict[str, Any], batch: int, seq_len: int, training: bool) -> dict:
+    """Predicted (place on one CPU device) and measured (MemTracker) peak of the workload."""
+    import torch
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from jupyter_metainit import materialize, place
+
+    torch.manual_seed(0)
+    model = _deferred(config)
+    plan = place(model, {"cpu": 64 * GiB}, batch=batch, seq_len=seq_len, training=training)
+    materialize(model)
+    ids = torch.randint(0, config["vocab_size"], (batch, seq_len))
+    tracker = MemTracker()
+    if training:
+        model.train()
+        optimizer = torch.optim.AdamW(model.parameters())
+        tracker.track_external(model, optimizer)
+        with tracker:
+            for step in range(2):
+                model(ids, labels=ids).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                if step == 0:
+                    tracker.reset_mod_stats()
+    else:
+        model.eval()
+        tracker.track_external(model)
+        with tracker, torch.no_grad():
+            model(ids, use_cache=True)
+    peak = tracker.get_tracker_snapshot("peak")
+    measured = max(int(stats["Total"]) for stats in peak.values())
+    return {"predicted": plan.peak["cpu"], "measured": measured}
+
+
+MEASUREMENTS = {
+    "plan_time": plan_time,
+    "accelerate_time": accelerate_time,
+    "measured_peak": measured_peak,
+}
+
+
+def main() -> None:
+    child_main(MEASUREMENTS)
+    args = base_parser(__doc__.splitlines()[0]).parse_args()
+    big, small = dict(LLAMA_70B), dict(SMALL_LLAMA)
+    batch, seq_len, gpu_counts = 8, 4096, (2, 4, 8)
+    if args.quick:
+        big.update(num_hidden_layers=4, vocab_size=1024)
+        small.update(num_hidden_layers=2, hidden_size=256, intermediate_size=512, vocab_size=1024)
+        seq_len, gpu_counts = 512, (2, 8)
+    print("# bench_placement: place() against accelerate.infer_auto_device_map; real peaks")
+    print(f"{environment_line()}; 70B-shaped config {big}; inference batch {batch} x {seq_len}")
+    jobs: list[tuple[str, dict[str, Any]]] = []
+    for gpus in gpu_counts:
+        params = {"config": big, "gpus": gpus, "batch": batch, "seq_len": seq_len}
+        jobs += [("plan_time", params), ("accelerate_time", params)]
+    for training in (False, True):
+        jobs.append(("measured_peak", {"config": small, "batch": 4, "seq_len": 512,
+                                       "training": training}))  # fmt: skip
+    results = run_children(__file__, jobs, separate=not args.quick)
+    rows, named = [], {}
+    for k, gpus in enumerate(gpu_counts):
+        ours, theirs = results[2 * k], results[2 * k + 1]
+        named[f"place {gpus} GPUs"], named[f"accelerate {gpus} GPUs"] = ours, theirs
+        for label, r in ((f"place, {gpus} x 80 GiB", ours), (f"accelerate, {gpus} x 80 GiB",
+                                                              theirs)):  # fmt: skip
+            if "error" in r:
+                rows.append([label, "n/a", "n/a", "n/a", "n/a"])
+                continue
+            first = f" (first call {fmt_s(r['first_seconds'])})" if "first_seconds" in r else ""
+            balance = "n/a" if r.get("balance") is None else f"{r['balance']:.3f}"
+            rows.append([label, fmt_s(r["seconds"]) + first, balance,
+                         fmt_mb(r.get("peak")), verdict(r["fits"])])  # fmt: skip
+    print_table(
+        "Planning a 70B over 80 GiB GPUs (inference, batch 8 x seq 4096, predicted by place)",
+        ["planner", "time", "balance (max/mean)", "largest device peak", "fits"],
+        rows,
+    )
+    rows = []
+    for k, label in enumerate(("inference (cache)", "training step (AdamW)")):
+        r = results[2 * len(gpu_counts) + k]
+        named[f"peak {label}"] = r
+        if "error" in r:
+            rows.append([label, "n/a", "n/a", "n/a"])
+            continue
+        error = r["predicted"] / r["measured"] - 1
+        rows.append([label, fmt_mb(r["predicted"]), fmt_mb(r["measured"]), f"{error:+.1%}"])
+    print_table(
+        "Predicted against measured peak, ~0.3 B Llama fp32 on the CPU, batch 4 x seq 512",
+        ["workload", "predicted (place)", "measured (MemTracker)", "error"],
+        rows,
+    )
+    print_errors(named)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,79 @@
+"""The FSDP2 strategy: which modules become ``fully_shard`` units and each rank's peak.
+
+Every rank holds ``1/world_size`` of the weights, gradients and optimizer states; a unit's
+weights are all-gathered whole while it runs. By default the units are the repeated blocks
+(decoder layers), then the root, which holds everything else, as PyTorch's FSDP2 examples
+shard a transformer.
+
+Per rank, training: the shards (weights, optimizer states, gradients), the root unit's weights
+unsharded, the largest block unit unsharded twice (the one running and the one prefetched) plus
+its unsharded gradients before they are reduce-scattered, the activations saved for backward at
+the per-rank batch and the largest working set; the optimizer step adds its temporaries for the
+rank's shards. Inference: the shards, the unsharded root and two block units, the cache and the
+largest working set.
+
+Not modelled: communication time and its buffers (NCCL's, the all-gather's staging copies),
+``MixedPrecisionPolicy`` (all-gathering in another dtype than the weights are stored in),
+``reshard_after_forward=False`` and other per-unit choices, activation checkpointing, padding
+of uneven shards, and that buffers are replicated rather than sharded (counted as sharded).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from jupyter_metainit.plan.partition import Costs
+from jupyter_metainit.plan.parts import Part
+from jupyter_metainit.plan.precision import Convention
+from jupyter_metainit.plan.result import Placement
+from jupyter_metainit.plan.workload import Activity
+
+__all__ = ["plan_fsdp"]
+
+PREFETCH = 2  # units unsharded at once: the one running and the next, prefetched
+
+
+def _units(parts: list[Part]) -> list[str]:
+    """The repeated blocks, innermost first in module order, then the root."""
+    return [p.name for p in parts if p.group and p.name] + [""]
+
+
+def plan_fsdp(model: nn.Module, parts: list[Part], activity: Activity, devices: dict[str, int],
+              own: dict[str, Costs], conv: Convention, world_size: int | None,
+              training: bool) -> Placement:  # fmt: skip
+    """Each rank's predicted peak with the repeated blocks as ``fully_shard`` units."""
+    if world_size is None:
+        world_size = len(devices)
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r}: give the number of ranks, an int >= 1")
+    if len(devices) not in (1, world_size):
+        raise ValueError(
+            f"strategy='fsdp' takes one rank's device and capacity ({{'cuda': '80GiB'}}) with "
+            f"world_size=, or one entry per rank; got {len(devices)} devices for "
+            f"world_size={world_size}"
+        )
+    device = min(devices, key=devices.__getitem__)  # every rank is held to the smallest
+    units = _units(parts)
+    in_block = {p.name for p in parts if p.group and p.name}
+    block_weights = max((own[n].weights for n in in_block), default=0)
+    block_grads = max((own[n].grads for n in in_block), default=0)
+    root_weights = sum(c.weights for n, c in own.items() if n not in in_block)
+    total = Costs(
+        **{f: sum(getattr(c, f) for c in own.values()) for f in Costs.__dataclass_fields__}
+    )
+    shards = (total.weights + total.states) // world_size
+    unsharded = root_weights + PREFETCH * block_weights
+    working = max(c.transient for c in own.values())
+    if training:
+        backward = total.saved + working + block_grads + total.grads // world_size
+        step = (total.grads + total.step_all) // world_size
+        peak = shards + max(unsharded + backward, step)
+    else:
+        peak = shards + unsharded + total.cache + working
+    parts_table = [(p.name, type(p.module).__name__, device, own[p.name]) for p in parts]
+    return Placement(
+        device_map={"": device}, peak={device: peak}, capacity={device: devices[device]},
+        parts=parts_table, strategy="fsdp", training=training, precision=conv.name,
+        units=units, world_size=world_size, notes=list(activity.notes),
+        measure_seconds=activity.seconds,
+    )  # fmt: skip

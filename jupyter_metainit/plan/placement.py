@@ -1,0 +1,352 @@
+"""``place``: plan where each part of a model goes, from the model alone, allocating nothing.
+
+Use it before materializing a model that needs several devices: it says which device each part
+should go to for a workload (batch, sequence length, inference or training), the predicted
+peak of every device, and whether it fits.
+"""
+
+from __future__ import annotations
+
+import time
+import weakref
+from collections.abc import Mapping
+from typing import Any
+
+from torch import nn
+
+from jupyter_metainit.estimates._arguments import require_module
+from jupyter_metainit.estimates.fit import device_budget
+from jupyter_metainit.estimates.render import format_bytes
+from jupyter_metainit.plan.costs import part_costs
+from jupyter_metainit.plan.devices import is_offload, parse_devices
+from jupyter_metainit.plan.fsdp import plan_fsdp
+from jupyter_metainit.plan.partition import Costs, Load, device_loads, fill, partition
+from jupyter_metainit.plan.parts import Part, find_parts
+from jupyter_metainit.plan.precision import Convention, convention
+from jupyter_metainit.plan.result import Placement
+from jupyter_metainit.plan.workload import Activity, measure
+
+__all__ = ["place"]
+
+# Measurements kept per model and workload: re-planning (other devices, pins) reuses them.
+_MEASURED: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Activity]] = weakref.WeakKeyDictionary()
+
+
+def _check_workload(batch: Any, seq_len: Any, inputs: Any) -> tuple:
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"batch={batch!r}: give the number of samples per step, an int >= 1")
+    if inputs is not None:
+        return tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
+    if seq_len is None:
+        raise ValueError(
+            "place() needs the workload: seq_len= (tokens per sample, for a language model) or "
+            "inputs= (the forward's inputs as shapes, e.g. inputs=[(8, 3, 224, 224)])"
+        )
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
+        raise ValueError(f"seq_len={seq_len!r}: give the tokens per sample, an int >= 1")
+    return ((batch, seq_len),)
+
+
+def _activity(model: nn.Module, parts: list[Part], training: bool, inputs: tuple) -> Activity:
+    # The parts (their names, in order) and the workload decide what is measured.
+    key = (training, repr(inputs), tuple((p.name, p.group) for p in parts))
+    per_model = _MEASURED.setdefault(model, {})
+    if key not in per_model:
+        per_model.clear()  # one workload kept per model: measurements are small, models many
+        per_model[key] = measure(model, parts, training=training, inputs=inputs)
+        return per_model[key]
+    reused = per_model[key]
+    return Activity(reused.transient, reused.cache, reused.saved, reused.order, reused.dtype,
+                    0.0, reused.notes)  # fmt: skip
+
+
+def _resolve_pins(pin: Mapping[str, Any] | None, parts: list[Part], model: nn.Module,
+                  devices: dict[str, int]) -> dict[str, str]:  # fmt: skip
+    """Leader part name -> device, for every part a pin names (or lies under)."""
+    if not pin:
+        return {}
+    if not isinstance(pin, Mapping):
+        raise TypeError(f"pin must map module names to devices, e.g. {{'lm_head': 'cuda:0'}}, "
+                        f"not {pin!r}")  # fmt: skip
+    modules = dict(model.named_modules())
+    resolved: dict[str, str] = {}
+    for name, device in pin.items():
+        target = parse_devices({device: 1})
+        device_name = next(iter(target))
+        if device_name not in devices:
+            raise ValueError(
+                f"pin={{{name!r}: {device!r}}}: {device_name} is not in devices= "
+                f"({', '.join(devices)}); add it with its capacity or pin elsewhere"
+            )
+        if name not in modules:
+            raise ValueError(
+                f"pin: the model has no module {name!r}; use a qualified name "
+                "as in model.named_modules() (e.g. 'lm_head', 'model.layers.0')"
+            )
+        under = [p for p in parts if not name or p.name == name or p.name.startswith(name + ".")]
+        if not under:
+            holder = next(p for p in parts if name.startswith(p.name + ".") or not p.name)
+            raise ValueError(
+                f"pin: {name!r} lies inside {holder.name!r}, which is kept whole; "
+                f"pin {holder.name!r}, or pass no_split=[] to split blocks"
+            )
+        for part in under:
+            resolved[(part.leader or part).name] = device_name
+    return resolved
+
+
+def _tiers(devices: dict[str, int], pinned: dict[str, str]) -> list[list[str]]:
+    """Devices to try, in turn: the accelerators alone, then with host memory (offload)."""
+    fast = [d for d in devices if not is_offload(d)]
+    if not fast or len(fast) == len(devices) or any(is_offload(d) for d in pinned.values()):
+        return [list(devices)]
+    return [fast, list(devices)]
+
+
+def _plan(sequence: list[tuple[str, Costs]], devices: dict[str, int], tier: list[str],
+          start: dict[str, Load]) -> tuple[dict[str, str], float]:  # fmt: skip
+    """Leader name -> device for the unpinned sequence on ``tier`` (balanced on the
+    accelerators; host memory only takes what they cannot hold)."""
+    costs = [c for _, c in sequence]
+    fast = [d for d in tier if not is_offload(d)]
+    slow = [d for d in tier if is_offload(d)]
+    if fast and slow:
+        cuts, end = fill(costs, [devices[d] for d in fast], [start[d] for d in fast], 1.0)
+        rest, _ = partition(costs[end:], [devices[d] for d in slow], [start[d] for d in slow])
+        cuts += [end + c for c in rest]
+    else:
+        cuts, _ = partition(costs, [devices[d] for d in tier], [start[d] for d in tier])
+    where = {}
+    for d, begin in enumerate(cuts):
+        end = cuts[d + 1] if d + 1 < len(cuts) else len(costs)
+        for name, _ in sequence[begin:end]:
+            where[name] = tier[d]
+    loads = device_loads(costs, cuts, [start[d] for d in tier])
+    return where, max(load.peak / devices[d] for load, d in zip(loads, tier, strict=True))
+
+
+def _device_map(model: nn.Module, where: dict[str, str]) -> dict[str, str]:
+    """Part devices, compacted: a module whose parts all go to one device stands for them."""
+    below: dict[str, set[str]] = {}
+    for name, device in where.items():
+        below.setdefault(name, set()).add(device)
+        while name:
+            name = name.rpartition(".")[0]
+            below.setdefault(name, set()).add(device)
+    compact: dict[str, str] = {}
+    for name, _ in model.named_modules():
+        devices = below.get(name)
+        if devices is None or len(devices) != 1:
+            continue
+        parent, covered = name, False
+        while parent and not covered:  # an ancestor on one device already stands for it
+            parent = parent.rpartition(".")[0]
+            covered = len(below.get(parent, ())) == 1
+        if not covered:
+            compact[name] = next(iter(devices))
+    return compact
+
+
+def _start_loads(devices: dict[str, int], pinned: dict[str, str], grouped: dict[str, Costs],
+                 training: bool) -> dict[str, Load]:  # fmt: skip
+    start = {d: Load(training, foreach=not is_offload(d)) for d in devices}
+    for name, device in pinned.items():
+        start[device].add(grouped[name])
+    for device, load in start.items():
+        if load.peak > devices[device]:
+            names = ", ".join(repr(n or "(root)") for n, d in pinned.items() if d == device)
+            raise ValueError(
+                f"pinned {names} need {format_bytes(load.peak)} on {device}, which holds "
+                f"{format_bytes(devices[device])}: pin fewer parts there, pin them to a larger "
+                "device, or use a smaller precision="
+            )
+    return start
+
+
+def _pipeline(model: nn.Module, parts: list[Part], activity: Activity, devices: dict[str, int],
+              pinned: dict[str, str], own: dict[str, Costs], grouped: dict[str, Costs],
+              training: bool) -> tuple[dict[str, str], dict[str, int]]:  # fmt: skip
+    """Part name -> device for every part, and every device's predicted peak."""
+    start = _start_loads(devices, pinned, grouped, training)
+    leaders = {p.name for p in parts if p.leader is None}
+    sequence = [(n, grouped[n]) for n in activity.order if n in leaders and n not in pinned]
+    where: dict[str, str] = {}
+    for tier in _tiers(devices, pinned):
+        where, bottleneck = _plan(sequence, devices, tier, start)
+        if bottleneck <= 1.0:
+            break
+    where.update(pinned)
+    for part in parts:
+        if part.leader is not None:
+            where[part.name] = where[part.leader.name]
+    loads = {d: Load(training, foreach=not is_offload(d)) for d in devices}
+    for name in activity.order:  # pinned parts first on their device, as planned
+        if name in pinned:
+            loads[pinned[name]].add(grouped[name])
+    for name in activity.order:
+        if name in leaders and name not in pinned:
+            loads[where[name]].add(grouped[name])
+    return where, {d: load.peak for d, load in loads.items()}
+
+
+def _check_options(strategy: Any, world_size: Any, no_split: Any) -> None:
+    if strategy not in ("pipeline", "fsdp"):
+        raise ValueError(
+            f"strategy={strategy!r}: use 'pipeline' (layers in order over the "
+            "devices) or 'fsdp' (every rank holds a shard, fully_shard units)"
+        )
+    if strategy == "pipeline" and world_size is not None:
+        raise ValueError("world_size= is for strategy='fsdp'; a pipeline uses the devices given")
+    if no_split is not None and (isinstance(no_split, str) or not all(
+            isinstance(n, str) for n in no_split)):  # fmt: skip
+        raise TypeError(
+            "no_split must be a list of module names or class names, e.g. "
+            f"['LlamaDecoderLayer'] ([] splits every block), not {no_split!r}"
+        )
+
+
+def place(
+    model: nn.Module,
+    devices: Mapping[Any, Any] | str,
+    *,
+    batch: int = 1,
+    seq_len: int | None = None,
+    training: bool = False,
+    optimizer: str | float | None = "adamw",
+    precision: Any = None,
+    pin: Mapping[str, Any] | None = None,
+    no_split: list[str] | None = None,
+    strategy: str = "pipeline",
+    world_size: int | None = None,
+    inputs: Any = None,
+) -> Placement:
+    """Plan which device each part of ``model`` goes to for a workload, allocating nothing.
+
+    When to use: before materializing (or loading) a model that needs several devices, to
+    know where each part goes and whether it fits at this batch and sequence length. Works
+    on deferred, partly real and real models; nothing is allocated or changed.
+
+    ``devices``: ``{"cuda:0": "80GiB", "cuda:1": "80GiB", "cpu": "256GiB"}`` (bytes, or sizes
+    1024-based ``GiB`` or 1000-based ``GB``), in pipeline order, or ``"auto"`` (the visible
+    GPUs' free memory, then the host's available memory). The workload is one forward of
+    ``batch`` x ``seq_len`` token ids (or ``inputs=``, shapes or tensors, for other models):
+    inference with the model's cache when its forward takes ``use_cache``; with
+    ``training=True`` one step with ``labels`` (when taken), gradients and ``optimizer``
+    states (``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd_momentum"``, ``"adafactor"``, None,
+    or bytes per parameter) stored as ``precision`` says (see ``plan.precision``).
+
+    What it models, per part: weights and buffers at ``precision`` (tied tensors once); the
+    live activations while it runs, measured by a :func:`dry_run` of the workload; the
+    model's own cache (the tensors of the cache object its forward returns); for training,
+    what autograd saves for backward (each distinct part run once on meta tensors), the
+    gradients, the optimizer states and the optimizer step's temporaries. Parts are repeated
+    blocks (never split; ``no_split=`` names the modules to keep whole instead), leaves, and
+    modules with tensors of their own; tied parts share a device. The parts, in the order the
+    forward runs them, are cut into one contiguous range per device, minimising the most
+    loaded device relative to its capacity (exactly, not first-fit). Host memory (``"cpu"``)
+    is an offload: used only for what the accelerators cannot hold. ``pin={"lm_head":
+    "cuda:0"}`` puts parts on a device and plans the rest around them. The same model and
+    workload is measured once: re-planning with other devices or pins reuses it.
+
+    Not modelled: the allocator's caching and fragmentation, CUDA context and kernels'
+    workspaces, communication buffers, activation checkpointing, the generation loop's own
+    tensors beyond the cache at ``seq_len`` tokens (``seq_len`` is prompt + generated
+    tokens), and for ``precision`` other than the model's own dtype the activations are
+    scaled by the dtypes' sizes (autocast keeps some in fp32).
+
+    ``strategy="fsdp"``: see :func:`jupyter_metainit.plan.fsdp.plan_fsdp`.
+    """
+    started = time.perf_counter()
+    require_module(model, "place")
+    _check_options(strategy, world_size, no_split)
+    parsed = parse_devices(devices)
+    conv = convention(precision)
+    inputs = _check_workload(batch, seq_len, inputs)
+    parts = find_parts(model, no_split=no_split, pinned=(pin or {}).keys())
+    pinned = _resolve_pins(pin, parts, model, parsed)
+    activity = _activity(model, parts, training, inputs)
+    own, grouped = part_costs(model, parts, activity, conv, optimizer=optimizer,
+                              training=training)  # fmt: skip
+    workload = f"batch {batch}" + (f", seq_len {seq_len}" if seq_len is not None else "")
+    if strategy == "fsdp":
+        from_fsdp = plan_fsdp(model, parts, activity, parsed, own, conv, world_size, training)
+        from_fsdp.workload = workload
+        from_fsdp.seconds = time.perf_counter() - started
+        return from_fsdp
+    where, peak = _pipeline(model, parts, activity, parsed, pinned, own, grouped, training)
+    result = Placement(
+        device_map=_device_map(model, where), peak=peak, capacity=parsed,
+        parts=[(p.name, type(p.module).__name__, where[p.name], own[p.name])
+               for p in sorted(parts, key=lambda p: activity.order.index(p.name))],
+        training=training, workload=workload, precision=conv.name, notes=list(activity.notes),
+        measure_seconds=activity.seconds,
+    )  # fmt: skip
+    if not result.fits:
+        result.advice = _advice(model, parts, activity, parsed, pinned, conv, optimizer,
+                                training, grouped)  # fmt: skip
+    result.seconds = time.perf_counter() - started
+    return result
+
+
+def _fewest_devices(sequence: list[tuple[str, Costs]], capacity: int, training: bool,
+                    at_least: int) -> int | None:  # fmt: skip
+    """The fewest devices of ``capacity`` holding the sequence (None: not even 256)."""
+
+    def fits(k: int) -> bool:
+        devices = {f"cuda:{i}": capacity for i in range(k)}
+        start = {d: Load(training) for d in devices}
+        return _plan(sequence, devices, list(devices), start)[1] <= 1.0
+
+    lo, hi = at_least, 256
+    if not fits(hi):
+        return None
+    while lo < hi:
+        mid = (lo + hi) // 2
+        lo, hi = (lo, mid) if fits(mid) else (mid + 1, hi)
+    return lo
+
+
+def _advice(model: nn.Module, parts: list[Part], activity: Activity, devices: dict[str, int],
+            pinned: dict[str, str], conv: Convention, optimizer: str | float | None,
+            training: bool, grouped: dict[str, Costs]) -> list[str]:  # fmt: skip
+    """What would make a plan that does not fit fit: a smaller dtype, more devices, offload."""
+    advice = []
+    widest = max((p.dtype.itemsize for p in model.parameters() if p.dtype.is_floating_point),
+                 default=2)  # fmt: skip
+    if (conv.weights.itemsize if conv.weights else widest) > 2:
+        half = convention("bf16")
+        _, smaller = part_costs(model, parts, activity, half, optimizer=optimizer,
+                                training=training)  # fmt: skip
+        try:
+            _, peak = _pipeline(model, parts, activity, devices, pinned, {}, smaller, training)
+        except ValueError:
+            peak = None
+        if peak is not None and all(peak[d] <= devices[d] for d in devices):
+            advice.append("precision='bf16' fits (largest device peak "
+                          f"{format_bytes(max(peak.values()))})")  # fmt: skip
+    leaders = {p.name for p in parts if p.leader is None}
+    sequence = [(n, grouped[n]) for n in activity.order if n in leaders]
+    fast = [d for d in devices if not is_offload(d)] or list(devices)
+    capacity = max(devices[d] for d in fast)
+    count = _fewest_devices(sequence, capacity, training, len(fast) + 1)
+    if count is None:
+        biggest = max(sequence, key=lambda s: s[1].weights)
+        advice.append(
+            f"no number of {format_bytes(capacity)} devices holds it as a pipeline "
+            f"(part {biggest[0]!r} alone is too large): use strategy='fsdp'"
+        )
+    else:
+        advice.append(f"{count} devices of {format_bytes(capacity)} fit it")
+    if not any(is_offload(d) for d in devices):
+        host = device_budget("cpu")
+        with_host = {**devices, "cpu": host}
+        try:
+            _, peak = _pipeline(model, parts, activity, with_host, pinned, {}, grouped, training)
+        except ValueError:
+            peak = None
+        if peak is not None and all(peak[d] <= with_host[d] for d in with_host):
+            advice.append(
+                f"offloading to host memory fits: add 'cpu': '{format_bytes(host)}' "
+                "to devices (slower: those parts run from the host)"
+            )
+    return advice
