@@ -35,6 +35,7 @@ __all__ = [
     "materialize",
     "memory_table",
     "meta_init",
+    "save",
     "skip_init",
     "summary",
     "unload_ipython_extension",
@@ -51,6 +52,7 @@ _LAZY = {
     "widgets_of": "jupyter_metainit.jupyter.widget",
     "load_ipython_extension": "jupyter_metainit.jupyter.magics",
     "unload_ipython_extension": "jupyter_metainit.jupyter.magics",
+    "save": "jupyter_metainit.save",
 }
 
 

@@ -16,6 +16,7 @@ ALLOWED = {
     "estimates": {"core", "estimates"},
     "distributed": {"core", "distributed"},
     "jupyter": {"core", "estimates", "jupyter"},
+    "save": {"core", "save"},
 }
 
 
