@@ -106,8 +106,10 @@ def _write_index(path: str, index: dict[str, Any]) -> None:
 
 
 def _is_transformers_model(obj: Any) -> bool:
-    return isinstance(obj, torch.nn.Module) and hasattr(obj, "config") and hasattr(
-        obj, "save_pretrained"
+    return (
+        isinstance(obj, torch.nn.Module)
+        and hasattr(obj, "config")
+        and hasattr(obj, "save_pretrained")
     )
 
 
