@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
 import torch
@@ -19,7 +20,7 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
-from torch.distributed.checkpoint.planner import WriteItem, WriteItemType
+from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from jupyter_metainit.core import is_deferred
 from jupyter_metainit.save.layout import state_dict_of
@@ -30,27 +31,51 @@ __all__ = ["ValuesOnDemandPlanner", "save_dcp"]
 
 
 class ValuesOnDemandPlanner(DefaultSavePlanner):
-    """``DefaultSavePlanner`` whose ``resolve_data`` computes a tensor's values when the writer
-    asks for them (exact mode, on the CPU; deferred tensors stay deferred) and reports progress.
-    A failure in the progress callback (a cancel) is kept to be raised as it was."""
+    """``DefaultSavePlanner`` whose ``resolve_data`` hands over a tensor's values when the writer
+    asks for them (exact mode, on the CPU; deferred tensors stay deferred) and already computes
+    the next tensor's on a helper thread while the writer writes: generation and writing
+    overlap, two tensors alive at most. Progress (and a cancel raised from it) runs on the
+    writing thread, the caller's."""
 
     def __init__(self, progress: Progress) -> None:
         super().__init__(dedup_save_to_lowest_rank=False)
         self.progress = progress
         self.done = 0
-        self.failure: BaseException | None = None
+        self.order: list[WriteItem] = []
+        self.prefetch = ThreadPoolExecutor(1, thread_name_prefix="jupyter_metainit.save")
+        self.next: tuple[Any, Future] | None = None
+
+    def finish_plan(self, new_plan: SavePlan) -> SavePlan:
+        plan = super().finish_plan(new_plan)
+        self.order = [i for i in plan.items if i.type != WriteItemType.BYTE_IO]
+        return plan
 
     def resolve_data(self, write_item: WriteItem) -> Any:
         if write_item.type == WriteItemType.BYTE_IO:
             return super().resolve_data(write_item)
-        try:
-            self.progress.report(self.done, "generating")
-            values = cpu_values(self.lookup_object(write_item.index))
-        except BaseException as exc:
-            self.failure = exc
-            raise
+        self.progress.report(self.done, "generating")
+        if self.next is not None and self.next[0] == write_item.index:
+            values = self.next[1].result()
+        else:  # not the order planned: compute it here
+            values = self._values(write_item)
+        self.next = None
+        position = next(
+            (k for k, item in enumerate(self.order) if item.index == write_item.index), None
+        )
+        if position is not None and position + 1 < len(self.order):
+            following = self.order[position + 1]
+            self.next = (following.index, self.prefetch.submit(self._values, following))
         self.done += values.nbytes
         return values
+
+    def _values(self, write_item: WriteItem) -> torch.Tensor:
+        return cpu_values(self.lookup_object(write_item.index))
+
+    def close(self) -> None:
+        if self.next is not None:
+            self.next[1].cancel()
+        self.next = None
+        self.prefetch.shutdown(wait=True)
 
 
 def _with_dtype(state: dict[str, Any], dtype: torch.dtype | None) -> dict[str, Any]:
@@ -97,7 +122,7 @@ def save_dcp(obj: Any, destination: str, *, dtype: torch.dtype | None, progress:
     bar = Progress(progress, _local_bytes(state))
     planner = ValuesOnDemandPlanner(bar)
     try:
-        writer = FileSystemWriter(staging, single_file_per_rank=False, thread_count=2)
+        writer = FileSystemWriter(staging, single_file_per_rank=False, thread_count=1)
         dcp.save(state, storage_writer=writer, planner=planner, no_dist=not grouped)
         bar.report(planner.done)
         if coordinator:
@@ -107,11 +132,18 @@ def save_dcp(obj: Any, destination: str, *, dtype: torch.dtype | None, progress:
         if grouped:
             dist.barrier()
     except CheckpointException as exc:
-        if planner.failure is not None:
-            raise planner.failure from exc
-        raise
+        raise _original(exc) from None
     finally:
+        planner.close()
         bar.close()
         if coordinator:
             shutil.rmtree(staging, ignore_errors=True)
     return destination
+
+
+def _original(exc: CheckpointException) -> BaseException:
+    """The exception a rank raised (a cancel from the progress callback), not dcp's wrapper."""
+    failures = [f[0] if isinstance(f, tuple) else f for f in exc.failures.values()]
+    if len(failures) == 1 and isinstance(failures[0], BaseException):
+        return failures[0]
+    return exc
