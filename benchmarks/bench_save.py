@@ -9,7 +9,7 @@
 3. For comparison, a 1 B-shaped Llama: eager build + ``safetensors.torch.save_file`` (its memory is
    the whole model) and ``meta_init`` + ``save``.
 
-    .venv/bin/python benchmarks/bench_save.py                 # full size: ~35 GB of disk
+    .venv/bin/python benchmarks/bench_save.py                 # full size: ~17 GB of disk
                                                               # and ~8 GB RAM (eager 1 B)
     .venv/bin/python benchmarks/bench_save.py --size small    # ~0.5 GB, for development
     .venv/bin/python benchmarks/bench_save.py --quick         # smoke run, tiny model
@@ -87,6 +87,7 @@ def save_deferred(shape: dict[str, Any], directory: str) -> dict[str, Any]:
 
 def eager_save_file(shape: dict[str, Any], directory: str) -> dict[str, Any]:
     """Eager build + ``save_file`` (the whole model in memory)."""
+    import transformers.models.llama.modeling_llama  # noqa: F401 - imports are not the build
     from safetensors.torch import save_file
 
     meter = Meter()
