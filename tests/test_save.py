@@ -195,3 +195,20 @@ def test_peak_memory_follows_the_largest_tensor_not_the_model(tmp_path):
     tensor = 5120 * 4096 * 4
     # One tensor being written, one being computed (its storage and the copy read out of it).
     assert growth <= 3 * tensor + (64 << 20), f"peak grew by {growth >> 20} MiB"  # model: 640 MiB
+
+
+def test_a_model_on_the_meta_device_is_refused_before_anything_is_written(tmp_path):
+    with torch.device("meta"):
+        model = nn.Linear(4, 3)
+    with pytest.raises(ValueError, match="weight has no values to save: it is meta"):
+        save(model, tmp_path / "ours")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_tensor_recorded_for_a_gpu_is_saved_as_materialize_on_the_cpu_gives_it(tmp_path):
+    with meta_init(device="cuda"):
+        model = nn.Linear(4, 3)
+    save(model, tmp_path / "ours")
+    materialize(model, device="cpu")
+    saved = load_file(tmp_path / "ours" / "model.safetensors")
+    assert torch.equal(saved["weight"], model.weight.detach())

@@ -21,6 +21,7 @@ import torch
 from jupyter_metainit.save.layout import (
     INDEX_NAME,
     WEIGHTS_NAME,
+    check_savable,
     parse_size,
     plan_layout,
     state_dict_of,
@@ -51,8 +52,9 @@ def save(
     """Write ``obj``'s values, exactly as ``materialize`` would give them, into directory ``path``.
 
     Deferred, partly materialized and real tensors alike: deferred ones are computed one at a
-    time (only what each depends on, on every core) and freed once written; real ones are
-    written as they are now. Nothing in ``obj`` changes: deferred tensors stay deferred.
+    time (only what each depends on, on every core, on the CPU: a tensor recorded for a GPU gets
+    what ``materialize(device="cpu")`` gives it) and freed once written; real ones are written
+    as they are now. Nothing in ``obj`` changes: deferred tensors stay deferred.
 
     Args:
         obj: a module (its ``state_dict()``) or a dict of tensors.
@@ -80,6 +82,7 @@ def save(
 
         return save_dcp(obj, destination, dtype=dtype, progress=progress)
     state, origin = state_dict_of(obj)
+    check_savable(state, sharded_ok=False)
     state = untie(state, origin, obj)
     total_parameters = _total_parameters(obj)
     layout = plan_layout(state, parse_size(max_shard_size), dtype, total_parameters)

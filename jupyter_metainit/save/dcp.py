@@ -23,7 +23,7 @@ from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
 from jupyter_metainit.core import is_deferred
-from jupyter_metainit.save.layout import state_dict_of
+from jupyter_metainit.save.layout import check_savable, state_dict_of
 from jupyter_metainit.save.values import cpu_values
 from jupyter_metainit.save.writer import Progress
 
@@ -109,6 +109,7 @@ def save_dcp(obj: Any, destination: str, *, dtype: torch.dtype | None, progress:
     """Write ``obj``'s state dict with ``dcp.save`` into ``destination``, staged beside it under
     a name every rank agrees on and renamed into place by the coordinator at the end."""
     state, _ = state_dict_of(obj)
+    check_savable(state, sharded_ok=True)
     state = _with_dtype(state, dtype)
     grouped = dist.is_available() and dist.is_initialized()
     coordinator = not grouped or dist.get_rank() == 0

@@ -16,10 +16,10 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core import is_deferred
+from jupyter_metainit.core import is_deferred, tensor_state
 from jupyter_metainit.save.safetensors_file import FileEntry
 
-__all__ = ["Layout", "parse_size", "plan_layout", "state_dict_of"]
+__all__ = ["Layout", "check_savable", "parse_size", "plan_layout", "state_dict_of"]
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -62,6 +62,25 @@ def state_dict_of(obj: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Te
     raise TypeError(
         f"save() takes a module or a dict of tensors (a state dict), not {type(obj).__name__}"
     )
+
+
+def check_savable(state: dict[str, torch.Tensor], sharded_ok: bool) -> None:
+    """Refuse, before anything is written, tensors that have no values to write: on PyTorch's
+    meta device (no recording), a lazy module's uninitialized parameters; and, for one-file
+    formats, sharded tensors (each rank holds a part)."""
+    for name, t in state.items():
+        where = tensor_state(t)
+        if where in ("meta", "uninitialized"):
+            raise ValueError(
+                f"{name} has no values to save: it is {where} (on PyTorch's meta device with no "
+                "recording, or a lazy module's parameter before its first forward pass); build "
+                "the model inside jupyter_metainit.meta_init(), or leave it out of what you save"
+            )
+        if not sharded_ok and hasattr(t, "device_mesh"):
+            raise TypeError(
+                f"{name} is sharded (a DTensor); save a sharded model with format='dcp', where "
+                "each rank writes its own shards"
+            )
 
 
 def _storage_key(t: torch.Tensor) -> Any:
