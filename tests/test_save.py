@@ -212,3 +212,23 @@ def test_a_tensor_recorded_for_a_gpu_is_saved_as_materialize_on_the_cpu_gives_it
     materialize(model, device="cpu")
     saved = load_file(tmp_path / "ours" / "model.safetensors")
     assert torch.equal(saved["weight"], model.weight.detach())
+
+
+def _deferred_and_eager_mixtral() -> tuple[nn.Module, nn.Module]:
+    config = transformers.MixtralConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with meta_init():
+        deferred = transformers.MixtralForCausalLM(config)
+    torch.manual_seed(0)
+    return deferred, transformers.MixtralForCausalLM(config)
+
+
+def test_fused_experts_are_saved_in_the_original_layout_as_save_pretrained_does(tmp_path):
+    deferred, eager = _deferred_and_eager_mixtral()
+    save(deferred, tmp_path / "ours")
+    eager.save_pretrained(tmp_path / "eager")
+    assert _files(str(tmp_path / "ours")) == _files(str(tmp_path / "eager"))

@@ -84,6 +84,7 @@ def save(
     state, origin = state_dict_of(obj)
     check_savable(state, sharded_ok=False)
     state = untie(state, origin, obj)
+    state = _original_format(obj, state)
     total_parameters = _total_parameters(obj)
     layout = plan_layout(state, parse_size(max_shard_size), dtype, total_parameters)
     bar = Progress(progress, layout.total_size)
@@ -118,6 +119,20 @@ def _is_transformers_model(obj: Any) -> bool:
 
 def _total_parameters(obj: Any) -> int | None:
     return obj.num_parameters() if _is_transformers_model(obj) else None
+
+
+def _original_format(obj: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers >= 5 keeps some weights converted in memory (a mixture of experts' experts
+    fused into one tensor) and ``save_pretrained`` writes them back in the checkpoint's original
+    layout: the same conversion here. On deferred tensors it is recorded (views, splits), not
+    computed: each part is computed when it is written."""
+    if not _is_transformers_model(obj):
+        return state
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4: nothing is converted in memory
+        return state
+    return revert_weight_conversion(obj, state)
 
 
 def _write_transformers_files(obj: Any, directory: str, dtype: torch.dtype | None) -> None:
