@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
 
@@ -124,7 +125,10 @@ def save_dcp(obj: Any, destination: str, *, dtype: torch.dtype | None, progress:
     planner = ValuesOnDemandPlanner(bar)
     try:
         writer = FileSystemWriter(staging, single_file_per_rank=False, thread_count=1)
-        dcp.save(state, storage_writer=writer, planner=planner, no_dist=not grouped)
+        with warnings.catch_warnings():
+            # dcp warns that it saves in one process, which is what was asked for here.
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.save(state, storage_writer=writer, planner=planner, no_dist=not grouped)
         bar.report(planner.done)
         if coordinator:
             if os.path.exists(destination):
