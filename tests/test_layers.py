@@ -29,7 +29,8 @@ ALLOWED = {
     "estimates": {"core", "estimates"},
     "distributed": {"core", "distributed"},
     "plan": {"core", "estimates", "plan"},
-    "jupyter": {"core", "estimates", "plan", "jupyter"},
+    "save": {"core", "save"},
+    "jupyter": {"core", "estimates", "plan", "save", "jupyter"},
 }
 
 
