@@ -3,9 +3,10 @@
 No Jupyter imports here: scripts, distributed launchers and the notebook layer share it.
 
 Stages, lowest first (an import points only down this order): ``runtime`` (services every
-stage shares) < ``record`` (``meta_init``: deferred tensors and their records) < ``rng``
-(random streams) < ``replay`` (records to values) < ``materialize`` (what runs when you click
-Materialize). This module is the core's public face; ``errors`` beside it holds the exceptions.
+stage shares) < ``rng`` (random streams) < ``record`` (``meta_init``: deferred tensors and their
+records) < ``replay`` (records to values) < ``materialize`` (what runs when you click
+Materialize, freeing, and the walker that finds a model's tensors). This module is the core's
+public face; ``errors`` beside it holds the exceptions.
 
 ``__all__`` lists what users call. The upper layers (``estimates``, ``jupyter``,
 ``distributed``) import from here, and only from here (and ``core.errors``), also these names:
