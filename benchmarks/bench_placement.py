@@ -105,7 +105,7 @@ def accelerate_time(config: dict[str, Any], gpus: int, batch: int, seq_len: int)
         loads.setdefault(f"cuda:{device}" if isinstance(device, int) else device, Load(False))
         loads[f"cuda:{device}" if isinstance(device, int) else device].add(part)
     peaks = {d: load.peak for d, load in loads.items()}
-    used = [p / (80 * GiB) for p in peaks.values()]
+    used = [peaks.get(f"cuda:{i}", 0) / (80 * GiB) for i in range(gpus)]
     return {
         "seconds": seconds,
         "balance": max(used) / (sum(used) / len(used)),
@@ -188,7 +188,8 @@ def main() -> None:
             rows.append([label, fmt_s(r["seconds"]) + first, balance,
                          fmt_mb(r.get("peak")), verdict(r["fits"])])  # fmt: skip
     print_table(
-        "Planning a 70B over 80 GiB GPUs (inference, batch 8 x seq 4096, predicted by place)",
+        f"Planning a 70B over 80 GiB GPUs (bf16 inference, batch {batch} x seq {seq_len}; "
+        "peaks predicted by place's per-part costs for both maps)",
         ["planner", "time", "balance (max/mean)", "largest device peak", "fits"],
         rows,
     )
@@ -202,7 +203,8 @@ def main() -> None:
         error = r["predicted"] / r["measured"] - 1
         rows.append([label, fmt_mb(r["predicted"]), fmt_mb(r["measured"]), f"{error:+.1%}"])
     print_table(
-        "Predicted against measured peak, ~0.3 B Llama fp32 on the CPU, batch 4 x seq 512",
+        f"Predicted against measured peak, Llama {small['num_hidden_layers']} layers x "
+        f"{small['hidden_size']} fp32 on the CPU, batch 4 x seq 512",
         ["workload", "predicted (place)", "measured (MemTracker)", "error"],
         rows,
     )

@@ -234,3 +234,29 @@ def test_the_predicted_peak_is_within_5_percent_of_a_real_run_on_the_cpu(trainin
     materialize(model)
     measured = _measured_peak(model, torch.randint(0, 1000, (4, 64)), training)
     assert predicted == pytest.approx(measured, rel=0.05)
+
+
+def test_no_split_lists_the_modules_kept_whole_instead_of_the_repeated_blocks(llama):
+    plan = place(llama, FOUR, batch=2, seq_len=32, no_split=["LlamaMLP"])
+    names = [name for name, _, _, _ in plan.parts]
+    assert "model.layers.0.mlp" in names and "model.layers.0" not in names
+
+
+def test_host_memory_takes_only_what_the_accelerators_cannot_hold(llama, plan):
+    roomy = place(llama, {**FOUR, "cpu": "1GiB"}, batch=2, seq_len=32)
+    assert roomy.peak["cpu"] == 0 and roomy.device_map == plan.device_map
+    tight = place(llama, {"cuda:0": MiB, "cpu": "1GiB"}, batch=2, seq_len=32)
+    assert tight.fits and tight.peak["cpu"] > 0 and tight.peak["cuda:0"] <= MiB
+
+
+def test_bf16_halves_the_weights_of_an_fp32_model(llama):
+    layer = {}
+    for precision in (None, "bf16"):
+        plan = place(llama, {"cpu": "1GiB"}, batch=2, seq_len=32, precision=precision)
+        layer[precision] = {name: costs for name, _, _, costs in plan.parts}["model.layers.0"]
+    assert layer["bf16"].weights * 2 == layer[None].weights
+
+
+def test_the_html_view_shows_each_devices_peak_against_its_capacity(plan):
+    html = plan._repr_html_()
+    assert all(device in html for device in FOUR) and "8.00 MiB" in html

@@ -268,6 +268,8 @@ def place(
     own, grouped = part_costs(model, parts, activity, conv, optimizer=optimizer,
                               training=training)  # fmt: skip
     workload = f"batch {batch}" + (f", seq_len {seq_len}" if seq_len is not None else "")
+    if inputs != ((batch, seq_len),):
+        workload = f"inputs {', '.join(map(str, inputs))}"
     if strategy == "fsdp":
         from_fsdp = plan_fsdp(model, parts, activity, parsed, own, conv, world_size, training)
         from_fsdp.workload = workload
@@ -286,6 +288,12 @@ def place(
                                 training, grouped)  # fmt: skip
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _alone(costs: Costs, training: bool) -> int:
+    load = Load(training)
+    load.add(costs)
+    return load.peak
 
 
 def _fewest_devices(sequence: list[tuple[str, Costs]], capacity: int, training: bool,
@@ -330,7 +338,7 @@ def _advice(model: nn.Module, parts: list[Part], activity: Activity, devices: di
     capacity = max(devices[d] for d in fast)
     count = _fewest_devices(sequence, capacity, training, len(fast) + 1)
     if count is None:
-        biggest = max(sequence, key=lambda s: s[1].weights)
+        biggest = max(sequence, key=lambda s: _alone(s[1], training))
         advice.append(
             f"no number of {format_bytes(capacity)} devices holds it as a pipeline "
             f"(part {biggest[0]!r} alone is too large): use strategy='fsdp'"

@@ -54,9 +54,11 @@ class Placement:
 
     @property
     def balance(self) -> float:
-        """Most loaded device / mean load, over the devices in use (1.0: perfectly even)."""
-        used = [self.peak[d] / self.capacity[d] for d in self.peak if self.peak[d] > 0]
-        return max(used) / (sum(used) / len(used)) if used else 1.0
+        """Most loaded device / mean load (peak / capacity) over all the devices given: 1.0 is
+        perfectly even; a device left empty counts as unloaded."""
+        loads = [self.peak[d] / self.capacity[d] for d in self.peak]
+        mean = sum(loads) / len(loads)
+        return max(loads) / mean if mean else 1.0
 
     @property
     def table(self) -> pd.DataFrame:
