@@ -232,3 +232,34 @@ def test_fused_experts_are_saved_in_the_original_layout_as_save_pretrained_does(
     save(deferred, tmp_path / "ours")
     eager.save_pretrained(tmp_path / "eager")
     assert _files(str(tmp_path / "ours")) == _files(str(tmp_path / "eager"))
+
+
+# ---------------------------------------------------------------------------------------------
+# writing deferred tensors with other tools: a clear error that names jupyter_metainit.save
+
+
+def _deferred_linear() -> nn.Module:
+    with meta_init():
+        return nn.Linear(4, 3)
+
+
+def test_safetensors_save_file_of_deferred_tensors_names_jupyter_metainit_save(tmp_path):
+    with pytest.raises(RuntimeError, match=r"jupyter_metainit\.save"):
+        save_file(_deferred_linear().state_dict(), tmp_path / "x.safetensors")
+
+
+def test_torch_save_of_a_deferred_tensor_names_jupyter_metainit_save(tmp_path):
+    with pytest.raises(TypeError, match=r"jupyter_metainit\.save"):
+        torch.save(_deferred_linear().state_dict(), tmp_path / "x.pt")
+
+
+def test_the_typed_storage_address_of_a_deferred_tensor_names_jupyter_metainit_save():
+    with pytest.raises(RuntimeError, match=r"jupyter_metainit\.save"):
+        _deferred_linear().weight.storage().data_ptr()
+
+
+def test_save_pretrained_of_a_deferred_model_names_jupyter_metainit_save(tmp_path):
+    deferred, _ = _deferred_and_eager()
+    with pytest.raises(RuntimeError, match=r"jupyter_metainit\.save"):
+        deferred.save_pretrained(tmp_path / "ours")
+    assert not (tmp_path / "ours" / "model.safetensors").exists()
