@@ -263,3 +263,10 @@ def test_save_pretrained_of_a_deferred_model_names_jupyter_metainit_save(tmp_pat
     with pytest.raises(RuntimeError, match=r"jupyter_metainit\.save"):
         deferred.save_pretrained(tmp_path / "ours")
     assert not (tmp_path / "ours" / "model.safetensors").exists()
+
+
+def test_sharded_fused_experts_land_in_the_shards_save_pretrained_puts_them_in(tmp_path):
+    deferred, eager = _deferred_and_eager_mixtral()
+    save(deferred, tmp_path / "ours", max_shard_size="20KB")
+    eager.save_pretrained(tmp_path / "eager", max_shard_size="20KB")
+    assert _files(str(tmp_path / "ours")) == _files(str(tmp_path / "eager"))

@@ -87,7 +87,7 @@ def save(
     state = _original_format(obj, state)
     total_parameters = _total_parameters(obj)
     layout = plan_layout(state, parse_size(max_shard_size), dtype, total_parameters)
-    bar = Progress(progress, layout.total_size)
+    bar = Progress(progress, sum(e.nbytes for es in layout.files.values() for e in es))
     try:
         with staging_directory(destination) as staging:
             _write_transformers_files(obj, staging, dtype)
