@@ -34,9 +34,7 @@ class Progress:
 
     def __init__(self, progress: Any, total: int) -> None:
         self.total = total
-        self._callback, self.bar = progress_callback(progress)
-        if self.bar is not None:
-            self.bar.set_description("save", refresh=False)
+        self._callback, self.bar = progress_callback(progress, desc="save")
 
     def report(self, done: int, phase: str = "") -> None:
         if self._callback is not None:
