@@ -61,50 +61,67 @@ class _Writer(threading.Thread):
             job = self.jobs.get()
             if job is None:
                 return
-            file, payload = job
+            fd, offset, payload = job
             try:
                 if self.error is None and not self.stop.is_set():
-                    _write_all(file, payload)
-                    self.written += len(payload) if isinstance(payload, bytes) else payload.nbytes
+                    self.written += _write_at(fd, offset, payload)
             except BaseException as exc:  # handed to the producer thread
                 self.error = exc
             finally:
                 del payload
-                if not isinstance(job[1], bytes):
+                if not isinstance(job[2], bytes):
                     self.slots.release()
 
 
-def _write_all(file: Any, payload: Any) -> None:
+def _write_at(fd: int, offset: int, payload: Any) -> int:
+    """Write ``payload`` (bytes, or a contiguous CPU tensor's memory, not copied) at ``offset``;
+    returns the tensor bytes written (0 for a header)."""
     if isinstance(payload, bytes):
-        file.write(payload)
-        return
-    if payload.numel() == 0:
-        return
-    # The tensor's memory as bytes, without a copy.
-    file.write(memoryview(payload.reshape(-1).view(torch.uint8).numpy()).cast("B"))
+        data, counted = memoryview(payload), 0
+    elif payload.numel() == 0:
+        return 0
+    else:
+        data = memoryview(payload.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        counted = len(data)
+    done = 0
+    while done < len(data):
+        done += os.pwrite(fd, data[done:], offset + done)
+    return counted
 
 
 def write_safetensors_files(
     directory: str, files: dict[str, list[FileEntry]], tensors: dict[str, torch.Tensor],
     dtype: torch.dtype | None, progress: Progress,
 ) -> None:  # fmt: skip
-    """Write each file: header, then every tensor's bytes in file order, two tensors alive."""
+    """Write each file's header, then every tensor's bytes at its place in its file, two
+    tensors alive. Tensors are computed in the order of ``tensors`` (the model's order, close
+    to the order they were made in): consecutive replays then continue one random stream
+    instead of jumping around it, as the file order (by dtype, then name) would make them."""
     slots = threading.Semaphore(2)
     writer = _Writer(slots)
     writer.start()
-    handles = []
+    fds: list[int] = []
     try:
+        where: dict[str, tuple[int, int, FileEntry]] = {}
         for file_name, entries in files.items():
             ordered = file_order(entries)
-            handle = open(os.path.join(directory, file_name), "wb")  # noqa: SIM115 - closed below
-            handles.append(handle)
-            writer.jobs.put((handle, header_bytes(ordered, {"format": "pt"})))
+            fd = os.open(os.path.join(directory, file_name), os.O_WRONLY | os.O_CREAT, 0o644)
+            fds.append(fd)
+            header = header_bytes(ordered, {"format": "pt"})
+            writer.jobs.put((fd, 0, header))
+            offset = len(header)
             for entry in ordered:
-                _wait_for_slot(slots, writer, progress)
-                values = cpu_values(tensors[entry.name], dtype)
-                _check_geometry(entry, values)
-                writer.jobs.put((handle, values))
-                del values
+                where[entry.name] = (fd, offset, entry)
+                offset += entry.nbytes
+        for name in tensors:
+            if name not in where:
+                continue
+            fd, offset, entry = where[name]
+            _wait_for_slot(slots, writer, progress)
+            values = cpu_values(tensors[name], dtype)
+            _check_geometry(entry, values)
+            writer.jobs.put((fd, offset, values))
+            del values
         writer.jobs.put(None)
         while writer.is_alive():
             writer.join(0.1)
@@ -117,8 +134,8 @@ def write_safetensors_files(
         if writer.is_alive():
             writer.jobs.put(None)
             writer.join()
-        for handle in handles:
-            handle.close()
+        for fd in fds:
+            os.close(fd)
 
 
 def _wait_for_slot(slots: threading.Semaphore, writer: _Writer, progress: Progress) -> None:
