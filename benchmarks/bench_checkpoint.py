@@ -235,8 +235,9 @@ def main() -> None:
             rows,
         )
         print(
-            "(the eager loaders map the files: their pages are read, and counted in RSS, when "
-            "first used; meta_init reads the bytes into memory when materializing)"
+            "(all three map the files; the eager loaders read the pages when first used, "
+            "materialize when it checks them; the sparse table's 'bytes read' counts read() "
+            "calls, which mapped tensors do not make)"
         )
         print_errors({METHODS[m]: x for m, x in by.items()})
         check = run_children(
