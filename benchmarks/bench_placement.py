@@ -148,7 +148,73 @@ def measured_peak(config: dict[str, Any], batch: int, seq_len: int, training: bo
     return {"predicted": plan.peak["cpu"], "measured": measured}
 
 
+def _fsdp_rank(rank: int, world: int, config: dict, batch: int, seq_len: int, store: str) -> None:
+    """One rank: FSDP2 over gloo (the blocks, then the root), two AdamW steps under
+    ``FSDPMemTracker``; rank 0 writes its measured and predicted peak next to ``store``."""
+    import json
+    import os
+    import pathlib
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from jupyter_metainit import place
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank,
+                            world_size=world)  # fmt: skip
+    try:
+        plan = place(_deferred(config), {"cpu": 64 * GiB}, batch=batch, seq_len=seq_len,
+                     training=True, strategy="fsdp", world_size=world)  # fmt: skip
+        import transformers
+
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(llama_config(**config))
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters())
+        ids = torch.randint(0, config["vocab_size"], (batch, seq_len))
+        tracker = FSDPMemTracker(model, optimizer)
+        tracker.track_inputs((ids,))
+        with tracker:
+            for step in range(2):
+                model(ids, labels=ids).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                if step == 0:
+                    tracker.reset_mod_stats()
+        peak = tracker.get_tracker_snapshot("peak")
+        measured = max(int(stats["Total"]) for stats in peak.values())
+        if rank == 0:
+            out = pathlib.Path(store + ".json")
+            out.write_text(json.dumps({"predicted": plan.peak["cpu"], "measured": measured}))
+    finally:
+        dist.destroy_process_group()
+
+
+def fsdp_peak(config: dict[str, Any], batch: int, seq_len: int) -> dict[str, Any]:
+    """Predicted (``strategy="fsdp"``) against measured per-rank peak, 2 ranks on gloo."""
+    import json
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as directory:
+        store = f"{directory}/store"
+        mp.start_processes(_fsdp_rank, args=(2, config, batch, seq_len, store), nprocs=2,
+                           start_method="spawn")  # fmt: skip
+        with open(store + ".json") as f:
+            return json.load(f)
+
+
 MEASUREMENTS = {
+    "fsdp_peak": fsdp_peak,
     "plan_time": plan_time,
     "accelerate_time": accelerate_time,
     "measured_peak": measured_peak,
@@ -173,6 +239,7 @@ def main() -> None:
     for training in (False, True):
         jobs.append(("measured_peak", {"config": small, "batch": 4, "seq_len": 512,
                                        "training": training}))  # fmt: skip
+    jobs.append(("fsdp_peak", {"config": small, "batch": 4, "seq_len": 512}))
     results = run_children(__file__, jobs, separate=not args.quick)
     rows, named = [], {}
     for k, gpus in enumerate(gpu_counts):
@@ -194,7 +261,8 @@ def main() -> None:
         rows,
     )
     rows = []
-    for k, label in enumerate(("inference (cache)", "training step (AdamW)")):
+    labels = ("inference (cache)", "training step (AdamW)", "FSDP2 training, rank 0 of 2 (gloo)")
+    for k, label in enumerate(labels):
         r = results[2 * len(gpu_counts) + k]
         named[f"peak {label}"] = r
         if "error" in r:
@@ -205,7 +273,7 @@ def main() -> None:
     print_table(
         f"Predicted against measured peak, Llama {small['num_hidden_layers']} layers x "
         f"{small['hidden_size']} fp32 on the CPU, batch 4 x seq 512",
-        ["workload", "predicted (place)", "measured (MemTracker)", "error"],
+        ["workload", "predicted (place)", "measured (MemTracker / FSDPMemTracker)", "error"],
         rows,
     )
     print_errors(named)
