@@ -24,6 +24,7 @@ import time
 from typing import Any
 
 from _common import (
+    LLAMA_70B,
     base_parser,
     child_main,
     environment_line,
@@ -38,14 +39,7 @@ from _common import (
 )
 
 LAYER = 40
-CONFIG = dict(
-    hidden_size=8192,
-    intermediate_size=28672,
-    num_hidden_layers=80,
-    num_attention_heads=64,
-    num_key_value_heads=8,
-    vocab_size=128256,
-)
+CONFIG = dict(LLAMA_70B)
 QUICK_CONFIG = dict(CONFIG, hidden_size=1024, intermediate_size=3584, num_attention_heads=8)
 
 

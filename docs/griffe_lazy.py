@@ -29,15 +29,32 @@ class LazyPublicNames(griffe.Extension):
             return
         lazy: dict[str, str] = ast.literal_eval(str(pkg.members["_LAZY"].value))
         for name, module in lazy.items():
-            if name in pkg.members:
-                continue
-            target = f"{module}.{name}"
-            # A name re-exported by a package that also has a submodule of that name
-            # (estimates.dry_run): griffe finds the submodule, the function is inside it.
+            if name not in pkg.members:
+                pkg.set_member(
+                    name, griffe.Alias(name, _definition(pkg, f"{module}.{name}"), parent=pkg)
+                )
+        # Names imported eagerly can meet the same clash (``core.materialize`` is a package and
+        # the function it defines).
+        for name, member in list(pkg.members.items()):
+            if member.is_alias and not name.startswith("_") and name not in lazy:
+                target = _definition(pkg, member.target_path)
+                if target != member.target_path:
+                    pkg.set_member(name, griffe.Alias(name, target, parent=pkg))
+
+
+def _definition(pkg: griffe.Module, target: str) -> str:
+    """``target``, or the function or class inside it when it names a module that defines one of
+    the same name: a package re-exporting ``dry_run`` or ``materialize`` also has a submodule of
+    that name, and griffe finds the submodule (down as many levels as the name repeats)."""
+    name = target.rpartition(".")[2]
+    while True:
+        try:
             found = pkg.modules_collection.get_member(target)
-            if isinstance(found, griffe.Module) and name in found.members:
-                target = f"{target}.{name}"
-            pkg.set_member(name, griffe.Alias(name, target, parent=pkg))
+        except (KeyError, griffe.AliasResolutionError):
+            return target
+        if not (isinstance(found, griffe.Module) and name in found.members):
+            return target
+        target = f"{target}.{name}"
 
 
 def _plain_roles(obj: griffe.Object) -> None:

@@ -36,6 +36,7 @@ __all__ = [
     "memory_table",
     "meta_init",
     "place",
+    "save",
     "skip_init",
     "summary",
     "unload_ipython_extension",
@@ -53,6 +54,7 @@ _LAZY = {
     "widgets_of": "jupyter_metainit.jupyter.widget",
     "load_ipython_extension": "jupyter_metainit.jupyter.magics",
     "unload_ipython_extension": "jupyter_metainit.jupyter.magics",
+    "save": "jupyter_metainit.save",
 }
 
 

@@ -2,16 +2,14 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
-# The shapes of Llama-3-70B: the size the issues' targets are stated for.
-LLAMA_70B: dict[str, Any] = dict(
-    hidden_size=8192,
-    intermediate_size=28672,
-    num_hidden_layers=80,
-    num_attention_heads=64,
-    num_key_value_heads=8,
-    vocab_size=128256,
+# The shapes of Llama-3-70B, the size the issues' targets are stated for: one definition, shared
+# with the benchmarks (benchmarks/_common.py reads the same file).
+LLAMA_70B: dict[str, Any] = json.loads(
+    (Path(__file__).resolve().parents[1] / "benchmarks" / "llama_70b.json").read_text()
 )
 
 TINY_LLAMA: dict[str, Any] = dict(

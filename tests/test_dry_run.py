@@ -7,7 +7,7 @@ import textwrap
 import pytest
 import torch
 import transformers
-from _models import llama_config
+from _models import LLAMA_70B, llama_config
 from torch import nn
 from torch.utils.flop_counter import FlopCounterMode
 
@@ -151,16 +151,14 @@ def test_seventy_b_dry_run_allocates_no_activations():
         import resource, torch, transformers
         from jupyter_metainit import meta_init
         from jupyter_metainit.estimates import dry_run
-        cfg = transformers.LlamaConfig(hidden_size=8192, intermediate_size=28672,
-            num_hidden_layers=80, num_attention_heads=64, num_key_value_heads=8,
-            vocab_size=128256)
+        cfg = transformers.LlamaConfig(**SHAPES)
         with meta_init():
             model = transformers.AutoModelForCausalLM.from_config(cfg)
         table = dry_run(model, (1, 4096))
         assert table.loc["", "output_shape"] == (1, 4096, 128256)
         print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
         """
-    )
+    ).replace("SHAPES", repr(LLAMA_70B))
     done = subprocess.run(
         [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
     )

@@ -22,7 +22,7 @@ from jupyter_metainit import (
 )
 from jupyter_metainit.core import tensor_state, tensor_values
 from jupyter_metainit.core.errors import MaterializationError
-from jupyter_metainit.core.replay import replay as _replay
+from jupyter_metainit.core.replay import planning as _replay
 
 
 class Net(nn.Module):

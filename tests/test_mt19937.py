@@ -3,14 +3,20 @@
 from __future__ import annotations
 
 import random
-import time
 
 import numpy as np
 import pytest
 import torch
 
 from jupyter_metainit.core.rng import mt19937 as _mt19937
-from jupyter_metainit.core.rng.mt19937 import jump_generator, jump_state
+from jupyter_metainit.core.rng import mt19937_polynomial as _poly
+from jupyter_metainit.core.rng.mt19937 import jump_state
+
+
+def jump_generator(generator: torch.Generator, draws: int) -> None:
+    """Advance a CPU ``generator`` in place by ``draws`` 32-bit outputs."""
+    generator.set_state(jump_state(generator.get_state(), draws))
+
 
 SIZES = [0, 1, 2, 623, 624, 625, 1247, 1248, 1249, 19_937, 100_000, 10**6 + 7]
 RANDOM_SIZES = random.Random(20261122).sample(range(2, 3_000_000), 8)
@@ -45,7 +51,7 @@ def temper(y: np.ndarray) -> np.ndarray:
 def reference_outputs(state: torch.Tensor, n: int) -> np.ndarray:
     """The next ``n`` raw 32-bit outputs, from a pure-numpy model of at::mt19937."""
     left, _, words = fields(state)
-    seq = _mt19937._sequence(words, 624 + n + 624)
+    seq = _poly.sequence(words, 624 + n + 624)
     # Outputs still in the current block are words[625 - left ..]; then the next blocks follow.
     first = 624 - (left - 1)
     return temper(seq[first : first + n])
@@ -136,12 +142,11 @@ def test_bad_input():
         jump_state(torch.zeros(5056, dtype=torch.int32), 1)
 
 
-def test_huge_jump_is_fast_and_composes():
+def test_a_huge_jump_equals_two_jumps_of_half_its_distance():
+    # 10**11 draws one by one would take hours; the time of the jump itself is a figure
+    # (benchmarks/bench_rng.py prints it).
     s = seeded(11, 321).get_state()
-    t0 = time.perf_counter()
     once = jump_state(s, 10**11)
-    elapsed = time.perf_counter() - t0
-    assert elapsed < 5, elapsed
     twice = jump_state(jump_state(s, 5 * 10**10), 5 * 10**10)
     assert torch.equal(once, twice)
     # a different split, landing mid-block on the way
@@ -149,9 +154,8 @@ def test_huge_jump_is_fast_and_composes():
 
 
 def test_the_stored_characteristic_polynomial_is_mt19937s():
-    from jupyter_metainit.core.rng import mt19937 as _mt19937
 
-    assert _mt19937._stored_phi() == _mt19937.characteristic_polynomial()
+    assert _poly._stored_phi() == _poly.characteristic_polynomial()
 
 
 def test_a_jump_is_cheap_once_its_distance_recurs_or_was_jumped():
@@ -169,7 +173,7 @@ def test_a_jump_is_cheap_once_its_distance_recurs_or_was_jumped():
 
 
 def test_the_stored_jump_parts_are_powers_of_t():
-    poly = _mt19937._get_poly()
+    poly = _poly.get_poly()
     for j, d in [(0, 1), (5, 7), (_mt19937._DIGITS - 1, 15)]:
         assert _mt19937._digit_part(j, d) == poly.power_of_t(d * 16**j - 1), (j, d)
 
@@ -179,7 +183,7 @@ def test_a_long_jump_made_of_stored_parts_equals_one_power(steps):
     block = np.random.default_rng(steps % 1000).integers(0, 2**32, 624, dtype=np.uint32)
     by_parts = _mt19937._advance_in_parts(block, steps)
     assert by_parts is not None
-    by_power = _mt19937._apply(block, _mt19937._get_poly().power_of_t(steps - 1))
+    by_power = _mt19937._apply(block, _poly.get_poly().power_of_t(steps - 1))
     assert np.array_equal(by_parts, by_power)
 
 
@@ -219,7 +223,7 @@ def _recurrence(block: np.ndarray, length: int) -> list[int]:
 def test_the_sequence_is_mt19937s_recurrence(length):
     block = np.random.default_rng(length).integers(0, 2**32, 624, dtype=np.uint64)
     block = block.astype(np.uint32)
-    assert _mt19937._sequence(block, length).tolist() == _recurrence(block, length)
+    assert _poly.sequence(block, length).tolist() == _recurrence(block, length)
 
 
 @pytest.mark.parametrize("group_bits", [1, 3, 5, 8])

@@ -6,8 +6,10 @@ import torch
 from torch import nn
 
 from jupyter_metainit import is_deferred, materialize, meta_init
-from jupyter_metainit.core.replay import replay as _replay
-from jupyter_metainit.core.replay.replay import plan, stream_parts
+from jupyter_metainit.core.replay import parallel as _parallel
+from jupyter_metainit.core.replay import run as _replay
+from jupyter_metainit.core.replay.parallel import stream_parts
+from jupyter_metainit.core.replay.planning import plan
 
 
 class _Decoder(nn.Module):
@@ -32,13 +34,13 @@ def _ops_of(model: nn.Module) -> list:
 
 def _count_parallel_runs(monkeypatch) -> list[int]:
     runs: list[int] = []
-    real = _replay._run_parallel
+    real = _replay.run_parallel
 
     def counting(run, groups, workers):
         runs.append(len(groups))
         return real(run, groups, workers)
 
-    monkeypatch.setattr(_replay, "_run_parallel", counting)
+    monkeypatch.setattr(_replay, "run_parallel", counting)
     return runs
 
 
@@ -93,8 +95,8 @@ def test_the_parts_are_runs_of_the_stream_in_recording_order(monkeypatch):
 
 def _any_size(monkeypatch) -> None:
     """Parts for any amount of random work, even or not (the tests' models are small)."""
-    monkeypatch.setattr(_replay, "SPLIT_STREAM_BYTES", 0)
-    monkeypatch.setattr(_replay, "_BALANCE", 2.0)
+    monkeypatch.setattr(_parallel, "SPLIT_STREAM_BYTES", 0)
+    monkeypatch.setattr(_parallel, "_BALANCE", 2.0)
 
 
 def test_small_random_work_stays_on_one_thread():
@@ -105,7 +107,7 @@ def test_small_random_work_stays_on_one_thread():
 
 def test_uneven_parts_stay_on_one_thread(monkeypatch):
     """One large fill and a few small ones: one thread splitting the large fill is faster."""
-    monkeypatch.setattr(_replay, "SPLIT_STREAM_BYTES", 0)
+    monkeypatch.setattr(_parallel, "SPLIT_STREAM_BYTES", 0)
     with meta_init():
         tensors = [torch.empty(256, 256).normal_()]
         tensors += [torch.empty(8, 8).normal_() for _ in range(8)]
@@ -160,8 +162,8 @@ def test_a_replay_on_every_thread_of_the_pool_runs_inline(monkeypatch):
     """Tasks that wait for tasks queued behind them in the same pool would wait forever."""
     import threading
 
-    from jupyter_metainit.core.replay.replay import execute
-    from jupyter_metainit.core.rng.split_fill import core_pool
+    from jupyter_metainit.core.replay.run import execute
+    from jupyter_metainit.core.runtime.pool import core_pool
 
     torch.manual_seed(0)
     eager = _Decoder()

@@ -10,7 +10,18 @@ import torch
 from torch import nn
 
 from jupyter_metainit import materialize, meta_init
-from jupyter_metainit.core.rng import streams as _rng
+from jupyter_metainit.core.rng import draws as _draws
+from jupyter_metainit.core.rng import positions as _positions
+from jupyter_metainit.core.rng import segments as _seg
+
+
+def _state_after(spec, state, device):
+    """The state after ``spec`` drew from ``state``: by its known draw count, else by running
+    it on scratch memory (what replay does, op by op)."""
+    draws = _draws.known_draws(spec, device)
+    if draws is not None:
+        return _positions.advance_state(state, draws)
+    return _positions.run_on_scratch(spec, state, device)
 
 
 def build(n=6):
@@ -114,11 +125,13 @@ def test_fast_mode_depends_on_the_seed():
 
 
 def test_fast_generators_differ_per_op():
-    seg = _rng.RngSegment(torch.get_rng_state(), torch.device("cpu"))
-    g0 = _rng.fast_generator(seg, 0, torch.device("cpu"))
-    g1 = _rng.fast_generator(seg, 1, torch.device("cpu"))
+    seg = _seg.RngSegment(torch.get_rng_state(), torch.device("cpu"))
+    g0 = _positions.fast_generator(seg, 0, torch.device("cpu"))
+    g1 = _positions.fast_generator(seg, 1, torch.device("cpu"))
     assert g0.initial_seed() != g1.initial_seed()
-    assert _rng.fast_generator(seg, 0, torch.device("cpu")).initial_seed() == g0.initial_seed()
+    assert (
+        _positions.fast_generator(seg, 0, torch.device("cpu")).initial_seed() == g0.initial_seed()
+    )
 
 
 def test_dropout_in_a_recorded_forward_is_exact():
@@ -137,29 +150,29 @@ def test_dropout_in_a_recorded_forward_is_exact():
 @pytest.mark.parametrize("op", ["uniform_", "normal_"])
 def test_burn_through_reaches_the_same_generator_state_as_the_op(op, n, dtype):
     func = getattr(torch.ops.aten, op).default
-    spec = _rng.BurnSpec(func, (("tensor", (n,), (1,), dtype),), {}, True, n * 4)
+    spec = _seg.BurnSpec(func, (("tensor", (n,), (1,), dtype),), {}, True, n * 4)
     real = torch.Generator().manual_seed(7)
     start = real.get_state()
     getattr(torch.empty(n, dtype=dtype), op)(generator=real)
-    assert torch.equal(real.get_state(), _rng.state_after(spec, start, torch.device("cpu")))
+    assert torch.equal(real.get_state(), _state_after(spec, start, torch.device("cpu")))
 
 
 def test_burn_through_of_large_fills_uses_bounded_scratch_memory():
-    spec = _rng.BurnSpec(
+    spec = _seg.BurnSpec(
         torch.ops.aten.normal_.default, (("tensor", (64, 1024), (1024, 1), torch.float32),),
         {}, True, 0,
     )  # fmt: skip
-    assert _rng.known_draws(spec, torch.device("cpu")) == 64 * 1024
+    assert _draws.known_draws(spec, torch.device("cpu")) == 64 * 1024
 
 
 def test_long_burn_through_jumps_ahead_exactly():
     n = 64 * 1024 * 1024 + 5  # above the jump threshold
-    spec = _rng.BurnSpec(torch.ops.aten.uniform_.default, (("tensor", (n,), (1,), torch.float32),),
+    spec = _seg.BurnSpec(torch.ops.aten.uniform_.default, (("tensor", (n,), (1,), torch.float32),),
                          {}, True, n * 4)  # fmt: skip
     real = torch.Generator().manual_seed(3)
     start = real.get_state()
     torch.empty(n).uniform_(generator=real)
-    assert torch.equal(real.get_state(), _rng.state_after(spec, start, torch.device("cpu")))
+    assert torch.equal(real.get_state(), _state_after(spec, start, torch.device("cpu")))
 
 
 class _RandomFactories(nn.Module):
@@ -322,8 +335,8 @@ def test_saving_restoring_and_reseeding_inside_constructors_replays_exactly(ctor
 def test_dropout_without_probability_draws_nothing_and_is_not_rerun():
     qkv = ("tensor", (1, 64, 4096, 128), (0, 0, 0, 0), torch.float32)
     sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-    spec = _rng.BurnSpec(sdpa, (qkv, qkv, qkv, 0.0), {}, False, 0)
-    assert _rng.known_draws(spec, torch.device("cpu")) == 0
+    spec = _seg.BurnSpec(sdpa, (qkv, qkv, qkv, 0.0), {}, False, 0)
+    assert _draws.known_draws(spec, torch.device("cpu")) == 0
 
 
 # Random ops whose number of draws depends on the values they read: a later tensor materialized

@@ -81,7 +81,7 @@ def test_a_shard_is_generated_alone_and_exactly(rank, monkeypatch):
         regions.append(done)
         return done
 
-    monkeypatch.setattr("jupyter_metainit.core.replay.replay.fill_region", spy)
+    monkeypatch.setattr("jupyter_metainit.core.replay.random_modes.fill_region", spy)
     torch.manual_seed(0)
     eager = torch.nn.Linear(4096, 2001)
     torch.nn.init.normal_(eager.weight, std=0.02)
@@ -111,7 +111,7 @@ def test_a_copied_shard_is_generated_straight_into_its_memory(rng, monkeypatch):
         fused.append(done)
         return done
 
-    monkeypatch.setattr("jupyter_metainit.core.replay.replay.fill_region_into", spy)
+    monkeypatch.setattr("jupyter_metainit.core.replay.run.fill_region_into", spy)
     torch.manual_seed(0)
     with meta_init():
         layer = torch.nn.Linear(4096, 2001)

@@ -24,6 +24,7 @@ from _models import llama70b_on_meta
 from torch import nn
 
 from jupyter_metainit import meta_init
+from jupyter_metainit.jupyter.row_schema import ROW
 
 CHROMIUM = "/usr/bin/chromium"
 CHROMIUM_ARGS = [
@@ -115,8 +116,17 @@ def _serve_static(page) -> None:
     page.wait_for_function("typeof window.mount === 'function'")
 
 
-def test_70b_tree_renders_and_responds_fast(browser):
+def _rows_in_dom(page) -> int:
+    return page.locator(".jmi-rows .jmi-row:not(.jmi-colhead)").count()
+
+
+def test_70b_tree_keeps_only_the_rows_in_view_in_the_page_after_expand_and_filter(browser):
+    # What keeps a 70B tree responsive: a virtual list (the 18 visible rows and 6 either side),
+    # whatever the number of modules. The times are figures, kept in widget-70b-timings.json,
+    # not asserted (a loaded machine is not a slow widget).
     from jupyter_metainit.jupyter.widget import explore
+
+    most_rows = 18 + 2 * 6
 
     w = explore(llama70b_on_meta())
     state = {k: v for k, v in w.get_state().items() if not k.startswith("_")}
@@ -125,17 +135,20 @@ def test_70b_tree_renders_and_responds_fast(browser):
     page = browser.new_page(viewport={"width": 1200, "height": 820})
     _serve_static(page)
     render_ms = page.evaluate("(s) => window.mount(s)", state)
+    assert 0 < _rows_in_dom(page) <= most_rows
     expand_ms = page.evaluate(
         """() => window.timed(() => [...document.querySelectorAll('.jmi-rows .jmi-row')]
              .find((r) => r.querySelector('.jmi-name').textContent === 'layers')
              .querySelector('.jmi-caret').click())"""
     )
     assert page.locator(".jmi-rows .jmi-row .jmi-name", has_text="79").count() == 0  # virtual
+    assert 0 < _rows_in_dom(page) <= most_rows
     filter_ms = page.evaluate(
         """() => window.timed(() => { const i = document.querySelector('.jmi-search');
              i.value = 'down_proj'; i.dispatchEvent(new Event('input')); })"""
     )
     matches = page.locator(".jmi-count").inner_text()
+    assert 0 < _rows_in_dom(page) <= most_rows
     ARTIFACTS.mkdir(exist_ok=True)
     page.evaluate(
         """() => { const i = document.querySelector('.jmi-search'); i.value = '';
@@ -155,9 +168,6 @@ def test_70b_tree_renders_and_responds_fast(browser):
         )
     )
     assert matches == "80 matches"
-    assert render_ms <= 1000, render_ms
-    assert expand_ms <= 100, expand_ms
-    assert filter_ms <= 100, filter_ms
 
 
 def test_deferred_to_cuda_badge_keeps_clear_of_the_size_column_at_700px(browser):
@@ -167,7 +177,9 @@ def test_deferred_to_cuda_badge_keeps_clear_of_the_size_column_at_700px(browser)
         model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
     state = {k: v for k, v in explore(model).get_state().items() if not k.startswith("_")}
     for row in state["tree"]["nodes"]:
-        row[12] = "cuda:15"  # the target a --device cuda:15 build gives (no GPU needed here)
+        row[ROW["target"]] = (
+            "cuda:15"  # the target a --device cuda:15 build gives (no GPU needed here)
+        )
     for width in (1400, 700, 440):
         page = browser.new_page(viewport={"width": width, "height": 600})
         _serve_static(page)

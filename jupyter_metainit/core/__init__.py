@@ -1,22 +1,66 @@
 """The core: deferred construction, recording, exact replay and in-place materialization.
 
 No Jupyter imports here: scripts, distributed launchers and the notebook layer share it.
+
+Stages, lowest first (an import points only down this order): ``runtime`` (services every
+stage shares) < ``rng`` (random streams) < ``record`` (``meta_init``: deferred tensors and their
+records) < ``replay`` (records to values) < ``materialize`` (what runs when you click
+Materialize, freeing, and the walker that finds a model's tensors). This module is the core's
+public face; ``errors`` beside it holds the exceptions.
+
+``__all__`` lists what users call. The upper layers (``estimates``, ``jupyter``,
+``distributed``) import from here, and only from here (and ``core.errors``), also these names:
+
+- the walker: ``own_tensors``, ``named_tensors``, ``unique_tensors``, ``counted_attributes``,
+  ``storage_of`` (which tensors a module holds, and the memory under each);
+- the formatter: ``format_bytes``, ``format_count``, ``format_duration``;
+- the lock and events: ``busy_with`` (what holds the lock), ``events`` (the module
+  ``core.runtime.events``: ``events.subscribe(callback)``, ``events.publish(kind, tensors)``);
+- ``plain``: run real tensor code with every interception off;
+- for ``materialize_sharded``: ``iter_deferred``, ``progress_callback``,
+  ``noting_whole_intermediates``;
+- one helper per concept: ``parse_device``, ``missing_device_reason``, ``parse_dtype``,
+  ``dtype_name``, ``available_memory``, ``is_out_of_memory``, ``local_tensor`` (a DTensor's
+  local shard), ``copy_user_attributes`` (the user's attributes onto a real tensor).
 """
 
 from __future__ import annotations
 
-from jupyter_metainit.core.materialize.materialize import (
-    clear_meta_init_cache,
-    dematerialize,
+from jupyter_metainit.core.materialize.dematerialize import dematerialize
+from jupyter_metainit.core.materialize.materialize import materialize
+from jupyter_metainit.core.materialize.progress import progress_callback
+from jupyter_metainit.core.materialize.queries import (
     is_deferred,
-    materialize,
+    iter_deferred,
     tensor_source,
     tensor_state,
     tensor_values,
 )
+from jupyter_metainit.core.materialize.shadows import clear_meta_init_cache
 from jupyter_metainit.core.materialize.skip_init import skip_init
+from jupyter_metainit.core.materialize.user_state import copy_user_attributes
+from jupyter_metainit.core.materialize.walk import (
+    counted_attributes,
+    local_tensor,
+    named_tensors,
+    own_tensors,
+    storage_of,
+    unique_tensors,
+)
 from jupyter_metainit.core.record.context import is_meta_init, meta_init
 from jupyter_metainit.core.record.tensor import DeferredTensor
+from jupyter_metainit.core.replay import noting_whole_intermediates
+from jupyter_metainit.core.runtime import events
+from jupyter_metainit.core.runtime.arguments import (
+    dtype_name,
+    missing_device_reason,
+    parse_device,
+    parse_dtype,
+)
+from jupyter_metainit.core.runtime.format import format_bytes, format_count, format_duration
+from jupyter_metainit.core.runtime.lock import busy_with
+from jupyter_metainit.core.runtime.memory import available_memory, is_out_of_memory
+from jupyter_metainit.core.runtime.plain import plain
 
 __all__ = [
     "DeferredTensor",
@@ -31,3 +75,11 @@ __all__ = [
     "tensor_state",
     "tensor_values",
 ]
+
+# The upper layers' face (see the docstring): public names of the core, not listed for users.
+UPPER_LAYER_FACE = (
+    available_memory, busy_with, copy_user_attributes, counted_attributes, dtype_name, events,
+    format_bytes, format_count, format_duration, is_out_of_memory, iter_deferred, local_tensor,
+    missing_device_reason, named_tensors, noting_whole_intermediates, own_tensors, parse_device,
+    parse_dtype, plain, progress_callback, storage_of, unique_tensors,
+)  # fmt: skip

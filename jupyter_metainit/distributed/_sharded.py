@@ -9,7 +9,7 @@ is needed.
 
 Memory and time: shards are replayed one storage at a time, and a parameter's random fill
 (``normal_``/``uniform_``, the usual last write of an initialisation) is generated only for the
-rows this rank's shard is cut from, straight into the shard's memory (``core._split_fill``): the
+rows this rank's shard is cut from, straight into the shard's memory (``core/rng/split_fill``): the
 generator jumps to the shard's offset in the stream. A rank then holds its shards plus a small
 scratch buffer and spends time in proportion to its shards. Parameters whose last write is
 another op (a ``clamp_`` after ``trunc_normal_``, an arithmetic init) are computed whole, and
@@ -25,13 +25,18 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core import materialize
+from jupyter_metainit.core import (
+    DeferredTensor,
+    format_bytes,
+    iter_deferred,
+    local_tensor,
+    materialize,
+    named_tensors,
+    noting_whole_intermediates,
+    own_tensors,
+    progress_callback,
+)
 from jupyter_metainit.core.errors import MaterializationError
-from jupyter_metainit.core.materialize.materialize import iter_deferred, progress_callback
-from jupyter_metainit.core.record.tensor import DeferredTensor
-from jupyter_metainit.core.replay.replay import noting_whole_intermediates
-from jupyter_metainit.core.runtime.format import format_bytes
-from jupyter_metainit.core.runtime.walk import named_tensors, own_tensors
 
 __all__ = ["WholeTensorWarning", "materialize_sharded"]
 
@@ -69,9 +74,8 @@ def _fsdp_params(module: torch.nn.Module) -> list[Any]:
 
 
 def _local(t: Any) -> DeferredTensor | None:
-    if isinstance(t, DeferredTensor):
-        return t
-    local = getattr(t, "_local_tensor", None)
+    """``t``, or a DTensor's local shard, if that is deferred."""
+    local = t if isinstance(t, DeferredTensor) else local_tensor(t)
     return local if isinstance(local, DeferredTensor) else None
 
 
@@ -167,7 +171,7 @@ def materialize_sharded(
     for fp in _fsdp_params(module):
         # FSDP2 keeps the padded shard (the all-gather input) next to the parameter's local
         # tensor, a view of the same storage; both must become real together.
-        inner = [fp.sharded_param._local_tensor, getattr(fp, "_sharded_param_data", None)]
+        inner = [local_tensor(fp.sharded_param), getattr(fp, "_sharded_param_data", None)]
         inner = [t for t in inner if isinstance(t, DeferredTensor)]
         if inner:
             fsdp_params.append(fp)

@@ -17,22 +17,8 @@ __all__ = [
     "check_depth",
     "check_device",
     "check_optimizer_bytes",
-    "parse_dtype",
     "require_module",
 ]
-
-# Short names people write for dtypes (the magics' --dtype, dry_run's input_dtype=).
-_DTYPE_ALIASES = {
-    "bf16": "bfloat16",
-    "fp16": "float16",
-    "half": "float16",
-    "fp32": "float32",
-    "float": "float32",
-    "fp64": "float64",
-    "double": "float64",
-    "long": "int64",
-    "int": "int32",
-}
 
 
 def require_module(obj: Any, func: str, *, also: str = "") -> nn.Module:
@@ -90,28 +76,6 @@ def check_budget(limit: Any, given: Any) -> int:
             "such as '24GiB' / '80GB' (or leave it out to use the device's free memory)"
         )
     return int(limit)
-
-
-def parse_dtype(value: Any, arg: str = "dtype") -> torch.dtype | None:
-    """A ``torch.dtype`` from itself or its name: ``"bfloat16"``, ``"torch.bfloat16"``, ``"bf16"``.
-
-    ``None`` stays ``None``. The one parser for dtype names: estimates and magics share it.
-    """
-    if value is None or isinstance(value, torch.dtype):
-        return value
-    if isinstance(value, str):
-        name = value.strip().removeprefix("torch.")
-        name = _DTYPE_ALIASES.get(name.lower(), name.lower())
-        dtype = getattr(torch, name, None)
-        if isinstance(dtype, torch.dtype):
-            return dtype
-        raise ValueError(
-            f"{arg}={value!r} is not a dtype: use a torch.dtype (torch.bfloat16) or its name "
-            "('bfloat16', 'bf16', 'float16', 'fp16', 'float32', 'int64', ...)"
-        )
-    raise TypeError(
-        f"{arg} must be a torch.dtype (torch.bfloat16) or its name ('bfloat16'), not {value!r}"
-    )
 
 
 def check_device(device: Any, arg: str = "device") -> torch.device:

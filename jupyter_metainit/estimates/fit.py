@@ -2,15 +2,14 @@
 
 from __future__ import annotations
 
-import contextlib
 import re
 from pathlib import Path
-from typing import Any
 
 import pandas as pd
 import torch
 from torch import nn
 
+from jupyter_metainit.core import available_memory, meta_init
 from jupyter_metainit.estimates._arguments import check_budget, check_device, require_module
 from jupyter_metainit.estimates.memory import memory_table
 
@@ -46,11 +45,10 @@ def device_budget(device: str | torch.device) -> int:
         free, _total = torch.cuda.mem_get_info(dev)
         return int(free)
     if dev.type == "cpu":
-        with contextlib.suppress(OSError):
-            for line in Path("/proc/meminfo").read_text().splitlines():
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-        raise ValueError("cannot read the available host memory; pass budget=")
+        available = available_memory()
+        if available is None:
+            raise ValueError("cannot read the available host memory; pass budget=")
+        return available
     raise ValueError(f"cannot measure free memory of {dev}; pass budget=")
 
 
@@ -81,18 +79,12 @@ def _model_from_path(path: str) -> nn.Module:
             "(with a config.json), a hub name such as 'meta-llama/Llama-3.1-8B', or the model "
             "object"
         )
-    import transformers
+    import transformers  # optional: only hub names and model folders need it
 
     config = transformers.AutoConfig.from_pretrained(path)
     arch = (getattr(config, "architectures", None) or [None])[0]
     cls = getattr(transformers, arch, None) if arch else None
-    try:
-        from jupyter_metainit.core import meta_init
-    except ImportError:
-        ctx: contextlib.AbstractContextManager[Any] = torch.device("meta")
-    else:
-        ctx = meta_init()
-    with ctx:
+    with meta_init():
         if cls is None:
             return transformers.AutoModel.from_config(config)
         return cls(config)

@@ -2,174 +2,191 @@
 
 Use :func:`memory_table` before materializing anything to see what each part of a model costs.
 It never touches tensor data, so it works the same on deferred, partially materialized and real
-models.
+models. How a column adds up over a subtree (tied tensors once) is
+:class:`~jupyter_metainit.estimates.subtrees.TiedSubtrees`' job; the display is ``table.py``'s.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from typing import Any, NamedTuple
 
 import pandas as pd
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
 
-from jupyter_metainit.core import tensor_source, tensor_state, tensor_values
-from jupyter_metainit.core.runtime.walk import counted_attributes, own_tensors, storage_of
-from jupyter_metainit.estimates._arguments import (
-    check_depth,
-    check_optimizer_bytes,
-    parse_dtype,
-    require_module,
+from jupyter_metainit.core import (
+    counted_attributes,
+    dtype_name,
+    own_tensors,
+    tensor_source,
+    tensor_state,
+    tensor_values,
 )
+from jupyter_metainit.estimates._arguments import check_depth, require_module
+from jupyter_metainit.estimates.sizing import optimizer_state_bytes, whatif_bits
+from jupyter_metainit.estimates.subtrees import TiedSubtrees, elements_held, mixed_or_single
+from jupyter_metainit.estimates.table import MemoryTable
 
-__all__ = ["MemoryTable", "memory_table"]
+__all__ = ["DRY_RUN_ATTR", "MemoryTable", "memory_table"]
 
-# Bytes per trainable parameter kept by the optimizer (its states, fp32).
-OPTIMIZER_STATE_BYTES: dict[str, float] = {
-    "adam": 8.0,  # exp_avg + exp_avg_sq
-    "adamw": 8.0,
-    "sgd": 0.0,  # plain SGD keeps nothing
-    "sgd_momentum": 4.0,  # momentum buffer
-    "adafactor": 4.0,  # rough: factored second moments + first moment are at most ~1 state
-    "none": 0.0,
-}
+# Where dry_run leaves each module's figures (plain numbers and shapes) for later tables.
+DRY_RUN_ATTR = "_jupyter_metainit_dry_run"
 
-# Bits per element of the "what if" dtypes accepted by ``dtype=``.
-_WHATIF_BITS: dict[str, int] = {
-    "float64": 64,
-    "fp64": 64,
-    "float32": 32,
-    "fp32": 32,
-    "bfloat16": 16,
-    "bf16": 16,
-    "float16": 16,
-    "fp16": 16,
-    "half": 16,
-    "float8": 8,
-    "fp8": 8,
-    "float8_e4m3fn": 8,
-    "float8_e5m2": 8,
-    "int8": 8,
-    "int4": 4,
-    "nf4": 4,
-}
-
-_DRY_RUN_ATTR = "_jupyter_metainit_dry_run"
-
-# Columns of the table, in order (dry-run columns are appended when a dry run was recorded).
-COLUMNS = [
-    "type",
-    "depth",
-    "children",
-    "params_own",
-    "params",
-    "params_trainable",
-    "param_bytes",
-    "buffer_bytes",
-    "nonpersistent_bytes",
-    "attribute_bytes",
-    "total_bytes",
-    "shared_bytes",
-    "dtypes",
-    "state",
-    "source",
-    "values",
-    "grad_fp32_bytes",
-    "optim_fp32_bytes",
-    "train_fp32_bytes",
-    "grad_mixed_bytes",
-    "optim_mixed_bytes",
-    "train_mixed_bytes",
-]
-DRY_RUN_COLUMNS = ["output_shape", "activation_bytes", "flops", "peak_forward_bytes"]
+# What a tensor is to the module holding it (own_tensors' kinds).
+PARAMETER, BUFFER, NONPERSISTENT, ATTRIBUTE = 0, 1, 2, 3
+_KINDS = {"parameter": PARAMETER, "buffer": BUFFER, "non-persistent buffer": NONPERSISTENT,
+          "attribute": ATTRIBUTE}  # fmt: skip
 
 
-class MemoryTable(pd.DataFrame):
-    """A ``pandas.DataFrame`` of raw numbers that displays itself with human-readable units.
+class TensorFacts(NamedTuple):
+    """What one tensor adds to every subtree holding it (read once per tensor)."""
 
-    Everything a DataFrame does works (sort, sum, plot); only the Jupyter display differs.
-    """
-
-    @property
-    def _constructor(self) -> type[MemoryTable]:
-        return MemoryTable
-
-    def _repr_html_(self) -> str | None:
-        return self.to_html_view(compact=self.attrs.get("view") != "full")
-
-    def full(self) -> MemoryTable:
-        """The same table, displayed with all its columns (the default view is compact)."""
-        out = self.copy()
-        out.attrs["view"] = "full"
-        return out
-
-    def to_html_view(self, *, compact: bool = True) -> str:
-        """The HTML Jupyter shows: compact (fits a 1000 px notebook) or with every column."""
-        from jupyter_metainit.estimates.render import render_html
-
-        html = render_html(self, columns="compact" if compact else None)
-        if compact:
-            html += (
-                "<p style='font-size: smaller; opacity: 0.7'>Compact view; "
-                "<code>table.full()</code> (or <code>%meta_table ... --full</code>) shows "
-                "every column.</p>"
-            )
-        return html
+    numel: int
+    nbytes: int  # under the "what if" dtype for floating tensors
+    kind: int  # PARAMETER, BUFFER, NONPERSISTENT or ATTRIBUTE (as its first holder has it)
+    trainable: bool
+    dtype: str
+    state: str
+    source: str
+    values: str
 
 
-def _whatif_bits(dtype: torch.dtype | str | None) -> tuple[int | None, str | None]:
-    if dtype is None:
-        return None, None
-    if isinstance(dtype, torch.dtype):
-        if not dtype.is_floating_point:
-            return dtype.itemsize * 8, str(dtype).removeprefix("torch.")
-        name = str(dtype).removeprefix("torch.")
-        return dtype.itemsize * 8, name
-    key = str(dtype).lower().removeprefix("torch.")
-    if key not in _WHATIF_BITS:
-        try:  # any other torch dtype name ("double", "torch.int16"): the shared parser
-            return _whatif_bits(parse_dtype(dtype))
-        except (TypeError, ValueError):
-            pass
-        raise ValueError(
-            f"unknown dtype {dtype!r}; use a torch.dtype or one of {sorted(_WHATIF_BITS)}"
-        )
-    canonical = {
-        "fp64": "float64",
-        "fp32": "float32",
-        "bf16": "bfloat16",
-        "fp16": "float16",
-        "half": "float16",
-        "fp8": "float8",
-        "nf4": "int4",
-    }.get(key, key)
-    return _WHATIF_BITS[key], canonical
+class _Modules(NamedTuple):
+    """Every path to a submodule in pre-order: a module reachable twice (shared submodule)
+    gets a node per path, and its tensors count once per total like any other tied tensor."""
+
+    names: list[str]
+    modules: list[nn.Module]
+    parents: list[int]
 
 
-def _optimizer_bytes(optimizer: str | float | None) -> float:
-    if optimizer is None:
-        return 0.0
-    check_optimizer_bytes(optimizer)
-    if isinstance(optimizer, (int, float)):
-        return float(optimizer)
-    if not isinstance(optimizer, str):
-        raise TypeError(
-            f"optimizer must be one of {sorted(OPTIMIZER_STATE_BYTES)}, None, or a number of "
-            f"bytes per trainable parameter, not {optimizer!r}"
-        )
-    key = optimizer.lower()
-    if key not in OPTIMIZER_STATE_BYTES:
-        raise ValueError(
-            f"unknown optimizer {optimizer!r}; use one of {sorted(OPTIMIZER_STATE_BYTES)} "
-            "or a number of bytes per trainable parameter"
-        )
-    return OPTIMIZER_STATE_BYTES[key]
+class _Holdings(NamedTuple):
+    subtrees: TiedSubtrees[int]  # which subtrees hold which tensor (by id)
+    facts: dict[int, TensorFacts]  # id(tensor) -> its facts
+    params_own: list[int]  # per node, its own parameters (a tied one in each holder)
+    bytes_by_dtype: dict[str, int]
 
 
-def _dtype_name(dtype: torch.dtype) -> str:
-    return str(dtype).removeprefix("torch.")
+def _module_paths(module: nn.Module) -> _Modules:
+    names: list[str] = []
+    mods: list[nn.Module] = []
+    parents: list[int] = []
+    index_of: dict[str, int] = {}
+    for name, mod in module.named_modules(remove_duplicate=False):
+        index_of[name] = len(names)
+        names.append(name)
+        mods.append(mod)
+        parents.append(index_of[name.rpartition(".")[0]] if name else -1)
+    return _Modules(names, mods, parents)
+
+
+def _facts_of(t: torch.Tensor, kind: int, bits: int | None, whatif: str | None) -> TensorFacts:
+    dtype = t.dtype
+    own_name = dtype_name(dtype)
+    if is_lazy(t):  # shape unknown until a (dry) forward: counts as empty
+        return TensorFacts(0, 0, kind, False, own_name, "uninitialized", "", "")
+    numel = elements_held(t, is_attribute=kind == ATTRIBUTE)
+    if bits is not None and (dtype.is_floating_point or dtype.is_complex):
+        nbytes, name = math.ceil(numel * bits / 8), whatif or own_name
+    else:
+        nbytes, name = numel * dtype.itemsize, own_name
+    trainable = kind == PARAMETER and t.requires_grad
+    return TensorFacts(
+        numel, nbytes, kind, trainable, name, tensor_state(t), tensor_source(t), tensor_values(t)
+    )
+
+
+def _holdings(tree: _Modules, bits: int | None, whatif: str | None) -> _Holdings:
+    """Which tensors each node holds directly, and each tensor's facts (keyed by ``id``: the
+    modules keep every tensor alive for the whole call)."""
+    # Tensors kept as plain attributes hold memory too (``self.freqs = ...``, dicts of tables):
+    # one per storage, none that only views a parameter or buffer.
+    attributes = counted_attributes(tree.modules)
+    facts: dict[int, TensorFacts] = {}
+    held: list[list[int]] = []
+    params_own = [0] * len(tree.modules)
+    bytes_by_dtype: dict[str, int] = {}
+    for i, mod in enumerate(tree.modules):
+        here: dict[int, None] = {}
+        for own in [*own_tensors(mod), *attributes[i]]:
+            key, kind = id(own.tensor), _KINDS[own.kind]
+            if key in here:
+                continue
+            here[key] = None
+            if key not in facts:
+                facts[key] = fact = _facts_of(own.tensor, kind, bits, whatif)
+                if fact.state != "uninitialized":
+                    bytes_by_dtype[fact.dtype] = bytes_by_dtype.get(fact.dtype, 0) + fact.nbytes
+            if kind == PARAMETER:
+                params_own[i] += facts[key].numel
+        held.append(list(here))
+    return _Holdings(TiedSubtrees(tree.parents, held), facts, params_own, bytes_by_dtype)
+
+
+def _size_columns(held: _Holdings, opt_bytes: float) -> dict[str, list]:
+    """Counts, bytes, labels and training estimates per subtree (every node, tree order)."""
+    facts, subtrees = held.facts, held.subtrees
+
+    def total(kind: int, field: str = "nbytes", trainable_only: bool = False) -> list[int]:
+        def worth(key: int) -> int:
+            f = facts[key]
+            counts = f.kind == kind and (f.trainable or not trainable_only)
+            return getattr(f, field) if counts else 0
+
+        return subtrees.totals(worth)
+
+    params = total(PARAMETER, "numel")
+    trainable = total(PARAMETER, "numel", trainable_only=True)
+    param_bytes, buffer_bytes = total(PARAMETER), total(BUFFER)
+    nonpersistent, attribute = total(NONPERSISTENT), total(ATTRIBUTE)
+    rest = [b + nb + a for b, nb, a in zip(buffer_bytes, nonpersistent, attribute, strict=True)]
+    grad32 = [4 * t for t in trainable]
+    optim = [int(opt_bytes * t) for t in trainable]
+    n = range(len(subtrees))
+
+    def labels(field: str) -> list[str]:
+        # a tensor without a source or values label ("") says nothing about its subtree's
+        found = subtrees.labels(lambda key: getattr(facts[key], field) or None)
+        return [mixed_or_single(s) for s in found]
+
+    return {
+        "params_own": held.params_own,
+        "params": params,
+        "params_trainable": trainable,
+        "param_bytes": param_bytes,
+        "buffer_bytes": buffer_bytes,
+        "nonpersistent_bytes": nonpersistent,
+        "attribute_bytes": attribute,
+        "total_bytes": [param_bytes[i] + rest[i] for i in n],
+        "shared_bytes": subtrees.shared_outside(lambda key: facts[key].nbytes),
+        "dtypes": [", ".join(sorted(s)) for s in subtrees.labels(lambda k: facts[k].dtype)],
+        "state": [mixed_or_single(s) for s in subtrees.labels(lambda k: facts[k].state)],
+        "source": labels("source"),
+        # "fast": real values replayed with rng="fast", not eager's; "" before materializing
+        "values": labels("values"),
+        "grad_fp32_bytes": grad32,
+        "optim_fp32_bytes": optim,
+        "train_fp32_bytes": [4 * params[i] + rest[i] + grad32[i] + optim[i] for i in n],
+        "grad_mixed_bytes": [6 * t for t in trainable],
+        "optim_mixed_bytes": optim,
+        "train_mixed_bytes": [
+            2 * params[i] + 4 * trainable[i] + rest[i] + 6 * trainable[i] + optim[i] for i in n
+        ],
+    }
+
+
+def _dry_run_columns(records: list[dict | None], total_bytes: list[int]) -> dict[str, list]:
+    """The columns a dry run left on the modules (``None`` where it did not reach)."""
+    data: dict[str, list] = {}
+    for column in ("output_shape", "activation_bytes", "flops"):
+        data[column] = [None if r is None else r[column] for r in records]
+    data["peak_forward_bytes"] = [
+        None if r is None else r["peak_activation_bytes"] + total
+        for r, total in zip(records, total_bytes, strict=True)
+    ]
+    return data
 
 
 def memory_table(
@@ -235,237 +252,48 @@ def memory_table(
     """
     require_module(module, "memory_table")
     depth = check_depth(depth)
-    bits, whatif_name = _whatif_bits(dtype)
-    opt_bytes = _optimizer_bytes(optimizer)
+    bits, whatif_name = whatif_bits(dtype)
+    opt_bytes = optimizer_state_bytes(optimizer)
+    tree = _module_paths(module)
+    held = _holdings(tree, bits, whatif_name)
+    sizes = _size_columns(held, opt_bytes)
 
-    names: list[str] = []
-    mods: list[nn.Module] = []
-    parent: list[int] = []
-    index_of: dict[str, int] = {}
-    # Every path, also to a module reachable twice (shared submodule): each gets its row and
-    # its tensors count once per total like any other shared tensor.
-    for name, mod in module.named_modules(remove_duplicate=False):
-        i = len(names)
-        index_of[name] = i
-        names.append(name)
-        mods.append(mod)
-        if name:
-            cut = name.rfind(".")
-            parent.append(index_of[name[:cut] if cut >= 0 else ""])
-        else:
-            parent.append(-1)
-    n = len(names)
-
-    # Per-tensor facts, keyed by id() of the tensor object (no weakrefs, see CONTRACT.md).
-    # kind: 0 parameter, 1 persistent buffer, 2 non-persistent buffer, 3 tensor attribute.
-    info: dict[int, tuple[int, int, int, bool, str, str, str, str]] = {}
-    owners: dict[int, list[int]] = {}
-    params_own = [0] * n
-    # Per node aggregates: [numel, trainable numel, param bytes, buffer bytes, np-buffer bytes].
-    p_num = [0] * n
-    p_train = [0] * n
-    p_bytes = [0] * n
-    b_bytes = [0] * n
-    nb_bytes = [0] * n
-    a_bytes = [0] * n
-    dtypes: list[set[str]] = [set() for _ in range(n)]
-    states: list[set[str]] = [set() for _ in range(n)]
-    sources: list[set[str]] = [set() for _ in range(n)]
-    values: list[set[str]] = [set() for _ in range(n)]
-    bytes_by_dtype: dict[str, int] = {}
-
-    kinds = {"parameter": 0, "buffer": 1, "non-persistent buffer": 2, "attribute": 3}
-    # Tensors kept as plain attributes hold memory too (``self.freqs = ...``, dicts of tables):
-    # one per storage, none that only views a parameter or buffer.
-    attributes = counted_attributes(mods)
-
-    def tensor_entries(i: int) -> Iterable[tuple[torch.Tensor, int]]:
-        owned = [*own_tensors(mods[i]), *attributes[i]]
-        return [(own.tensor, kinds[own.kind]) for own in owned]
-
-    for i in range(n):
-        seen_here: set[int] = set()
-        for t, kind in tensor_entries(i):
-            key = id(t)
-            if key in seen_here:
-                continue
-            seen_here.add(key)
-            if key in info:
-                owners[key].append(i)
-                if kind == 0:
-                    params_own[i] += info[key][0]
-                continue
-            tdtype = t.dtype
-            if is_lazy(t):  # shape unknown until a (dry) forward: counts as empty
-                info[key] = (0, 0, kind, False, _dtype_name(tdtype), "uninitialized", "", "")
-                owners[key] = [i]
-                continue
-            numel = t.numel()
-            if kind == 3:  # the whole storage is held, also when the attribute is a slice
-                numel = storage_of(t)[1] // tdtype.itemsize
-            if bits is not None and (tdtype.is_floating_point or tdtype.is_complex):
-                nbytes = math.ceil(numel * bits / 8)
-                dname = whatif_name or _dtype_name(tdtype)
-            else:
-                nbytes = numel * tdtype.itemsize
-                dname = _dtype_name(tdtype)
-            trainable = kind == 0 and t.requires_grad
-            info[key] = (
-                numel, nbytes, kind, trainable, dname, tensor_state(t), tensor_source(t),
-                tensor_values(t),
-            )  # fmt: skip
-            owners[key] = [i]
-            bytes_by_dtype[dname] = bytes_by_dtype.get(dname, 0) + nbytes
-            if kind == 0:
-                params_own[i] += numel
-
-    shared_bytes = [0] * n
-    shared: list[tuple[tuple[int, int, int, bool, str, str, str, str], set[int], set[int]]] = []
-
-    def add(i: int, rec: tuple[int, int, int, bool, str, str, str, str]) -> None:
-        numel, nbytes, kind, trainable, dname, state, source, value = rec
-        if kind == 0:
-            p_num[i] += numel
-            p_bytes[i] += nbytes
-            if trainable:
-                p_train[i] += numel
-        elif kind == 1:
-            b_bytes[i] += nbytes
-        elif kind == 2:
-            nb_bytes[i] += nbytes
-        else:
-            a_bytes[i] += nbytes
-        dtypes[i].add(dname)
-        states[i].add(state)
-        if source:
-            sources[i].add(source)
-        if value:
-            values[i].add(value)
-
-    for key, own in owners.items():
-        rec = info[key]
-        if len(own) == 1:
-            add(own[0], rec)
-            continue
-        # Shared tensor: count it once in every ancestor of any owner (union of chains);
-        # it is "shared with rows outside" for nodes that do not contain all owners.
-        union: set[int] = set()
-        inter: set[int] | None = None
-        for i in own:
-            chain = set()
-            j = i
-            while j >= 0:
-                chain.add(j)
-                j = parent[j]
-            union |= chain
-            inter = chain if inter is None else inter & chain
-        shared.append((rec, union, inter or set()))
-
-    # Bottom-up: tree order is pre-order, so every child comes after its parent.
-    for i in range(n - 1, 0, -1):
-        j = parent[i]
-        p_num[j] += p_num[i]
-        p_train[j] += p_train[i]
-        p_bytes[j] += p_bytes[i]
-        b_bytes[j] += b_bytes[i]
-        nb_bytes[j] += nb_bytes[i]
-        a_bytes[j] += a_bytes[i]
-        dtypes[j] |= dtypes[i]
-        states[j] |= states[i]
-        sources[j] |= sources[i]
-        values[j] |= values[i]
-
-    for rec, union, inter in shared:
-        for i in union:
-            add(i, rec)
-            if i not in inter:
-                shared_bytes[i] += rec[1]
-
-    depths = [0 if not nm else nm.count(".") + 1 for nm in names]
-    keep = range(n) if depth is None else [i for i in range(n) if depths[i] <= depth]
-
-    def col(values: list) -> list:
-        return values if depth is None else [values[i] for i in keep]
-
-    buf_all = [b_bytes[i] + nb_bytes[i] + a_bytes[i] for i in range(n)]
-    grad32 = [4 * t for t in p_train]
-    optim = [int(opt_bytes * t) for t in p_train]
-    data = {
-        "type": col([type(m).__name__ for m in mods]),
-        "depth": col(depths),
-        "children": col([sum(1 for c in m._modules.values() if c is not None) for m in mods]),
-        "params_own": col(params_own),
-        "params": col(p_num),
-        "params_trainable": col(p_train),
-        "param_bytes": col(p_bytes),
-        "buffer_bytes": col(b_bytes),
-        "nonpersistent_bytes": col(nb_bytes),
-        "attribute_bytes": col(a_bytes),
-        "total_bytes": col([p_bytes[i] + buf_all[i] for i in range(n)]),
-        "shared_bytes": col(shared_bytes),
-        "dtypes": col([", ".join(sorted(s)) for s in dtypes]),
-        "state": col([_state_of(s) for s in states]),
-        "source": col([_state_of(s) for s in sources]),
-        # "fast": real values replayed with rng="fast", not eager's; "" before materializing
-        "values": col([_state_of(s) for s in values]),
-        "grad_fp32_bytes": col(grad32),
-        "optim_fp32_bytes": col(optim),
-        "train_fp32_bytes": col(
-            [4 * p_num[i] + buf_all[i] + grad32[i] + optim[i] for i in range(n)]
-        ),
-        "grad_mixed_bytes": col([6 * t for t in p_train]),
-        "optim_mixed_bytes": col(optim),
-        "train_mixed_bytes": col(
-            [
-                2 * p_num[i] + 4 * p_train[i] + buf_all[i] + 6 * p_train[i] + optim[i]
-                for i in range(n)
-            ]
-        ),
+    depths = [0 if not name else name.count(".") + 1 for name in tree.names]
+    keep = [i for i in range(len(tree.names)) if depth is None or depths[i] <= depth]
+    data: dict[str, list[Any]] = {
+        "type": [type(m).__name__ for m in tree.modules],
+        "depth": depths,
+        "children": [sum(1 for c in m._modules.values() if c is not None) for m in tree.modules],
+        **sizes,
     }
-    records = [m.__dict__.get(_DRY_RUN_ATTR) for m in mods]
+    records = [m.__dict__.get(DRY_RUN_ATTR) for m in tree.modules]
     if any(r is not None for r in records):
-        kept = col(records)
-        for column in ("output_shape", "activation_bytes", "flops"):
-            data[column] = [None if r is None else r[column] for r in kept]
-        data["peak_forward_bytes"] = [
-            None if r is None else r["peak_activation_bytes"] + total
-            for r, total in zip(kept, data["total_bytes"], strict=True)
-        ]
-    root_record = records[0] or {}
-    table = MemoryTable(data, index=pd.Index(col(names), name="module"))
+        data.update(_dry_run_columns(records, sizes["total_bytes"]))
+    kept = {column: [values[i] for i in keep] for column, values in data.items()}
+    table = MemoryTable(kept, index=pd.Index([tree.names[i] for i in keep], name="module"))
     for column in ("activation_bytes", "flops", "peak_forward_bytes"):
         if column in table.columns:
             table[column] = table[column].astype("Int64")
+    root_record = records[0] or {}
     table.attrs.update(
         {
             "model_type": type(module).__name__,
             "dtype": whatif_name,
             "optimizer": optimizer,
-            "bytes_by_dtype": dict(sorted(bytes_by_dtype.items())),
-            "modules": n,
-            "largest_leaf": _largest_leaf(names, mods, p_bytes, buf_all),
+            "bytes_by_dtype": dict(sorted(held.bytes_by_dtype.items())),
+            "modules": len(tree.names),
+            "largest_leaf": _largest_leaf(tree, sizes["total_bytes"]),
             "dry_run": dict(root_record["run"]) if "run" in root_record else None,
         }
     )
     return table
 
 
-def _state_of(states: set[str]) -> str:
-    if not states:
-        return ""
-    if len(states) == 1:
-        return next(iter(states))
-    return "mixed"
-
-
-def _largest_leaf(
-    names: list[str], mods: list[nn.Module], p_bytes: list[int], buf_all: list[int]
-) -> tuple[str, str, int] | None:
+def _largest_leaf(tree: _Modules, total_bytes: list[int]) -> tuple[str, str, int] | None:
     best: tuple[str, str, int] | None = None
-    for i, m in enumerate(mods):
+    for i, m in enumerate(tree.modules):
         if any(c is not None for c in m._modules.values()):
             continue
-        size = p_bytes[i] + buf_all[i]
-        if best is None or size > best[2]:
-            best = (names[i], type(m).__name__, size)
+        if best is None or total_bytes[i] > best[2]:
+            best = (tree.names[i], type(m).__name__, total_bytes[i])
     return best

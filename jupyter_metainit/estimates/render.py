@@ -11,7 +11,8 @@ from typing import Any
 
 import pandas as pd
 
-from jupyter_metainit.core.runtime.format import format_bytes
+from jupyter_metainit.core import format_bytes
+from jupyter_metainit.estimates.headline import table_headline
 
 __all__ = ["format_table", "render_html", "to_text"]
 
@@ -203,12 +204,10 @@ def format_table(
 def _summary_line(table: pd.DataFrame) -> str:
     """The model's one-line summary, when the table still has the root row and its columns
     (a selection of columns, ``table[["type", "params"]]``, displays without it)."""
-    from jupyter_metainit.estimates.summary import summary
-
     if "" not in table.index:
         return ""
     try:
-        return summary(table)
+        return table_headline(table)
     except KeyError:
         return ""
 

@@ -10,7 +10,9 @@ from collections.abc import Callable, Iterator
 import torch
 from IPython.core.error import UsageError
 
-from jupyter_metainit.estimates._arguments import parse_dtype as dtype_from_name
+from jupyter_metainit.core import missing_device_reason
+from jupyter_metainit.core import parse_device as device_from_text
+from jupyter_metainit.core import parse_dtype as dtype_from_name
 
 __all__ = [
     "parse_depth",
@@ -54,22 +56,19 @@ def parse_device(text: str | None, *, available: bool = False) -> torch.device |
     if text is None:
         return None
     try:
-        device = torch.device(text.strip())
-    except (RuntimeError, ValueError, TypeError):
+        device = device_from_text(text)
+    except ValueError:
         raise UsageError(f"--device: {text!r} is not a device (try cpu, cuda, cuda:1)") from None
+    assert device is not None
     if device.type == "meta":
         raise UsageError("--device: 'meta' is not a real device; deferred tensors need one")
-    if available and device.type == "cuda":
+    reason = missing_device_reason(device) if available else None
+    if reason is not None:
+        if device.type != "cuda":
+            raise UsageError(f"--device: {text!r} is not available here; use cpu or cuda:N")
         if not torch.cuda.is_available():
-            raise UsageError(f"--device: {text!r}: CUDA is not available here; use --device cpu")
-        count = torch.cuda.device_count()
-        if device.index is not None and device.index >= count:
-            raise UsageError(
-                f"--device: {text!r}: this machine has {count} CUDA device(s), cuda:0 to "
-                f"cuda:{count - 1}"
-            )
-    elif available and device.type != "cpu":
-        raise UsageError(f"--device: {text!r} is not available here; use cpu or cuda:N")
+            raise UsageError(f"--device: {text!r}: {reason}; use --device cpu")
+        raise UsageError(f"--device: {text!r}: {reason}")
     return device
 
 

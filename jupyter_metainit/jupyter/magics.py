@@ -9,7 +9,6 @@ expression in the user namespace and call :func:`materialize`, :func:`dematerial
 
 from __future__ import annotations
 
-import sys
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -19,18 +18,23 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from IPython.display import display
 from torch import nn
-from torch.nn.parameter import is_lazy
 
-from jupyter_metainit.core.runtime.format import format_bytes, format_count, format_duration
-from jupyter_metainit.core.runtime.walk import unique_tensors
-from jupyter_metainit.jupyter._cells import watch_cells
+from jupyter_metainit.core import dematerialize, format_duration, materialize, meta_init
+from jupyter_metainit.core.errors import MetaInitError
+from jupyter_metainit.jupyter.cell_models import (
+    is_set_up,
+    new_bindings,
+    new_modules,
+    not_set_up_note,
+    summary_line,
+)
 from jupyter_metainit.jupyter.cell_runner import (
     install_short_tracebacks,
     run_cell_body,
     uninstall_short_tracebacks,
 )
+from jupyter_metainit.jupyter.cell_watch import watch_cells
 from jupyter_metainit.jupyter.magic_options import (
     parse_depth,
     parse_device,
@@ -38,171 +42,9 @@ from jupyter_metainit.jupyter.magic_options import (
     split_expression,
     strip_comment,
 )
+from jupyter_metainit.jupyter.model_views import memory_table_usage, show_model
 
 __all__ = ["MetaInitMagics", "load_ipython_extension", "unload_ipython_extension"]
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    """Parameters and buffers of a module (shared ones once), or the tensor(s) themselves."""
-    if isinstance(obj, nn.Module):
-        return unique_tensors(obj)
-    if isinstance(obj, torch.Tensor):
-        return [obj]
-    return [t for item in obj for t in _tensors(item)]
-
-
-def _state(t: torch.Tensor) -> str:
-    try:
-        from jupyter_metainit.core import tensor_state
-    except ImportError:  # pragma: no cover - the core is always there in a real install
-        return "deferred" if t.is_meta else str(t.device)
-    return tensor_state(t)
-
-
-def summary_line(name: str, obj: Any) -> str:
-    """One line for people: ``model: LlamaForCausalLM, 70.55 B parameters, 131.4 GiB, deferred``.
-
-    Lazy parameters (``nn.LazyLinear`` before its first forward) have no shape yet: they are
-    counted apart, as ``3 lazy tensors``.
-    """
-    tensors = _tensors(obj)
-    known = [t for t in tensors if not is_lazy(t)]
-    lazy = len(tensors) - len(known)
-    if isinstance(obj, nn.Module):
-        params = sum(p.numel() for p in obj.parameters() if not is_lazy(p))
-    else:
-        params = sum(t.numel() for t in known)
-    size = sum(t.numel() * t.element_size() for t in known)
-    parts = [type(obj).__name__, f"{format_count(params)} parameters", format_bytes(size)]
-    if lazy:
-        parts.append(f"{lazy} lazy tensor{'s' if lazy > 1 else ''}")
-    parts.extend(sorted({_state(t) for t in known}) or ([] if lazy else ["no tensors"]))
-    return f"{name}: " + ", ".join(parts)
-
-
-def _has_module_state(module: nn.Module) -> bool:
-    state = getattr(module, "__dict__", {})
-    return all(key in state for key in ("_parameters", "_buffers", "_modules"))
-
-
-def not_set_up_part(module: nn.Module) -> tuple[str, nn.Module] | None:
-    """The first module (qualified name, ``""`` for ``module`` itself) whose ``__init__`` never
-    ran ``nn.Module.__init__`` (no ``super().__init__()``): it has no parameter or submodule
-    dicts, so every walk over the model fails. None when every part is set up."""
-    stack: list[tuple[str, nn.Module]] = [("", module)]
-    seen: set[int] = set()
-    while stack:
-        name, m = stack.pop()
-        if id(m) in seen:
-            continue
-        seen.add(id(m))
-        if not _has_module_state(m):
-            return name, m
-        for child_name, child in m._modules.items():
-            if child is not None:
-                stack.append((f"{name}.{child_name}" if name else child_name, child))
-    return None
-
-
-def is_set_up(module: nn.Module) -> bool:
-    return not_set_up_part(module) is None
-
-
-def not_set_up_note(name: str, module: nn.Module, refusal: str) -> str:
-    """``b: Bad, not shown: ...`` saying which part was never set up and how to fix it."""
-    part_name, part = not_set_up_part(module) or ("", module)
-    kind = type(part).__name__
-    where = f" (its part {part_name})" if part_name else ""
-    return (
-        f"{name}: {type(module).__name__}, {refusal}{where}: {kind}.__init__ never called "
-        f"nn.Module.__init__ (add super().__init__() at the start of {kind}.__init__)"
-    )
-
-
-def new_bindings(before: dict[str, Any], after: dict[str, Any]) -> dict[str, nn.Module]:
-    """Top-level ``nn.Module``s a cell bound or rebound (``before`` holds the objects)."""
-    return {
-        name: obj
-        for name, obj in after.items()
-        if not name.startswith("_")
-        and isinstance(obj, nn.Module)
-        and not (name in before and before[name] is obj)
-    }
-
-
-def new_modules(before: dict[str, Any], after: dict[str, Any]) -> dict[str, nn.Module]:
-    """Top-level ``nn.Module``s bound or rebound by a cell, minus submodules of another new one.
-
-    ``before`` holds the objects themselves (not their ids) so an id cannot be reused in between.
-    Modules that were never set up (see :func:`is_set_up`) are left out.
-    """
-    found: dict[str, nn.Module] = {}
-    seen: set[int] = set()
-    for name, obj in new_bindings(before, after).items():
-        if not is_set_up(obj):
-            continue
-        if id(obj) not in seen:
-            seen.add(id(obj))
-            found[name] = obj
-    inner: set[int] = set()
-    for module in found.values():
-        inner.update(id(sub) for sub in module.modules() if sub is not module)
-    return {name: m for name, m in found.items() if id(m) not in inner}
-
-
-def _memory_table(module: nn.Module, depth: int | None, dtype: str | None) -> Any:
-    """``memory_table(module, depth=, dtype=)``; an unknown ``dtype`` is a one-line UsageError."""
-    from jupyter_metainit.estimates import memory_table
-
-    kwargs: dict[str, Any] = {}
-    if depth is not None:
-        kwargs["depth"] = depth
-    if dtype is not None:
-        kwargs["dtype"] = dtype
-    try:
-        return memory_table(module, **kwargs)
-    except ValueError as exc:
-        if dtype is not None and str(exc).startswith("unknown dtype"):
-            raise UsageError(f"--dtype: {str(exc).splitlines()[0]}") from None
-        raise
-
-
-def _show(name: str, module: nn.Module, *, table: bool, depth: int | None) -> None:
-    """Print the summary line, then display the tree widget, else (or with ``table``) the table.
-
-    The cell itself has run fine by now, so a failure to display is reported in one line on
-    stderr (and the next view is tried) instead of failing the cell.
-    """
-    views = [_summary] if table else [_summary, _widget]
-    views.append(_table)
-    for view in views:
-        try:
-            shown = view(name, module, depth)
-        except Exception as exc:
-            message = (str(exc).splitlines() or [""])[0][:120]
-            print(
-                f"jupyter_metainit: could not show {name} as a {view.__name__.strip('_')} "
-                f"({type(exc).__name__}: {message})",
-                file=sys.stderr,
-            )
-            continue
-        if shown is not None:
-            display(shown)
-            return
-
-
-def _summary(name: str, module: nn.Module, depth: int | None) -> None:
-    print(summary_line(name, module))
-
-
-def _widget(name: str, module: nn.Module, depth: int | None) -> Any:
-    from jupyter_metainit.jupyter.widget import explore
-
-    return explore(module, name=name) if depth is None else explore(module, depth=depth, name=name)
-
-
-def _table(name: str, module: nn.Module, depth: int | None) -> Any:
-    return _memory_table(module, depth, None)
 
 
 @magics_class
@@ -282,8 +124,6 @@ class MetaInitMagics(Magics):
             model = AutoModelForCausalLM.from_config(config)
         """
         __tracebackhide__ = True
-        from jupyter_metainit.core import meta_init
-
         args = parse_argstring(self.meta_init, strip_comment(line))
         device = parse_device(args.device)
         dtype = parse_dtype(args.dtype, default_dtypes_only=True)
@@ -298,7 +138,7 @@ class MetaInitMagics(Magics):
             if not is_set_up(module):
                 print(not_set_up_note(name, module, "not shown"))
         for name, module in new_modules(before, self.shell.user_ns).items():
-            _show(name, module, table=args.table, depth=depth)
+            show_model(name, module, table=args.table, depth=depth)
 
     @magic_arguments()
     @argument("expr", nargs="*", metavar="EXPR", help="Module, tensor or list of them.")
@@ -321,8 +161,6 @@ class MetaInitMagics(Magics):
         ``%dematerialize EXPR`` can make it deferred again.
         """
         __tracebackhide__ = True
-        from jupyter_metainit.core import materialize
-
         expr, obj, args = self._target("materialize", line)
         device = parse_device(args.device, available=True)
         dtype = parse_dtype(args.dtype)
@@ -351,8 +189,6 @@ class MetaInitMagics(Magics):
         ``--force`` is given.
         """
         __tracebackhide__ = True
-        from jupyter_metainit.core import dematerialize
-
         expr, obj, args = self._target("dematerialize", line)
         _one_line_errors(
             "dematerialize",
@@ -383,7 +219,7 @@ class MetaInitMagics(Magics):
         if not isinstance(obj, nn.Module):
             kind = "tensor" if isinstance(obj, torch.Tensor) else type(obj).__name__
             raise UsageError(f"%meta_table: {expr} is a {kind}, not a torch.nn.Module")
-        table = _memory_table(obj, parse_depth(args.depth), args.dtype)
+        table = memory_table_usage(obj, parse_depth(args.depth), args.dtype)
         return table.full() if args.full else table
 
 
@@ -394,8 +230,6 @@ def _one_line_errors(magic: str, action: Any, hints: dict[str, str] | None = Non
     ``hints``: when the core's message names an argument (``force=True``), the magic's
     spelling of it is added."""
     __tracebackhide__ = True
-    from jupyter_metainit.core.errors import MetaInitError
-
     message = None
     try:
         action()

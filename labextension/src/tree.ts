@@ -2,22 +2,17 @@
 // visible (expansion, filtering) and the tri-state selection.  No DOM here, so it is easy
 // to unit-test and fast on trees of thousands of modules.
 
-/**
- * [parent, local_name, type_index, params, bytes, state, rep_i, rep_n, info, own, dtype,
- *  share_bytes, target, tied, source, values] (see jupyter_metainit/jupyter/_tree.py, ModuleTree.to_json).
- */
-export type Row = [
-  number, string, number, number, number, string, number, number, string, number,
-  string?, number?, string?, number[]?, string?, string?,
-];
+import { PATCH, type PatchRow, ROW, type Row } from "./rows";
+
+// A row's fields have positions on the wire; they are named in one place, the kernel's
+// jupyter_metainit/jupyter/row_schema.py, from which ./rows.ts is generated.
+export type { PatchRow, Row };
+
 export interface TreeJSON {
   v: number;
   types: string[];
   nodes: Row[];
 }
-/** [node, params, bytes, state, dtype, share_bytes, target, source, values]: a row that changed. */
-export type PatchRow = [number, number, number, string, string?, number?, string?, string?, string?];
-
 export const UNCHECKED = 0;
 export const CHECKED = 1;
 export const PARTIAL = 2;
@@ -71,27 +66,30 @@ export class Tree {
     this.bytes = new Float64Array(n);
     this.share = new Float64Array(n);
     for (let i = 0; i < n; i++) {
-      const [p, name, t, params, bytes, state, ri, rn, info, own, dtype, share, target, tied, source, values] =
-        rows[i];
+      const row = rows[i];
+      const p = row[ROW.parent];
+      const name = row[ROW.name];
+      const bytes = row[ROW.bytes];
+      const tied = row[ROW.tied];
       this.parent[i] = p;
       this.depth[i] = p < 0 ? 0 : this.depth[p] + 1;
       this.name.push(name);
       const q = p <= 0 ? name : `${this.qname[p]}.${name}`;
       this.qname.push(p < 0 ? "" : q);
-      this.type.push(json.types[t] ?? "?");
-      this.params[i] = params;
+      this.type.push(json.types[row[ROW.type]] ?? "?");
+      this.params[i] = row[ROW.params];
       this.bytes[i] = bytes;
-      this.state.push(state);
-      this.dtype.push(dtype ?? "");
-      this.share[i] = share ?? bytes;
-      this.target.push(target ?? "");
+      this.state.push(row[ROW.state]);
+      this.dtype.push(row[ROW.dtype] ?? "");
+      this.share[i] = row[ROW.share_bytes] ?? bytes;
+      this.target.push(row[ROW.target] ?? "");
       this.tied.push(Array.isArray(tied) ? tied : []);
-      this.source.push(source ?? "");
-      this.values.push(values ?? "");
-      this.repI[i] = ri;
-      this.repN[i] = rn;
-      this.info.push(info ?? "");
-      this.own[i] = own ?? 0;
+      this.source.push(row[ROW.source] ?? "");
+      this.values.push(row[ROW.values] ?? "");
+      this.repI[i] = row[ROW.rep_i];
+      this.repN[i] = row[ROW.rep_n];
+      this.info.push(row[ROW.info] ?? "");
+      this.own[i] = row[ROW.own] ?? 0;
       this.children.push([]);
       if (p >= 0) this.children[p].push(i);
       this.index.set(this.qname[i], i);
@@ -101,11 +99,17 @@ export class Tree {
 
   /** Apply the rows the kernel says changed. */
   applyPatch(rows: PatchRow[]): void {
-    for (const [node, params, bytes, state, dtype, share, target, source, values] of rows) {
+    for (const row of rows) {
+      const node = row[PATCH.node];
       if (node < 0 || node >= this.n) continue;
-      this.params[node] = params;
-      this.bytes[node] = bytes;
-      this.state[node] = state;
+      this.params[node] = row[PATCH.params];
+      this.bytes[node] = row[PATCH.bytes];
+      this.state[node] = row[PATCH.state];
+      const dtype = row[PATCH.dtype];
+      const share = row[PATCH.share_bytes];
+      const target = row[PATCH.target];
+      const source = row[PATCH.source];
+      const values = row[PATCH.values];
       if (dtype !== undefined) this.dtype[node] = dtype;
       if (share !== undefined) this.share[node] = share;
       if (target !== undefined) this.target[node] = target;

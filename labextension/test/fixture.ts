@@ -1,4 +1,5 @@
-import type { Row, TreeJSON } from "../src/tree";
+import { type Row, rowOf } from "../src/rows";
+import type { TreeJSON } from "../src/tree";
 
 /**
  * model (Net)
@@ -12,7 +13,8 @@ export function smallTree(): TreeJSON {
   const types = ["Net", "Embedding", "ModuleList", "Block", "Linear", "Norm"];
   const r = (
     parent: number, name: string, type: number, params: number, repI = 0, repN = 1, own = 0,
-  ): Row => [parent, name, type, params, params * 4, "deferred", repI, repN, "", own];
+  ): Row =>
+    rowOf({ parent, name, type, params, bytes: params * 4, state: "deferred", rep_i: repI, rep_n: repN, info: "", own });
   const nodes: Row[] = [
     r(-1, "", 0, 165), // 0
     r(0, "embed", 1, 100, 0, 1, 1), // 1
@@ -34,7 +36,9 @@ export function bigTree(layers = 80): TreeJSON {
     "LlamaAttention", "Linear", "LlamaMLP", "SiLU", "LlamaRMSNorm"];
   const nodes: Row[] = [];
   const add = (p: number, name: string, t: number, params: number, ri = 0, rn = 1): number => {
-    nodes.push([p, name, t, params, params * 2, "deferred", ri, rn, "", 0]);
+    nodes.push(
+      rowOf({ parent: p, name, type: t, params, bytes: params * 2, state: "deferred", rep_i: ri, rep_n: rn, info: "", own: 0 }),
+    );
     return nodes.length - 1;
   };
   const root = add(-1, "", 0, 70e9);

@@ -2,6 +2,7 @@ import { afterEach, describe, expect, it, vi } from "vitest";
 import { codePath, TreeView, type WidgetModel } from "../src/view";
 import { bigTree, smallTree } from "./fixture";
 import type { TreeJSON } from "../src/tree";
+import { ROW } from "../src/rows";
 
 /** An in-memory stand-in for anywidget's model (plain state + events), not a mock of a library. */
 class FakeModel implements WidgetModel {
@@ -180,9 +181,9 @@ describe("TreeView", () => {
 
   it("names tied modules and counts shares once", () => {
     const tree = smallTree();
-    tree.nodes[1][13] = [9];
-    tree.nodes[9][13] = [1];
-    tree.nodes[9][11] = 0; // the tied tensor is attributed to embed
+    tree.nodes[1][ROW.tied] = [9];
+    tree.nodes[9][ROW.tied] = [1];
+    tree.nodes[9][ROW.share_bytes] = 0; // the tied tensor is attributed to embed
     const { root } = mount(tree);
     const chips = [...root.querySelectorAll(".jmi-tied")].map((c) => c.textContent);
     expect(chips).toEqual(["tied: norm", "tied: embed"]);
@@ -192,8 +193,8 @@ describe("TreeView", () => {
 
   it("shows the dtype and the target device of deferred parts", () => {
     const tree = smallTree();
-    tree.nodes[0][10] = "bf16";
-    tree.nodes[0][12] = "cuda:0";
+    tree.nodes[0][ROW.dtype] = "bf16";
+    tree.nodes[0][ROW.target] = "cuda:0";
     const { root } = mount(tree);
     expect(root.querySelector(".jmi-totals .jmi-dtype")!.textContent).toBe("bf16");
     expect(root.querySelector(".jmi-totals .jmi-badge")!.textContent).toBe("deferred → cuda:0");
@@ -201,8 +202,8 @@ describe("TreeView", () => {
 
   it("marks the parts whose values come from a checkpoint file", () => {
     const tree = smallTree();
-    tree.nodes[1][14] = "checkpoint";
-    tree.nodes[0][14] = "mixed";
+    tree.nodes[1][ROW.source] = "checkpoint";
+    tree.nodes[0][ROW.source] = "mixed";
     const { root } = mount(tree);
     const tags = [...root.querySelectorAll(".jmi-rows .jmi-source")].map((t) => t.textContent);
     expect(tags).toEqual(["file+init", "file"]);

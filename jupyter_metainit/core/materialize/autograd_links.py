@@ -22,20 +22,21 @@ from collections.abc import Callable
 
 import torch
 
+from jupyter_metainit.core.materialize.user_state import copy_user_attributes
 from jupyter_metainit.core.record.graph import OpRecord, StorageRecord
 from jupyter_metainit.core.record.tensor import DeferredTensor, grad_leaves
-from jupyter_metainit.core.replay.replay import Plan, _Run, plan, real_view
+from jupyter_metainit.core.replay import Plan, Run, plan, real_view
 from jupyter_metainit.core.runtime.plain import plain
 
-__all__ = ["is_recorded_non_leaf", "link_non_leaves", "linked_non_leaf"]
+__all__ = ["link_non_leaves"]
 
 
-def is_recorded_non_leaf(t: DeferredTensor) -> bool:
+def _is_recorded_non_leaf(t: DeferredTensor) -> bool:
     """Whether eager code would have given ``t`` a ``grad_fn`` (a parameter never has one)."""
     return t._rg and t._derived and not t.__dict__.get("_is_param", False)
 
 
-def linked_non_leaf(
+def _linked_non_leaf(
     t: DeferredTensor,
     plain_value: torch.Tensor,
     in_call: Callable[[StorageRecord], torch.Tensor | None],
@@ -146,7 +147,7 @@ def _replay_with_grad(
         needed |= {id(s) for s in op.reads if id(s) not in seeds}
     ops.reverse()
     p = Plan(ops, [t._rec.storage], dict(seeds), {}, full.allocate)
-    run = _Run(p, device, rng, None, None)
+    run = Run(p, device, rng, None, None)
     for i, op in enumerate(ops):
         run.run(i, op)
     return run.real(t._rec, run.op_device(ops[-1]) if ops else torch.device("cpu"))
@@ -166,13 +167,13 @@ def link_non_leaves(
     # storage id -> the real leaf over it: the leaves requiring grad of this call
     leaves = {
         id(t._rec.storage): r for t, r in zip(tensors, reals, strict=True)
-        if t.requires_grad and not is_recorded_non_leaf(t)
+        if t.requires_grad and not _is_recorded_non_leaf(t)
     }  # fmt: skip
     for i, t in enumerate(tensors):
-        if not is_recorded_non_leaf(t):
+        if not _is_recorded_non_leaf(t):
             continue
-        linked = linked_non_leaf(t, reals[i], lambda storage: leaves.get(id(storage)), device, rng)
+        linked = _linked_non_leaf(t, reals[i], lambda storage: leaves.get(id(storage)), device, rng)
         if linked is None:
             continue
-        linked.__dict__.update(reals[i].__dict__)
+        copy_user_attributes(reals[i], linked)
         reals[i] = linked

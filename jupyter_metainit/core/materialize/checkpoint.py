@@ -15,9 +15,9 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core.errors import MaterializationError
+from jupyter_metainit.core.materialize.walk import named_tensors
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.runtime.plain import plain
-from jupyter_metainit.core.runtime.walk import named_tensors
 
 __all__ = ["load_for"]
 

@@ -6,9 +6,10 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core.materialize.materialize import iter_deferred
+from jupyter_metainit.core.materialize.queries import iter_deferred
+from jupyter_metainit.core.materialize.user_state import copy_user_attributes
 from jupyter_metainit.core.record.context import meta_init
-from jupyter_metainit.core.record.tensor import INTERNAL_ATTRS, PARAMETER_ATTRS, as_parameter
+from jupyter_metainit.core.record.tensor import as_parameter
 from jupyter_metainit.core.runtime.plain import plain
 from jupyter_metainit.core.runtime.swap import swap_in_place
 
@@ -34,8 +35,6 @@ def skip_init(module_cls: type[torch.nn.Module], *args: Any, **kwargs: Any) -> t
             empty = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device=device)
         real: torch.Tensor
         real = as_parameter(t, empty, t._rg) if getattr(t, "_is_param", False) else empty
-        for k, v in t.__dict__.items():
-            if k not in INTERNAL_ATTRS and k not in PARAMETER_ATTRS:
-                setattr(real, k, v)
+        copy_user_attributes(t, real)
         swap_in_place(t, real)
     return module

@@ -3,7 +3,7 @@
 PyTorch's argument parser turns ``device="cuda:1"`` into a real device before any dispatch
 happens (and fails without CUDA), so device arguments are rewritten to ``meta`` here, one level
 above ATen, while the device the result must *report* is remembered in ``tls.pending_device``
-for the recorder (``_record``) to pick up. Data handed over by the user (``torch.tensor([...])``,
+for the recorder (``dispatch``) to pick up. Data handed over by the user (``torch.tensor([...])``,
 ``from_numpy``) is copied and kept as a constant of the recording. ``t.to(...)``/``t.cuda()`` on
 a deferred tensor become a recorded copy that reports the new device.
 """
@@ -15,15 +15,11 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core.errors import DeferredDataError, UnsupportedOperatorError
+from jupyter_metainit.core.record.dispatch.inputs import wrap_constant, wrap_file_region
+from jupyter_metainit.core.record.dispatch.reads import read_value
+from jupyter_metainit.core.record.dispatch.whole_calls import SUBCLASS_SENSITIVE, record_call
 from jupyter_metainit.core.record.files import storage_region
 from jupyter_metainit.core.record.ops import user_frame
-from jupyter_metainit.core.record.record import (
-    SUBCLASS_SENSITIVE,
-    read_value,
-    record_call,
-    wrap_constant,
-    wrap_file_region,
-)
 from jupyter_metainit.core.record.state import canonical_device, default_device, dtype_override, tls
 from jupyter_metainit.core.record.tensor import SHARE_MEMORY_ATTR, DeferredTensor
 from jupyter_metainit.core.runtime.interrupts import critical, handling_interrupts
@@ -347,6 +343,3 @@ def _with_index_values(func: Any, args: tuple, kwargs: dict, error: Exception) -
         raise error
     with subclass_functions_off():
         return func(*new_args, **new_kwargs)
-
-
-DeferredTensor.handle_function = staticmethod(handle_function)

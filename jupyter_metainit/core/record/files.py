@@ -1,24 +1,23 @@
 """Reading a tensor from a file as a recorded operation: "these bytes of this file".
 
 Checkpoint readers hand PyTorch memory-mapped bytes: ``safetensors`` passes an ``UntypedStorage``
-over its mapping of the file to ``torch.asarray``, ``torch.load(mmap=True)`` rebuilds tensors
-with ``set_`` on storages of ``UntypedStorage.from_file``. Inside ``meta_init`` those calls are
-intercepted (``_devices.data_factory``, ``_record``): the memory's address is looked up in the
-process's mappings (``/proc/self/maps``), which give the file and the offset, and the tensor
-becomes deferred, its recording one :func:`read_file_bytes` op. Replaying it reads exactly those
-bytes with ``pread`` (no mapping, so the process holds only the copy it keeps), after checking
+over its mapping of the file to ``torch.asarray``, ``torch.load(mmap=True)`` rebuilds tensors with
+``set_`` on storages of ``UntypedStorage.from_file``. Inside ``meta_init`` those calls are
+intercepted (``record/devices.data_factory``, ``record/dispatch``): the memory's address is looked
+up in the process's mappings (``/proc/self/maps``), which give the file and the offset, and the
+tensor becomes deferred, its recording one :func:`read_file_bytes` op. Replaying it reads exactly
+those bytes with ``pread`` (no mapping, so the process holds only the copy it keeps), after checking
 that the file is still the one that was recorded (size, modification and change times, inode,
-header). The change time (ctime) catches rewrites that restore the modification time
-(``cp -p``, ``rsync -t``, ``os.utime``): no user call can set it back. What is read is also
-checked: a sum of the bytes' 64-bit words (computed by the reading threads) must equal that of
-any earlier read of the same bytes of the same file version, which catches writes the timestamps
-miss (through a shared mapping, within the clock's granularity) before the bytes are used.
+header). The change time (ctime) catches rewrites that restore the modification time (``cp -p``,
+``rsync -t``, ``os.utime``): no user call can set it back. What is read is also checked: a sum of
+the bytes' 64-bit words (computed by the reading threads) must equal that of any earlier read of the
+same bytes of the same file version, which catches writes the timestamps miss (through a shared
+mapping, within the clock's granularity) before the bytes are used.
 """
 
 from __future__ import annotations
 
 import bisect
-import concurrent.futures
 import hashlib
 import os
 import threading
@@ -30,6 +29,7 @@ import numpy as np
 import torch
 
 from jupyter_metainit.core.errors import MaterializationError
+from jupyter_metainit.core.runtime.pool import available_cores, core_pool
 
 __all__ = ["FileRef", "FileRegion", "file_region", "read_file_bytes"]
 
@@ -255,7 +255,6 @@ def _content_sum(piece: memoryview, total: int, index: int) -> int:
     return total & _MASK
 
 
-_PIECE = 1 << 20  # digested right after it is read, while it is in the CPU's cache
 _MASK = (1 << 64) - 1
 
 
@@ -278,16 +277,16 @@ def read_file_bytes(region: FileRegion) -> torch.Tensor:
         ) from None
     try:
         starts = range(0, region.nbytes, _CHUNK)
-        workers = min(len(starts), os.cpu_count() or 1)
-        if workers <= 1:
+        workers = min(len(starts), available_cores())
+        if workers <= 1:  # one core, or on a pool thread already: read inline
             crcs = (_read_into(fd, view, region.offset, path),)
         else:
-            with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-                jobs = [
-                    pool.submit(_read_into, fd, view[i : i + _CHUNK], region.offset + i, path)
-                    for i in starts
-                ]
-                crcs = tuple(job.result() for job in jobs)
+            pool = core_pool(workers)
+            jobs = [
+                pool.submit(_read_into, fd, view[i : i + _CHUNK], region.offset + i, path)
+                for i in starts
+            ]
+            crcs = tuple(job.result() for job in jobs)
     finally:
         os.close(fd)
     if CHECK_CONTENT:
@@ -304,4 +303,4 @@ def read_file_bytes(region: FileRegion) -> torch.Tensor:
     return out
 
 
-read_file_bytes.host_op = True  # type: ignore[attr-defined]  # runs on the CPU (see _replay)
+read_file_bytes.host_op = True  # type: ignore[attr-defined]  # runs on the CPU (see replay/run)

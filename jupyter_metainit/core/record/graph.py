@@ -88,7 +88,7 @@ constant_op.host_op = True  # type: ignore[attr-defined]  # runs on the CPU (see
 
 @dataclass(eq=False, slots=True)
 class RngUse:
-    """Position of a random op in its generator's stream (see ``_rng``)."""
+    """Position of a random op in its generator's stream (see ``rng.streams``)."""
 
     segment: Any
     index: int

@@ -7,13 +7,24 @@ without importing each other.
 
 from __future__ import annotations
 
+import contextlib
 import threading
+from collections.abc import Iterator
 from typing import Any
 
 import torch
 from torch.utils._device import DeviceContext
 
-__all__ = ["canonical_device", "default_device", "default_dtype", "dtype_override", "tls"]
+from jupyter_metainit.core.runtime.interrupts import critical
+
+__all__ = [
+    "canonical_device",
+    "default_device",
+    "default_dtype",
+    "default_dtype_as",
+    "dtype_override",
+    "tls",
+]
 
 
 class RecordingState(threading.local):
@@ -27,7 +38,7 @@ class RecordingState(threading.local):
         self.dtypes: list[torch.dtype | None] = []
         # Device the tensors of the torch-level call being recorded must report.
         self.pending_device: torch.device | None = None
-        # Where user code made the torch-level call being handled (``_ops.Where``): found once
+        # Where user code made the torch-level call being handled (``ops.Where``): found once
         # per call rather than once per ATen op it dispatches.
         self.where: Any = None
 
@@ -98,5 +109,27 @@ def default_dtype() -> torch.dtype:
 
 
 # ``torch.get_default_dtype`` may be replaced while a ``meta_init(dtype=)`` block runs (see
-# ``_context``); the real one is kept here.
+# ``context``); the real one is kept here.
 _global_default_dtype = torch.get_default_dtype
+
+
+_default_dtype_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def default_dtype_as(dtype: torch.dtype | None) -> Iterator[None]:
+    """Run one op whose result dtype comes from the default dtype as it was recorded.
+
+    PyTorch's default dtype is process-wide; the few ops that depend on it (an integer tensor
+    divided by an int) switch it for their own duration only, under a lock.
+    """
+    if dtype is None or dtype == torch.get_default_dtype():
+        yield
+        return
+    with critical(), _default_dtype_lock:
+        saved = torch.get_default_dtype()
+        torch.set_default_dtype(dtype)
+        try:
+            yield
+        finally:
+            torch.set_default_dtype(saved)

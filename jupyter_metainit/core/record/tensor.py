@@ -38,7 +38,7 @@ SHARE_MEMORY_ATTR = "_jmi_share_memory"
 
 
 def _not_registered(*_args: Any) -> Any:
-    raise RuntimeError("jupyter_metainit.core.record.record was not imported")
+    raise RuntimeError("jupyter_metainit.core.record was not imported (its __init__ installs this)")
 
 
 def _outside_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
@@ -82,8 +82,8 @@ class DeferredTensor(torch.Tensor):
     _rg: bool
     _derived: bool  # computed from tensors that require grad, in grad mode (not a leaf)
 
-    # The recorder (``_record``) installs its handlers here when it is imported: this module
-    # defines the tensor and imports nothing of the recorder, so the import graph has no cycle.
+    # ``jupyter_metainit.core.record`` (its ``__init__``) installs the recorder's handlers here:
+    # this module defines the tensor and imports nothing of the recorder (no import cycle).
     handle_op: ClassVar[Callable[..., Any]] = staticmethod(_not_registered)
     handle_function: ClassVar[Callable[..., Any]] = staticmethod(_not_registered)
     set_data: ClassVar[Callable[..., Any]] = staticmethod(_not_registered)

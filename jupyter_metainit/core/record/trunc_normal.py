@@ -30,7 +30,7 @@ import torch
 
 from jupyter_metainit.core.record.state import tls
 from jupyter_metainit.core.record.tensor import DeferredTensor
-from jupyter_metainit.core.rng import streams as _rng
+from jupyter_metainit.core.rng.streams import exact_state, settle
 from jupyter_metainit.core.runtime.plain import plain
 
 __all__ = ["trunc_normal_"]
@@ -131,7 +131,7 @@ def trunc_normal_(
             return tensor.normal_(mean, std, generator=generator)
     with plain():
         scratch_gen = torch.Generator()
-        scratch_gen.set_state(_rng.exact_state(gen))
+        scratch_gen.set_state(exact_state(gen))
         scratch = torch.empty_strided(tensor.shape, tensor.stride(), dtype=tensor.dtype)
         scratch.normal_(mean, std, generator=scratch_gen)
         kept = _equals_first_normal(scratch, mean, std, a, b)
@@ -141,5 +141,5 @@ def trunc_normal_(
         tensor.normal_(mean, std, generator=generator)
     last = tensor._rec.storage.writes[-1]
     if last.rng is not None and last.func is torch.ops.aten.normal_.default:
-        _rng.settle(last.rng.segment, last.rng.index, scratch_gen.get_state())
+        settle(last.rng.segment, last.rng.index, scratch_gen.get_state())
     return tensor

@@ -1,1 +1,34 @@
-"""Replay: planning and running recorded ops to compute values."""
+"""Replay: running a recording for real, exactly as eager code would have.
+
+Where to look: ``planning`` (which recorded ops a set of tensors needs), ``run`` (the engine that
+executes a plan), ``random_modes`` (exact and fast random values: the two strategies the engine
+calls), ``parallel`` (which ops may run on threads of their own), ``shards`` (generating only the
+part of a fill a shard is cut from), ``reads`` (value reads while recording), ``values`` (the
+cache of values those reads computed).
+
+The replay stage also serves recording's value reads: importing it installs
+:class:`~jupyter_metainit.core.replay.reads.ReplayValueReader` as recording's
+:mod:`~jupyter_metainit.core.record.value_reader` (recording sits below replay and does not
+import it). The names below are the stage's face for the stages above it.
+"""
+
+from __future__ import annotations
+
+from jupyter_metainit.core.record.value_reader import use_value_reader
+from jupyter_metainit.core.replay.planning import Plan, plan
+from jupyter_metainit.core.replay.reads import ReplayValueReader, compute_values
+from jupyter_metainit.core.replay.run import Progress, Run, execute, real_view
+from jupyter_metainit.core.replay.shards import noting_whole_intermediates
+
+__all__ = [
+    "Plan",
+    "Progress",
+    "Run",
+    "compute_values",
+    "execute",
+    "noting_whole_intermediates",
+    "plan",
+    "real_view",
+]
+
+use_value_reader(ReplayValueReader())

@@ -47,201 +47,67 @@ from collections import OrderedDict
 import numpy as np
 import torch
 
+from jupyter_metainit.core.rng.mt19937_polynomial import (
+    DEGREE,
+    N,
+    get_poly,
+    poly_lock,
+    sequence,
+    tempered_sequence,
+    untemper,
+)
 from jupyter_metainit.core.runtime.interrupts import critical
 from jupyter_metainit.core.runtime.plain import plain
 
-__all__ = ["advance_by_generating", "jump_generator", "jump_is_cheap", "jump_state"]
+__all__ = ["advance_by_generating", "jump_is_cheap", "jump_state"]
 
-_N = 624  # words in a block
-_DEGREE = 19937  # degree of the characteristic polynomial
 
 # Byte layout of CPUGeneratorImplState (x86-64 / aarch64, little-endian).
 _STATE_BYTES = 5056
+
+
 _OFF_LEFT = 8
+
+
 _OFF_NEXT = 16
+
+
 _OFF_WORDS = 24
-_WORDS_END = _OFF_WORDS + 8 * _N
+
+
+_WORDS_END = _OFF_WORDS + 8 * N
+
 
 # Jumps up to this many words are done by running the recurrence directly.
-_DIRECT_LIMIT = 4 * _DEGREE
+_DIRECT_LIMIT = 4 * DEGREE
+
+
 # Windows XOR-reduced at a time: 624 KiB, small enough to stay in the core's cache (2048 at a
 # time was twice as slow).
 _WINDOW_CHUNK = 256
+
+
 # Bits of a jump polynomial taken at a time by ``_apply`` (4 to 6 are equally fast; 1 is the
 # plain method, 8 builds more combined sequences than it saves windows).
 _GROUP_BITS = 5
 
-_SPREAD = np.array([int(f"{b:08b}", 4) for b in range(256)], dtype="<u2")  # bit i -> bit 2i
-
-
-def _sequence(block: np.ndarray, length: int) -> np.ndarray:
-    """The first ``length`` words of the sequence whose first window is ``block``."""
-    return _untemper(_tempered_sequence(block, length))
-
-
-def _tempered_sequence(block: np.ndarray, length: int) -> np.ndarray:
-    """``_sequence``, each word tempered as MT19937 outputs it.
-
-    numpy's MT19937 runs the recurrence in C: set to ``block`` with ``pos = 624`` (its next
-    output twists), its outputs are the next words, tempered. Twice as fast as the recurrence
-    in numpy (227 words, ``N - M``, per step), and a jump needs 20,000 words."""
-    seq = np.empty(max(length, _N), dtype=np.uint32)
-    seq[:_N] = _temper(np.asarray(block, dtype=np.uint32))
-    more = len(seq) - _N
-    if more:
-        bit_generator = np.random.MT19937()
-        bit_generator.state = {
-            "bit_generator": "MT19937",
-            "state": {"key": np.asarray(block, dtype=np.uint32), "pos": _N},
-        }
-        seq[_N:] = bit_generator.random_raw(more)
-    return seq[:length]
-
-
-# MT19937's output tempering, a linear map of each word over GF(2): (right shift, mask) steps.
-_TEMPERING = ((11, None), (7, 0x9D2C5680), (15, 0xEFC60000), (18, None))
-
-
-def _temper_step(y: np.ndarray, x: np.ndarray, shift: int, mask: int | None) -> np.ndarray:
-    if mask is None:
-        return y ^ (x >> np.uint32(shift))
-    return y ^ ((x << np.uint32(shift)) & np.uint32(mask))
-
-
-def _temper(y: np.ndarray) -> np.ndarray:
-    for shift, mask in _TEMPERING:
-        y = _temper_step(y, y, shift, mask)
-    return y
-
-
-def _untemper(y: np.ndarray) -> np.ndarray:
-    """Inverse of ``_temper``: each step ``y = x ^ f(x)`` is undone by the fixed-point
-    iteration ``x = y ^ f(x)``, ``shift`` more bits right each time."""
-    for shift, mask in reversed(_TEMPERING):
-        x = y
-        for _ in range(32 // shift):
-            x = _temper_step(y, x, shift, mask)
-        y = x
-    return y
-
-
-def _berlekamp_massey(bits: np.ndarray) -> tuple[int, int]:
-    """Shortest LFSR of a GF(2) sequence: ``(C, L)`` with ``C`` as an int, bit i = c_i (c_0 = 1),
-    such that ``s[n] = XOR_{i=1..L} c_i s[n-i]``."""
-    n_bits = len(bits)
-    # r: bit (n_bits - 1 - j) holds s[j], so (r >> (n_bits - 1 - n)) has bit i = s[n - i].
-    r = int.from_bytes(np.packbits(bits.astype(np.uint8)).tobytes(), "big")
-    r >>= (-n_bits) % 8
-    c, b, length, m = 1, 1, 0, 1
-    for n in range(n_bits):
-        if (c & (r >> (n_bits - 1 - n))).bit_count() & 1:
-            previous = c
-            c ^= b << m
-            if 2 * length <= n:
-                length = n + 1 - length
-                b = previous
-                m = 1
-                continue
-        m += 1
-    return c, length
-
-
-def characteristic_polynomial() -> int:
-    """MT19937's characteristic polynomial phi (bit i = coefficient of t^i), found from the
-    generator's own output by Berlekamp-Massey (about 90 ms; ``_mt19937_phi.bin`` keeps it, and
-    a test checks the two agree)."""
-    block = np.random.default_rng(0).integers(0, 2**32, _N, dtype=np.uint32)
-    seq = _sequence(block, _N + 2 * _DEGREE)
-    c, length = _berlekamp_massey(seq[_N:] & np.uint32(1))
-    if length != _DEGREE:  # pragma: no cover - would mean a broken recurrence
-        raise RuntimeError(f"MT19937 characteristic polynomial has degree {length}")
-    # phi(t) = t^L C(1/t): reverse the L + 1 coefficients.
-    return int(f"{c:0{length + 1}b}"[::-1], 2)
-
-
-_PHI_FILE = pathlib.Path(__file__).with_name("_mt19937_phi.bin")
-
-
-def _stored_phi() -> int:
-    """phi as stored beside this module (a constant of MT19937), else computed."""
-    try:
-        phi = int.from_bytes(_PHI_FILE.read_bytes(), "little")
-    except OSError:
-        return characteristic_polynomial()
-    return phi if phi.bit_length() == _DEGREE + 1 else characteristic_polynomial()
-
-
-def _square(x: int) -> int:
-    """``x(t)^2`` in GF(2)[t]: bit i moves to bit 2i (cross terms cancel)."""
-    raw = np.frombuffer(x.to_bytes((x.bit_length() + 7) // 8, "little"), np.uint8)
-    return int.from_bytes(_SPREAD[raw].tobytes(), "little")
-
-
-class _Poly:
-    """MT19937's characteristic polynomial and the tables for arithmetic modulo it."""
-
-    def __init__(self, phi: int | None = None) -> None:
-        self.phi = _stored_phi() if phi is None else phi
-        # reduce_table[b]: the multiple q * phi (deg q < 8) whose bits DEGREE..DEGREE+7 are b.
-        self.reduce_table = [0] * 256
-        for q in range(256):
-            product = 0
-            for i in range(8):
-                if q >> i & 1:
-                    product ^= self.phi << i
-            self.reduce_table[product >> _DEGREE] = product
-
-    def reduce(self, x: int) -> int:
-        table = self.reduce_table
-        while True:
-            top = x.bit_length()
-            if top <= _DEGREE:
-                return x
-            p = max(_DEGREE, top - 8)
-            x ^= table[(x >> p) & 0xFF] << (p - _DEGREE)
-
-    def power_of_t(self, k: int) -> int:
-        """``t^k mod phi`` as an int (bit i = coefficient of t^i)."""
-        if k < _DEGREE:
-            return 1 << k
-        shift = k.bit_length() - 14  # the top 14 bits of k give an exponent < DEGREE
-        x = 1 << (k >> shift)
-        for i in range(shift - 1, -1, -1):
-            x = self.reduce(_square(x))
-            if k >> i & 1:
-                x <<= 1
-                if x >> _DEGREE:
-                    x ^= self.phi
-        return x
-
-
-_poly: _Poly | None = None
-_poly_lock = threading.Lock()
-
-
-def _get_poly() -> _Poly:
-    global _poly
-    if _poly is None:
-        with critical(), _poly_lock:
-            if _poly is None:
-                _poly = _Poly()
-    return _poly
-
 
 _powers: OrderedDict[int, int] = OrderedDict()
+
+
 _POWERS_KEPT = 1024  # 2.5 KB each
 
 
 def _power_of_t(k: int) -> int:
     """``t^k mod phi``, kept: a model repeats its layers, so the same jump distances come back
     (each costs about 15 ms to compute and 1.5 ms to apply)."""
-    with critical(), _poly_lock:
+    with critical(), poly_lock:
         h = _powers.get(k)
         if h is not None:
             _powers.move_to_end(k)
             return h
-    h = _get_poly().power_of_t(k)
-    with critical(), _poly_lock:
+    h = get_poly().power_of_t(k)
+    with critical(), poly_lock:
         _powers[k] = h
         if len(_powers) > _POWERS_KEPT:
             _powers.popitem(last=False)
@@ -252,7 +118,7 @@ def _twists(left: int, draws: int) -> int:
     """Blocks of 624 words the state moves through for ``draws`` more outputs (0: none)."""
     if draws < left:
         return 0
-    return -(-(draws - (left - 1)) // _N)
+    return -(-(draws - (left - 1)) // N)
 
 
 def jump_is_cheap(state: torch.Tensor, draws: int) -> bool:
@@ -263,10 +129,10 @@ def jump_is_cheap(state: torch.Tensor, draws: int) -> bool:
     generating them."""
     with plain():
         left = int(state.reshape(-1)[_OFF_LEFT : _OFF_LEFT + 4].numpy().view("<i4")[0])
-    steps = _N * _twists(left, int(draws))
+    steps = N * _twists(left, int(draws))
     if steps <= _DIRECT_LIMIT:
         return True
-    with critical(), _poly_lock:
+    with critical(), poly_lock:
         if _kept_nearby(steps) is not None or steps in _asked:
             return True
         if _stored_parts(steps) <= _CHEAP_PARTS:
@@ -279,22 +145,24 @@ _asked: OrderedDict[int, None] = OrderedDict()  # distances asked about or jumpe
 
 
 def _note_asked(steps: int) -> None:
-    """Remember a distance (the most recent ones). Call with ``_poly_lock`` held."""
+    """Remember a distance (the most recent ones). Call with ``poly_lock`` held."""
     _asked[steps] = None
     if len(_asked) > _POWERS_KEPT:
         _asked.popitem(last=False)
 
 
 _CHEAP_PARTS = 3  # stored parts applied (about 1.5 ms each) that still make a cheap jump
+
+
 _NEARBY_BLOCKS = 2
 
 
 def _kept_nearby(steps: int) -> int | None:
     """Blocks (0 to 2) short of ``steps`` at which a kept polynomial lands, else None: the same
     distance in draws is one block more or less depending on where in its block the state is,
-    and the last blocks are cheap to run directly. Call with ``_poly_lock`` held."""
+    and the last blocks are cheap to run directly. Call with ``poly_lock`` held."""
     for blocks in range(_NEARBY_BLOCKS + 1):
-        if steps - blocks * _N - 1 in _powers:
+        if steps - blocks * N - 1 in _powers:
             return blocks
     return None
 
@@ -303,22 +171,18 @@ def _kept_nearby(steps: int) -> int | None:
 # for each base-16 digit d at position j of the distance, t^(d 16^j - 1) mod phi, kept in
 # ``_mt19937_jumps.bin`` (a constant of MT19937 like phi; a test recomputes some). Up to ten
 # applications of about 1.5 ms replace computing a new power (about 15 ms for a 2^22 distance).
+# How the file was made (about 10 s): for j in range(_DIGITS), for d in 1..15, in that order,
+# ``get_poly().power_of_t(d * 16**j - 1).to_bytes(_POLY_BYTES, "little")``, concatenated.
 _JUMPS_FILE = pathlib.Path(__file__).with_name("_mt19937_jumps.bin")
+
+
 _DIGITS = 10  # distances below 16**10 words (1.1e12 draws)
-_POLY_BYTES = (_DEGREE + 7) // 8
+
+
+_POLY_BYTES = (DEGREE + 7) // 8
+
+
 _digit_parts: bytes | None = None
-
-
-def digit_jump_polynomials() -> bytes:
-    """The contents of ``_mt19937_jumps.bin``: t^(d 16^j - 1) mod phi for j < 10, d in 1..15,
-    each in ``(DEGREE + 7) // 8`` little-endian bytes (about 10 s to compute)."""
-    poly = _get_poly()
-    parts = [
-        poly.power_of_t(d * 16**j - 1).to_bytes(_POLY_BYTES, "little")
-        for j in range(_DIGITS)
-        for d in range(1, 16)
-    ]
-    return b"".join(parts)
 
 
 def _digit_part(j: int, d: int) -> int | None:
@@ -356,7 +220,7 @@ def _advance_in_parts(block: np.ndarray, steps: int) -> np.ndarray | None:
         if d:
             part = d * 16**j
             if part <= _DIRECT_LIMIT:
-                block = _sequence(block, part + _N)[part:].copy()
+                block = sequence(block, part + N)[part:].copy()
             else:
                 h = _digit_part(j, d)
                 if h is None:
@@ -369,8 +233,8 @@ def _advance_in_parts(block: np.ndarray, steps: int) -> np.ndarray | None:
 def _advance_block(block: np.ndarray, steps: int, direct_limit: int = _DIRECT_LIMIT) -> np.ndarray:
     """The window ``steps`` words further along the sequence whose window is ``block``."""
     if steps <= direct_limit:
-        return _sequence(block, steps + _N)[steps:].copy()
-    with critical(), _poly_lock:
+        return sequence(block, steps + N)[steps:].copy()
+    with critical(), poly_lock:
         blocks = _kept_nearby(steps)
         recurs = steps in _asked
         if not recurs:
@@ -380,17 +244,17 @@ def _advance_block(block: np.ndarray, steps: int, direct_limit: int = _DIRECT_LI
     # power); a distance that recurs gets its own power, kept.
     first_time = blocks is None and (parts <= 1 or (not recurs and parts <= _DIGITS))
     if blocks is not None:
-        block = _apply(block, _power_of_t(steps - blocks * _N - 1))
-        return _sequence(block, (blocks + 1) * _N)[blocks * _N :].copy() if blocks else block
+        block = _apply(block, _power_of_t(steps - blocks * N - 1))
+        return sequence(block, (blocks + 1) * N)[blocks * N :].copy() if blocks else block
     if first_time:
         advanced = _advance_in_parts(block, steps)
         if advanced is not None:
             return advanced
     # A new power, kept one block short: the same draw count comes back a block longer or
     # shorter (by where in its block the state is), and _kept_nearby then serves both.
-    if steps - _N > direct_limit:
-        block = _apply(block, _power_of_t(steps - _N - 1))
-        return _sequence(block, 2 * _N)[_N:].copy()
+    if steps - N > direct_limit:
+        block = _apply(block, _power_of_t(steps - N - 1))
+        return sequence(block, 2 * N)[N:].copy()
     return _apply(block, _power_of_t(steps - 1))
 
 
@@ -403,13 +267,13 @@ def _apply(block: np.ndarray, h: int) -> np.ndarray:
     ``1 + k g`` of ``combined[m]``, where ``combined[m][p]`` is the XOR of ``seq[p + i]`` over
     the bits ``i`` of ``m``: 32 sequences made once, then 4,000 windows instead of 10,000."""
     k = _GROUP_BITS
-    length = _DEGREE + _N
+    length = DEGREE + N
     # Tempering is linear over GF(2): XOR the tempered words and untemper the result only.
-    seq = _tempered_sequence(block, length + k - 1)
-    coefficients = np.zeros(-(-_DEGREE // k) * k, dtype=np.uint8)
-    coefficients[:_DEGREE] = np.unpackbits(
-        np.frombuffer(h.to_bytes((_DEGREE + 7) // 8, "little"), np.uint8), bitorder="little"
-    )[:_DEGREE]
+    seq = tempered_sequence(block, length + k - 1)
+    coefficients = np.zeros(-(-DEGREE // k) * k, dtype=np.uint8)
+    coefficients[:DEGREE] = np.unpackbits(
+        np.frombuffer(h.to_bytes((DEGREE + 7) // 8, "little"), np.uint8), bitorder="little"
+    )[:DEGREE]
     patterns = coefficients.reshape(-1, k) @ (1 << np.arange(k, dtype=np.int64))
     groups = np.flatnonzero(patterns)
     starts = patterns[groups] * length + k * groups + 1  # in `combined`, flattened
@@ -420,11 +284,11 @@ def _apply(block: np.ndarray, h: int) -> np.ndarray:
     # Windows are overlapping strided views, gathered a chunk at a time into this thread's
     # buffer (torch's index_select writes into it; numpy's fancy indexing would allocate 10 MB
     # per jump, page faults included where large blocks are always mapped anew).
-    out = np.zeros(_N, dtype=np.uint32)
-    partial = np.empty(_N, dtype=np.uint32)
+    out = np.zeros(N, dtype=np.uint32)
+    partial = np.empty(N, dtype=np.uint32)
     with plain():  # real tensors even when called inside meta_init
         flat = torch.from_numpy(combined.reshape(-1).view(np.int32))
-        windows = flat.as_strided((flat.numel() - _N + 1, _N), (1, 1))
+        windows = flat.as_strided((flat.numel() - N + 1, N), (1, 1))
         rows = torch.from_numpy(starts)
         gathered = _gather_buffer()
         picked = gathered.numpy().view(np.uint32)
@@ -433,7 +297,7 @@ def _apply(block: np.ndarray, h: int) -> np.ndarray:
             torch.index_select(windows, 0, chunk, out=gathered[: len(chunk)])
             np.bitwise_xor.reduce(picked[: len(chunk)], axis=0, out=partial)
             out ^= partial
-    return _untemper(out)
+    return untemper(out)
 
 
 _buffers = threading.local()
@@ -449,7 +313,7 @@ def _combined_buffer(k: int, length: int) -> np.ndarray:
 def _gather_buffer() -> torch.Tensor:
     buffer = getattr(_buffers, "gathered", None)
     if buffer is None:
-        buffer = _buffers.gathered = torch.empty((_WINDOW_CHUNK, _N), dtype=torch.int32)
+        buffer = _buffers.gathered = torch.empty((_WINDOW_CHUNK, N), dtype=torch.int32)
     return buffer
 
 
@@ -474,7 +338,7 @@ def jump_state(state: torch.Tensor, draws: int) -> torch.Tensor:
     next_view = raw[_OFF_NEXT : _OFF_NEXT + 8].view("<u8")
     words_view = raw[_OFF_WORDS:_WORDS_END].view("<u8")
     left = int(left_view[0])
-    if not 1 <= left <= _N:
+    if not 1 <= left <= N:
         raise ValueError(f"invalid generator state (left = {left})")
     twists = _twists(left, draws)
     if twists == 0:
@@ -483,18 +347,11 @@ def jump_state(state: torch.Tensor, draws: int) -> torch.Tensor:
         return out
     words = words_view.astype(np.uint32)
     rest = draws - (left - 1)  # outputs taken from blocks after the current one
-    words_view[:] = _advance_block(words, _N * twists)
-    new_next = rest - _N * (twists - 1)
+    words_view[:] = _advance_block(words, N * twists)
+    new_next = rest - N * (twists - 1)
     next_view[0] = new_next
-    left_view[0] = _N + 1 - new_next
+    left_view[0] = N + 1 - new_next
     return out
-
-
-def jump_generator(generator: torch.Generator, draws: int) -> None:
-    """Advance a CPU ``generator`` in place by ``draws`` 32-bit outputs (see :func:`jump_state`)."""
-    if generator.device.type != "cpu":
-        raise ValueError("jump-ahead is implemented for the CPU generator (MT19937) only")
-    generator.set_state(jump_state(generator.get_state(), draws))
 
 
 def advance_by_generating(state: torch.Tensor, draws: int) -> torch.Tensor:
@@ -511,7 +368,7 @@ def advance_by_generating(state: torch.Tensor, draws: int) -> torch.Tensor:
     next_view = raw[_OFF_NEXT : _OFF_NEXT + 8].view("<u8")
     words_view = raw[_OFF_WORDS:_WORDS_END].view("<u8")
     left = int(left_view[0])
-    pos = _N if left == 1 else int(next_view[0])
+    pos = N if left == 1 else int(next_view[0])
     bit_generator = np.random.MT19937()
     bit_generator.state = {
         "bit_generator": "MT19937",
@@ -521,5 +378,5 @@ def advance_by_generating(state: torch.Tensor, draws: int) -> torch.Tensor:
     after = bit_generator.state["state"]
     words_view[:] = after["key"]
     next_view[0] = after["pos"]
-    left_view[0] = _N + 1 - after["pos"]
+    left_view[0] = N + 1 - after["pos"]
     return out

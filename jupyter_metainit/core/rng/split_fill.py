@@ -9,30 +9,26 @@ the last chunk ends where the single stream ends. Chunks run in threads (the ker
 GIL); the result is bit-identical to the serial fill, which is checked once per op and dtype in
 each process before it is trusted.
 
-Used by exact-mode replay (``_replay``) for fills on the CPU; ``fast`` mode is parallel by
+Used by exact-mode replay (``core.replay``) for fills on the CPU; ``fast`` mode is parallel by
 construction (one stream per op).
 """
 
 from __future__ import annotations
 
-import os
-import threading
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import torch
 
+from jupyter_metainit.core.rng.draws import draws_per_element
 from jupyter_metainit.core.rng.mt19937 import jump_state
 from jupyter_metainit.core.runtime.plain import plain
+from jupyter_metainit.core.runtime.pool import available_cores, core_pool
 
 __all__ = [
     "FILLS",
-    "available_cores",
-    "core_pool",
     "fill_region",
     "fill_region_into",
-    "on_core_pool",
     "split_fill",
 ]
 
@@ -41,12 +37,6 @@ aten = torch.ops.aten
 # op -> the chunk alignment its kernel needs (normal_ works in blocks of 16 elements)
 _ALIGN = {aten.normal_.default: 16, aten.uniform_.default: 1}
 FILLS = frozenset(_ALIGN)
-_DRAWS_PER_ELEMENT = {
-    torch.float32: 1,
-    torch.bfloat16: 1,
-    torch.float16: 1,
-    torch.float64: 2,
-}
 # Below this many elements per chunk, a jump-ahead (up to about 10 ms) costs more than the chunk's
 # share of the fill saves (about 7 ns an element on one core).
 MIN_CHUNK = 1 << 22
@@ -55,51 +45,6 @@ MIN_CHUNK = 1 << 22
 MIN_SKIP = 1 << 22
 
 _verified: dict[tuple[Any, torch.dtype], bool] = {}
-_pool: ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
-class _PoolThread(threading.local):
-    inside = False
-
-
-_pool_thread = _PoolThread()
-
-
-def _mark_pool_thread() -> None:
-    _pool_thread.inside = True
-
-
-def on_core_pool() -> bool:
-    """Whether this thread is one of :func:`core_pool`'s (work it submits there could wait
-    behind itself)."""
-    return _pool_thread.inside
-
-
-def available_cores() -> int:
-    """Threads a fill may use: the cores this process may run on (``taskset`` and cgroup CPU
-    sets respected), at most ``torch.get_num_threads()`` (one rank of several per machine sets
-    it lower); 1 on a thread of :func:`core_pool` itself (the cores are taken, and a task
-    waiting for tasks queued behind it in the same pool would wait forever)."""
-    if on_core_pool():
-        return 1
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except (AttributeError, OSError):
-        cores = os.cpu_count() or 1
-    return max(1, min(cores, torch.get_num_threads()))
-
-
-def core_pool(workers: int) -> ThreadPoolExecutor:
-    """The process's pool of at least ``workers`` threads for replay work on all cores (chunks
-    of one fill, or parts of a replay). Kept for the process: every new thread costs glibc a
-    malloc arena (64 MiB of address space), which a pool per call would add up."""
-    global _pool
-    with _pool_lock:
-        if _pool is None or _pool._max_workers < workers:
-            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jmi-fill",
-                                       initializer=_mark_pool_thread)  # fmt: skip
-        return _pool
 
 
 def _chunks(n: int, parts: int, align: int) -> list[tuple[int, int]]:
@@ -151,7 +96,7 @@ def _split_is_exact(func: Any, dtype: torch.dtype, fill: Callable) -> bool:
                 a, b = torch.Generator().manual_seed(n), torch.Generator().manual_seed(n)
                 fill(serial, a)
                 bounds = _chunks(n, parts, _ALIGN[func])
-                _fill_in_chunks(chunked, fill, b, bounds, _DRAWS_PER_ELEMENT[dtype], False)
+                _fill_in_chunks(chunked, fill, b, bounds, draws_per_element(dtype), False)
                 same_values = torch.equal(serial.view(torch.uint8), chunked.view(torch.uint8))
                 ok = ok and same_values and torch.equal(a.get_state(), b.get_state())
         _verified[key] = ok
@@ -176,7 +121,7 @@ def _fillable(func: Any, t: Any, generator: torch.Generator) -> bool:
         and isinstance(t, torch.Tensor)
         and t.device.type == "cpu"
         and generator.device.type == "cpu"
-        and t.dtype in _DRAWS_PER_ELEMENT
+        and draws_per_element(t.dtype) is not None
         and t.is_contiguous()
     )
 
@@ -218,7 +163,7 @@ def split_fill(
         return False
     parts = min(workers, target.numel() // MIN_CHUNK)
     bounds = _chunks(target.numel(), parts, _ALIGN[func])
-    _fill_in_chunks(target, fill_plainly, generator, bounds, _DRAWS_PER_ELEMENT[target.dtype], True)
+    _fill_in_chunks(target, fill_plainly, generator, bounds, draws_per_element(target.dtype), True)
     return True
 
 
@@ -239,7 +184,7 @@ def fill_region(
     if not _fillable(func, target, generator):
         return False
     n = target.numel()
-    align, per = _ALIGN[func], _DRAWS_PER_ELEMENT[target.dtype]
+    align, per = _ALIGN[func], draws_per_element(target.dtype)
     lo, hi = _covering(func, n, *region)
     if n - (hi - lo) < MIN_SKIP:
         return False
@@ -279,7 +224,7 @@ def fill_region_into(
     next fill of the stream starts from it without a jump). False if not possible."""
     if not _fillable(func, dst, generator):
         return False
-    align, per = _ALIGN[func], _DRAWS_PER_ELEMENT[dst.dtype]
+    align, per = _ALIGN[func], draws_per_element(dst.dtype)
     lo, hi = first, first + dst.numel()
     start, end = _covering(func, numel, lo, hi)
     fill_plainly = _plainly(fill)

@@ -2,8 +2,8 @@
 
 Errors, summaries, magics, memory tables and the widget all print bytes and parameter counts
 with these functions; the widget's TypeScript twin (``labextension/src/format.ts``) is tested
-against the same cases (``tests/format_cases.json``). Durations are printed by Python only (the
-magics and the widget's status line).
+against the same cases (``labextension/test/format_cases.json``). Durations are printed by Python
+only (the magics and the widget's status line).
 """
 
 from __future__ import annotations

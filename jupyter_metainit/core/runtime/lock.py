@@ -26,7 +26,7 @@ class exclusive:
     """Hold the lock while doing ``what`` (re-entrant on one thread).
 
     With ``wait=False``, raise :class:`BusyError` at once if another thread holds it. A class
-    whose ``__enter__``/``__exit__`` Ctrl-C cannot cut (``_interrupts.protect``): an interrupt
+    whose ``__enter__``/``__exit__`` Ctrl-C cannot cut (``interrupts.protect``): an interrupt
     between taking the lock and entering the ``with`` body would otherwise leave it taken
     for good. While waiting for another thread, Ctrl-C stops the wait.
     """

@@ -20,7 +20,7 @@ class plain:
     __slots__ = ("_grad", "_guards")
 
     def __enter__(self) -> None:
-        # The whole block is a critical section (see _interrupts): a Ctrl-C between two steps
+        # The whole block is a critical section (see ``interrupts``): a Ctrl-C between two steps
         # of entering or leaving would leave torch-function handling or autograd switched off
         # on this thread. It is raised on the way out, or at a `check()` inside (replay).
         hold_interrupts()
@@ -41,7 +41,7 @@ class plain:
 
 class subclass_functions_off:
     """``torch._C.DisableTorchFunctionSubclass()``, entered and left in a critical section so
-    that a Ctrl-C cannot leave it on (see ``_interrupts``); the block runs with Ctrl-C held
+    that a Ctrl-C cannot leave it on (see ``interrupts``); the block runs with Ctrl-C held
     back, raised when it ends or at a ``check()`` inside."""
 
     __slots__ = ("_guard",)

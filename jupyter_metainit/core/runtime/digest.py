@@ -4,19 +4,19 @@ PyTorch's version counter misses writes through ``.data``, ``detach()``, numpy v
 ``torch.from_numpy`` sharing. ``dematerialize`` must not drop weights someone loaded that way, and
 replay must not use a real input that changed, so both compare a digest of every byte.
 
-Cost (measured in ``benchmarks/bench_materialize.py``): CRC-32 over the storage, in chunks across
-threads (zlib releases the GIL), about 2 GB/s per core on the CPU; on other devices a
-position-weighted sum computed on the device. Taken once when a tensor is materialized with
-``keep_cache=True`` and once when it is dematerialized.
+Cost (measured in ``benchmarks/bench_materialize.py``): CRC-32 over the storage, in chunks on the
+process's thread pool (``runtime/pool``; zlib releases the GIL), about 2 GB/s per core on the CPU;
+on other devices a position-weighted sum computed on the device. Taken once when a tensor is
+materialized with ``keep_cache=True`` and once when it is dematerialized.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
-import os
 import zlib
 
 import torch
+
+from jupyter_metainit.core.runtime.pool import available_cores, core_pool
 
 __all__ = ["digest"]
 
@@ -39,9 +39,10 @@ def digest(t: torch.Tensor) -> tuple[int, ...]:
         chunks = [view[i : i + _CHUNK] for i in range(0, nbytes, _CHUNK)]
         if len(chunks) == 1:
             return (nbytes, _crc(chunks[0]))
-        workers = min(len(chunks), os.cpu_count() or 1)
-        with concurrent.futures.ThreadPoolExecutor(workers) as pool:
-            return (nbytes, *pool.map(_crc, chunks))
+        workers = min(len(chunks), available_cores())
+        if workers <= 1:  # one core, or on a pool thread already: no waiting on the pool
+            return (nbytes, *map(_crc, chunks))
+        return (nbytes, *core_pool(workers).map(_crc, chunks))
     return (nbytes, *_device_sums(raw))
 
 

@@ -1,8 +1,11 @@
-"""Which tensors a module holds: the one walker every layer uses.
+"""Which tensors a module holds, and the memory under each: the one walker every layer uses.
 
 ``materialize`` collects with it, the widget's tree and the memory table count with it, and the
 checkpoint loader and ``materialize_sharded`` name tensors with it, so that what is shown is what
-is acted on.
+is acted on. A sharded parameter (DTensor) is looked into here too: :func:`local_tensor` is the
+one place that reaches for its local shard (duck-typed: no ``torch.distributed`` import).
+It knows deferred tensors (a deferred attribute is part of the model, and its memory is its
+recorded storage), so it sits at the materialize stage, above recording.
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from jupyter_metainit.core.record.tensor import DeferredTensor
 __all__ = [
     "OwnTensor",
     "counted_attributes",
+    "local_tensor",
     "named_tensors",
     "own_tensors",
     "storage_of",
@@ -169,15 +173,23 @@ def unique_tensors(module: nn.Module, *, attributes: bool = False) -> list[torch
     return list(seen.values())
 
 
+def local_tensor(t: torch.Tensor) -> torch.Tensor:
+    """``t``'s local shard if ``t`` is a sharded tensor (DTensor), else ``t`` itself.
+
+    After ``fully_shard`` or ``distribute_tensor`` a parameter is a DTensor wrapping a local
+    tensor (deferred, or the real shard): materializing, freeing and counting act on that.
+    """
+    local = getattr(t, "_local_tensor", None)
+    return local if isinstance(local, torch.Tensor) else t
+
+
 def storage_of(t: torch.Tensor) -> tuple[object, int]:
     """``(key, bytes)`` of the memory ``t`` lives in: views of one storage share the key.
 
     Deferred tensors answer from their recording, real ones from their storage; a tensor with no
     storage to ask (meta, lazy) is its own key.
     """
-    local = getattr(t, "_local_tensor", None)  # a DTensor's shard holds the memory
-    if isinstance(local, torch.Tensor):
-        t = local
+    t = local_tensor(t)  # a DTensor's shard holds the memory
     if isinstance(t, DeferredTensor):
         return ("deferred", id(t._rec.storage)), t._rec.storage.nbytes
     if isinstance(t, nn.parameter.UninitializedTensorMixin):

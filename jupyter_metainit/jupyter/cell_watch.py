@@ -1,6 +1,6 @@
 """Whether a notebook cell is running now: widgets' clicks that change the model wait for it.
 
-Kept apart from the widget so that ``%load_ext`` can start watching without importing it."""
+Kept apart from the widget: the magics start watching at ``%load_ext``, widgets wait on it."""
 
 from __future__ import annotations
 

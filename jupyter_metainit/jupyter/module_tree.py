@@ -11,12 +11,21 @@ import hashlib
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import torch
 from torch import nn
 
-from jupyter_metainit.core import tensor_source, tensor_state, tensor_values
-from jupyter_metainit.core.runtime.walk import counted_attributes, own_tensors
+from jupyter_metainit.core import (
+    counted_attributes,
+    dtype_name,
+    own_tensors,
+    tensor_source,
+    tensor_state,
+    tensor_values,
+)
+from jupyter_metainit.estimates.subtrees import TiedSubtrees, elements_held, mixed_or_single
+from jupyter_metainit.jupyter.row_schema import STATS_FIELDS, make_row
 
 __all__ = ["ModelGoneError", "ModuleTree", "NodeStats"]
 
@@ -26,36 +35,23 @@ class ModelGoneError(ReferenceError):
 
 
 _EXTRA_REPR_MAX = 80
-_DTYPE_SHORT = {
-    torch.float32: "fp32",
-    torch.bfloat16: "bf16",
-    torch.float16: "fp16",
-    torch.float64: "fp64",
-    torch.float8_e4m3fn: "fp8",
-    torch.float8_e5m2: "fp8",
-    torch.complex64: "c64",
-    torch.complex128: "c128",
-}
 
 
 def dtype_label(t: torch.Tensor) -> str:
     """``"bf16"``, ``"fp32"``, ``"int64"``: what a dtype badge shows."""
-    return _DTYPE_SHORT.get(t.dtype, str(t.dtype).removeprefix("torch."))
+    return dtype_name(t.dtype, short=True)
 
 
-def _numel(t: torch.Tensor) -> int:
-    # A lazy module's parameters have no shape before their first forward pass.
-    if isinstance(t, torch.nn.parameter.UninitializedTensorMixin):
-        return 0
-    return t.numel()
+class Held(NamedTuple):
+    """A tensor a node holds directly, with what it counts for (the estimates' rule)."""
 
+    tensor: torch.Tensor
+    is_param: bool
+    elements: int  # elements_held: a tensor attribute's whole storage, 0 while lazy
 
-def _nbytes(t: torch.Tensor) -> int:
-    return _numel(t) * t.dtype.itemsize
-
-
-def _summary(values: set[str]) -> str:
-    return values.pop() if len(values) == 1 else ("mixed" if values else "")
+    @property
+    def nbytes(self) -> int:
+        return self.elements * self.tensor.dtype.itemsize
 
 
 @dataclass
@@ -83,16 +79,8 @@ class NodeStats:
     values: str = ""
 
     def row(self) -> list:
-        return [
-            self.params,
-            self.bytes,
-            self.state,
-            self.dtype,
-            self.share_bytes,
-            self.target,
-            self.source,
-            self.values,
-        ]
+        """The fields a patch row carries after its node (``row_schema.STATS_FIELDS``)."""
+        return [getattr(self, name) for name in STATS_FIELDS]
 
 
 @dataclass
@@ -154,7 +142,7 @@ class ModuleTree:
         return any(ref() is module for ref in self.module_refs)
 
     # ----------------------------------------------------------------- tensors and statistics
-    def own_tensors(self, node: int) -> list[tuple[torch.Tensor, bool]]:
+    def own_tensors(self, node: int) -> list[Held]:
         """The parameters (True), buffers and tensor attributes (False) a node holds directly;
         an attribute that only views a parameter or buffer is left out (it costs nothing)."""
         module = self.module(node)
@@ -165,86 +153,85 @@ class ModuleTree:
         wanted = self.attribute_names[node]
         owned = own_tensors(module, real_attributes=bool(wanted))
         return [
-            (o.tensor, o.kind == "parameter")
+            Held(o.tensor, o.kind == "parameter", elements_held(o.tensor, o.kind == "attribute"))
             for o in owned
             if o.kind != "attribute" or o.name in wanted
         ]
 
+    def _held(self) -> tuple[TiedSubtrees[int], dict[int, Held]]:
+        """Which tensors (by id) every node holds directly, and each tensor as its first
+        holder in module order holds it."""
+        held: list[list[int]] = []
+        tensors: dict[int, Held] = {}
+        for node in range(len(self.names)):
+            here = self.own_tensors(node)
+            held.append([id(h.tensor) for h in here])
+            for h in here:
+                tensors.setdefault(id(h.tensor), h)
+        return TiedSubtrees(self.parents, held), tensors
+
     def holders(self) -> dict[int, list[int]]:
         """``id(tensor)`` -> the nodes holding it directly, in module order (ties: several)."""
-        out: dict[int, list[int]] = {}
-        for node in range(len(self.names)):
-            for t, _ in self.own_tensors(node):
-                nodes = out.setdefault(id(t), [])
-                if node not in nodes:
-                    nodes.append(node)
-        return out
+        return self._held()[0].holders
 
     def tied(self) -> list[list[int]]:
         """Per node, the other nodes holding one of its own tensors (tied weights)."""
-        out: list[list[int]] = [[] for _ in self.names]
-        for nodes in self.holders().values():
-            if len(nodes) > 1:
-                for node in nodes:
-                    out[node].extend(n for n in nodes if n != node and n not in out[node])
-        return out
+        return self._held()[0].tied()
 
-    def subtree_tensors(self) -> list[dict[int, tuple[torch.Tensor, bool]]]:
+    def subtree_tensors(self) -> list[dict[int, Held]]:
         """For each node, the unique tensors (by id) of its whole subtree."""
-        sets: list[dict[int, tuple[torch.Tensor, bool]]] = [{} for _ in self.names]
+        sets: list[dict[int, Held]] = [{} for _ in self.names]
         for node in range(len(self.names) - 1, -1, -1):  # children come after parents
             s = sets[node]
-            for t, is_param in self.own_tensors(node):
-                s[id(t)] = (t, is_param)
+            for h in self.own_tensors(node):
+                s[id(h.tensor)] = h
             for child in self.children[node]:
                 s.update(sets[child])
         return sets
 
     def stats(self) -> list[NodeStats]:
-        """Totals, state, dtype and share of every subtree, tied tensors counted once."""
-        first_holder = {key: nodes[0] for key, nodes in self.holders().items()}
-        share = [0] * len(self.names)
-        for node in range(len(self.names)):
-            share[node] = sum(
-                _nbytes(t) for t, _ in self.own_tensors(node) if first_holder[id(t)] == node
-            )
-        for node in range(len(self.names) - 1, 0, -1):  # children come after parents
-            share[self.parents[node]] += share[node]
-        sets = self.subtree_tensors()
-        # per tensor once (the root's set holds them all), not once per ancestor
-        state_of = {key: tensor_state(t) for key, (t, _) in sets[0].items()}
-        source_of = {key: tensor_source(t) for key, (t, _) in sets[0].items()}
-        values_of = {key: tensor_values(t) for key, (t, _) in sets[0].items()}
+        """Totals, state, dtype and share of every subtree, tied tensors counted once (the
+        estimates' aggregator, the same rule as ``memory_table``'s)."""
+        subtrees, tensors = self._held()
+        # read once per tensor, not once per subtree holding it
+        state = {key: tensor_state(h.tensor) for key, h in tensors.items()}
+        source = {key: tensor_source(h.tensor) for key, h in tensors.items()}
+        value = {key: tensor_values(h.tensor) for key, h in tensors.items()}
+        label = {key: dtype_label(h.tensor) for key, h in tensors.items()}
+        floating = {key: h.tensor.is_floating_point() for key, h in tensors.items()}
+        params = subtrees.totals(lambda k: tensors[k].elements if tensors[k].is_param else 0)
+        nbytes = subtrees.totals(lambda k: tensors[k].nbytes)
+        share = subtrees.first_holder_totals(lambda k: tensors[k].nbytes)
+        states = subtrees.labels(lambda k: state[k])
+        floats = subtrees.labels(lambda k: label[k] if floating[k] else None)
+        others = subtrees.labels(lambda k: None if floating[k] else label[k])
+        targets = subtrees.labels(
+            lambda k: str(tensors[k].tensor.device) if state[k] == "deferred" else None
+        )
+        sources = subtrees.labels(lambda k: source[k] or None)
+        values = subtrees.labels(lambda k: value[k] or None)
         out = []
-        for node, tensors in enumerate(sets):
-            st = NodeStats(share_bytes=share[node])
-            states, floats, others, targets, sources = set(), set(), set(), set(), set()
-            values = set()
-            for key, (t, is_param) in tensors.items():
-                if is_param:
-                    st.params += _numel(t)
-                st.bytes += _nbytes(t)
-                state = state_of[key]
-                states.add(state)
-                (floats if t.is_floating_point() else others).add(dtype_label(t))
-                if state == "deferred":
-                    targets.add(str(t.device))
-                sources.add(source_of[key])
-                values.add(values_of[key])
-            st.state = _summary(states)
-            st.dtype = _summary(floats or others)
-            target = _summary(targets)
-            st.target = "" if target in ("cpu", "") else target
-            known = sources - {""}
-            st.source = "" if "checkpoint" not in known else _summary(known)
-            real = values - {""}
-            st.values = "" if "fast" not in real else _summary(real)
-            out.append(st)
+        for node in range(len(self.names)):
+            target = mixed_or_single(targets[node])
+            source = mixed_or_single(sources[node])
+            out.append(
+                NodeStats(
+                    params=params[node],
+                    bytes=nbytes[node],
+                    share_bytes=share[node],
+                    state=mixed_or_single(states[node]),
+                    dtype=mixed_or_single(floats[node] or others[node]),
+                    target="" if target in ("cpu", "") else target,
+                    # a file's values or fast-RNG values are worth saying; init/eager's are not
+                    source="" if "checkpoint" not in sources[node] else source,
+                    values="" if "fast" not in values[node] else mixed_or_single(values[node]),
+                )
+            )
         return out
 
     def selection_stats(self, nodes: Iterable[int], dtype: torch.dtype | None = None) -> dict:
         """Totals of the union of the given subtrees; ``bytes_as`` if floats were cast to dtype."""
-        union: dict[int, tuple[torch.Tensor, bool]] = {}
+        union: dict[int, Held] = {}
         sets = self.subtree_tensors()
         nodes = list(nodes)
         for node in nodes:
@@ -252,12 +239,12 @@ class ModuleTree:
         params = nbytes = nbytes_as = 0
         states: dict[str, int] = {}
         states_as: dict[str, int] = {}  # bytes in ``dtype``, by state
-        for t, is_param in union.values():
+        for t, is_param, elements in union.values():
             if is_param:
-                params += _numel(t)
-            b = _nbytes(t)
+                params += elements
+            b = elements * t.dtype.itemsize
             nbytes += b
-            b_as = _numel(t) * dtype.itemsize if dtype is not None and t.is_floating_point() else b
+            b_as = elements * dtype.itemsize if dtype is not None and t.is_floating_point() else b
             nbytes_as += b_as
             s = tensor_state(t)
             states[s] = states.get(s, 0) + b
@@ -314,7 +301,7 @@ class ModuleTree:
         for node in range(len(self.names) - 1, -1, -1):
             h = hashlib.blake2b(digest_size=8)
             h.update(type(self.module(node)).__qualname__.encode())
-            for t, _ in self.own_tensors(node):
+            for t, *_ in self.own_tensors(node):
                 lazy = isinstance(t, torch.nn.parameter.UninitializedTensorMixin)
                 shape = "lazy" if lazy else tuple(t.shape)
                 h.update(f"{shape}{t.dtype}".encode())
@@ -346,14 +333,14 @@ class ModuleTree:
     def to_json(self, stats: list[NodeStats] | None = None) -> dict:
         """The whole tree as one compact JSON structure (rows of arrays, types interned).
 
-        Row layout: ``[parent, local_name, type_index, params, bytes, state, rep_i, rep_n,
-        info, own, dtype, share_bytes, target, tied, source, values]`` where ``info`` is a leaf
-        module's ``extra_repr()`` (shortened), else ``""``, ``own`` is 1 when the module holds
-        parameters or buffers itself, and ``tied`` lists the nodes sharing a tensor with it
-        (see :class:`NodeStats` for the rest).
+        Row fields, by position from ``row_schema.ROW_FIELDS``: ``info`` is a leaf module's
+        ``extra_repr()`` (shortened), else ``""``, ``own`` is 1 when the module holds
+        parameters or buffers itself, ``tied`` lists the nodes sharing a tensor with it,
+        ``rep_i``/``rep_n`` see :meth:`repeats` (see :class:`NodeStats` for the rest).
         """
         stats = stats if stats is not None else self.stats()
         tied = self.tied()
+        repeats = self.repeats()
         types: list[str] = []
         type_index: dict[str, int] = {}
         rows = []
@@ -373,25 +360,23 @@ class ModuleTree:
                     info = info[: _EXTRA_REPR_MAX - 1] + "…"
             st = stats[node]
             rows.append(
-                [
-                    parent,
-                    name.rpartition(".")[2],
-                    type_index[tname],
-                    st.params,
-                    st.bytes,
-                    st.state,
-                    0,
-                    1,
-                    info,
-                    int(bool(self.own_tensors(node))),
-                    st.dtype,
-                    st.share_bytes,
-                    st.target,
-                    tied[node],
-                    st.source,
-                    st.values,
-                ]
+                make_row(
+                    parent=parent,
+                    name=name.rpartition(".")[2],
+                    type=type_index[tname],
+                    params=st.params,
+                    bytes=st.bytes,
+                    state=st.state,
+                    rep_i=repeats[node][0],
+                    rep_n=repeats[node][1],
+                    info=info,
+                    own=int(bool(self.own_tensors(node))),
+                    dtype=st.dtype,
+                    share_bytes=st.share_bytes,
+                    target=st.target,
+                    tied=tied[node],
+                    source=st.source,
+                    values=st.values,
+                )
             )
-        for node, (i, n) in enumerate(self.repeats()):
-            rows[node][6], rows[node][7] = i, n
         return {"v": 2, "types": types, "nodes": rows}

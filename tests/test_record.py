@@ -287,7 +287,7 @@ def test_operator_without_meta_kernel_on_unreplayable_input_names_op_and_caller(
     op = torch.library.Library("jmi_test2", "DEF")
     op.define("noop(Tensor x) -> Tensor")
     op.impl("noop", lambda x: x.clone(), "CPU")
-    with pytest.raises(UnsupportedOperatorError, match=r"jmi_test2.noop.*test_recorder.py"):
+    with pytest.raises(UnsupportedOperatorError, match=r"jmi_test2.noop.*test_record.py"):
         torch.ops.jmi_test2.noop(t)
 
 
@@ -568,10 +568,10 @@ def _recorded_fill(fill):
 @pytest.mark.parametrize("fill", _FILLS.values(), ids=_FILLS.keys())
 def test_a_fill_is_recorded_as_the_general_path_records_it(fill, monkeypatch):
     """Fills take a short path of their own (they are most of a model's ops): same record."""
-    from jupyter_metainit.core.record import record as _record
+    from jupyter_metainit.core.record.dispatch import triage as _record
 
     short, short_op = _recorded_fill(fill)
-    monkeypatch.setattr(_record, "_record_fill", lambda func, args, kwargs: None)
+    monkeypatch.setattr(_record, "record_fill", lambda func, args, kwargs: None)
     general, general_op = _recorded_fill(fill)
     assert short_op.func is general_op.func
     assert (short_op.args[1:], short_op.kwargs) == (general_op.args[1:], general_op.kwargs)
@@ -634,7 +634,7 @@ def test_quantize_dynamic_on_a_deferred_model_says_to_materialize_first_and_name
     with meta_init():
         m = nn.Sequential(nn.Linear(4, 4))
     with pytest.raises(
-        UnsupportedOperatorError, match=r"quantized.*test_recorder\.py:\d+.*Materialize first"
+        UnsupportedOperatorError, match=r"quantized.*test_record\.py:\d+.*Materialize first"
     ):
         torch.ao.quantization.quantize_dynamic(m, {nn.Linear}, dtype=torch.qint8)
     materialize(m)  # the model is left deferred and usable
@@ -660,7 +660,7 @@ def test_make_subclass_of_a_deferred_tensor_says_to_build_outside_meta_init_and_
         data = torch.randn(3)
         with pytest.raises(
             UnsupportedOperatorError,
-            match=r"_OtherTensor.*test_recorder\.py:\d+.*outside meta_init",
+            match=r"_OtherTensor.*test_record\.py:\d+.*outside meta_init",
         ):
             torch.Tensor._make_subclass(_OtherTensor, data)
 
@@ -669,7 +669,7 @@ def test_reading_the_bytes_of_a_deferred_tensors_storage_says_to_read_the_tensor
     with meta_init():
         w = nn.Linear(2, 2).weight
     with pytest.raises(
-        UnsupportedOperatorError, match=r"test_recorder\.py:\d+.*t\.tolist\(\).*materialize"
+        UnsupportedOperatorError, match=r"test_record\.py:\d+.*t\.tolist\(\).*materialize"
     ):
         bytes(w.untyped_storage())
 

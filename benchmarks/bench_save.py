@@ -1,0 +1,220 @@
+"""Saving a model that was never allocated: ``jupyter_metainit.save`` against the hardware floors.
+
+1. An 8 B-shaped Llama (Llama-3-8B shapes, bfloat16, ~16 GB) built under ``meta_init`` and saved as
+   sharded safetensors (5 GB shards) with ``save``: time and peak RSS in a fresh process. Targets:
+   peak RSS <= 2 x the largest tensor + 200 MB; time <= 1.1 x max(generation floor, disk write).
+2. The floors, measured in the same run: the generation floor (``normal_`` on every core over
+   the same number of bfloat16 bytes, into reused buffers) and a ``dd``-style sequential write of
+   the same bytes into the same directory (64 MiB blocks, no fsync: neither does ``save``).
+3. For comparison, a 1 B-shaped Llama: eager build + ``safetensors.torch.save_file`` (its memory is
+   the whole model) and ``meta_init`` + ``save``.
+
+    .venv/bin/python benchmarks/bench_save.py                 # full size: ~17 GB of disk
+                                                              # and ~8 GB RAM (eager 1 B)
+    .venv/bin/python benchmarks/bench_save.py --size small    # ~0.5 GB, for development
+    .venv/bin/python benchmarks/bench_save.py --quick         # smoke run, tiny model
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+import threading
+import time
+from typing import Any
+
+from _common import (
+    Meter,
+    base_parser,
+    child_main,
+    environment_line,
+    fmt_mb,
+    fmt_ratio,
+    fmt_s,
+    llama_config,
+    load_core,
+    print_errors,
+    print_table,
+    run_children,
+    verdict,
+)
+
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)  # fmt: skip
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)  # fmt: skip
+SMALL = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=8,
+             num_attention_heads=16, num_key_value_heads=4, vocab_size=32000)  # fmt: skip
+SMALLER = dict(hidden_size=512, intermediate_size=1792, num_hidden_layers=4,
+               num_attention_heads=8, num_key_value_heads=4, vocab_size=32000)  # fmt: skip
+TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, vocab_size=256)  # fmt: skip
+SIZES = {"8b": (LLAMA_8B, LLAMA_1B), "small": (SMALL, SMALLER), "quick": (TINY, TINY)}
+BLOCK = 64 << 20
+
+
+def _model(shape: dict[str, Any], deferred: bool) -> Any:
+    import torch
+    import transformers
+
+    cfg = llama_config(**shape)
+    torch.manual_seed(0)
+    if not deferred:
+        return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    jmi = load_core()
+    with jmi.meta_init():
+        return transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+
+
+def _sizes(model: Any) -> tuple[int, int]:
+    sizes = [t.numel() * t.element_size() for t in model.state_dict().values()]
+    return sum(sizes), max(sizes)
+
+
+def save_deferred(shape: dict[str, Any], directory: str) -> dict[str, Any]:
+    """meta_init build, then ``save`` as 5 GB shards."""
+    from jupyter_metainit import save
+
+    model = _model(shape, deferred=True)
+    total, largest = _sizes(model)
+    meter = Meter()
+    with meter():
+        save(model, directory, max_shard_size="5GB")
+    written = sum(os.path.getsize(os.path.join(directory, f)) for f in os.listdir(directory))
+    return meter.as_dict() | {"bytes": total, "largest": largest, "written": written}
+
+
+def eager_save_file(shape: dict[str, Any], directory: str) -> dict[str, Any]:
+    """Eager build + ``save_file`` (the whole model in memory)."""
+    import transformers.models.llama.modeling_llama  # noqa: F401 - imports are not the build
+    from safetensors.torch import save_file
+
+    meter = Meter()
+    with meter():
+        model = _model(shape, deferred=False)
+        meter.lap("built")
+        os.makedirs(directory, exist_ok=True)
+        save_file(model.state_dict(), os.path.join(directory, "model.safetensors"))
+    total, largest = _sizes(model)
+    return meter.as_dict() | {"bytes": total, "largest": largest}
+
+
+def generation_floor(nbytes: int) -> dict[str, Any]:
+    """``normal_`` in bfloat16 on every core over ``nbytes``, into one reused buffer per core."""
+    import torch
+
+    cores = len(os.sched_getaffinity(0))
+    per_core = nbytes // cores
+    elements = min(per_core, BLOCK) // 2
+
+    def fill(seed: int) -> None:
+        gen = torch.Generator().manual_seed(seed)
+        buffer = torch.empty(elements, dtype=torch.bfloat16)
+        for _ in range(max(1, per_core // (elements * 2))):
+            buffer.normal_(generator=gen)
+
+    torch.set_num_threads(1)
+    meter = Meter()
+    with meter():
+        threads = [threading.Thread(target=fill, args=(k,)) for k in range(cores)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+    return meter.as_dict() | {"cores": cores}
+
+
+def sequential_write(nbytes: int, directory: str) -> dict[str, Any]:
+    """``dd if=/dev/zero bs=64M``-style: one file, 64 MiB blocks, no fsync."""
+    block = os.urandom(1 << 20) * (BLOCK >> 20)
+    path = os.path.join(directory, "dd.bin")
+    start = time.perf_counter()
+    with open(path, "wb") as f:
+        left = nbytes
+        while left > 0:
+            left -= f.write(block[: min(left, BLOCK)])
+    seconds = time.perf_counter() - start
+    os.remove(path)
+    return {"seconds": seconds}
+
+
+MEASUREMENTS = {
+    "save_deferred": save_deferred,
+    "eager_save_file": eager_save_file,
+    "generation_floor": generation_floor,
+    "sequential_write": sequential_write,
+}
+
+
+def main() -> None:
+    child_main(MEASUREMENTS)
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="8b", help="model shapes")
+    args = parser.parse_args()
+    big, small = SIZES["quick" if args.quick else args.size]
+    print("# bench_save: saving a model that was never allocated")
+    print(environment_line())
+    root = tempfile.mkdtemp(prefix="jmi-bench-save-", dir=os.environ.get("BENCH_DIR"))
+    try:
+        job = ("save_deferred", {"shape": big, "directory": f"{root}/big"})
+        ours = run_children(__file__, [job])[0]
+        shutil.rmtree(f"{root}/big", ignore_errors=True)
+        print_errors({"save of the big model": ours})
+        if "error" in ours:
+            return
+        floors = run_children(__file__, [("generation_floor", {"nbytes": ours["bytes"]}),
+                                         ("sequential_write", {"nbytes": ours["bytes"],
+                                                               "directory": root})])  # fmt: skip
+        small_runs = run_children(__file__, [
+            ("eager_save_file", {"shape": small, "directory": f"{root}/eager"}),
+            ("save_deferred", {"shape": small, "directory": f"{root}/small"}),
+        ])  # fmt: skip
+        print_errors({"generation floor": floors[0], "sequential write": floors[1],
+                      "eager save_file": small_runs[0],
+                      "save of the small model": small_runs[1]})  # fmt: skip
+        _print_big(ours, floors)
+        _print_small(small_runs)
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _print_big(ours: dict[str, Any], floors: list[dict[str, Any]]) -> None:
+    gen = floors[0].get("seconds")
+    write = floors[1].get("seconds")
+    floor = max(gen, write) if gen is not None and write is not None else None
+    peak_target = 2 * ours["largest"] + 200 * 10**6
+    rows = [
+        ["`meta_init` + `save` (sharded safetensors)", fmt_s(ours["seconds"]),
+         fmt_mb(ours["peak_extra"]), fmt_ratio(ours["seconds"] / floor) if floor else "n/a"],
+        [f"generation floor: `normal_` on {floors[0].get('cores', '?')} cores", fmt_s(gen),
+         "", ""],
+        ["sequential write (64 MiB blocks, no fsync)", fmt_s(write), "", ""],
+    ]  # fmt: skip
+    print_table(
+        f"{ours['bytes'] / 1e9:.1f} GB bfloat16 model, largest tensor "
+        f"{ours['largest'] / 1e6:.0f} MB",
+        ["step", "time", "peak extra RSS", "time / max(floors)"],
+        rows,
+    )
+    print(f"peak RSS <= 2 x largest + 200 MB ({fmt_mb(peak_target)}): "
+          f"{verdict(ours['peak_extra'] <= peak_target)}; time <= 1.1 x max(floors): "
+          f"{verdict(None if floor is None else ours['seconds'] <= 1.1 * floor)}")  # fmt: skip
+
+
+def _print_small(runs: list[dict[str, Any]]) -> None:
+    eager, ours = runs
+    if "error" in eager or "error" in ours:
+        return
+    print_table(
+        f"{eager['bytes'] / 1e9:.2f} GB bfloat16 model: eager against deferred",
+        ["method", "time", "peak extra RSS"],
+        [
+            ["eager build + `save_file`", fmt_s(eager["seconds"]), fmt_mb(eager["peak_extra"])],
+            ["`meta_init` + `save`", fmt_s(ours["seconds"]), fmt_mb(ours["peak_extra"])],
+        ],
+    )
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""What a materialization says when it cannot be done: refused before any work, or failed.
+
+Refusals come first, before anything is computed: an argument that makes no sense, a device
+that is not here, tensors with no recording (PyTorch's meta device) or no shape (a lazy
+module). A failure during the work (out of memory, Ctrl-C, an error in a recorded op) becomes
+the exception :func:`released` returns: it holds no frame of the replay, so nothing the call
+allocated stays alive in a traceback IPython keeps, and running out of memory is one line that
+says what was needed and what is free. Every message ends in what to do instead.
+"""
+
+from __future__ import annotations
+
+import traceback
+from typing import Any
+
+import torch
+
+from jupyter_metainit.core.errors import MaterializationError, MetaInitError, NotEnoughMemoryError
+from jupyter_metainit.core.materialize.progress import storage_sizes
+from jupyter_metainit.core.materialize.queries import is_uninitialized
+from jupyter_metainit.core.record.tensor import DeferredTensor
+from jupyter_metainit.core.runtime.arguments import (
+    check_floating_dtype,
+    missing_device_reason,
+    parse_device,
+)
+from jupyter_metainit.core.runtime.format import format_bytes
+from jupyter_metainit.core.runtime.memory import free_memory, is_out_of_memory
+
+__all__ = [
+    "check_arguments",
+    "check_recorded_devices",
+    "refuse_unmaterializable",
+    "released",
+    "target_device",
+]
+
+RNG_MODES = ("exact", "fast")
+
+
+def check_arguments(rng: str | None, missing: str, dtype: torch.dtype | None) -> None:
+    """Refuse ``rng=``, ``missing=`` and ``dtype=`` values that make no sense."""
+    if rng is not None and rng not in RNG_MODES:
+        raise ValueError(f"rng must be 'exact', 'fast' or None (the default), not {rng!r}")
+    if missing not in ("error", "init"):
+        raise ValueError(f"missing must be 'error' or 'init', not {missing!r}")
+    check_floating_dtype(
+        dtype,
+        arg="dtype",
+        use="dtype= casts the floating-point tensors (torch.bfloat16, "
+        "torch.float16, torch.float32, ...). Quantize after materializing instead.",
+    )
+
+
+def target_device(device: Any) -> torch.device | None:
+    """Check ``device=``; every refusal says what would work instead."""
+    d = parse_device(device)
+    if d is None:
+        return None
+    if d.type == "meta":
+        raise ValueError(
+            "materialize(device='meta') makes no sense; the tensor is deferred already"
+        )
+    reason = missing_device_reason(d)
+    if reason is not None:
+        if d.type != "cuda":
+            hint = "; use 'cpu' or a CUDA device"
+        elif not torch.cuda.is_available():
+            hint = "; use device='cpu'"
+        else:  # an index past the last GPU: the reason lists the ones there are
+            hint = ""
+        raise MaterializationError(f"cannot materialize to {device!r}: {reason}{hint}")
+    if d.type == "cuda" and d.index is None:
+        d = torch.device("cuda", torch.cuda.current_device())
+    return d
+
+
+def check_recorded_devices(tensors: list[DeferredTensor], what: str) -> None:
+    """With no ``device=``, each tensor goes where it was recorded for (``device=`` in the
+    model's code, ``meta_init(device=...)``): refuse before any work if that device is not
+    here, rather than fall back to another device silently."""
+    seen: dict[torch.device, int] = {}
+    for t in tensors:
+        seen[t.device] = seen.get(t.device, 0) + 1
+    for d, count in seen.items():
+        if d.type == "meta":
+            raise MaterializationError(
+                f"{count} tensor(s) of {what} were recorded for PyTorch's meta device (moved "
+                "there with .to('meta') or built with device='meta'): a meta tensor has a shape "
+                "but never values, so there is nothing to materialize there. Their recorded "
+                "values can be materialized on a real device: pass device='cpu' (or 'cuda'). "
+                "Nothing was materialized."
+            )
+        reason = missing_device_reason(d)
+        if reason is not None:
+            raise MaterializationError(
+                f"{count} tensor(s) of {what} were recorded for {d}, and {reason}; pass "
+                "device='cpu' (or another device you have) to materialize them there. "
+                "Nothing was materialized."
+            )
+
+
+def refuse_unmaterializable(collected: list[torch.Tensor], tensors: list) -> None:
+    """Refuse a lazy module's parameters (no shape yet) and tensors on PyTorch's meta device
+    (no recording of their values) among ``collected``; ``tensors`` are its deferred ones."""
+    if any(is_uninitialized(t) for t in collected):
+        raise MaterializationError(
+            "a lazy module's parameters have no shape yet; run a forward pass on example inputs "
+            "first (inside meta_init, or with jupyter_metainit.dry_run)"
+        )
+    meta = [t for t in collected if not isinstance(t, DeferredTensor) and t.is_meta]
+    if meta:
+        which = "these tensors are" if not tensors else f"{len(meta)} of these tensors are"
+        raise MaterializationError(
+            f"{which} on PyTorch's meta device, with no recording of their values (built with "
+            "`torch.device('meta')`, not `jupyter_metainit.meta_init()`); nothing was "
+            "materialized. Build the model inside `with jupyter_metainit.meta_init():` to "
+            "materialize it, or leave those parts out."
+        )
+
+
+def released(
+    exc: BaseException,
+    what: str,
+    device: torch.device | None,
+    tensors: list[DeferredTensor],
+    dtype: torch.dtype | None,
+) -> BaseException:
+    """The exception to raise for a failed materialization, holding no frame of the replay.
+
+    Tracebacks keep every frame's locals alive, and IPython keeps the last traceback: the
+    partial replay's tensors would stay in memory. The frames are dropped (their text is kept
+    as a note on unexpected errors), and running out of memory becomes one line that says what
+    was needed and what is free.
+    """
+    chained: BaseException | None = exc
+    while chained is not None:
+        chained.__traceback__ = None if chained is not exc else chained.__traceback__
+        chained = chained.__cause__ or chained.__context__
+    if is_out_of_memory(exc):
+        exc.__traceback__ = None
+        target = device or (tensors[0].device if tensors else torch.device("cpu"))
+        free = free_memory(target)
+        need = sum(storage_sizes(tensors, dtype).values())
+        return NotEnoughMemoryError(
+            f"not enough memory on {target} to materialize {what}: it needs "
+            f"{format_bytes(need)}"
+            + (f" and {format_bytes(free)} is free" if free is not None else "")
+            + "; materialize a smaller part, a smaller dtype (dtype=torch.bfloat16), or "
+            "check first with jupyter_metainit.fits(...). Nothing was materialized."
+        )
+    if not isinstance(exc, (MetaInitError, KeyboardInterrupt, TypeError, ValueError)):
+        text = "".join(traceback.format_exception(type(exc), exc, exc.__traceback__, limit=-8))
+        if hasattr(exc, "add_note"):
+            exc.add_note("Raised while materializing, where:\n" + text.rstrip())
+    exc.__traceback__ = None
+    return exc

@@ -1,0 +1,193 @@
+"""Views and in-place view ops of deferred tensors: where aliasing between tensors is decided.
+
+A view (``view``, ``t``, slicing) is not recorded: :func:`record_view` gives a new
+``TensorRecord`` (geometry, dtype) over the input's ``StorageRecord``, so everything done
+through any view lands on the one storage. In-place view ops (``t_``, ``squeeze_``,
+``as_strided_``, ``set_``) give the same Python object new metadata (:func:`inplace_view`), and
+``t.data = x`` makes it stand for ``x`` (:func:`set_data`). (Outputs of recorded ops that alias
+an input are decided by ``record_op._wrap_outputs`` from the op's schema.)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from jupyter_metainit.core.errors import UnsupportedOperatorError
+from jupyter_metainit.core.record.dispatch.inputs import (
+    META,
+    call_site,
+    is_float,
+    storage_nbytes,
+    to_meta,
+    wrap_file_region,
+)
+from jupyter_metainit.core.record.files import storage_region
+from jupyter_metainit.core.record.graph import OpRecord, StorageRecord, TensorRecord, next_seq
+from jupyter_metainit.core.record.ops import OpInfo
+from jupyter_metainit.core.record.tensor import (
+    INTERNAL_ATTRS,
+    PARAMETER_ATTRS,
+    SHARE_MEMORY_ATTR,
+    DeferredTensor,
+    as_parameter,
+)
+from jupyter_metainit.core.runtime.plain import plain
+from jupyter_metainit.core.runtime.swap import swap_in_place
+
+aten = torch.ops.aten
+
+
+def record_view(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A view of a deferred tensor: new geometry over the same storage, nothing recorded.
+
+    The most frequent op in model code (``view``, ``t``, slicing), so it skips everything else.
+    """
+    self: DeferredTensor = args[0]
+    meta_args = [self._meta]
+    for a in args[1:]:
+        meta_args.append(to_meta(a) if isinstance(a, torch.Tensor) else a)
+    with plain():
+        out = func(*meta_args, **kwargs)
+    rg = self._rg and func is not aten.detach.default and torch.is_grad_enabled()
+    storage, device = self._rec.storage, self.device
+    # The tensor this is a view of, as eager's ``_base``: an in-place op through the view that
+    # makes it require grad makes the base require grad too (``pad(mode="circular")``).
+    base = getattr(self, "_view_of", None)
+    if base is None:
+        base = self
+    if isinstance(out, torch.Tensor):
+        r = rg and is_float(out.dtype)
+        made = DeferredTensor(out, TensorRecord(storage, out), device, r, r)
+        made._view_of = base
+        return made
+    results = []
+    for o in out:
+        r = rg and is_float(o.dtype)
+        made = DeferredTensor(o, TensorRecord(storage, o), device, r, r)
+        made._view_of = base
+        results.append(made)
+    return type(out)(results)
+
+
+def _set_geometry(
+    t: DeferredTensor, meta: torch.Tensor, storage: StorageRecord | None = None
+) -> None:
+    """Give ``t`` (the same Python object) new metadata over ``storage`` (default: its own)."""
+    rec = TensorRecord(storage if storage is not None else t._rec.storage, meta)
+    new = DeferredTensor(meta, rec, t.device, t._rg, t._derived)
+    torch._C._swap_tensor_impl(t, new)
+    t._meta, t._rec = meta, rec
+
+
+def inplace_view(func: Any, info: OpInfo, bound: list, args: tuple, kwargs: dict) -> Any:
+    """``t_()``, ``squeeze_()``, ``as_strided_()``, ``set_()``, ``resize_()``, ``detach_()``."""
+    self = bound[0]
+    where = call_site()
+    if not isinstance(self, DeferredTensor):
+        source = bound[1] if len(bound) > 1 else None
+        if func in (aten.set_.source_Tensor, aten.set_.source_Tensor_storage_offset):
+            raise UnsupportedOperatorError(
+                f"a real tensor cannot be made to share a deferred tensor's memory ({func} at "
+                f"{where}); use `real.copy_(deferred)` or materialize the deferred one first"
+            )
+        raise UnsupportedOperatorError(f"{func} with these arguments ({source!r}) at {where}")
+    if func in (aten.set_.source_Storage, aten.set_.source_Storage_storage_offset):
+        storage = bound[1]
+        if isinstance(storage, torch.UntypedStorage) and _holds_no_memory(storage):
+            raise UnsupportedOperatorError(
+                f"`tensor.set_(storage, ...)` with the storage of a deferred tensor (called at "
+                f"{where}): a deferred tensor's storage holds no memory to share. Pass the "
+                "deferred tensor itself, `tensor.set_(deferred, offset, size, stride)`, or "
+                "materialize it first (jupyter_metainit.materialize)"
+            )
+        region = storage_region(storage) if isinstance(storage, torch.UntypedStorage) else None
+        if region is not None:
+            # torch.load(mmap=True) rebuilds each tensor as `empty(0).set_(storage, ...)` over
+            # a mapping of the file: the tensor becomes a view of "these bytes of that file".
+            source = wrap_file_region(region, self.device)
+            with plain():
+                meta = torch.empty(0, dtype=self.dtype, device=META)
+                meta.set_(source._meta.untyped_storage(), *args[2:], **kwargs)
+            _set_geometry(self, meta, source._rec.storage)
+            return self
+        if isinstance(storage, torch.UntypedStorage) and storage.device.type != "meta":
+            # `empty(0).set_(storage, ...)`, how torch.load rebuilds tensors: the deferred
+            # tensor becomes that real tensor (memory-mapped ones stay mapped).
+            with plain():
+                real = torch.empty(0, dtype=self.dtype, device=storage.device)
+                real.set_(storage, *args[2:], **kwargs)
+            set_data(self, real)
+            return self
+        raise UnsupportedOperatorError(
+            f"{func} with a storage object cannot be deferred (called at {where}); use "
+            "`t.set_(other_tensor)` or a view instead"
+        )
+    source = bound[1] if len(bound) > 1 else None
+    if func in (aten.set_.source_Tensor, aten.set_.source_Tensor_storage_offset) and not (
+        isinstance(source, DeferredTensor)
+    ):
+        set_data(self, source)  # `deferred.set_(real)`: the object now is that real tensor
+        return self
+    with plain():
+        meta = self._meta.detach()  # a new meta object; the old one may be held by views
+        meta_args = (meta, *(to_meta(a) if isinstance(a, torch.Tensor) else a for a in args[1:]))
+        meta_kwargs = {
+            k: to_meta(v) if isinstance(v, torch.Tensor) else v for k, v in kwargs.items()
+        }
+        func(*meta_args, **meta_kwargs)
+    storage = None
+    if func in (aten.set_.source_Tensor, aten.set_.source_Tensor_storage_offset):
+        storage = source._rec.storage
+    elif func is aten.set_.default:
+        storage = StorageRecord(0, meta.dtype, self.device)
+        created = TensorRecord(storage, meta)
+        kwargs = {"dtype": meta.dtype, "device": self.device}
+        empty = OpRecord(
+            next_seq(), aten.empty.memory_format, ((0,),), kwargs, (), (created,), None, where
+        )
+        storage.writes.append(empty)
+    elif storage_nbytes(meta) > self._rec.storage.nbytes:
+        raise UnsupportedOperatorError(
+            f"{func} grows a deferred tensor beyond its memory (called at {where}); create a new "
+            "tensor of the size you need instead"
+        )
+    _set_geometry(self, meta, storage)
+    if func is aten.detach_.default:
+        self._rg = False
+    return self
+
+
+def _holds_no_memory(storage: torch.UntypedStorage) -> bool:
+    """A deferred tensor's ``untyped_storage()``: PyTorch refuses to give its address."""
+    if storage.device.type == "meta" or storage.nbytes() == 0:
+        return False
+    try:
+        storage.data_ptr()
+    except RuntimeError:
+        return True
+    return False
+
+
+def set_data(self: DeferredTensor, new: torch.Tensor) -> None:
+    """``t.data = x`` on a deferred tensor: ``t`` now stands for ``x``'s values (same object)."""
+    if isinstance(new, DeferredTensor):
+        replacement = DeferredTensor(new._meta, new._rec, new.device, self._rg)
+        if new.__dict__.get(SHARE_MEMORY_ATTR):  # ``p.data = p`` (``Module._apply``) keeps it
+            replacement.__dict__[SHARE_MEMORY_ATTR] = True
+    else:
+        replacement = new.detach()
+        if getattr(self, "_is_param", False):
+            replacement = as_parameter(self, replacement, self._rg)
+        else:
+            replacement.requires_grad_(self._rg)
+    ours = (
+        INTERNAL_ATTRS
+        if isinstance(replacement, DeferredTensor)
+        else INTERNAL_ATTRS | PARAMETER_ATTRS
+    )
+    for k, v in self.__dict__.items():
+        if k not in ours:
+            setattr(replacement, k, v)
+    swap_in_place(self, replacement)

@@ -1,0 +1,71 @@
+"""Value reads while recording: exact current values of deferred tensors, on the CPU.
+
+:func:`compute_values` is the read path recording uses (``.item()``, ``bool(t)``, ops without a
+meta kernel), through :class:`ReplayValueReader`, which ``core.replay``'s ``__init__`` installs
+as recording's value reader. It continues from values earlier reads computed (``values``'s
+cache) and keeps what it computes for the next read.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from jupyter_metainit.core.record.graph import StorageRecord, TensorRecord, constant_op
+from jupyter_metainit.core.replay.planning import plan
+from jupyter_metainit.core.replay.run import execute, real_view
+from jupyter_metainit.core.replay.values import value_cache
+from jupyter_metainit.core.runtime.interrupts import handling_interrupts
+from jupyter_metainit.core.runtime.lock import exclusive
+from jupyter_metainit.core.runtime.plain import plain
+
+__all__ = ["ReplayValueReader", "compute_values"]
+
+
+def _constant_value(r: TensorRecord) -> torch.Tensor | None:
+    """The kept data of a storage that is a constant never written since (the user's
+    ``torch.tensor(...)`` inside ``meta_init``), laid out as the whole storage; else None."""
+    writes = r.storage.writes
+    if len(writes) != 1 or writes[0].func is not constant_op:
+        return None
+    data = writes[0].args[0].tensor
+    whole = data.is_contiguous() and data.storage_offset() == 0
+    if not whole or data.numel() * data.element_size() != r.storage.nbytes:
+        return None
+    return data
+
+
+def compute_values(records: list[TensorRecord]) -> list[torch.Tensor]:
+    """Exact current values of deferred tensors on the CPU, without changing them.
+
+    Continues from values earlier reads computed (``value_cache``) and keeps what it computes for
+    the next read, within the cache's budget.
+    """
+    constants = [_constant_value(r) for r in records]
+    if all(c is not None for c in constants):  # ``torch.tensor(0.5).item()``: nothing to run
+        with plain():
+            return [real_view(c, r).clone() for c, r in zip(constants, records, strict=True)]
+    with handling_interrupts(), exclusive("reading values of deferred tensors"):
+        p = plan(records, value_cache)
+        env = execute(
+            p, torch.device("cpu"), "exact", retain=lambda s: s.nbytes <= value_cache.max_entry
+        )
+        for sid, (storage, writes) in p.versions.items():
+            value = env.get(sid)
+            if isinstance(value, torch.Tensor) and writes > 0:  # not a _ShapeMismatch
+                value_cache.put(storage, writes, value)
+        with plain():
+            return [real_view(env[id(r.storage)], r).clone() for r in records]
+
+
+class ReplayValueReader:
+    """Recording's value reads (see ``core.record.value_reader``), answered by exact replay on
+    the CPU with the shared :data:`value_cache`."""
+
+    def values(self, records: list[TensorRecord]) -> list[torch.Tensor]:
+        return compute_values(records)
+
+    def keep(self, storage: StorageRecord, writes: int, value: torch.Tensor) -> None:
+        value_cache.put(storage, writes, value)
+
+    def forget_all(self) -> None:
+        value_cache.clear()

@@ -1,0 +1,143 @@
+"""Live activation bytes and per-module outputs of a dry run's forward pass.
+
+:class:`ActivationTracker` follows every tensor derived from the inputs op by op (a peak per
+module); :class:`ModuleStack` knows which modules are running and what each returned.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from jupyter_metainit.estimates.forward.dtype_checks import EagerDtypeChecks
+from jupyter_metainit.estimates.forward.nested import tensor_bytes, tensors_in
+
+__all__ = ["ActivationTracker", "ModuleStack"]
+
+
+# Ops whose output shares its input's memory although their schema does not say so.
+_ALIASING_OPS = frozenset({torch.ops.aten._unsafe_view.default})
+
+
+class ActivationTracker(TorchDispatchMode):
+    """Follows activations (tensors derived from the inputs) through every op.
+
+    Live bytes rise with each new activation and fall when Python drops the last reference
+    (checked with ``sys.getrefcount``; tensors are held strongly only during the run, never
+    through weakrefs). Views cost nothing and keep their base alive.
+    """
+
+    def __init__(self, stack: list[str]) -> None:
+        super().__init__()
+        self.stack = stack
+        self.tensors: list[torch.Tensor] = []  # tracked activations (strong refs, run only)
+        self.nbytes: list[int] = []
+        self.base: list[int] = []  # index of the tensor owning the bytes (itself for non-views)
+        self.index: dict[int, int] = {}  # id(tensor) -> position, valid while tracked
+        self.live = 0
+        self.peak = 0
+        self.module_peak: dict[str, int] = {}
+        self.dtype_checks = EagerDtypeChecks()
+
+    def track(self, t: torch.Tensor, base: int | None = None) -> None:
+        i = len(self.tensors)
+        self.tensors.append(t)
+        self.index[id(t)] = i
+        if base is None:
+            self.base.append(i)
+            size = tensor_bytes(t)
+        else:
+            self.base.append(self.base[base])
+            size = 0
+        self.nbytes.append(size)
+        self.live += size
+
+    def _collect(self) -> None:
+        """Drop activations nobody else references (3 = our list, the loop name, the call arg)."""
+        tensors = self.tensors
+        alive = [sys.getrefcount(t) > 3 for t in tensors]
+        for i, ok in enumerate(alive):
+            if ok and self.base[i] != i:
+                alive[self.base[i]] = True
+        if all(alive):
+            return
+        keep = [i for i, ok in enumerate(alive) if ok]
+        remap = {old: new for new, old in enumerate(keep)}
+        self.live -= sum(self.nbytes[i] for i, ok in enumerate(alive) if not ok)
+        self.tensors = [tensors[i] for i in keep]
+        self.nbytes = [self.nbytes[i] for i in keep]
+        self.base = [remap[self.base[i]] for i in keep]
+        self.index = {id(t): n for n, t in enumerate(self.tensors)}
+
+    def note_peak(self) -> None:
+        live = self.live
+        if live > self.peak:
+            self.peak = live
+        peaks = self.module_peak
+        for name in self.stack:
+            if live > peaks.get(name, -1):
+                peaks[name] = live
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
+        self.dtype_checks.check(func, args, kwargs)
+        out = func(*args, **kwargs)
+        index = self.index
+        sources = [index[id(a)] for a in tensors_in((args, kwargs)) if id(a) in index]
+        if sources:
+            self._collect()
+            index = self.index
+            sources = [index[id(a)] for a in tensors_in((args, kwargs)) if id(a) in index]
+            aliases = func.is_view or func in _ALIASING_OPS
+            view_of = sources[0] if aliases and sources else None
+            for t in tensors_in(out):
+                if id(t) not in index:
+                    self.track(t, view_of)
+            self.note_peak()
+        return out
+
+
+class ModuleStack:
+    """Qualified names of the modules currently running, plus per-module outputs."""
+
+    def __init__(self, root: nn.Module) -> None:
+        self.names = {id(m): n for n, m in root.named_modules()}
+        self.stack: list[str] = []
+        self.shapes: dict[str, Any] = {}
+        self.out_bytes: dict[str, int] = {}
+        self.handles: list[Any] = []
+
+    def pre(self, mod: nn.Module, args: Any) -> None:
+        name = self.names.get(id(mod))
+        if name is not None:
+            self.stack.append(name)
+
+    def post(self, mod: nn.Module, args: Any, output: Any) -> None:
+        name = self.names.get(id(mod))
+        if name is None:
+            return
+        if self.stack and self.stack[-1] == name:
+            self.stack.pop()
+        elif name in self.stack:
+            del self.stack[len(self.stack) - 1 - self.stack[::-1].index(name)]
+        tensors = list(tensors_in(output))
+        shapes = [tuple(t.shape) for t in tensors]
+        if name not in self.shapes:
+            self.shapes[name] = shapes[0] if len(shapes) == 1 else shapes
+        self.out_bytes[name] = self.out_bytes.get(name, 0) + sum(tensor_bytes(t) for t in tensors)
+
+    @contextlib.contextmanager
+    def hooks(self) -> Iterator[None]:
+        pre = nn.modules.module.register_module_forward_pre_hook(self.pre)
+        post = nn.modules.module.register_module_forward_hook(self.post)
+        try:
+            yield
+        finally:
+            pre.remove()
+            post.remove()

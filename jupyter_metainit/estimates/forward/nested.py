@@ -1,0 +1,60 @@
+"""Walks over a forward pass's nested inputs and outputs (tuples, lists, dicts, ModelOutput).
+
+Every part of a dry run that looks for tensors or generators in what a model takes or
+returns uses these, so they all see the same things.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from typing import Any
+
+import torch
+
+__all__ = ["generators_in", "is_shape", "map_tensors", "nested", "tensor_bytes", "tensors_in"]
+
+
+def tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.dtype.itemsize
+
+
+def nested(obj: Any, kind: type) -> Iterator[Any]:
+    """Instances of ``kind`` in nested lists, tuples and mappings (transformers' ModelOutput)."""
+    if isinstance(obj, kind):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from nested(item, kind)
+    elif isinstance(obj, Mapping):
+        for item in obj.values():
+            yield from nested(item, kind)
+
+
+def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
+    """Tensors in nested outputs (tuples, lists, dicts, transformers' ModelOutput)."""
+    return nested(obj, torch.Tensor)
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, list):
+        return [map_tensors(o, fn) for o in obj]
+    if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
+        return tuple(map_tensors(o, fn) for o in obj)
+    if isinstance(obj, dict):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    return obj
+
+
+def is_shape(obj: Any) -> bool:
+    return (
+        isinstance(obj, (torch.Size, tuple, list))
+        and all(isinstance(d, int) and not isinstance(d, bool) for d in obj)
+        and len(obj) > 0
+    )
+
+
+def generators_in(obj: Any) -> Iterator[torch.Generator]:
+    """Generators in nested inputs (lists, tuples, dicts)."""
+    return nested(obj, torch.Generator)

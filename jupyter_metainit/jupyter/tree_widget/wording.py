@@ -1,0 +1,88 @@
+"""What the widget says: the modules an action concerns, why it failed, what it did, in words.
+
+Every sentence the widget shows about an action is made here, so that the wording stays the
+same whichever path (button, Python call, queued click) led to it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from jupyter_metainit.core import format_bytes, format_duration, is_out_of_memory
+
+__all__ = [
+    "MODEL_GONE",
+    "SAVED_ADVICE",
+    "code_path",
+    "failure_in_words",
+    "materialized_in_words",
+    "modules_in_words",
+]
+
+MODEL_GONE = (
+    "The model this widget showed is gone: no name in the kernel refers to it any more, so it "
+    "was freed. Nothing was done. Show the model you have now with "
+    "jupyter_metainit.explore(model)."
+)
+
+
+SAVED_ADVICE = (
+    "This is a saved copy: the live tree needs the kernel that made it. Run the cell again "
+    "(or jupyter_metainit.explore(model) on a model you have) to get a live tree."
+)
+
+
+def code_path(var_name: str, qname: str) -> str:
+    """``model.layers.5`` of ``model`` as Python the magics take: ``model.model.layers[5]``."""
+    path = var_name
+    for part in qname.split(".") if qname else []:
+        if part.isdigit():
+            path += f"[{part}]"
+        elif part.isidentifier():
+            path += f".{part}"
+        else:
+            return f"{var_name}.get_submodule({qname!r})"
+    return path
+
+
+def modules_in_words(names: Sequence[str]) -> str:
+    """``layers.0, layers.1, norm and 2 more``: the modules an action concerns, for a sentence."""
+    shown = ", ".join(n or "the whole model" for n in names[:3])
+    return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def failure_in_words(exc: Exception, action: str, device: str, what: str, nbytes: int) -> str:
+    """Why an action failed, in plain words (``what``: the modules, in words)."""
+    name = type(exc).__name__
+    if is_out_of_memory(exc):
+        return (
+            f"Out of memory: {device or 'the device'} has no room for the "
+            f"{format_bytes(nbytes)} that {what} needs. Try a smaller selection, another "
+            "device or a smaller dtype."
+        )
+    if name == "UnsupportedOperatorError":
+        return f"An operation used to build {what} cannot be replayed: {exc}."
+    if name == "DeferredDataError":
+        return f"{what} needs real data that is not available: {exc}."
+    verb = "Materializing" if action == "materialize" else "Freeing"
+    return f"{verb} {what} failed ({name}): {exc}."
+
+
+def materialized_in_words(
+    what: str, device: str, dtype: str, rng: str, took: float, regenerated: int, kept_fast: str
+) -> str:
+    """The status after materializing ``what`` (the modules, in words)."""
+    return (
+        f"Materialized {what} on {device or 'its recorded device'}"
+        + (f" as {dtype}" if dtype else "")
+        + f" in {format_duration(took)}"
+        # said, not only tagged: these values are deterministic but not eager's
+        + (" with RNG fast (its values are not those eager code gives)." if rng == "fast" else ".")
+        + (
+            f" Re-generated {regenerated} tensor(s) that held fast-RNG values with "
+            "exact (eager) values."
+            if regenerated
+            else ""
+        )
+        + kept_fast
+    )

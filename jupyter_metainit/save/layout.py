@@ -1,0 +1,176 @@
+"""Which tensors go into which file under which name: transformers' ``save_pretrained`` layout.
+
+One ``model.safetensors``, or ``model-0000k-of-0000N.safetensors`` shards split as
+``huggingface_hub``'s ``split_state_dict_into_shards_factory`` splits them (in key order, a new
+shard when the next tensor would pass ``max_shard_size``, a tensor larger than that alone) with
+``model.safetensors.index.json``. Tied weights are written once, under the name transformers
+keeps (its ``remove_tied_weights_from_state_dict``), so ``from_pretrained`` ties them again.
+"""
+
+from __future__ import annotations
+
+import re
+from collections import defaultdict
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from jupyter_metainit.core import is_deferred, tensor_state
+from jupyter_metainit.save.safetensors_file import FileEntry
+
+__all__ = ["Layout", "check_savable", "parse_size", "plan_layout", "state_dict_of"]
+
+WEIGHTS_NAME = "model.safetensors"
+INDEX_NAME = "model.safetensors.index.json"
+_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
+          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
+
+
+@dataclass
+class Layout:
+    """The files to write: file name -> entries (in key order), and name -> tensor."""
+
+    files: dict[str, list[FileEntry]]
+    tensors: dict[str, torch.Tensor]
+    total_size: int
+    index: dict[str, Any] | None = field(default=None)
+
+
+def parse_size(size: int | str) -> int:
+    """``"5GB"`` (decimal, as huggingface_hub reads it), ``"4GiB"`` or a number of bytes."""
+    if isinstance(size, int):
+        return size
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", str(size).upper())
+    if match is None:
+        raise ValueError(f"max_shard_size must be bytes or like '5GB' / '500MB', not {size!r}")
+    return int(float(match.group(1)) * _UNITS[match.group(2)])
+
+
+def state_dict_of(obj: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """(name -> tensor to save, name -> the object it comes from, for tie detection)."""
+    if isinstance(obj, torch.nn.Module):
+        named: dict[str, torch.Tensor] = dict(obj.named_parameters(remove_duplicate=False))
+        named.update(obj.named_buffers(remove_duplicate=False))
+        state = obj.state_dict()
+        ignore = getattr(obj, "_keys_to_ignore_on_save", None) or []
+        for key in ignore:
+            state.pop(key, None)
+        return dict(state), {k: named.get(k, v) for k, v in state.items()}
+    if isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values()):
+        return dict(obj), dict(obj)
+    raise TypeError(
+        f"save() takes a module or a dict of tensors (a state dict), not {type(obj).__name__}"
+    )
+
+
+def check_savable(state: dict[str, torch.Tensor], sharded_ok: bool) -> None:
+    """Refuse, before anything is written, tensors that have no values to write: on PyTorch's
+    meta device (no recording), a lazy module's uninitialized parameters; and, for one-file
+    formats, sharded tensors (each rank holds a part)."""
+    for name, t in state.items():
+        where = tensor_state(t)
+        if where in ("meta", "uninitialized"):
+            raise ValueError(
+                f"{name} has no values to save: it is {where} (on PyTorch's meta device with no "
+                "recording, or a lazy module's parameter before its first forward pass); build "
+                "the model inside jupyter_metainit.meta_init(), or leave it out of what you save"
+            )
+        if not sharded_ok and hasattr(t, "device_mesh"):
+            raise TypeError(
+                f"{name} is sharded (a DTensor); save a sharded model with format='dcp', where "
+                "each rank writes its own shards"
+            )
+
+
+def _storage_key(t: torch.Tensor) -> Any:
+    """Same key for tensors over the same memory: the object for a deferred tensor (a tie is the
+    same Parameter), the memory's address for a real one."""
+    if is_deferred(t):
+        return ("deferred", id(t))
+    return (t.device, t.untyped_storage().data_ptr())
+
+
+def _same_region(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a is b:
+        return True
+    if is_deferred(a) or is_deferred(b):
+        return False
+    return (a.storage_offset(), a.shape, a.stride(), a.dtype) == (
+        b.storage_offset(), b.shape, b.stride(), b.dtype,
+    )  # fmt: skip
+
+
+def untie(
+    state: dict[str, torch.Tensor], origin: dict[str, torch.Tensor], obj: Any
+) -> dict[str, torch.Tensor]:
+    """Drop the duplicate names of tensors that are the same memory, keeping the name
+    transformers keeps (the name its ``_tied_weights_keys`` does not claim), else the first
+    in sorted order (safetensors' ``save_model``). Different regions of one memory (views)
+    are written separately, as transformers clones them."""
+    groups: dict[Any, list[str]] = defaultdict(list)
+    for name, t in origin.items():
+        groups[_storage_key(t)].append(name)
+    tied_patterns = _tied_patterns(obj)
+    drop: set[str] = set()
+    for names in groups.values():
+        if len(names) < 2:
+            continue
+        for first in sorted(names):
+            same = [n for n in names if n != first and _same_region(origin[n], origin[first])]
+            if not same or first in drop:
+                continue
+            group = sorted([first, *same])
+            claimed = [n for n in group if any(re.search(p, n) for p in tied_patterns)]
+            keep = next((n for n in group if n not in claimed), group[0])
+            drop.update(n for n in group if n != keep)
+    return {k: v for k, v in state.items() if k not in drop}
+
+
+def _tied_patterns(obj: Any) -> list[str]:
+    """transformers' ``_get_tied_weight_keys``: every submodule's ``_tied_weights_keys``."""
+    if not isinstance(obj, torch.nn.Module):
+        return []
+    patterns: list[str] = []
+    for name, module in obj.named_modules():
+        tied = getattr(module, "_tied_weights_keys", None) or {}
+        patterns.extend(f"{name}.{k}" if name else k for k in tied)
+    return patterns
+
+
+def plan_layout(
+    state: dict[str, torch.Tensor], max_shard_size: int, dtype: torch.dtype | None,
+    total_parameters: int | None,
+) -> Layout:  # fmt: skip
+    """Split ``state`` into shard files as huggingface_hub does, in key order."""
+    entries = {k: _entry(k, t, dtype) for k, t in state.items()}
+    shards: list[list[FileEntry]] = []
+    current: list[FileEntry] = []
+    current_size = total = 0
+    for entry in entries.values():
+        total += entry.nbytes
+        if entry.nbytes > max_shard_size:
+            shards.append([entry])
+            continue
+        if current_size + entry.nbytes > max_shard_size:
+            shards.append(current)
+            current, current_size = [], 0
+        current.append(entry)
+        current_size += entry.nbytes
+    if current:
+        shards.append(current)
+    if len(shards) <= 1:
+        return Layout({WEIGHTS_NAME: shards[0] if shards else []}, state, total)
+    count = len(shards)
+    files = {f"model-{k + 1:05d}-of-{count:05d}.safetensors": s for k, s in enumerate(shards)}
+    metadata: dict[str, Any] = {"total_size": total}
+    if total_parameters is not None:
+        metadata = {"total_parameters": total_parameters, **metadata}
+    weight_map = {e.name: name for name, shard in files.items() for e in shard}
+    index = {"metadata": metadata, "weight_map": weight_map}
+    return Layout(files, state, total, index)
+
+
+def _entry(name: str, t: torch.Tensor, dtype: torch.dtype | None) -> FileEntry:
+    saved = dtype if dtype is not None and t.is_floating_point() else t.dtype
+    return FileEntry(name, saved, tuple(t.shape))

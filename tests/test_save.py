@@ -1,0 +1,234 @@
+"""``jupyter_metainit.save``: the values materialize would give, written in bounded memory, in
+the layout transformers' ``save_pretrained`` writes (byte for byte), without changing the model."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+from torch import nn
+
+import jupyter_metainit
+from jupyter_metainit import is_deferred, materialize, meta_init
+from jupyter_metainit.save import save
+
+transformers = pytest.importorskip("transformers")
+
+from tests._models import llama_config  # noqa: E402
+
+
+def _deferred_and_eager(tie: bool = True) -> tuple[nn.Module, nn.Module]:
+    config = llama_config(tie_word_embeddings=tie)
+    torch.manual_seed(0)
+    with meta_init():
+        deferred = transformers.LlamaForCausalLM(config)
+    torch.manual_seed(0)
+    eager = transformers.LlamaForCausalLM(config)
+    return deferred, eager
+
+
+def _files(directory: str) -> dict[str, bytes]:
+    return {p.name: p.read_bytes() for p in Path(directory).iterdir()}
+
+
+def test_a_deferred_llama_saves_the_same_bytes_as_eager_save_pretrained(tmp_path):
+    deferred, eager = _deferred_and_eager()
+    save(deferred, tmp_path / "ours")
+    eager.save_pretrained(tmp_path / "eager")
+    assert _files(str(tmp_path / "ours")) == _files(str(tmp_path / "eager"))
+
+
+def test_a_sharded_save_has_the_same_files_and_bytes_as_eager_save_pretrained(tmp_path):
+    deferred, eager = _deferred_and_eager(tie=False)
+    save(deferred, tmp_path / "ours", max_shard_size="100KB")
+    eager.save_pretrained(tmp_path / "eager", max_shard_size="100KB")
+    ours, theirs = _files(str(tmp_path / "ours")), _files(str(tmp_path / "eager"))
+    assert "model.safetensors.index.json" in ours and len(ours) > 4
+    assert ours == theirs
+
+
+def test_saving_leaves_every_tensor_deferred(tmp_path):
+    deferred, _ = _deferred_and_eager()
+    save(deferred, tmp_path / "ours")
+    assert all(is_deferred(t) for t in deferred.state_dict().values())
+
+
+def test_from_pretrained_loads_the_saved_model_with_eager_values(tmp_path):
+    deferred, eager = _deferred_and_eager()
+    save(deferred, tmp_path / "ours")
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ours")
+    for name, value in eager.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+
+
+def test_from_pretrained_under_meta_init_then_materialize_gives_eager_values(tmp_path):
+    deferred, eager = _deferred_and_eager()
+    save(deferred, tmp_path / "ours", max_shard_size="100KB")
+    with meta_init():
+        loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ours")
+    materialize(loaded)
+    for name, value in eager.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+
+
+def test_real_parts_of_a_partly_materialized_model_are_saved_as_they_are_now(tmp_path):
+    deferred, eager = _deferred_and_eager()
+    materialize(deferred.model.layers[0])
+    with torch.no_grad():
+        deferred.model.layers[0].mlp.up_proj.weight.mul_(3)
+        eager.model.layers[0].mlp.up_proj.weight.mul_(3)
+    save(deferred, tmp_path / "ours")
+    saved = load_file(tmp_path / "ours" / "model.safetensors")
+    for name, value in eager.state_dict().items():
+        if name != "lm_head.weight":  # tied: saved once, under model.embed_tokens.weight
+            assert torch.equal(saved[name], value), name
+    assert is_deferred(deferred.model.layers[1].mlp.up_proj.weight)
+
+
+def test_a_cancelling_progress_callback_leaves_nothing_at_the_path_and_the_model_deferred(
+    tmp_path,
+):
+    deferred, _ = _deferred_and_eager()
+    calls = []
+
+    def cancel_midway(done: int, total: int) -> None:
+        calls.append(done)
+        if len(calls) == 5:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        save(deferred, tmp_path / "ours", progress=cancel_midway)
+    assert os.listdir(tmp_path) == []
+    assert all(is_deferred(t) for t in deferred.state_dict().values())
+
+
+def test_progress_ends_at_the_total_bytes_of_the_weights(tmp_path):
+    deferred, _ = _deferred_and_eager()
+    seen: list[tuple[int, int]] = []
+    save(deferred, tmp_path / "ours", progress=lambda done, total: seen.append((done, total)))
+    weights = os.path.getsize(tmp_path / "ours" / "model.safetensors")
+    header = 8 + int.from_bytes(
+        (tmp_path / "ours" / "model.safetensors").read_bytes()[:8], "little"
+    )
+    assert seen[-1][0] == weights
+    assert seen[-1][1] == weights - header
+
+
+def test_saving_into_an_earlier_sharded_save_removes_its_stale_shards(tmp_path):
+    deferred, _ = _deferred_and_eager(tie=False)
+    save(deferred, tmp_path / "ours", max_shard_size="100KB")
+    (tmp_path / "ours" / "notes.txt").write_text("mine")
+    save(deferred, tmp_path / "ours")
+    assert sorted(os.listdir(tmp_path / "ours")) == [
+        "config.json", "generation_config.json", "model.safetensors", "notes.txt",
+    ]  # fmt: skip
+
+
+def test_the_file_is_byte_identical_to_save_file_for_every_dtype(tmp_path):
+    dtypes = [torch.bool, torch.uint8, torch.int8, torch.float8_e5m2, torch.float8_e4m3fn,
+              torch.int16, torch.float16, torch.bfloat16, torch.int32, torch.float32,
+              torch.complex64, torch.float64, torch.int64]  # fmt: skip
+    tensors = {f"t{len(dtypes) - k:02d}": torch.arange(5).to(d) for k, d in enumerate(dtypes)}
+    tensors["scalar"] = torch.tensor(2.5)
+    tensors["empty"] = torch.zeros(0, 3)
+    save(tensors, tmp_path / "ours")
+    save_file(tensors, tmp_path / "theirs.safetensors", metadata={"format": "pt"})
+    ours = (tmp_path / "ours" / "model.safetensors").read_bytes()
+    assert ours == (tmp_path / "theirs.safetensors").read_bytes()
+
+
+def test_dtype_casts_the_floating_point_tensors_only(tmp_path):
+    model = nn.Linear(3, 4)
+    model.register_buffer("steps", torch.arange(3))
+    save(model, tmp_path / "ours", dtype=torch.bfloat16)
+    saved = load_file(tmp_path / "ours" / "model.safetensors")
+    assert torch.equal(saved["weight"], model.weight.detach().to(torch.bfloat16))
+    assert torch.equal(saved["steps"], torch.arange(3))
+
+
+def test_a_plain_module_with_a_shared_parameter_saves_it_once_under_its_first_name(tmp_path):
+    with meta_init():
+        model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+        model[1].weight = model[0].weight
+    save(model, tmp_path / "ours")
+    assert sorted(load_file(tmp_path / "ours" / "model.safetensors")) == ["0.weight"]
+
+
+def test_the_package_stays_callable_after_importing_its_save_module(tmp_path):
+    code = (
+        "import torch, jupyter_metainit.save, jupyter_metainit; "
+        f"jupyter_metainit.save({{'a': torch.ones(2)}}, {str(tmp_path / 'ours')!r})"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+    assert torch.equal(load_file(tmp_path / "ours" / "model.safetensors")["a"], torch.ones(2))
+    assert jupyter_metainit.save is not None
+
+
+def test_an_unknown_format_is_a_clear_error(tmp_path):
+    with pytest.raises(ValueError, match="format must be 'safetensors' or 'dcp'"):
+        save(nn.Linear(2, 2), tmp_path / "ours", format="pickle")
+
+
+_PEAK_SCRIPT = """
+import resource, torch
+from torch import nn
+from jupyter_metainit import meta_init
+from jupyter_metainit.save import save
+with meta_init():
+    model = nn.Sequential(*[nn.Linear(5120, 4096, bias=False) for _ in range(8)])  # 8 x 80 MiB
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+save(model, {path!r}, max_shard_size="200MB")
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(after - before)
+"""
+
+
+def test_peak_memory_follows_the_largest_tensor_not_the_model(tmp_path):
+    script = _PEAK_SCRIPT.format(path=str(tmp_path / "ours"))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    growth = int(out.stdout.split()[-1])
+    tensor = 5120 * 4096 * 4
+    # One tensor being written, one being computed (its storage and the copy read out of it).
+    assert growth <= 3 * tensor + (64 << 20), f"peak grew by {growth >> 20} MiB"  # model: 640 MiB
+
+
+def test_a_model_on_the_meta_device_is_refused_before_anything_is_written(tmp_path):
+    with torch.device("meta"):
+        model = nn.Linear(4, 3)
+    with pytest.raises(ValueError, match="weight has no values to save: it is meta"):
+        save(model, tmp_path / "ours")
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_tensor_recorded_for_a_gpu_is_saved_as_materialize_on_the_cpu_gives_it(tmp_path):
+    with meta_init(device="cuda"):
+        model = nn.Linear(4, 3)
+    save(model, tmp_path / "ours")
+    materialize(model, device="cpu")
+    saved = load_file(tmp_path / "ours" / "model.safetensors")
+    assert torch.equal(saved["weight"], model.weight.detach())
+
+
+def _deferred_and_eager_mixtral() -> tuple[nn.Module, nn.Module]:
+    config = transformers.MixtralConfig(
+        vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
+        num_experts_per_tok=2,
+    )  # fmt: skip
+    torch.manual_seed(0)
+    with meta_init():
+        deferred = transformers.MixtralForCausalLM(config)
+    torch.manual_seed(0)
+    return deferred, transformers.MixtralForCausalLM(config)
+
+
+def test_fused_experts_are_saved_in_the_original_layout_as_save_pretrained_does(tmp_path):
+    deferred, eager = _deferred_and_eager_mixtral()
+    save(deferred, tmp_path / "ours")
+    eager.save_pretrained(tmp_path / "eager")
+    assert _files(str(tmp_path / "ours")) == _files(str(tmp_path / "eager"))
