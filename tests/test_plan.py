@@ -59,11 +59,24 @@ def test_dispatch_model_runs_a_real_model_on_a_plans_map():
 
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(llama_config(num_hidden_layers=4))
-    plan = place(model, {"cpu": "1GiB"}, batch=1, seq_len=8)
+    plan = place(model, FOUR, batch=1, seq_len=8)
     ids = torch.randint(0, 1000, (1, 8))
     expected = model(ids).logits
-    dispatched = dispatch_model(model, device_map=plan.device_map)
+    cpu_map = {name: "cpu" for name in plan.device_map}  # this machine's stand-in for the GPUs
+    assert len(cpu_map) > 1
+    dispatched = dispatch_model(model, device_map=cpu_map)
     assert torch.equal(dispatched(ids).logits, expected)
+
+
+def test_from_pretrained_loads_with_a_plans_map(tmp_path):
+    torch.manual_seed(0)
+    saved = transformers.LlamaForCausalLM(llama_config(num_hidden_layers=4))
+    saved.save_pretrained(tmp_path)
+    plan = place(saved, FOUR, batch=1, seq_len=8)
+    cpu_map = {name: "cpu" for name in plan.device_map}
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path, device_map=cpu_map)
+    for name, value in saved.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
 
 
 def test_repeated_blocks_are_never_split_across_devices(llama, plan):
