@@ -357,3 +357,13 @@ def test_materialize_refuses_something_that_is_no_plan_as_a_placement(llama):
 
     with pytest.raises(TypeError, match="from_device_map"):
         materialize(llama, placement={"": "cpu"})
+
+
+def test_keyword_inputs_plan_an_encoder_decoder_with_tied_embeddings_on_one_device():
+    config = transformers.T5Config(d_model=64, d_ff=128, num_layers=4, num_heads=4, vocab_size=500)
+    with meta_init():
+        model = transformers.T5ForConditionalGeneration(config)
+    plan = place(model, FOUR, inputs={"input_ids": (2, 32), "decoder_input_ids": (2, 8)})
+    on = {name: device for name, _, device, _ in plan.parts}
+    assert on["shared"] == on["encoder.embed_tokens"] == on["decoder.embed_tokens"]
+    assert plan.workload == "inputs input_ids=(2, 32), decoder_input_ids=(2, 8)"

@@ -234,11 +234,17 @@ def _run(model: nn.Module, parts: list[Part], training: bool, inputs: tuple, kwa
             try:
                 table = dry_run(model, *inputs, **kwargs)
             except Exception as e:  # say which step failed, and what usually helps
+                on_meta = any(p.is_meta for p in model.parameters())
+                hint = (
+                    "; a model on the meta device cannot run code that reads values: build it "
+                    "under meta_init()"
+                    if on_meta
+                    else "; dry_run(model, ...) shows the same"
+                )
+                first = str(e).splitlines()[0] if str(e) else ""
                 raise RuntimeError(
                     f"place(): the dry run of the workload failed ({type(e).__name__}: "
-                    f"{str(e).splitlines()[0] if str(e) else ''}); a model on the meta device "
-                    "cannot run code that reads values: build it under meta_init(), or pass "
-                    "the forward's inputs= as shapes"
+                    f"{first}){hint}"
                 ) from e
     finally:
         for handle in handles:
