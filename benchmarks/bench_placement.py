@@ -272,8 +272,8 @@ def main() -> None:
         params = {"config": big, "gpus": gpus, "workload": llama_load}
         jobs += [("plan_time", params), ("accelerate_time", params)]
     others = {  # (kind, config, workload, devices, capacity)
-        "T5-3B-shaped, batch 8 x 512 -> 128": ("t5", T5_3B, T5_LOAD, 2, 16 * GiB),
-        "ViT-H/14-shaped, batch 256 images": ("vit", VIT_H, VIT_LOAD, 2, 8 * GiB),
+        "T5-3B-shaped, batch 8 x 512 -> 128": ("t5", T5_3B, T5_LOAD, 2, 6 * GiB),
+        "ViT-H/14-shaped, batch 256 images": ("vit", VIT_H, VIT_LOAD, 2, 3 * GiB),
     }
     if args.quick:
         others = {k: (kind, {**c, **QUICK[kind]}, w, n, cap // 8)
