@@ -231,7 +231,21 @@ def _run(model: nn.Module, parts: list[Part], training: bool, inputs: tuple, kwa
     handles.append(model.register_forward_hook(lambda m, a, out: caught.append(out)))
     try:
         with _mode(model, training):
-            table = dry_run(model, *inputs, **kwargs)
+            try:
+                table = dry_run(model, *inputs, **kwargs)
+            except Exception as e:  # say which step failed, and what usually helps
+                on_meta = any(p.is_meta for p in model.parameters())
+                hint = (
+                    "; a model on the meta device cannot run code that reads values: build it "
+                    "under meta_init()"
+                    if on_meta
+                    else "; dry_run(model, ...) shows the same"
+                )
+                first = str(e).splitlines()[0] if str(e) else ""
+                raise RuntimeError(
+                    f"place(): the dry run of the workload failed ({type(e).__name__}: "
+                    f"{first}){hint}"
+                ) from e
     finally:
         for handle in handles:
             handle.remove()
