@@ -21,7 +21,8 @@ public face; ``errors`` beside it holds the exceptions.
   ``noting_whole_intermediates``;
 - one helper per concept: ``parse_device``, ``missing_device_reason``, ``parse_dtype``,
   ``dtype_name``, ``available_memory``, ``is_out_of_memory``, ``local_tensor`` (a DTensor's
-  local shard), ``copy_user_attributes`` (the user's attributes onto a real tensor).
+  local shard), ``copy_user_attributes`` (the user's attributes onto a real tensor);
+- for ``save``: ``values_to_write`` (one deferred tensor's exact values, nothing kept or swapped).
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ from jupyter_metainit.core.materialize.walk import (
 )
 from jupyter_metainit.core.record.context import is_meta_init, meta_init
 from jupyter_metainit.core.record.tensor import DeferredTensor
-from jupyter_metainit.core.replay import noting_whole_intermediates
+from jupyter_metainit.core.replay import noting_whole_intermediates, values_to_write
 from jupyter_metainit.core.runtime import events
 from jupyter_metainit.core.runtime.arguments import (
     dtype_name,
@@ -81,5 +82,5 @@ UPPER_LAYER_FACE = (
     available_memory, busy_with, copy_user_attributes, counted_attributes, dtype_name, events,
     format_bytes, format_count, format_duration, is_out_of_memory, iter_deferred, local_tensor,
     missing_device_reason, named_tensors, noting_whole_intermediates, own_tensors, parse_device,
-    parse_dtype, plain, progress_callback, storage_of, unique_tensors,
+    parse_dtype, plain, progress_callback, storage_of, unique_tensors, values_to_write,
 )  # fmt: skip

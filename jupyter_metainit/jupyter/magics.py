@@ -1,4 +1,5 @@
-"""IPython magics: ``%%meta_init``, ``%materialize``/``%dematerialize``, ``%meta_table``, ``%place``
+"""IPython magics: ``%%meta_init``, ``%materialize``/``%dematerialize``, ``%meta_table``,
+``%place``, ``%save``
 
 Load them with ``%load_ext jupyter_metainit``. Each magic is a thin layer over the core API:
 ``%%meta_init`` runs its cell under :func:`meta_init` (with normal cell semantics) and then shows
@@ -44,6 +45,7 @@ from jupyter_metainit.jupyter.magic_options import (
 )
 from jupyter_metainit.jupyter.model_views import memory_table_usage, show_model
 from jupyter_metainit.plan import place
+from jupyter_metainit.save import save as save_checkpoint
 
 __all__ = ["MetaInitMagics", "load_ipython_extension", "unload_ipython_extension"]
 
@@ -53,6 +55,13 @@ class MetaInitMagics(Magics):
     """The magics of ``jupyter_metainit``; registered by ``%load_ext jupyter_metainit``."""
 
     shell: InteractiveShell
+
+    def __init__(self, shell: InteractiveShell | None = None, **kwargs: Any) -> None:
+        # IPython's own %save (code to a file), which ours hands lines that name no model;
+        # taken before ours replaces it, and put back by unload_ipython_extension.
+        manager = getattr(shell, "magics_manager", None)
+        self.ipython_save = manager.magics["line"].get("save") if manager is not None else None
+        super().__init__(shell=shell, **kwargs)
 
     def _evaluate(self, magic: str, expr: str) -> Any:
         """Evaluate ``expr`` in the user namespace; a bad name is a UsageError, not a traceback."""
@@ -199,6 +208,59 @@ class MetaInitMagics(Magics):
         print(f"dematerialized {summary_line(expr, obj)}")
 
     @magic_arguments()
+    @argument("expr", nargs="*", metavar="EXPR PATH", help="Module (or state dict), directory.")
+    @argument("--format", choices=("safetensors", "dcp"), default="safetensors",
+              help="safetensors: what save_pretrained writes (default); dcp: "
+              "torch.distributed.checkpoint.")  # fmt: skip
+    @argument("--dtype", metavar="DT", help="Cast floating tensors to this dtype as written.")
+    @argument("--max-shard-size", metavar="SIZE", default="5GB", help="Shard size (5GB).")
+    @line_magic
+    def save(self, line: str) -> None:
+        """Write EXPR's values (what materialize would give) to directory PATH without
+        materializing it: ``%save model ./checkpoint [--format dcp]``.
+
+        Tensor by tensor in bounded memory, with a progress bar; the model is not changed. A
+        line that names no model (``%save -r notes.py 1-5``) goes to IPython's own ``%save``.
+        """
+        __tracebackhide__ = True
+        expr, options = split_expression(line, lambda option: option != "--help")
+        expr, _, path = expr.strip().rpartition(" ")
+        if not expr and self._model_or_none(path) is not None:
+            raise UsageError(f"%save: missing PATH (e.g. %save {path} ./checkpoint)")
+        obj = self._model_or_none(expr)
+        if obj is None and self.ipython_save is not None:
+            return self.ipython_save(line)
+        if obj is None:
+            raise UsageError(
+                "%save: usage: %save EXPR PATH [--format dcp] (EXPR a module or a dict of "
+                "tensors, PATH the directory to write)"
+            )
+        args = parse_argstring(self.save, options)
+        if args.expr:
+            raise UsageError(f"%save: unexpected argument(s) {' '.join(args.expr)!r}")
+        dtype = parse_dtype(args.dtype)
+        start = time.perf_counter()
+        _one_line_errors("save", lambda: save_checkpoint(obj, path.strip("'\""), format=args.format,
+                                              max_shard_size=args.max_shard_size, dtype=dtype,
+                                              progress=True))  # fmt: skip
+        elapsed = time.perf_counter() - start
+        print(f"saved {expr} to {path} ({args.format}) in {format_duration(elapsed)}")
+
+    def _model_or_none(self, expr: str) -> Any:
+        """EXPR's value if it is a module or a dict of tensors (what %save writes), else None."""
+        if not expr or expr.startswith("-"):
+            return None
+        try:
+            obj = self.shell.ev(expr)
+        except Exception:  # not ours to save: IPython's %save reads its own arguments
+            return None
+        if isinstance(obj, nn.Module):
+            return obj
+        if isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+            return obj
+        return None
+
+    @magic_arguments()
     @argument("expr", nargs="*", metavar="EXPR", help="Module to tabulate.")
     @argument("--depth", metavar="N", type=int, help="Module depth of the rows (0 = root).")
     @argument(
@@ -332,5 +394,8 @@ def unload_ipython_extension(ipython: InteractiveShell) -> None:
         owner = getattr(bound, "__self__", None)
         if owner is not None and type(owner).__name__ == MetaInitMagics.__name__:
             del manager.magics[kind][name]
+            original = getattr(owner, "ipython_save", None)
+            if kind == "line" and name == "save" and original is not None:
+                manager.magics[kind][name] = original  # IPython's own %save again
     manager.registry.pop(MetaInitMagics.__name__, None)
     uninstall_short_tracebacks(ipython)
