@@ -5,7 +5,7 @@ from __future__ import annotations
 from torch import nn
 
 from jupyter_metainit.estimates import memory_table
-from jupyter_metainit.estimates.memory import OPTIMIZER_STATE_BYTES
+from jupyter_metainit.estimates.sizing import OPTIMIZER_STATE_BYTES
 from jupyter_metainit.plan.partition import Costs
 from jupyter_metainit.plan.parts import Part
 from jupyter_metainit.plan.precision import Convention, itemsize

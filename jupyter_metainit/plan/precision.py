@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.estimates._arguments import parse_dtype
+from jupyter_metainit.core import parse_dtype
 
 __all__ = ["Convention", "convention"]
 

@@ -7,7 +7,7 @@ from dataclasses import dataclass, field
 
 import pandas as pd
 
-from jupyter_metainit.estimates.render import format_bytes
+from jupyter_metainit.core import format_bytes
 from jupyter_metainit.plan.partition import Costs
 
 __all__ = ["Placement"]
