@@ -33,6 +33,7 @@ from jupyter_metainit.jupyter.tree_widget.actions import TreeActions
 from jupyter_metainit.jupyter.tree_widget.devices import fit_per_device, visible_cuda_devices
 from jupyter_metainit.jupyter.tree_widget.following import FollowsModel
 from jupyter_metainit.jupyter.tree_widget.page_trust import PageTrust
+from jupyter_metainit.jupyter.tree_widget.planning import PlanningCalls, TreePlanning
 from jupyter_metainit.jupyter.tree_widget.wording import MODEL_GONE, SAVED_ADVICE, code_path
 
 __all__ = ["ModuleTreeWidget", "explore", "watch_cells", "widgets_of"]
@@ -61,12 +62,16 @@ def widgets_of(module: nn.Module) -> list[ModuleTreeWidget]:
     return [w for w in list(_live_widgets) if w.comm is not None and w._tree.holds(module)]
 
 
-class ModuleTreeWidget(PageTrust, TreeActions, FollowsModel, anywidget.AnyWidget):
+class ModuleTreeWidget(
+    PageTrust, TreePlanning, PlanningCalls, TreeActions, FollowsModel, anywidget.AnyWidget
+):
     """Interactive tree of a model: explore it, select subtrees, materialize or free them.
 
     Read or set the selection from Python with ``w.selected`` (qualified module names,
     ``""`` is the whole model).  ``w.materialize("cpu")`` and ``w.free()`` do what the buttons
-    do, for the current selection.  The widget follows the model by itself: whatever
+    do, for the current selection; ``w.place("cuda:0=80GiB, cuda:1=80GiB", seq_len=4096)``,
+    ``w.pin("cuda:1")``, ``w.materialize_plan()`` and ``w.save(path)`` what the plan and save
+    bars do.  The widget follows the model by itself: whatever
     materializes or frees a part of it (code, a magic, another widget) shows here within a
     fraction of a second.
     """
@@ -93,6 +98,9 @@ class ModuleTreeWidget(PageTrust, TreeActions, FollowsModel, anywidget.AnyWidget
     devices = traitlets.List(help="Visible CUDA devices.").tag(sync=True)
     no_cuda_reason = traitlets.Unicode("").tag(sync=True)
     table_html = traitlets.Unicode("").tag(sync=True)
+    plan = traitlets.Dict(
+        help="The last plan (tree_widget/planning.py: devices, per-node device), {} if none."
+    ).tag(sync=True)
     var_name = traitlets.Unicode(
         "model", help="The model's name in the notebook, for paths usable in the magics."
     ).tag(sync=True)
@@ -128,6 +136,9 @@ class ModuleTreeWidget(PageTrust, TreeActions, FollowsModel, anywidget.AnyWidget
         self._sync_timer: threading.Timer | None = None
         self._last_progress = 0.0
         self._queued: dict | None = None  # a page action waiting for the running cell to end
+        self._placement = None  # the last plan, what *Materialize plan* materializes
+        self._plan_request: dict | None = None  # its options, re-used by pins
+        self._pins: dict[str, str] = {}
         super().__init__(
             tree=self._tree.to_json(self._stats),
             expand_depth=depth,

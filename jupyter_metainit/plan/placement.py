@@ -14,9 +14,9 @@ from typing import Any
 
 from torch import nn
 
+from jupyter_metainit.core import format_bytes
 from jupyter_metainit.estimates._arguments import require_module
 from jupyter_metainit.estimates.fit import device_budget
-from jupyter_metainit.core import format_bytes
 from jupyter_metainit.plan.costs import part_costs
 from jupyter_metainit.plan.devices import is_offload, parse_devices
 from jupyter_metainit.plan.fsdp import plan_fsdp
