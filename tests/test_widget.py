@@ -779,3 +779,12 @@ def test_save_refuses_an_empty_path_with_a_notice():
     w = explore(model)
     w.save("")
     assert "Type the directory to save to" in w.notice["text"] and w.status == ""
+
+
+def test_a_tied_part_shows_the_device_of_the_tensor_it_shares():
+    model = _lm()
+    model.head.weight = model.embed.weight
+    w = explore(model)
+    w.place(TWO_GPUS, batch=2, seq_len=8)
+    where = dict(zip(rows(w), w.plan["nodes"], strict=True))
+    assert where["head"] == where["embed"] == 0

@@ -219,7 +219,16 @@ export class PlanBar {
     enable(this.pinBtn, !busy && names.length > 0, names.length ? "Put the selected parts on this device and re-plan the rest" : "Select parts first (tick their checkboxes)");
     enable(this.unpinBtn, !busy && pins.length > 0, pins.length ? `Drop the pins (${pins.join(", ")}) and re-plan` : "Nothing is pinned");
     this.unpinBtn.textContent = pins.length ? `Clear pins (${pins.length})` : "Clear pins";
-    enable(this.matBtn, !busy && devices.length > 0, "Materialize every part on its planned device (exact values)");
+    // a plan over devices this kernel lacks (planned for another machine) cannot be materialized here
+    const usable = new Set(["cpu", ...((this.host.get("devices") ?? []) as Array<{ name: string }>).map((d) => d.name)]);
+    const missing = devices.filter((d) => !usable.has(d.name)).map((d) => d.name);
+    enable(
+      this.matBtn,
+      !busy && devices.length > 0 && !missing.length,
+      missing.length
+        ? `This kernel has no ${missing.join(", ")}: plan over its own devices (auto) to materialize here`
+        : "Materialize every part on its planned device",
+    );
     this.advice.replaceChildren(
       ...[...(plan.advice ?? []).map((a) => `To fit: ${a}`), ...(plan.notes ?? [])].map((t) => el("li", "", t)),
     );

@@ -484,12 +484,20 @@ describe("Plan and Save", () => {
   });
 
   it("offers Materialize plan only once there is a plan", () => {
-    const { model, view } = mount(smallTree());
+    const { model, view } = mount(smallTree(), { devices: [{ name: "cuda:0", label: "" }, { name: "cuda:1", label: "" }] });
     view.planBar.matBtn.click();
     expect(model.sent).toEqual([]);
     model.set("plan", twoDevicePlan());
     view.planBar.matBtn.click();
     expect(model.sent).toEqual([{ action: "materialize_plan", id: 1 }]);
+  });
+
+  it("says why Materialize plan is unavailable when the plan uses devices this kernel lacks", () => {
+    const { model, view } = mount(smallTree());
+    model.set("plan", twoDevicePlan());
+    view.planBar.matBtn.click();
+    expect(model.sent).toEqual([]);
+    expect(view.planBar.matBtn.title).toContain("This kernel has no cuda:0, cuda:1");
   });
 
   it("sends the path and format to save, and refuses two selected subtrees", () => {

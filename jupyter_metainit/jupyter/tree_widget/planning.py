@@ -88,20 +88,22 @@ def _node_devices(
     order = list(placement.capacity)
     keys = sorted(placement.device_map, key=len, reverse=True)  # the longest prefix decides
     found: list[set[str]] = [set() for _ in range(n)]
-    tensors = [*module.named_parameters(), *module.named_buffers()]
-    for tensor_name, _ in tensors:
+    # every name of a tied tensor: lm_head shows the device of the embedding it shares
+    tensors = [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]
+    by_tensor: dict[int, str] = {}
+    for tensor_name, tensor in tensors:
         owner = tensor_name.rpartition(".")[0]
-        key = next(
-            (
-                k
-                for k in keys
-                if not k or owner == k or owner.startswith(k + ".") or tensor_name == k
-            ),
-            None,
-        )
-        if key is None:
+        key = next((k for k in keys if not k or owner == k or owner.startswith(k + ".")), None)
+        if key is not None:
+            by_tensor.setdefault(id(tensor), placement.device_map[key])
+    for tensor_name, tensor in tensors:
+        device = by_tensor.get(id(tensor))
+        if device is None:
             continue
-        device = placement.device_map[key]
+        owner = tensor_name.rpartition(".")[0]
         path = owner
         while True:
             if path in index:
