@@ -878,7 +878,8 @@ export class TreeView {
     cbCell.append(cb);
 
     const nameCell = h("div", "jmi-c-name");
-    nameCell.style.paddingLeft = `${row.depth * 16}px`;
+    // the indent narrows with the widget (style.css: --jmi-indent), so deep names keep room
+    nameCell.style.paddingLeft = `calc(${row.depth} * var(--jmi-indent, 16px))`;
     const caret = h("span", `jmi-caret${hasKids ? "" : " jmi-leaf"}`, hasKids ? (open ? "▾" : "▸") : "");
     caret.setAttribute("aria-hidden", "true");
     const name = h("span", "jmi-name");
