@@ -788,3 +788,36 @@ def test_a_tied_part_shows_the_device_of_the_tensor_it_shares():
     w.place(TWO_GPUS, batch=2, seq_len=8)
     where = dict(zip(rows(w), w.plan["nodes"], strict=True))
     assert where["head"] == where["embed"] == 0
+
+
+def test_a_plan_place_refuses_says_why_and_keeps_the_last_plan():
+    model = _lm()
+    w = explore(model)
+    w.place(TWO_GPUS, batch=2, seq_len=8)
+    before = w.plan
+    w.place(TWO_GPUS, batch=2, seq_len=None)  # a language model needs its sequence length
+    assert w.error.startswith("Could not plan:") and "seq_len=" in w.error
+    assert w.plan == before and w.busy == ""
+
+
+def test_a_plan_click_waits_for_the_running_cell_to_end():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_cell("from jupyter_metainit.jupyter.widget import watch_cells; watch_cells()")
+    model = _lm()
+    shell.user_ns["w"] = w = explore(model)
+    cell = (
+        "msg = {'action': 'plan', 'devices': 'cpu=1GiB', 'batch': 2, 'seq_len': 8, 'id': 1}\n"
+        "w._on_msg(w, msg, [])\n"
+        "during = (w.busy, w.phase, w.plan)"
+    )
+    try:
+        assert shell.run_cell(cell).success
+        busy, phase, plan = shell.user_ns["during"]
+        assert busy == "plan" and "running cell" in phase and plan == {}
+        assert w.wait(60)
+        assert w.error == "" and [d["name"] for d in w.plan["devices"]] == ["cpu"]
+    finally:
+        for name in ("w", "during", "msg"):
+            shell.user_ns.pop(name, None)
