@@ -737,8 +737,24 @@ def test_a_plan_made_in_the_widget_shows_each_parts_device_in_jupyterlab(browser
     assert widget.locator(".jmi-colhead .jmi-c-device").is_visible()
     widget.locator(".jmi-message.jmi-ok", has_text="It fits").wait_for(timeout=10_000)
     widget.screenshot(path=str(DOCS_IMG / "widget-plan-1400.png"))
+    assert _cut_tags(widget) == []
     page.set_viewport_size({"width": 700, "height": 1000})
     page.wait_for_timeout(300)
     widget.scroll_into_view_if_needed()
     assert row("model.layers.3").locator(".jmi-c-device").is_visible()
     widget.screenshot(path=str(DOCS_IMG / "widget-plan-700.png"))
+    assert _cut_tags(widget) == []
+
+
+def _cut_tags(widget) -> list[str]:
+    """The tags beside names shown only in part (a tag shows whole or not at all)."""
+    return widget.evaluate(
+        """(root) => [...root.querySelectorAll('.jmi-tags')].flatMap((box) => {
+          const b = box.getBoundingClientRect();
+          return [...box.children].filter((t) => {
+            const r = t.getBoundingClientRect();
+            const shown = r.width > 0 && r.top < b.bottom - 1;
+            return shown && r.right > b.right + 0.5;
+          }).map((t) => t.textContent);
+        })"""
+    )

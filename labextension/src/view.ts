@@ -897,6 +897,10 @@ export class TreeView {
     copy.setAttribute("aria-label", `Copy ${code}`);
     copy.dataset.code = code;
     nameCell.append(caret, name, copy);
+    // The chips beside the name, most important first (tied, repeated): each shows
+    // whole or not at all, never cut to "t…" (style.css: .jmi-tags wraps what does not fit
+    // onto a hidden second line); their text stays in the row's title and aria-label.
+    const tags: HTMLElement[] = [];
     const rep = t.repeatedChildren(n);
     // "identical" only while it holds: a block cast to another dtype since differs
     if (rep) {
@@ -905,7 +909,7 @@ export class TreeView {
       chip.title = same
         ? `${rep[0]} identical ${rep[1]} blocks`
         : `${rep[0]} ${rep[1]} blocks built identical; their dtypes or sizes now differ`;
-      nameCell.append(chip);
+      tags.push(chip);
     } else if (
       hasKids &&
       t.repN[n] > 1 &&
@@ -918,17 +922,23 @@ export class TreeView {
       chip.title = same
         ? `This ${t.type[n]} and the next ${t.repN[n] - 1} are identical blocks`
         : `This ${t.type[n]} and the next ${t.repN[n] - 1} were built identical; their dtypes or sizes now differ`;
-      nameCell.append(chip);
+      tags.push(chip);
     }
     const tied = t.tied[n];
     if (tied.length) {
       const names = tied.map((k) => t.qname[k] || "(model)");
       const chip = h("span", "jmi-chip jmi-tied", `tied: ${names[0]}${names.length > 1 ? ` +${names.length - 1}` : ""}`);
       chip.title = `Shares a tensor with ${names.join(", ")}: counted once, and real or deferred together`;
-      nameCell.append(chip);
+      tags.unshift(chip);
     }
 
+    // non-eager values are never hidden: the tag keeps its width, the name shrinks
     if (t.values[n]) nameCell.append(fastTag(t.values[n]));
+    if (tags.length) {
+      const box = h("span", "jmi-tags");
+      box.append(h("span", "jmi-tags-spacer"), ...tags);
+      nameCell.append(box);
+    }
 
     const typeCell = h("div", "jmi-c-type");
     appendHighlighted(typeCell, t.type[n], row.match ? this.query : "");
@@ -1078,7 +1088,10 @@ function sourceTag(source: string): HTMLElement {
 
 /** Values replayed with rng="fast": deterministic, but not what eager construction gives. */
 export function fastTag(values: string): HTMLElement {
-  const tag = h("span", "jmi-dtype jmi-fast", values === "mixed" ? "part fast" : "fast");
+  const tag = h("span", "jmi-dtype jmi-fast");
+  // "part " goes first when the widget is narrow (style.css), "fast" never
+  if (values === "mixed") tag.append(h("span", "jmi-fast-part", "part "));
+  tag.append("fast");
   tag.title =
     (values === "mixed" ? "Part of these values" : "These values") +
     ' were generated with RNG "fast": deterministic, but not the values eager construction gives. Materialize with RNG "exact" to re-generate them exactly.';

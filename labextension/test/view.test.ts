@@ -429,6 +429,25 @@ function twoDevicePlan(fits = true) {
 const deviceCells = (root: HTMLElement) =>
   [...root.querySelectorAll(".jmi-rows .jmi-c-device")].map((e) => e.textContent);
 
+describe("tags beside a name", () => {
+  it("come most important first, after an empty item that lets even the first one wrap away", () => {
+    const { root, model } = mount(smallTree());
+    model.set("tree", { ...smallTree(), nodes: smallTree().nodes.map((r, i) => {
+      const row = [...r] as typeof r;
+      if (i === 2) {
+        row[ROW.tied] = [9];
+        row[ROW.values] = "fast";
+      }
+      return row;
+    }) });
+    const box = root.querySelectorAll<HTMLElement>(".jmi-rows .jmi-row")[2].querySelector(".jmi-tags")!;
+    expect([...box.children].map((c) => c.textContent)).toEqual(["", "tied: norm", "×2, identical"]);
+    expect(box.firstElementChild!.className).toBe("jmi-tags-spacer");
+    // the fast tag is never wrapped away: it sits before the chips, outside their box
+    expect(box.previousElementSibling!.textContent).toBe("fast");
+  });
+});
+
 describe("Plan and Save", () => {
   it("shows a device column, one colour per device, once a plan arrives", () => {
     const { root, model } = mount(smallTree());
