@@ -821,3 +821,17 @@ def test_a_plan_click_waits_for_the_running_cell_to_end():
     finally:
         for name in ("w", "during", "msg"):
             shell.user_ns.pop(name, None)
+
+
+def test_displaying_the_widget_puts_a_note_in_words_before_the_live_tree(net):
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    InteractiveShell.instance()
+    w = explore(net)
+    with capture_output() as out:
+        w._ipython_display_()
+    note, tree = (o.data for o in out.outputs)
+    assert "Net: 3.28 K params" in note["text/html"] and "Run the cell again" in note["text/html"]
+    assert "application/vnd.jupyter.widget-view+json" not in note
+    assert tree["application/vnd.jupyter.widget-view+json"]["model_id"] == w.model_id

@@ -758,3 +758,25 @@ def _cut_tags(widget) -> list[str]:
           }).map((t) => t.textContent);
         })"""
     )
+
+
+def test_a_reopened_notebook_with_a_new_kernel_says_how_to_get_the_tree_back(browser, jupyterlab):
+    """The note a widget output carries is hidden while the tree lives; reopened with a new
+    kernel (the tree cannot be shown: "model not found") it says what it was and what to do."""
+    _write_notebook(jupyterlab["dir"] / "reopen.ipynb", _FLOW_CELLS[:2])
+    ARTIFACTS.mkdir(exist_ok=True)
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    _open(page, jupyterlab, "reopen.ipynb")
+    _run_cell(page, 0)
+    _run_cell(page, 1)
+    page.locator(".jmi-root").first.wait_for(timeout=60_000)
+    note = page.locator(".jmi-saved-note")
+    assert note.count() == 1 and note.is_hidden()
+    page.keyboard.press("Control+s")
+    page.wait_for_timeout(1_500)
+    _restart_kernel(page)
+    page.wait_for_timeout(1_500)
+    _open(page, jupyterlab, "reopen.ipynb")
+    note.wait_for(state="visible", timeout=30_000)
+    assert "LlamaForCausalLM" in note.inner_text() and "Run the cell again" in note.inner_text()
+    page.screenshot(path=str(ARTIFACTS / "widget-reopened.png"))

@@ -193,6 +193,27 @@ class ModuleTreeWidget(
         )
         return data, metadata
 
+    def _ipython_display_(self, **kwargs: Any) -> None:
+        """Two outputs: a note in words, then the live tree. JupyterLab and Notebook 7 never
+        show a widget output's own fallback: a reopened notebook with a new kernel gets "Error
+        displaying widget: model not found" instead. The note above it says what the output
+        was and how to get a live tree; while the tree lives, the widget's CSS hides the note
+        (``.jmi-saved-note`` in ``labextension/src/style.css``)."""
+        from IPython.display import display
+
+        line = escape(self._summary_line())
+        display(
+            {
+                "text/html": f"<div class='jmi-saved-note'><b>Model tree</b> of {line}. "
+                f"<small>{escape(SAVED_ADVICE)}</small></div>"
+            },
+            raw=True,
+        )
+        bundle = self._repr_mimebundle_(**kwargs)
+        if bundle is not None:
+            data, metadata = bundle
+            display(data, metadata=metadata, raw=True)
+
     # ------------------------------------------------------------------ selection
     @traitlets.validate("selected")
     def _validate_selected(self, proposal: dict) -> list[str]:
