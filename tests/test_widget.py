@@ -835,3 +835,15 @@ def test_displaying_the_widget_puts_a_note_in_words_before_the_live_tree(net):
     assert "Net: 3.28 K params" in note["text/html"] and "Run the cell again" in note["text/html"]
     assert "application/vnd.jupyter.widget-view+json" not in note
     assert tree["application/vnd.jupyter.widget-view+json"]["model_id"] == w.model_id
+
+
+def test_a_cancelled_save_leaves_nothing_at_the_path(tmp_path):
+    with meta_init():
+        model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)])  # 128 MiB to write
+    w = explore(model)
+    path = tmp_path / "ckpt"
+    w.save(str(path), wait=False)
+    w.handle_action({"action": "cancel"})
+    assert w.wait(120)
+    assert w.status.startswith("Cancelled") and "nothing was written" in w.status
+    assert not path.exists() and list(tmp_path.iterdir()) == []

@@ -30,10 +30,11 @@ from jupyter_metainit.estimates import memory_table
 from jupyter_metainit.jupyter.cell_watch import watch_cells
 from jupyter_metainit.jupyter.module_tree import ModelGoneError, ModuleTree
 from jupyter_metainit.jupyter.tree_widget.actions import TreeActions
+from jupyter_metainit.jupyter.tree_widget.calls import PlanningCalls
 from jupyter_metainit.jupyter.tree_widget.devices import fit_per_device, visible_cuda_devices
 from jupyter_metainit.jupyter.tree_widget.following import FollowsModel
 from jupyter_metainit.jupyter.tree_widget.page_trust import PageTrust
-from jupyter_metainit.jupyter.tree_widget.planning import PlanningCalls, TreePlanning
+from jupyter_metainit.jupyter.tree_widget.planning import TreePlanning
 from jupyter_metainit.jupyter.tree_widget.wording import MODEL_GONE, SAVED_ADVICE, code_path
 
 __all__ = ["ModuleTreeWidget", "explore", "watch_cells", "widgets_of"]

@@ -126,7 +126,9 @@ class TreeActions:
 
         ``{"action": "materialize", "device": "cpu" | "cuda:N" | None, "names": [...]}``,
         ``{"action": "free", "names": [...]}``, ``{"action": "cancel"}``,
-        ``{"action": "refresh"}`` or ``{"action": "ping"}``.  Anything invalid is refused
+        ``{"action": "refresh"}`` or ``{"action": "ping"}``; the plan and save actions
+        (``plan``, ``pin``, ``unpin``, ``materialize_plan``, ``save``) are described in
+        ``tree_widget/planning.py`` and ``saving.py``.  Anything invalid is refused
         with a brief notice and changes nothing; it never replaces the message of the
         running or last action.
         """
