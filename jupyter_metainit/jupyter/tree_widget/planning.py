@@ -292,15 +292,15 @@ class TreePlanning:
             groups: dict[str, list[nn.Module]] = {}
             for name, device in placement.device_map.items():
                 groups.setdefault(device, []).append(model.get_submodule(name))
-            self._materialize_groups(groups, dtype)
+            self._materialize_groups(list(groups.items()), dtype)
         counts = ", ".join(f"{d}: {n}" for d, n in _parts_per_device(placement).items())
         values = "" if self.rng == "exact" else " (RNG fast: not eager's values)"
         return f"Materialized the plan in {{took}}, parts per device: {counts}{values}."
 
-    def _materialize_groups(self, groups: dict[str, list[nn.Module]], dtype: Any) -> None:
+    def _materialize_groups(self, groups: list[tuple[str, list[nn.Module]]], dtype: Any) -> None:
         """One materialize per device, under one progress total (each group's estimate is its
         deferred bytes, replaced by the core's own total once that group starts)."""
-        estimates = [_deferred_bytes(mods, dtype) for mods in groups.values()]
+        estimates = [_deferred_bytes(mods, dtype) for _, mods in groups]
         totals: list[int | None] = [None] * len(groups)
         done_before = [0]
 
@@ -309,7 +309,7 @@ class TreePlanning:
             grand = sum(e if t is None else t for t, e in zip(totals, estimates, strict=True))
             self._progress(done_before[0] + done, grand, f"{device}: {phase}".rstrip(": "))
 
-        for i, (device, modules) in enumerate(groups.items()):
+        for i, (device, modules) in enumerate(groups):
             materialize(
                 modules,
                 device,
