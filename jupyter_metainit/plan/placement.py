@@ -25,7 +25,7 @@ from jupyter_metainit.plan.partition import Costs, Load, device_loads, fill, par
 from jupyter_metainit.plan.parts import Part, find_parts
 from jupyter_metainit.plan.precision import Convention, convention
 from jupyter_metainit.plan.result import Placement
-from jupyter_metainit.plan.workload import Activity, measure
+from jupyter_metainit.plan.workload import Activity, activation_dtype, measure
 
 __all__ = ["place"]
 
@@ -66,7 +66,7 @@ def _split(inputs: tuple) -> tuple[tuple, dict]:
 
 def _activity(model: nn.Module, parts: list[Part], training: bool, inputs: tuple) -> Activity:
     # The parts (their names, in order) and the workload decide what is measured.
-    key = (training, repr(inputs), tuple((p.name, p.group) for p in parts))
+    key = (training, repr(inputs), activation_dtype(model), tuple((p.name, p.group) for p in parts))
     per_model = _MEASURED.setdefault(model, {})
     if key not in per_model:
         per_model.clear()  # one workload kept per model: measurements are small, models many
