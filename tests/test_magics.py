@@ -610,3 +610,50 @@ def test_unloading_the_extension_gives_back_ipythons_own_tracebacks(ip):
     ip.run_cell(f"%unload_ext {EXT}")
     assert "showtraceback" not in ip.__dict__
     ip.run_cell(f"%load_ext {EXT}")
+
+
+# --------------------------------------------------------------------------- %save
+
+
+def test_save_magic_writes_the_checkpoint_and_leaves_the_model_deferred(ip, tmp_path):
+    ok(ip, "%%meta_init\ntorch.manual_seed(0)\nm = nn.Linear(4, 3)")
+    out = ok(ip, f"%save m {tmp_path / 'ckpt'}")
+    assert "saved m to" in out.stdout
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    eager = torch.nn.Linear(4, 3)
+    saved = load_file(tmp_path / "ckpt" / "model.safetensors")
+    assert torch.equal(saved["weight"], eager.weight.detach())
+    assert is_deferred(ip.user_ns["m"])
+
+
+def test_save_magic_with_format_dcp_writes_a_distributed_checkpoint(ip, tmp_path):
+    ok(ip, "%%meta_init\nm = nn.Linear(4, 3)")
+    ok(ip, f"%save m {tmp_path / 'seed'} --format dcp")
+    assert (tmp_path / "seed" / ".metadata").exists()
+
+
+def test_save_magic_without_a_path_is_a_usage_error_and_writes_nothing(ip, tmp_path):
+    ok(ip, "%%meta_init\nm = nn.Linear(4, 3)")
+    assert "missing PATH" in usage_error(ip, "%save m")
+
+
+def test_save_magic_with_an_unknown_format_is_a_usage_error(ip, tmp_path):
+    ok(ip, "%%meta_init\nm = nn.Linear(4, 3)")
+    assert "format" in usage_error(ip, f"%save m {tmp_path / 'x'} --format pickle")
+    assert not (tmp_path / "x").exists()
+
+
+def test_ipythons_own_save_of_code_still_works_with_the_extension_loaded(ip, tmp_path):
+    ok(ip, "x = 1")
+    ok(ip, f"%save -f {tmp_path / 'code.py'} 1-2")
+    assert (tmp_path / "code.py").exists()
+
+
+def test_unloading_the_extension_gives_back_ipythons_own_save(ip):
+    own = type(ip.magics_manager.magics["line"]["save"].__self__).__name__
+    ok(ip, f"%unload_ext {EXT}")
+    back = type(ip.magics_manager.magics["line"]["save"].__self__).__name__
+    ok(ip, f"%load_ext {EXT}")  # the fixture unloads again
+    assert (own, back) == ("MetaInitMagics", "CodeMagics")

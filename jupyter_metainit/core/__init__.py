@@ -3,9 +3,10 @@
 No Jupyter imports here: scripts, distributed launchers and the notebook layer share it.
 
 Stages, lowest first (an import points only down this order): ``runtime`` (services every
-stage shares) < ``record`` (``meta_init``: deferred tensors and their records) < ``rng``
-(random streams) < ``replay`` (records to values) < ``materialize`` (what runs when you click
-Materialize). This module is the core's public face; ``errors`` beside it holds the exceptions.
+stage shares) < ``rng`` (random streams) < ``record`` (``meta_init``: deferred tensors and their
+records) < ``replay`` (records to values) < ``materialize`` (what runs when you click
+Materialize, freeing, and the walker that finds a model's tensors). This module is the core's
+public face; ``errors`` beside it holds the exceptions.
 
 ``__all__`` lists what users call. The upper layers (``estimates``, ``jupyter``,
 ``distributed``) import from here, and only from here (and ``core.errors``), also these names:
@@ -20,7 +21,8 @@ Materialize). This module is the core's public face; ``errors`` beside it holds 
   ``noting_whole_intermediates``;
 - one helper per concept: ``parse_device``, ``missing_device_reason``, ``parse_dtype``,
   ``dtype_name``, ``available_memory``, ``is_out_of_memory``, ``local_tensor`` (a DTensor's
-  local shard), ``copy_user_attributes`` (the user's attributes onto a real tensor).
+  local shard), ``copy_user_attributes`` (the user's attributes onto a real tensor);
+- for ``save``: ``values_to_write`` (one deferred tensor's exact values, nothing kept or swapped).
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from jupyter_metainit.core.materialize.walk import (
 )
 from jupyter_metainit.core.record.context import is_meta_init, meta_init
 from jupyter_metainit.core.record.tensor import DeferredTensor
-from jupyter_metainit.core.replay import noting_whole_intermediates
+from jupyter_metainit.core.replay import noting_whole_intermediates, values_to_write
 from jupyter_metainit.core.runtime import events
 from jupyter_metainit.core.runtime.arguments import (
     dtype_name,
@@ -80,5 +82,5 @@ UPPER_LAYER_FACE = (
     available_memory, busy_with, copy_user_attributes, counted_attributes, dtype_name, events,
     format_bytes, format_count, format_duration, is_out_of_memory, iter_deferred, local_tensor,
     missing_device_reason, named_tensors, noting_whole_intermediates, own_tensors, parse_device,
-    parse_dtype, plain, progress_callback, storage_of, unique_tensors,
+    parse_dtype, plain, progress_callback, storage_of, unique_tensors, values_to_write,
 )  # fmt: skip

@@ -1,4 +1,5 @@
-"""IPython magics: ``%%meta_init`` and ``%materialize`` / ``%dematerialize`` / ``%meta_table``.
+"""IPython magics: ``%%meta_init``, ``%materialize``/``%dematerialize``, ``%meta_table``,
+``%place``, ``%save``
 
 Load them with ``%load_ext jupyter_metainit``. Each magic is a thin layer over the core API:
 ``%%meta_init`` runs its cell under :func:`meta_init` (with normal cell semantics) and then shows
@@ -43,6 +44,8 @@ from jupyter_metainit.jupyter.magic_options import (
     strip_comment,
 )
 from jupyter_metainit.jupyter.model_views import memory_table_usage, show_model
+from jupyter_metainit.plan import place
+from jupyter_metainit.save import save as save_checkpoint
 
 __all__ = ["MetaInitMagics", "load_ipython_extension", "unload_ipython_extension"]
 
@@ -52,6 +55,13 @@ class MetaInitMagics(Magics):
     """The magics of ``jupyter_metainit``; registered by ``%load_ext jupyter_metainit``."""
 
     shell: InteractiveShell
+
+    def __init__(self, shell: InteractiveShell | None = None, **kwargs: Any) -> None:
+        # IPython's own %save (code to a file), which ours hands lines that name no model;
+        # taken before ours replaces it, and put back by unload_ipython_extension.
+        manager = getattr(shell, "magics_manager", None)
+        self.ipython_save = manager.magics["line"].get("save") if manager is not None else None
+        super().__init__(shell=shell, **kwargs)
 
     def _evaluate(self, magic: str, expr: str) -> Any:
         """Evaluate ``expr`` in the user namespace; a bad name is a UsageError, not a traceback."""
@@ -198,6 +208,59 @@ class MetaInitMagics(Magics):
         print(f"dematerialized {summary_line(expr, obj)}")
 
     @magic_arguments()
+    @argument("expr", nargs="*", metavar="EXPR PATH", help="Module (or state dict), directory.")
+    @argument("--format", choices=("safetensors", "dcp"), default="safetensors",
+              help="safetensors: what save_pretrained writes (default); dcp: "
+              "torch.distributed.checkpoint.")  # fmt: skip
+    @argument("--dtype", metavar="DT", help="Cast floating tensors to this dtype as written.")
+    @argument("--max-shard-size", metavar="SIZE", default="5GB", help="Shard size (5GB).")
+    @line_magic
+    def save(self, line: str) -> None:
+        """Write EXPR's values (what materialize would give) to directory PATH without
+        materializing it: ``%save model ./checkpoint [--format dcp]``.
+
+        Tensor by tensor in bounded memory, with a progress bar; the model is not changed. A
+        line that names no model (``%save -r notes.py 1-5``) goes to IPython's own ``%save``.
+        """
+        __tracebackhide__ = True
+        expr, options = split_expression(line, lambda option: option != "--help")
+        expr, _, path = expr.strip().rpartition(" ")
+        if not expr and self._model_or_none(path) is not None:
+            raise UsageError(f"%save: missing PATH (e.g. %save {path} ./checkpoint)")
+        obj = self._model_or_none(expr)
+        if obj is None and self.ipython_save is not None:
+            return self.ipython_save(line)
+        if obj is None:
+            raise UsageError(
+                "%save: usage: %save EXPR PATH [--format dcp] (EXPR a module or a dict of "
+                "tensors, PATH the directory to write)"
+            )
+        args = parse_argstring(self.save, options)
+        if args.expr:
+            raise UsageError(f"%save: unexpected argument(s) {' '.join(args.expr)!r}")
+        dtype = parse_dtype(args.dtype)
+        start = time.perf_counter()
+        _one_line_errors("save", lambda: save_checkpoint(obj, path.strip("'\""), format=args.format,
+                                              max_shard_size=args.max_shard_size, dtype=dtype,
+                                              progress=True))  # fmt: skip
+        elapsed = time.perf_counter() - start
+        print(f"saved {expr} to {path} ({args.format}) in {format_duration(elapsed)}")
+
+    def _model_or_none(self, expr: str) -> Any:
+        """EXPR's value if it is a module or a dict of tensors (what %save writes), else None."""
+        if not expr or expr.startswith("-"):
+            return None
+        try:
+            obj = self.shell.ev(expr)
+        except Exception:  # not ours to save: IPython's %save reads its own arguments
+            return None
+        if isinstance(obj, nn.Module):
+            return obj
+        if isinstance(obj, dict) and obj and all(isinstance(v, torch.Tensor) for v in obj.values()):
+            return obj
+        return None
+
+    @magic_arguments()
     @argument("expr", nargs="*", metavar="EXPR", help="Module to tabulate.")
     @argument("--depth", metavar="N", type=int, help="Module depth of the rows (0 = root).")
     @argument(
@@ -221,6 +284,71 @@ class MetaInitMagics(Magics):
             raise UsageError(f"%meta_table: {expr} is a {kind}, not a torch.nn.Module")
         table = memory_table_usage(obj, parse_depth(args.depth), args.dtype)
         return table.full() if args.full else table
+
+    @magic_arguments()
+    @argument("expr", nargs="*", metavar="EXPR", help="Model to place.")
+    @argument(
+        "--devices",
+        metavar="DEVS",
+        default="auto",
+        help="Devices and capacities in pipeline order: cuda:0=80GiB,cuda:1=80GiB,cpu=256GiB "
+        "(bytes, GiB or GB), or auto (the free memory of the visible devices; default).",
+    )
+    @argument("--batch", metavar="N", type=int, default=1, help="Samples per step (default 1).")
+    @argument("--seq-len", metavar="N", type=int, help="Tokens per sample (prompt + generated).")
+    @argument(
+        "--training", action="store_true", help="Plan one training step (default: inference)."
+    )
+    @argument(
+        "--optimizer", metavar="OPT", default="adamw", help="adamw, adam, sgd, ... (training)."
+    )
+    @argument("--precision", metavar="P", help="bf16, fp16, fp32, bf16-mixed, bf16-master.")
+    @argument("--pin", metavar="PINS", help="Parts fixed to a device: lm_head=cuda:0,...")
+    @argument("--strategy", metavar="S", default="pipeline", help="pipeline (default) or fsdp.")
+    @argument("--world-size", metavar="N", type=int, help="Ranks, with --strategy fsdp.")
+    @argument("--table", action="store_true", help="Return the per-device, per-part table.")
+    @line_magic
+    def place(self, line: str) -> Any:
+        """Plan where each part of the model EXPR goes for a workload, allocating nothing.
+
+        ``%place model --devices cuda:0=80GiB,cuda:1=80GiB --batch 4 --seq-len 4096`` shows the
+        predicted peak of every device against its capacity (``jupyter_metainit.place``);
+        ``plan = %place ...`` keeps the plan (``plan.device_map``, ``plan.table``), and
+        ``materialize(model, placement=plan)`` puts every part onto its device.
+        """
+        __tracebackhide__ = True
+        expr, obj, args = self._target("place", line)
+        if not isinstance(obj, nn.Module):
+            raise UsageError(f"%place: {expr} is a {type(obj).__name__}, not a torch.nn.Module")
+        devices = args.devices if args.devices == "auto" else _pairs("--devices", args.devices)
+        message = None
+        try:
+            plan = place(obj, devices, batch=args.batch, seq_len=args.seq_len,
+                         training=args.training, optimizer=args.optimizer,
+                         precision=args.precision, pin=_pairs("--pin", args.pin) or None,
+                         strategy=args.strategy, world_size=args.world_size)  # fmt: skip
+        except (MetaInitError, ValueError, TypeError) as exc:
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            message = f"%place: {text.replace('seq_len=', '--seq-len ')}"
+        if message is not None:
+            raise UsageError(message)
+        return plan.table if args.table else plan
+
+
+def _pairs(option: str, text: str | None) -> dict[str, str]:
+    """``a=1,b=2`` -> ``{"a": "1", "b": "2"}``; a malformed item is a UsageError."""
+    pairs: dict[str, str] = {}
+    for item in (text or "").split(","):
+        name, sep, value = item.strip().partition("=")
+        if not item.strip():
+            continue
+        if not sep or not name.strip() or not value.strip():
+            raise UsageError(
+                f"%place: {option} takes name=value items separated by commas "
+                f"(e.g. {option} cuda:0=80GiB,cpu=256GiB), not {item.strip()!r}"
+            )
+        pairs[name.strip()] = value.strip()
+    return pairs
 
 
 def _one_line_errors(magic: str, action: Any, hints: dict[str, str] | None = None) -> None:
@@ -266,5 +394,8 @@ def unload_ipython_extension(ipython: InteractiveShell) -> None:
         owner = getattr(bound, "__self__", None)
         if owner is not None and type(owner).__name__ == MetaInitMagics.__name__:
             del manager.magics[kind][name]
+            original = getattr(owner, "ipython_save", None)
+            if kind == "line" and name == "save" and original is not None:
+                manager.magics[kind][name] = original  # IPython's own %save again
     manager.registry.pop(MetaInitMagics.__name__, None)
     uninstall_short_tracebacks(ipython)

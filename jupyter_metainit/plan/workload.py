@@ -228,14 +228,43 @@ def _run(model: nn.Module, parts: list[Part], training: bool, inputs: tuple, kwa
 
     for part in parts:
         handles.append(part.module.register_forward_pre_hook(noting(part.name), with_kwargs=True))
-    handles.append(model.register_forward_hook(lambda m, a, out: caught.append(_cache_of(out))))
+    handles.append(model.register_forward_hook(lambda m, a, out: caught.append(out)))
     try:
         with _mode(model, training):
-            table = dry_run(model, *inputs, **kwargs)
+            try:
+                table = dry_run(model, *inputs, **kwargs)
+            except Exception as e:  # say which step failed, and what usually helps
+                on_meta = any(p.is_meta for p in model.parameters())
+                hint = (
+                    "; a model on the meta device cannot run code that reads values: build it "
+                    "under meta_init()"
+                    if on_meta
+                    else "; dry_run(model, ...) shows the same"
+                )
+                first = str(e).splitlines()[0] if str(e) else ""
+                raise RuntimeError(
+                    f"place(): the dry run of the workload failed ({type(e).__name__}: "
+                    f"{first}){hint}"
+                ) from e
     finally:
         for handle in handles:
             handle.remove()
     return table, order, specs, caught[0] if caught else None
+
+
+def _loss_keeps(output: Any, table: Any, last: str) -> int:
+    """What a loss computed by the model's own code keeps for backward: cross-entropy keeps
+    the log-softmax of the logits (the last part's output) in float32 (transformers upcasts
+    the logits first)."""
+    if not isinstance(output, Mapping) or "loss" not in list(output.keys()):
+        return 0
+    shape = table.at[last, "output_shape"] if last in table.index else None
+    if not isinstance(shape, tuple) or not all(isinstance(d, int) for d in shape):
+        return 0
+    numel = 1
+    for d in shape:
+        numel *= d
+    return 4 * numel
 
 
 def measure(model: nn.Module, parts: list[Part], *, training: bool, inputs: tuple,
@@ -245,9 +274,9 @@ def measure(model: nn.Module, parts: list[Part], *, training: bool, inputs: tupl
     start = time.perf_counter()
     ids = inputs[0] if len(inputs) == 1 else None
     kwargs = {**_workload_kwargs(model, training, ids), **(kwargs or {})}
-    table, order, specs, cache = _run(model, parts, training, inputs, kwargs)
+    table, order, specs, output = _run(model, parts, training, inputs, kwargs)
     activity = Activity(notes=[])
-    activity.cache = _cache_per_part(cache, parts) if not training else {}
+    activity.cache = _cache_per_part(_cache_of(output), parts) if not training else {}
     by_module = list(parts)
     # Execution order; a part the forward never ran keeps its place after its predecessor.
     rank: dict[str, float] = {}
@@ -275,8 +304,12 @@ def measure(model: nn.Module, parts: list[Part], *, training: bool, inputs: tupl
     if outside > 0 and ranked:
         name = ranked[-1].name
         activity.transient[name] = max(activity.transient[name], root_peak - before)
-    if training:
-        _measure_saved(parts, specs, activity, max(0, outside))
+    if training and ranked:
+        loss = _loss_keeps(output, table, ranked[-1].name)
+        _measure_saved(parts, specs, activity, max(0, outside, loss))
+        # Its backward holds the gradients of the log-softmax and of the logits at once.
+        last = ranked[-1].name
+        activity.transient[last] = max(activity.transient[last], 2 * loss)
     activity.dtype = _activation_dtype(model)
     activity.seconds = time.perf_counter() - start
     return activity
@@ -305,8 +338,8 @@ def _measure_saved(
         activity.saved[part.name] = saved
         if part.group:
             measured[part.group] = saved
-    # The model's own code after the parts (a loss on the logits) keeps what it adds to the
-    # peak for backward (cross-entropy's log-softmax).
+    # The model's own code after the parts (a loss on the logits) keeps what it computed for
+    # backward: what it adds to the peak, at least cross-entropy's log-softmax.
     if activity.order:
         activity.saved[activity.order[-1]] += outside
 

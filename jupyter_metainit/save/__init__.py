@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 
+from jupyter_metainit.core import parse_dtype
 from jupyter_metainit.save.layout import (
     INDEX_NAME,
     WEIGHTS_NAME,
@@ -46,7 +47,7 @@ def save(
     *,
     format: str = "safetensors",  # the word transformers and torch use
     max_shard_size: int | str = "5GB",
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     progress: Any = None,
 ) -> str:
     """Write ``obj``'s values, exactly as ``materialize`` would give them, into directory ``path``.
@@ -63,7 +64,8 @@ def save(
             layout; for a transformers model also its ``config.json`` and
             ``generation_config.json``). ``format="dcp"``: a ``torch.distributed.checkpoint``.
         max_shard_size: ``"5GB"`` (decimal units, as transformers reads them) or bytes.
-        dtype: cast floating-point tensors to this dtype as they are written.
+        dtype: cast floating-point tensors to this dtype (or its name, 'bf16') as they are
+            written.
         progress: ``True`` for a progress bar, or ``callable(done_bytes, total_bytes)``; if it
             raises (to cancel), nothing is left at ``path`` and the exception propagates.
 
@@ -72,8 +74,7 @@ def save(
     """
     if format not in _FORMATS:
         raise ValueError(f"format must be 'safetensors' or 'dcp', not {format!r}")
-    if dtype is not None and not isinstance(dtype, torch.dtype):
-        raise TypeError(f"dtype must be a torch.dtype (e.g. torch.bfloat16), not {dtype!r}")
+    dtype = parse_dtype(dtype)
     destination = os.fspath(path)
     if os.path.isfile(destination):
         raise NotADirectoryError(f"save() writes a directory; {destination} is a file")
@@ -87,7 +88,7 @@ def save(
     state = _original_format(obj, state)
     total_parameters = _total_parameters(obj)
     layout = plan_layout(state, parse_size(max_shard_size), dtype, total_parameters)
-    bar = Progress(progress, layout.total_size)
+    bar = Progress(progress, sum(e.nbytes for es in layout.files.values() for e in es))
     try:
         with staging_directory(destination) as staging:
             _write_transformers_files(obj, staging, dtype)

@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core import is_deferred, tensor_state
+from jupyter_metainit.core import storage_of, tensor_state
 from jupyter_metainit.save.safetensors_file import FileEntry
 
 __all__ = ["Layout", "check_savable", "parse_size", "plan_layout", "state_dict_of"]
@@ -33,7 +33,7 @@ class Layout:
 
     files: dict[str, list[FileEntry]]
     tensors: dict[str, torch.Tensor]
-    total_size: int
+    total_size: int  # as the index's metadata counts it: each storage once
     index: dict[str, Any] | None = field(default=None)
 
 
@@ -83,19 +83,8 @@ def check_savable(state: dict[str, torch.Tensor], sharded_ok: bool) -> None:
             )
 
 
-def _storage_key(t: torch.Tensor) -> Any:
-    """Same key for tensors over the same memory: the object for a deferred tensor (a tie is the
-    same Parameter), the memory's address for a real one."""
-    if is_deferred(t):
-        return ("deferred", id(t))
-    return (t.device, t.untyped_storage().data_ptr())
-
-
 def _same_region(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a is b:
-        return True
-    if is_deferred(a) or is_deferred(b):
-        return False
+    """Two tensors over the same memory (``storage_of``'s key) covering the same elements."""
     return (a.storage_offset(), a.shape, a.stride(), a.dtype) == (
         b.storage_offset(), b.shape, b.stride(), b.dtype,
     )  # fmt: skip
@@ -110,7 +99,7 @@ def untie(
     are written separately, as transformers clones them."""
     groups: dict[Any, list[str]] = defaultdict(list)
     for name, t in origin.items():
-        groups[_storage_key(t)].append(name)
+        groups[storage_of(t)[0]].append(name)
     tied_patterns = _tied_patterns(obj)
     drop: set[str] = set()
     for names in groups.values():
@@ -142,33 +131,56 @@ def plan_layout(
     state: dict[str, torch.Tensor], max_shard_size: int, dtype: torch.dtype | None,
     total_parameters: int | None,
 ) -> Layout:  # fmt: skip
-    """Split ``state`` into shard files as huggingface_hub does, in key order."""
+    """Split ``state`` into shard files as huggingface_hub's ``split_state_dict_into_shards_
+    factory`` does: in key order, counting each storage once at its full size, the tensors that
+    share a storage in the shard of the first of them."""
     entries = {k: _entry(k, t, dtype) for k, t in state.items()}
-    shards: list[list[FileEntry]] = []
-    current: list[FileEntry] = []
+    shards: list[list[str]] = []
+    current: list[str] = []
     current_size = total = 0
-    for entry in entries.values():
-        total += entry.nbytes
-        if entry.nbytes > max_shard_size:
-            shards.append([entry])
+    sharing: dict[object, list[str]] = {}
+    for name, t in state.items():
+        key, storage_bytes = storage_of(t)
+        if key in sharing:
+            sharing[key].append(name)
             continue
-        if current_size + entry.nbytes > max_shard_size:
+        sharing[key] = [name]
+        size = _saved_size(storage_bytes, t, dtype)
+        total += size
+        if size > max_shard_size:
+            shards.append([name])
+            continue
+        if current_size + size > max_shard_size:
             shards.append(current)
             current, current_size = [], 0
-        current.append(entry)
-        current_size += entry.nbytes
+        current.append(name)
+        current_size += size
     if current:
         shards.append(current)
+    for names in sharing.values():
+        shard = next(s for s in shards if names[0] in s)
+        shard.extend(n for n in names[1:] if n not in shard)
     if len(shards) <= 1:
-        return Layout({WEIGHTS_NAME: shards[0] if shards else []}, state, total)
+        return Layout({WEIGHTS_NAME: [entries[n] for n in (shards[0] if shards else [])]},
+                      state, total)  # fmt: skip
     count = len(shards)
-    files = {f"model-{k + 1:05d}-of-{count:05d}.safetensors": s for k, s in enumerate(shards)}
+    files = {
+        f"model-{k + 1:05d}-of-{count:05d}.safetensors": [entries[n] for n in names]
+        for k, names in enumerate(shards)
+    }
     metadata: dict[str, Any] = {"total_size": total}
     if total_parameters is not None:
         metadata = {"total_parameters": total_parameters, **metadata}
     weight_map = {e.name: name for name, shard in files.items() for e in shard}
     index = {"metadata": metadata, "weight_map": weight_map}
     return Layout(files, state, total, index)
+
+
+def _saved_size(storage_bytes: int, t: torch.Tensor, dtype: torch.dtype | None) -> int:
+    """The storage's bytes as huggingface_hub counts them, in ``dtype`` if it casts ``t``."""
+    if dtype is None or not t.is_floating_point():
+        return storage_bytes
+    return storage_bytes // t.dtype.itemsize * dtype.itemsize
 
 
 def _entry(name: str, t: torch.Tensor, dtype: torch.dtype | None) -> FileEntry:

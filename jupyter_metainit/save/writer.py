@@ -9,7 +9,6 @@ the checkpoint should be, and the model is untouched (deferred tensors stay defe
 
 from __future__ import annotations
 
-import inspect
 import os
 import queue
 import shutil
@@ -21,53 +20,29 @@ from typing import Any
 
 import torch
 
+from jupyter_metainit.core import progress_callback
 from jupyter_metainit.save.safetensors_file import FileEntry, file_order, header_bytes
 from jupyter_metainit.save.values import cpu_values
 
 __all__ = ["Progress", "publish_directory", "staging_directory", "write_safetensors_files"]
 
-ProgressCallback = Callable[[int, int], None]
-
 
 class Progress:
-    """``progress=`` as in ``materialize``: ``True`` for a bar, or ``callable(done_bytes,
-    total_bytes)`` (or ``callable(done, total, phase)``); raising from it cancels."""
+    """``progress=`` as in ``materialize`` (the core's ``progress_callback``): ``True`` for a
+    bar, or ``callable(done_bytes, total_bytes)`` (or ``callable(done, total, phase)``); raising
+    from it cancels. ``total`` is the bytes of tensor data to write."""
 
     def __init__(self, progress: Any, total: int) -> None:
-        self.total, self.bar, self._callback = total, None, None
-        self._with_phase = False
-        if progress is True:
-            from tqdm.auto import tqdm  # optional dependency: only for the bar
-
-            self.bar = tqdm(total=total, unit="B", unit_scale=True, unit_divisor=1024, desc="save")
-        elif callable(progress):
-            self._callback = progress
-            self._with_phase = _takes_phase(progress)
-        elif progress not in (None, False):
-            raise TypeError("progress must be None, a bool, or a callable(done_bytes, total_bytes)")
+        self.total = total
+        self._callback, self.bar = progress_callback(progress, desc="save")
 
     def report(self, done: int, phase: str = "") -> None:
-        if self.bar is not None:
-            self.bar.update(done - self.bar.n)
-        elif self._callback is not None:
-            if self._with_phase:
-                self._callback(done, self.total, phase)
-            else:
-                self._callback(done, self.total)
+        if self._callback is not None:
+            self._callback(done, self.total, phase)
 
     def close(self) -> None:
         if self.bar is not None:
             self.bar.close()
-
-
-def _takes_phase(callback: Callable[..., Any]) -> bool:
-    try:
-        params = list(inspect.signature(callback).parameters.values())
-    except (TypeError, ValueError):
-        return False
-    if any(p.kind is p.VAR_POSITIONAL for p in params):
-        return True
-    return len([p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]) >= 3
 
 
 class _Writer(threading.Thread):

@@ -24,8 +24,11 @@ __all__ = ["MemoryProgress", "progress_callback", "storage_sizes"]
 ProgressCallback = Callable[..., None]
 
 
-def progress_callback(progress: Any) -> tuple[ProgressCallback | None, Any]:
-    """``progress=`` as a ``callable(done_bytes, total_bytes, phase)`` (and a bar to close)."""
+def progress_callback(
+    progress: Any, desc: str = "materialize"
+) -> tuple[ProgressCallback | None, Any]:
+    """``progress=`` as a ``callable(done_bytes, total_bytes, phase)`` (and a bar to close,
+    labelled ``desc``)."""
     if progress is None or progress is False:
         return None, None
     if callable(progress):
@@ -33,7 +36,7 @@ def progress_callback(progress: Any) -> tuple[ProgressCallback | None, Any]:
     if progress is True:
         from tqdm.auto import tqdm
 
-        bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, desc="materialize")
+        bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
 
         def update(done: int, total: int, phase: str = "") -> None:
             if bar.total != total:

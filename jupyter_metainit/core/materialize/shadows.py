@@ -19,7 +19,6 @@ from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
 
 from jupyter_metainit.core.errors import MaterializationError
-from jupyter_metainit.core.materialize.digest import digest
 from jupyter_metainit.core.materialize.walk import local_tensor, materialized_sources
 from jupyter_metainit.core.record.files import read_file_bytes
 from jupyter_metainit.core.record.graph import External, StorageRecord, TensorRecord
@@ -27,6 +26,7 @@ from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.replay import compute_values, plan
 from jupyter_metainit.core.replay.values import value_cache
 from jupyter_metainit.core.rng import streams as _rng
+from jupyter_metainit.core.runtime.digest import digest
 from jupyter_metainit.core.runtime.plain import plain
 from jupyter_metainit.core.runtime.swap import swap_in_place
 

@@ -21,7 +21,7 @@ from jupyter_metainit.core.record.dispatch.whole_calls import SUBCLASS_SENSITIVE
 from jupyter_metainit.core.record.files import storage_region
 from jupyter_metainit.core.record.ops import user_frame
 from jupyter_metainit.core.record.state import canonical_device, default_device, dtype_override, tls
-from jupyter_metainit.core.record.tensor import SHARE_MEMORY_ATTR, DeferredTensor
+from jupyter_metainit.core.record.tensor import SAVE_INSTEAD, SHARE_MEMORY_ATTR, DeferredTensor
 from jupyter_metainit.core.runtime.interrupts import critical, handling_interrupts
 from jupyter_metainit.core.runtime.plain import plain, subclass_functions_off
 
@@ -292,6 +292,8 @@ def _handle_function(func: Any, args: tuple, kwargs: dict) -> Any:
         return bool(args[0].__dict__.get(SHARE_MEMORY_ATTR, False))
     if func in SUBCLASS_SENSITIVE:
         return record_call(func, args, kwargs)
+    if func is torch.Tensor.storage and args and isinstance(args[0], DeferredTensor):
+        return _typed_storage(args[0])
     if func is torch.Tensor.untyped_storage and args and isinstance(args[0], DeferredTensor):
         with subclass_functions_off():
             storage = func(*args, **kwargs)
@@ -312,7 +314,8 @@ def _handle_function(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 class _DeferredStorage(torch.UntypedStorage):
-    """The storage of a deferred tensor: no memory yet, so reading its bytes is refused."""
+    """The storage of a deferred tensor: no memory yet, so reading its bytes is refused, and so
+    is its address (what writers of files ask for first: safetensors, ``save_pretrained``)."""
 
     def _refuse(self, *_args: Any, **_kwargs: Any) -> Any:
         raise UnsupportedOperatorError(
@@ -321,7 +324,20 @@ class _DeferredStorage(torch.UntypedStorage):
             "materialize first (jupyter_metainit.materialize)"
         )
 
+    def _no_address(self, *_args: Any, **_kwargs: Any) -> Any:
+        raise UnsupportedOperatorError(
+            f"a deferred tensor has no memory yet, so no address (called at {user_frame()}). "
+            f"{SAVE_INSTEAD}"
+        )
+
     __getitem__ = __iter__ = __bytes__ = tolist = _refuse
+    data_ptr = _data_ptr = _no_address
+
+
+def _typed_storage(t: DeferredTensor) -> torch.TypedStorage:
+    """``t.storage()``: the legacy typed storage over :class:`_DeferredStorage`, so that its
+    ``data_ptr()`` (safetensors' ``storage_ptr``) refuses as clearly."""
+    return torch.TypedStorage(wrap_storage=t.untyped_storage(), dtype=t.dtype, _internal=True)
 
 
 def _with_index_values(func: Any, args: tuple, kwargs: dict, error: Exception) -> Any:

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import bisect
 import hashlib
+import mmap
 import os
 import threading
 import zlib
@@ -259,15 +260,16 @@ _MASK = (1 << 64) - 1
 
 
 def read_file_bytes(region: FileRegion) -> torch.Tensor:
-    """The region's bytes, read into a new CPU ``uint8`` tensor (the replay of a file read).
+    """The region's bytes as a new CPU ``uint8`` tensor (the replay of a file read).
 
-    Large regions are read in chunks on several threads: most of the time goes to the kernel
-    faulting in the new memory, which parallelizes. The file is checked before (identity) and
-    after (identity again, and the bytes against any earlier read of them) reading.
+    Regions of at least ``MAP_FROM`` bytes are mapped privately (copy-on-write), as safetensors'
+    own loading and eager ``from_pretrained`` do: no copy, and pages shared with the page cache;
+    writing to the tensor changes only this process's copy of the page. Smaller ones are read.
+    Large reads run in chunks on several threads (most of their time is the kernel faulting in
+    the new memory). The file is checked before (identity) and after (identity again, and the
+    bytes against any earlier read of them, digested from the mapping or as they are read).
     """
     region.file.check()
-    out = torch.empty(region.nbytes, dtype=torch.uint8)
-    view = memoryview(out.numpy())
     path = region.file.path
     try:
         fd = os.open(path, os.O_RDONLY)
@@ -276,31 +278,70 @@ def read_file_bytes(region: FileRegion) -> torch.Tensor:
             f"cannot open the checkpoint file {path}: {e.strerror}"
         ) from None
     try:
-        starts = range(0, region.nbytes, _CHUNK)
-        workers = min(len(starts), available_cores())
-        if workers <= 1:  # one core, or on a pool thread already: read inline
-            crcs = (_read_into(fd, view, region.offset, path),)
+        if region.nbytes >= MAP_FROM and hasattr(mmap, "MAP_PRIVATE"):
+            out = _mapped(fd, region)
+            crcs = (
+                _in_chunks(region.nbytes, lambda i, n: _digest(out, i, n)) if CHECK_CONTENT else ()
+            )
         else:
-            pool = core_pool(workers)
-            jobs = [
-                pool.submit(_read_into, fd, view[i : i + _CHUNK], region.offset + i, path)
-                for i in starts
-            ]
-            crcs = tuple(job.result() for job in jobs)
+            out = torch.empty(region.nbytes, dtype=torch.uint8)
+            view = memoryview(out.numpy())
+            crcs = _in_chunks(
+                region.nbytes,
+                lambda i, n: _read_into(fd, view[i : i + n], region.offset + i, path),
+            )
     finally:
         os.close(fd)
     if CHECK_CONTENT:
-        region.file.check(header=False)  # not changed while it was read
-        key = (region.file, region.offset, region.nbytes)
-        with _lock:
-            earlier = _read_digests.setdefault(key, crcs)
-            if len(_read_digests) > 1 << 17:  # bounded: forget, keep checking new reads
-                _read_digests.clear()
-        if earlier != crcs:
-            raise region.file.changed(
-                "these bytes differ from an earlier read of them, though its times are the same"
-            )
+        _check_digests(region, crcs)
     return out
+
+
+MAP_FROM = 1 << 20  # smaller regions are read: one mapping each would add up (vm.max_map_count)
+
+
+def _mapped(fd: int, region: FileRegion) -> torch.Tensor:
+    """A private, copy-on-write mapping of the region as a ``uint8`` tensor that keeps it."""
+    start = region.offset - region.offset % mmap.ALLOCATIONGRANULARITY
+    skip = region.offset - start
+    memory = mmap.mmap(fd, skip + region.nbytes, flags=mmap.MAP_PRIVATE,
+                       prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)  # fmt: skip
+    if hasattr(memory, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
+        memory.madvise(mmap.MADV_WILLNEED)  # read ahead while the digest runs
+    return torch.frombuffer(memory, dtype=torch.uint8, offset=skip, count=region.nbytes)
+
+
+def _digest(data: torch.Tensor, start: int, nbytes: int) -> int:
+    view = memoryview(data.numpy())[start : start + nbytes]
+    total = 0
+    for offset in range(0, nbytes, _PIECE):
+        total = _content_sum(view[offset : offset + _PIECE], total, offset // _PIECE)
+    return total
+
+
+def _in_chunks(nbytes: int, job: Any) -> tuple[int, ...]:
+    """``job(start, length)`` over ``_CHUNK``-sized chunks, on the core pool when there are
+    several; the results in order."""
+    starts = range(0, nbytes, _CHUNK)
+    workers = min(len(starts), available_cores())
+    if workers <= 1:  # one core, or on a pool thread already: inline
+        return tuple(job(i, min(_CHUNK, nbytes - i)) for i in starts)
+    pool = core_pool(workers)
+    jobs = [pool.submit(job, i, min(_CHUNK, nbytes - i)) for i in starts]
+    return tuple(j.result() for j in jobs)
+
+
+def _check_digests(region: FileRegion, crcs: tuple[int, ...]) -> None:
+    region.file.check(header=False)  # not changed while it was read
+    key = (region.file, region.offset, region.nbytes)
+    with _lock:
+        earlier = _read_digests.setdefault(key, crcs)
+        if len(_read_digests) > 1 << 17:  # bounded: forget, keep checking new reads
+            _read_digests.clear()
+    if earlier != crcs:
+        raise region.file.changed(
+            "these bytes differ from an earlier read of them, though its times are the same"
+        )
 
 
 read_file_bytes.host_op = True  # type: ignore[attr-defined]  # runs on the CPU (see replay/run)

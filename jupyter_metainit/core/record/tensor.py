@@ -15,7 +15,7 @@ from jupyter_metainit.core.errors import UnsupportedOperatorError
 from jupyter_metainit.core.record.graph import TensorRecord
 from jupyter_metainit.core.record.ops import user_frame
 
-__all__ = ["SHARE_MEMORY_ATTR", "DeferredTensor", "as_parameter", "grad_leaves"]
+__all__ = ["SAVE_INSTEAD", "SHARE_MEMORY_ATTR", "DeferredTensor", "as_parameter", "grad_leaves"]
 
 # Storage -> the deferred leaf that requires grad over it (weakly: a parameter). Materializing a
 # non-leaf computed from it links its autograd graph to that object (``_autograd_links``); the
@@ -67,6 +67,14 @@ def _outside_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 _cpp_requires_grad = torch._C.TensorBase.requires_grad.__get__
 _cpp_is_leaf = torch._C.TensorBase.is_leaf.__get__
+
+
+# What to do instead of writing a deferred tensor with torch.save, safetensors or save_pretrained.
+SAVE_INSTEAD = (
+    "To write a deferred or partly deferred model to files without materializing it, use "
+    "jupyter_metainit.save(model, directory) (what save_pretrained writes, or format='dcp'); "
+    "or materialize it first (jupyter_metainit.materialize)"
+)
 
 
 class DeferredTensor(torch.Tensor):
@@ -228,10 +236,7 @@ class DeferredTensor(torch.Tensor):
         )
 
     def __reduce_ex__(self, proto: Any) -> Any:
-        raise TypeError(
-            "a deferred tensor has no values to pickle or copy; materialize it first "
-            "(jupyter_metainit.materialize)"
-        )
+        raise TypeError(f"a deferred tensor has no values to pickle or copy. {SAVE_INSTEAD}")
 
     def __deepcopy__(self, memo: dict) -> DeferredTensor:
         # Eager deepcopy clones the values (nn.TransformerEncoder copies its layer this way);

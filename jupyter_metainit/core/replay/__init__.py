@@ -16,7 +16,7 @@ from __future__ import annotations
 
 from jupyter_metainit.core.record.value_reader import use_value_reader
 from jupyter_metainit.core.replay.planning import Plan, plan
-from jupyter_metainit.core.replay.reads import ReplayValueReader, compute_values
+from jupyter_metainit.core.replay.reads import ReplayValueReader, compute_values, values_to_write
 from jupyter_metainit.core.replay.run import Progress, Run, execute, real_view
 from jupyter_metainit.core.replay.shards import noting_whole_intermediates
 
@@ -29,6 +29,7 @@ __all__ = [
     "noting_whole_intermediates",
     "plan",
     "real_view",
+    "values_to_write",
 ]
 
 use_value_reader(ReplayValueReader())

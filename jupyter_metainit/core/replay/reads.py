@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from jupyter_metainit.core.record.graph import StorageRecord, TensorRecord, constant_op
+from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.replay.planning import plan
 from jupyter_metainit.core.replay.run import execute, real_view
 from jupyter_metainit.core.replay.values import value_cache
@@ -18,7 +19,7 @@ from jupyter_metainit.core.runtime.interrupts import handling_interrupts
 from jupyter_metainit.core.runtime.lock import exclusive
 from jupyter_metainit.core.runtime.plain import plain
 
-__all__ = ["ReplayValueReader", "compute_values"]
+__all__ = ["ReplayValueReader", "compute_values", "values_to_write"]
 
 
 def _constant_value(r: TensorRecord) -> torch.Tensor | None:
@@ -55,6 +56,27 @@ def compute_values(records: list[TensorRecord]) -> list[torch.Tensor]:
                 value_cache.put(storage, writes, value)
         with plain():
             return [real_view(env[id(r.storage)], r).clone() for r in records]
+
+
+def values_to_write(t: DeferredTensor) -> torch.Tensor:
+    """One deferred tensor's exact values as a new real CPU tensor, without changing it: for
+    writing a model out one tensor at a time (``jupyter_metainit.save``).
+
+    Unlike :func:`compute_values` it neither takes from nor adds to the read cache (whose
+    256 MB would stay held after the save) and copies nothing when the tensor covers its whole
+    storage, so memory follows the one tensor. Only the ops it depends on run, on every core.
+    """
+    rec = t._rec
+    with handling_interrupts(), exclusive("computing values to write"):
+        env = execute(plan([rec]), torch.device("cpu"), "exact")
+        base = env.pop(id(rec.storage))
+        del env
+    with plain():
+        view = real_view(base, rec)
+        if view is base:
+            return view
+        compact = view.contiguous()
+        return compact if compact is not view else view.clone()
 
 
 class ReplayValueReader:

@@ -17,7 +17,6 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core.errors import MaterializationError
-from jupyter_metainit.core.materialize.digest import digest
 from jupyter_metainit.core.record.graph import (
     Constant,
     External,
@@ -32,6 +31,7 @@ from jupyter_metainit.core.replay.planning import Plan, last_writes
 from jupyter_metainit.core.replay.random_modes import call_with_generator, random_mode
 from jupyter_metainit.core.replay.shards import copied_once, fill_region, noted_whole, read_extents
 from jupyter_metainit.core.rng.split_fill import MIN_SKIP, fill_region_into
+from jupyter_metainit.core.runtime.digest import digest
 from jupyter_metainit.core.runtime.interrupts import check
 from jupyter_metainit.core.runtime.plain import map_args, plain
 from jupyter_metainit.core.runtime.pool import available_cores

@@ -16,7 +16,6 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core.errors import UnsupportedOperatorError
-from jupyter_metainit.core.materialize.digest import digest
 from jupyter_metainit.core.record.files import FileRegion, read_file_bytes
 from jupyter_metainit.core.record.graph import (
     Constant,
@@ -30,6 +29,7 @@ from jupyter_metainit.core.record.graph import (
 from jupyter_metainit.core.record.ops import Where, user_frame
 from jupyter_metainit.core.record.state import canonical_device, default_device, tls
 from jupyter_metainit.core.record.tensor import DeferredTensor
+from jupyter_metainit.core.runtime.digest import digest
 from jupyter_metainit.core.runtime.plain import iter_args, plain
 
 META = torch.device("meta")
