@@ -847,16 +847,3 @@ def test_a_cancelled_save_leaves_nothing_at_the_path(tmp_path):
     assert w.wait(120)
     assert w.status.startswith("Cancelled") and "nothing was written" in w.status
     assert not path.exists() and list(tmp_path.iterdir()) == []
-
-
-def test_a_plan_materialized_device_by_device_reports_one_progress_total():
-    # two groups (as two devices would give; both the CPU here): one bar from 0 to one total
-    model = _lm()
-    w = explore(model)
-    seen: list[list[int]] = []
-    w.observe(lambda change: seen.append(list(change["new"])), "progress")
-    groups = [("cpu", [model.embed, model.layers[0]]), ("cpu", [model.layers[1], model.head])]
-    w._materialize_groups(groups, None)
-    totals = {total for _, total in seen}
-    done = [d for d, _ in seen]
-    assert len(totals) == 1 and done == sorted(done) and done[-1] == totals.pop() > 0

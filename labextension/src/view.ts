@@ -905,7 +905,7 @@ export class TreeView {
     // "identical" only while it holds: a block cast to another dtype since differs
     if (rep) {
       const same = t.stillIdentical(t.children[n][0], rep[0]);
-      const chip = h("span", "jmi-chip", same ? `×${rep[0]}, identical` : `×${rep[0]}, same structure`);
+      const chip = keyedChip("jmi-chip", `×${rep[0]}`, same ? ", identical" : ", same structure");
       chip.title = same
         ? `${rep[0]} identical ${rep[1]} blocks`
         : `${rep[0]} ${rep[1]} blocks built identical; their dtypes or sizes now differ`;
@@ -918,7 +918,7 @@ export class TreeView {
     ) {
       // a run of identical blocks among other children; leaves (two equal Linears) are not blocks
       const same = t.stillIdentical(n, t.repN[n]);
-      const chip = h("span", "jmi-chip", same ? `×${t.repN[n]}, identical` : `×${t.repN[n]}, same structure`);
+      const chip = keyedChip("jmi-chip", `×${t.repN[n]}`, same ? ", identical" : ", same structure");
       chip.title = same
         ? `This ${t.type[n]} and the next ${t.repN[n] - 1} are identical blocks`
         : `This ${t.type[n]} and the next ${t.repN[n] - 1} were built identical; their dtypes or sizes now differ`;
@@ -927,7 +927,7 @@ export class TreeView {
     const tied = t.tied[n];
     if (tied.length) {
       const names = tied.map((k) => t.qname[k] || "(model)");
-      const chip = h("span", "jmi-chip jmi-tied", `tied: ${names[0]}${names.length > 1 ? ` +${names.length - 1}` : ""}`);
+      const chip = keyedChip("jmi-chip jmi-tied", "tied", `: ${names[0]}${names.length > 1 ? ` +${names.length - 1}` : ""}`);
       chip.title = `Shares a tensor with ${names.join(", ")}: counted once, and real or deferred together`;
       tags.unshift(chip);
     }
@@ -999,6 +999,15 @@ export function copyIcon(): SVGSVGElement {
     svg.append(part);
   }
   return svg;
+}
+
+/** A chip whose key ("tied", "×4") is what must show: where the rest does not fit it ends in an
+ *  ellipsis, and where the key does not fit the chip goes (style.css: .jmi-tags). */
+export function keyedChip(cls: string, key: string, rest: string): HTMLElement {
+  const chip = h("span", cls, key + rest);
+  // ch is the width of "0" in the chip's font: the key, the ellipsis, the padding
+  chip.style.setProperty("--jmi-key", `calc(${key.length + 1.5}ch + 12px)`);
+  return chip;
 }
 
 /** Available or not, keeping the button focusable (see renderActions). */

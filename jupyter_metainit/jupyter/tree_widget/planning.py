@@ -11,8 +11,6 @@ the pinned parts; ``unpin`` drops every pin.
 
 from __future__ import annotations
 
-import functools
-import inspect
 import time
 from collections.abc import Callable
 from typing import Any
@@ -22,7 +20,6 @@ from torch import nn
 from jupyter_metainit.core import (
     format_bytes,
     format_duration,
-    is_deferred,
     materialize,
     parse_dtype,
 )
@@ -35,9 +32,6 @@ from jupyter_metainit.plan import Placement, place
 __all__ = ["TreePlanning", "parse_device_text", "plan_payload"]
 
 Job = Callable[[], str]
-# The core's materialize takes a plan itself once helper `place` adds it; until then the plan
-# is materialized device by device.
-_TAKES_PLACEMENT = "placement" in inspect.signature(materialize).parameters
 _MAX_BATCH = 1 << 20
 
 
@@ -277,48 +271,19 @@ class TreePlanning:
         return lambda: self._materialize_plan(placement)
 
     def _materialize_plan(self, placement: Placement) -> str:
-        model = self.module
-        dtype = parse_dtype(self.dtype or None)
-        if _TAKES_PLACEMENT:
-            materialize(
-                model,
-                placement=placement,
-                dtype=dtype,
-                rng=self.rng,
-                keep_cache=True,
-                progress=self._progress,
-            )
-        else:
-            groups: dict[str, list[nn.Module]] = {}
-            for name, device in placement.device_map.items():
-                groups.setdefault(device, []).append(model.get_submodule(name))
-            self._materialize_groups(list(groups.items()), dtype)
+        # the core puts each part on its device under one progress total; a failure or Cancel
+        # makes the parts it made deferred again
+        materialize(
+            self.module,
+            placement=placement,
+            dtype=parse_dtype(self.dtype or None),
+            rng=self.rng,
+            keep_cache=True,  # so that Free can make them deferred again
+            progress=self._progress,
+        )
         counts = ", ".join(f"{d}: {n}" for d, n in _parts_per_device(placement).items())
         values = "" if self.rng == "exact" else " (RNG fast: not eager's values)"
         return f"Materialized the plan in {{took}}, parts per device: {counts}{values}."
-
-    def _materialize_groups(self, groups: list[tuple[str, list[nn.Module]]], dtype: Any) -> None:
-        """One materialize per device, under one progress total (each group's estimate is its
-        deferred bytes, replaced by the core's own total once that group starts)."""
-        estimates = [_deferred_bytes(mods, dtype) for _, mods in groups]
-        totals: list[int | None] = [None] * len(groups)
-        done_before = [0]
-
-        def progress(i: int, device: str, done: int, total: int, phase: str = "") -> None:
-            totals[i] = total
-            grand = sum(e if t is None else t for t, e in zip(totals, estimates, strict=True))
-            self._progress(done_before[0] + done, grand, f"{device}: {phase}".rstrip(": "))
-
-        for i, (device, modules) in enumerate(groups):
-            materialize(
-                modules,
-                device,
-                dtype=dtype,
-                rng=self.rng,
-                keep_cache=True,
-                progress=functools.partial(progress, i, device),
-            )
-            done_before[0] += totals[i] or 0
 
 
 def _parts_per_device(placement: Placement) -> dict[str, int]:
@@ -326,17 +291,3 @@ def _parts_per_device(placement: Placement) -> dict[str, int]:
     for _, _, device, _ in placement.parts:
         out[device] = out.get(device, 0) + 1
     return out
-
-
-def _deferred_bytes(modules: list[nn.Module], dtype: Any) -> int:
-    seen: dict[int, int] = {}
-    for module in modules:
-        for t in [*module.parameters(), *module.buffers()]:
-            if is_deferred(t):
-                size = (
-                    dtype.itemsize
-                    if dtype is not None and t.is_floating_point()
-                    else t.element_size()
-                )
-                seen[id(t)] = t.numel() * size
-    return sum(seen.values())
