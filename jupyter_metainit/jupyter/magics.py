@@ -45,6 +45,7 @@ from jupyter_metainit.jupyter.magic_options import (
 )
 from jupyter_metainit.jupyter.model_views import memory_table_usage, show_model
 from jupyter_metainit.plan import place
+from jupyter_metainit.plan.devices import name_value_pairs
 from jupyter_metainit.save import save as save_checkpoint
 
 __all__ = ["MetaInitMagics", "load_ipython_extension", "unload_ipython_extension"]
@@ -320,12 +321,19 @@ class MetaInitMagics(Magics):
         expr, obj, args = self._target("place", line)
         if not isinstance(obj, nn.Module):
             raise UsageError(f"%place: {expr} is a {type(obj).__name__}, not a torch.nn.Module")
-        devices = args.devices if args.devices == "auto" else _pairs("--devices", args.devices)
         message = None
         try:
+            devices = (
+                args.devices
+                if args.devices == "auto"
+                else name_value_pairs(
+                    args.devices or "", option="--devices", example="cuda:0=80GiB,cpu=256GiB"
+                )
+            )
+            pins = name_value_pairs(args.pin or "", option="--pin", example="lm_head=cuda:0")
             plan = place(obj, devices, batch=args.batch, seq_len=args.seq_len,
                          training=args.training, optimizer=args.optimizer,
-                         precision=args.precision, pin=_pairs("--pin", args.pin) or None,
+                         precision=args.precision, pin=pins or None,
                          strategy=args.strategy, world_size=args.world_size)  # fmt: skip
         except (MetaInitError, ValueError, TypeError) as exc:
             text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
@@ -333,22 +341,6 @@ class MetaInitMagics(Magics):
         if message is not None:
             raise UsageError(message)
         return plan.table if args.table else plan
-
-
-def _pairs(option: str, text: str | None) -> dict[str, str]:
-    """``a=1,b=2`` -> ``{"a": "1", "b": "2"}``; a malformed item is a UsageError."""
-    pairs: dict[str, str] = {}
-    for item in (text or "").split(","):
-        name, sep, value = item.strip().partition("=")
-        if not item.strip():
-            continue
-        if not sep or not name.strip() or not value.strip():
-            raise UsageError(
-                f"%place: {option} takes name=value items separated by commas "
-                f"(e.g. {option} cuda:0=80GiB,cpu=256GiB), not {item.strip()!r}"
-            )
-        pairs[name.strip()] = value.strip()
-    return pairs
 
 
 def _one_line_errors(magic: str, action: Any, hints: dict[str, str] | None = None) -> None:

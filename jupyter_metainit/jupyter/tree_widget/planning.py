@@ -28,6 +28,7 @@ from jupyter_metainit.jupyter.tree_widget.actions import ActionCancelled
 from jupyter_metainit.jupyter.tree_widget.saving import prepare_save
 from jupyter_metainit.jupyter.tree_widget.wording import modules_in_words
 from jupyter_metainit.plan import Placement, place
+from jupyter_metainit.plan.devices import name_value_pairs
 
 __all__ = ["TreePlanning", "parse_device_text", "plan_payload"]
 
@@ -48,10 +49,10 @@ def parse_device_text(text: Any) -> dict[str, Any] | str:
     if text.strip().lower() == "auto":
         return "auto"
     devices: dict[str, Any] = {}
-    for entry in text.replace(";", ",").split(","):
-        if not entry.strip():
-            continue
-        name, _, capacity = (part.strip() for part in entry.partition("="))
+    typed = name_value_pairs(
+        text, option="Devices", example="cuda:0=80GiB, cuda:1=80GiB", values_optional=True
+    )
+    for name, capacity in typed.items():
         if not capacity:
             try:
                 capacity = device_budget(name)
