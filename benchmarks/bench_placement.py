@@ -38,6 +38,12 @@ from _common import (
 )
 
 GiB = 1 << 30
+T5_3B = dict(d_model=1024, d_ff=16384, num_layers=24, num_heads=32, d_kv=128)
+T5_LOAD = {"inputs": {"input_ids": (8, 512), "decoder_input_ids": (8, 128)}}
+VIT_H = dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
+             num_attention_heads=16, image_size=224, patch_size=14)  # fmt: skip
+VIT_LOAD = {"inputs": [(256, 3, 224, 224)]}
+QUICK = {"t5": {"num_layers": 2, "d_ff": 1024}, "vit": {"num_hidden_layers": 2}}
 SMALL_LLAMA = dict(
     hidden_size=1024,
     intermediate_size=2816,
@@ -48,26 +54,37 @@ SMALL_LLAMA = dict(
 )
 
 
-def _deferred(config: dict[str, Any]) -> Any:
+def _deferred(config: dict[str, Any], kind: str = "llama") -> Any:
+    """A deferred transformers model: ``llama`` (causal LM), ``t5`` (encoder-decoder) or
+    ``vit`` (vision encoder)."""
     import transformers
 
     from jupyter_metainit import meta_init
 
     with meta_init():
+        if kind == "t5":
+            return transformers.T5ForConditionalGeneration(transformers.T5Config(**config))
+        if kind == "vit":
+            return transformers.ViTModel(transformers.ViTConfig(**config))
         return transformers.LlamaForCausalLM(llama_config(**config))
 
 
-def plan_time(config: dict[str, Any], gpus: int, batch: int, seq_len: int) -> dict[str, Any]:
-    """``place`` over ``gpus`` x 80 GiB in bf16: first call (measures) and a re-plan (reuses)."""
+# Blocks accelerate must keep whole, per kind (place finds them itself).
+NO_SPLIT = {"llama": ["LlamaDecoderLayer"], "t5": ["T5Block"], "vit": ["ViTLayer"]}
+
+
+def plan_time(config: dict[str, Any], gpus: int, workload: dict[str, Any], kind: str = "llama",
+              capacity: int = 80 * GiB) -> dict[str, Any]:  # fmt: skip
+    """``place`` over ``gpus`` x ``capacity`` in bf16: first call (measures) and a re-plan."""
     from jupyter_metainit import place
 
-    model = _deferred(config)
-    devices = {f"cuda:{i}": 80 * GiB for i in range(gpus)}
+    model = _deferred(config, kind)
+    devices = {f"cuda:{i}": capacity for i in range(gpus)}
     start = time.perf_counter()
-    first = place(model, devices, batch=batch, seq_len=seq_len, precision="bf16")
+    first = place(model, devices, precision="bf16", **workload)
     first_seconds = time.perf_counter() - start
     start = time.perf_counter()
-    plan = place(model, devices, batch=batch, seq_len=seq_len, precision="bf16")
+    plan = place(model, devices, precision="bf16", **workload)
     seconds = time.perf_counter() - start
     return {
         "seconds": seconds,
@@ -79,7 +96,8 @@ def plan_time(config: dict[str, Any], gpus: int, batch: int, seq_len: int) -> di
     }
 
 
-def accelerate_time(config: dict[str, Any], gpus: int, batch: int, seq_len: int) -> dict:
+def accelerate_time(config: dict[str, Any], gpus: int, workload: dict[str, Any],
+                    kind: str = "llama", capacity: int = 80 * GiB) -> dict:  # fmt: skip
     """``infer_auto_device_map`` (bf16) with the same budgets; its map's peaks by ``place``'s
     per-part costs (weights, cache, activations) for the same workload."""
     import torch
@@ -88,28 +106,27 @@ def accelerate_time(config: dict[str, Any], gpus: int, batch: int, seq_len: int)
     from jupyter_metainit import place
     from jupyter_metainit.plan.partition import Load
 
-    model = _deferred(config)
-    budgets = {i: 80 * GiB for i in range(gpus)}
+    model = _deferred(config, kind)
     start = time.perf_counter()
+    budgets = {i: capacity for i in range(gpus)}
     device_map = infer_auto_device_map(
-        model, max_memory=budgets, no_split_module_classes=["LlamaDecoderLayer"],
-        dtype=torch.bfloat16,
-    )  # fmt: skip
+        model, max_memory=budgets, no_split_module_classes=NO_SPLIT[kind], dtype=torch.bfloat16
+    )
     seconds = time.perf_counter() - start
-    costs = place(model, {"cpu": 1 << 50}, batch=batch, seq_len=seq_len, precision="bf16")
+    costs = place(model, {"cpu": 1 << 50}, precision="bf16", **workload)
     loads: dict[str, Load] = {}
     for name, _, _, part in costs.parts:  # in execution order
         key = max((k for k in device_map if k == "" or name == k or name.startswith(k + ".")),
                   key=len)  # fmt: skip
         device = device_map[key]
-        loads.setdefault(f"cuda:{device}" if isinstance(device, int) else device, Load(False))
-        loads[f"cuda:{device}" if isinstance(device, int) else device].add(part)
+        device = f"cuda:{device}" if isinstance(device, int) else device
+        loads.setdefault(device, Load(False)).add(part)
     peaks = {d: load.peak for d, load in loads.items()}
-    used = [peaks.get(f"cuda:{i}", 0) / (80 * GiB) for i in range(gpus)]
+    used = [peaks.get(f"cuda:{i}", 0) / capacity for i in range(gpus)]
     return {
         "seconds": seconds,
         "balance": max(used) / (sum(used) / len(used)),
-        "fits": all(d.startswith("cuda") and p <= 80 * GiB for d, p in peaks.items()),
+        "fits": all(d.startswith("cuda") and p <= capacity for d, p in peaks.items()),
         "peak": max(peaks.values()),
     }
 
@@ -148,11 +165,94 @@ def measured_peak(config: dict[str, Any], batch: int, seq_len: int, training: bo
     return {"predicted": plan.peak["cpu"], "measured": measured}
 
 
+def _fsdp_rank(rank: int, world: int, config: dict, batch: int, seq_len: int, store: str) -> None:
+    """One rank: FSDP2 over gloo (the blocks, then the root), two AdamW steps under
+    ``FSDPMemTracker``; rank 0 writes its measured and predicted peak next to ``store``."""
+    import json
+    import os
+    import pathlib
+
+    import torch
+    import torch.distributed as dist
+    from torch.distributed._tools.fsdp2_mem_tracker import FSDPMemTracker
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from jupyter_metainit import place
+
+    os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", store=dist.FileStore(store, world), rank=rank,
+                            world_size=world)  # fmt: skip
+    try:
+        plan = place(_deferred(config), {"cpu": 64 * GiB}, batch=batch, seq_len=seq_len,
+                     training=True, strategy="fsdp", world_size=world)  # fmt: skip
+        import transformers
+
+        torch.manual_seed(0)
+        model = transformers.LlamaForCausalLM(llama_config(**config))
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model.model.layers:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        optimizer = torch.optim.AdamW(model.parameters())
+        ids = torch.randint(0, config["vocab_size"], (batch, seq_len))
+        tracker = FSDPMemTracker(model, optimizer)
+        tracker.track_inputs((ids,))
+        with tracker:
+            for step in range(2):
+                model(ids, labels=ids).loss.backward()
+                optimizer.step()
+                optimizer.zero_grad()
+                if step == 0:
+                    tracker.reset_mod_stats()
+        peak = tracker.get_tracker_snapshot("peak")
+        measured = max(int(stats["Total"]) for stats in peak.values())
+        if rank == 0:
+            out = pathlib.Path(store + ".json")
+            out.write_text(json.dumps({"predicted": plan.peak["cpu"], "measured": measured}))
+    finally:
+        dist.destroy_process_group()
+
+
+def fsdp_peak(config: dict[str, Any], batch: int, seq_len: int) -> dict[str, Any]:
+    """Predicted (``strategy="fsdp"``) against measured per-rank peak, 2 ranks on gloo."""
+    import json
+    import tempfile
+
+    import torch.multiprocessing as mp
+
+    with tempfile.TemporaryDirectory() as directory:
+        store = f"{directory}/store"
+        mp.start_processes(_fsdp_rank, args=(2, config, batch, seq_len, store), nprocs=2,
+                           start_method="spawn")  # fmt: skip
+        with open(store + ".json") as f:
+            return json.load(f)
+
+
 MEASUREMENTS = {
+    "fsdp_peak": fsdp_peak,
     "plan_time": plan_time,
     "accelerate_time": accelerate_time,
     "measured_peak": measured_peak,
 }
+
+
+def _planner_rows(labelled: list[tuple[str, int]], results: list[dict], named: dict
+                  ) -> list[list[str]]:  # fmt: skip
+    """One row for place and one for accelerate per (label, position of place's result)."""
+    rows = []
+    for label, at in labelled:
+        for planner, r in (("place", results[at]), ("accelerate", results[at + 1])):
+            named[f"{planner}, {label}"] = r
+            if "error" in r:
+                rows.append([f"{planner}, {label}", "n/a", "n/a", "n/a", "n/a"])
+                continue
+            first = f" (first call {fmt_s(r['first_seconds'])})" if "first_seconds" in r else ""
+            balance = "n/a" if r.get("balance") is None else f"{r['balance']:.3f}"
+            rows.append([f"{planner}, {label}", fmt_s(r["seconds"]) + first, balance,
+                         fmt_mb(r.get("peak")), verdict(r["fits"])])  # fmt: skip
+    return rows
 
 
 def main() -> None:
@@ -167,35 +267,49 @@ def main() -> None:
     print("# bench_placement: place() against accelerate.infer_auto_device_map; real peaks")
     print(f"{environment_line()}; 70B-shaped config {big}; inference batch {batch} x {seq_len}")
     jobs: list[tuple[str, dict[str, Any]]] = []
+    llama_load = {"batch": batch, "seq_len": seq_len}
     for gpus in gpu_counts:
-        params = {"config": big, "gpus": gpus, "batch": batch, "seq_len": seq_len}
+        params = {"config": big, "gpus": gpus, "workload": llama_load}
+        jobs += [("plan_time", params), ("accelerate_time", params)]
+    others = {  # (kind, config, workload, devices, capacity)
+        "T5-3B-shaped, batch 8 x 512 -> 128": ("t5", T5_3B, T5_LOAD, 2, 6 * GiB),
+        "ViT-H/14-shaped, batch 256 images": ("vit", VIT_H, VIT_LOAD, 2, 3 * GiB),
+    }
+    if args.quick:
+        others = {k: (kind, {**c, **QUICK[kind]}, w, n, cap // 8)
+                  for k, (kind, c, w, n, cap) in others.items()}  # fmt: skip
+    for kind, config, workload, gpus, capacity in others.values():
+        params = {"config": config, "gpus": gpus, "workload": workload, "kind": kind,
+                  "capacity": capacity}  # fmt: skip
         jobs += [("plan_time", params), ("accelerate_time", params)]
     for training in (False, True):
         jobs.append(("measured_peak", {"config": small, "batch": 4, "seq_len": 512,
                                        "training": training}))  # fmt: skip
+    jobs.append(("fsdp_peak", {"config": small, "batch": 4, "seq_len": 512}))
     results = run_children(__file__, jobs, separate=not args.quick)
     rows, named = [], {}
-    for k, gpus in enumerate(gpu_counts):
-        ours, theirs = results[2 * k], results[2 * k + 1]
-        named[f"place {gpus} GPUs"], named[f"accelerate {gpus} GPUs"] = ours, theirs
-        for label, r in ((f"place, {gpus} x 80 GiB", ours), (f"accelerate, {gpus} x 80 GiB",
-                                                              theirs)):  # fmt: skip
-            if "error" in r:
-                rows.append([label, "n/a", "n/a", "n/a", "n/a"])
-                continue
-            first = f" (first call {fmt_s(r['first_seconds'])})" if "first_seconds" in r else ""
-            balance = "n/a" if r.get("balance") is None else f"{r['balance']:.3f}"
-            rows.append([label, fmt_s(r["seconds"]) + first, balance,
-                         fmt_mb(r.get("peak")), verdict(r["fits"])])  # fmt: skip
+    labelled = [(f"{gpus} x 80 GiB", 2 * k) for k, gpus in enumerate(gpu_counts)]
     print_table(
         f"Planning a 70B over 80 GiB GPUs (bf16 inference, batch {batch} x seq {seq_len}; "
         "peaks predicted by place's per-part costs for both maps)",
         ["planner", "time", "balance (max/mean)", "largest device peak", "fits"],
-        rows,
+        _planner_rows(labelled, results, named),
     )
+    base = 2 * len(gpu_counts)
+    labelled = [
+        (f"{name}, {n} x {fmt_mb(cap)}", base + 2 * k)
+        for k, (name, (_, _, _, n, cap)) in enumerate(others.items())
+    ]
+    print_table(
+        "Other models (bf16 inference; peaks predicted by place's per-part costs for both maps)",
+        ["planner", "time", "balance (max/mean)", "largest device peak", "fits"],
+        _planner_rows(labelled, results, named),
+    )
+    base += 2 * len(others)
     rows = []
-    for k, label in enumerate(("inference (cache)", "training step (AdamW)")):
-        r = results[2 * len(gpu_counts) + k]
+    labels = ("inference (cache)", "training step (AdamW)", "FSDP2 training, rank 0 of 2 (gloo)")
+    for k, label in enumerate(labels):
+        r = results[base + k]
         named[f"peak {label}"] = r
         if "error" in r:
             rows.append([label, "n/a", "n/a", "n/a"])
@@ -205,7 +319,7 @@ def main() -> None:
     print_table(
         f"Predicted against measured peak, Llama {small['num_hidden_layers']} layers x "
         f"{small['hidden_size']} fp32 on the CPU, batch 4 x seq 512",
-        ["workload", "predicted (place)", "measured (MemTracker)", "error"],
+        ["workload", "predicted (place)", "measured (MemTracker / FSDPMemTracker)", "error"],
         rows,
     )
     print_errors(named)

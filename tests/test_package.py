@@ -26,8 +26,10 @@ TORCH_SPEC = os.environ.get("TORCH_SPEC", "torch==2.13.0")
 
 
 def _run(*args: str | Path, cwd: Path | None = None) -> str:
+    # The fresh venv must see only what it installed, not a checkout on PYTHONPATH.
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     result = subprocess.run(
-        [str(a) for a in args], cwd=cwd, capture_output=True, text=True, check=False
+        [str(a) for a in args], cwd=cwd, env=env, capture_output=True, text=True, check=False
     )
     assert result.returncode == 0, (
         f"{args} failed:\n{result.stdout[-3000:]}\n{result.stderr[-3000:]}"
@@ -63,8 +65,8 @@ def test_the_wheel_ships_licence_types_widget_and_rng_tables_but_no_tests(dist: 
         "jupyter_metainit/py.typed",
         "jupyter_metainit/jupyter/static/widget.js",
         "jupyter_metainit/jupyter/static/widget.css",
-        "jupyter_metainit/core/_mt19937_jumps.bin",
-        "jupyter_metainit/core/_mt19937_phi.bin",
+        "jupyter_metainit/core/rng/_mt19937_jumps.bin",
+        "jupyter_metainit/core/rng/_mt19937_phi.bin",
     ):
         assert expected in names
     assert any(n.endswith(".dist-info/licenses/LICENSE") for n in names)

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from jupyter_metainit import is_deferred, meta_init, place
+from jupyter_metainit.core.errors import MaterializationError
 from jupyter_metainit.plan.partition import Costs, Load, partition, partition_by_dp
 from tests._models import llama_config
 
@@ -58,11 +59,24 @@ def test_dispatch_model_runs_a_real_model_on_a_plans_map():
 
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(llama_config(num_hidden_layers=4))
-    plan = place(model, {"cpu": "1GiB"}, batch=1, seq_len=8)
+    plan = place(model, FOUR, batch=1, seq_len=8)
     ids = torch.randint(0, 1000, (1, 8))
     expected = model(ids).logits
-    dispatched = dispatch_model(model, device_map=plan.device_map)
+    cpu_map = {name: "cpu" for name in plan.device_map}  # this machine's stand-in for the GPUs
+    assert len(cpu_map) > 1
+    dispatched = dispatch_model(model, device_map=cpu_map)
     assert torch.equal(dispatched(ids).logits, expected)
+
+
+def test_from_pretrained_loads_with_a_plans_map(tmp_path):
+    torch.manual_seed(0)
+    saved = transformers.LlamaForCausalLM(llama_config(num_hidden_layers=4))
+    saved.save_pretrained(tmp_path)
+    plan = place(saved, FOUR, batch=1, seq_len=8)
+    cpu_map = {name: "cpu" for name in plan.device_map}
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path, device_map=cpu_map)
+    for name, value in saved.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
 
 
 def test_repeated_blocks_are_never_split_across_devices(llama, plan):
@@ -260,3 +274,96 @@ def test_bf16_halves_the_weights_of_an_fp32_model(llama):
 def test_the_html_view_shows_each_devices_peak_against_its_capacity(plan):
     html = plan._repr_html_()
     assert all(device in html for device in FOUR) and "8.00 MiB" in html
+
+
+def _on_cpu(plan):
+    """The plan with its GPUs read as the CPU (this machine's stand-in), under two names ("cpu"
+    and "cpu:0") so that the parts still go in one group per planned device pair."""
+    from jupyter_metainit.plan import Placement
+
+    cpus = {d: "cpu" if int(d.split(":")[1]) < 2 else "cpu:0" for d in plan.capacity}
+    return Placement.from_device_map({name: cpus[d] for name, d in plan.device_map.items()})
+
+
+def _eager():
+    torch.manual_seed(0)
+    return transformers.LlamaForCausalLM(llama_config(num_hidden_layers=6))
+
+
+def test_materializing_a_plan_gives_every_tensor_eagers_values():
+    from jupyter_metainit import materialize
+
+    model = _llama()
+    plan = place(model, FOUR, batch=2, seq_len=32)
+    materialize(model, placement=_on_cpu(plan))
+    eager = _eager().state_dict()
+    for name, value in model.state_dict().items():
+        assert not is_deferred(value) and torch.equal(value, eager[name]), name
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="needs a machine without GPUs")
+def test_a_plan_for_gpus_on_a_machine_without_them_says_so_and_leaves_the_model_deferred():
+    from jupyter_metainit import materialize
+
+    model = _llama()
+    plan = place(model, FOUR, batch=2, seq_len=32)
+    with pytest.raises(MaterializationError, match="cuda:0"):
+        materialize(model, placement=plan)
+    assert all(is_deferred(t) for t in model.state_dict().values())
+
+
+def test_materializing_a_plan_reports_one_progress_total():
+    from jupyter_metainit import materialize
+
+    model = _llama()
+    plan = place(model, FOUR, batch=2, seq_len=32)
+    seen = []
+    materialize(model, placement=_on_cpu(plan), progress=lambda done, total: seen.append(
+        (done, total)))  # fmt: skip
+    totals = {total for _, total in seen}
+    state = sum(t.numel() * t.element_size() for t in model.state_dict().values())
+    assert (
+        len(totals) == 1
+        and seen[-1][0] == seen[-1][1]
+        and totals.pop() >= state - 2 * 1000 * 64 * 4
+    )
+    assert [done for done, _ in seen] == sorted(done for done, _ in seen)
+
+
+def test_a_failure_while_materializing_a_plan_leaves_the_model_deferred():
+    from jupyter_metainit import materialize
+
+    model = _llama()
+    plan = place(model, FOUR, batch=2, seq_len=32)
+    calls = []
+
+    def cancel_in_the_last_part(done, total):
+        calls.append(done)
+        if done > total // 2:
+            raise KeyboardInterrupt
+
+    placement = _on_cpu(plan)
+    assert len(set(placement.device_map.values())) == 2  # the first group is made, then undone
+    with pytest.raises(KeyboardInterrupt):
+        materialize(model, placement=placement, progress=cancel_in_the_last_part)
+    assert all(is_deferred(t) for t in model.state_dict().values())
+    materialize(model)
+    eager = _eager().state_dict()
+    assert all(torch.equal(v, eager[k]) for k, v in model.state_dict().items())
+
+
+def test_materialize_refuses_something_that_is_no_plan_as_a_placement(llama):
+    from jupyter_metainit import materialize
+
+    with pytest.raises(TypeError, match="from_device_map"):
+        materialize(llama, placement={"": "cpu"})
+
+
+def test_keyword_inputs_plan_an_encoder_decoder_with_tied_embeddings_on_one_device():
+    config = transformers.T5Config(d_model=64, d_ff=128, num_layers=4, num_heads=4, vocab_size=500)
+    with meta_init():
+        model = transformers.T5ForConditionalGeneration(config)
+    plan = place(model, FOUR, inputs={"input_ids": (2, 32), "decoder_input_ids": (2, 8)})
+    on = {name: device for name, _, device, _ in plan.parts}
+    assert on["shared"] == on["encoder.embed_tokens"] == on["decoder.embed_tokens"]
+    assert plan.workload == "inputs input_ids=(2, 32), decoder_input_ids=(2, 8)"

@@ -662,3 +662,188 @@ def test_a_sliced_tensor_attribute_counts_its_whole_storage_in_the_tree_as_in_th
     model = Sliced()
     root = rows(explore(model))[""]
     assert root[ROW["bytes"]] == 64 + 4000 == memory_table(model).loc["", "total_bytes"]
+
+
+# ---------------------------------------------------------------- plan and save (issues 23, 24)
+class LM(nn.Module):
+    """A tiny language model: token ids in, logits out (what place() plans a workload for)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.layers = nn.ModuleList([Block() for _ in range(4)])
+        self.norm = nn.LayerNorm(16)
+        self.head = nn.Linear(16, 50, bias=False)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed(ids)
+        for block in self.layers:
+            x = x + block.mlp(torch.relu(block.attn(x)))[..., :16]
+        return self.head(self.norm(x))
+
+
+def _lm() -> LM:
+    torch.manual_seed(0)
+    with meta_init():
+        return LM()
+
+
+TWO_GPUS = "cuda:0=24KiB, cuda:1=24KiB"  # planned, not used: planning allocates nothing
+
+
+def test_a_plan_gives_each_row_its_device_and_each_device_its_peak_against_capacity():
+    model = _lm()  # the widget holds its model weakly
+    w = explore(model)
+    w.place(TWO_GPUS, batch=2, seq_len=8)
+    assert w.error == "" and w.status.startswith("Planned in")
+    assert [d["name"] for d in w.plan["devices"]] == ["cuda:0", "cuda:1"]
+    assert all(0 < d["peak"] <= d["capacity"] == 24 * 1024 for d in w.plan["devices"])
+    where = dict(zip(rows(w), w.plan["nodes"], strict=True))
+    assert where["embed"] == 0 and where["head"] == 1
+    assert where[""] == -2  # the whole model spans both devices
+
+
+def test_a_plan_that_does_not_fit_marks_the_devices_over_capacity_and_says_what_would_fit():
+    model = _lm()  # the widget holds its model weakly
+    w = explore(model)
+    w.place("cuda:0=4KiB, cuda:1=4KiB", batch=2, seq_len=8)
+    assert not w.plan["fits"] and "does not fit" in w.plan["headline"]
+    assert [d["fits"] for d in w.plan["devices"]] == [False, False]
+    assert "does NOT fit" in w.status and "To fit:" in w.status
+
+
+def test_a_plan_without_devices_is_a_notice_and_plans_nothing():
+    model = _lm()  # the widget holds its model weakly
+    w = explore(model)
+    w.place("  ", seq_len=8)
+    assert "Type the devices" in w.notice["text"]
+    assert w.plan == {} and w.busy == ""
+
+
+def test_pinning_the_selected_part_plans_the_rest_around_it():
+    model = _lm()  # the widget holds its model weakly
+    w = explore(model)
+    w.place(TWO_GPUS, batch=2, seq_len=8)
+    w.selected = ["head"]
+    w.pin("cuda:0")
+    assert w.error == ""
+    assert w.plan["pins"] == {"head": "cuda:0"}
+    assert w.plan["device_map"]["head"] == "cuda:0"
+    assert dict(zip(rows(w), w.plan["nodes"], strict=True))["head"] == 0
+
+
+def test_materialize_plan_puts_every_part_on_its_device_with_eagers_values():
+    torch.manual_seed(0)
+    eager = LM()
+    model = _lm()
+    w = explore(model)
+    w.place("cpu=1GiB", batch=2, seq_len=8)
+    w.materialize_plan()
+    assert w.error == "" and "Materialized the plan" in w.status
+    assert w.progress[0] == w.progress[1] > 0  # one progress total, reached
+    for name, value in eager.state_dict().items():
+        got = model.state_dict()[name]
+        assert tensor_state(got) == "cpu" and torch.equal(got, value), name
+
+
+def test_materialize_plan_refuses_a_device_this_kernel_lacks_and_changes_nothing():
+    if torch.cuda.device_count() >= 2:
+        pytest.skip("this kernel has the planned devices")
+    model = _lm()
+    w = explore(model)
+    w.place(TWO_GPUS, batch=2, seq_len=8)
+    w.materialize_plan()
+    assert "cannot use" in w.notice["text"]
+    assert all(is_deferred(t) for t in model.state_dict().values())
+
+
+def test_save_writes_the_selected_subtree_and_says_what_was_written(tmp_path):
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    eager = LM()
+    model = _lm()
+    w = explore(model)
+    w.selected = ["layers.1"]
+    w.save(str(tmp_path / "block"))
+    assert w.error == "" and "model.safetensors" in w.status and "layers[1]" in w.status
+    saved = load_file(tmp_path / "block" / "model.safetensors")
+    assert saved.keys() == eager.layers[1].state_dict().keys()
+    for name, value in eager.layers[1].state_dict().items():
+        assert torch.equal(saved[name], value), name
+    assert all(is_deferred(t) for t in model.state_dict().values())  # saving changes nothing
+
+
+def test_save_refuses_an_empty_path_with_a_notice():
+    model = _lm()  # the widget holds its model weakly
+    w = explore(model)
+    w.save("")
+    assert "Type the directory to save to" in w.notice["text"] and w.status == ""
+
+
+def test_a_tied_part_shows_the_device_of_the_tensor_it_shares():
+    model = _lm()
+    model.head.weight = model.embed.weight
+    w = explore(model)
+    w.place(TWO_GPUS, batch=2, seq_len=8)
+    where = dict(zip(rows(w), w.plan["nodes"], strict=True))
+    assert where["head"] == where["embed"] == 0
+
+
+def test_a_plan_place_refuses_says_why_and_keeps_the_last_plan():
+    model = _lm()
+    w = explore(model)
+    w.place(TWO_GPUS, batch=2, seq_len=8)
+    before = w.plan
+    w.place(TWO_GPUS, batch=2, seq_len=None)  # a language model needs its sequence length
+    assert w.error.startswith("Could not plan:") and "seq_len=" in w.error
+    assert w.plan == before and w.busy == ""
+
+
+def test_a_plan_click_waits_for_the_running_cell_to_end():
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.run_cell("from jupyter_metainit.jupyter.widget import watch_cells; watch_cells()")
+    model = _lm()
+    shell.user_ns["w"] = w = explore(model)
+    cell = (
+        "msg = {'action': 'plan', 'devices': 'cpu=1GiB', 'batch': 2, 'seq_len': 8, 'id': 1}\n"
+        "w._on_msg(w, msg, [])\n"
+        "during = (w.busy, w.phase, w.plan)"
+    )
+    try:
+        assert shell.run_cell(cell).success
+        busy, phase, plan = shell.user_ns["during"]
+        assert busy == "plan" and "running cell" in phase and plan == {}
+        assert w.wait(60)
+        assert w.error == "" and [d["name"] for d in w.plan["devices"]] == ["cpu"]
+    finally:
+        for name in ("w", "during", "msg"):
+            shell.user_ns.pop(name, None)
+
+
+def test_displaying_the_widget_puts_a_note_in_words_before_the_live_tree(net):
+    from IPython.core.interactiveshell import InteractiveShell
+    from IPython.utils.capture import capture_output
+
+    InteractiveShell.instance()
+    w = explore(net)
+    with capture_output() as out:
+        w._ipython_display_()
+    note, tree = (o.data for o in out.outputs)
+    assert "Net: 3.28 K params" in note["text/html"] and "Run the cell again" in note["text/html"]
+    assert "application/vnd.jupyter.widget-view+json" not in note
+    assert tree["application/vnd.jupyter.widget-view+json"]["model_id"] == w.model_id
+
+
+def test_a_cancelled_save_leaves_nothing_at_the_path(tmp_path):
+    with meta_init():
+        model = nn.Sequential(*[nn.Linear(2048, 2048) for _ in range(8)])  # 128 MiB to write
+    w = explore(model)
+    path = tmp_path / "ckpt"
+    w.save(str(path), wait=False)
+    w.handle_action({"action": "cancel"})
+    assert w.wait(120)
+    assert w.status.startswith("Cancelled") and "nothing was written" in w.status
+    assert not path.exists() and list(tmp_path.iterdir()) == []

@@ -708,3 +708,75 @@ def test_busy_kernel_fast_values_fits_and_focus(browser, frontend):
     page.wait_for_timeout(300)
     widget.scroll_into_view_if_needed()
     widget.screenshot(path=str(DOCS_IMG / f"widget-{app}-{theme}-700.png"))
+
+
+def test_a_plan_made_in_the_widget_shows_each_parts_device_in_jupyterlab(browser, jupyterlab):
+    """Plan… in the widget: the tree gains a device column and the header a bar per device;
+    screenshots at 1400 and 700 px go to docs/img/widget-plan-*.png."""
+    _write_notebook(jupyterlab["dir"] / "plan.ipynb", _FLOW_CELLS[:2])
+    ARTIFACTS.mkdir(exist_ok=True)
+    page = browser.new_page(viewport={"width": 1400, "height": 1000})
+    _open(page, jupyterlab, "plan.ipynb")
+    _run_cell(page, 0)
+    _run_cell(page, 1)
+    widget = page.locator(".jmi-root").first
+    widget.wait_for(timeout=60_000)
+
+    def row(qname: str):
+        return widget.locator(f".jmi-rows .jmi-row:has(.jmi-name[title='{qname}'])")
+
+    widget.locator(".jmi-plan-toggle").click()
+    widget.locator(".jmi-plan-devices").fill("cuda:0=900KiB, cuda:1=900KiB")
+    widget.locator(".jmi-planbar input[type=number]").nth(0).fill("2")
+    widget.locator(".jmi-planbar input[type=number]").nth(1).fill("64")
+    widget.locator(".jmi-planbar input[type=number]").nth(1).press("Enter")  # by keyboard
+    widget.locator(".jmi-planhead .jmi-devbar").nth(1).wait_for(timeout=60_000)
+    row("model.layers").locator(".jmi-caret").click()
+    assert row("model.embed_tokens").locator(".jmi-c-device").inner_text() == "cuda:0"
+    assert row("model.layers.3").locator(".jmi-c-device").inner_text() == "cuda:1"
+    assert widget.locator(".jmi-colhead .jmi-c-device").is_visible()
+    widget.locator(".jmi-message.jmi-ok", has_text="It fits").wait_for(timeout=10_000)
+    widget.screenshot(path=str(DOCS_IMG / "widget-plan-1400.png"))
+    assert _cut_tags(widget) == []
+    page.set_viewport_size({"width": 700, "height": 1000})
+    page.wait_for_timeout(300)
+    widget.scroll_into_view_if_needed()
+    assert row("model.layers.3").locator(".jmi-c-device").is_visible()
+    widget.screenshot(path=str(DOCS_IMG / "widget-plan-700.png"))
+    assert _cut_tags(widget) == []
+
+
+def _cut_tags(widget) -> list[str]:
+    """The tags beside names shown only in part (a tag shows whole or not at all)."""
+    return widget.evaluate(
+        """(root) => [...root.querySelectorAll('.jmi-tags')].flatMap((box) => {
+          const b = box.getBoundingClientRect();
+          return [...box.children].filter((t) => {
+            const r = t.getBoundingClientRect();
+            const shown = r.width > 0 && r.top < b.bottom - 1;
+            return shown && r.right > b.right + 0.5;
+          }).map((t) => t.textContent);
+        })"""
+    )
+
+
+def test_a_reopened_notebook_with_a_new_kernel_says_how_to_get_the_tree_back(browser, jupyterlab):
+    """The note a widget output carries is hidden while the tree lives; reopened with a new
+    kernel (the tree cannot be shown: "model not found") it says what it was and what to do."""
+    _write_notebook(jupyterlab["dir"] / "reopen.ipynb", _FLOW_CELLS[:2])
+    ARTIFACTS.mkdir(exist_ok=True)
+    page = browser.new_page(viewport={"width": 1400, "height": 900})
+    _open(page, jupyterlab, "reopen.ipynb")
+    _run_cell(page, 0)
+    _run_cell(page, 1)
+    page.locator(".jmi-root").first.wait_for(timeout=60_000)
+    note = page.locator(".jmi-saved-note")
+    assert note.count() == 1 and note.is_hidden()
+    page.keyboard.press("Control+s")
+    page.wait_for_timeout(1_500)
+    _restart_kernel(page)
+    page.wait_for_timeout(1_500)
+    _open(page, jupyterlab, "reopen.ipynb")
+    note.wait_for(state="visible", timeout=30_000)
+    assert "LlamaForCausalLM" in note.inner_text() and "Run the cell again" in note.inner_text()
+    page.screenshot(path=str(ARTIFACTS / "widget-reopened.png"))

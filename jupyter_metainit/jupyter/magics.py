@@ -1,4 +1,5 @@
-"""IPython magics: ``%%meta_init``, ``%materialize``, ``%dematerialize``, ``%meta_table``, ``%save``
+"""IPython magics: ``%%meta_init``, ``%materialize``/``%dematerialize``, ``%meta_table``,
+``%place``, ``%save``
 
 Load them with ``%load_ext jupyter_metainit``. Each magic is a thin layer over the core API:
 ``%%meta_init`` runs its cell under :func:`meta_init` (with normal cell semantics) and then shows
@@ -43,6 +44,8 @@ from jupyter_metainit.jupyter.magic_options import (
     strip_comment,
 )
 from jupyter_metainit.jupyter.model_views import memory_table_usage, show_model
+from jupyter_metainit.plan import place
+from jupyter_metainit.plan.devices import name_value_pairs
 from jupyter_metainit.save import save as save_checkpoint
 
 __all__ = ["MetaInitMagics", "load_ipython_extension", "unload_ipython_extension"]
@@ -282,6 +285,62 @@ class MetaInitMagics(Magics):
             raise UsageError(f"%meta_table: {expr} is a {kind}, not a torch.nn.Module")
         table = memory_table_usage(obj, parse_depth(args.depth), args.dtype)
         return table.full() if args.full else table
+
+    @magic_arguments()
+    @argument("expr", nargs="*", metavar="EXPR", help="Model to place.")
+    @argument(
+        "--devices",
+        metavar="DEVS",
+        default="auto",
+        help="Devices and capacities in pipeline order: cuda:0=80GiB,cuda:1=80GiB,cpu=256GiB "
+        "(bytes, GiB or GB), or auto (the free memory of the visible devices; default).",
+    )
+    @argument("--batch", metavar="N", type=int, default=1, help="Samples per step (default 1).")
+    @argument("--seq-len", metavar="N", type=int, help="Tokens per sample (prompt + generated).")
+    @argument(
+        "--training", action="store_true", help="Plan one training step (default: inference)."
+    )
+    @argument(
+        "--optimizer", metavar="OPT", default="adamw", help="adamw, adam, sgd, ... (training)."
+    )
+    @argument("--precision", metavar="P", help="bf16, fp16, fp32, bf16-mixed, bf16-master.")
+    @argument("--pin", metavar="PINS", help="Parts fixed to a device: lm_head=cuda:0,...")
+    @argument("--strategy", metavar="S", default="pipeline", help="pipeline (default) or fsdp.")
+    @argument("--world-size", metavar="N", type=int, help="Ranks, with --strategy fsdp.")
+    @argument("--table", action="store_true", help="Return the per-device, per-part table.")
+    @line_magic
+    def place(self, line: str) -> Any:
+        """Plan where each part of the model EXPR goes for a workload, allocating nothing.
+
+        ``%place model --devices cuda:0=80GiB,cuda:1=80GiB --batch 4 --seq-len 4096`` shows the
+        predicted peak of every device against its capacity (``jupyter_metainit.place``);
+        ``plan = %place ...`` keeps the plan (``plan.device_map``, ``plan.table``), and
+        ``materialize(model, placement=plan)`` puts every part onto its device.
+        """
+        __tracebackhide__ = True
+        expr, obj, args = self._target("place", line)
+        if not isinstance(obj, nn.Module):
+            raise UsageError(f"%place: {expr} is a {type(obj).__name__}, not a torch.nn.Module")
+        message = None
+        try:
+            devices = (
+                args.devices
+                if args.devices == "auto"
+                else name_value_pairs(
+                    args.devices or "", option="--devices", example="cuda:0=80GiB,cpu=256GiB"
+                )
+            )
+            pins = name_value_pairs(args.pin or "", option="--pin", example="lm_head=cuda:0")
+            plan = place(obj, devices, batch=args.batch, seq_len=args.seq_len,
+                         training=args.training, optimizer=args.optimizer,
+                         precision=args.precision, pin=pins or None,
+                         strategy=args.strategy, world_size=args.world_size)  # fmt: skip
+        except (MetaInitError, ValueError, TypeError) as exc:
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+            message = f"%place: {text.replace('seq_len=', '--seq-len ')}"
+        if message is not None:
+            raise UsageError(message)
+        return plan.table if args.table else plan
 
 
 def _one_line_errors(magic: str, action: Any, hints: dict[str, str] | None = None) -> None:

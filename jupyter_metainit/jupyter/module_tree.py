@@ -7,7 +7,6 @@ and sends only the rows that changed.  Shared (tied) tensors are counted once in
 
 from __future__ import annotations
 
-import hashlib
 import weakref
 from collections.abc import Iterable
 from dataclasses import dataclass, field
@@ -24,6 +23,7 @@ from jupyter_metainit.core import (
     tensor_state,
     tensor_values,
 )
+from jupyter_metainit.estimates.repeats import fingerprint, identical_runs
 from jupyter_metainit.estimates.subtrees import TiedSubtrees, elements_held, mixed_or_single
 from jupyter_metainit.jupyter.row_schema import STATS_FIELDS, make_row
 
@@ -299,17 +299,9 @@ class ModuleTree:
         """A structural fingerprint per node: equal for identical blocks (decoder layers...)."""
         sigs = [""] * len(self.names)
         for node in range(len(self.names) - 1, -1, -1):
-            h = hashlib.blake2b(digest_size=8)
-            h.update(type(self.module(node)).__qualname__.encode())
-            for t, *_ in self.own_tensors(node):
-                lazy = isinstance(t, torch.nn.parameter.UninitializedTensorMixin)
-                shape = "lazy" if lazy else tuple(t.shape)
-                h.update(f"{shape}{t.dtype}".encode())
-            for child in self.children[node]:
-                local = self.names[child].rpartition(".")[2]
-                h.update(("#" if local.isdigit() else local).encode())
-                h.update(sigs[child].encode())
-            sigs[node] = h.hexdigest()
+            children = [(self.names[c].rpartition(".")[2], sigs[c]) for c in self.children[node]]
+            tensors = [t for t, *_ in self.own_tensors(node)]
+            sigs[node] = fingerprint(type(self.module(node)).__qualname__, tensors, children)
         return sigs
 
     def repeats(self) -> list[tuple[int, int]]:
@@ -317,16 +309,9 @@ class ModuleTree:
         sigs = self.signatures()
         rep = [(0, 1)] * len(self.names)
         for kids in self.children:
-            start = 0
-            while start < len(kids):
-                end = start
-                while end + 1 < len(kids) and sigs[kids[end + 1]] == sigs[kids[start]]:
-                    end += 1
-                n = end - start + 1
-                if n > 1:
-                    for i, k in enumerate(kids[start : end + 1]):
-                        rep[k] = (i, n)
-                start = end + 1
+            for start, end in identical_runs([sigs[k] for k in kids]):
+                for i, k in enumerate(kids[start : end + 1]):
+                    rep[k] = (i, end - start + 1)
         return rep
 
     # ----------------------------------------------------------------- JSON

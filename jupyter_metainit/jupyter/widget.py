@@ -30,9 +30,11 @@ from jupyter_metainit.estimates import memory_table
 from jupyter_metainit.jupyter.cell_watch import watch_cells
 from jupyter_metainit.jupyter.module_tree import ModelGoneError, ModuleTree
 from jupyter_metainit.jupyter.tree_widget.actions import TreeActions
+from jupyter_metainit.jupyter.tree_widget.calls import PlanningCalls
 from jupyter_metainit.jupyter.tree_widget.devices import fit_per_device, visible_cuda_devices
 from jupyter_metainit.jupyter.tree_widget.following import FollowsModel
 from jupyter_metainit.jupyter.tree_widget.page_trust import PageTrust
+from jupyter_metainit.jupyter.tree_widget.planning import TreePlanning
 from jupyter_metainit.jupyter.tree_widget.wording import MODEL_GONE, SAVED_ADVICE, code_path
 
 __all__ = ["ModuleTreeWidget", "explore", "watch_cells", "widgets_of"]
@@ -61,12 +63,16 @@ def widgets_of(module: nn.Module) -> list[ModuleTreeWidget]:
     return [w for w in list(_live_widgets) if w.comm is not None and w._tree.holds(module)]
 
 
-class ModuleTreeWidget(PageTrust, TreeActions, FollowsModel, anywidget.AnyWidget):
+class ModuleTreeWidget(
+    PageTrust, TreePlanning, PlanningCalls, TreeActions, FollowsModel, anywidget.AnyWidget
+):
     """Interactive tree of a model: explore it, select subtrees, materialize or free them.
 
     Read or set the selection from Python with ``w.selected`` (qualified module names,
     ``""`` is the whole model).  ``w.materialize("cpu")`` and ``w.free()`` do what the buttons
-    do, for the current selection.  The widget follows the model by itself: whatever
+    do, for the current selection; ``w.place("cuda:0=80GiB, cuda:1=80GiB", seq_len=4096)``,
+    ``w.pin("cuda:1")``, ``w.materialize_plan()`` and ``w.save(path)`` what the plan and save
+    bars do.  The widget follows the model by itself: whatever
     materializes or frees a part of it (code, a magic, another widget) shows here within a
     fraction of a second.
     """
@@ -93,6 +99,9 @@ class ModuleTreeWidget(PageTrust, TreeActions, FollowsModel, anywidget.AnyWidget
     devices = traitlets.List(help="Visible CUDA devices.").tag(sync=True)
     no_cuda_reason = traitlets.Unicode("").tag(sync=True)
     table_html = traitlets.Unicode("").tag(sync=True)
+    plan = traitlets.Dict(
+        help="The last plan (tree_widget/planning.py: devices, per-node device), {} if none."
+    ).tag(sync=True)
     var_name = traitlets.Unicode(
         "model", help="The model's name in the notebook, for paths usable in the magics."
     ).tag(sync=True)
@@ -128,6 +137,9 @@ class ModuleTreeWidget(PageTrust, TreeActions, FollowsModel, anywidget.AnyWidget
         self._sync_timer: threading.Timer | None = None
         self._last_progress = 0.0
         self._queued: dict | None = None  # a page action waiting for the running cell to end
+        self._placement = None  # the last plan, what *Materialize plan* materializes
+        self._plan_request: dict | None = None  # its options, re-used by pins
+        self._pins: dict[str, str] = {}
         super().__init__(
             tree=self._tree.to_json(self._stats),
             expand_depth=depth,
@@ -181,6 +193,27 @@ class ModuleTreeWidget(PageTrust, TreeActions, FollowsModel, anywidget.AnyWidget
             f"<small>{escape(SAVED_ADVICE)}</small></div>"
         )
         return data, metadata
+
+    def _ipython_display_(self, **kwargs: Any) -> None:
+        """Two outputs: a note in words, then the live tree. JupyterLab and Notebook 7 never
+        show a widget output's own fallback: a reopened notebook with a new kernel gets "Error
+        displaying widget: model not found" instead. The note above it says what the output
+        was and how to get a live tree; while the tree lives, the widget's CSS hides the note
+        (``.jmi-saved-note`` in ``labextension/src/style.css``)."""
+        from IPython.display import display
+
+        line = escape(self._summary_line())
+        display(
+            {
+                "text/html": f"<div class='jmi-saved-note'><b>Model tree</b> of {line}. "
+                f"<small>{escape(SAVED_ADVICE)}</small></div>"
+            },
+            raw=True,
+        )
+        bundle = self._repr_mimebundle_(**kwargs)
+        if bundle is not None:
+            data, metadata = bundle
+            display(data, metadata=metadata, raw=True)
 
     # ------------------------------------------------------------------ selection
     @traitlets.validate("selected")

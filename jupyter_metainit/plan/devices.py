@@ -14,7 +14,31 @@ import torch
 
 from jupyter_metainit.estimates.fit import device_budget, parse_bytes
 
-__all__ = ["is_offload", "parse_devices"]
+__all__ = ["is_offload", "name_value_pairs", "parse_devices"]
+
+
+def name_value_pairs(
+    text: str, *, option: str, example: str, values_optional: bool = False
+) -> dict[str, str]:
+    """``"cuda:0=80GiB, cpu=256GiB"`` (commas or semicolons) -> ``{"cuda:0": "80GiB", ...}``:
+    how ``%place --devices/--pin`` and the widget's plan bar read what the user typed.
+
+    With ``values_optional`` a bare name maps to ``""``. A malformed item is a ``ValueError``
+    naming ``option`` with an ``example`` of what to type.
+    """
+    pairs: dict[str, str] = {}
+    for item in text.replace(";", ",").split(","):
+        if not item.strip():
+            continue
+        name, sep, value = (part.strip() for part in item.partition("="))
+        if not name or (not values_optional and (not sep or not value)):
+            raise ValueError(
+                f"{option} takes name=value items separated by commas (e.g. {option} "
+                f"{example}), not {item.strip()!r}"
+            )
+        pairs[name] = value
+    return pairs
+
 
 # Where a module can run from, as accelerate's device maps name them.
 _KINDS = ("cuda", "xpu", "mps", "npu", "hpu", "mtia", "cpu", "meta")

@@ -5,12 +5,13 @@ weights are all-gathered whole while it runs. By default the units are the repea
 (decoder layers), then the root, which holds everything else, as PyTorch's FSDP2 examples
 shard a transformer.
 
-Per rank, training: the shards (weights, optimizer states, gradients), the root unit's weights
-unsharded, the largest block unit unsharded twice (the one running and the one prefetched) plus
-its unsharded gradients before they are reduce-scattered, the activations saved for backward at
-the per-rank batch and the largest working set; the optimizer step adds its temporaries for the
-rank's shards. Inference: the shards, the unsharded root and two block units, the cache and the
-largest working set.
+Per rank, training: the shards of the weights and optimizer states, the root unit's weights
+unsharded, the largest block unit unsharded twice (the one running and the one prefetched);
+going backward through the parts in reverse, the activations saved by the parts not reached
+yet (at the per-rank batch), the gradient shards of those done, and the part's working set or
+its unsharded gradients before the reduce-scatter, the larger; the optimizer step instead holds
+every gradient shard and its temporaries for the rank's shards. Inference: the shards, the
+unsharded root and two block units, the cache and the largest working set.
 
 Not modelled: communication time and its buffers (NCCL's, the all-gather's staging copies),
 ``MixedPrecisionPolicy`` (all-gathering in another dtype than the weights are stored in),
@@ -22,7 +23,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from jupyter_metainit.plan.partition import Costs
+from jupyter_metainit.plan.partition import Costs, Load
 from jupyter_metainit.plan.parts import Part
 from jupyter_metainit.plan.precision import Convention
 from jupyter_metainit.plan.result import Placement
@@ -56,19 +57,30 @@ def plan_fsdp(model: nn.Module, parts: list[Part], activity: Activity, devices: 
     units = _units(parts)
     in_block = {p.name for p in parts if p.group and p.name}
     block_weights = max((own[n].weights for n in in_block), default=0)
-    block_grads = max((own[n].grads for n in in_block), default=0)
     root_weights = sum(c.weights for n, c in own.items() if n not in in_block)
     total = Costs(
         **{f: sum(getattr(c, f) for c in own.values()) for f in Costs.__dataclass_fields__}
     )
     shards = (total.weights + total.states) // world_size
     unsharded = root_weights + PREFETCH * block_weights
-    working = max(c.transient for c in own.values())
     if training:
-        backward = total.saved + working + block_grads + total.grads // world_size
-        step = (total.grads + total.step_all) // world_size
-        peak = shards + max(unsharded + backward, step)
+        # Backward, part by part in reverse: the saved activations of the parts not yet
+        # reached, the gradient shards of those done, and the part's working set or its
+        # unsharded gradients (before the reduce-scatter), the larger; then the step.
+        backward = Load(True, foreach=True)
+        for name in activity.order:
+            c = own[name]
+            backward.add(
+                Costs(
+                    transient=max(c.transient, c.grads),
+                    saved=c.saved,
+                    grads=c.grads // world_size,
+                    step_all=c.step_all // world_size,
+                )
+            )
+        peak = shards + unsharded + backward.peak
     else:
+        working = max(c.transient for c in own.values())
         peak = shards + unsharded + total.cache + working
     parts_table = [(p.name, type(p.module).__name__, device, own[p.name]) for p in parts]
     return Placement(

@@ -11,12 +11,13 @@ fingerprints).
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from jupyter_metainit.estimates.repeats import fingerprint, identical_runs
 
 __all__ = ["Part", "find_parts", "repeated_blocks"]
 
@@ -46,17 +47,9 @@ def _children(module: nn.Module) -> list[tuple[str, nn.Module]]:
 def _fingerprint(module: nn.Module, memo: dict[int, str]) -> str:
     """Equal for structurally identical modules (decoder layers...)."""
     key = id(module)
-    if key in memo:
-        return memo[key]
-    h = hashlib.blake2b(digest_size=8)
-    h.update(type(module).__qualname__.encode())
-    for t in _own_tensors(module):
-        lazy = isinstance(t, nn.parameter.UninitializedTensorMixin)
-        h.update(f"{'lazy' if lazy else tuple(t.shape)}{t.dtype}".encode())
-    for local, child in _children(module):
-        h.update(("#" if local.isdigit() else local).encode())
-        h.update(_fingerprint(child, memo).encode())
-    memo[key] = h.hexdigest()
+    if key not in memo:
+        children = [(local, _fingerprint(child, memo)) for local, child in _children(module)]
+        memo[key] = fingerprint(type(module).__qualname__, _own_tensors(module), children)
     return memo[key]
 
 
@@ -69,18 +62,13 @@ def repeated_blocks(module: nn.Module) -> dict[str, str]:
     for parent_name, parent in module.named_modules():
         kids = _children(parent)
         prefix = f"{parent_name}." if parent_name else ""
-        start = 0
-        while start < len(kids):
-            sig = _fingerprint(kids[start][1], memo)
-            end = start
-            while end + 1 < len(kids) and _fingerprint(kids[end + 1][1], memo) == sig:
-                end += 1
+        sigs = [_fingerprint(kid, memo) for _, kid in kids]
+        for start, end in identical_runs(sigs):
             # Leaves (a list of identical Linear) repeat too, but only blocks with children
             # are worth a group: single layers are split freely.
-            if end > start and _children(kids[start][1]):
+            if _children(kids[start][1]):
                 for local, _ in kids[start : end + 1]:
                     found[prefix + local] = parent_name
-            start = end + 1
     return found
 
 

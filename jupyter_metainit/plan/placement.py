@@ -12,6 +12,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from jupyter_metainit.core import format_bytes
@@ -24,7 +25,7 @@ from jupyter_metainit.plan.partition import Costs, Load, device_loads, fill, par
 from jupyter_metainit.plan.parts import Part, find_parts
 from jupyter_metainit.plan.precision import Convention, convention
 from jupyter_metainit.plan.result import Placement
-from jupyter_metainit.plan.workload import Activity, measure
+from jupyter_metainit.plan.workload import Activity, activation_dtype, measure
 
 __all__ = ["place"]
 
@@ -35,6 +36,8 @@ _MEASURED: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Activity]] = weakref
 def _check_workload(batch: Any, seq_len: Any, inputs: Any) -> tuple:
     if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
         raise ValueError(f"batch={batch!r}: give the number of samples per step, an int >= 1")
+    if isinstance(inputs, Mapping):  # keyword inputs; a shape is token ids of that shape
+        return tuple((name, _as_ids(value)) for name, value in inputs.items())
     if inputs is not None:
         return tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
     if seq_len is None:
@@ -47,13 +50,29 @@ def _check_workload(batch: Any, seq_len: Any, inputs: Any) -> tuple:
     return ((batch, seq_len),)
 
 
+def _as_ids(value: Any) -> Any:
+    if isinstance(value, (tuple, list, torch.Size)) and all(isinstance(d, int) for d in value):
+        return torch.zeros((), dtype=torch.long).expand(tuple(value))  # one element, no memory
+    return value
+
+
+def _split(inputs: tuple) -> tuple[tuple, dict]:
+    """Positional inputs, and keyword ones (given as ``(name, value)`` pairs)."""
+    if inputs and all(isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str)
+                      for i in inputs):  # fmt: skip
+        return (), dict(inputs)
+    return inputs, {}
+
+
 def _activity(model: nn.Module, parts: list[Part], training: bool, inputs: tuple) -> Activity:
     # The parts (their names, in order) and the workload decide what is measured.
-    key = (training, repr(inputs), tuple((p.name, p.group) for p in parts))
+    key = (training, repr(inputs), activation_dtype(model), tuple((p.name, p.group) for p in parts))
     per_model = _MEASURED.setdefault(model, {})
     if key not in per_model:
         per_model.clear()  # one workload kept per model: measurements are small, models many
-        per_model[key] = measure(model, parts, training=training, inputs=inputs)
+        positional, keywords = _split(inputs)
+        per_model[key] = measure(model, parts, training=training, inputs=positional,
+                                 kwargs=keywords)  # fmt: skip
         return per_model[key]
     reused = per_model[key]
     return Activity(reused.transient, reused.cache, reused.saved, reused.order, reused.dtype,
@@ -229,7 +248,9 @@ def place(
     ``devices``: ``{"cuda:0": "80GiB", "cuda:1": "80GiB", "cpu": "256GiB"}`` (bytes, or sizes
     1024-based ``GiB`` or 1000-based ``GB``), in pipeline order, or ``"auto"`` (the visible
     GPUs' free memory, then the host's available memory). The workload is one forward of
-    ``batch`` x ``seq_len`` token ids (or ``inputs=``, shapes or tensors, for other models):
+    ``batch`` x ``seq_len`` token ids (or ``inputs=``, shapes or tensors, for other models;
+    a dict gives keyword inputs, a shape there being token ids: ``{"input_ids": (8, 512),
+    "decoder_input_ids": (8, 128)}``):
     inference with the model's cache when its forward takes ``use_cache``; with
     ``training=True`` one step with ``labels`` (when taken), gradients and ``optimizer``
     states (``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd_momentum"``, ``"adafactor"``, None,
@@ -269,7 +290,10 @@ def place(
                               training=training)  # fmt: skip
     workload = f"batch {batch}" + (f", seq_len {seq_len}" if seq_len is not None else "")
     if inputs != ((batch, seq_len),):
-        workload = f"inputs {', '.join(map(str, inputs))}"
+        workload = "inputs " + ", ".join(
+            f"{i[0]}={tuple(i[1].shape)}" if isinstance(i, tuple) and len(i) == 2 and
+            isinstance(i[0], str) else str(i) for i in inputs
+        )  # fmt: skip
     if strategy == "fsdp":
         from_fsdp = plan_fsdp(model, parts, activity, parsed, own, conv, world_size, training)
         from_fsdp.workload = workload

@@ -4,10 +4,13 @@ from __future__ import annotations
 
 import html
 from dataclasses import dataclass, field
+from typing import Any
 
 import pandas as pd
+from torch import nn
 
 from jupyter_metainit.core import format_bytes
+from jupyter_metainit.plan.apply import materialize_parts
 from jupyter_metainit.plan.partition import Costs
 
 __all__ = ["Placement"]
@@ -40,6 +43,22 @@ class Placement:
     world_size: int | None = None
     seconds: float = 0.0  # planning, measurement included
     measure_seconds: float = 0.0  # the dry run (and meta forwards), 0 when reused
+
+    @classmethod
+    def from_device_map(cls, device_map: dict[str, Any]) -> Placement:
+        """A placement of an existing device map (accelerate's, a hand-written one), to
+        materialize with ``materialize(model, placement=...)``; it predicts nothing."""
+        return cls(device_map=dict(device_map), peak={}, capacity={}, parts=[],
+                   strategy="given")  # fmt: skip
+
+    def materialize_parts(self, model: nn.Module, **options: Any) -> nn.Module:
+        """What ``materialize(model, placement=self)`` runs: each part onto its device."""
+        if self.strategy == "fsdp":
+            raise ValueError(
+                "an FSDP plan shards every part over the ranks: fully_shard its units "
+                "(plan.units) and use materialize_sharded(model, mesh)"
+            )
+        return materialize_parts(self.device_map, model, **options)
 
     @property
     def fits(self) -> bool:

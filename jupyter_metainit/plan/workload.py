@@ -26,7 +26,7 @@ from torch.overrides import TorchFunctionMode
 from jupyter_metainit.estimates import dry_run
 from jupyter_metainit.plan.parts import Part
 
-__all__ = ["Activity", "measure"]
+__all__ = ["Activity", "activation_dtype", "measure"]
 
 # How deep a cache object is searched for its tensors (Cache -> layers -> keys).
 _CACHE_DEPTH = 6
@@ -231,7 +231,21 @@ def _run(model: nn.Module, parts: list[Part], training: bool, inputs: tuple, kwa
     handles.append(model.register_forward_hook(lambda m, a, out: caught.append(out)))
     try:
         with _mode(model, training):
-            table = dry_run(model, *inputs, **kwargs)
+            try:
+                table = dry_run(model, *inputs, **kwargs)
+            except Exception as e:  # say which step failed, and what usually helps
+                on_meta = any(p.is_meta for p in model.parameters())
+                hint = (
+                    "; a model on the meta device cannot run code that reads values: build it "
+                    "under meta_init()"
+                    if on_meta
+                    else "; dry_run(model, ...) shows the same"
+                )
+                first = str(e).splitlines()[0] if str(e) else ""
+                raise RuntimeError(
+                    f"place(): the dry run of the workload failed ({type(e).__name__}: "
+                    f"{first}){hint}"
+                ) from e
     finally:
         for handle in handles:
             handle.remove()
@@ -296,7 +310,7 @@ def measure(model: nn.Module, parts: list[Part], *, training: bool, inputs: tupl
         # Its backward holds the gradients of the log-softmax and of the logits at once.
         last = ranked[-1].name
         activity.transient[last] = max(activity.transient[last], 2 * loss)
-    activity.dtype = _activation_dtype(model)
+    activity.dtype = activation_dtype(model)
     activity.seconds = time.perf_counter() - start
     return activity
 
@@ -330,7 +344,8 @@ def _measure_saved(
         activity.saved[activity.order[-1]] += outside
 
 
-def _activation_dtype(model: nn.Module) -> torch.dtype:
+def activation_dtype(model: nn.Module) -> torch.dtype:
+    """The dtype the model computes in: its first floating parameter's."""
     for p in model.parameters():
         if p.dtype.is_floating_point:
             return p.dtype

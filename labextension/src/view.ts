@@ -4,6 +4,7 @@
 // opens, Home/End jump; focus follows the node across re-renders.
 
 import { humanBytes, humanCount, percent, stateKind } from "./format";
+import { deviceChip, type Plan, PlanBar, planHead, SaveBar } from "./plan";
 import { CHECKED, PARTIAL, type PatchRow, Tree, type TreeJSON, type VisibleRow } from "./tree";
 
 /** The part of anywidget's model this view uses. */
@@ -107,6 +108,10 @@ export class TreeView {
   private readonly tableBtn: HTMLButtonElement;
   private readonly rngSel = h("select", "jmi-select");
   private readonly dtypeSel = h("select", "jmi-select");
+  /** Plan… and Save…: their bars (plan.ts) and the plan's per-device bars in the header. */
+  readonly planBar: PlanBar;
+  readonly saveBar: SaveBar;
+  private planHeadEl: HTMLElement = h("div", "jmi-planhead");
 
   constructor(
     readonly model: WidgetModel,
@@ -131,10 +136,15 @@ export class TreeView {
       model.set("table_full", !model.get("table_full"));
       model.save_changes();
     });
+    const host = { request: (c: Record<string, unknown>) => this.request(c), get: (k: string) => model.get(k) };
+    this.planBar = new PlanBar(host);
+    this.saveBar = new SaveBar(host);
     this.build();
+    this.listen("change:plan", () => this.renderPlan());
     this.listen("change:selected", () => {
       this.selected = new Set(this.tree.nodesOf(this.model.get("selected") ?? []));
       this.refreshChecks();
+      this.renderActions(); // the plan and save bars act on the selection
     });
     this.listen("change:selection", () => this.renderSelection());
     this.listen("change:busy change:devices change:no_cuda_reason", () => this.renderActions());
@@ -255,7 +265,8 @@ export class TreeView {
   // ------------------------------------------------------------------ layout
   private build(): void {
     const head = h("div", "jmi-head");
-    head.append(this.totalsEl, this.selEl);
+    this.planHeadEl.hidden = true;
+    head.append(this.totalsEl, this.selEl, this.planHeadEl);
 
     const tools = h("div", "jmi-tools");
     this.search.type = "search";
@@ -318,6 +329,7 @@ export class TreeView {
       ["Size", "jmi-c-num jmi-c-size"],
       ["State", "jmi-c-state"],
       ["Share", "jmi-c-share"],
+      ["Device", "jmi-c-device"],
     ]) {
       colhead.append(h("div", c, t));
     }
@@ -369,6 +381,8 @@ export class TreeView {
       this.waitingEl,
       tools,
       this.actionsEl,
+      this.planBar.el,
+      this.saveBar.el,
       this.progressEl,
       this.messageEl,
       this.noticeEl,
@@ -378,6 +392,7 @@ export class TreeView {
       this.whysEl,
     );
     this.syncSelects();
+    this.renderPlan();
     this.renderActions();
     this.renderProgress();
     this.renderMessage();
@@ -719,7 +734,11 @@ export class TreeView {
     const free = this.actionButton("free", "Free", "jmi-free", act("free"));
     setEnabled(free, !(busy || none || !anyReal));
     this.explain(free, why || (anyReal ? "Back to deferred: release the memory" : "Nothing selected is materialized"));
-    buttons.push(free, this.sepEl, this.rngSel, this.dtypeSel);
+    const planToggle = this.barToggle("plan", "Plan…", this.planBar.el, "Plan which device each part goes to for a workload (allocates nothing)");
+    const saveToggle = this.barToggle("save", "Save…", this.saveBar.el, "Write the model, or the selected subtree, as a checkpoint (safetensors or torch DCP)");
+    buttons.push(free, planToggle, saveToggle, this.sepEl, this.rngSel, this.dtypeSel);
+    this.planBar.render(busy);
+    this.saveBar.render(busy);
     this.rngSel.disabled = busy;
     this.dtypeSel.disabled = busy;
     this.cancelBtn.disabled = this.disconnected;
@@ -729,6 +748,32 @@ export class TreeView {
     if (current.length !== buttons.length || current.some((el, i) => el !== buttons[i])) {
       this.actionsEl.replaceChildren(...buttons);
     }
+  }
+
+  /** A button that shows or hides one of the bars (plan, save), focus moving into it. */
+  private barToggle(key: string, label: string, bar: HTMLElement, why: string): HTMLButtonElement {
+    const b = this.actionButton(key, label, `jmi-toggle jmi-${key}-toggle`, () => {
+      bar.hidden = !bar.hidden;
+      b.classList.toggle("jmi-on", !bar.hidden);
+      b.setAttribute("aria-expanded", String(!bar.hidden));
+      if (!bar.hidden) bar.querySelector<HTMLElement>("input, select")?.focus();
+    });
+    b.setAttribute("aria-expanded", String(!bar.hidden));
+    setEnabled(b, !this.disconnected);
+    this.explain(b, why);
+    return b;
+  }
+
+  /** The plan: the per-device bars in the header, the device column, the plan bar. */
+  private renderPlan(): void {
+    const plan: Plan = this.model.get("plan") ?? {};
+    const planned = Boolean(plan.devices?.length);
+    this.el.classList.toggle("jmi-planned", planned);
+    const head = planHead(plan);
+    this.planHeadEl.replaceWith(head);
+    this.planHeadEl = head;
+    this.renderActions();
+    this.renderRows();
   }
 
   private renderProgress(): void {
@@ -813,7 +858,11 @@ export class TreeView {
     el.setAttribute("aria-level", String(row.depth + 1));
     el.setAttribute("aria-selected", String(check === CHECKED));
     if (hasKids) el.setAttribute("aria-expanded", String(open));
-    el.setAttribute("aria-label", `${t.qname[n] || "the whole model"}, ${t.type[n]}, ${humanBytes(t.bytes[n])}, ${stateText(t.state[n], t.target[n])}`);
+    const plan: Plan = this.model.get("plan") ?? {};
+    const planned = Boolean(plan.devices?.length);
+    const chip = planned ? deviceChip(plan, n) : null;
+    const on = chip && chip.textContent !== "—" ? `, planned on ${chip.textContent}` : "";
+    el.setAttribute("aria-label", `${t.qname[n] || "the whole model"}, ${t.type[n]}, ${humanBytes(t.bytes[n])}, ${stateText(t.state[n], t.target[n])}${on}`);
     el.setAttribute("aria-keyshortcuts", "C");
     el.tabIndex = n === this.focusNode ? 0 : -1;
     if (n === this.focusNode) el.classList.add("jmi-focus");
@@ -829,7 +878,8 @@ export class TreeView {
     cbCell.append(cb);
 
     const nameCell = h("div", "jmi-c-name");
-    nameCell.style.paddingLeft = `${row.depth * 16}px`;
+    // the indent narrows with the widget (style.css: --jmi-indent), so deep names keep room
+    nameCell.style.paddingLeft = `calc(${row.depth} * var(--jmi-indent, 16px))`;
     const caret = h("span", `jmi-caret${hasKids ? "" : " jmi-leaf"}`, hasKids ? (open ? "▾" : "▸") : "");
     caret.setAttribute("aria-hidden", "true");
     const name = h("span", "jmi-name");
@@ -847,15 +897,19 @@ export class TreeView {
     copy.setAttribute("aria-label", `Copy ${code}`);
     copy.dataset.code = code;
     nameCell.append(caret, name, copy);
+    // The chips beside the name, most important first (tied, repeated): each shows
+    // whole or not at all, never cut to "t…" (style.css: .jmi-tags wraps what does not fit
+    // onto a hidden second line); their text stays in the row's title and aria-label.
+    const tags: HTMLElement[] = [];
     const rep = t.repeatedChildren(n);
     // "identical" only while it holds: a block cast to another dtype since differs
     if (rep) {
       const same = t.stillIdentical(t.children[n][0], rep[0]);
-      const chip = h("span", "jmi-chip", same ? `×${rep[0]}, identical` : `×${rep[0]}, same structure`);
+      const chip = keyedChip("jmi-chip", `×${rep[0]}`, same ? ", identical" : ", same structure");
       chip.title = same
         ? `${rep[0]} identical ${rep[1]} blocks`
         : `${rep[0]} ${rep[1]} blocks built identical; their dtypes or sizes now differ`;
-      nameCell.append(chip);
+      tags.push(chip);
     } else if (
       hasKids &&
       t.repN[n] > 1 &&
@@ -864,21 +918,27 @@ export class TreeView {
     ) {
       // a run of identical blocks among other children; leaves (two equal Linears) are not blocks
       const same = t.stillIdentical(n, t.repN[n]);
-      const chip = h("span", "jmi-chip", same ? `×${t.repN[n]}, identical` : `×${t.repN[n]}, same structure`);
+      const chip = keyedChip("jmi-chip", `×${t.repN[n]}`, same ? ", identical" : ", same structure");
       chip.title = same
         ? `This ${t.type[n]} and the next ${t.repN[n] - 1} are identical blocks`
         : `This ${t.type[n]} and the next ${t.repN[n] - 1} were built identical; their dtypes or sizes now differ`;
-      nameCell.append(chip);
+      tags.push(chip);
     }
     const tied = t.tied[n];
     if (tied.length) {
       const names = tied.map((k) => t.qname[k] || "(model)");
-      const chip = h("span", "jmi-chip jmi-tied", `tied: ${names[0]}${names.length > 1 ? ` +${names.length - 1}` : ""}`);
+      const chip = keyedChip("jmi-chip jmi-tied", "tied", `: ${names[0]}${names.length > 1 ? ` +${names.length - 1}` : ""}`);
       chip.title = `Shares a tensor with ${names.join(", ")}: counted once, and real or deferred together`;
-      nameCell.append(chip);
+      tags.unshift(chip);
     }
 
+    // non-eager values are never hidden: the tag keeps its width, the name shrinks
     if (t.values[n]) nameCell.append(fastTag(t.values[n]));
+    if (tags.length) {
+      const box = h("span", "jmi-tags");
+      box.append(h("span", "jmi-tags-spacer"), ...tags);
+      nameCell.append(box);
+    }
 
     const typeCell = h("div", "jmi-c-type");
     appendHighlighted(typeCell, t.type[n], row.match ? this.query : "");
@@ -907,6 +967,7 @@ export class TreeView {
       cellWith(badge(t.state[n], t.target[n]), "jmi-c-state"),
       share,
     );
+    if (chip) el.append(cellWith(chip, "jmi-c-device"));
     return el;
   }
 }
@@ -940,6 +1001,15 @@ export function copyIcon(): SVGSVGElement {
   return svg;
 }
 
+/** A chip whose key ("tied", "×4") is what must show: where the rest does not fit it ends in an
+ *  ellipsis, and where the key does not fit the chip goes (style.css: .jmi-tags). */
+export function keyedChip(cls: string, key: string, rest: string): HTMLElement {
+  const chip = h("span", cls, key + rest);
+  // ch is the width of "0" in the chip's font: the key, the ellipsis, the padding
+  chip.style.setProperty("--jmi-key", `calc(${key.length + 1.5}ch + 12px)`);
+  return chip;
+}
+
 /** Available or not, keeping the button focusable (see renderActions). */
 function setEnabled(b: HTMLButtonElement, enabled: boolean): void {
   b.disabled = false;
@@ -961,6 +1031,9 @@ function cellWith(child: HTMLElement, cls: string): HTMLElement {
 function actionLabel(content: Record<string, unknown>): string {
   if (content.action === "materialize") return `Materialize → ${String(content.device ?? "its device")}`;
   if (content.action === "free") return "Free";
+  if (content.action === "materialize_plan") return "Materialize plan";
+  if (content.action === "plan" || content.action === "pin" || content.action === "unpin") return "Plan";
+  if (content.action === "save") return "Save";
   return String(content.action ?? "action");
 }
 
@@ -1024,7 +1097,10 @@ function sourceTag(source: string): HTMLElement {
 
 /** Values replayed with rng="fast": deterministic, but not what eager construction gives. */
 export function fastTag(values: string): HTMLElement {
-  const tag = h("span", "jmi-dtype jmi-fast", values === "mixed" ? "part fast" : "fast");
+  const tag = h("span", "jmi-dtype jmi-fast");
+  // "part " goes first when the widget is narrow (style.css), "fast" never
+  if (values === "mixed") tag.append(h("span", "jmi-fast-part", "part "));
+  tag.append("fast");
   tag.title =
     (values === "mixed" ? "Part of these values" : "These values") +
     ' were generated with RNG "fast": deterministic, but not the values eager construction gives. Materialize with RNG "exact" to re-generate them exactly.';

@@ -412,6 +412,128 @@ describe("TreeView", () => {
   });
 });
 
+/** A plan of smallTree over two devices: embed on cuda:0, layers and norm on cuda:1 (over). */
+function twoDevicePlan(fits = true) {
+  return {
+    devices: [
+      { name: "cuda:0", peak: 600, capacity: 1024, fits: true, parts: 1 },
+      { name: "cuda:1", peak: fits ? 500 : 2048, capacity: 1024, fits, parts: 3 },
+    ],
+    nodes: [-2, 0, 1, 1, 1, 1, 1, 1, 1, 1],
+    fits,
+    headline: `inference, batch 1, seq_len 8: ${fits ? "fits" : "does not fit"}`,
+    pins: {},
+  };
+}
+
+const deviceCells = (root: HTMLElement) =>
+  [...root.querySelectorAll(".jmi-rows .jmi-c-device")].map((e) => e.textContent);
+
+describe("tags beside a name", () => {
+  it("come most important first, after an empty item that lets even the first one wrap away", () => {
+    const { root, model } = mount(smallTree());
+    model.set("tree", { ...smallTree(), nodes: smallTree().nodes.map((r, i) => {
+      const row = [...r] as typeof r;
+      if (i === 2) {
+        row[ROW.tied] = [9];
+        row[ROW.values] = "fast";
+      }
+      return row;
+    }) });
+    const box = root.querySelectorAll<HTMLElement>(".jmi-rows .jmi-row")[2].querySelector(".jmi-tags")!;
+    expect([...box.children].map((c) => c.textContent)).toEqual(["", "tied: norm", "×2, identical"]);
+    expect(box.firstElementChild!.className).toBe("jmi-tags-spacer");
+    // the fast tag is never wrapped away: it sits before the chips, outside their box
+    expect(box.previousElementSibling!.textContent).toBe("fast");
+    // each chip's key decides whether it shows (style.css: its flex basis)
+    const keys = [...box.querySelectorAll<HTMLElement>(".jmi-chip")].map((c) => c.style.getPropertyValue("--jmi-key"));
+    expect(keys).toEqual(["calc(5.5ch + 12px)", "calc(3.5ch + 12px)"]);
+  });
+});
+
+describe("Plan and Save", () => {
+  it("shows a device column, one colour per device, once a plan arrives", () => {
+    const { root, model } = mount(smallTree());
+    expect(root.querySelector(".jmi-rows .jmi-c-device")).toBeNull();
+    model.set("plan", twoDevicePlan());
+    expect(root.querySelector(".jmi-root")!.classList.contains("jmi-planned")).toBe(true);
+    expect(deviceCells(root)).toEqual(["split", "cuda:0", "cuda:1", "cuda:1"]);
+    const chips = [...root.querySelectorAll<HTMLElement>(".jmi-rows .jmi-devchip")].slice(1, 3);
+    const [c0, c1] = chips.map((c) => c.style.getPropertyValue("--jmi-dev"));
+    expect(c0).not.toBe(c1);
+  });
+
+  it("says in words that a part on a device over capacity does not fit", () => {
+    const { root, model } = mount(smallTree());
+    model.set("plan", twoDevicePlan(false));
+    expect(deviceCells(root)).toContain("cuda:1 · over");
+    const head = root.querySelector(".jmi-planhead")!;
+    expect(head.textContent).toContain("does not fit");
+    expect(head.textContent).toContain("over by 1.00 KiB");
+  });
+
+  it("draws one bar per device in the header, predicted peak against capacity", () => {
+    const { root, model } = mount(smallTree());
+    model.set("plan", twoDevicePlan());
+    const bars = [...root.querySelectorAll<HTMLElement>(".jmi-planhead .jmi-devbar")];
+    expect(bars.map((b) => b.querySelector(".jmi-devbar-text")!.textContent)).toEqual([
+      "600 B / 1.00 KiB (59%)",
+      "500 B / 1.00 KiB (49%)",
+    ]);
+    expect(bars[0].querySelector<HTMLElement>(".jmi-devbar-fill")!.style.width).toBe("58.6%");
+  });
+
+  it("sends the typed devices, batch, seq len and workload when Plan is submitted", () => {
+    const { root, model, view } = mount(smallTree());
+    root.querySelector<HTMLButtonElement>(".jmi-plan-toggle")!.click();
+    expect(view.planBar.el.hidden).toBe(false);
+    view.planBar.devices.value = "cuda:0=80GiB, cuda:1=80GiB";
+    view.planBar.batch.value = "4";
+    view.planBar.seqLen.value = "4096";
+    view.planBar.mode.value = "training";
+    view.planBar.el.dispatchEvent(new Event("submit", { cancelable: true }));
+    expect(model.sent).toEqual([
+      { action: "plan", devices: "cuda:0=80GiB, cuda:1=80GiB", batch: 4, seq_len: 4096, training: true, id: 1 },
+    ]);
+  });
+
+  it("pins the selected parts to the device chosen in the plan bar", () => {
+    const { model, view } = mount(smallTree(), { selected: ["norm"] });
+    model.set("plan", twoDevicePlan());
+    view.planBar.pinSel.value = "cuda:0";
+    view.planBar.pinBtn.click();
+    expect(model.sent).toEqual([{ action: "pin", device: "cuda:0", names: ["norm"], id: 1 }]);
+  });
+
+  it("offers Materialize plan only once there is a plan", () => {
+    const { model, view } = mount(smallTree(), { devices: [{ name: "cuda:0", label: "" }, { name: "cuda:1", label: "" }] });
+    view.planBar.matBtn.click();
+    expect(model.sent).toEqual([]);
+    model.set("plan", twoDevicePlan());
+    view.planBar.matBtn.click();
+    expect(model.sent).toEqual([{ action: "materialize_plan", id: 1 }]);
+  });
+
+  it("says why Materialize plan is unavailable when the plan uses devices this kernel lacks", () => {
+    const { model, view } = mount(smallTree());
+    model.set("plan", twoDevicePlan());
+    view.planBar.matBtn.click();
+    expect(model.sent).toEqual([]);
+    expect(view.planBar.matBtn.title).toContain("This kernel has no cuda:0, cuda:1");
+  });
+
+  it("sends the path and format to save, and refuses two selected subtrees", () => {
+    const { model, view } = mount(smallTree(), { selected: ["norm", "embed"] });
+    view.saveBar.path.value = "ckpt";
+    view.saveBar.format.value = "dcp";
+    view.saveBar.el.dispatchEvent(new Event("submit", { cancelable: true }));
+    expect(model.sent).toEqual([]);
+    model.set("selected", ["norm"]);
+    view.saveBar.el.dispatchEvent(new Event("submit", { cancelable: true }));
+    expect(model.sent).toEqual([{ action: "save", path: "ckpt", format: "dcp", names: ["norm"], id: 1 }]);
+  });
+});
+
 afterEach(() => {
   vi.useRealTimers();
   document.body.replaceChildren();

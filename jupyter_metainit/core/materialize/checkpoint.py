@@ -15,11 +15,12 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core.errors import MaterializationError
+from jupyter_metainit.core.materialize import shadows
 from jupyter_metainit.core.materialize.walk import named_tensors
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.runtime.plain import plain
 
-__all__ = ["load_for"]
+__all__ = ["load_for", "load_reals_in_place"]
 
 
 _WHAT = "a .safetensors file, a sharded set's index JSON, or a list of them"
@@ -278,3 +279,20 @@ def _recorded_read(path: str, key: str, like: torch.Tensor) -> DeferredTensor:
         out = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
         out.copy_(stored)
         return out
+
+
+def load_reals_in_place(
+    reals: list[torch.Tensor], loaded: dict[int, torch.Tensor],
+    file_reads: dict[int, DeferredTensor],
+) -> None:  # fmt: skip
+    """Copy checkpoint values into the parts that were real already (same tensor objects)."""
+    with torch.no_grad():
+        for t in reals:
+            if id(t) in loaded:
+                value = loaded[id(t)]
+                t.copy_(value if value.dtype == t.dtype else value.to(t.dtype))
+                shadows.sources[t] = "checkpoint"
+                if id(t) in file_reads:  # freeing it gives the checkpoint's values again
+                    shadows.kept[t] = shadows.Shadow(
+                        file_reads[id(t)], t._version, t.data_ptr(), None
+                    )

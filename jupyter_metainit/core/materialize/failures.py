@@ -38,8 +38,14 @@ __all__ = [
 RNG_MODES = ("exact", "fast")
 
 
-def check_arguments(rng: str | None, missing: str, dtype: torch.dtype | None) -> None:
-    """Refuse ``rng=``, ``missing=`` and ``dtype=`` values that make no sense."""
+def check_arguments(
+    rng: str | None, missing: str, dtype: torch.dtype | None, placement: Any = None
+) -> None:
+    """Refuse ``rng=``, ``missing=``, ``dtype=`` and ``placement=`` values that make no sense."""
+    if placement is not None:  # with device= (placement= alone is handled before any check)
+        raise ValueError(
+            "placement= gives every part its own device: leave device= out, or drop placement="
+        )
     if rng is not None and rng not in RNG_MODES:
         raise ValueError(f"rng must be 'exact', 'fast' or None (the default), not {rng!r}")
     if missing not in ("error", "init"):
@@ -50,6 +56,19 @@ def check_arguments(rng: str | None, missing: str, dtype: torch.dtype | None) ->
         use="dtype= casts the floating-point tensors (torch.bfloat16, "
         "torch.float16, torch.float32, ...). Quantize after materializing instead.",
     )
+
+
+def placed(placement: Any) -> Any:
+    """What materializes a placement: its ``materialize_parts`` (the core reads nothing else of
+    the plan, so it needs nothing of the planning layer)."""
+    apply = getattr(placement, "materialize_parts", None)
+    if not callable(apply):
+        raise TypeError(
+            "placement= takes a plan from jupyter_metainit.place(model, devices, ...), not "
+            f"{type(placement).__name__}; with a device map, use "
+            "jupyter_metainit.plan.Placement.from_device_map(device_map)"
+        )
+    return apply
 
 
 def target_device(device: Any) -> torch.device | None:

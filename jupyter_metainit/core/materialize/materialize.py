@@ -20,10 +20,11 @@ import torch
 
 from jupyter_metainit.core.materialize import shadows
 from jupyter_metainit.core.materialize.autograd_links import link_non_leaves
-from jupyter_metainit.core.materialize.checkpoint import load_for
+from jupyter_metainit.core.materialize.checkpoint import load_for, load_reals_in_place
 from jupyter_metainit.core.materialize.failures import (
     check_arguments,
     check_recorded_devices,
+    placed,
     refuse_unmaterializable,
     released,
     target_device,
@@ -58,6 +59,7 @@ def materialize(
     checkpoint: Any = None,
     missing: str = "error",
     root: torch.nn.Module | None = None,
+    placement: Any = None,
 ) -> Any:
     """Turn deferred tensors real, in place, with the values eager construction gives.
 
@@ -97,6 +99,8 @@ def materialize(
             or ``"init"`` to replay its recorded initialisation.
         root: with ``checkpoint``, when ``obj`` is a part of a model: the whole model, whose
             qualified names the checkpoint uses (``model.layers.3...``).
+        placement: a plan from ``jupyter_metainit.place`` for the model ``obj``: each part
+            onto its planned device, with one progress total (the plan does it).
 
     Returns:
         ``obj`` (an iterator's items as a list). A failed or interrupted call leaves every
@@ -104,8 +108,11 @@ def materialize(
         allocated. Calls from several threads on the same model are serialized (one lock:
         ``runtime/lock``).
     """
+    if placement is not None and device is None:  # the plan puts each part where it goes
+        options = dict(dtype=dtype, rng=rng, keep_cache=keep_cache, checkpoint=checkpoint)
+        return placed(placement)(obj, progress=progress, missing=missing, root=root, **options)
     obj = as_list_if_iterator(obj)
-    check_arguments(rng, missing, dtype)
+    check_arguments(rng, missing, dtype, placement)
     device = target_device(device)
     callback, bar = progress_callback(progress)
     what = describe_request(obj)
@@ -183,7 +190,7 @@ def _materialize_now(
         for t in call.tensors:
             shadows.note_materialized(t, sources[id(t)], how.get(id(t), (None, None))[1],
                                       id(t) in fast)  # fmt: skip
-        _load_reals_in_place(call.reals, loaded, file_reads)
+        load_reals_in_place(call.reals, loaded, file_reads)
         for (t, data), stamp in zip(converted, restamps, strict=True):
             t.data = data
             shadows.apply_restamp(t, stamp)
@@ -364,23 +371,6 @@ def _converted_reals(
         with torch.no_grad():
             out.append((t, t.detach().to(want_device, want_dtype)))
     return out
-
-
-def _load_reals_in_place(
-    reals: list[torch.Tensor], loaded: dict[int, torch.Tensor],
-    file_reads: dict[int, DeferredTensor],
-) -> None:  # fmt: skip
-    """Copy checkpoint values into the parts that were real already (same tensor objects)."""
-    with torch.no_grad():
-        for t in reals:
-            if id(t) in loaded:
-                value = loaded[id(t)]
-                t.copy_(value if value.dtype == t.dtype else value.to(t.dtype))
-                shadows.sources[t] = "checkpoint"
-                if id(t) in file_reads:  # freeing it gives the checkpoint's values again
-                    shadows.kept[t] = shadows.Shadow(
-                        file_reads[id(t)], t._version, t.data_ptr(), None
-                    )
 
 
 def _warn_unkept(reals: list[torch.Tensor], what: str) -> None:

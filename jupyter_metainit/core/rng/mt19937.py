@@ -317,6 +317,19 @@ def _gather_buffer() -> torch.Tensor:
     return buffer
 
 
+def _state_copy(state: torch.Tensor) -> tuple[torch.Tensor, np.ndarray, np.ndarray, np.ndarray]:
+    """A copy of a CPU generator's state and numpy views of its ``left``, ``next`` and words."""
+    with plain():  # a real copy even when called inside meta_init
+        out = state.detach().reshape(-1).clone()
+    raw = out.numpy()
+    return (
+        out,
+        raw[_OFF_LEFT : _OFF_LEFT + 4].view("<i4"),
+        raw[_OFF_NEXT : _OFF_NEXT + 8].view("<u8"),
+        raw[_OFF_WORDS:_WORDS_END].view("<u8"),
+    )
+
+
 def jump_state(state: torch.Tensor, draws: int) -> torch.Tensor:
     """The CPU generator state after ``draws`` more 32-bit outputs from ``state``.
 
@@ -331,12 +344,7 @@ def jump_state(state: torch.Tensor, draws: int) -> torch.Tensor:
     draws = int(draws)
     if draws < 0:
         raise ValueError("draws must be >= 0")
-    with plain():  # a real copy even when called inside meta_init
-        out = state.detach().reshape(-1).clone()
-    raw = out.numpy()
-    left_view = raw[_OFF_LEFT : _OFF_LEFT + 4].view("<i4")
-    next_view = raw[_OFF_NEXT : _OFF_NEXT + 8].view("<u8")
-    words_view = raw[_OFF_WORDS:_WORDS_END].view("<u8")
+    out, left_view, next_view, words_view = _state_copy(state)
     left = int(left_view[0])
     if not 1 <= left <= N:
         raise ValueError(f"invalid generator state (left = {left})")
@@ -361,12 +369,7 @@ def advance_by_generating(state: torch.Tensor, draws: int) -> torch.Tensor:
     numpy's ``pos`` is PyTorch's ``next``, except that a freshly seeded PyTorch state
     (``left == 1``) twists before its next output, which numpy expresses as ``pos == 624``.
     """
-    with plain():  # a real copy even when called inside meta_init
-        out = state.detach().reshape(-1).clone()
-    raw = out.numpy()
-    left_view = raw[_OFF_LEFT : _OFF_LEFT + 4].view("<i4")
-    next_view = raw[_OFF_NEXT : _OFF_NEXT + 8].view("<u8")
-    words_view = raw[_OFF_WORDS:_WORDS_END].view("<u8")
+    out, left_view, next_view, words_view = _state_copy(state)
     left = int(left_view[0])
     pos = N if left == 1 else int(next_view[0])
     bit_generator = np.random.MT19937()

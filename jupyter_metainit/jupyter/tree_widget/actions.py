@@ -35,6 +35,11 @@ from jupyter_metainit.jupyter.tree_widget.wording import (
 __all__ = ["ActionCancelled", "TreeActions"]
 
 PROGRESS_INTERVAL_S = 0.05  # at most 20 progress messages a second
+# The actions that run on the worker thread (and wait for a running cell to end); the last four
+# are prepared by tree_widget/planning.py.
+_CHANGING_ACTIONS = ("materialize", "free", "plan", "pin", "unpin", "materialize_plan", "save")
+# How the busy line names an action that waits.
+_ACTION_LABELS = {"materialize_plan": "materialize the plan", "unpin": "plan"}
 
 
 class ActionCancelled(Exception):
@@ -67,6 +72,8 @@ class TreeActions:
     _notify: Any
     _normalize: Any
     devices: Any
+    _prepare_job: Any
+    _run_job: Any
 
     def _on_msg(self, _widget: Any, content: Any, _buffers: Any) -> None:
         if isinstance(content, dict) and content.get("id") is not None:
@@ -87,14 +94,15 @@ class TreeActions:
             self.phase = ""
             self.status = "Cancelled before it ran: nothing was changed."
             return True
-        if action not in ("materialize", "free") or not _cells.running:
+        if action not in _CHANGING_ACTIONS or not _cells.running:
             return False
         with self._action_lock:
             if self.busy:
                 self._notify(f"Still busy with {self.busy}; wait for it or cancel it first.")
                 return True
             device = content.get("device")
-            self.busy = f"{action} {device if isinstance(device, str) else ''}".strip()
+            label = _ACTION_LABELS.get(action, action)
+            self.busy = f"{label} {device if isinstance(device, str) else ''}".strip()
             self._queued = content
         self.error = ""
         self.status = ""
@@ -118,7 +126,9 @@ class TreeActions:
 
         ``{"action": "materialize", "device": "cpu" | "cuda:N" | None, "names": [...]}``,
         ``{"action": "free", "names": [...]}``, ``{"action": "cancel"}``,
-        ``{"action": "refresh"}`` or ``{"action": "ping"}``.  Anything invalid is refused
+        ``{"action": "refresh"}`` or ``{"action": "ping"}``; the plan and save actions
+        (``plan``, ``pin``, ``unpin``, ``materialize_plan``, ``save``) are described in
+        ``tree_widget/planning.py`` and ``saving.py``.  Anything invalid is refused
         with a brief notice and changes nothing; it never replaces the message of the
         running or last action.
         """
@@ -134,11 +144,19 @@ class TreeActions:
         if action == "refresh":
             self.refresh()
             return
-        if action not in ("materialize", "free"):
+        if action not in _CHANGING_ACTIONS:
             self._notify(f"Unknown action {action!r}; nothing was done.")
             return
         if not self._tree.alive:
             self.error = MODEL_GONE
+            return
+        if action not in ("materialize", "free"):  # plan, pin, save...: tree_widget/planning.py
+            try:
+                label, job = self._prepare_job(action, content)
+            except ValueError as exc:
+                self._notify(str(exc))
+                return
+            self._launch(label, self._run_job, (label, job))
             return
         try:
             names = self._check_names(content.get("names"))
@@ -146,21 +164,22 @@ class TreeActions:
         except ValueError as exc:
             self._notify(str(exc))
             return
+        self._launch(f"{action} {device}".strip(), self._run, (action, names, device))
+
+    def _launch(self, label: str, target: Any, args: tuple) -> None:
+        """Run ``target(*args)`` on the worker thread as the one running action ``label``."""
         with self._action_lock:
             if self.busy:
                 self._notify(f"Still busy with {self.busy}; wait for it or cancel it first.")
                 return
-            self.busy = f"{action} {device}".strip()
+            self.busy = label
         self.error = ""
         self.status = ""
         self.phase = "waiting for the model" if busy_with() else "starting"
         self._cancel.clear()
         self.progress = [0, 0]
         self._worker = threading.Thread(
-            target=self._run,
-            args=(action, names, device),
-            name="jupyter_metainit-widget",
-            daemon=True,
+            target=target, args=args, name="jupyter_metainit-widget", daemon=True
         )
         self._worker.start()
 

@@ -1,0 +1,294 @@
+"""The widget's plan: *Plan…* (where each part goes, :func:`~jupyter_metainit.plan.place`), pins,
+and *Materialize plan*, run on the worker thread like Materialize and Free.
+
+The page sends the plan's options with the action (``{"action": "plan", "devices":
+"cuda:0=80GiB, cuda:1=80GiB", "batch": 4, "seq_len": 4096, "training": false}``); the kernel
+checks them (a mistake is a notice), plans, and publishes the plan as the kernel-owned ``plan``
+trait: per device its predicted peak against its capacity, and per tree node the device it goes
+to. A pin (``{"action": "pin", "names": [...], "device": "cuda:1"}``) re-plans the rest around
+the pinned parts; ``unpin`` drops every pin.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from typing import Any
+
+from torch import nn
+
+from jupyter_metainit.core import (
+    format_bytes,
+    format_duration,
+    materialize,
+    parse_dtype,
+)
+from jupyter_metainit.estimates.fit import device_budget
+from jupyter_metainit.jupyter.tree_widget.actions import ActionCancelled
+from jupyter_metainit.jupyter.tree_widget.saving import prepare_save
+from jupyter_metainit.jupyter.tree_widget.wording import modules_in_words
+from jupyter_metainit.plan import Placement, place
+from jupyter_metainit.plan.devices import name_value_pairs
+
+__all__ = ["TreePlanning", "parse_device_text", "plan_payload"]
+
+Job = Callable[[], str]
+_MAX_BATCH = 1 << 20
+
+
+def parse_device_text(text: Any) -> dict[str, Any] | str:
+    """``"cuda:0=80GiB, cuda:1=80GiB"`` -> ``{"cuda:0": "80GiB", ...}``; ``"auto"`` stays.
+
+    A device given without a capacity gets its free memory now (as ``fits`` measures it).
+    Raises ValueError with what to type instead."""
+    if not isinstance(text, str) or not text.strip():
+        raise ValueError(
+            "Type the devices to plan over, e.g. cuda:0=80GiB, cuda:1=80GiB (or auto); "
+            "nothing was planned."
+        )
+    if text.strip().lower() == "auto":
+        return "auto"
+    devices: dict[str, Any] = {}
+    typed = name_value_pairs(
+        text, option="Devices", example="cuda:0=80GiB, cuda:1=80GiB", values_optional=True
+    )
+    for name, capacity in typed.items():
+        if not capacity:
+            try:
+                capacity = device_budget(name)
+            except (ValueError, RuntimeError):
+                raise ValueError(
+                    f"Give {name!r} a capacity, e.g. {name}=80GiB (its free memory cannot be "
+                    "measured here); nothing was planned."
+                ) from None
+        devices[name] = capacity
+    return devices
+
+
+def _check_count(value: Any, what: str, *, optional: bool = False) -> int | None:
+    if optional and (value is None or value == ""):
+        return None
+    if isinstance(value, str) and value.strip().isdigit():
+        value = int(value)
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX_BATCH:
+        raise ValueError(f"Refused: {what} must be a whole number >= 1, not {value!r}.")
+    return value
+
+
+def _node_devices(
+    placement: Placement, module: nn.Module, index: dict[str, int], n: int, names: list[str]
+) -> list[int]:
+    """Per tree node: the position of the one device its tensors go to; -1 when it holds no
+    tensors, -2 when they go to several devices."""
+    order = list(placement.capacity)
+    keys = sorted(placement.device_map, key=len, reverse=True)  # the longest prefix decides
+    found: list[set[str]] = [set() for _ in range(n)]
+    # every name of a tied tensor: lm_head shows the device of the embedding it shares
+    tensors = [
+        *module.named_parameters(remove_duplicate=False),
+        *module.named_buffers(remove_duplicate=False),
+    ]
+    by_tensor: dict[int, str] = {}
+    for tensor_name, tensor in tensors:
+        owner = tensor_name.rpartition(".")[0]
+        key = next((k for k in keys if not k or owner == k or owner.startswith(k + ".")), None)
+        if key is not None:
+            by_tensor.setdefault(id(tensor), placement.device_map[key])
+    for tensor_name, tensor in tensors:
+        device = by_tensor.get(id(tensor))
+        if device is None:
+            continue
+        owner = tensor_name.rpartition(".")[0]
+        path = owner
+        while True:
+            if path in index:
+                found[index[path]].add(device)
+            if not path:
+                break
+            path = path.rpartition(".")[0]
+    out = []
+    for node in range(n):
+        devices = found[node] if names[node] in index else set()
+        out.append(
+            -1 if not devices else order.index(next(iter(devices))) if len(devices) == 1 else -2
+        )
+    return out
+
+
+def plan_payload(
+    placement: Placement, module: nn.Module, tree: Any, request: dict, pins: dict[str, str]
+) -> dict:
+    """What the page shows of a plan (the ``plan`` trait): plain JSON."""
+    parts_per_device: dict[str, int] = {}
+    for _, _, device, _ in placement.parts:
+        parts_per_device[device] = parts_per_device.get(device, 0) + 1
+    devices = [
+        {
+            "name": d,
+            "peak": int(placement.peak[d]),
+            "capacity": int(c),
+            "fits": placement.peak[d] <= c,
+            "parts": parts_per_device.get(d, 0),
+        }
+        for d, c in placement.capacity.items()
+    ]
+    kind = "training" if placement.training else "inference"
+    return {
+        "devices": devices,
+        "nodes": _node_devices(placement, module, tree.index, len(tree), tree.names),
+        "fits": placement.fits,
+        "headline": f"{kind}, {placement.workload}: "
+        + ("fits" if placement.fits else "does not fit"),
+        "advice": list(placement.advice),
+        "notes": list(placement.notes),
+        "pins": dict(pins),
+        "request": dict(request),
+        "device_map": dict(placement.device_map),
+    }
+
+
+class TreePlanning:
+    """Mixin of :class:`~jupyter_metainit.jupyter.widget.ModuleTreeWidget`: plan, pin, save."""
+
+    _placement: Placement | None
+    _plan_request: dict | None
+    _pins: dict[str, str]
+    plan: Any
+    dtype: Any
+    rng: Any
+    devices: Any
+    phase: Any
+    progress: Any
+    error: Any
+    status: Any
+    busy: Any
+    module: Any
+    _tree: Any
+    _stats: Any
+    _progress: Any
+    refresh: Any
+    _check_names: Any
+
+    def _prepare_job(self, action: str, content: dict) -> tuple[str, Job]:
+        """Check an action message; the busy label and the job the worker thread runs.
+        Raises ValueError (said as a notice) when the message cannot be carried out."""
+        if action == "save":
+            return prepare_save(self, content)
+        if action == "materialize_plan":
+            return "materialize the plan", self._materialize_plan_job()
+        if action == "plan":
+            request = {
+                "devices": content.get("devices"),
+                "batch": _check_count(content.get("batch", 1), "batch"),
+                "seq_len": _check_count(content.get("seq_len"), "seq len", optional=True),
+                "training": bool(content.get("training", False)),
+            }
+            devices = parse_device_text(request["devices"])
+            return "plan", lambda: self._plan_job(request, devices, {})
+        if self._plan_request is None:
+            raise ValueError("Plan first (Plan…), then pin parts to its devices.")
+        request = self._plan_request
+        devices = parse_device_text(request["devices"])
+        if action == "unpin":
+            return "plan", lambda: self._plan_job(request, devices, {}, drop=True)
+        names = self._check_names(content.get("names"))
+        device = content.get("device")
+        if not isinstance(device, str) or device not in (
+            self._placement.capacity if self._placement else {}
+        ):
+            raise ValueError(f"Refused: pin to one of the plan's devices, not {device!r}.")
+        return "plan", lambda: self._plan_job(request, devices, dict.fromkeys(names, device))
+
+    def _run_job(self, label: str, job: Job) -> None:
+        """The worker thread's job for plan, pin, save and materialize plan: run it, then say
+        what it did (its sentence, ``{took}`` filled in) or why it failed."""
+        before = [s.row() for s in self._tree.stats()]
+        t0 = time.monotonic()
+        try:
+            said = job()
+        except ActionCancelled as exc:
+            self.refresh()
+            changed = [s.row() for s in self._stats] != before
+            self.status = f"Cancelled: {label} stopped; " + (
+                "part of the model changed state, see the badges."
+                if changed
+                else str(exc) or "nothing was changed."
+            )
+        except Exception as exc:
+            self.refresh()
+            changed = [s.row() for s in self._stats] != before
+            self.error = f"Could not {label}: {exc}" + (
+                " Part of the model changed state; see the badges."
+                if changed
+                else " The model was left as it was."
+            )
+        else:
+            self.refresh()
+            self.status = said.replace("{took}", format_duration(time.monotonic() - t0))
+        finally:
+            self.phase = ""
+            self.busy = ""
+
+    def _plan_job(
+        self, request: dict, devices: Any, pin: dict[str, str], drop: bool = False
+    ) -> str:
+        # a new plan keeps the pins to devices it still has; unpin drops them all
+        kept = {n: d for n, d in self._pins.items() if isinstance(devices, dict) and d in devices}
+        pins = {} if drop else {**kept, **pin}
+        self.phase = "planning (a dry run of the workload on meta tensors)"
+        placement = place(
+            self.module,
+            devices,
+            batch=request["batch"],
+            seq_len=request["seq_len"],
+            training=request["training"],
+            precision=parse_dtype(self.dtype or None),
+            pin=pins or None,
+        )
+        self._placement, self._plan_request, self._pins = placement, request, pins
+        self.plan = plan_payload(placement, self.module, self._tree, request, pins)
+        peaks = ", ".join(
+            f"{d} {format_bytes(p)} of {format_bytes(placement.capacity[d])}"
+            for d, p in placement.peak.items()
+        )
+        verdict = "It fits" if placement.fits else "It does NOT fit"
+        pinned = (
+            f" Pinned: {modules_in_words(list(pin))} → {next(iter(pin.values()))}." if pin else ""
+        )
+        advice = "" if placement.fits else " To fit: " + "; ".join(placement.advice) + "."
+        return f"Planned in {{took}}. {verdict}: {peaks}.{pinned}{advice}"
+
+    def _materialize_plan_job(self) -> Job:
+        placement = self._placement
+        if placement is None:
+            raise ValueError("Plan first (Plan…): there is no plan to materialize.")
+        usable = {"cpu", *(d["name"] for d in self.devices)}
+        missing = sorted(set(placement.device_map.values()) - usable)
+        if missing:
+            raise ValueError(
+                f"Refused: the plan puts parts on {', '.join(missing)}, which this kernel cannot "
+                "use. Plan over the devices it has (devices: auto), then materialize."
+            )
+        return lambda: self._materialize_plan(placement)
+
+    def _materialize_plan(self, placement: Placement) -> str:
+        # the core puts each part on its device under one progress total; a failure or Cancel
+        # makes the parts it made deferred again
+        materialize(
+            self.module,
+            placement=placement,
+            dtype=parse_dtype(self.dtype or None),
+            rng=self.rng,
+            keep_cache=True,  # so that Free can make them deferred again
+            progress=self._progress,
+        )
+        counts = ", ".join(f"{d}: {n}" for d, n in _parts_per_device(placement).items())
+        values = "" if self.rng == "exact" else " (RNG fast: not eager's values)"
+        return f"Materialized the plan in {{took}}, parts per device: {counts}{values}."
+
+
+def _parts_per_device(placement: Placement) -> dict[str, int]:
+    out: dict[str, int] = {}
+    for _, _, device, _ in placement.parts:
+        out[device] = out.get(device, 0) + 1
+    return out
