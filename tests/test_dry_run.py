@@ -481,3 +481,19 @@ def test_dry_run_checking_dtypes_allocates_no_large_output_of_small_inputs():
     )
     # Growth, not the total: a CUDA build of torch alone takes about 1 GiB once imported.
     assert int(done.stdout.split()[-1]) < 512 * 1024**2
+
+
+def test_dry_run_without_flops_leaves_flops_empty_and_every_other_figure_the_same():
+    with meta_init():
+        model = transformers.LlamaForCausalLM(tiny_llama_config())
+    counted = dry_run(model, (2, 16), use_cache=True).drop(columns=["flops"])
+    uncounted = dry_run(model, (2, 16), use_cache=True, flops=False)
+    assert uncounted["flops"].isna().all()
+    assert uncounted.attrs["dry_run"]["flops"] is None
+    uncounted = uncounted.drop(columns=["flops"])
+    assert counted.columns.equals(uncounted.columns)
+    for column in counted.columns:
+        assert counted[column].tolist() == uncounted[column].tolist(), column
+    assert counted.attrs["dry_run"]["peak_activation_bytes"] == uncounted.attrs["dry_run"][
+        "peak_activation_bytes"
+    ]
