@@ -494,6 +494,7 @@ def test_dry_run_without_flops_leaves_flops_empty_and_every_other_figure_the_sam
     assert counted.columns.equals(uncounted.columns)
     for column in counted.columns:
         assert counted[column].tolist() == uncounted[column].tolist(), column
-    assert counted.attrs["dry_run"]["peak_activation_bytes"] == uncounted.attrs["dry_run"][
-        "peak_activation_bytes"
-    ]
+    assert (
+        counted.attrs["dry_run"]["peak_activation_bytes"]
+        == uncounted.attrs["dry_run"]["peak_activation_bytes"]
+    )
