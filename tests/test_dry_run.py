@@ -498,3 +498,27 @@ def test_dry_run_without_flops_leaves_flops_empty_and_every_other_figure_the_sam
         counted.attrs["dry_run"]["peak_activation_bytes"]
         == uncounted.attrs["dry_run"]["peak_activation_bytes"]
     )
+
+
+def _tiny_mixtral(hidden: int) -> nn.Module:
+    config = transformers.MixtralConfig(
+        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=100, num_local_experts=4,
+        num_experts_per_tok=2,
+    )  # fmt: skip
+    with meta_init():
+        return transformers.MixtralForCausalLM(config)
+
+
+def test_token_id_shapes_become_valid_ids_for_a_model_that_reads_their_values():
+    # The experts' routing reads values; uninitialized ids would index past the embedding.
+    table = dry_run(_tiny_mixtral(64), (2, 8))
+    assert table.loc["", "output_shape"] == (2, 8, 100)
+
+
+def test_float32_grouped_mm_experts_run_as_eager_cpu_runs_them():
+    # The meta kernel of _grouped_mm refuses float32 (a CUDA check); the CPU kernel takes it.
+    table = dry_run(_tiny_mixtral(1024), (4, 64))
+    experts = table.loc["model.layers.0.mlp.experts"]
+    assert experts["output_shape"] == (4 * 64, 1024)
+    assert experts["activation_bytes"] == 4 * 64 * 1024 * 4

@@ -57,7 +57,7 @@ def _stand_in_inputs(
 
     def from_shape(shape: Any) -> torch.Tensor:
         device = "meta" if use_meta else None
-        return torch.empty(tuple(shape), dtype=shape_dtype, device=device)
+        return torch.zeros(tuple(shape), dtype=shape_dtype, device=device)
 
     args = [from_shape(a) if is_shape(a) else map_tensors(a, convert) for a in example_inputs]
     return args, {k: map_tensors(v, convert) for k, v in kwargs.items()}
