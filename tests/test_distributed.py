@@ -603,3 +603,15 @@ def test_materialize_sharded_refuses_a_pipeline_plan_and_says_what_takes_it():
     with pytest.raises(ValueError, match=r"'pipeline' plan.*materialize\(model, placement=plan\)"):
         materialize_sharded(model, None, placement=plan)
     assert is_deferred(model)
+
+
+def test_materialize_sharded_with_an_fsdp_plan_and_no_mesh_says_to_pass_the_mesh():
+    pytest.importorskip("transformers")
+    from jupyter_metainit import place
+
+    with meta_init():
+        model = _hf_model()
+    plan = place(model, {"cpu": "8GiB"}, batch=2, seq_len=16, strategy="fsdp", world_size=2)
+    with pytest.raises(ValueError, match="needs the device mesh"):
+        materialize_sharded(model, placement=plan)
+    assert is_deferred(model)
