@@ -43,7 +43,15 @@ T5_LOAD = {"inputs": {"input_ids": (8, 512), "decoder_input_ids": (8, 128)}}
 VIT_H = dict(hidden_size=1280, intermediate_size=5120, num_hidden_layers=32,
              num_attention_heads=16, image_size=224, patch_size=14)  # fmt: skip
 VIT_LOAD = {"inputs": [(256, 3, 224, 224)]}
-QUICK = {"t5": {"num_layers": 2, "d_ff": 1024}, "vit": {"num_hidden_layers": 2}}
+MIXTRAL_8X7B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                    num_attention_heads=32, num_key_value_heads=8, vocab_size=32000,
+                    num_local_experts=8, num_experts_per_tok=2)  # fmt: skip
+MIXTRAL_LOAD = {"batch": 8, "seq_len": 4096}
+QUICK = {
+    "t5": {"num_layers": 2, "d_ff": 1024},
+    "vit": {"num_hidden_layers": 2},
+    "mixtral": {"num_hidden_layers": 2, "hidden_size": 256, "intermediate_size": 512},
+}
 SMALL_LLAMA = dict(
     hidden_size=1024,
     intermediate_size=2816,
@@ -55,8 +63,8 @@ SMALL_LLAMA = dict(
 
 
 def _deferred(config: dict[str, Any], kind: str = "llama") -> Any:
-    """A deferred transformers model: ``llama`` (causal LM), ``t5`` (encoder-decoder) or
-    ``vit`` (vision encoder)."""
+    """A deferred transformers model: ``llama`` (causal LM), ``mixtral`` (mixture of experts),
+    ``t5`` (encoder-decoder) or ``vit`` (vision encoder)."""
     import transformers
 
     from jupyter_metainit import meta_init
@@ -66,11 +74,14 @@ def _deferred(config: dict[str, Any], kind: str = "llama") -> Any:
             return transformers.T5ForConditionalGeneration(transformers.T5Config(**config))
         if kind == "vit":
             return transformers.ViTModel(transformers.ViTConfig(**config))
+        if kind == "mixtral":
+            return transformers.MixtralForCausalLM(transformers.MixtralConfig(**config))
         return transformers.LlamaForCausalLM(llama_config(**config))
 
 
 # Blocks accelerate must keep whole, per kind (place finds them itself).
-NO_SPLIT = {"llama": ["LlamaDecoderLayer"], "t5": ["T5Block"], "vit": ["ViTLayer"]}
+NO_SPLIT = {"llama": ["LlamaDecoderLayer"], "t5": ["T5Block"], "vit": ["ViTLayer"],
+            "mixtral": ["MixtralDecoderLayer"]}  # fmt: skip
 
 
 def plan_time(config: dict[str, Any], gpus: int, workload: dict[str, Any], kind: str = "llama",
@@ -272,6 +283,7 @@ def main() -> None:
         params = {"config": big, "gpus": gpus, "workload": llama_load}
         jobs += [("plan_time", params), ("accelerate_time", params)]
     others = {  # (kind, config, workload, devices, capacity)
+        "Mixtral-8x7B-shaped, batch 8 x 4096": ("mixtral", MIXTRAL_8X7B, MIXTRAL_LOAD, 2, 80 * GiB),
         "T5-3B-shaped, batch 8 x 512 -> 128": ("t5", T5_3B, T5_LOAD, 2, 6 * GiB),
         "ViT-H/14-shaped, batch 256 images": ("vit", VIT_H, VIT_LOAD, 2, 3 * GiB),
     }

@@ -121,7 +121,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
         "whole_report",
     ]
     if _has_transformers():
-        names.append("hf_fsdp")
+        names += ["hf_fsdp", "hf_fsdp_plan"]
     return _spawn(names, tmp_path_factory.mktemp("ranks"))
 
 
@@ -382,7 +382,28 @@ def _scenario_hf_fsdp(mesh: Any) -> dict[str, Any]:
     return result
 
 
+def _scenario_hf_fsdp_plan(mesh: Any) -> dict[str, Any]:
+    from torch.distributed.fsdp import FSDPModule
+
+    from jupyter_metainit import place
+
+    with meta_init():
+        model = _hf_model()
+    plan = place(model, {"cpu": "8GiB"}, batch=2, seq_len=16, training=True, strategy="fsdp",
+                 world_size=WORLD)  # fmt: skip
+    materialize_sharded(model, mesh, placement=plan)
+    eager = _hf_model()
+    return {
+        "units": plan.units,
+        "sharded": [name for name, m in model.named_modules() if isinstance(m, FSDPModule)],
+        "deferred_after": is_deferred(model),
+        "local_rows": model.model.layers[0].mlp.up_proj.weight._local_tensor.shape[0],
+        "vs_eager": _mismatches(_gathered(model), _gathered(eager)),
+    }
+
+
 SCENARIOS = {
+    "hf_fsdp_plan": _scenario_hf_fsdp_plan,
     "memory": _scenario_memory,
     "fsdp_exact": _scenario_fsdp_exact,
     "fsdp_fast": _scenario_fsdp_fast,
@@ -557,3 +578,40 @@ def test_unknown_rng_mode_is_refused():
 def test_materialize_sharded_of_a_number_says_what_it_takes():
     with pytest.raises(TypeError, match=r"materialize_sharded\(\) takes the sharded model"):
         materialize_sharded(5)
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_materialize_sharded_with_an_fsdp_plan_shards_its_units_in_order(hf_results, rank):
+    r = _result(hf_results, "hf_fsdp_plan", rank)
+    assert r["units"] == ["model.layers.0", "model.layers.1", ""]
+    assert sorted(r["sharded"]) == sorted(r["units"])
+    assert r["local_rows"] == 128 // WORLD and not r["deferred_after"]
+
+
+@pytest.mark.parametrize("rank", range(WORLD))
+def test_materialize_sharded_with_an_fsdp_plan_gathers_to_eager_values(hf_results, rank):
+    assert _result(hf_results, "hf_fsdp_plan", rank)["vs_eager"] == []
+
+
+def test_materialize_sharded_refuses_a_pipeline_plan_and_says_what_takes_it():
+    pytest.importorskip("transformers")
+    from jupyter_metainit import place
+
+    with meta_init():
+        model = _hf_model()
+    plan = place(model, {"cpu": "8GiB"}, batch=2, seq_len=16)
+    with pytest.raises(ValueError, match=r"'pipeline' plan.*materialize\(model, placement=plan\)"):
+        materialize_sharded(model, None, placement=plan)
+    assert is_deferred(model)
+
+
+def test_materialize_sharded_with_an_fsdp_plan_and_no_mesh_says_to_pass_the_mesh():
+    pytest.importorskip("transformers")
+    from jupyter_metainit import place
+
+    with meta_init():
+        model = _hf_model()
+    plan = place(model, {"cpu": "8GiB"}, batch=2, seq_len=16, strategy="fsdp", world_size=2)
+    with pytest.raises(ValueError, match="needs the device mesh"):
+        materialize_sharded(model, placement=plan)
+    assert is_deferred(model)

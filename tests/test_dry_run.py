@@ -481,3 +481,44 @@ def test_dry_run_checking_dtypes_allocates_no_large_output_of_small_inputs():
     )
     # Growth, not the total: a CUDA build of torch alone takes about 1 GiB once imported.
     assert int(done.stdout.split()[-1]) < 512 * 1024**2
+
+
+def test_dry_run_without_flops_leaves_flops_empty_and_every_other_figure_the_same():
+    with meta_init():
+        model = transformers.LlamaForCausalLM(tiny_llama_config())
+    counted = dry_run(model, (2, 16), use_cache=True).drop(columns=["flops"])
+    uncounted = dry_run(model, (2, 16), use_cache=True, flops=False)
+    assert uncounted["flops"].isna().all()
+    assert uncounted.attrs["dry_run"]["flops"] is None
+    uncounted = uncounted.drop(columns=["flops"])
+    assert counted.columns.equals(uncounted.columns)
+    for column in counted.columns:
+        assert counted[column].tolist() == uncounted[column].tolist(), column
+    assert (
+        counted.attrs["dry_run"]["peak_activation_bytes"]
+        == uncounted.attrs["dry_run"]["peak_activation_bytes"]
+    )
+
+
+def _tiny_mixtral(hidden: int) -> nn.Module:
+    config = transformers.MixtralConfig(
+        hidden_size=hidden, intermediate_size=2 * hidden, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, vocab_size=100, num_local_experts=4,
+        num_experts_per_tok=2,
+    )  # fmt: skip
+    with meta_init():
+        return transformers.MixtralForCausalLM(config)
+
+
+def test_token_id_shapes_become_valid_ids_for_a_model_that_reads_their_values():
+    # The experts' routing reads values; uninitialized ids would index past the embedding.
+    table = dry_run(_tiny_mixtral(64), (2, 8))
+    assert table.loc["", "output_shape"] == (2, 8, 100)
+
+
+def test_float32_grouped_mm_experts_run_as_eager_cpu_runs_them():
+    # The meta kernel of _grouped_mm refuses float32 (a CUDA check); the CPU kernel takes it.
+    table = dry_run(_tiny_mixtral(1024), (4, 64))
+    experts = table.loc["model.layers.0.mlp.experts"]
+    assert experts["output_shape"] == (4 * 64, 1024)
+    assert experts["activation_bytes"] == 4 * 64 * 1024 * 4

@@ -367,3 +367,19 @@ def test_keyword_inputs_plan_an_encoder_decoder_with_tied_embeddings_on_one_devi
     on = {name: device for name, _, device, _ in plan.parts}
     assert on["shared"] == on["encoder.embed_tokens"] == on["decoder.embed_tokens"]
     assert plan.workload == "inputs input_ids=(2, 32), decoder_input_ids=(2, 8)"
+
+
+def test_a_mixtral_shaped_moe_is_planned_with_its_experts_in_their_blocks():
+    config = transformers.MixtralConfig(
+        hidden_size=1024, intermediate_size=2048, num_hidden_layers=4, num_attention_heads=8,
+        num_key_value_heads=2, vocab_size=1000, num_local_experts=4, num_experts_per_tok=2,
+    )  # fmt: skip
+    with meta_init():
+        model = transformers.MixtralForCausalLM(config)
+    plan = place(model, {"cuda:0": "1GiB", "cuda:1": "1GiB"}, batch=2, seq_len=256,
+                 precision="bf16")  # fmt: skip
+    assert plan.fits and set(plan.peak) == {"cuda:0", "cuda:1"}
+    assert _device_of(plan.device_map, "model.layers.0.mlp.experts") == _device_of(
+        plan.device_map, "model.layers.0.self_attn"
+    )
+    assert is_deferred(model)

@@ -120,9 +120,73 @@ def _groups(tensors: list[DeferredTensor]) -> list[list[DeferredTensor]]:
     return list(by_storage.values())
 
 
+def _apply_placement(module: torch.nn.Module, mesh: Any, placement: Any) -> None:
+    """``fully_shard`` the units of an FSDP plan from ``place`` (innermost first, root last),
+    as one would by hand; a model whose units are all sharded already is left as it is."""
+    strategy = getattr(placement, "strategy", None)
+    if strategy != "fsdp":
+        raise ValueError(
+            f"placement= takes a plan made with place(..., strategy='fsdp', world_size=N); this "
+            f"one is a {strategy!r} plan, which puts whole parts on devices: use "
+            "materialize(model, placement=plan) for it"
+        )
+    if mesh is None:
+        raise ValueError(
+            "materialize_sharded(model, mesh, placement=plan) needs the device mesh the units "
+            "are sharded over, e.g. init_device_mesh('cuda', (world_size,))"
+        )
+    ranks = mesh.size()
+    if placement.world_size != ranks:
+        raise ValueError(
+            f"the plan is for world_size={placement.world_size} but the mesh has {ranks} ranks: "
+            f"plan again with place(..., strategy='fsdp', world_size={ranks})"
+        )
+    from torch.distributed.fsdp import FSDPModule, fully_shard
+
+    modules = dict(module.named_modules())
+    missing = [name for name in placement.units if name not in modules]
+    if missing:
+        raise ValueError(
+            f"the plan's units {missing} are not modules of this model: pass the model the plan "
+            "was made for"
+        )
+    units = [modules[name] for name in placement.units]
+    sharded = [isinstance(unit, FSDPModule) for unit in units]
+    if all(sharded):  # applied before (a call that failed while materializing): finish it
+        return
+    if any(sharded):
+        raise ValueError(
+            "some modules of this model are fully_shard-ed already, but not as the plan says: "
+            "pass the plan to an unsharded model, or call materialize_sharded(model) without it"
+        )
+    for unit in units:
+        fully_shard(unit, mesh=mesh)
+
+
+def _tensors_to_make(module: torch.nn.Module) -> tuple[dict[int, DeferredTensor], list[Any]]:
+    """Every deferred tensor of ``module`` (DTensors' local shards included, each once) and the
+    FSDP2 parameters whose shards are among them."""
+    tensors: dict[int, DeferredTensor] = {}
+    for t in [*_module_locals(module), *iter_deferred(module)]:
+        tensors.setdefault(id(t), t)
+    fsdp_params = []
+    for fp in _fsdp_params(module):
+        # FSDP2 keeps the padded shard (the all-gather input) next to the parameter's local
+        # tensor, a view of the same storage; both must become real together.
+        inner = [local_tensor(fp.sharded_param), getattr(fp, "_sharded_param_data", None)]
+        inner = [t for t in inner if isinstance(t, DeferredTensor)]
+        if inner:
+            fsdp_params.append(fp)
+        for t in inner:
+            tensors.setdefault(id(t), t)
+    return tensors, fsdp_params
+
+
 def materialize_sharded(
     module: torch.nn.Module,
+    mesh: Any = None,
     *,
+    placement: Any = None,
     rng: str = "exact",
     progress: bool | Callable[[int, int], None] | None = None,
 ) -> torch.nn.Module:
@@ -143,7 +207,12 @@ def materialize_sharded(
 
     Args:
         module: the sharded deferred model (the root passed to ``fully_shard``, or any module
-            whose parameters are DTensors with deferred local tensors).
+            whose parameters are DTensors with deferred local tensors); or, with
+            ``placement=``, the unsharded deferred model.
+        mesh: the ``DeviceMesh`` to shard over, with ``placement=`` only.
+        placement: an FSDP plan, ``place(model, ..., strategy="fsdp", world_size=N)``: its
+            ``units`` are ``fully_shard``-ed over ``mesh`` (innermost first, the root last)
+            before the shards are made, as one would by hand.
         rng: ``"exact"`` (default; bit-identical to a single-process materialization) or
             ``"fast"`` (per-op streams seeded from the recording; shards agree across ranks
             because every rank recorded the same seeds). Every rank must build the model from
@@ -163,20 +232,15 @@ def materialize_sharded(
         )
     if rng not in ("exact", "fast"):
         raise ValueError(f"rng must be 'exact' or 'fast', not {rng!r}")
+    if placement is not None:
+        _apply_placement(module, mesh, placement)
+    elif mesh is not None:
+        raise ValueError(
+            "mesh= goes with placement= (an FSDP plan from place); a model you fully_shard "
+            "yourself needs only materialize_sharded(model)"
+        )
     names = _shard_names(module)
-    tensors: dict[int, DeferredTensor] = {}
-    for t in [*_module_locals(module), *iter_deferred(module)]:
-        tensors.setdefault(id(t), t)
-    fsdp_params = []
-    for fp in _fsdp_params(module):
-        # FSDP2 keeps the padded shard (the all-gather input) next to the parameter's local
-        # tensor, a view of the same storage; both must become real together.
-        inner = [local_tensor(fp.sharded_param), getattr(fp, "_sharded_param_data", None)]
-        inner = [t for t in inner if isinstance(t, DeferredTensor)]
-        if inner:
-            fsdp_params.append(fp)
-        for t in inner:
-            tensors.setdefault(id(t), t)
+    tensors, fsdp_params = _tensors_to_make(module)
     for t in tensors.values():
         if id(t) in names:
             _check_filled(t, names[id(t)])

@@ -15,6 +15,7 @@ from typing import Any
 import torch
 from torch import nn
 from torch.nn.parameter import is_lazy
+from torch.utils.flop_counter import FlopCounterMode
 
 from jupyter_metainit.core import dtype_name, meta_init, parse_dtype, tensor_state
 from jupyter_metainit.estimates._arguments import require_module
@@ -24,7 +25,7 @@ from jupyter_metainit.estimates.forward.model_guard import ModelGuard
 from jupyter_metainit.estimates.forward.nested import is_shape, map_tensors, tensors_in
 from jupyter_metainit.estimates.memory import DRY_RUN_ATTR, MemoryTable, memory_table
 
-__all__ = ["dry_run"]
+__all__ = ["dry_run", "run_forward"]
 
 
 def _default_input_dtype(module: nn.Module) -> torch.dtype:
@@ -56,7 +57,7 @@ def _stand_in_inputs(
 
     def from_shape(shape: Any) -> torch.Tensor:
         device = "meta" if use_meta else None
-        return torch.empty(tuple(shape), dtype=shape_dtype, device=device)
+        return torch.zeros(tuple(shape), dtype=shape_dtype, device=device)
 
     args = [from_shape(a) if is_shape(a) else map_tensors(a, convert) for a in example_inputs]
     return args, {k: map_tensors(v, convert) for k, v in kwargs.items()}
@@ -73,7 +74,7 @@ def _leave_records(
     module: nn.Module,
     modules: ModuleStack,
     tracker: ActivationTracker,
-    flop_by_name: dict[str, int],
+    flop_by_name: dict[str, int] | None,
     run: dict[str, Any],
 ) -> None:
     """Each module keeps its own figures (plain numbers and shapes, no tensors), so tables of
@@ -83,7 +84,7 @@ def _leave_records(
             record = {
                 "output_shape": modules.shapes[name],
                 "activation_bytes": modules.out_bytes.get(name, 0),
-                "flops": flop_by_name.get(name, 0),
+                "flops": None if flop_by_name is None else flop_by_name.get(name, 0),
                 "peak_activation_bytes": tracker.module_peak.get(name, 0),
             }
             if mod is module:
@@ -97,6 +98,7 @@ def dry_run(
     module: nn.Module,
     *example_inputs: Any,
     input_dtype: torch.dtype | str | None = None,
+    flops: bool = True,
     **kwargs: Any,
 ) -> MemoryTable:
     """Run ``module(*example_inputs, **kwargs)`` on deferred tensors and record what it costs.
@@ -121,6 +123,8 @@ def dry_run(
     KV cache and residual stream). Results are stored on ``module`` keyed by qualified name and
     appear as columns ``output_shape``, ``activation_bytes``, ``flops``, ``peak_forward_bytes``
     (= the subtree's weights + that peak) in later :func:`memory_table` calls.
+    ``flops=False`` skips the FLOP counter (about a third of the run's time on a large model):
+    the ``flops`` column is then empty; every other figure is the same.
 
     The model's own forward hooks run as in eager, and see the run's tensors: deferred tensors
     (meta tensors for a model on the meta device) standing in for its weights and activations,
@@ -129,6 +133,19 @@ def dry_run(
     Returns ``memory_table(module)`` with those columns.
     """
     require_module(module, "dry_run")
+    run_forward(module, *example_inputs, input_dtype=input_dtype, flops=flops, **kwargs)
+    return memory_table(module)
+
+
+def run_forward(
+    module: nn.Module,
+    *example_inputs: Any,
+    input_dtype: torch.dtype | str | None = None,
+    flops: bool = True,
+    **kwargs: Any,
+) -> None:
+    """:func:`dry_run` without its table: the figures are left on the modules only (for
+    callers that read them directly and would otherwise pay for a table they do not use)."""
     use_meta = _uses_meta(module)
     shape_dtype = parse_dtype(input_dtype, "input_dtype") or _default_input_dtype(module)
     ctx: contextlib.AbstractContextManager[Any] = (
@@ -137,7 +154,9 @@ def dry_run(
     modules = ModuleStack(module)
     tracker = ActivationTracker(modules.stack)
     start = time.perf_counter()
-    flops = flop_counter()
+    counter: contextlib.AbstractContextManager[Any] = (
+        flop_counter() if flops else contextlib.nullcontext()
+    )
     guard = ModelGuard(module, (example_inputs, kwargs))
     try:
         with ctx:
@@ -145,7 +164,7 @@ def dry_run(
             args, kw = _stand_in_inputs(example_inputs, kwargs, use_meta, shape_dtype)
             for t in tensors_in((args, kw)):
                 tracker.track(t)
-            with torch.no_grad(), modules.hooks(), flops, tracker:
+            with torch.no_grad(), modules.hooks(), counter, tracker:
                 tracker.note_peak()
                 output = module(*args, **kw)
             out_shapes = [tuple(t.shape) for t in tensors_in(output)]
@@ -161,11 +180,13 @@ def dry_run(
         "inputs": [tuple(a) if is_shape(a) else _input_label(a) for a in example_inputs],
         "kwargs": {k: _input_label(v) for k, v in kwargs.items()},
         "output_shapes": out_shapes,
-        "flops": int(flops.get_total_flops()),
+        "flops": int(counter.get_total_flops()) if isinstance(counter, FlopCounterMode) else None,
         "peak_activation_bytes": tracker.peak,
         "seconds": seconds,
     }
-    _leave_records(
-        module, modules, tracker, flops_by_module(flops, module, set(modules.shapes), known), run
+    by_module = (
+        flops_by_module(counter, module, set(modules.shapes), known)
+        if isinstance(counter, FlopCounterMode)
+        else None
     )
-    return memory_table(module)
+    _leave_records(module, modules, tracker, by_module, run)

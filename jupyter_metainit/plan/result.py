@@ -55,8 +55,8 @@ class Placement:
         """What ``materialize(model, placement=self)`` runs: each part onto its device."""
         if self.strategy == "fsdp":
             raise ValueError(
-                "an FSDP plan shards every part over the ranks: fully_shard its units "
-                "(plan.units) and use materialize_sharded(model, mesh)"
+                "an FSDP plan shards every part over the ranks: on every rank, "
+                "jupyter_metainit.distributed.materialize_sharded(model, mesh, placement=plan)"
             )
         return materialize_parts(self.device_map, model, **options)
 

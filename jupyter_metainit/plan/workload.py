@@ -23,7 +23,8 @@ from torch.func import functional_call
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
-from jupyter_metainit.estimates import dry_run
+from jupyter_metainit.estimates.dry_run import run_forward
+from jupyter_metainit.estimates.memory import DRY_RUN_ATTR
 from jupyter_metainit.plan.parts import Part
 
 __all__ = ["Activity", "activation_dtype", "measure"]
@@ -210,8 +211,9 @@ def _saved_bytes(module: nn.Module, args: Any, kwargs: Any) -> int:
 
 
 def _run(model: nn.Module, parts: list[Part], training: bool, inputs: tuple, kwargs: dict
-         ) -> tuple[Any, dict[str, int], dict[str, tuple], Any]:  # fmt: skip
-    """The dry run, with hooks noting the parts' order and inputs and the returned cache."""
+         ) -> tuple[dict[str, int], dict[str, tuple], Any]:  # fmt: skip
+    """The dry run (no FLOPs, no table: the figures stay on the modules), with hooks noting
+    the parts' order and inputs and the returned cache."""
     order: dict[str, int] = {}
     specs: dict[str, tuple] = {}
     caught: list[Any] = []
@@ -232,7 +234,7 @@ def _run(model: nn.Module, parts: list[Part], training: bool, inputs: tuple, kwa
     try:
         with _mode(model, training):
             try:
-                table = dry_run(model, *inputs, **kwargs)
+                run_forward(model, *inputs, flops=False, **kwargs)
             except Exception as e:  # say which step failed, and what usually helps
                 on_meta = any(p.is_meta for p in model.parameters())
                 hint = (
@@ -249,22 +251,27 @@ def _run(model: nn.Module, parts: list[Part], training: bool, inputs: tuple, kwa
     finally:
         for handle in handles:
             handle.remove()
-    return table, order, specs, caught[0] if caught else None
+    return order, specs, caught[0] if caught else None
 
 
-def _loss_keeps(output: Any, table: Any, last: str) -> int:
+def _loss_keeps(output: Any, last: Part) -> int:
     """What a loss computed by the model's own code keeps for backward: cross-entropy keeps
     the log-softmax of the logits (the last part's output) in float32 (transformers upcasts
     the logits first)."""
     if not isinstance(output, Mapping) or "loss" not in list(output.keys()):
         return 0
-    shape = table.at[last, "output_shape"] if last in table.index else None
+    shape = _record(last.module).get("output_shape")
     if not isinstance(shape, tuple) or not all(isinstance(d, int) for d in shape):
         return 0
     numel = 1
     for d in shape:
         numel *= d
     return 4 * numel
+
+
+def _record(module: nn.Module) -> dict[str, Any]:
+    """The figures the dry run left on ``module`` ({} where the forward did not reach it)."""
+    return module.__dict__.get(DRY_RUN_ATTR) or {}
 
 
 def measure(model: nn.Module, parts: list[Part], *, training: bool, inputs: tuple,
@@ -274,7 +281,7 @@ def measure(model: nn.Module, parts: list[Part], *, training: bool, inputs: tupl
     start = time.perf_counter()
     ids = inputs[0] if len(inputs) == 1 else None
     kwargs = {**_workload_kwargs(model, training, ids), **(kwargs or {})}
-    table, order, specs, output = _run(model, parts, training, inputs, kwargs)
+    order, specs, output = _run(model, parts, training, inputs, kwargs)
     activity = Activity(notes=[])
     activity.cache = _cache_per_part(_cache_of(output), parts) if not training else {}
     by_module = list(parts)
@@ -286,26 +293,20 @@ def measure(model: nn.Module, parts: list[Part], *, training: bool, inputs: tupl
         rank[part.name] = last
     ranked = sorted(by_module, key=lambda p: rank[p.name])
     activity.order = [p.name for p in ranked]
-    peak = {
-        p.name: int(table.at[p.name, "peak_forward_bytes"] - table.at[p.name, "total_bytes"])
-        if p.name in table.index and table.at[p.name, "peak_forward_bytes"] is not None
-        and str(table.at[p.name, "peak_forward_bytes"]) != "<NA>"
-        else 0
-        for p in by_module
-    }  # fmt: skip
+    peak = {p.name: int(_record(p.module).get("peak_activation_bytes", 0)) for p in by_module}
     before = 0
     for part in ranked:
         activity.transient[part.name] = max(0, peak[part.name] - before)
         before += activity.cache.get(part.name, 0)
     # What the model's own code does outside every part (a loss on the logits) counts on the
     # part that ran last.
-    root_peak = int(table.attrs["dry_run"]["peak_activation_bytes"])
+    root_peak = int(_record(model)["run"]["peak_activation_bytes"])
     outside = root_peak - max(peak.values(), default=0)
     if outside > 0 and ranked:
         name = ranked[-1].name
         activity.transient[name] = max(activity.transient[name], root_peak - before)
     if training and ranked:
-        loss = _loss_keeps(output, table, ranked[-1].name)
+        loss = _loss_keeps(output, ranked[-1])
         _measure_saved(parts, specs, activity, max(0, outside, loss))
         # Its backward holds the gradients of the log-softmax and of the logits at once.
         last = ranked[-1].name

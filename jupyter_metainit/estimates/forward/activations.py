@@ -15,7 +15,10 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from jupyter_metainit.estimates.forward.dtype_checks import EagerDtypeChecks
+from jupyter_metainit.estimates.forward.dtype_checks import (
+    EagerDtypeChecks,
+    run_past_cuda_only_meta_checks,
+)
 from jupyter_metainit.estimates.forward.nested import tensor_bytes, tensors_in
 
 __all__ = ["ActivationTracker", "ModuleStack"]
@@ -87,7 +90,7 @@ class ActivationTracker(TorchDispatchMode):
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
         self.dtype_checks.check(func, args, kwargs)
-        out = func(*args, **kwargs)
+        out = run_past_cuda_only_meta_checks(func, args, kwargs)
         index = self.index
         sources = [index[id(a)] for a in tensors_in((args, kwargs)) if id(a) in index]
         if sources:

@@ -17,7 +17,30 @@ from torch.nn.parameter import is_lazy
 from jupyter_metainit.core import plain
 from jupyter_metainit.estimates.forward.nested import map_tensors, tensors_in
 
-__all__ = ["EagerDtypeChecks"]
+__all__ = ["EagerDtypeChecks", "run_past_cuda_only_meta_checks"]
+
+# Meta kernels that carry the CUDA kernel's dtype checks, which the CPU kernel does not have:
+# the dtype their meta kernel takes. ``_grouped_mm`` (MoE experts in transformers) computes in
+# float32 on the CPU, while its meta kernel refuses anything but bfloat16.
+_CUDA_ONLY_META_DTYPE = {torch.ops.aten._grouped_mm.default: torch.bfloat16}
+
+
+def run_past_cuda_only_meta_checks(func: Any, args: tuple, kwargs: dict) -> Any:
+    """``func(*args, **kwargs)``; for an op whose meta kernel refuses dtypes its CPU kernel
+    computes in, the output's shape from the meta kernel in the dtype it takes, given the dtype
+    the CPU kernel returns (``out_dtype``, else the first input's). The casts are the run's own
+    scratch: what the caller sees is one output, as eager makes it."""
+    wanted = _CUDA_ONLY_META_DTYPE.get(func)
+    tensors = [t for t in tensors_in((args, kwargs)) if t.is_floating_point()]
+    if wanted is None or all(t.dtype == wanted for t in tensors):
+        return func(*args, **kwargs)
+    eager_dtype = kwargs.get("out_dtype") or args[0].dtype
+
+    def cast(t: torch.Tensor) -> torch.Tensor:
+        return t.to(wanted) if t.is_floating_point() else t
+
+    out = func(*map_tensors(args, cast), **map_tensors(kwargs, cast))
+    return out.to(eager_dtype)
 
 
 class EagerDtypeChecks:
