@@ -421,7 +421,7 @@ def test_materialize_a_decoder_layer_in_jupyterlab(browser, jupyterlab):
     assert row("model").locator(".jmi-badge").inner_text() == "mixed"
     ARTIFACTS.mkdir(exist_ok=True)
     widget.screenshot(path=str(ARTIFACTS / "widget-jupyterlab.png"))
-    widget.locator(".jmi-toggle").click()
+    widget.get_by_role("button", name="Table", exact=True).click()
     widget.locator(".jmi-tablewrap table").first.wait_for(timeout=30_000)
     widget.screenshot(path=str(ARTIFACTS / "widget-jupyterlab-table.png"))
 
