@@ -10,92 +10,33 @@ import contextlib
 import ctypes
 import gc
 import os
-import socket
 import subprocess
 import sys
-import time
-import traceback
 import warnings
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.multiprocessing as mp
+from _gloo import (
+    SPAWN_TIMEOUT_S,
+    WORLD,
+    fully_shard_linears,
+    gathered,
+    rank_result,
+    run_ranks,
+    skip_without_gloo,
+)
+from _loopback import free_port, loopback_interface
 from torch import nn
 
-dist = pytest.importorskip("torch.distributed")
-if not dist.is_available() or not dist.is_gloo_available():
-    pytest.skip("torch.distributed with gloo is not available", allow_module_level=True)
+skip_without_gloo()
 
 from jupyter_metainit import dematerialize, is_deferred, materialize, meta_init  # noqa: E402
 from jupyter_metainit.core.errors import MaterializationError  # noqa: E402
 from jupyter_metainit.distributed import WholeTensorWarning, materialize_sharded  # noqa: E402
 
-WORLD = 2
-SPAWN_TIMEOUT_S = 120
 MIB = 1 << 20
-
-
-# ---------------------------------------------------------------------------------------------
-# spawning
-
-
-def _loopback_interface() -> str | None:
-    for _, name in socket.if_nameindex():
-        if name in ("lo", "lo0"):
-            return name
-    return None
-
-
-def _worker(rank: int, scenarios: list[str], out_dir: str) -> None:
-    # Rendezvous through a file (no listening port at all); gloo's own connections between the
-    # ranks on the loopback interface only, on ports the system picks free.
-    loopback = _loopback_interface()
-    if loopback is not None:
-        os.environ["GLOO_SOCKET_IFNAME"] = loopback
-    torch.set_num_threads(1)
-    store = dist.FileStore(str(Path(out_dir) / "store"), WORLD)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
-    results: dict[str, Any] = {}
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
-
-        mesh = init_device_mesh("cpu", (WORLD,))
-        for name in scenarios:
-            try:
-                results[name] = SCENARIOS[name](mesh)
-            except Exception:
-                results[name] = {"error": traceback.format_exc()}
-            dist.barrier()
-    finally:
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-        dist.barrier()
-        dist.destroy_process_group()
-
-
-def _spawn(scenarios: list[str], out_dir: Path) -> list[dict[str, Any]]:
-    ctx = mp.start_processes(
-        _worker, args=(scenarios, str(out_dir)), nprocs=WORLD, join=False,
-        start_method="spawn",
-    )  # fmt: skip
-    deadline = time.monotonic() + SPAWN_TIMEOUT_S
-    try:
-        while not ctx.join(timeout=max(0.1, deadline - time.monotonic())):
-            if time.monotonic() >= deadline:
-                pytest.fail(f"the {WORLD} ranks did not finish within {SPAWN_TIMEOUT_S} s")
-    finally:
-        for p in ctx.processes:
-            if p.is_alive():
-                p.kill()
-    return [torch.load(out_dir / f"rank{r}.pt", weights_only=False) for r in range(WORLD)]
-
-
-def _result(results: list[dict[str, Any]], scenario: str, rank: int = 0) -> dict[str, Any]:
-    r = results[rank][scenario]
-    if "error" in r:
-        pytest.fail(f"rank {rank} failed in {scenario}:\n{r['error']}")
-    return r
 
 
 def _has_transformers() -> bool:
@@ -122,7 +63,7 @@ def results(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     ]
     if _has_transformers():
         names += ["hf_fsdp", "hf_fsdp_plan"]
-    return _spawn(names, tmp_path_factory.mktemp("ranks"))
+    return run_ranks([(n, SCENARIOS[n]) for n in names], tmp_path_factory.mktemp("ranks"))
 
 
 @pytest.fixture(scope="module")
@@ -152,22 +93,6 @@ def _deferred_mlp() -> nn.Module:
         return _mlp()
 
 
-def _fully_shard(model: nn.Module, mesh: Any) -> None:
-    from torch.distributed.fsdp import fully_shard
-
-    for layer in model:
-        if isinstance(layer, nn.Linear):
-            fully_shard(layer, mesh=mesh)
-    fully_shard(model, mesh=mesh)
-
-
-def _gathered(model: nn.Module) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, t in model.state_dict().items():
-        out[name] = t.full_tensor() if hasattr(t, "full_tensor") else t
-    return {k: v.detach().clone() for k, v in out.items()}
-
-
 def _mismatches(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> list[str]:
     assert a.keys() == b.keys()
     return [k for k in a if not torch.equal(a[k], b[k])]
@@ -187,49 +112,49 @@ def _x() -> torch.Tensor:
 
 def _scenario_fsdp_exact(mesh: Any) -> dict[str, Any]:
     model = _deferred_mlp()
-    _fully_shard(model, mesh)
+    fully_shard_linears(model, mesh)
     deferred_before = is_deferred(model)
     materialize_sharded(model)
     single = materialize(_deferred_mlp())
     result = {
         "deferred_before": deferred_before,
         "deferred_after": is_deferred(model),
-        "vs_single": _mismatches(_gathered(model), _gathered(single)),
-        "vs_eager": _mismatches(_gathered(model), _gathered(_mlp())),
+        "vs_single": _mismatches(gathered(model), gathered(single)),
+        "vs_eager": _mismatches(gathered(model), gathered(_mlp())),
         "local_rows": model[0].weight._local_tensor.shape[0],
     }
     result["loss"] = _train_step(model, _x())
     result["ref_loss"] = _train_step(single, _x())
-    result["trained"], result["ref_trained"] = _gathered(model), _gathered(single)
+    result["trained"], result["ref_trained"] = gathered(model), gathered(single)
     return result
 
 
 def _scenario_fsdp_fast(mesh: Any) -> dict[str, Any]:
     model = _deferred_mlp()
-    _fully_shard(model, mesh)
+    fully_shard_linears(model, mesh)
     calls: list[tuple[int, int]] = []
     materialize_sharded(model, rng="fast", progress=lambda done, total: calls.append((done, total)))
     single = materialize(_deferred_mlp(), rng="fast")
-    return {"vs_single": _mismatches(_gathered(model), _gathered(single)), "progress": calls}
+    return {"vs_single": _mismatches(gathered(model), gathered(single)), "progress": calls}
 
 
 def _scenario_fsdp_core(mesh: Any) -> dict[str, Any]:
     model = _deferred_mlp()
-    _fully_shard(model, mesh)
+    fully_shard_linears(model, mesh)
     materialize(model)  # the core's materialize sees through DTensor parameters too
-    out = {"vs_eager": _mismatches(_gathered(model), _gathered(_mlp()))}
+    out = {"vs_eager": _mismatches(gathered(model), gathered(_mlp()))}
     out["loss"], out["ref_loss"] = _train_step(model, _x()), _train_step(_mlp(), _x())
     return out
 
 
 def _scenario_fsdp_keep(mesh: Any) -> dict[str, Any]:
     model = _deferred_mlp()
-    _fully_shard(model, mesh)
+    fully_shard_linears(model, mesh)
     materialize(model, keep_cache=True)
     dematerialize(model)
     out: dict[str, Any] = {"deferred_after_free": is_deferred(model[0].weight)}
     materialize(model)
-    out["vs_eager"] = _mismatches(_gathered(model), _gathered(_mlp()))
+    out["vs_eager"] = _mismatches(gathered(model), gathered(_mlp()))
     out["loss"], out["ref_loss"] = _train_step(model, _x()), _train_step(_mlp(), _x())
     return out
 
@@ -256,10 +181,10 @@ def _scenario_tp(mesh: Any) -> dict[str, Any]:
     ref = _tp_model()
     result = {
         "placements": {n: str(p.placements) for n, p in model.named_parameters()},
-        "vs_eager": _mismatches(_gathered(model), _gathered(ref)),
+        "vs_eager": _mismatches(gathered(model), gathered(ref)),
     }
     result["loss"], result["ref_loss"] = _train_step(model, _x()), _train_step(ref, _x())
-    result["trained"], result["ref_trained"] = _gathered(model), _gathered(ref)
+    result["trained"], result["ref_trained"] = gathered(model), gathered(ref)
     return result
 
 
@@ -275,7 +200,7 @@ def _scenario_fsdp_over_tp(mesh: Any) -> dict[str, Any]:
     for layer in (model[0], model[2], model):
         fully_shard(layer, mesh=mesh_2d["dp"])
     materialize_sharded(model)
-    return {"vs_eager": _mismatches(_gathered(model), _gathered(_tp_model()))}
+    return {"vs_eager": _mismatches(gathered(model), gathered(_tp_model()))}
 
 
 def _scenario_tp_default_src(mesh: Any) -> dict[str, Any]:
@@ -306,7 +231,7 @@ def _scenario_memory(mesh: Any) -> dict[str, Any]:
     torch.manual_seed(0)
     with meta_init():
         model = nn.Sequential(*[nn.Linear(2048, 4096, bias=False) for _ in range(6)])
-    _fully_shard(model, mesh)
+    fully_shard_linears(model, mesh)
     gc.collect()
     Path("/proc/self/clear_refs").write_text("5")  # reset this process's peak RSS (VmHWM)
     before = _rss_kib("VmRSS")
@@ -331,14 +256,14 @@ def _clamped_model() -> nn.Module:
 def _scenario_whole_report(mesh: Any) -> dict[str, Any]:
     with meta_init():
         model = _clamped_model()
-    _fully_shard(model, mesh)
+    fully_shard_linears(model, mesh)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         materialize_sharded(model)
     messages = [str(w.message) for w in caught if issubclass(w.category, WholeTensorWarning)]
     return {
         "messages": messages,
-        "vs_eager": _mismatches(_gathered(model), _gathered(_clamped_model())),
+        "vs_eager": _mismatches(gathered(model), gathered(_clamped_model())),
     }
 
 
@@ -375,10 +300,10 @@ def _scenario_hf_fsdp(mesh: Any) -> dict[str, Any]:
     eager = _hf_model()
     result = {
         "tied": model.lm_head.weight is model.model.embed_tokens.weight,
-        "vs_eager": _mismatches(_gathered(model), _gathered(eager)),
+        "vs_eager": _mismatches(gathered(model), gathered(eager)),
     }
     result["loss"], result["ref_loss"] = _hf_step(model), _hf_step(eager)
-    result["trained"], result["ref_trained"] = _gathered(model), _gathered(eager)
+    result["trained"], result["ref_trained"] = gathered(model), gathered(eager)
     return result
 
 
@@ -398,7 +323,7 @@ def _scenario_hf_fsdp_plan(mesh: Any) -> dict[str, Any]:
         "sharded": [name for name, m in model.named_modules() if isinstance(m, FSDPModule)],
         "deferred_after": is_deferred(model),
         "local_rows": model.model.layers[0].mlp.up_proj.weight._local_tensor.shape[0],
-        "vs_eager": _mismatches(_gathered(model), _gathered(eager)),
+        "vs_eager": _mismatches(gathered(model), gathered(eager)),
     }
 
 
@@ -425,58 +350,58 @@ pytestmark = pytest.mark.timeout(SPAWN_TIMEOUT_S + 60)
 
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_fsdp_sharded_model_reports_deferred_until_materialized(nn_results, rank):
-    r = _result(nn_results, "fsdp_exact", rank)
+    r = rank_result(nn_results, "fsdp_exact", rank)
     assert (r["deferred_before"], r["deferred_after"]) == (True, False)
 
 
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_fsdp_rank_holds_only_its_shard(nn_results, rank):
-    assert _result(nn_results, "fsdp_exact", rank)["local_rows"] == [3, 3][rank]
+    assert rank_result(nn_results, "fsdp_exact", rank)["local_rows"] == [3, 3][rank]
 
 
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_fsdp_gathered_shards_equal_single_process_materialization(nn_results, rank):
-    assert _result(nn_results, "fsdp_exact", rank)["vs_single"] == []
+    assert rank_result(nn_results, "fsdp_exact", rank)["vs_single"] == []
 
 
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_fsdp_gathered_shards_equal_eager_construction(nn_results, rank):
-    assert _result(nn_results, "fsdp_exact", rank)["vs_eager"] == []
+    assert rank_result(nn_results, "fsdp_exact", rank)["vs_eager"] == []
 
 
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_fsdp_training_step_matches_single_process(nn_results, rank):
-    r = _result(nn_results, "fsdp_exact", rank)
+    r = rank_result(nn_results, "fsdp_exact", rank)
     torch.testing.assert_close(r["loss"], r["ref_loss"])
     torch.testing.assert_close(r["trained"], r["ref_trained"])
 
 
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_fsdp_fast_mode_shards_agree_with_single_process_fast_mode(nn_results, rank):
-    assert _result(nn_results, "fsdp_fast", rank)["vs_single"] == []
+    assert rank_result(nn_results, "fsdp_fast", rank)["vs_single"] == []
 
 
 def test_progress_reaches_this_ranks_total(nn_results):
-    calls = _result(nn_results, "fsdp_fast")["progress"]
+    calls = rank_result(nn_results, "fsdp_fast")["progress"]
     assert len(calls) > 1 and calls[-1][0] == calls[-1][1] > 0
 
 
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_core_materialize_handles_fsdp_parameters(nn_results, rank):
-    r = _result(nn_results, "fsdp_core", rank)
+    r = rank_result(nn_results, "fsdp_core", rank)
     assert r["vs_eager"] == []
     torch.testing.assert_close(r["loss"], r["ref_loss"])
 
 
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_fsdp_model_materialized_with_keep_cache_frees_and_materializes_again(nn_results, rank):
-    r = _result(nn_results, "fsdp_keep", rank)
+    r = rank_result(nn_results, "fsdp_keep", rank)
     assert r["deferred_after_free"] and r["vs_eager"] == []
     torch.testing.assert_close(r["loss"], r["ref_loss"])
 
 
 def test_tp_plan_uses_shard0_shard1_and_replicate(nn_results):
-    placements = _result(nn_results, "tp")["placements"]
+    placements = rank_result(nn_results, "tp")["placements"]
     assert placements == {
         "0.weight": "(Shard(dim=0),)", "0.bias": "(Shard(dim=0),)",
         "2.weight": "(Shard(dim=1),)", "2.bias": "(Replicate(),)",
@@ -485,38 +410,38 @@ def test_tp_plan_uses_shard0_shard1_and_replicate(nn_results):
 
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_tp_gathered_shards_equal_eager_construction(nn_results, rank):
-    assert _result(nn_results, "tp", rank)["vs_eager"] == []
+    assert rank_result(nn_results, "tp", rank)["vs_eager"] == []
 
 
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_tp_training_step_matches_single_process(nn_results, rank):
-    r = _result(nn_results, "tp", rank)
+    r = rank_result(nn_results, "tp", rank)
     torch.testing.assert_close(r["loss"], r["ref_loss"])
     torch.testing.assert_close(r["trained"], r["ref_trained"])
 
 
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_tp_sharded_from_rank0_is_refused_with_a_fix(nn_results, rank):
-    r = _result(nn_results, "tp_default_src", rank)
+    r = rank_result(nn_results, "tp_default_src", rank)
     assert r["raised"] is not None and "src_data_rank=None" in r["raised"]
     assert r["still_deferred"]
 
 
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_fsdp_over_tp_2d_gathered_shards_equal_eager_construction(nn_results, rank):
-    assert _result(nn_results, "fsdp_over_tp", rank)["vs_eager"] == []
+    assert rank_result(nn_results, "fsdp_over_tp", rank)["vs_eager"] == []
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc")
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_peak_memory_is_at_most_shards_plus_largest_tensor(nn_results, rank):
-    r = _result(nn_results, "memory", rank)
+    r = rank_result(nn_results, "memory", rank)
     assert r["peak"] <= r["shards"] + r["largest"] + 8 * MIB, {k: v / MIB for k, v in r.items()}
 
 
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_parameters_computed_whole_for_their_shard_are_reported(nn_results, rank):
-    r = _result(nn_results, "whole_report", rank)
+    r = rank_result(nn_results, "whole_report", rank)
     assert r["vs_eager"] == []
     assert len(r["messages"]) == 1
     assert "'1.weight'" in r["messages"][0] and "clamp_" in r["messages"][0]
@@ -525,17 +450,17 @@ def test_parameters_computed_whole_for_their_shard_are_reported(nn_results, rank
 
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_hf_tied_weights_stay_tied(hf_results, rank):
-    assert _result(hf_results, "hf_fsdp", rank)["tied"]
+    assert rank_result(hf_results, "hf_fsdp", rank)["tied"]
 
 
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_hf_gathered_shards_equal_eager_construction(hf_results, rank):
-    assert _result(hf_results, "hf_fsdp", rank)["vs_eager"] == []
+    assert rank_result(hf_results, "hf_fsdp", rank)["vs_eager"] == []
 
 
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_hf_training_step_matches_single_process(hf_results, rank):
-    r = _result(hf_results, "hf_fsdp", rank)
+    r = rank_result(hf_results, "hf_fsdp", rank)
     torch.testing.assert_close(r["loss"], r["ref_loss"])
     torch.testing.assert_close(r["trained"], r["ref_trained"])
 
@@ -543,12 +468,10 @@ def test_hf_training_step_matches_single_process(hf_results, rank):
 @pytest.mark.timeout(200)
 def test_example_runs_under_torchrun():
     example = Path(__file__).resolve().parent.parent / "examples" / "sharded_materialization.py"
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()
     env = dict(os.environ, OMP_NUM_THREADS="1")
-    if _loopback_interface() is not None:
-        env["GLOO_SOCKET_IFNAME"] = _loopback_interface()
+    if loopback_interface() is not None:
+        env["GLOO_SOCKET_IFNAME"] = loopback_interface()
     proc = subprocess.run(
         [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", str(WORLD),
          "--master_addr", "127.0.0.1", "--master_port", str(port), str(example), "--check",
@@ -567,7 +490,7 @@ def test_example_runs_under_torchrun():
 def test_unsharded_deferred_model_materializes_with_eager_values():
     model = materialize_sharded(_deferred_mlp())
     assert not is_deferred(model)
-    assert _mismatches(_gathered(model), _gathered(_mlp())) == []
+    assert _mismatches(gathered(model), gathered(_mlp())) == []
 
 
 def test_unknown_rng_mode_is_refused():
@@ -582,7 +505,7 @@ def test_materialize_sharded_of_a_number_says_what_it_takes():
 
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_materialize_sharded_with_an_fsdp_plan_shards_its_units_in_order(hf_results, rank):
-    r = _result(hf_results, "hf_fsdp_plan", rank)
+    r = rank_result(hf_results, "hf_fsdp_plan", rank)
     assert r["units"] == ["model.layers.0", "model.layers.1", ""]
     assert sorted(r["sharded"]) == sorted(r["units"])
     assert r["local_rows"] == 128 // WORLD and not r["deferred_after"]
@@ -590,7 +513,7 @@ def test_materialize_sharded_with_an_fsdp_plan_shards_its_units_in_order(hf_resu
 
 @pytest.mark.parametrize("rank", range(WORLD))
 def test_materialize_sharded_with_an_fsdp_plan_gathers_to_eager_values(hf_results, rank):
-    assert _result(hf_results, "hf_fsdp_plan", rank)["vs_eager"] == []
+    assert rank_result(hf_results, "hf_fsdp_plan", rank)["vs_eager"] == []
 
 
 def test_materialize_sharded_refuses_a_pipeline_plan_and_says_what_takes_it():
