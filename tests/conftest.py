@@ -13,6 +13,8 @@ def pytest_configure(config):
     torch.set_num_threads(max(1, torch.get_num_threads()))
 
 
+EXT = "jupyter_metainit"
+
 requires_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -34,3 +36,28 @@ def _no_lock_left_behind():
     if held:
         _busy._activity.clear()
         pytest.fail(f"the test left the core's lock taken: {held}")
+
+
+@pytest.fixture
+def shell():
+    """IPython's one ``InteractiveShell``, with the names a test's cells add removed afterwards
+    (the shell outlives the test: a name left behind would leak into later tests' cells)."""
+    from IPython.core.interactiveshell import InteractiveShell
+
+    shell = InteractiveShell.instance()
+    shell.colors = "nocolor"
+    names = set(shell.user_ns)
+    yield shell
+    for name in set(shell.user_ns) - names:
+        del shell.user_ns[name]
+    shell.user_ns["Out"].clear()
+
+
+@pytest.fixture
+def ip(shell):
+    """The shell with this package's extension loaded (``%load_ext``), unloaded afterwards.
+
+    A test file that needs set-up cells overrides it: ``def ip(ip): ip.run_cell(...)``."""
+    shell.run_cell(f"%load_ext {EXT}")
+    yield shell
+    shell.run_cell(f"%unload_ext {EXT}")

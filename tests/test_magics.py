@@ -6,8 +6,7 @@ import re
 
 import pytest
 import torch
-from IPython.core.error import UsageError
-from IPython.core.interactiveshell import InteractiveShell
+from _ipython import ok, run, usage_error
 from IPython.utils.capture import capture_output
 
 from jupyter_metainit import is_deferred, is_meta_init
@@ -18,40 +17,9 @@ WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 
 
 @pytest.fixture
-def ip():
-    shell = InteractiveShell.instance()
-    shell.colors = "nocolor"
-    names = set(shell.user_ns)
-    shell.run_cell(f"%load_ext {EXT}")
-    shell.run_cell("import torch\nfrom torch import nn")
-    yield shell
-    shell.run_cell(f"%unload_ext {EXT}")
-    for name in set(shell.user_ns) - names:
-        del shell.user_ns[name]
-    shell.user_ns["Out"].clear()
-
-
-def run(shell, code):
-    """Run ``code`` as a notebook cell; return its ExecutionResult and captured output."""
-    with capture_output() as out:
-        result = shell.run_cell(code, store_history=True)
-    return result, out
-
-
-def ok(shell, code):
-    result, out = run(shell, code)
-    assert result.success, out.stdout
-    return out
-
-
-def usage_error(shell, code) -> str:
-    """Run a cell that must fail with a one-line UsageError; return the message."""
-    result, out = run(shell, code)
-    error = result.error_in_exec
-    assert isinstance(error, UsageError), (error, out.stdout)
-    assert "\n" not in str(error)
-    assert "Traceback" not in out.stdout
-    return str(error)
+def ip(ip):
+    ip.run_cell("import torch\nfrom torch import nn")
+    return ip
 
 
 def registered(shell) -> dict[str, list[str]]:
@@ -93,8 +61,7 @@ def test_unload_ext_removes_magics(ip):
     ok(ip, f"%load_ext {EXT}")  # the fixture unloads again
 
 
-def test_load_unload_leaves_no_event_callbacks():
-    shell = InteractiveShell.instance()
+def test_load_unload_leaves_no_event_callbacks(shell):
     before = {event: list(cbs) for event, cbs in shell.events.callbacks.items()}
     shell.run_cell(f"%load_ext {EXT}")
     shell.run_cell(f"%reload_ext {EXT}")

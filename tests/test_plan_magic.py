@@ -3,13 +3,10 @@
 from __future__ import annotations
 
 import pytest
-from IPython.core.error import UsageError
-from IPython.core.interactiveshell import InteractiveShell
-from IPython.utils.capture import capture_output
+from _ipython import run, usage_error
 
 pytest.importorskip("transformers")
 
-EXT = "jupyter_metainit"
 BUILD = """
 import transformers
 from jupyter_metainit import meta_init
@@ -21,48 +18,27 @@ with meta_init():
 
 
 @pytest.fixture
-def ip():
-    shell = InteractiveShell.instance()
-    shell.colors = "nocolor"
-    names = set(shell.user_ns)
-    shell.run_cell(f"%load_ext {EXT}")
-    shell.run_cell(BUILD)
-    yield shell
-    shell.run_cell(f"%unload_ext {EXT}")
-    for name in set(shell.user_ns) - names:
-        del shell.user_ns[name]
-    shell.user_ns["Out"].clear()
-
-
-def _run(shell, code):
-    with capture_output() as out:
-        result = shell.run_cell(code, store_history=True)
-    return result, out
-
-
-def _usage_error(shell, code) -> str:
-    result, out = _run(shell, code)
-    assert isinstance(result.error_in_exec, UsageError), (result.error_in_exec, out.stdout)
-    assert "\n" not in str(result.error_in_exec) and "Traceback" not in out.stdout
-    return str(result.error_in_exec)
+def ip(ip):
+    ip.run_cell(BUILD)
+    return ip
 
 
 def test_place_magic_returns_the_plan_for_the_devices_and_workload(ip):
-    result, out = _run(ip, "plan = %place model --devices cpu=1GiB --batch 4 --seq-len 32")
+    result, out = run(ip, "plan = %place model --devices cpu=1GiB --batch 4 --seq-len 32")
     assert result.success, out.stdout
     plan = ip.user_ns["plan"]
     assert plan.capacity == {"cpu": 1 << 30} and plan.workload == "batch 4, seq_len 32"
 
 
 def test_place_magic_shows_each_devices_peak_against_its_capacity(ip):
-    result, out = _run(ip, "%place model --devices cuda:0=4MiB,cuda:1=4MiB --seq-len 32")
+    result, out = run(ip, "%place model --devices cuda:0=4MiB,cuda:1=4MiB --seq-len 32")
     assert result.success, out.stdout
     shown = repr(result.result)  # what the cell's output shows
     assert "cuda:0" in shown and "cuda:1" in shown and "4.00 MiB" in shown
 
 
 def test_place_magic_table_option_returns_the_table(ip):
-    result, _ = _run(ip, "table = %place model --devices cpu=1GiB --seq-len 8 --table")
+    result, _ = run(ip, "table = %place model --devices cpu=1GiB --seq-len 8 --table")
     assert result.success and "(peak)" in ip.user_ns["table"].index.get_level_values("part")
 
 
@@ -78,4 +54,4 @@ def test_place_magic_table_option_returns_the_table(ip):
     ],
 )
 def test_place_magic_mistakes_are_one_line_usage_errors(ip, line, words):
-    assert words in _usage_error(ip, line)
+    assert words in usage_error(ip, line)

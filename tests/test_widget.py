@@ -40,6 +40,12 @@ def net():
         return Net()
 
 
+@pytest.fixture
+def watching(shell) -> None:
+    """Widgets told when the shell runs a cell (a click waits for the cell's end)."""
+    shell.run_cell("from jupyter_metainit.jupyter.widget import watch_cells; watch_cells()")
+
+
 def rows(w: ModuleTreeWidget) -> dict[str, list]:
     """Qualified name -> row of the synced tree."""
     nodes = w.tree["nodes"]
@@ -593,11 +599,8 @@ def test_the_table_says_which_module_it_shows(net):
     assert "Memory table of net.layers[1]" in w.table_html
 
 
-def test_a_click_that_frees_waits_for_the_running_cell_to_end():
-    from IPython.core.interactiveshell import InteractiveShell
-
-    shell = InteractiveShell.instance()
-    shell.run_cell("from jupyter_metainit.jupyter.widget import watch_cells; watch_cells()")
+@pytest.mark.usefixtures("watching")
+def test_a_click_that_frees_waits_for_the_running_cell_to_end(shell):
     with meta_init():
         net = Net()
     shell.user_ns["w"] = w = explore(net)
@@ -613,23 +616,16 @@ def test_a_click_that_frees_waits_for_the_running_cell_to_end():
         "during = {tensor_state(p) for p in w.module.norm.parameters()}\n"
         "phase = w.phase"
     )
-    try:
-        assert shell.run_cell(cell).success
-        assert shell.user_ns["during"] == {"cpu"}
-        assert "running cell" in shell.user_ns["phase"]
-        assert w.wait(60)
-        assert {tensor_state(p) for p in net.norm.parameters()} == {"deferred"}
-        assert w.busy == "" and "Freed norm" in w.status
-    finally:
-        for name in ("w", "during", "phase", "t", "msg"):
-            shell.user_ns.pop(name, None)
+    assert shell.run_cell(cell).success
+    assert shell.user_ns["during"] == {"cpu"}
+    assert "running cell" in shell.user_ns["phase"]
+    assert w.wait(60)
+    assert {tensor_state(p) for p in net.norm.parameters()} == {"deferred"}
+    assert w.busy == "" and "Freed norm" in w.status
 
 
-def test_cancel_drops_a_click_that_waits_for_the_running_cell():
-    from IPython.core.interactiveshell import InteractiveShell
-
-    shell = InteractiveShell.instance()
-    shell.run_cell("from jupyter_metainit.jupyter.widget import watch_cells; watch_cells()")
+@pytest.mark.usefixtures("watching")
+def test_cancel_drops_a_click_that_waits_for_the_running_cell(shell):
     with meta_init():
         net = Net()
     shell.user_ns["w"] = w = explore(net)
@@ -639,15 +635,11 @@ def test_cancel_drops_a_click_that_waits_for_the_running_cell():
         "queued = w.busy\n"
         "w._on_msg(w, {'action': 'cancel', 'id': 2}, [])"
     )
-    try:
-        assert shell.run_cell(cell).success
-        assert shell.user_ns["queued"] == "materialize cpu"
-        assert w.wait(60)
-        assert w.busy == "" and "Cancelled before it ran" in w.status
-        assert {tensor_state(p) for p in net.norm.parameters()} == {"deferred"}
-    finally:
-        for name in ("w", "queued"):
-            shell.user_ns.pop(name, None)
+    assert shell.run_cell(cell).success
+    assert shell.user_ns["queued"] == "materialize cpu"
+    assert w.wait(60)
+    assert w.busy == "" and "Cancelled before it ran" in w.status
+    assert {tensor_state(p) for p in net.norm.parameters()} == {"deferred"}
 
 
 def test_a_sliced_tensor_attribute_counts_its_whole_storage_in_the_tree_as_in_the_table():
@@ -800,11 +792,8 @@ def test_a_plan_place_refuses_says_why_and_keeps_the_last_plan():
     assert w.plan == before and w.busy == ""
 
 
-def test_a_plan_click_waits_for_the_running_cell_to_end():
-    from IPython.core.interactiveshell import InteractiveShell
-
-    shell = InteractiveShell.instance()
-    shell.run_cell("from jupyter_metainit.jupyter.widget import watch_cells; watch_cells()")
+@pytest.mark.usefixtures("watching")
+def test_a_plan_click_waits_for_the_running_cell_to_end(shell):
     model = _lm()
     shell.user_ns["w"] = w = explore(model)
     cell = (
@@ -812,22 +801,16 @@ def test_a_plan_click_waits_for_the_running_cell_to_end():
         "w._on_msg(w, msg, [])\n"
         "during = (w.busy, w.phase, w.plan)"
     )
-    try:
-        assert shell.run_cell(cell).success
-        busy, phase, plan = shell.user_ns["during"]
-        assert busy == "plan" and "running cell" in phase and plan == {}
-        assert w.wait(60)
-        assert w.error == "" and [d["name"] for d in w.plan["devices"]] == ["cpu"]
-    finally:
-        for name in ("w", "during", "msg"):
-            shell.user_ns.pop(name, None)
+    assert shell.run_cell(cell).success
+    busy, phase, plan = shell.user_ns["during"]
+    assert busy == "plan" and "running cell" in phase and plan == {}
+    assert w.wait(60)
+    assert w.error == "" and [d["name"] for d in w.plan["devices"]] == ["cpu"]
 
 
-def test_displaying_the_widget_puts_a_note_in_words_before_the_live_tree(net):
-    from IPython.core.interactiveshell import InteractiveShell
+def test_displaying_the_widget_puts_a_note_in_words_before_the_live_tree(net, shell):
     from IPython.utils.capture import capture_output
 
-    InteractiveShell.instance()
     w = explore(net)
     with capture_output() as out:
         w._ipython_display_()
