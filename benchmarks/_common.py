@@ -35,6 +35,23 @@ MiB = 1024 * 1024
 LLAMA_70B: dict[str, int] = json.loads(
     (Path(__file__).resolve().parent / "llama_70b.json").read_text()
 )
+# Smaller Llama shapes the scripts measure at (parameters counted with untied embeddings, as
+# llama_config builds them). LLAMA_8B and LLAMA_1B are Llama-3.1-8B's and Llama-3.2-1B's shapes.
+LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)  # fmt: skip
+LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
+                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)  # fmt: skip
+# 0.49 B parameters (1 GB in bfloat16)
+LLAMA_MEDIUM = dict(hidden_size=2048, intermediate_size=5632, num_hidden_layers=8,
+                    num_attention_heads=16, num_key_value_heads=4, vocab_size=32000)  # fmt: skip
+# 0.17 B and 0.05 B parameters
+LLAMA_SMALL = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=8,
+                   num_attention_heads=16, num_key_value_heads=4, vocab_size=32000)  # fmt: skip
+LLAMA_SMALLER = dict(hidden_size=512, intermediate_size=1792, num_hidden_layers=4,
+                     num_attention_heads=8, num_key_value_heads=4, vocab_size=32000)  # fmt: skip
+# for --quick runs, which check that a script works, not how fast
+TINY_LLAMA = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                  num_attention_heads=4, num_key_value_heads=2, vocab_size=256)  # fmt: skip
 
 # --------------------------------------------------------------------------- resident memory
 
@@ -180,16 +197,6 @@ def build_causal_lm(config: Any) -> Any:
     from transformers import AutoModelForCausalLM
 
     return AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-
-
-TINY_LLAMA = dict(
-    hidden_size=64,
-    intermediate_size=128,
-    num_hidden_layers=2,
-    num_attention_heads=4,
-    num_key_value_heads=2,
-    vocab_size=256,
-)
 
 
 def torchvision_models() -> Any:
