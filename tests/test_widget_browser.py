@@ -13,13 +13,13 @@ import os
 import pathlib
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
 import time
 
 import pytest
+from _loopback import free_port
 from _models import llama70b_on_meta
 from torch import nn
 
@@ -208,12 +208,6 @@ def test_deferred_to_cuda_badge_keeps_clear_of_the_size_column_at_700px(browser)
 # ---------------------------------------------------------------------------- JupyterLab
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 _SETUP = """\
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
@@ -237,11 +231,11 @@ print("CHECK", sorted(inside), sorted(outside), w.selected,
       torch.count_nonzero(layer.mlp.up_proj.weight).item() > 0)"""
 
 
-def _notebook(path: pathlib.Path) -> None:
+def _write_notebook(path: pathlib.Path, cells: list[str]) -> None:
     import nbformat
 
     nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(_SETUP), nbformat.v4.new_code_cell(_CHECK)]
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
     nb.metadata["kernelspec"] = {
         "name": "python3",
         "display_name": "Python 3",
@@ -256,7 +250,7 @@ def _jupyter_server(app: str):
     with its own config, data and runtime dirs."""
     tmp = pathlib.Path(tempfile.mkdtemp(prefix="jmi-lab-"))
     (tmp / "work").mkdir()
-    port, token = _free_port(), "jmi-test-token"
+    port, token = free_port(), "jmi-test-token"
     env = dict(os.environ)
     env.update(
         JUPYTER_CONFIG_DIR=str(tmp / "config"),
@@ -376,6 +370,11 @@ def _open(page, server: dict, name: str) -> None:
         )
 
 
+def _row(widget, qname: str):
+    """The widget's row for the module named ``qname``."""
+    return widget.locator(f".jmi-rows .jmi-row:has(.jmi-name[title='{qname}'])")
+
+
 def _run_first_cell_and_wait_widget(page, lab: dict, name: str) -> object:
     _open(page, lab, name)
     # run only the first cell (the second is run after the click); a key press that lands
@@ -402,23 +401,20 @@ def _run_first_cell_and_wait_widget(page, lab: dict, name: str) -> object:
 
 
 def test_materialize_a_decoder_layer_in_jupyterlab(browser, jupyterlab):
-    _notebook(jupyterlab["dir"] / "flow.ipynb")
+    _write_notebook(jupyterlab["dir"] / "flow.ipynb", [_SETUP, _CHECK])
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     widget = _run_first_cell_and_wait_widget(page, jupyterlab, "flow.ipynb")
 
-    def row(qname: str):
-        return widget.locator(f".jmi-rows .jmi-row:has(.jmi-name[title='{qname}'])")
-
-    row("model.layers").locator(".jmi-caret").click()
-    layer = row("model.layers.1")
+    _row(widget, "model.layers").locator(".jmi-caret").click()
+    layer = _row(widget, "model.layers.1")
     layer.locator(".jmi-check").check()
     widget.locator(".jmi-seltotals", has_text="1 subtree").wait_for(timeout=20_000)
     widget.locator(".jmi-mat-cpu").click()
     layer.locator(".jmi-badge", has_text="cpu").wait_for(timeout=60_000)
     widget.locator(".jmi-message.jmi-ok").wait_for(timeout=20_000)
     assert widget.locator(".jmi-progress").is_hidden()
-    assert row("model.layers.0").locator(".jmi-badge").inner_text() == "deferred"
-    assert row("model").locator(".jmi-badge").inner_text() == "mixed"
+    assert _row(widget, "model.layers.0").locator(".jmi-badge").inner_text() == "deferred"
+    assert _row(widget, "model").locator(".jmi-badge").inner_text() == "mixed"
     ARTIFACTS.mkdir(exist_ok=True)
     widget.screenshot(path=str(ARTIFACTS / "widget-jupyterlab.png"))
     widget.get_by_role("button", name="Table", exact=True).click()
@@ -435,10 +431,10 @@ def test_materialize_a_decoder_layer_in_jupyterlab(browser, jupyterlab):
 
 def test_dark_theme_screenshot(browser, jupyterlab):
     _set_theme(jupyterlab["settings"], "JupyterLab Dark")
-    _notebook(jupyterlab["dir"] / "dark.ipynb")
+    _write_notebook(jupyterlab["dir"] / "dark.ipynb", [_SETUP, _CHECK])
     page = browser.new_page(viewport={"width": 1280, "height": 900})
     widget = _run_first_cell_and_wait_widget(page, jupyterlab, "dark.ipynb")
-    widget.locator(".jmi-rows .jmi-row:has(.jmi-name[title='model.layers']) .jmi-caret").click()
+    _row(widget, "model.layers").locator(".jmi-caret").click()
     ARTIFACTS.mkdir(exist_ok=True)
     widget.screenshot(path=str(ARTIFACTS / "widget-jupyterlab-dark.png"))
     bg = page.evaluate(
@@ -462,19 +458,6 @@ model = LlamaForCausalLM(cfg)""",
     "import jupyter_metainit\n\n(w,) = jupyter_metainit.widgets_of(model)\n"
     "print('CHECK', w.selected)",
 ]
-
-
-def _write_notebook(path: pathlib.Path, cells: list[str]) -> None:
-    import nbformat
-
-    nb = nbformat.v4.new_notebook()
-    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
-    nb.metadata["kernelspec"] = {
-        "name": "python3",
-        "display_name": "Python 3",
-        "language": "python",
-    }
-    nbformat.write(nb, str(path))
 
 
 def _run_cell(page, i: int) -> None:
@@ -502,6 +485,19 @@ def _run_cell(page, i: int) -> None:
     raise AssertionError(f"cell {i} did not run")
 
 
+def _open_and_build(browser, server: dict, name: str, cells: list[str], height: int = 900):
+    """Write ``cells`` as notebook ``name``, open it on a new 1400 px page and run its first
+    two cells (load the extension, build the model); return the page once a widget shows."""
+    _write_notebook(server["dir"] / name, cells)
+    ARTIFACTS.mkdir(exist_ok=True)
+    page = browser.new_page(viewport={"width": 1400, "height": height})
+    _open(page, server, name)
+    _run_cell(page, 0)
+    _run_cell(page, 1)
+    page.locator(".jmi-root").first.wait_for(timeout=60_000)
+    return page
+
+
 def _restart_kernel(page) -> None:
     page.locator(".jp-Notebook .jp-Cell").first.locator(".jp-InputPrompt").click()
     page.keyboard.press("Escape")
@@ -514,31 +510,22 @@ def _restart_kernel(page) -> None:
 
 def test_widget_follows_the_model_and_works_from_the_keyboard(browser, frontend):
     app = "jupyterlab4" if frontend["app"] == "jupyterlab" else "notebook7"
-    _write_notebook(frontend["dir"] / "follow.ipynb", _FLOW_CELLS)
-    ARTIFACTS.mkdir(exist_ok=True)
-    page = browser.new_page(viewport={"width": 1400, "height": 900})
-    _open(page, frontend, "follow.ipynb")
-    _run_cell(page, 0)
-    _run_cell(page, 1)
+    page = _open_and_build(browser, frontend, "follow.ipynb", _FLOW_CELLS)
     widget = page.locator(".jmi-root")
-    widget.wait_for(timeout=60_000)
-
-    def row(qname: str):
-        return widget.locator(f".jmi-rows .jmi-row:has(.jmi-name[title='{qname}'])")
 
     # tied weights are named on both holders
-    assert row("model.embed_tokens").locator(".jmi-tied").inner_text() == "tied: lm_head"
-    assert row("lm_head").locator(".jmi-tied").inner_text() == "tied: model.embed_tokens"
+    assert _row(widget, "model.embed_tokens").locator(".jmi-tied").inner_text() == "tied: lm_head"
+    assert _row(widget, "lm_head").locator(".jmi-tied").inner_text() == "tied: model.embed_tokens"
 
     # a magic in a later cell shows in the widget above, with no refresh
     _run_cell(page, 2)
-    row("model.layers").locator(".jmi-badge", has_text="mixed").wait_for(timeout=5_000)
+    _row(widget, "model.layers").locator(".jmi-badge", has_text="mixed").wait_for(timeout=5_000)
     widget.screenshot(path=str(ARTIFACTS / f"widget-{app}-1400.png"))
 
     # keyboard: focus a row, open it, move down, tick with Space; focus stays on the row
-    row("model.layers").locator(".jmi-c-type").click()
+    _row(widget, "model.layers").locator(".jmi-c-type").click()
     page.keyboard.press("ArrowRight")
-    row("model.layers.1").wait_for(timeout=5_000)
+    _row(widget, "model.layers.1").wait_for(timeout=5_000)
     page.keyboard.press("ArrowDown")
     page.keyboard.press("ArrowDown")
     page.keyboard.press("Space")
@@ -548,7 +535,7 @@ def test_widget_follows_the_model_and_works_from_the_keyboard(browser, frontend)
         " document.activeElement.querySelector('.jmi-name')?.title]"
     )
     assert focused == ["treeitem", "model.layers.1"], focused
-    assert row("model.layers.1").locator(".jmi-check").is_checked()
+    assert _row(widget, "model.layers.1").locator(".jmi-check").is_checked()
     _run_cell(page, 3)
     out = page.locator(".jp-Notebook .jp-Cell").nth(3).locator(".jp-OutputArea-output")
     assert "CHECK ['model.layers.1']" in out.inner_text()
@@ -558,9 +545,9 @@ def test_widget_follows_the_model_and_works_from_the_keyboard(browser, frontend)
     page.wait_for_timeout(300)
     box = widget.bounding_box()
     for part in (".jmi-name", ".jmi-badge"):
-        cell = row("model.layers").locator(part).bounding_box()
+        cell = _row(widget, "model.layers").locator(part).bounding_box()
         assert cell is not None and cell["x"] + cell["width"] <= box["x"] + box["width"] + 1, part
-    row("model.layers.1").scroll_into_view_if_needed()
+    _row(widget, "model.layers.1").scroll_into_view_if_needed()
     widget.screenshot(path=str(ARTIFACTS / f"widget-{app}-700.png"))
 
     # the kernel restarts: the widget says it is disconnected and stops offering actions
@@ -580,14 +567,8 @@ _COMMAND_KEYS = ["a", "b", "m", "y", "d", "d", "x", "c", "v", "z", "Shift+Enter"
 
 def test_notebook_shortcuts_never_fire_while_focus_is_in_the_widget(browser, frontend):
     app = "jupyterlab4" if frontend["app"] == "jupyterlab" else "notebook7"
-    _write_notebook(frontend["dir"] / "keys.ipynb", _FLOW_CELLS[:2])
-    ARTIFACTS.mkdir(exist_ok=True)
-    page = browser.new_page(viewport={"width": 1400, "height": 900})
-    _open(page, frontend, "keys.ipynb")
-    _run_cell(page, 0)
-    _run_cell(page, 1)
+    page = _open_and_build(browser, frontend, "keys.ipynb", _FLOW_CELLS[:2])
     widget = page.locator(".jmi-root")
-    widget.wait_for(timeout=60_000)
     cells = page.locator(".jp-Notebook .jp-Cell")
     markdown = page.locator(".jp-Notebook .jp-MarkdownCell")
     count = cells.count()
@@ -638,27 +619,18 @@ def test_busy_kernel_fast_values_fits_and_focus(browser, frontend):
     theme = "light" if app == "jupyterlab4" else "dark"
     if theme == "dark":
         _set_theme(frontend["settings"], "JupyterLab Dark")
-    _write_notebook(frontend["dir"] / "citizen.ipynb", _CITIZEN_CELLS)
-    ARTIFACTS.mkdir(exist_ok=True)
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    _open(page, frontend, "citizen.ipynb")
-    _run_cell(page, 0)
-    _run_cell(page, 1)
+    page = _open_and_build(browser, frontend, "citizen.ipynb", _CITIZEN_CELLS, height=1000)
     widget = page.locator(".jmi-root").first
-    widget.wait_for(timeout=60_000)
-
-    def row(qname: str):
-        return widget.locator(f".jmi-rows .jmi-row:has(.jmi-name[title='{qname}'])")
 
     # 4: a part materialized with --rng fast is marked on its row and its ancestors
     _run_cell(page, 2)
-    row("model.layers").locator(".jmi-caret").click()
-    row("model.layers.1").locator(".jmi-fast").wait_for(timeout=10_000)
-    assert row("model.layers.0").locator(".jmi-fast").count() == 0
+    _row(widget, "model.layers").locator(".jmi-caret").click()
+    _row(widget, "model.layers.1").locator(".jmi-fast").wait_for(timeout=10_000)
+    assert _row(widget, "model.layers.0").locator(".jmi-fast").count() == 0
     widget.screenshot(path=str(DOCS_IMG / f"widget-{app}-{theme}-1400.png"))
 
     # 2: a busy kernel is waited for, not declared dead; the action runs when it is free
-    row("model.layers.0").locator(".jmi-check").check()
+    _row(widget, "model.layers.0").locator(".jmi-check").check()
     widget.locator(".jmi-seltotals", has_text="1 subtree").wait_for(timeout=10_000)
     page.locator(".jp-Notebook .jp-Cell").nth(3).locator(".jp-InputArea-editor").click()
     page.keyboard.press("Shift+Enter")
@@ -673,7 +645,7 @@ def test_busy_kernel_fast_values_fits_and_focus(browser, frontend):
         raise
     assert widget.locator(".jmi-disconnected").is_hidden()
     widget.screenshot(path=str(ARTIFACTS / f"widget-{app}-waiting.png"))
-    row("model.layers.0").locator(".jmi-badge", has_text="cpu").wait_for(timeout=40_000)
+    _row(widget, "model.layers.0").locator(".jmi-badge", has_text="cpu").wait_for(timeout=40_000)
     widget.locator(".jmi-waiting").wait_for(state="hidden", timeout=5_000)
     widget.locator(".jmi-message.jmi-ok").wait_for(timeout=20_000)
     assert mat.get_attribute("aria-disabled") == "false"
@@ -713,17 +685,8 @@ def test_busy_kernel_fast_values_fits_and_focus(browser, frontend):
 def test_a_plan_made_in_the_widget_shows_each_parts_device_in_jupyterlab(browser, jupyterlab):
     """Plan… in the widget: the tree gains a device column and the header a bar per device;
     screenshots at 1400 and 700 px go to docs/img/widget-plan-*.png."""
-    _write_notebook(jupyterlab["dir"] / "plan.ipynb", _FLOW_CELLS[:2])
-    ARTIFACTS.mkdir(exist_ok=True)
-    page = browser.new_page(viewport={"width": 1400, "height": 1000})
-    _open(page, jupyterlab, "plan.ipynb")
-    _run_cell(page, 0)
-    _run_cell(page, 1)
+    page = _open_and_build(browser, jupyterlab, "plan.ipynb", _FLOW_CELLS[:2], height=1000)
     widget = page.locator(".jmi-root").first
-    widget.wait_for(timeout=60_000)
-
-    def row(qname: str):
-        return widget.locator(f".jmi-rows .jmi-row:has(.jmi-name[title='{qname}'])")
 
     widget.locator(".jmi-plan-toggle").click()
     widget.locator(".jmi-plan-devices").fill("cuda:0=900KiB, cuda:1=900KiB")
@@ -731,9 +694,9 @@ def test_a_plan_made_in_the_widget_shows_each_parts_device_in_jupyterlab(browser
     widget.locator(".jmi-planbar input[type=number]").nth(1).fill("64")
     widget.locator(".jmi-planbar input[type=number]").nth(1).press("Enter")  # by keyboard
     widget.locator(".jmi-planhead .jmi-devbar").nth(1).wait_for(timeout=60_000)
-    row("model.layers").locator(".jmi-caret").click()
-    assert row("model.embed_tokens").locator(".jmi-c-device").inner_text() == "cuda:0"
-    assert row("model.layers.3").locator(".jmi-c-device").inner_text() == "cuda:1"
+    _row(widget, "model.layers").locator(".jmi-caret").click()
+    assert _row(widget, "model.embed_tokens").locator(".jmi-c-device").inner_text() == "cuda:0"
+    assert _row(widget, "model.layers.3").locator(".jmi-c-device").inner_text() == "cuda:1"
     assert widget.locator(".jmi-colhead .jmi-c-device").is_visible()
     widget.locator(".jmi-message.jmi-ok", has_text="It fits").wait_for(timeout=10_000)
     widget.screenshot(path=str(DOCS_IMG / "widget-plan-1400.png"))
@@ -741,7 +704,7 @@ def test_a_plan_made_in_the_widget_shows_each_parts_device_in_jupyterlab(browser
     page.set_viewport_size({"width": 700, "height": 1000})
     page.wait_for_timeout(300)
     widget.scroll_into_view_if_needed()
-    assert row("model.layers.3").locator(".jmi-c-device").is_visible()
+    assert _row(widget, "model.layers.3").locator(".jmi-c-device").is_visible()
     widget.screenshot(path=str(DOCS_IMG / "widget-plan-700.png"))
     assert _cut_tags(widget) == []
 
@@ -763,13 +726,7 @@ def _cut_tags(widget) -> list[str]:
 def test_a_reopened_notebook_with_a_new_kernel_says_how_to_get_the_tree_back(browser, jupyterlab):
     """The note a widget output carries is hidden while the tree lives; reopened with a new
     kernel (the tree cannot be shown: "model not found") it says what it was and what to do."""
-    _write_notebook(jupyterlab["dir"] / "reopen.ipynb", _FLOW_CELLS[:2])
-    ARTIFACTS.mkdir(exist_ok=True)
-    page = browser.new_page(viewport={"width": 1400, "height": 900})
-    _open(page, jupyterlab, "reopen.ipynb")
-    _run_cell(page, 0)
-    _run_cell(page, 1)
-    page.locator(".jmi-root").first.wait_for(timeout=60_000)
+    page = _open_and_build(browser, jupyterlab, "reopen.ipynb", _FLOW_CELLS[:2])
     note = page.locator(".jmi-saved-note")
     assert note.count() == 1 and note.is_hidden()
     page.keyboard.press("Control+s")
