@@ -3,6 +3,7 @@
 // *Save…* (path, format). They only send actions: the kernel checks them, runs them on its
 // worker thread and publishes the plan (the `plan` trait) or says why not (a notice).
 
+import { button, h, labelled, setEnabled } from "./dom";
 import { humanBytes } from "./format";
 
 /** The kernel's plan (tree_widget/planning.py: plan_payload). */
@@ -33,46 +34,18 @@ export function deviceColor(i: number): string {
   return DEVICE_COLORS[i % DEVICE_COLORS.length];
 }
 
-function el<K extends keyof HTMLElementTagNameMap>(tag: K, cls = "", text = ""): HTMLElementTagNameMap[K] {
-  const e = document.createElement(tag);
-  if (cls) e.className = cls;
-  if (text) e.textContent = text;
-  return e;
-}
-
-function labelled(text: string, control: HTMLElement): HTMLLabelElement {
-  const l = el("label", "jmi-field");
-  l.append(el("span", "jmi-field-label", text), control);
-  return l;
-}
-
-function btn(label: string, cls: string, onClick: () => void): HTMLButtonElement {
-  const b = el("button", `jmi-btn ${cls}`, label);
-  b.type = "button";
-  b.addEventListener("click", () => {
-    if (b.getAttribute("aria-disabled") !== "true") onClick();
-  });
-  return b;
-}
-
-function enable(b: HTMLButtonElement, on: boolean, why = ""): void {
-  b.setAttribute("aria-disabled", String(!on));
-  b.classList.toggle("jmi-disabled", !on);
-  if (why) b.title = why;
-}
-
 /** The device chip of a tree row: its colour, its name in words, "over" when it does not fit. */
 export function deviceChip(plan: Plan, node: number): HTMLElement {
   const at = plan.nodes?.[node] ?? -1;
   const devices = plan.devices ?? [];
   if (at === -2) {
-    const split = el("span", "jmi-devchip jmi-dev-split", "split");
+    const split = h("span", "jmi-devchip jmi-dev-split", "split");
     split.title = "Its parts go to several devices (see the rows below it)";
     return split;
   }
   const d = devices[at];
-  if (!d) return el("span", "jmi-dev-none", "—");
-  const chip = el("span", `jmi-devchip${d.fits ? "" : " jmi-dev-over"}`, d.fits ? d.name : `${d.name} · over`);
+  if (!d) return h("span", "jmi-dev-none", "—");
+  const chip = h("span", `jmi-devchip${d.fits ? "" : " jmi-dev-over"}`, d.fits ? d.name : `${d.name} · over`);
   chip.style.setProperty("--jmi-dev", deviceColor(at));
   chip.title = d.fits
     ? `Planned on ${d.name}`
@@ -82,7 +55,7 @@ export function deviceChip(plan: Plan, node: number): HTMLElement {
 
 /** The header's per-device bars: predicted peak against capacity, a legend of the colours. */
 export function planHead(plan: Plan): HTMLElement {
-  const head = el("div", "jmi-planhead");
+  const head = h("div", "jmi-planhead");
   const devices = plan.devices ?? [];
   if (!devices.length) {
     head.hidden = true;
@@ -90,15 +63,15 @@ export function planHead(plan: Plan): HTMLElement {
   }
   head.setAttribute("role", "group");
   head.setAttribute("aria-label", "Planned peak per device");
-  const title = el("div", `jmi-plan-headline${plan.fits ? "" : " jmi-nofit-text"}`);
-  title.append(el("span", "jmi-label", "Plan"), ` ${plan.headline ?? ""}`);
+  const title = h("div", `jmi-plan-headline${plan.fits ? "" : " jmi-nofit-text"}`);
+  title.append(h("span", "jmi-label", "Plan"), ` ${plan.headline ?? ""}`);
   head.append(title);
   devices.forEach((d, i) => {
-    const row = el("div", `jmi-devbar${d.fits ? "" : " jmi-dev-over"}`);
-    const name = el("span", "jmi-devchip", d.name);
+    const row = h("div", `jmi-devbar${d.fits ? "" : " jmi-dev-over"}`);
+    const name = h("span", "jmi-devchip", d.name);
     name.style.setProperty("--jmi-dev", deviceColor(i));
-    const track = el("div", "jmi-devbar-track");
-    const fill = el("div", "jmi-devbar-fill");
+    const track = h("div", "jmi-devbar-track");
+    const fill = h("div", "jmi-devbar-fill");
     const frac = d.capacity ? d.peak / d.capacity : 0;
     fill.style.width = `${Math.min(100, 100 * frac).toFixed(1)}%`;
     fill.style.background = d.fits ? deviceColor(i) : "var(--jmi-err)";
@@ -109,10 +82,10 @@ export function planHead(plan: Plan): HTMLElement {
     track.setAttribute("aria-valuenow", String(Math.min(d.peak, d.capacity)));
     track.setAttribute("aria-label", `${d.name}: predicted peak against capacity`);
     const amount = `${humanBytes(d.peak)} / ${humanBytes(d.capacity)} (${Math.round(100 * frac)}%)`;
-    const text = el("span", "jmi-devbar-text", amount);
-    const parts = el("span", "jmi-muted", `${d.parts} part${d.parts === 1 ? "" : "s"}`);
+    const text = h("span", "jmi-devbar-text", amount);
+    const parts = h("span", "jmi-muted", `${d.parts} part${d.parts === 1 ? "" : "s"}`);
     row.append(name, track, text, parts);
-    if (!d.fits) row.append(el("strong", "jmi-over-text", `over by ${humanBytes(d.peak - d.capacity)}`));
+    if (!d.fits) row.append(h("strong", "jmi-over-text", `over by ${humanBytes(d.peak - d.capacity)}`));
     head.append(row);
   });
   return head;
@@ -123,22 +96,30 @@ export interface BarHost {
   request(content: Record<string, unknown>): void;
   /** The model's `get`. */
   get(name: string): any;
+  /** Say what a button does or why it is unavailable, to the mouse and the keyboard (Reasons). */
+  explain(b: HTMLButtonElement, why: string): void;
+}
+
+/** Available or not (focusable either way), with what it does or why not. */
+function enable(host: BarHost, b: HTMLButtonElement, on: boolean, why: string): void {
+  setEnabled(b, on);
+  host.explain(b, why);
 }
 
 /** The *Plan…* bar: the plan's options, then pins and *Materialize plan* once there is a plan. */
 export class PlanBar {
-  readonly el = el("form", "jmi-bar-form jmi-planbar");
-  readonly devices = el("input", "jmi-input jmi-plan-devices");
-  readonly batch = el("input", "jmi-input jmi-num");
-  readonly seqLen = el("input", "jmi-input jmi-num");
-  readonly mode = el("select", "jmi-select jmi-plan-mode");
-  readonly planBtn = el("button", "jmi-btn jmi-primary jmi-plan-go", "Plan");
-  readonly pinSel = el("select", "jmi-select jmi-pin-device");
+  readonly el = h("form", "jmi-bar-form jmi-planbar");
+  readonly devices = h("input", "jmi-input jmi-plan-devices");
+  readonly batch = h("input", "jmi-input jmi-num");
+  readonly seqLen = h("input", "jmi-input jmi-num");
+  readonly mode = h("select", "jmi-select jmi-plan-mode");
+  readonly planBtn = h("button", "jmi-btn jmi-primary jmi-plan-go", "Plan");
+  readonly pinSel = h("select", "jmi-select jmi-pin-device");
   readonly pinBtn: HTMLButtonElement;
   readonly unpinBtn: HTMLButtonElement;
   readonly matBtn: HTMLButtonElement;
-  private readonly after = el("div", "jmi-plan-after");
-  private readonly advice = el("ul", "jmi-plan-advice");
+  private readonly after = h("div", "jmi-plan-after");
+  private readonly advice = h("ul", "jmi-plan-advice");
 
   constructor(private readonly host: BarHost) {
     this.el.hidden = true;
@@ -155,7 +136,7 @@ export class PlanBar {
     this.seqLen.placeholder = "tokens";
     this.seqLen.title = "Tokens per sample (prompt + generated) for a language model";
     for (const [v, t] of [["inference", "Inference"], ["training", "Training (AdamW)"]]) {
-      const o = el("option", "", t);
+      const o = h("option", "", t);
       o.value = v;
       this.mode.append(o);
     }
@@ -167,14 +148,14 @@ export class PlanBar {
       if (this.planBtn.getAttribute("aria-disabled") !== "true") this.submit();
     });
     this.pinSel.setAttribute("aria-label", "Device to pin the selected parts to");
-    this.pinBtn = btn("Pin selection", "jmi-pin", () =>
+    this.pinBtn = button("Pin selection", "jmi-pin", () =>
       host.request({ action: "pin", device: this.pinSel.value, names: host.get("selected") ?? [] }),
     );
-    this.unpinBtn = btn("Clear pins", "jmi-unpin", () => host.request({ action: "unpin" }));
-    this.matBtn = btn("Materialize plan", "jmi-primary jmi-mat-plan", () =>
+    this.unpinBtn = button("Clear pins", "jmi-unpin", () => host.request({ action: "unpin" }));
+    this.matBtn = button("Materialize plan", "jmi-primary jmi-mat-plan", () =>
       host.request({ action: "materialize_plan" }),
     );
-    const form = el("div", "jmi-bar-row");
+    const form = h("div", "jmi-bar-row");
     form.append(
       labelled("Devices", this.devices),
       labelled("Batch", this.batch),
@@ -182,7 +163,7 @@ export class PlanBar {
       this.mode,
       this.planBtn,
     );
-    const pinLabel = el("span", "jmi-field-label", "Pin selection to");
+    const pinLabel = h("span", "jmi-field-label", "Pin selection to");
     this.after.append(pinLabel, this.pinSel, this.pinBtn, this.unpinBtn, this.matBtn);
     this.after.classList.add("jmi-bar-row");
     this.el.append(form, this.after, this.advice);
@@ -203,12 +184,12 @@ export class PlanBar {
     const plan: Plan = this.host.get("plan") ?? {};
     const devices = plan.devices ?? [];
     const names: string[] = this.host.get("selected") ?? [];
-    enable(this.planBtn, !busy, busy ? "Busy: wait for the running action" : "Plan where each part goes (allocates nothing)");
+    enable(this.host, this.planBtn, !busy, busy ? "Busy: wait for the running action" : "Plan where each part goes (allocates nothing)");
     this.after.hidden = !devices.length;
     const keep = this.pinSel.value;
     this.pinSel.replaceChildren(
       ...devices.map((d) => {
-        const o = el("option", "", d.name);
+        const o = h("option", "", d.name);
         o.value = d.name;
         return o;
       }),
@@ -216,13 +197,14 @@ export class PlanBar {
     if (devices.some((d) => d.name === keep)) this.pinSel.value = keep;
     this.pinSel.disabled = busy;
     const pins = Object.keys(plan.pins ?? {});
-    enable(this.pinBtn, !busy && names.length > 0, names.length ? "Put the selected parts on this device and re-plan the rest" : "Select parts first (tick their checkboxes)");
-    enable(this.unpinBtn, !busy && pins.length > 0, pins.length ? `Drop the pins (${pins.join(", ")}) and re-plan` : "Nothing is pinned");
+    enable(this.host, this.pinBtn, !busy && names.length > 0, names.length ? "Put the selected parts on this device and re-plan the rest" : "Select parts first (tick their checkboxes)");
+    enable(this.host, this.unpinBtn, !busy && pins.length > 0, pins.length ? `Drop the pins (${pins.join(", ")}) and re-plan` : "Nothing is pinned");
     this.unpinBtn.textContent = pins.length ? `Clear pins (${pins.length})` : "Clear pins";
     // a plan over devices this kernel lacks (planned for another machine) cannot be materialized here
     const usable = new Set(["cpu", ...((this.host.get("devices") ?? []) as Array<{ name: string }>).map((d) => d.name)]);
     const missing = devices.filter((d) => !usable.has(d.name)).map((d) => d.name);
     enable(
+      this.host,
       this.matBtn,
       !busy && devices.length > 0 && !missing.length,
       missing.length
@@ -230,7 +212,7 @@ export class PlanBar {
         : "Materialize every part on its planned device",
     );
     this.advice.replaceChildren(
-      ...[...(plan.advice ?? []).map((a) => `To fit: ${a}`), ...(plan.notes ?? [])].map((t) => el("li", "", t)),
+      ...[...(plan.advice ?? []).map((a) => `To fit: ${a}`), ...(plan.notes ?? [])].map((t) => h("li", "", t)),
     );
     this.advice.hidden = !this.advice.children.length;
   }
@@ -238,11 +220,11 @@ export class PlanBar {
 
 /** The *Save…* bar: where, in which format; progress and Cancel are the widget's own. */
 export class SaveBar {
-  readonly el = el("form", "jmi-bar-form jmi-savebar");
-  readonly path = el("input", "jmi-input jmi-save-path");
-  readonly format = el("select", "jmi-select jmi-save-format");
-  readonly saveBtn = el("button", "jmi-btn jmi-primary jmi-save-go", "Save");
-  private readonly what = el("span", "jmi-muted jmi-save-what");
+  readonly el = h("form", "jmi-bar-form jmi-savebar");
+  readonly path = h("input", "jmi-input jmi-save-path");
+  readonly format = h("select", "jmi-select jmi-save-format");
+  readonly saveBtn = h("button", "jmi-btn jmi-primary jmi-save-go", "Save");
+  private readonly what = h("span", "jmi-muted jmi-save-what");
 
   constructor(private readonly host: BarHost) {
     this.el.hidden = true;
@@ -250,7 +232,7 @@ export class SaveBar {
     this.path.type = "text";
     this.path.placeholder = "directory, e.g. checkpoints/seed";
     for (const [v, t] of [["safetensors", "safetensors"], ["dcp", "torch DCP"]]) {
-      const o = el("option", "", t);
+      const o = h("option", "", t);
       o.value = v;
       this.format.append(o);
     }
@@ -260,7 +242,7 @@ export class SaveBar {
       ev.preventDefault();
       if (this.saveBtn.getAttribute("aria-disabled") !== "true") this.submit();
     });
-    const row = el("div", "jmi-bar-row");
+    const row = h("div", "jmi-bar-row");
     row.append(labelled("Save to", this.path), this.format, this.saveBtn, this.what);
     this.el.append(row);
   }
@@ -278,6 +260,6 @@ export class SaveBar {
     const names: string[] = this.host.get("selected") ?? [];
     this.what.textContent =
       names.length === 0 ? "the whole model" : names.length === 1 ? `only ${names[0]}` : "select one subtree, or none";
-    enable(this.saveBtn, !busy && names.length <= 1, busy ? "Busy: wait for the running action" : names.length > 1 ? "Select one subtree, or none for the whole model" : "Write the values materialize would give, tensor by tensor; nothing in the model changes");
+    enable(this.host, this.saveBtn, !busy && names.length <= 1, busy ? "Busy: wait for the running action" : names.length > 1 ? "Select one subtree, or none for the whole model" : "Write the values materialize would give, tensor by tensor; nothing in the model changes");
   }
 }

@@ -1,11 +1,22 @@
 // The widget's DOM: header with totals, toolbar, action buttons, progress, and a virtually
 // scrolled tree (only the rows in view exist in the DOM).  The tree is an ARIA tree with one
 // focusable row at a time (roving tabindex): arrows move and open/close, Space ticks, Enter
-// opens, Home/End jump; focus follows the node across re-renders.
+// opens, Home/End jump; focus follows the node across re-renders. The pieces live beside it:
+// kernel_link.ts (messages and their answers), actions.ts (the action buttons), row.ts (one
+// row), cells.ts (badges and tags), plan.ts (the plan and save bars), dom.ts (DOM helpers).
 
-import { humanBytes, humanCount, percent, stateKind } from "./format";
-import { deviceChip, type Plan, PlanBar, planHead, SaveBar } from "./plan";
-import { CHECKED, PARTIAL, type PatchRow, Tree, type TreeJSON, type VisibleRow } from "./tree";
+import { ActionBar } from "./actions";
+import { badge, codePath, dtypeTag, fitAmounts } from "./cells";
+import { button, h, Reasons } from "./dom";
+import { humanBytes, humanCount } from "./format";
+import { GONE_KERNEL, GONE_WIDGET, KernelLink } from "./kernel_link";
+import { type Plan, PlanBar, planHead, SaveBar } from "./plan";
+import { ROW_HEIGHT, type RowContext, treeRow } from "./row";
+import { type PatchRow, Tree, type TreeJSON, type VisibleRow } from "./tree";
+
+export { codePath } from "./cells";
+export { ACK_TIMEOUT_MS, GONE_KERNEL, GONE_WIDGET, SILENCE_MS, SILENT_KERNEL } from "./kernel_link";
+export { ROW_HEIGHT } from "./row";
 
 /** The part of anywidget's model this view uses. */
 export interface WidgetModel {
@@ -17,44 +28,10 @@ export interface WidgetModel {
   off(event?: string | null, cb?: ((...args: any[]) => void) | null): void;
 }
 
-export const ROW_HEIGHT = 26;
 const MAX_VISIBLE_ROWS = 18;
 const OVERSCAN = 6;
 /** How long a refused request's notice stays. */
 export const NOTICE_MS = 5000;
-/** A message the kernel has not acknowledged by then means it is busy (running a cell): the
- *  page says it waits. Only the comm's close or the kernel's restart means it is gone. */
-export const ACK_TIMEOUT_MS = 1500;
-
-/** After this long without an answer, the page no longer assumes the kernel is only busy. */
-export const SILENCE_MS = 10_000;
-export const SILENT_KERNEL =
-  "No answer from the kernel for 10 s. It is still busy with a long cell (your action runs when it ends), or it was shut down: if the notebook shows no kernel, start one and run the cells that build the model again.";
-
-/** What the page says when the kernel restarted or stopped: the model went with it. */
-export const GONE_KERNEL =
-  "The kernel was restarted or stopped, and the model went with it. Run the cells that build the model again to get a live tree.";
-/** What the page says when the widget was closed while the kernel lives on. */
-export const GONE_WIDGET =
-  "This widget was closed in the kernel. The model is still there if a name holds it: show it again with jupyter_metainit.explore(model), no need to rebuild it.";
-
-function h<K extends keyof HTMLElementTagNameMap>(
-  tag: K,
-  cls = "",
-  text = "",
-): HTMLElementTagNameMap[K] {
-  const el = document.createElement(tag);
-  if (cls) el.className = cls;
-  if (text) el.textContent = text;
-  return el;
-}
-
-function button(label: string, cls: string, onClick: () => void): HTMLButtonElement {
-  const b = h("button", `jmi-btn ${cls}`, label);
-  b.type = "button";
-  b.addEventListener("click", onClick);
-  return b;
-}
 
 export class TreeView {
   readonly el: HTMLElement;
@@ -65,40 +42,26 @@ export class TreeView {
   rows: VisibleRow[] = [];
   /** The node that has (or will get) keyboard focus in the tree. */
   focusNode = 0;
-  /** The kernel is gone (comm closed, kernel restarted or dead). */
-  disconnected = false;
-  /** A message was sent that the kernel has not answered yet for a while: it is busy. */
-  waiting = false;
+  /** Messages to the kernel and their answers; whether it is busy or gone. */
+  readonly link: KernelLink;
   private checks: Uint8Array;
   private readonly disposers: Array<() => void> = [];
   private frame = 0;
   private noticeTimer = 0;
-  private silenceTimer = 0;
-  /** What the unanswered action is, in words ("Free", "Materialize → cpu"). */
-  private queuedLabel = "";
-  private nextId = 1;
-  private readonly pending = new Map<number, number>();
-  /** The unanswered messages that are actions (not pings). */
-  private readonly blocking = new Set<number>();
-  private readonly actionButtons = new Map<string, HTMLButtonElement>();
-  private readonly sepEl = h("span", "jmi-sep");
-  /** Visually hidden texts the action buttons' aria-describedby point to. */
-  private readonly whysEl = h("div", "jmi-sr");
+  private readonly reasons = new Reasons();
 
   // parts
   private readonly totalsEl = h("div", "jmi-totals");
   private readonly selEl = h("div", "jmi-seltotals");
   private readonly search = h("input", "jmi-search");
   private readonly depthInput = h("input", "jmi-depth");
-  private readonly actionsEl = h("div", "jmi-actions");
+  private readonly actionBar: ActionBar;
   private readonly progressEl = h("div", "jmi-progress");
   private readonly progressBar = h("div", "jmi-progress-fill");
   private readonly progressText = h("span", "jmi-progress-text");
   private readonly cancelBtn: HTMLButtonElement;
   private readonly messageEl = h("div", "jmi-message");
   private readonly noticeEl = h("div", "jmi-notice");
-  private readonly disconnectedEl = h("div", "jmi-disconnected");
-  private readonly waitingEl = h("div", "jmi-waiting");
   private readonly fullBtn: HTMLButtonElement;
   private readonly scroller = h("div", "jmi-scroll");
   private readonly spacer = h("div", "jmi-spacer");
@@ -127,6 +90,17 @@ export class TreeView {
     this.el.setAttribute("data-lm-suppress-shortcuts", "true");
     this.el.setAttribute("data-p-suppress-shortcuts", "true");
     root.appendChild(this.el);
+    this.link = new KernelLink((content) => model.send(content), {
+      // the last action's message is not about this one: hide it until the kernel's next
+      actionSent: () => (this.messageEl.hidden = true),
+      changed: (connection) => {
+        this.renderActions();
+        if (!connection) return;
+        this.el.classList.toggle("jmi-off", this.link.disconnected);
+        this.renderRows();
+        this.renderTable();
+      },
+    });
     this.cancelBtn = button("Cancel", "jmi-cancel", () => this.request({ action: "cancel" }));
     this.tableBtn = button("Table", "jmi-toggle", () => {
       model.set("show_table", !model.get("show_table"));
@@ -136,9 +110,17 @@ export class TreeView {
       model.set("table_full", !model.get("table_full"));
       model.save_changes();
     });
-    const host = { request: (c: Record<string, unknown>) => this.request(c), get: (k: string) => model.get(k) };
+    const host = {
+      request: (c: Record<string, unknown>) => this.request(c),
+      get: (k: string) => model.get(k),
+      explain: (b: HTMLButtonElement, why: string) => this.reasons.explain(b, why),
+    };
     this.planBar = new PlanBar(host);
     this.saveBar = new SaveBar(host);
+    this.actionBar = new ActionBar(host, this.reasons, { plan: this.planBar.el, save: this.saveBar.el }, [
+      this.rngSel,
+      this.dtypeSel,
+    ]);
     this.build();
     this.listen("change:plan", () => this.renderPlan());
     this.listen("change:selected", () => {
@@ -166,9 +148,19 @@ export class TreeView {
     });
     this.listen("msg:custom", (msg: any) => {
       if (msg && msg.kind === "patch") this.applyPatch(msg.nodes as PatchRow[]);
-      if (msg && msg.kind === "ack") this.acknowledged(Number(msg.id));
+      if (msg && msg.kind === "ack") this.link.acknowledged(Number(msg.id));
     });
     this.update();
+  }
+
+  /** The kernel is gone (comm closed, kernel restarted or dead). */
+  get disconnected(): boolean {
+    return this.link.disconnected;
+  }
+
+  /** An action was sent that the kernel has not answered for a while: it is busy. */
+  get waiting(): boolean {
+    return this.link.waiting;
   }
 
   private listen(events: string, cb: (...args: any[]) => void): void {
@@ -182,84 +174,17 @@ export class TreeView {
     for (const d of this.disposers) d();
     cancelAnimationFrame(this.frame);
     clearTimeout(this.noticeTimer);
-    clearTimeout(this.silenceTimer);
-    for (const timer of this.pending.values()) clearTimeout(timer);
+    this.link.dispose();
     this.el.remove();
   }
 
-  // ------------------------------------------------------------------ talking to the kernel
-  /** Send an action; the kernel acknowledges every message. Silence means it is busy running
-   *  a cell: the message waits in the kernel's queue and runs when the cell ends, so the page
-   *  says it is waiting (and takes no second action meanwhile) until the answer comes. */
+  /** Send an action (or a ping); see KernelLink. */
   request(content: Record<string, unknown>): void {
-    if (this.disconnected) return;
-    const id = this.nextId++;
-    this.pending.set(
-      id,
-      window.setTimeout(() => this.setWaiting(true), ACK_TIMEOUT_MS),
-    );
-    // a ping only asks whether the kernel is there: it does not hold back the actions
-    if (content.action !== "ping") {
-      this.blocking.add(id);
-      this.queuedLabel = actionLabel(content);
-      // the last action's message is not about this one: hide it until the kernel's next
-      this.messageEl.hidden = true;
-    }
-    this.model.send({ ...content, id });
-    this.renderActions();
-  }
-
-  private acknowledged(id: number): void {
-    clearTimeout(this.pending.get(id));
-    this.pending.delete(id);
-    this.blocking.delete(id);
-    // The kernel answers: whatever was said in doubt no longer holds.
-    if (this.disconnected) this.setConnected();
-    if (!this.pending.size) this.setWaiting(false);
-    this.renderActions();
-  }
-
-  private setWaiting(on: boolean): void {
-    if (this.waiting === on) return;
-    this.waiting = on;
-    this.waitingEl.hidden = !on;
-    const what = this.blocking.size && this.queuedLabel ? `your ${this.queuedLabel}` : "your action";
-    this.waitingEl.textContent = on
-      ? `Waiting for the kernel… it is busy (a cell is running); ${what} is queued and runs when it is free.`
-      : "";
-    clearTimeout(this.silenceTimer);
-    // A shut-down kernel closes no comm and restarts nothing: it just never answers. After a
-    // long silence the page says both possibilities, and what to do in each.
-    if (on) {
-      this.silenceTimer = window.setTimeout(() => {
-        if (this.waiting) this.waitingEl.textContent = SILENT_KERNEL;
-      }, SILENCE_MS);
-    }
-    this.renderActions();
+    this.link.request(content);
   }
 
   setDisconnected(why = GONE_KERNEL): void {
-    if (this.disconnected) return;
-    this.disconnected = true;
-    for (const timer of this.pending.values()) clearTimeout(timer);
-    this.pending.clear();
-    this.blocking.clear();
-    this.setWaiting(false);
-    this.el.classList.add("jmi-off");
-    this.disconnectedEl.textContent = `Disconnected. ${why}`;
-    this.disconnectedEl.hidden = false;
-    this.renderActions();
-    this.renderRows();
-    this.renderTable();
-  }
-
-  private setConnected(): void {
-    this.disconnected = false;
-    this.el.classList.remove("jmi-off");
-    this.disconnectedEl.hidden = true;
-    this.renderActions();
-    this.renderRows();
-    this.renderTable();
+    this.link.setDisconnected(why);
   }
 
   // ------------------------------------------------------------------ layout
@@ -370,17 +295,13 @@ export class TreeView {
     this.noticeEl.setAttribute("role", "status");
     this.noticeEl.hidden = true;
     this.messageEl.setAttribute("role", "status");
-    this.disconnectedEl.setAttribute("role", "alert");
-    this.disconnectedEl.hidden = true;
-    this.waitingEl.setAttribute("role", "status");
-    this.waitingEl.hidden = true;
 
     this.el.append(
       head,
-      this.disconnectedEl,
-      this.waitingEl,
+      this.link.disconnectedEl,
+      this.link.waitingEl,
       tools,
-      this.actionsEl,
+      this.actionBar.el,
       this.planBar.el,
       this.saveBar.el,
       this.progressEl,
@@ -389,7 +310,7 @@ export class TreeView {
       colhead,
       this.scroller,
       this.tableEl,
-      this.whysEl,
+      this.reasons.el,
     );
     this.syncSelects();
     this.renderPlan();
@@ -440,7 +361,7 @@ export class TreeView {
   }
 
   toggleCheck(node: number): void {
-    if (this.disconnected || this.model.get("busy")) return;
+    if (this.link.disconnected || this.model.get("busy")) return;
     const next = this.tree.toggle(this.selected, node);
     this.selected = new Set(next);
     this.refreshChecks();
@@ -665,103 +586,17 @@ export class TreeView {
     this.renderActions();
   }
 
-  /** The action buttons are made once and updated in place, so that the one with keyboard
-   *  focus keeps it through every re-render (after Enter, while busy, when it ends). An
-   *  unavailable action is `aria-disabled` rather than `disabled`: it stays focusable and its
-   *  reason (the title) stays readable. */
-  private actionButton(key: string, label: string, cls: string, onClick: () => void): HTMLButtonElement {
-    let b = this.actionButtons.get(key);
-    if (!b) {
-      b = button(label, cls, () => {
-        if (b!.getAttribute("aria-disabled") !== "true") onClick();
-      });
-      this.actionButtons.set(key, b);
-      // what the button does, or why it is unavailable, read out when it gets focus: the
-      // title alone is a hover tooltip, which keyboard and screen-reader users never see
-      const why = h("span", "jmi-sr");
-      why.id = `jmi-why-${viewId}-${++whyIds}`;
-      this.whysEl.append(why);
-      b.setAttribute("aria-describedby", why.id);
-    }
-    b.textContent = label;
-    return b;
-  }
-
-  /** Set a button's reason: its tooltip and the text its aria-describedby points to. */
-  private explain(b: HTMLButtonElement, why: string): void {
-    b.title = why;
-    const el = b.getAttribute("aria-describedby");
-    const target = el ? this.whysEl.querySelector<HTMLElement>(`#${el}`) : null;
-    if (target && target.textContent !== why) target.textContent = why;
-  }
-
   renderActions(): void {
+    const off = this.link.disconnected;
     // an action sent and not yet answered counts as running: no second one meanwhile
-    const busy = Boolean(this.model.get("busy")) || this.disconnected || this.blocking.size > 0;
-    const names: string[] = this.model.get("selected") ?? [];
-    const s = this.model.get("selection") ?? {};
-    const states: Record<string, number> = s.states ?? {};
-    const anyReal = Object.keys(states).some((k) => k !== "deferred");
-    const none = names.length === 0;
-    const why = none ? "Select modules first (tick their checkboxes)" : "";
-    const fit: Record<string, { fits: boolean; need: number; free: number }> = s.fit ?? {};
-    const noRoom = (device: string): string => {
-      const f = fit[device];
-      return f && !f.fits
-        ? `Does not fit: the selection ${fitAmounts(device, f)}. Select less, pick a smaller dtype or free something first.`
-        : "";
-    };
-    const act = (action: string, device?: string) => () =>
-      this.request({ action, device, names: this.model.get("selected") ?? [] });
-
-    const cpu = this.actionButton("cpu", "Materialize → CPU", "jmi-primary jmi-mat-cpu", act("materialize", "cpu"));
-    setEnabled(cpu, !(busy || none || noRoom("cpu")));
-    this.explain(cpu, why || noRoom("cpu") || "Allocate the selected subtrees on the CPU and compute their values");
-    const buttons: HTMLElement[] = [cpu];
-    const devices: Array<{ name: string; label: string }> = this.model.get("devices") ?? [];
-    if (!devices.length) {
-      const b = this.actionButton("nocuda", "Materialize → cuda", "jmi-mat-cuda", () => undefined);
-      setEnabled(b, false); // focusable, so that its reason reaches the keyboard
-      this.explain(b, this.model.get("no_cuda_reason") || "No CUDA device is visible to this kernel.");
-      buttons.push(b);
-    }
-    for (const d of devices) {
-      const b = this.actionButton(`cuda ${d.name}`, `→ ${d.name}`, "jmi-mat-cuda", act("materialize", d.name));
-      setEnabled(b, !(busy || none || noRoom(d.name)));
-      this.explain(b, why || noRoom(d.name) || `Materialize on ${d.name} (${d.label})`);
-      buttons.push(b);
-    }
-    const free = this.actionButton("free", "Free", "jmi-free", act("free"));
-    setEnabled(free, !(busy || none || !anyReal));
-    this.explain(free, why || (anyReal ? "Back to deferred: release the memory" : "Nothing selected is materialized"));
-    const planToggle = this.barToggle("plan", "Plan…", this.planBar.el, "Plan which device each part goes to for a workload (allocates nothing)");
-    const saveToggle = this.barToggle("save", "Save…", this.saveBar.el, "Write the model, or the selected subtree, as a checkpoint (safetensors or torch DCP)");
-    buttons.push(free, planToggle, saveToggle, this.sepEl, this.rngSel, this.dtypeSel);
+    const busy = Boolean(this.model.get("busy")) || off || this.link.actionPending;
+    this.actionBar.render(busy, off);
     this.planBar.render(busy);
     this.saveBar.render(busy);
     this.rngSel.disabled = busy;
     this.dtypeSel.disabled = busy;
-    this.cancelBtn.disabled = this.disconnected;
-    this.tableBtn.disabled = this.disconnected;
-    // only touch the DOM when the set of buttons changed, so focus is never lost
-    const current = [...this.actionsEl.children];
-    if (current.length !== buttons.length || current.some((el, i) => el !== buttons[i])) {
-      this.actionsEl.replaceChildren(...buttons);
-    }
-  }
-
-  /** A button that shows or hides one of the bars (plan, save), focus moving into it. */
-  private barToggle(key: string, label: string, bar: HTMLElement, why: string): HTMLButtonElement {
-    const b = this.actionButton(key, label, `jmi-toggle jmi-${key}-toggle`, () => {
-      bar.hidden = !bar.hidden;
-      b.classList.toggle("jmi-on", !bar.hidden);
-      b.setAttribute("aria-expanded", String(!bar.hidden));
-      if (!bar.hidden) bar.querySelector<HTMLElement>("input, select")?.focus();
-    });
-    b.setAttribute("aria-expanded", String(!bar.hidden));
-    setEnabled(b, !this.disconnected);
-    this.explain(b, why);
-    return b;
+    this.cancelBtn.disabled = off;
+    this.tableBtn.disabled = off;
   }
 
   /** The plan: the per-device bars in the header, the device column, the plan bar. */
@@ -818,7 +653,7 @@ export class TreeView {
     const html: string = this.model.get("table_html") ?? "";
     body.innerHTML = show ? html : "";
     if (show && !html) {
-      body.textContent = this.disconnected
+      body.textContent = this.link.disconnected
         ? "No table: it is computed by the kernel, which is gone."
         : "Computing the table…";
     }
@@ -837,290 +672,25 @@ export class TreeView {
     const first = Math.max(0, Math.floor(top / ROW_HEIGHT) - OVERSCAN);
     const last = Math.min(this.rows.length, Math.ceil((top + height) / ROW_HEIGHT) + OVERSCAN);
     const hadFocus = this.rowsEl.contains(document.activeElement);
+    const plan: Plan = this.model.get("plan") ?? {};
+    const ctx: RowContext = {
+      tree: this.tree,
+      checks: this.checks,
+      isOpen: (i) => this.isOpen(i),
+      focusNode: this.focusNode,
+      query: this.query,
+      varName: String(this.model.get("var_name") ?? "model"),
+      locked: Boolean(this.model.get("busy")) || this.link.disconnected,
+      plan,
+      planned: Boolean(plan.devices?.length),
+    };
     const frag = document.createDocumentFragment();
-    for (let i = first; i < last; i++) frag.append(this.renderRow(this.rows[i], i));
+    for (let i = first; i < last; i++) frag.append(treeRow(ctx, this.rows[i], i));
     this.rowsEl.replaceChildren(frag);
     if (hadFocus) this.focusRow();
   }
-
-  private renderRow(row: VisibleRow, i: number): HTMLElement {
-    const t = this.tree;
-    const n = row.node;
-    const el = h("div", "jmi-row");
-    el.dataset.node = String(n);
-    el.style.top = `${i * ROW_HEIGHT}px`;
-    if (row.match) el.classList.add("jmi-match");
-    const check = this.checks[n];
-    if (check === CHECKED) el.classList.add("jmi-selected");
-    const hasKids = t.children[n].length > 0;
-    const open = hasKids && this.isOpen(i);
-    el.setAttribute("role", "treeitem");
-    el.setAttribute("aria-level", String(row.depth + 1));
-    el.setAttribute("aria-selected", String(check === CHECKED));
-    if (hasKids) el.setAttribute("aria-expanded", String(open));
-    const plan: Plan = this.model.get("plan") ?? {};
-    const planned = Boolean(plan.devices?.length);
-    const chip = planned ? deviceChip(plan, n) : null;
-    const on = chip && chip.textContent !== "—" ? `, planned on ${chip.textContent}` : "";
-    el.setAttribute("aria-label", `${t.qname[n] || "the whole model"}, ${t.type[n]}, ${humanBytes(t.bytes[n])}, ${stateText(t.state[n], t.target[n])}${on}`);
-    el.setAttribute("aria-keyshortcuts", "C");
-    el.tabIndex = n === this.focusNode ? 0 : -1;
-    if (n === this.focusNode) el.classList.add("jmi-focus");
-
-    const cbCell = h("div", "jmi-c-check");
-    const cb = h("input", "jmi-check");
-    cb.type = "checkbox";
-    cb.tabIndex = -1; // the row is the focus stop; Space ticks
-    cb.checked = check === CHECKED;
-    cb.indeterminate = check === PARTIAL;
-    cb.disabled = Boolean(this.model.get("busy")) || this.disconnected;
-    cb.setAttribute("aria-label", `Select ${t.qname[n] || "the whole model"}`);
-    cbCell.append(cb);
-
-    const nameCell = h("div", "jmi-c-name");
-    // the indent narrows with the widget (style.css: --jmi-indent), so deep names keep room
-    nameCell.style.paddingLeft = `calc(${row.depth} * var(--jmi-indent, 16px))`;
-    const caret = h("span", `jmi-caret${hasKids ? "" : " jmi-leaf"}`, hasKids ? (open ? "▾" : "▸") : "");
-    caret.setAttribute("aria-hidden", "true");
-    const name = h("span", "jmi-name");
-    const label = n === 0 ? "(model)" : t.name[n];
-    appendHighlighted(name, label, row.match ? this.query : "");
-    name.title = t.qname[n] || "the whole model";
-    // the path as code the magics take, to copy (shown on hover and on the focused row)
-    const code = codePath(String(this.model.get("var_name") ?? "model"), t.qname[n]);
-    // an inline SVG, not a glyph: "⧉" and its kin are missing from common Linux fonts (tofu)
-    const copy = h("button", "jmi-copy");
-    copy.append(copyIcon());
-    copy.type = "button";
-    copy.tabIndex = -1; // the row is the focus stop
-    copy.title = `Copy ${code} (the path %materialize and the other magics take; key: c)`;
-    copy.setAttribute("aria-label", `Copy ${code}`);
-    copy.dataset.code = code;
-    nameCell.append(caret, name, copy);
-    // The chips beside the name, most important first (tied, repeated): each shows
-    // whole or not at all, never cut to "t…" (style.css: .jmi-tags wraps what does not fit
-    // onto a hidden second line); their text stays in the row's title and aria-label.
-    const tags: HTMLElement[] = [];
-    const rep = t.repeatedChildren(n);
-    // "identical" only while it holds: a block cast to another dtype since differs
-    if (rep) {
-      const same = t.stillIdentical(t.children[n][0], rep[0]);
-      const chip = keyedChip("jmi-chip", `×${rep[0]}`, same ? ", identical" : ", same structure");
-      chip.title = same
-        ? `${rep[0]} identical ${rep[1]} blocks`
-        : `${rep[0]} ${rep[1]} blocks built identical; their dtypes or sizes now differ`;
-      tags.push(chip);
-    } else if (
-      hasKids &&
-      t.repN[n] > 1 &&
-      t.repI[n] === 0 &&
-      t.children[t.parent[n]].length !== t.repN[n]
-    ) {
-      // a run of identical blocks among other children; leaves (two equal Linears) are not blocks
-      const same = t.stillIdentical(n, t.repN[n]);
-      const chip = keyedChip("jmi-chip", `×${t.repN[n]}`, same ? ", identical" : ", same structure");
-      chip.title = same
-        ? `This ${t.type[n]} and the next ${t.repN[n] - 1} are identical blocks`
-        : `This ${t.type[n]} and the next ${t.repN[n] - 1} were built identical; their dtypes or sizes now differ`;
-      tags.push(chip);
-    }
-    const tied = t.tied[n];
-    if (tied.length) {
-      const names = tied.map((k) => t.qname[k] || "(model)");
-      const chip = keyedChip("jmi-chip jmi-tied", "tied", `: ${names[0]}${names.length > 1 ? ` +${names.length - 1}` : ""}`);
-      chip.title = `Shares a tensor with ${names.join(", ")}: counted once, and real or deferred together`;
-      tags.unshift(chip);
-    }
-
-    // non-eager values are never hidden: the tag keeps its width, the name shrinks
-    if (t.values[n]) nameCell.append(fastTag(t.values[n]));
-    if (tags.length) {
-      const box = h("span", "jmi-tags");
-      box.append(h("span", "jmi-tags-spacer"), ...tags);
-      nameCell.append(box);
-    }
-
-    const typeCell = h("div", "jmi-c-type");
-    appendHighlighted(typeCell, t.type[n], row.match ? this.query : "");
-    if (t.info[n]) typeCell.title = `${t.type[n]}(${t.info[n]})`;
-
-    const share = h("div", "jmi-c-share");
-    const track = h("div", "jmi-bar");
-    const fill = h("div", "jmi-bar-fill");
-    const frac = t.totalBytes ? t.share[n] / t.totalBytes : 0;
-    fill.style.width = `${Math.max(frac > 0 ? 1 : 0, 100 * frac).toFixed(1)}%`;
-    track.append(fill);
-    share.append(track, h("span", "jmi-pct", percent(t.share[n], t.totalBytes)));
-    share.title = "Share of the model's memory (a tied tensor counts for its first holder)";
-
-    const size = h("div", "jmi-c-num jmi-c-size", humanBytes(t.bytes[n]));
-    if (t.dtype[n]) size.prepend(dtypeTag(t.dtype[n]), " ");
-    if (t.source[n]) size.prepend(sourceTag(t.source[n]), " ");
-
-
-    el.append(
-      cbCell,
-      nameCell,
-      typeCell,
-      h("div", "jmi-c-num jmi-c-params", humanCount(t.params[n])),
-      size,
-      cellWith(badge(t.state[n], t.target[n]), "jmi-c-state"),
-      share,
-    );
-    if (chip) el.append(cellWith(chip, "jmi-c-device"));
-    return el;
-  }
-}
-
-const SVG_NS = "http://www.w3.org/2000/svg";
-
-/** Two overlapping sheets, the usual "copy" icon, drawn in the text colour. */
-export function copyIcon(): SVGSVGElement {
-  const svg = document.createElementNS(SVG_NS, "svg");
-  svg.setAttribute("viewBox", "0 0 16 16");
-  svg.setAttribute("width", "12");
-  svg.setAttribute("height", "12");
-  svg.setAttribute("aria-hidden", "true");
-  svg.setAttribute("focusable", "false");
-  svg.classList.add("jmi-icon");
-  // the front sheet whole, the back one as the corner that shows behind it: no fill needed,
-  // so it reads on any row background (hover, selected, dark)
-  const back = document.createElementNS(SVG_NS, "path");
-  back.setAttribute("d", "M2.75 10.5V3.5a.75.75 0 0 1 .75-.75h7");
-  const front = document.createElementNS(SVG_NS, "rect");
-  for (const [k, v] of [["x", "5.25"], ["y", "5.25"], ["width", "8"], ["height", "8"], ["rx", "1"]]) {
-    front.setAttribute(k, v);
-  }
-  for (const part of [back, front]) {
-    part.setAttribute("fill", "none");
-    part.setAttribute("stroke", "currentColor");
-    part.setAttribute("stroke-width", "1.5");
-    part.setAttribute("stroke-linecap", "round");
-    svg.append(part);
-  }
-  return svg;
-}
-
-/** A chip whose key ("tied", "×4") is what must show: where the rest does not fit it ends in an
- *  ellipsis, and where the key does not fit the chip goes (style.css: .jmi-tags). */
-export function keyedChip(cls: string, key: string, rest: string): HTMLElement {
-  const chip = h("span", cls, key + rest);
-  // ch is the width of "0" in the chip's font: the key, the ellipsis, the padding
-  chip.style.setProperty("--jmi-key", `calc(${key.length + 1.5}ch + 12px)`);
-  return chip;
-}
-
-/** Available or not, keeping the button focusable (see renderActions). */
-function setEnabled(b: HTMLButtonElement, enabled: boolean): void {
-  b.disabled = false;
-  b.setAttribute("aria-disabled", String(!enabled));
-  b.classList.toggle("jmi-disabled", !enabled);
 }
 
 function rowsHaveChild(rows: VisibleRow[], i: number): boolean {
   return i + 1 < rows.length && rows[i + 1].depth > rows[i].depth;
-}
-
-function cellWith(child: HTMLElement, cls: string): HTMLElement {
-  const c = h("div", cls);
-  c.append(child);
-  return c;
-}
-
-/** An action message in words, for the page to say what waits. */
-function actionLabel(content: Record<string, unknown>): string {
-  if (content.action === "materialize") return `Materialize → ${String(content.device ?? "its device")}`;
-  if (content.action === "free") return "Free";
-  if (content.action === "materialize_plan") return "Materialize plan";
-  if (content.action === "plan" || content.action === "pin" || content.action === "unpin") return "Plan";
-  if (content.action === "save") return "Save";
-  return String(content.action ?? "action");
-}
-
-let whyIds = 0;
-/** Ids must be unique in the page, which may hold several widgets (and several pages). */
-const viewId = Math.random().toString(36).slice(2, 8);
-
-/** "needs 3.64 TiB, 19.8 GiB free on cpu": by how much a selection misses a device. */
-export function fitAmounts(device: string, f: { need: number; free: number }): string {
-  return `needs ${humanBytes(f.need)}, ${humanBytes(f.free)} free on ${device}`;
-}
-
-/** A module's qualified name as Python the magics take: `model.layers.5` of `model` is
- *  `model.model.layers[5]`. */
-export function codePath(varName: string, qname: string): string {
-  if (!qname) return varName;
-  let out = varName;
-  for (const part of qname.split(".")) {
-    if (/^\d+$/.test(part)) out += `[${part}]`;
-    else if (/^[A-Za-z_][A-Za-z0-9_]*$/.test(part)) out += `.${part}`;
-    else return `${varName}.get_submodule(${JSON.stringify(qname)})`;
-  }
-  return out;
-}
-
-/** What a state badge says: `deferred → cuda:0` when deferred parts have a target. */
-export function stateText(state: string, target = ""): string {
-  return state === "deferred" && target ? `deferred → ${target}` : state || "—";
-}
-
-export function badge(state: string, target = ""): HTMLElement {
-  const b = h("span", `jmi-badge jmi-state-${stateKind(state)}`);
-  if (state === "deferred" && target) {
-    // two parts, so that a narrow column shortens "deferred" and keeps the device readable
-    b.classList.add("jmi-badge-split");
-    b.append(h("span", "jmi-badge-state", "deferred"), h("span", "jmi-badge-target", ` → ${target}`));
-  } else {
-    b.textContent = stateText(state, target);
-  }
-  b.title = state
-    ? state === "deferred"
-      ? `No memory allocated yet${target ? `; will be materialized on ${target} unless told otherwise` : ""}`
-      : state === "mixed"
-        ? "Partly materialized"
-        : state === "meta"
-          ? "On PyTorch's meta device: no values and no recording, cannot be materialized"
-          : `Materialized on ${state}`
-    : "Holds no parameters or buffers";
-  return b;
-}
-
-/** Where the values come from, when it is a checkpoint file. */
-function sourceTag(source: string): HTMLElement {
-  const tag = h("span", "jmi-dtype jmi-source", source === "checkpoint" ? "file" : "file+init");
-  tag.title =
-    source === "checkpoint"
-      ? "Values come from a checkpoint file (read when materialized)"
-      : "Partly from a checkpoint file, partly from the model's init (keys missing from the file)";
-  return tag;
-}
-
-/** Values replayed with rng="fast": deterministic, but not what eager construction gives. */
-export function fastTag(values: string): HTMLElement {
-  const tag = h("span", "jmi-dtype jmi-fast");
-  // "part " goes first when the widget is narrow (style.css), "fast" never
-  if (values === "mixed") tag.append(h("span", "jmi-fast-part", "part "));
-  tag.append("fast");
-  tag.title =
-    (values === "mixed" ? "Part of these values" : "These values") +
-    ' were generated with RNG "fast": deterministic, but not the values eager construction gives. Materialize with RNG "exact" to re-generate them exactly.';
-  return tag;
-}
-
-/** A small dtype tag: bf16, fp32, mixed. */
-function dtypeTag(dtype: string): HTMLElement {
-  // "multi", not "mixed": the state badge beside it says "mixed" for something else
-  const tag = h("span", "jmi-dtype", dtype === "mixed" ? "multi" : dtype);
-  tag.title = dtype === "mixed" ? "Tensors of several dtypes" : `dtype ${dtype}`;
-  return tag;
-}
-
-function appendHighlighted(el: HTMLElement, text: string, query: string): void {
-  const q = query.trim().toLowerCase();
-  const at = q ? text.toLowerCase().indexOf(q) : -1;
-  if (at < 0) {
-    el.append(text);
-    return;
-  }
-  el.append(text.slice(0, at), h("mark", "jmi-hl", text.slice(at, at + q.length)), text.slice(at + q.length));
 }

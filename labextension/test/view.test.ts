@@ -522,6 +522,14 @@ describe("Plan and Save", () => {
     expect(view.planBar.matBtn.title).toContain("This kernel has no cuda:0, cuda:1");
   });
 
+  it("gives the plan bar's reasons to the keyboard too, in the widget", () => {
+    const { root, model, view } = mount(smallTree());
+    model.set("plan", twoDevicePlan());
+    const described = document.getElementById(view.planBar.matBtn.getAttribute("aria-describedby")!)!;
+    expect(root.contains(described)).toBe(true);
+    expect(described.textContent).toContain("This kernel has no cuda:0, cuda:1");
+  });
+
   it("sends the path and format to save, and refuses two selected subtrees", () => {
     const { model, view } = mount(smallTree(), { selected: ["norm", "embed"] });
     view.saveBar.path.value = "ckpt";

@@ -1,0 +1,119 @@
+// Small DOM helpers shared by the view, its rows and the plan/save bars: elements, buttons that
+// stay focusable while unavailable (with the reason read out), highlighted text, the copy icon.
+
+/** An element with a class and text. */
+export function h<K extends keyof HTMLElementTagNameMap>(
+  tag: K,
+  cls = "",
+  text = "",
+): HTMLElementTagNameMap[K] {
+  const el = document.createElement(tag);
+  if (cls) el.className = cls;
+  if (text) el.textContent = text;
+  return el;
+}
+
+/** A button whose clicks are ignored while it is `aria-disabled` (see setEnabled). */
+export function button(label: string, cls: string, onClick: () => void): HTMLButtonElement {
+  const b = h("button", `jmi-btn ${cls}`, label);
+  b.type = "button";
+  b.addEventListener("click", () => {
+    if (b.getAttribute("aria-disabled") !== "true") onClick();
+  });
+  return b;
+}
+
+/** Available or not, keeping the button focusable: an unavailable action is `aria-disabled`
+ *  rather than `disabled`, so keyboard users reach it and hear why (Reasons). */
+export function setEnabled(b: HTMLButtonElement, enabled: boolean): void {
+  b.disabled = false;
+  b.setAttribute("aria-disabled", String(!enabled));
+  b.classList.toggle("jmi-disabled", !enabled);
+}
+
+let reasonIds = 0;
+/** Ids must be unique in the page, which may hold several widgets (and several pages). */
+const pageId = Math.random().toString(36).slice(2, 8);
+
+/** What each button does, or why it is unavailable: its tooltip, and a visually hidden text its
+ *  `aria-describedby` points to, read out when it gets focus (a tooltip alone is a hover thing,
+ *  which keyboard and screen-reader users never see). */
+export class Reasons {
+  readonly el = h("div", "jmi-sr");
+
+  explain(b: HTMLButtonElement, why: string): void {
+    b.title = why;
+    let id = b.getAttribute("aria-describedby");
+    if (!id) {
+      const span = h("span", "jmi-sr");
+      id = `jmi-why-${pageId}-${++reasonIds}`;
+      span.id = id;
+      this.el.append(span);
+      b.setAttribute("aria-describedby", id);
+    }
+    const target = this.el.querySelector<HTMLElement>(`#${id}`);
+    if (target && target.textContent !== why) target.textContent = why;
+  }
+}
+
+/** A labelled form field: its name in words, then the control. */
+export function labelled(text: string, control: HTMLElement): HTMLLabelElement {
+  const l = h("label", "jmi-field");
+  l.append(h("span", "jmi-field-label", text), control);
+  return l;
+}
+
+export function cellWith(child: HTMLElement, cls: string): HTMLElement {
+  const c = h("div", cls);
+  c.append(child);
+  return c;
+}
+
+/** `text` with the first match of the filter `query` marked. */
+export function appendHighlighted(el: HTMLElement, text: string, query: string): void {
+  const q = query.trim().toLowerCase();
+  const at = q ? text.toLowerCase().indexOf(q) : -1;
+  if (at < 0) {
+    el.append(text);
+    return;
+  }
+  el.append(text.slice(0, at), h("mark", "jmi-hl", text.slice(at, at + q.length)), text.slice(at + q.length));
+}
+
+const SVG_NS = "http://www.w3.org/2000/svg";
+
+/** Two overlapping sheets, the usual "copy" icon, drawn in the text colour. */
+export function copyIcon(): SVGSVGElement {
+  const svg = document.createElementNS(SVG_NS, "svg");
+  svg.setAttribute("viewBox", "0 0 16 16");
+  svg.setAttribute("width", "12");
+  svg.setAttribute("height", "12");
+  svg.setAttribute("aria-hidden", "true");
+  svg.setAttribute("focusable", "false");
+  svg.classList.add("jmi-icon");
+  // the front sheet whole, the back one as the corner that shows behind it: no fill needed,
+  // so it reads on any row background (hover, selected, dark)
+  const back = document.createElementNS(SVG_NS, "path");
+  back.setAttribute("d", "M2.75 10.5V3.5a.75.75 0 0 1 .75-.75h7");
+  const front = document.createElementNS(SVG_NS, "rect");
+  for (const [k, v] of [["x", "5.25"], ["y", "5.25"], ["width", "8"], ["height", "8"], ["rx", "1"]]) {
+    front.setAttribute(k, v);
+  }
+  for (const part of [back, front]) {
+    part.setAttribute("fill", "none");
+    part.setAttribute("stroke", "currentColor");
+    part.setAttribute("stroke-width", "1.5");
+    part.setAttribute("stroke-linecap", "round");
+    svg.append(part);
+  }
+  return svg;
+}
+
+/** A chip whose key ("tied", "×4") is what must show: where the rest does not fit it ends in an
+ *  ellipsis, and where the key does not fit the chip goes (style.css: .jmi-tags). */
+export function keyedChip(cls: string, key: string, rest: string): HTMLElement {
+  const chip = h("span", cls, key + rest);
+  // ch is the width of "0" in the chip's font: the key, the ellipsis, the padding
+  chip.style.setProperty("--jmi-key", `calc(${key.length + 1.5}ch + 12px)`);
+  return chip;
+}

@@ -1,0 +1,153 @@
+// One row of the tree: tick box, name with its path to copy and its chips (tied, ×N identical,
+// fast values), type, parameters, size, state, share of the model, and its planned device. Rows
+// are made for the ones in view only (the tree is virtually scrolled) and made again on change.
+
+import { badge, codePath, dtypeTag, fastTag, sourceTag, stateText } from "./cells";
+import { appendHighlighted, cellWith, copyIcon, h, keyedChip } from "./dom";
+import { humanBytes, humanCount, percent } from "./format";
+import { deviceChip, type Plan } from "./plan";
+import { CHECKED, PARTIAL, type Tree, type VisibleRow } from "./tree";
+
+export const ROW_HEIGHT = 26;
+
+/** What a row needs from the view, read once per render. */
+export interface RowContext {
+  tree: Tree;
+  /** Per node: CHECKED, PARTIAL or unchecked. */
+  checks: Uint8Array;
+  /** Whether visible row i is open (expanded, or showing children under a filter). */
+  isOpen(i: number): boolean;
+  focusNode: number;
+  query: string;
+  /** The name the model has in the notebook, for paths as code. */
+  varName: string;
+  /** Busy or disconnected: no ticking. */
+  locked: boolean;
+  plan: Plan;
+  planned: boolean;
+}
+
+export function treeRow(ctx: RowContext, row: VisibleRow, i: number): HTMLElement {
+  const t = ctx.tree;
+  const n = row.node;
+  const el = h("div", "jmi-row");
+  el.dataset.node = String(n);
+  el.style.top = `${i * ROW_HEIGHT}px`;
+  if (row.match) el.classList.add("jmi-match");
+  const check = ctx.checks[n];
+  if (check === CHECKED) el.classList.add("jmi-selected");
+  const hasKids = t.children[n].length > 0;
+  const open = hasKids && ctx.isOpen(i);
+  el.setAttribute("role", "treeitem");
+  el.setAttribute("aria-level", String(row.depth + 1));
+  el.setAttribute("aria-selected", String(check === CHECKED));
+  if (hasKids) el.setAttribute("aria-expanded", String(open));
+  const chip = ctx.planned ? deviceChip(ctx.plan, n) : null;
+  const on = chip && chip.textContent !== "—" ? `, planned on ${chip.textContent}` : "";
+  el.setAttribute("aria-label", `${t.qname[n] || "the whole model"}, ${t.type[n]}, ${humanBytes(t.bytes[n])}, ${stateText(t.state[n], t.target[n])}${on}`);
+  el.setAttribute("aria-keyshortcuts", "C");
+  el.tabIndex = n === ctx.focusNode ? 0 : -1;
+  if (n === ctx.focusNode) el.classList.add("jmi-focus");
+
+  const cbCell = h("div", "jmi-c-check");
+  const cb = h("input", "jmi-check");
+  cb.type = "checkbox";
+  cb.tabIndex = -1; // the row is the focus stop; Space ticks
+  cb.checked = check === CHECKED;
+  cb.indeterminate = check === PARTIAL;
+  cb.disabled = ctx.locked;
+  cb.setAttribute("aria-label", `Select ${t.qname[n] || "the whole model"}`);
+  cbCell.append(cb);
+
+  const nameCell = h("div", "jmi-c-name");
+  // the indent narrows with the widget (style.css: --jmi-indent), so deep names keep room
+  nameCell.style.paddingLeft = `calc(${row.depth} * var(--jmi-indent, 16px))`;
+  const caret = h("span", `jmi-caret${hasKids ? "" : " jmi-leaf"}`, hasKids ? (open ? "▾" : "▸") : "");
+  caret.setAttribute("aria-hidden", "true");
+  const name = h("span", "jmi-name");
+  const label = n === 0 ? "(model)" : t.name[n];
+  appendHighlighted(name, label, row.match ? ctx.query : "");
+  name.title = t.qname[n] || "the whole model";
+  // the path as code the magics take, to copy (shown on hover and on the focused row)
+  const code = codePath(ctx.varName, t.qname[n]);
+  // an inline SVG, not a glyph: "⧉" and its kin are missing from common Linux fonts (tofu)
+  const copy = h("button", "jmi-copy");
+  copy.append(copyIcon());
+  copy.type = "button";
+  copy.tabIndex = -1; // the row is the focus stop
+  copy.title = `Copy ${code} (the path %materialize and the other magics take; key: c)`;
+  copy.setAttribute("aria-label", `Copy ${code}`);
+  copy.dataset.code = code;
+  nameCell.append(caret, name, copy);
+  // The chips beside the name, most important first (tied, repeated): each shows
+  // whole or not at all, never cut to "t…" (style.css: .jmi-tags wraps what does not fit
+  // onto a hidden second line); their text stays in the row's title and aria-label.
+  const tags: HTMLElement[] = [];
+  const rep = t.repeatedChildren(n);
+  // "identical" only while it holds: a block cast to another dtype since differs
+  if (rep) {
+    const same = t.stillIdentical(t.children[n][0], rep[0]);
+    const chip = keyedChip("jmi-chip", `×${rep[0]}`, same ? ", identical" : ", same structure");
+    chip.title = same
+      ? `${rep[0]} identical ${rep[1]} blocks`
+      : `${rep[0]} ${rep[1]} blocks built identical; their dtypes or sizes now differ`;
+    tags.push(chip);
+  } else if (
+    hasKids &&
+    t.repN[n] > 1 &&
+    t.repI[n] === 0 &&
+    t.children[t.parent[n]].length !== t.repN[n]
+  ) {
+    // a run of identical blocks among other children; leaves (two equal Linears) are not blocks
+    const same = t.stillIdentical(n, t.repN[n]);
+    const chip = keyedChip("jmi-chip", `×${t.repN[n]}`, same ? ", identical" : ", same structure");
+    chip.title = same
+      ? `This ${t.type[n]} and the next ${t.repN[n] - 1} are identical blocks`
+      : `This ${t.type[n]} and the next ${t.repN[n] - 1} were built identical; their dtypes or sizes now differ`;
+    tags.push(chip);
+  }
+  const tied = t.tied[n];
+  if (tied.length) {
+    const names = tied.map((k) => t.qname[k] || "(model)");
+    const chip = keyedChip("jmi-chip jmi-tied", "tied", `: ${names[0]}${names.length > 1 ? ` +${names.length - 1}` : ""}`);
+    chip.title = `Shares a tensor with ${names.join(", ")}: counted once, and real or deferred together`;
+    tags.unshift(chip);
+  }
+
+  // non-eager values are never hidden: the tag keeps its width, the name shrinks
+  if (t.values[n]) nameCell.append(fastTag(t.values[n]));
+  if (tags.length) {
+    const box = h("span", "jmi-tags");
+    box.append(h("span", "jmi-tags-spacer"), ...tags);
+    nameCell.append(box);
+  }
+
+  const typeCell = h("div", "jmi-c-type");
+  appendHighlighted(typeCell, t.type[n], row.match ? ctx.query : "");
+  if (t.info[n]) typeCell.title = `${t.type[n]}(${t.info[n]})`;
+
+  const share = h("div", "jmi-c-share");
+  const track = h("div", "jmi-bar");
+  const fill = h("div", "jmi-bar-fill");
+  const frac = t.totalBytes ? t.share[n] / t.totalBytes : 0;
+  fill.style.width = `${Math.max(frac > 0 ? 1 : 0, 100 * frac).toFixed(1)}%`;
+  track.append(fill);
+  share.append(track, h("span", "jmi-pct", percent(t.share[n], t.totalBytes)));
+  share.title = "Share of the model's memory (a tied tensor counts for its first holder)";
+
+  const size = h("div", "jmi-c-num jmi-c-size", humanBytes(t.bytes[n]));
+  if (t.dtype[n]) size.prepend(dtypeTag(t.dtype[n]), " ");
+  if (t.source[n]) size.prepend(sourceTag(t.source[n]), " ");
+
+  el.append(
+    cbCell,
+    nameCell,
+    typeCell,
+    h("div", "jmi-c-num jmi-c-params", humanCount(t.params[n])),
+    size,
+    cellWith(badge(t.state[n], t.target[n]), "jmi-c-state"),
+    share,
+  );
+  if (chip) el.append(cellWith(chip, "jmi-c-device"));
+  return el;
+}
