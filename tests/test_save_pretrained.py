@@ -137,16 +137,21 @@ def test_resaving_into_a_directory_removes_the_old_shards_as_eager_does(tmp_path
     assert _files(tmp_path / "deferred") == _files(tmp_path / "eager")
 
 
-@pytest.mark.parametrize(
-    "option",
-    [{"push_to_hub": True}, {"distributed_checkpoint": True}, {"safe_serialization": False},
-     {"save_function": torch.save}],  # fmt: skip
-    ids=["push_to_hub", "distributed_checkpoint", "safe_serialization", "save_function"],
-)
+_UNSUPPORTED = {
+    "push_to_hub": True,
+    "distributed_checkpoint": True,
+    "safe_serialization": False,
+    "save_function": torch.save,
+}
+
+
+@pytest.mark.parametrize("option", sorted(_UNSUPPORTED))
 def test_an_unsupported_option_is_refused_before_the_directory_is_made(tmp_path, option):
     deferred, _ = _deferred_and_eager()
-    with pytest.raises(MetaInitError, match=r"nothing was written.*jupyter_metainit\.save"):
-        deferred.save_pretrained(tmp_path / "out", **option)
+    with pytest.raises(
+        MetaInitError, match=rf"{option}.*nothing was written.*jupyter_metainit\.save"
+    ):
+        deferred.save_pretrained(tmp_path / "out", **{option: _UNSUPPORTED[option]})
     assert not (tmp_path / "out").exists()
 
 
@@ -165,7 +170,7 @@ def test_a_value_that_cannot_be_read_leaves_no_directory(tmp_path):
     with meta_init():
         opened = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "original")
     (tmp_path / "original" / "model.safetensors").unlink()  # its values are gone
-    with pytest.raises(Exception, match="model.safetensors"):
+    with pytest.raises(Exception, match=r"model\.safetensors"):
         opened.save_pretrained(tmp_path / "out")
     assert sorted(os.listdir(tmp_path)) == ["original"]
 
@@ -187,6 +192,13 @@ def test_an_interrupted_save_leaves_no_directory(tmp_path, monkeypatch):
     with pytest.raises(KeyboardInterrupt):
         deferred.save_pretrained(tmp_path / "out", max_shard_size="200KB")
     assert os.listdir(tmp_path) == []
+
+
+def test_a_file_path_writes_nothing_as_eager_does(tmp_path):
+    deferred, _ = _deferred_and_eager()
+    (tmp_path / "file").write_text("kept")
+    assert deferred.save_pretrained(tmp_path / "file") is None
+    assert (tmp_path / "file").read_text() == "kept" and len(os.listdir(tmp_path)) == 1
 
 
 def test_another_rank_makes_the_directory_and_writes_no_file(tmp_path):
@@ -219,10 +231,15 @@ def test_saving_adds_nothing_to_the_model_instance(tmp_path):
     assert set(vars(deferred)) == before
 
 
-_AFTER = """
-import sys, jupyter_metainit, torch
-assert "transformers" not in sys.modules
-import transformers
+_IMPORTS = {
+    "after": "import jupyter_metainit\n"
+    "assert 'transformers' not in sys.modules\n"
+    "import transformers",
+    "before": "import transformers\nimport jupyter_metainit",
+}
+_SCRIPT = """
+import sys, torch
+{imports}
 config = transformers.GPTNeoXConfig(**{config})
 torch.manual_seed(0)
 with jupyter_metainit.meta_init():
@@ -234,8 +251,9 @@ eager.save_pretrained(sys.argv[1] + "/eager")
 """
 
 
-def test_transformers_imported_after_jupyter_metainit_gets_the_wrapper(tmp_path):
+@pytest.mark.parametrize("order", sorted(_IMPORTS))
+def test_transformers_imported_before_or_after_jupyter_metainit_gets_the_wrapper(tmp_path, order):
     env = {**os.environ, "PYTHONPATH": _ROOT}
-    code = _AFTER.format(config=repr(_NEOX))
+    code = _SCRIPT.format(imports=_IMPORTS[order], config=repr(_NEOX))
     subprocess.run([sys.executable, "-c", code, str(tmp_path)], check=True, env=env, cwd=_ROOT)
     assert _files(tmp_path / "deferred") == _files(tmp_path / "eager")
