@@ -102,6 +102,29 @@ def test_tied_embeddings_are_written_once_as_eager_does(tmp_path):
     assert ours == theirs
 
 
+_MOE = dict(
+    hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+    num_key_value_heads=2, vocab_size=300, eos_token_id=2, num_experts=4, num_experts_per_tok=2,
+)  # fmt: skip
+_MOE_OPTIONS = {
+    "original_layout": {},
+    "sharded": {"max_shard_size": "50KB"},
+    "fused_layout": {"save_original_format": False},
+}
+
+
+@pytest.mark.parametrize("case", sorted(_MOE_OPTIONS))
+def test_fused_experts_are_written_in_the_layout_eager_writes(tmp_path, case):
+    config = transformers.OlmoeConfig(**_MOE)
+    torch.manual_seed(1)
+    with meta_init():
+        deferred = transformers.AutoModelForCausalLM.from_config(config)
+    torch.manual_seed(1)
+    eager = transformers.AutoModelForCausalLM.from_config(config)
+    ours, theirs = _both_saved(tmp_path, deferred, eager, **_MOE_OPTIONS[case])
+    assert ours == theirs
+
+
 def test_a_partly_materialized_model_writes_what_eager_writes(tmp_path):
     deferred, eager = _deferred_and_eager()
     materialize(deferred.gpt_neox.layers[0])

@@ -47,7 +47,7 @@ _HONOURED = {
     "token", "save_peft_format", "save_original_format",
 }  # fmt: skip
 _REASONS = {
-    "push_to_hub": "uploading needs real tensors; save to a directory, then upload it with "
+    "push_to_hub": "only local files are written: save to a directory, then upload it with "
     "huggingface_hub's upload_folder",
     "distributed_checkpoint": "use jupyter_metainit.save(model, directory, format='dcp')",
     "safe_serialization": "only safetensors files are written for deferred tensors",
