@@ -125,6 +125,24 @@ def test_fused_experts_are_written_in_the_layout_eager_writes(tmp_path, case):
     assert ours == theirs
 
 
+class _CustomNeoX(transformers.GPTNeoXForCausalLM):
+    """A custom model: save_pretrained copies this file and writes ``auto_map``."""
+
+
+_CustomNeoX.register_for_auto_class("AutoModelForCausalLM")
+
+
+def test_a_custom_model_gets_its_code_and_auto_map_as_eager_does(tmp_path):
+    torch.manual_seed(3)
+    with meta_init():
+        deferred = _CustomNeoX(_config())
+    torch.manual_seed(3)
+    eager = _CustomNeoX(_config())
+    ours, theirs = _both_saved(tmp_path, deferred, eager)
+    assert "auto_map" in json.loads(ours["config.json"]) and len(ours) == 4
+    assert ours == theirs
+
+
 def test_a_partly_materialized_model_writes_what_eager_writes(tmp_path):
     deferred, eager = _deferred_and_eager()
     materialize(deferred.gpt_neox.layers[0])

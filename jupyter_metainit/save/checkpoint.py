@@ -48,6 +48,7 @@ def write_checkpoint(
     names: tuple[str, str] = (WEIGHTS_NAME, INDEX_NAME),
     original_format: bool = True,
     stale: Callable[[str], bool] | None = None,
+    code_files: Callable[[str], Any] | None = None,
 ) -> str:
     """Write ``state`` (``origin``: the objects its tensors come from, to find tied weights) of
     ``obj`` (a transformers model, a module or a dict) into ``destination``.
@@ -55,7 +56,8 @@ def write_checkpoint(
     ``names``: the weights and index file names (``layout.file_names``); ``original_format``:
     write transformers' in-memory conversions back in the checkpoint's layout
     (``save_original_format``); ``stale``: which files already in ``destination`` and not
-    rewritten are removed (default: earlier shards and index of this layout).
+    rewritten are removed (default: earlier shards and index of this layout); ``code_files``:
+    writes a custom model's code into the directory it is given, before the config.
     """
     weights_name, index_name = names
     check_savable(state, sharded_ok=False)
@@ -68,6 +70,8 @@ def write_checkpoint(
     bar = Progress(progress, sum(e.nbytes for es in layout.files.values() for e in es))
     try:
         with staging_directory(destination) as staging:
+            if code_files is not None:
+                code_files(staging)
             _write_transformers_files(obj, staging, dtype)
             write_safetensors_files(staging, layout.files, layout.tensors, dtype, bar)
             if layout.index is not None:

@@ -150,7 +150,7 @@ def _save_deferred(model: Any, original: Callable[..., Any], args: tuple, kwargs
         model, state, origin, destination,
         max_shard_size=options["max_shard_size"], dtype=None, progress=None, names=names,
         original_format=bool(options["save_original_format"]),
-        stale=_eager_stale_shards(destination, names[0]),
+        stale=_eager_stale_shards(destination, names[0]), code_files=_code_files(model),
     )  # fmt: skip
     return None
 
@@ -197,8 +197,6 @@ def _refuse_unsupported(
     config = getattr(model, "config", None)
     if getattr(model, "_tp_size", None) is not None or getattr(config, "distributed_config", None):
         _refuse("a tensor-parallel model", _REASONS["distributed_checkpoint"])
-    if _is_remote_code(model):
-        _refuse("a model with remote code", "its code files are not copied for deferred tensors")
     state_dict = options["state_dict"]
     if state_dict is not None and not all(isinstance(v, torch.Tensor) for v in state_dict.values()):
         _refuse("state_dict= with values that are not tensors", "only tensors are written")
@@ -218,9 +216,15 @@ def _refuse(what: str, why: str) -> None:
     )
 
 
-def _is_remote_code(model: Any) -> bool:
+def _code_files(model: Any) -> Callable[[str], Any] | None:
+    """For a custom model (remote code, or a class registered for an auto class), what eager
+    writes before the config: the files of its code, and ``auto_map`` in its config."""
     is_remote = getattr(model, "is_remote_code", None)
-    return bool(is_remote()) if callable(is_remote) else False
+    if not (callable(is_remote) and is_remote()):
+        return None
+    from transformers.dynamic_module_utils import custom_object_save
+
+    return lambda directory: custom_object_save(model, directory, config=model.config)
 
 
 def _saves_on_this_rank(model: Any, is_main_process: bool) -> bool:
