@@ -24,6 +24,8 @@ from jupyter_metainit.core import (
 # through jupyter_metainit.save (transformers is not imported here; the hook waits for it).
 from jupyter_metainit.save import pretrained as _save_pretrained_hook  # noqa: F401
 
+globals().pop("save", None)  # importing it bound the package here: ``save`` stays the function
+
 __version__ = "0.1.0"
 
 __all__ = [

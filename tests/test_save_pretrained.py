@@ -272,6 +272,13 @@ def test_saving_adds_nothing_to_the_model_instance(tmp_path):
     assert set(vars(deferred)) == before
 
 
+def test_installing_the_hook_leaves_jupyter_metainit_save_the_function():
+    import jupyter_metainit
+
+    assert inspect.isfunction(jupyter_metainit.save)
+    assert "max_shard_size" in inspect.signature(jupyter_metainit.save).parameters
+
+
 _IMPORTS = {
     "after": "import jupyter_metainit\n"
     "assert 'transformers' not in sys.modules\n"
