@@ -22,7 +22,7 @@ from jupyter_metainit.core import (
 
 # Installs the save_pretrained hook: a deferred transformers model's save_pretrained writes
 # through jupyter_metainit.save (transformers is not imported here; the hook waits for it).
-from jupyter_metainit.save import pretrained as _save_pretrained_hook  # noqa: F401
+from jupyter_metainit.save import hook as _save_pretrained_hook  # noqa: F401
 
 globals().pop("save", None)  # importing it bound the package here: ``save`` stays the function
 

@@ -17,7 +17,7 @@ from safetensors.torch import load_file
 
 from jupyter_metainit import is_deferred, materialize, meta_init
 from jupyter_metainit.core.errors import MetaInitError
-from jupyter_metainit.save.pretrained import install_save_pretrained
+from jupyter_metainit.save.hook import install_save_pretrained
 
 transformers = pytest.importorskip("transformers")
 

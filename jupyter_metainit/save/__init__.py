@@ -18,8 +18,8 @@ import torch
 
 from jupyter_metainit.core import parse_dtype
 from jupyter_metainit.save.checkpoint import write_checkpoint
+from jupyter_metainit.save.hook import install_save_pretrained
 from jupyter_metainit.save.layout import state_dict_of
-from jupyter_metainit.save.pretrained import install_save_pretrained
 
 __all__ = ["save"]
 
@@ -84,6 +84,6 @@ class _CallableModule(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _CallableModule
-# A deferred transformers model's save_pretrained writes through save (now, or once transformers
-# is imported); the package's own __init__ installs it too, for scripts that never import this.
+# A deferred transformers model's save_pretrained writes through save (from now on, or once
+# transformers is imported). ``import jupyter_metainit`` imports this package for it.
 install_save_pretrained()

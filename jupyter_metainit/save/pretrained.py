@@ -1,27 +1,18 @@
-"""``model.save_pretrained(dir)`` on a model holding deferred tensors writes what eager writes.
+"""``model.save_pretrained(dir, ...)`` of a model holding deferred tensors: what eager writes.
 
-transformers' ``PreTrainedModel.save_pretrained`` is wrapped once: a model whose tensors are all
-real takes transformers' own path, untouched; a deferred or partly deferred one is written by
-``write_checkpoint`` (the files ``save`` writes: the same names, bytes and config files as eager
-``save_pretrained``, in bounded memory, published only when complete). An option that cannot be
-honoured without real tensors (``push_to_hub``, ``distributed_checkpoint``, adapters,
-quantization, ...) is refused before anything is written, saying what to do instead.
-
-The wrapper is installed when this module is imported (``import jupyter_metainit`` imports it) if
-transformers' ``modeling_utils`` is already imported, else right after it is: a one-shot import
-hook, so importing ``jupyter_metainit`` never imports transformers, in either order.
+``save.hook`` sends such a model here (a model whose tensors are all real takes transformers' own
+path). The files are written by ``write_checkpoint`` (what ``save`` writes: the same names, bytes
+and config files as eager ``save_pretrained``, in bounded memory, published only when complete),
+honouring the installed transformers' arguments. An option that cannot be honoured
+(``push_to_hub``, ``distributed_checkpoint``, adapters, quantization, ...) is refused before
+anything is written, saying what to do instead.
 """
 
 from __future__ import annotations
 
-import functools
-import importlib.abc
-import importlib.util
 import inspect
 import os
 import re
-import sys
-import threading
 from collections.abc import Callable
 from typing import Any
 
@@ -32,10 +23,8 @@ from jupyter_metainit.core.errors import MetaInitError
 from jupyter_metainit.save.checkpoint import write_checkpoint
 from jupyter_metainit.save.layout import file_names, state_dict_of
 
-__all__ = ["install_save_pretrained"]
+__all__ = ["holds_deferred", "save_deferred"]
 
-_TARGET = "transformers.modeling_utils"
-_MARK = "__jupyter_metainit_save_pretrained__"
 _INSTEAD = (
     "Materialize the model first (jupyter_metainit.materialize(model)) and call save_pretrained "
     "again, or write the safetensors files with jupyter_metainit.save(model, directory)"
@@ -55,74 +44,7 @@ _REASONS = {
 }
 
 
-def install_save_pretrained() -> None:
-    """Wrap ``PreTrainedModel.save_pretrained`` now if transformers is imported, else as soon as
-    its ``modeling_utils`` is. Idempotent."""
-    module = sys.modules.get(_TARGET)
-    if module is not None:
-        _wrap(module)
-    elif not any(isinstance(f, _InstallAfterImport) for f in sys.meta_path):
-        sys.meta_path.insert(0, _InstallAfterImport())
-
-
-def _wrap(modeling_utils: Any) -> None:
-    cls = getattr(modeling_utils, "PreTrainedModel", None)
-    original = None if cls is None else cls.__dict__.get("save_pretrained")
-    if original is None or getattr(original, _MARK, False):
-        return
-
-    @functools.wraps(original)
-    def save_pretrained(self: Any, *args: Any, **kwargs: Any) -> Any:
-        if not _holds_deferred(self, args, kwargs):
-            return original(self, *args, **kwargs)
-        return _save_deferred(self, original, args, kwargs)
-
-    setattr(save_pretrained, _MARK, True)
-    cls.save_pretrained = save_pretrained
-
-
-class _InstallAfterImport(importlib.abc.MetaPathFinder):
-    """Finds nothing itself: when ``transformers.modeling_utils`` is imported, it hands back the
-    real spec with a loader that runs the module and then installs the wrapper."""
-
-    def __init__(self) -> None:
-        self._busy = threading.local()
-
-    def find_spec(self, fullname: str, path: Any, target: Any = None) -> Any:
-        if fullname != _TARGET or getattr(self._busy, "on", False):
-            return None
-        self._busy.on = True
-        try:
-            spec = importlib.util.find_spec(fullname)
-        finally:
-            self._busy.on = False
-        if spec is None or spec.loader is None or not hasattr(spec.loader, "exec_module"):
-            return None
-        spec.loader = _ThenInstall(spec.loader, self)
-        return spec
-
-
-class _ThenInstall(importlib.abc.Loader):
-    """The real loader, then ``install_save_pretrained``; the module keeps the real loader."""
-
-    def __init__(self, loader: Any, finder: _InstallAfterImport) -> None:
-        self._loader = loader
-        self._finder = finder
-
-    def create_module(self, spec: Any) -> Any:
-        return self._loader.create_module(spec)
-
-    def exec_module(self, module: Any) -> None:
-        module.__loader__ = self._loader
-        if module.__spec__ is not None:
-            module.__spec__.loader = self._loader
-        self._loader.exec_module(module)
-        if self._finder in sys.meta_path:
-            sys.meta_path.remove(self._finder)
-        _wrap(module)
-
-
-def _holds_deferred(model: Any, args: tuple, kwargs: dict[str, Any]) -> bool:
+def holds_deferred(model: Any, args: tuple, kwargs: dict[str, Any]) -> bool:
     """Whether eager ``save_pretrained`` would meet a deferred tensor: in the model, or in the
     ``state_dict`` given (third positional argument or keyword)."""
     state_dict = kwargs.get("state_dict", args[2] if len(args) > 2 else None)
@@ -131,7 +53,7 @@ def _holds_deferred(model: Any, args: tuple, kwargs: dict[str, Any]) -> bool:
     return isinstance(model, torch.nn.Module) and is_deferred(model)
 
 
-def _save_deferred(model: Any, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
+def save_deferred(model: Any, original: Callable[..., Any], args: tuple, kwargs: dict) -> Any:
     """Eager ``save_pretrained``'s files, written by ``write_checkpoint``; or a refusal, before
     anything is written."""
     options, extra, defaults = _bind(original, model, args, kwargs)
