@@ -20,6 +20,12 @@ from jupyter_metainit.core import (
     skip_init,
 )
 
+# Installs the save_pretrained hook: a deferred transformers model's save_pretrained writes
+# through jupyter_metainit.save (transformers is not imported here; the hook waits for it).
+from jupyter_metainit.save import hook as _save_pretrained_hook  # noqa: F401
+
+globals().pop("save", None)  # importing it bound the package here: ``save`` stays the function
+
 __version__ = "0.1.0"
 
 __all__ = [

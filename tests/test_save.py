@@ -258,11 +258,18 @@ def test_the_typed_storage_address_of_a_deferred_tensor_names_jupyter_metainit_s
         _deferred_linear().weight.storage().data_ptr()
 
 
-def test_save_pretrained_of_a_deferred_model_names_jupyter_metainit_save(tmp_path):
+def test_save_pretrained_of_a_deferred_model_writes_what_save_writes(tmp_path):
+    deferred, _ = _deferred_and_eager()
+    deferred.save_pretrained(tmp_path / "ours", max_shard_size="5GB")
+    save(deferred, tmp_path / "save")
+    assert _files(str(tmp_path / "ours")) == _files(str(tmp_path / "save"))
+
+
+def test_save_pretrained_refusing_an_option_names_jupyter_metainit_save(tmp_path):
     deferred, _ = _deferred_and_eager()
     with pytest.raises(RuntimeError, match=r"jupyter_metainit\.save"):
-        deferred.save_pretrained(tmp_path / "ours")
-    assert not (tmp_path / "ours" / "model.safetensors").exists()
+        deferred.save_pretrained(tmp_path / "ours", push_to_hub=True)
+    assert not (tmp_path / "ours").exists()
 
 
 def test_sharded_fused_experts_land_in_the_shards_save_pretrained_puts_them_in(tmp_path):

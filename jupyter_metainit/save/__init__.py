@@ -9,9 +9,7 @@ rest. ``format="safetensors"`` writes transformers' layout (``from_pretrained`` 
 
 from __future__ import annotations
 
-import json
 import os
-import re
 import sys
 import types
 from typing import Any
@@ -19,26 +17,13 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core import parse_dtype
-from jupyter_metainit.save.layout import (
-    INDEX_NAME,
-    WEIGHTS_NAME,
-    check_savable,
-    parse_size,
-    plan_layout,
-    state_dict_of,
-    untie,
-)
-from jupyter_metainit.save.writer import (
-    Progress,
-    publish_directory,
-    staging_directory,
-    write_safetensors_files,
-)
+from jupyter_metainit.save.checkpoint import write_checkpoint
+from jupyter_metainit.save.hook import install_save_pretrained
+from jupyter_metainit.save.layout import state_dict_of
 
 __all__ = ["save"]
 
 _FORMATS = ("safetensors", "dcp")
-_SHARD_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
 
 
 def save(
@@ -83,70 +68,10 @@ def save(
 
         return save_dcp(obj, destination, dtype=dtype, progress=progress)
     state, origin = state_dict_of(obj)
-    check_savable(state, sharded_ok=False)
-    state = untie(state, origin, obj)
-    state = _original_format(obj, state)
-    total_parameters = _total_parameters(obj)
-    layout = plan_layout(state, parse_size(max_shard_size), dtype, total_parameters)
-    bar = Progress(progress, sum(e.nbytes for es in layout.files.values() for e in es))
-    try:
-        with staging_directory(destination) as staging:
-            _write_transformers_files(obj, staging, dtype)
-            write_safetensors_files(staging, layout.files, layout.tensors, dtype, bar)
-            if layout.index is not None:
-                _write_index(os.path.join(staging, INDEX_NAME), layout.index)
-            publish_directory(staging, destination, stale=_is_shard_file)
-    finally:
-        bar.close()
-    return destination
-
-
-def _is_shard_file(name: str) -> bool:
-    return name != WEIGHTS_NAME and _SHARD_FILE.fullmatch(name) is not None
-
-
-def _write_index(path: str, index: dict[str, Any]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
-
-
-def _is_transformers_model(obj: Any) -> bool:
-    return (
-        isinstance(obj, torch.nn.Module)
-        and hasattr(obj, "config")
-        and hasattr(obj, "save_pretrained")
-    )
-
-
-def _total_parameters(obj: Any) -> int | None:
-    return obj.num_parameters() if _is_transformers_model(obj) else None
-
-
-def _original_format(obj: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """transformers >= 5 keeps some weights converted in memory (a mixture of experts' experts
-    fused into one tensor) and ``save_pretrained`` writes them back in the checkpoint's original
-    layout: the same conversion here. On deferred tensors it is recorded (views, splits), not
-    computed: each part is computed when it is written."""
-    if not _is_transformers_model(obj):
-        return state
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # transformers 4: nothing is converted in memory
-        return state
-    return revert_weight_conversion(obj, state)
-
-
-def _write_transformers_files(obj: Any, directory: str, dtype: torch.dtype | None) -> None:
-    """What ``save_pretrained`` writes besides the weights: ``config.json`` (with the saved dtype
-    and the architecture, as it sets them) and ``generation_config.json``."""
-    if not _is_transformers_model(obj):
-        return
-    saved_dtype = dtype if dtype is not None else obj.dtype
-    obj.config.dtype = str(saved_dtype).split(".")[1]
-    obj.config.architectures = [type(obj).__name__.removeprefix("FSDP")]
-    obj.config.save_pretrained(directory)
-    if obj.can_generate():
-        obj.generation_config.save_pretrained(directory)
+    return write_checkpoint(
+        obj, state, origin, destination, max_shard_size=max_shard_size, dtype=dtype,
+        progress=progress,
+    )  # fmt: skip
 
 
 class _CallableModule(types.ModuleType):
@@ -159,3 +84,6 @@ class _CallableModule(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _CallableModule
+# A deferred transformers model's save_pretrained writes through save (from now on, or once
+# transformers is imported). ``import jupyter_metainit`` imports this package for it.
+install_save_pretrained()

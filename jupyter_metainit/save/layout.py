@@ -19,7 +19,9 @@ import torch
 from jupyter_metainit.core import storage_of, tensor_state
 from jupyter_metainit.save.safetensors_file import FileEntry
 
-__all__ = ["Layout", "check_savable", "parse_size", "plan_layout", "state_dict_of"]
+__all__ = [
+    "Layout", "check_savable", "file_names", "parse_size", "plan_layout", "state_dict_of",
+]  # fmt: skip
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -35,6 +37,14 @@ class Layout:
     tensors: dict[str, torch.Tensor]
     total_size: int  # as the index's metadata counts it: each storage once
     index: dict[str, Any] | None = field(default=None)
+
+
+def file_names(variant: str | None = None) -> tuple[str, str]:
+    """(weights file, index file) as ``save_pretrained(variant=...)`` names them (its
+    ``_add_variant``): ``model.fp16.safetensors``, ``model.safetensors.index.fp16.json``."""
+    if variant is None:
+        return WEIGHTS_NAME, INDEX_NAME
+    return f"model.{variant}.safetensors", f"model.safetensors.index.{variant}.json"
 
 
 def parse_size(size: int | str) -> int:
@@ -129,11 +139,12 @@ def _tied_patterns(obj: Any) -> list[str]:
 
 def plan_layout(
     state: dict[str, torch.Tensor], max_shard_size: int, dtype: torch.dtype | None,
-    total_parameters: int | None,
+    total_parameters: int | None, weights_name: str = WEIGHTS_NAME,
 ) -> Layout:  # fmt: skip
     """Split ``state`` into shard files as huggingface_hub's ``split_state_dict_into_shards_
     factory`` does: in key order, counting each storage once at its full size, the tensors that
-    share a storage in the shard of the first of them."""
+    share a storage in the shard of the first of them. One file is ``weights_name``; shards are
+    named after it (``model-00001-of-00002.safetensors``, ``model.fp16-00001-of-00002...``)."""
     entries = {k: _entry(k, t, dtype) for k, t in state.items()}
     shards: list[list[str]] = []
     current: list[str] = []
@@ -161,11 +172,12 @@ def plan_layout(
         shard = next(s for s in shards if names[0] in s)
         shard.extend(n for n in names[1:] if n not in shard)
     if len(shards) <= 1:
-        return Layout({WEIGHTS_NAME: [entries[n] for n in (shards[0] if shards else [])]},
+        return Layout({weights_name: [entries[n] for n in (shards[0] if shards else [])]},
                       state, total)  # fmt: skip
     count = len(shards)
+    stem = weights_name.removesuffix(".safetensors")
     files = {
-        f"model-{k + 1:05d}-of-{count:05d}.safetensors": [entries[n] for n in names]
+        f"{stem}-{k + 1:05d}-of-{count:05d}.safetensors": [entries[n] for n in names]
         for k, names in enumerate(shards)
     }
     metadata: dict[str, Any] = {"total_size": total}

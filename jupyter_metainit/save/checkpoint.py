@@ -1,0 +1,131 @@
+"""A checkpoint in transformers' ``save_pretrained`` layout: what ``save(format="safetensors")``
+and a deferred model's ``save_pretrained`` write.
+
+Everything that can be refused is refused before the first byte is written; the files (weights,
+index, ``config.json``, ``generation_config.json``) are written into a staging directory that is
+renamed into place only when all are complete.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from jupyter_metainit.save.layout import (
+    INDEX_NAME,
+    WEIGHTS_NAME,
+    check_savable,
+    parse_size,
+    plan_layout,
+    untie,
+)
+from jupyter_metainit.save.writer import (
+    Progress,
+    publish_directory,
+    staging_directory,
+    write_safetensors_files,
+)
+
+__all__ = ["write_checkpoint"]
+
+_SHARD_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
+
+
+def write_checkpoint(
+    obj: Any,
+    state: dict[str, torch.Tensor],
+    origin: dict[str, torch.Tensor],
+    destination: str,
+    *,
+    max_shard_size: int | str,
+    dtype: torch.dtype | None,
+    progress: Any,
+    names: tuple[str, str] = (WEIGHTS_NAME, INDEX_NAME),
+    original_format: bool = True,
+    stale: Callable[[str], bool] | None = None,
+    code_files: Callable[[str], Any] | None = None,
+) -> str:
+    """Write ``state`` (``origin``: the objects its tensors come from, to find tied weights) of
+    ``obj`` (a transformers model, a module or a dict) into ``destination``.
+
+    ``names``: the weights and index file names (``layout.file_names``); ``original_format``:
+    write transformers' in-memory conversions back in the checkpoint's layout
+    (``save_original_format``); ``stale``: which files already in ``destination`` and not
+    rewritten are removed (default: earlier shards and index of this layout); ``code_files``:
+    writes a custom model's code into the directory it is given, before the config.
+    """
+    weights_name, index_name = names
+    check_savable(state, sharded_ok=False)
+    state = untie(state, origin, obj)
+    if original_format:
+        state = _original_format(obj, state)
+    layout = plan_layout(
+        state, parse_size(max_shard_size), dtype, _total_parameters(obj), weights_name
+    )
+    bar = Progress(progress, sum(e.nbytes for es in layout.files.values() for e in es))
+    try:
+        with staging_directory(destination) as staging:
+            if code_files is not None:
+                code_files(staging)
+            _write_transformers_files(obj, staging, dtype)
+            write_safetensors_files(staging, layout.files, layout.tensors, dtype, bar)
+            if layout.index is not None:
+                _write_index(os.path.join(staging, index_name), layout.index)
+            publish_directory(staging, destination, stale=stale or _is_shard_file)
+    finally:
+        bar.close()
+    return destination
+
+
+def _is_shard_file(name: str) -> bool:
+    return name != WEIGHTS_NAME and _SHARD_FILE.fullmatch(name) is not None
+
+
+def _write_index(path: str, index: dict[str, Any]) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        f.write(json.dumps(index, indent=2, sort_keys=True) + "\n")
+
+
+def is_transformers_model(obj: Any) -> bool:
+    """A ``transformers`` model (told by its face, so transformers is never imported here)."""
+    return (
+        isinstance(obj, torch.nn.Module)
+        and hasattr(obj, "config")
+        and hasattr(obj, "save_pretrained")
+    )
+
+
+def _total_parameters(obj: Any) -> int | None:
+    return obj.num_parameters() if is_transformers_model(obj) else None
+
+
+def _original_format(obj: Any, state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers >= 5 keeps some weights converted in memory (a mixture of experts' experts
+    fused into one tensor) and ``save_pretrained`` writes them back in the checkpoint's original
+    layout: the same conversion here. On deferred tensors it is recorded (views, splits), not
+    computed: each part is computed when it is written."""
+    if not is_transformers_model(obj):
+        return state
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4: nothing is converted in memory
+        return state
+    return revert_weight_conversion(obj, state)
+
+
+def _write_transformers_files(obj: Any, directory: str, dtype: torch.dtype | None) -> None:
+    """What ``save_pretrained`` writes besides the weights: ``config.json`` (with the saved dtype
+    and the architecture, as it sets them) and ``generation_config.json``."""
+    if not is_transformers_model(obj):
+        return
+    saved_dtype = dtype if dtype is not None else obj.dtype
+    obj.config.dtype = str(saved_dtype).split(".")[1]
+    obj.config.architectures = [type(obj).__name__.removeprefix("FSDP")]
+    obj.config.save_pretrained(directory)
+    if obj.can_generate():
+        obj.generation_config.save_pretrained(directory)
