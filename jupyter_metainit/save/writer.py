@@ -1,7 +1,8 @@
 """Generate and write, overlapped, in bounded memory; publish the files only when all are written.
 
-The calling thread produces one tensor's values at a time (replay runs on every core) while a
-writer thread writes the previous one: at most two tensors' values are alive. Everything goes
+The calling thread produces the values of a batch of consecutive tensors at a time (replay runs
+on every core) while a writer thread writes the previous batch: at most two batches' values are
+alive, each up to the largest tensor's bytes (or 64 MiB where all are smaller). Everything goes
 into a temporary directory beside the destination and is renamed into place at the end, so a
 failed or cancelled save (an exception from the progress callback, Ctrl-C) leaves nothing where
 the checkpoint should be, and the model is untouched (deferred tensors stay deferred).
@@ -22,7 +23,7 @@ import torch
 
 from jupyter_metainit.core import progress_callback
 from jupyter_metainit.save.safetensors_file import FileEntry, file_order, header_bytes
-from jupyter_metainit.save.values import cpu_values
+from jupyter_metainit.save.values import cpu_values_of_batch
 
 __all__ = ["Progress", "publish_directory", "staging_directory", "write_safetensors_files"]
 
@@ -46,7 +47,8 @@ class Progress:
 
 
 class _Writer(threading.Thread):
-    """Writes queued byte buffers to their files, in order; counts what it wrote."""
+    """Writes queued byte buffers to their files, in order; counts what it wrote. The last
+    tensor of a batch gives its slot back (a header holds none)."""
 
     def __init__(self, slots: threading.Semaphore) -> None:
         super().__init__(name="jupyter_metainit.save writer", daemon=True)
@@ -61,15 +63,16 @@ class _Writer(threading.Thread):
             job = self.jobs.get()
             if job is None:
                 return
-            fd, offset, payload = job
+            fd, offset, payload, ends_batch = job
+            del job
             try:
                 if self.error is None and not self.stop.is_set():
                     self.written += _write_at(fd, offset, payload)
             except BaseException as exc:  # handed to the producer thread
                 self.error = exc
             finally:
-                del payload
-                if not isinstance(job[2], bytes):
+                del payload  # its memory goes as soon as it is written
+                if ends_batch:
                     self.slots.release()
 
 
@@ -94,9 +97,11 @@ def write_safetensors_files(
     dtype: torch.dtype | None, progress: Progress,
 ) -> None:  # fmt: skip
     """Write each file's header, then every tensor's bytes at its place in its file, two
-    tensors alive. Tensors are computed in the order of ``tensors`` (the model's order, close
-    to the order they were made in): consecutive replays then continue one random stream
-    instead of jumping around it, as the file order (by dtype, then name) would make them."""
+    batches alive (``_batches``). Tensors are computed in the order of ``tensors`` (the model's
+    order, close to the order they were made in), a batch of consecutive ones at a time: their
+    fills are then one run of the random stream, cut across the cores with one jump-ahead per
+    core, and the next batch continues where it ended, instead of jumping around the stream as
+    the file order (by dtype, then name) would make them."""
     slots = threading.Semaphore(2)
     writer = _Writer(slots)
     writer.start()
@@ -108,20 +113,19 @@ def write_safetensors_files(
             fd = os.open(os.path.join(directory, file_name), os.O_WRONLY | os.O_CREAT, 0o644)
             fds.append(fd)
             header = header_bytes(ordered, {"format": "pt"})
-            writer.jobs.put((fd, 0, header))
+            writer.jobs.put((fd, 0, header, False))
             offset = len(header)
             for entry in ordered:
                 where[entry.name] = (fd, offset, entry)
                 offset += entry.nbytes
-        for name in tensors:
-            if name not in where:
-                continue
-            fd, offset, entry = where[name]
+        for batch in _batches([where[name] for name in tensors if name in where]):
             _wait_for_slot(slots, writer, progress)
-            values = cpu_values(tensors[name], dtype)
-            _check_geometry(entry, values)
-            writer.jobs.put((fd, offset, values))
-            del values
+            values = cpu_values_of_batch([tensors[entry.name] for _, _, entry in batch], dtype)
+            for k, ((fd, offset, entry), value) in enumerate(zip(batch, values, strict=True)):
+                _check_geometry(entry, value)
+                writer.jobs.put((fd, offset, value, k == len(batch) - 1))
+                progress.report(writer.written, "generating")
+            del values, value
         writer.jobs.put(None)
         while writer.is_alive():
             writer.join(0.1)
@@ -136,6 +140,27 @@ def write_safetensors_files(
             writer.join()
         for fd in fds:
             os.close(fd)
+
+
+# A batch of consecutive tensors is generated at once (its fills cut across all cores, one
+# jump-ahead per core): up to the largest tensor's bytes, or this much where all are smaller.
+# Two batches are alive at most (one generated, one written): peak memory stays within
+# 2 x the largest tensor + 2 x this.
+BATCH_BYTES = 64 << 20
+
+
+def _batches(placed: list[tuple[int, int, FileEntry]]) -> list[list[tuple[int, int, FileEntry]]]:
+    """Consecutive tensors grouped into batches of at most ``max(largest, BATCH_BYTES)``."""
+    budget = max([BATCH_BYTES] + [entry.nbytes for _, _, entry in placed])
+    batches: list[list[tuple[int, int, FileEntry]]] = []
+    size = budget
+    for item in placed:
+        if size + item[2].nbytes > budget:
+            batches.append([])
+            size = 0
+        batches[-1].append(item)
+        size += item[2].nbytes
+    return batches
 
 
 def _wait_for_slot(slots: threading.Semaphore, writer: _Writer, progress: Progress) -> None:

@@ -8,6 +8,8 @@ cache) and keeps what it computes for the next read.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import torch
 
 from jupyter_metainit.core.record.graph import StorageRecord, TensorRecord, constant_op
@@ -58,25 +60,37 @@ def compute_values(records: list[TensorRecord]) -> list[torch.Tensor]:
             return [real_view(env[id(r.storage)], r).clone() for r in records]
 
 
-def values_to_write(t: DeferredTensor) -> torch.Tensor:
-    """One deferred tensor's exact values as a new real CPU tensor, without changing it: for
-    writing a model out one tensor at a time (``jupyter_metainit.save``).
+def values_to_write(
+    t: DeferredTensor | Sequence[DeferredTensor],
+) -> torch.Tensor | list[torch.Tensor]:
+    """Exact values of one deferred tensor (or of a batch of them: a list) as new real CPU
+    tensors, without changing them: for writing a model out a batch at a time
+    (``jupyter_metainit.save``).
 
     Unlike :func:`compute_values` it neither takes from nor adds to the read cache (whose
-    256 MB would stay held after the save) and copies nothing when the tensor covers its whole
-    storage, so memory follows the one tensor. Only the ops it depends on run, on every core.
+    256 MB would stay held after the save) and copies nothing when a tensor covers its whole
+    storage, so memory follows the batch. Only the ops they depend on run, on every core: a
+    batch of whole tensors each made by one fill of one stream (a model's weights, in the order
+    they were made) runs as one long fill cut across the cores, one jump-ahead per core.
     """
-    rec = t._rec
+    one = isinstance(t, DeferredTensor)
+    records = [t._rec] if one else [x._rec for x in t]
     with handling_interrupts(), exclusive("computing values to write"):
-        env = execute(plan([rec]), torch.device("cpu"), "exact")
-        base = env.pop(id(rec.storage))
+        env = execute(plan(records), torch.device("cpu"), "exact", one_stream=True)
+        bases = [env[id(r.storage)] for r in records]
         del env
     with plain():
-        view = real_view(base, rec)
-        if view is base:
-            return view
-        compact = view.contiguous()
-        return compact if compact is not view else view.clone()
+        out = [_compact(base, r) for base, r in zip(bases, records, strict=True)]
+    return out[0] if one else out
+
+
+def _compact(base: torch.Tensor, r: TensorRecord) -> torch.Tensor:
+    """``r``'s view of ``base``: ``base`` itself when the view is all of it, else a copy."""
+    view = real_view(base, r)
+    if view is base:
+        return view
+    compact = view.contiguous()
+    return compact if compact is not view else view.clone()
 
 
 class ReplayValueReader:

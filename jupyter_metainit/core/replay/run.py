@@ -30,6 +30,7 @@ from jupyter_metainit.core.replay.parallel import run_parallel
 from jupyter_metainit.core.replay.planning import Plan, last_writes
 from jupyter_metainit.core.replay.random_modes import call_with_generator, random_mode
 from jupyter_metainit.core.replay.shards import copied_once, fill_region, noted_whole, read_extents
+from jupyter_metainit.core.replay.stream_fills import run_stream_fills
 from jupyter_metainit.core.rng.split_fill import MIN_SKIP, fill_region_into
 from jupyter_metainit.core.runtime.digest import digest
 from jupyter_metainit.core.runtime.interrupts import check
@@ -356,26 +357,35 @@ def _copy_storage(t: torch.Tensor) -> torch.Tensor:
 def execute(
     p: Plan, device: torch.device | None = None, rng: str = "exact",
     progress: Progress | None = None, threads: int | None = None,
-    retain: Callable[[StorageRecord], bool] | None = None,
+    retain: Callable[[StorageRecord], bool] | None = None, one_stream: bool = False,
 ) -> dict[int, torch.Tensor]:  # fmt: skip
     """Run ``p``; return the real storages of its targets (and of the storages ``retain``
     accepts), keyed by ``id(StorageRecord)``.
 
     Runs with every interception off (``plain``), outside inference mode, and with each op's
     recorded default dtype, so the result does not depend on what is in force at the time.
+    ``one_stream`` (exact mode on the CPU, a batch of whole tensors each made by one fill):
+    the fills run as one stream cut across the cores (``stream_fills``) where they can.
     """
     with plain(), torch.inference_mode(False):
         run = Run(p, device, rng, progress, retain)
         cores = (threads or available_cores()) if len(p.ops) > 1 else 1
-        split = run.random.parallel_groups(p.ops, cores) if cores > 1 else None
+        done: set[int] = set()
+        if one_stream and run.random.name == "exact" and cores > 1 and device == _CPU:
+            done = run_stream_fills(run, p.ops, cores)
+        split = run.random.parallel_groups(p.ops, cores) if cores > 1 and not done else None
         if split is not None:
             groups, workers = split
             run_parallel(run.run_and_release, groups, workers)
             return _results(run, p)
         for i, op in enumerate(p.ops):
             check()  # a held-back Ctrl-C stops here, between two ops
-            run.run_and_release(i, op)
+            if i not in done:
+                run.run_and_release(i, op)
     return _results(run, p)
+
+
+_CPU = torch.device("cpu")
 
 
 def _results(run: Run, p: Plan) -> dict[int, torch.Tensor]:
