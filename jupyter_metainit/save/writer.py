@@ -23,7 +23,7 @@ import torch
 
 from jupyter_metainit.core import progress_callback
 from jupyter_metainit.save.safetensors_file import FileEntry, file_order, header_bytes
-from jupyter_metainit.save.values import cpu_values_of_batch
+from jupyter_metainit.save.values import Recycler, cpu_values_of_batch
 
 __all__ = ["Progress", "publish_directory", "staging_directory", "write_safetensors_files"]
 
@@ -50,10 +50,12 @@ class _Writer(threading.Thread):
     """Writes queued byte buffers to their files, in order; counts what it wrote. The last
     tensor of a batch gives its slot back (a header holds none)."""
 
-    def __init__(self, slots: threading.Semaphore) -> None:
+    def __init__(self, slots: threading.Semaphore, recycler: Recycler) -> None:
         super().__init__(name="jupyter_metainit.save writer", daemon=True)
         self.jobs: queue.Queue = queue.Queue()
         self.slots = slots
+        self.recycler = recycler
+        self.batch: list[torch.Tensor] = []  # this batch's tensors written so far
         self.written = 0
         self.error: BaseException | None = None
         self.stop = threading.Event()
@@ -71,8 +73,12 @@ class _Writer(threading.Thread):
             except BaseException as exc:  # handed to the producer thread
                 self.error = exc
             finally:
-                del payload  # its memory goes as soon as it is written
-                if ends_batch:
+                if not isinstance(payload, bytes):
+                    self.batch.append(payload)
+                del payload
+                if ends_batch:  # its buffers go to the batch after next
+                    self.recycler.give_back(self.batch)
+                    self.batch.clear()
                     self.slots.release()
 
 
@@ -103,7 +109,8 @@ def write_safetensors_files(
     core, and the next batch continues where it ended, instead of jumping around the stream as
     the file order (by dtype, then name) would make them."""
     slots = threading.Semaphore(2)
-    writer = _Writer(slots)
+    recycler = Recycler()
+    writer = _Writer(slots, recycler)
     writer.start()
     fds: list[int] = []
     try:
@@ -120,7 +127,11 @@ def write_safetensors_files(
                 offset += entry.nbytes
         for batch in _batches([where[name] for name in tensors if name in where]):
             _wait_for_slot(slots, writer, progress)
-            values = cpu_values_of_batch([tensors[entry.name] for _, _, entry in batch], dtype)
+            recycler.start_batch([entry.nbytes for _, _, entry in batch])
+            values = cpu_values_of_batch(
+                [tensors[entry.name] for _, _, entry in batch], dtype, recycler
+            )
+            recycler.settle(values)
             for k, ((fd, offset, entry), value) in enumerate(zip(batch, values, strict=True)):
                 _check_geometry(entry, value)
                 writer.jobs.put((fd, offset, value, k == len(batch) - 1))

@@ -8,7 +8,7 @@ cache) and keeps what it computes for the next read.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -62,6 +62,7 @@ def compute_values(records: list[TensorRecord]) -> list[torch.Tensor]:
 
 def values_to_write(
     t: DeferredTensor | Sequence[DeferredTensor],
+    memory: Callable[[int], torch.UntypedStorage] | None = None,
 ) -> torch.Tensor | list[torch.Tensor]:
     """Exact values of one deferred tensor (or of a batch of them: a list) as new real CPU
     tensors, without changing them: for writing a model out a batch at a time
@@ -72,11 +73,12 @@ def values_to_write(
     storage, so memory follows the batch. Only the ops they depend on run, on every core: a
     batch of whole tensors each made by one fill of one stream (a model's weights, in the order
     they were made) runs as one long fill cut across the cores, one jump-ahead per core.
+    ``memory(nbytes)`` gives the untyped storages to compute into (``execute``'s).
     """
     one = isinstance(t, DeferredTensor)
     records = [t._rec] if one else [x._rec for x in t]
     with handling_interrupts(), exclusive("computing values to write"):
-        env = execute(plan(records), torch.device("cpu"), "exact", one_stream=True)
+        env = execute(plan(records), torch.device("cpu"), "exact", one_stream=True, memory=memory)
         bases = [env[id(r.storage)] for r in records]
         del env
     with plain():
