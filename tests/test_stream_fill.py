@@ -105,3 +105,23 @@ def test_values_to_write_of_a_batch_cuts_its_fills_across_cores_and_equals_eager
         assert torch.equal(value, dict(eager.named_parameters())[name].detach()), name
     # the stream continues where the batch ended: a later read needs no jump and is exact
     assert torch.equal(values_to_write(deferred[2].weight), eager[2].weight.detach())
+
+
+def test_parts_are_reported_final_while_the_rest_is_generated(monkeypatch):
+    monkeypatch.setattr(stream_fill, "REPORT_ELEMENTS", 1000)
+    gen = torch.Generator().manual_seed(2)
+    serial = [torch.empty(n, dtype=torch.bfloat16).normal_(generator=gen) for n in (5000, 333)]
+    fills = [
+        StreamFill(torch.empty(n, dtype=torch.bfloat16), lambda x, g: x.normal_(generator=g),
+                   start, draws, 1, 16)
+        for n, start, draws in ((5000, 0, 5008), (333, 5008, 336))
+    ]  # fmt: skip
+    seen = []
+
+    def on_piece(i, a, b):  # the values reported are final when reported
+        seen.append((i, a, b))
+        assert torch.equal(fills[i].target[a:b], serial[i][a:b])
+
+    fill_stream(fills, torch.Generator().manual_seed(2).get_state(), 2, on_piece)
+    assert sum(b - a for _, a, b in seen) == 5333
+    assert max(b - a for _, a, b in seen) <= 1000 + 16

@@ -34,22 +34,28 @@ def cpu_values_of_batch(
     tensors: Sequence[torch.Tensor],
     dtype: torch.dtype | None = None,
     memory: Callable[[int], torch.UntypedStorage] | None = None,
+    on_part: Callable[[int, int, int, torch.Tensor], None] | None = None,
 ) -> list[torch.Tensor]:
     """:func:`cpu_values` of each tensor; the deferred ones computed together, in one replay
     whose fills of one random stream run cut across all cores (``values_to_write`` of a list),
-    into storages from ``memory(nbytes)`` (a :class:`Recycler`) where given."""
+    into storages from ``memory(nbytes)`` (a :class:`Recycler`) where given. ``on_part(j, a, b,
+    flat)`` (from the replay's threads): elements ``[a, b)`` of tensor ``j``'s values (``flat``)
+    are final before the whole batch is (never for a tensor that ``dtype`` casts)."""
     locals_ = [local_tensor(t) for t in tensors]
-    deferred = [x for x in locals_ if isinstance(x, DeferredTensor)]
-    computed = iter(values_to_write(deferred, memory) if deferred else [])
-    out = []
-    for t, local in zip(tensors, locals_, strict=True):
-        if isinstance(local, DeferredTensor):
-            values = next(computed)
-            if dtype is not None and values.is_floating_point() and values.dtype != dtype:
-                values = values.to(dtype)
-            out.append(values.contiguous())
-        else:
-            out.append(cpu_values(t, dtype))
+    which = [j for j, x in enumerate(locals_) if isinstance(x, DeferredTensor)]
+
+    def deferred_part(k: int, a: int, b: int, flat: torch.Tensor) -> None:
+        if dtype is None or not flat.is_floating_point() or flat.dtype == dtype:
+            on_part(which[k], a, b, flat)
+
+    parts = None if on_part is None else deferred_part
+    computed = values_to_write([locals_[j] for j in which], memory, parts) if which else []
+    out = [t if isinstance(x, DeferredTensor) else cpu_values(t, dtype)
+           for t, x in zip(tensors, locals_, strict=True)]  # fmt: skip
+    for j, values in zip(which, computed, strict=True):
+        if dtype is not None and values.is_floating_point() and values.dtype != dtype:
+            values = values.to(dtype)
+        out[j] = values.contiguous()
     return out
 
 

@@ -68,12 +68,12 @@ class _Writer(threading.Thread):
             fd, offset, payload, ends_batch = job
             del job
             try:
-                if self.error is None and not self.stop.is_set():
+                if payload is not None and self.error is None and not self.stop.is_set():
                     self.written += _write_at(fd, offset, payload)
             except BaseException as exc:  # handed to the producer thread
                 self.error = exc
             finally:
-                if not isinstance(payload, bytes):
+                if isinstance(payload, torch.Tensor):
                     self.batch.append(payload)
                 del payload
                 if ends_batch:  # its buffers go to the batch after next
@@ -128,15 +128,7 @@ def write_safetensors_files(
         for batch in _batches([where[name] for name in tensors if name in where]):
             _wait_for_slot(slots, writer, progress)
             recycler.start_batch([entry.nbytes for _, _, entry in batch])
-            values = cpu_values_of_batch(
-                [tensors[entry.name] for _, _, entry in batch], dtype, recycler
-            )
-            recycler.settle(values)
-            for k, ((fd, offset, entry), value) in enumerate(zip(batch, values, strict=True)):
-                _check_geometry(entry, value)
-                writer.jobs.put((fd, offset, value, k == len(batch) - 1))
-                progress.report(writer.written, "generating")
-            del values, value
+            _write_batch(batch, tensors, dtype, writer, recycler, progress)
         writer.jobs.put(None)
         while writer.is_alive():
             writer.join(0.1)
@@ -151,6 +143,33 @@ def write_safetensors_files(
             writer.join()
         for fd in fds:
             os.close(fd)
+
+
+def _write_batch(
+    batch: list[tuple[int, int, FileEntry]], tensors: dict[str, torch.Tensor],
+    dtype: torch.dtype | None, writer: _Writer, recycler: Recycler, progress: Progress,
+) -> None:  # fmt: skip
+    """Compute one batch and queue its writes: each part of a fill as soon as it is final
+    (the writer starts while the rest is generated), the other tensors when the batch is done;
+    the last job gives the batch's slot back."""
+    streamed: set[int] = set()
+
+    def on_part(j: int, a: int, b: int, flat: torch.Tensor) -> None:
+        fd, offset, _ = batch[j]
+        writer.jobs.put((fd, offset + a * flat.element_size(), flat[a:b], False))
+        streamed.add(j)
+
+    values = cpu_values_of_batch(
+        [tensors[entry.name] for _, _, entry in batch], dtype, recycler, on_part
+    )
+    recycler.settle(values)
+    for (_, _, entry), value in zip(batch, values, strict=True):
+        _check_geometry(entry, value)
+    for j, ((fd, offset, _), value) in enumerate(zip(batch, values, strict=True)):
+        if j not in streamed:
+            writer.jobs.put((fd, offset, value, False))
+        progress.report(writer.written, "generating")
+    writer.jobs.put((-1, 0, None, True))
 
 
 # A batch of consecutive tensors is generated at once (its fills cut across all cores, one

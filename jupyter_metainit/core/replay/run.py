@@ -36,7 +36,7 @@ from jupyter_metainit.core.replay.shards import (
     noted_whole,
     read_extents,
 )
-from jupyter_metainit.core.replay.stream_fills import run_stream_fills
+from jupyter_metainit.core.replay.stream_fills import Filled, run_stream_fills
 from jupyter_metainit.core.rng.split_fill import MIN_SKIP
 from jupyter_metainit.core.runtime.digest import digest
 from jupyter_metainit.core.runtime.interrupts import check
@@ -354,7 +354,7 @@ def execute(
     p: Plan, device: torch.device | None = None, rng: str = "exact",
     progress: Progress | None = None, threads: int | None = None,
     retain: Callable[[StorageRecord], bool] | None = None, one_stream: bool = False,
-    memory: Callable[[int], torch.UntypedStorage] | None = None,
+    memory: Callable[[int], torch.UntypedStorage] | None = None, on_filled: Filled | None = None,
 ) -> dict[int, torch.Tensor]:  # fmt: skip
     """Run ``p``; return the real storages of its targets (and of the storages ``retain``
     accepts), keyed by ``id(StorageRecord)``.
@@ -364,7 +364,8 @@ def execute(
     ``one_stream`` (exact mode on the CPU, a batch of whole tensors each made by one fill):
     the fills run as one stream cut across the cores (``stream_fills``) where they can.
     ``memory(nbytes)``: an untyped CPU storage of that size for each storage the plan
-    allocates empty (recycled buffers: no page faults of new memory).
+    allocates empty (recycled buffers: no page faults of new memory); ``on_filled``: told of
+    each part of those fills as it is final (``stream_fills``).
     """
     with plain(), torch.inference_mode(False):
         run = Run(p, device, rng, progress, retain)
@@ -372,7 +373,7 @@ def execute(
         cores = (threads or available_cores()) if len(p.ops) > 1 else 1
         done: set[int] = set()
         if one_stream and run.random.name == "exact" and cores > 1 and device == _CPU:
-            done = run_stream_fills(run, p.ops, cores)
+            done = run_stream_fills(run, p.ops, cores, on_filled)
         split = run.random.parallel_groups(p.ops, cores) if cores > 1 and not done else None
         if split is not None:
             groups, workers = split

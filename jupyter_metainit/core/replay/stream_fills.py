@@ -10,6 +10,7 @@ usual. Where the plan is anything else it does nothing and the engine replays it
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -23,7 +24,7 @@ from jupyter_metainit.core.rng.stream_fill import StreamFill, fill_stream
 from jupyter_metainit.core.runtime.interrupts import check
 from jupyter_metainit.core.runtime.plain import map_args
 
-__all__ = ["MIN_STREAM_ELEMENTS", "run_stream_fills"]
+__all__ = ["MIN_STREAM_ELEMENTS", "Filled", "run_stream_fills"]
 
 # Below this many elements in all, one thread (with ``split_fill`` for a large fill) is as fast:
 # a jump-ahead per extra thread costs a few milliseconds, about a million elements' fill.
@@ -71,10 +72,17 @@ def _touches(ops: list[OpRecord]) -> dict[int, int]:
     return count
 
 
-def run_stream_fills(run: Any, ops: list[OpRecord], workers: int) -> set[int]:
+Filled = Callable[[TensorRecord, int, int, torch.Tensor], None]
+
+
+def run_stream_fills(
+    run: Any, ops: list[OpRecord], workers: int, on_filled: Filled | None = None
+) -> set[int]:
     """Run the fills of ``ops`` (a plan's, exact mode, on the CPU) as one stream cut across
     ``workers`` threads, when they are all the plan's random ops, of one stream, and worth it.
-    Returns the indices of the ops it ran (empty: nothing done)."""
+    Returns the indices of the ops it ran (empty: nothing done). ``on_filled(record, a, b,
+    flat)``, called from those threads: elements ``[a, b)`` of ``flat`` (the whole storage of
+    the fill's ``record``) are final."""
     touched = _touches(ops)
     picked: list[tuple[int, OpRecord, TensorRecord]] = []
     for i, op in enumerate(ops):
@@ -109,7 +117,14 @@ def run_stream_fills(run: Any, ops: list[OpRecord], workers: int) -> set[int]:
         index = op.rng.index + 1
     start = state_before(seg, picked[0][1].rng.index, run.burn_progress)
     run.phase("generating random values")
-    end = fill_stream(fills, start, workers)
+    on_piece = None
+    if on_filled is not None:
+        targets = [target for *_, target in picked]
+
+        def on_piece(i: int, a: int, b: int) -> None:
+            on_filled(targets[i], a, b, fills[i].target)
+
+    end = fill_stream(fills, start, workers, on_piece)
     check()  # a Ctrl-C stops the parts between two pieces; nothing is kept
     seg.add_checkpoint(index, end)
     for i, *_ in picked:
