@@ -20,6 +20,11 @@ SCRIPTS = {
     "bench_layer.py": ["### Decoder layer", "exact layer equals eager construction"],
     "bench_materialize.py": ["### Whole model", "meta_init + materialize", "torch.equal"],
     "bench_rng.py": ["### Jump ahead", "draws skipped"],
+    "bench_save.py": [
+        "bfloat16 model, largest tensor",
+        "generation floor",
+        "eager build + `save_file`",
+    ],
     "bench_selective.py": ["### (a)", "### (b)", "### (c)", "### (d)"],
 }
 

@@ -111,7 +111,7 @@ def test_a_copied_shard_is_generated_straight_into_its_memory(rng, monkeypatch):
         fused.append(done)
         return done
 
-    monkeypatch.setattr("jupyter_metainit.core.replay.run.fill_region_into", spy)
+    monkeypatch.setattr("jupyter_metainit.core.replay.shards.fill_region_into", spy)
     torch.manual_seed(0)
     with meta_init():
         layer = torch.nn.Linear(4096, 2001)

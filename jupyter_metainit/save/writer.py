@@ -1,7 +1,8 @@
 """Generate and write, overlapped, in bounded memory; publish the files only when all are written.
 
-The calling thread produces one tensor's values at a time (replay runs on every core) while a
-writer thread writes the previous one: at most two tensors' values are alive. Everything goes
+The calling thread produces the values of a batch of consecutive tensors at a time (replay runs
+on every core) while a writer thread writes the previous batch: at most two batches' values are
+alive, each up to the largest tensor's bytes (or 64 MiB where all are smaller). Everything goes
 into a temporary directory beside the destination and is renamed into place at the end, so a
 failed or cancelled save (an exception from the progress callback, Ctrl-C) leaves nothing where
 the checkpoint should be, and the model is untouched (deferred tensors stay deferred).
@@ -22,7 +23,7 @@ import torch
 
 from jupyter_metainit.core import progress_callback
 from jupyter_metainit.save.safetensors_file import FileEntry, file_order, header_bytes
-from jupyter_metainit.save.values import cpu_values
+from jupyter_metainit.save.values import Recycler, cpu_values_of_batch
 
 __all__ = ["Progress", "publish_directory", "staging_directory", "write_safetensors_files"]
 
@@ -46,12 +47,15 @@ class Progress:
 
 
 class _Writer(threading.Thread):
-    """Writes queued byte buffers to their files, in order; counts what it wrote."""
+    """Writes queued byte buffers to their files, in order; counts what it wrote. The last
+    tensor of a batch gives its slot back (a header holds none)."""
 
-    def __init__(self, slots: threading.Semaphore) -> None:
+    def __init__(self, slots: threading.Semaphore, recycler: Recycler) -> None:
         super().__init__(name="jupyter_metainit.save writer", daemon=True)
         self.jobs: queue.Queue = queue.Queue()
         self.slots = slots
+        self.recycler = recycler
+        self.batch: list[torch.Tensor] = []  # this batch's tensors written so far
         self.written = 0
         self.error: BaseException | None = None
         self.stop = threading.Event()
@@ -61,15 +65,20 @@ class _Writer(threading.Thread):
             job = self.jobs.get()
             if job is None:
                 return
-            fd, offset, payload = job
+            fd, offset, payload, ends_batch = job
+            del job
             try:
-                if self.error is None and not self.stop.is_set():
+                if payload is not None and self.error is None and not self.stop.is_set():
                     self.written += _write_at(fd, offset, payload)
             except BaseException as exc:  # handed to the producer thread
                 self.error = exc
             finally:
+                if isinstance(payload, torch.Tensor):
+                    self.batch.append(payload)
                 del payload
-                if not isinstance(job[2], bytes):
+                if ends_batch:  # its buffers go to the batch after next
+                    self.recycler.give_back(self.batch)
+                    self.batch.clear()
                     self.slots.release()
 
 
@@ -94,11 +103,14 @@ def write_safetensors_files(
     dtype: torch.dtype | None, progress: Progress,
 ) -> None:  # fmt: skip
     """Write each file's header, then every tensor's bytes at its place in its file, two
-    tensors alive. Tensors are computed in the order of ``tensors`` (the model's order, close
-    to the order they were made in): consecutive replays then continue one random stream
-    instead of jumping around it, as the file order (by dtype, then name) would make them."""
+    batches alive (``_batches``). Tensors are computed in the order of ``tensors`` (the model's
+    order, close to the order they were made in), a batch of consecutive ones at a time: their
+    fills are then one run of the random stream, cut across the cores with one jump-ahead per
+    core, and the next batch continues where it ended, instead of jumping around the stream as
+    the file order (by dtype, then name) would make them."""
     slots = threading.Semaphore(2)
-    writer = _Writer(slots)
+    recycler = Recycler()
+    writer = _Writer(slots, recycler)
     writer.start()
     fds: list[int] = []
     try:
@@ -108,20 +120,15 @@ def write_safetensors_files(
             fd = os.open(os.path.join(directory, file_name), os.O_WRONLY | os.O_CREAT, 0o644)
             fds.append(fd)
             header = header_bytes(ordered, {"format": "pt"})
-            writer.jobs.put((fd, 0, header))
+            writer.jobs.put((fd, 0, header, False))
             offset = len(header)
             for entry in ordered:
                 where[entry.name] = (fd, offset, entry)
                 offset += entry.nbytes
-        for name in tensors:
-            if name not in where:
-                continue
-            fd, offset, entry = where[name]
+        for batch in _batches([where[name] for name in tensors if name in where]):
             _wait_for_slot(slots, writer, progress)
-            values = cpu_values(tensors[name], dtype)
-            _check_geometry(entry, values)
-            writer.jobs.put((fd, offset, values))
-            del values
+            recycler.start_batch([entry.nbytes for _, _, entry in batch])
+            _write_batch(batch, tensors, dtype, writer, recycler, progress)
         writer.jobs.put(None)
         while writer.is_alive():
             writer.join(0.1)
@@ -136,6 +143,54 @@ def write_safetensors_files(
             writer.join()
         for fd in fds:
             os.close(fd)
+
+
+def _write_batch(
+    batch: list[tuple[int, int, FileEntry]], tensors: dict[str, torch.Tensor],
+    dtype: torch.dtype | None, writer: _Writer, recycler: Recycler, progress: Progress,
+) -> None:  # fmt: skip
+    """Compute one batch and queue its writes: each part of a fill as soon as it is final
+    (the writer starts while the rest is generated), the other tensors when the batch is done;
+    the last job gives the batch's slot back."""
+    streamed: set[int] = set()
+
+    def on_part(j: int, a: int, b: int, flat: torch.Tensor) -> None:
+        fd, offset, _ = batch[j]
+        writer.jobs.put((fd, offset + a * flat.element_size(), flat[a:b], False))
+        streamed.add(j)
+
+    values = cpu_values_of_batch(
+        [tensors[entry.name] for _, _, entry in batch], dtype, recycler, on_part
+    )
+    recycler.settle(values)
+    for (_, _, entry), value in zip(batch, values, strict=True):
+        _check_geometry(entry, value)
+    for j, ((fd, offset, _), value) in enumerate(zip(batch, values, strict=True)):
+        if j not in streamed:
+            writer.jobs.put((fd, offset, value, False))
+        progress.report(writer.written, "generating")
+    writer.jobs.put((-1, 0, None, True))
+
+
+# A batch of consecutive tensors is generated at once (its fills cut across all cores, one
+# jump-ahead per core): up to the largest tensor's bytes, or this much where all are smaller.
+# Two batches are alive at most (one generated, one written): peak memory stays within
+# 2 x the largest tensor + 2 x this.
+BATCH_BYTES = 64 << 20
+
+
+def _batches(placed: list[tuple[int, int, FileEntry]]) -> list[list[tuple[int, int, FileEntry]]]:
+    """Consecutive tensors grouped into batches of at most ``max(largest, BATCH_BYTES)``."""
+    budget = max([BATCH_BYTES] + [entry.nbytes for _, _, entry in placed])
+    batches: list[list[tuple[int, int, FileEntry]]] = []
+    size = budget
+    for item in placed:
+        if size + item[2].nbytes > budget:
+            batches.append([])
+            size = 0
+        batches[-1].append(item)
+        size += item[2].nbytes
+    return batches
 
 
 def _wait_for_slot(slots: threading.Semaphore, writer: _Writer, progress: Progress) -> None:

@@ -8,6 +8,8 @@ cache) and keeps what it computes for the next read.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
+
 import torch
 
 from jupyter_metainit.core.record.graph import StorageRecord, TensorRecord, constant_op
@@ -58,25 +60,66 @@ def compute_values(records: list[TensorRecord]) -> list[torch.Tensor]:
             return [real_view(env[id(r.storage)], r).clone() for r in records]
 
 
-def values_to_write(t: DeferredTensor) -> torch.Tensor:
-    """One deferred tensor's exact values as a new real CPU tensor, without changing it: for
-    writing a model out one tensor at a time (``jupyter_metainit.save``).
+def values_to_write(
+    t: DeferredTensor | Sequence[DeferredTensor],
+    memory: Callable[[int], torch.UntypedStorage] | None = None,
+    on_part: Callable[[int, int, int, torch.Tensor], None] | None = None,
+) -> torch.Tensor | list[torch.Tensor]:
+    """Exact values of one deferred tensor (or of a batch of them: a list) as new real CPU
+    tensors, without changing them: for writing a model out a batch at a time
+    (``jupyter_metainit.save``).
 
     Unlike :func:`compute_values` it neither takes from nor adds to the read cache (whose
-    256 MB would stay held after the save) and copies nothing when the tensor covers its whole
-    storage, so memory follows the one tensor. Only the ops it depends on run, on every core.
+    256 MB would stay held after the save) and copies nothing when a tensor covers its whole
+    storage, so memory follows the batch. Only the ops they depend on run, on every core: a
+    batch of whole tensors each made by one fill of one stream (a model's weights, in the order
+    they were made) runs as one long fill cut across the cores, one jump-ahead per core.
+    ``memory(nbytes)`` gives the untyped storages to compute into (``execute``'s).
+    ``on_part(k, a, b, flat)``, called from the replay's threads: elements ``[a, b)`` of tensor
+    ``k`` (its values, ``flat``, are the ones returned, flattened) are final already, so writing
+    them can start while the rest is being generated.
     """
-    rec = t._rec
+    one = isinstance(t, DeferredTensor)
+    records = [t._rec] if one else [x._rec for x in t]
+    on_filled = None if on_part is None else _parts_of(records, on_part)
     with handling_interrupts(), exclusive("computing values to write"):
-        env = execute(plan([rec]), torch.device("cpu"), "exact")
-        base = env.pop(id(rec.storage))
+        env = execute(plan(records), torch.device("cpu"), "exact", one_stream=True,
+                      memory=memory, on_filled=on_filled)  # fmt: skip
+        bases = [env[id(r.storage)] for r in records]
         del env
     with plain():
-        view = real_view(base, rec)
-        if view is base:
-            return view
-        compact = view.contiguous()
-        return compact if compact is not view else view.clone()
+        out = [_compact(base, r) for base, r in zip(bases, records, strict=True)]
+    return out[0] if one else out
+
+
+def _parts_of(
+    records: list[TensorRecord], on_part: Callable[[int, int, int, torch.Tensor], None]
+) -> Callable[[TensorRecord, int, int, torch.Tensor], None]:
+    """``execute``'s ``on_filled`` for the requested records that are their fill's whole
+    storage as it is (the tensor returned is that storage: parts of it are its parts)."""
+    by_storage: dict[int, list[int]] = {}
+    for k, r in enumerate(records):
+        by_storage.setdefault(id(r.storage), []).append(k)
+
+    def on_filled(target: TensorRecord, a: int, b: int, flat: torch.Tensor) -> None:
+        for k in by_storage.get(id(target.storage), ()):
+            r = records[k]
+            same = (r.size, r.stride, r.offset, r.dtype) == (
+                target.size, target.stride, target.offset, target.dtype
+            )  # fmt: skip
+            if same and not r.conj and not r.neg:
+                on_part(k, a, b, flat)
+
+    return on_filled
+
+
+def _compact(base: torch.Tensor, r: TensorRecord) -> torch.Tensor:
+    """``r``'s view of ``base``: ``base`` itself when the view is all of it, else a copy."""
+    view = real_view(base, r)
+    if view is base:
+        return view
+    compact = view.contiguous()
+    return compact if compact is not view else view.clone()
 
 
 class ReplayValueReader:

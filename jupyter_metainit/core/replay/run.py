@@ -28,9 +28,16 @@ from jupyter_metainit.core.record.graph import (
 from jupyter_metainit.core.record.state import default_dtype_as
 from jupyter_metainit.core.replay.parallel import run_parallel
 from jupyter_metainit.core.replay.planning import Plan, last_writes
-from jupyter_metainit.core.replay.random_modes import call_with_generator, random_mode
-from jupyter_metainit.core.replay.shards import copied_once, fill_region, noted_whole, read_extents
-from jupyter_metainit.core.rng.split_fill import MIN_SKIP, fill_region_into
+from jupyter_metainit.core.replay.random_modes import random_mode
+from jupyter_metainit.core.replay.shards import (
+    copied_once,
+    copy_from_pending_fill,
+    fill_region,
+    noted_whole,
+    read_extents,
+)
+from jupyter_metainit.core.replay.stream_fills import Filled, run_stream_fills
+from jupyter_metainit.core.rng.split_fill import MIN_SKIP
 from jupyter_metainit.core.runtime.digest import digest
 from jupyter_metainit.core.runtime.interrupts import check
 from jupyter_metainit.core.runtime.plain import map_args, plain
@@ -151,6 +158,8 @@ class Run:
         self._copied_once: set[int] | None = None
         # storage id -> a fill not run yet: its only reader copies a slice of it (a shard)
         self.pending_fills: dict[int, tuple[OpRecord, tuple, dict, torch.Generator]] = {}
+        # nbytes -> an untyped CPU storage to allocate into (``execute(memory=...)``)
+        self.memory: Callable[[int], torch.UntypedStorage] | None = None
 
     @property
     def generators(self) -> dict[int, tuple[torch.Generator, int]]:
@@ -184,10 +193,19 @@ class Run:
                     "internal error: a storage was needed before it was made"
                 )
             # Its creating op was dead: a later op overwrites it completely.
-            base = torch.empty_strided(created.size, created.stride, dtype=created.dtype,
-                                       device=device)  # fmt: skip
+            base = self.allocate(created, device)
             self.env[id(r.storage)] = base
         return real_view(base, r)
+
+    def allocate(self, created: TensorRecord, device: torch.device) -> torch.Tensor:
+        """Empty memory for a storage whose creating op was dead: from ``memory`` (the caller's
+        recycled CPU buffers, ``execute(memory=...)``) where given, else new."""
+        if self.memory is not None and device.type == "cpu" and created.offset == 0:
+            t = torch.empty(0, dtype=created.dtype)
+            t.set_(self.memory(created.storage.nbytes), 0, created.size, created.stride)
+            return t
+        return torch.empty_strided(created.size, created.stride, dtype=created.dtype,
+                                   device=device)  # fmt: skip
 
     def op_device(self, op: OpRecord) -> torch.device:
         if self.device is not None:
@@ -293,28 +311,7 @@ class Run:
                 self._noted.append(storage)
 
     def _copy_from_pending_fill(self, op: OpRecord, device: torch.device) -> bool:
-        """``dst.copy_(src)`` where ``src`` is a slice of a fill not run yet: write the slice's
-        values straight into ``dst`` through a small buffer (the shard, never the whole)."""
-        src = op.args[1] if len(op.args) > 1 else None
-        if not isinstance(src, TensorRecord):
-            return False
-        pending = self.pending_fills.pop(id(src.storage), None)
-        if pending is None:
-            return False
-        fill_op, rest, kwargs, gen = pending
-        dst = self.arg(op.args[0], device)
-        whole = fill_op.args[0]
-        numel = whole.storage.nbytes // whole.dtype.itemsize
-        at_end = self.random.fill_end(fill_op)
-        done = fill_region_into(
-            fill_op.func, numel, dst, src.offset,
-            lambda t, g: call_with_generator(fill_op, (t, *rest), kwargs, g), gen, at_end=at_end,
-        )  # fmt: skip
-        if not done:  # not expected (checked when deferred): run the whole fill, then copy
-            target = self.real(whole, device)
-            call_with_generator(fill_op, (target, *rest), kwargs, gen)
-            dst.copy_(self.real(src, device))
-        return True
+        return copy_from_pending_fill(self, op, device)
 
     def copied_once(self) -> set[int]:
         """Storages whose only read is a ``copy_`` of a shard (``shards.copied_once``)."""
@@ -356,26 +353,40 @@ def _copy_storage(t: torch.Tensor) -> torch.Tensor:
 def execute(
     p: Plan, device: torch.device | None = None, rng: str = "exact",
     progress: Progress | None = None, threads: int | None = None,
-    retain: Callable[[StorageRecord], bool] | None = None,
+    retain: Callable[[StorageRecord], bool] | None = None, one_stream: bool = False,
+    memory: Callable[[int], torch.UntypedStorage] | None = None, on_filled: Filled | None = None,
 ) -> dict[int, torch.Tensor]:  # fmt: skip
     """Run ``p``; return the real storages of its targets (and of the storages ``retain``
     accepts), keyed by ``id(StorageRecord)``.
 
     Runs with every interception off (``plain``), outside inference mode, and with each op's
     recorded default dtype, so the result does not depend on what is in force at the time.
+    ``one_stream`` (exact mode on the CPU, a batch of whole tensors each made by one fill):
+    the fills run as one stream cut across the cores (``stream_fills``) where they can.
+    ``memory(nbytes)``: an untyped CPU storage of that size for each storage the plan
+    allocates empty (recycled buffers: no page faults of new memory); ``on_filled``: told of
+    each part of those fills as it is final (``stream_fills``).
     """
     with plain(), torch.inference_mode(False):
         run = Run(p, device, rng, progress, retain)
+        run.memory = memory
         cores = (threads or available_cores()) if len(p.ops) > 1 else 1
-        split = run.random.parallel_groups(p.ops, cores) if cores > 1 else None
+        done: set[int] = set()
+        if one_stream and run.random.name == "exact" and cores > 1 and device == _CPU:
+            done = run_stream_fills(run, p.ops, cores, on_filled)
+        split = run.random.parallel_groups(p.ops, cores) if cores > 1 and not done else None
         if split is not None:
             groups, workers = split
             run_parallel(run.run_and_release, groups, workers)
             return _results(run, p)
         for i, op in enumerate(p.ops):
             check()  # a held-back Ctrl-C stops here, between two ops
-            run.run_and_release(i, op)
+            if i not in done:
+                run.run_and_release(i, op)
     return _results(run, p)
+
+
+_CPU = torch.device("cpu")
 
 
 def _results(run: Run, p: Plan) -> dict[int, torch.Tensor]:

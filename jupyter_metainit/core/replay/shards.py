@@ -13,17 +13,20 @@ from __future__ import annotations
 import contextlib
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 
 from jupyter_metainit.core.record.graph import OpRecord, StorageRecord, TensorRecord
 from jupyter_metainit.core.replay.planning import Plan, last_writes
+from jupyter_metainit.core.replay.random_modes import call_with_generator
 from jupyter_metainit.core.rng.draws import is_contiguous
-from jupyter_metainit.core.rng.split_fill import FILLS, MIN_SKIP
+from jupyter_metainit.core.rng.split_fill import FILLS, MIN_SKIP, fill_region_into
 from jupyter_metainit.core.runtime.plain import iter_args
 
 __all__ = [
     "copied_once",
+    "copy_from_pending_fill",
     "fill_region",
     "noted_whole",
     "noting_whole_intermediates",
@@ -149,3 +152,29 @@ def noting_whole_intermediates() -> Iterator[list[StorageRecord]]:
 def noted_whole() -> list[StorageRecord] | None:
     """The list :func:`noting_whole_intermediates` collects into on this thread, if any."""
     return _noted.whole
+
+
+def copy_from_pending_fill(run: Any, op: OpRecord, device: torch.device) -> bool:
+    """``dst.copy_(src)`` (an op of ``run``, a ``run.Run``) where ``src`` is a slice of a fill
+    not run yet: write the slice's values straight into ``dst`` through a small buffer (the
+    shard, never the whole)."""
+    src = op.args[1] if len(op.args) > 1 else None
+    if not isinstance(src, TensorRecord):
+        return False
+    pending = run.pending_fills.pop(id(src.storage), None)
+    if pending is None:
+        return False
+    fill_op, rest, kwargs, gen = pending
+    dst = run.arg(op.args[0], device)
+    whole = fill_op.args[0]
+    numel = whole.storage.nbytes // whole.dtype.itemsize
+    at_end = run.random.fill_end(fill_op)
+    done = fill_region_into(
+        fill_op.func, numel, dst, src.offset,
+        lambda t, g: call_with_generator(fill_op, (t, *rest), kwargs, g), gen, at_end=at_end,
+    )  # fmt: skip
+    if not done:  # not expected (checked when deferred): run the whole fill, then copy
+        target = run.real(whole, device)
+        call_with_generator(fill_op, (target, *rest), kwargs, gen)
+        dst.copy_(run.real(src, device))
+    return True

@@ -26,17 +26,20 @@ from jupyter_metainit.core.runtime.plain import plain
 from jupyter_metainit.core.runtime.pool import available_cores, core_pool
 
 __all__ = [
+    "ALIGN",
     "FILLS",
     "fill_region",
     "fill_region_into",
     "split_fill",
+    "split_is_exact",
 ]
 
 aten = torch.ops.aten
 
 # op -> the chunk alignment its kernel needs (normal_ works in blocks of 16 elements)
-_ALIGN = {aten.normal_.default: 16, aten.uniform_.default: 1}
-FILLS = frozenset(_ALIGN)
+ALIGN = {aten.normal_.default: 16, aten.uniform_.default: 1}
+_ALIGN = ALIGN
+FILLS = frozenset(ALIGN)
 # Below this many elements per chunk, a jump-ahead (up to about 10 ms) costs more than the chunk's
 # share of the fill saves (about 7 ns an element on one core).
 MIN_CHUNK = 1 << 22
@@ -83,7 +86,7 @@ def _fill_in_chunks(
     generator.set_state(jobs[-1][1].get_state())  # the last chunk ends where the stream ends
 
 
-def _split_is_exact(func: Any, dtype: torch.dtype, fill: Callable) -> bool:
+def split_is_exact(func: Any, dtype: torch.dtype, fill: Callable) -> bool:
     """Check once per op and dtype that chunked fills equal the serial one, values and state."""
     key = (func, dtype)
     ok = _verified.get(key)
@@ -159,7 +162,7 @@ def split_fill(
     if workers < 2:
         return False
     fill_plainly = _plainly(fill)
-    if not _split_is_exact(func, target.dtype, fill_plainly):
+    if not split_is_exact(func, target.dtype, fill_plainly):
         return False
     parts = min(workers, target.numel() // MIN_CHUNK)
     bounds = _chunks(target.numel(), parts, _ALIGN[func])
@@ -189,7 +192,7 @@ def fill_region(
     if n - (hi - lo) < MIN_SKIP:
         return False
     fill_plainly = _plainly(fill)
-    if not _split_is_exact(func, target.dtype, fill_plainly):
+    if not split_is_exact(func, target.dtype, fill_plainly):
         return False
     start = torch.Generator()
     start.set_state(jump_state(generator.get_state(), lo * per))
@@ -228,7 +231,7 @@ def fill_region_into(
     lo, hi = first, first + dst.numel()
     start, end = _covering(func, numel, lo, hi)
     fill_plainly = _plainly(fill)
-    if not _split_is_exact(func, dst.dtype, fill_plainly):
+    if not split_is_exact(func, dst.dtype, fill_plainly):
         return False
     workers = available_cores() if workers is None else workers
     parts = max(1, min(workers, (end - start) // MIN_CHUNK))
