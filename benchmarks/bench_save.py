@@ -26,6 +26,11 @@ import threading
 from typing import Any
 
 from _common import (
+    LLAMA_1B,
+    LLAMA_8B,
+    LLAMA_SMALL,
+    LLAMA_SMALLER,
+    TINY_LLAMA,
     Meter,
     base_parser,
     child_main,
@@ -41,17 +46,11 @@ from _common import (
     verdict,
 )
 
-LLAMA_8B = dict(hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)  # fmt: skip
-LLAMA_1B = dict(hidden_size=2048, intermediate_size=8192, num_hidden_layers=16,
-                num_attention_heads=32, num_key_value_heads=8, vocab_size=128256)  # fmt: skip
-SMALL = dict(hidden_size=1024, intermediate_size=3584, num_hidden_layers=8,
-             num_attention_heads=16, num_key_value_heads=4, vocab_size=32000)  # fmt: skip
-SMALLER = dict(hidden_size=512, intermediate_size=1792, num_hidden_layers=4,
-               num_attention_heads=8, num_key_value_heads=4, vocab_size=32000)  # fmt: skip
-TINY = dict(hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-            num_attention_heads=4, num_key_value_heads=2, vocab_size=256)  # fmt: skip
-SIZES = {"8b": (LLAMA_8B, LLAMA_1B), "small": (SMALL, SMALLER), "quick": (TINY, TINY)}
+SIZES = {
+    "8b": (LLAMA_8B, LLAMA_1B),
+    "small": (LLAMA_SMALL, LLAMA_SMALLER),
+    "quick": (TINY_LLAMA, TINY_LLAMA),
+}
 BLOCK = 64 << 20
 
 
