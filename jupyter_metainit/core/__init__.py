@@ -22,7 +22,8 @@ public face; ``errors`` beside it holds the exceptions.
 - one helper per concept: ``parse_device``, ``missing_device_reason``, ``parse_dtype``,
   ``dtype_name``, ``available_memory``, ``is_out_of_memory``, ``local_tensor`` (a DTensor's
   local shard), ``copy_user_attributes`` (the user's attributes onto a real tensor);
-- for ``save``: ``values_to_write`` (one deferred tensor's exact values, nothing kept or swapped).
+- for ``save``: ``values_to_write`` (exact values of a deferred tensor or of a batch of them,
+  nothing kept or swapped).
 """
 
 from __future__ import annotations
