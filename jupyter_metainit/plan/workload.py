@@ -234,7 +234,7 @@ def _run(model: nn.Module, parts: list[Part], training: bool, inputs: tuple, kwa
     try:
         with _mode(model, training):
             try:
-                run_forward(model, *inputs, flops=False, **kwargs)
+                run_forward(model, *inputs, flops=False, reuse_repeats=True, **kwargs)
             except Exception as e:  # say which step failed, and what usually helps
                 on_meta = any(p.is_meta for p in model.parameters())
                 hint = (
