@@ -82,15 +82,27 @@ def _same(a: Any, b: Any, shift: int, depth: int = 0) -> bool:
     return False
 
 
+def _compared(module: nn.Module) -> dict[str, Any]:
+    """A module's attributes that can make its forward differ: not its tensors and children
+    (in the fingerprint) nor this package's own records."""
+    return {
+        name: value
+        for name, value in module.__dict__.items()
+        if name not in ("_parameters", "_buffers", "_modules")
+        and not name.startswith(("_jmi", "_jupyter_metainit"))
+    }
+
+
 def same_attributes(ref: nn.Module, block: nn.Module, shift: int) -> bool:
     """Every module of ``block`` has the attributes, hooks and mode of its twin in ``ref``."""
     for a, b in zip(ref.modules(), block.modules(), strict=True):
-        if type(a) is not type(b) or a.__dict__.keys() != b.__dict__.keys():
+        mine, theirs = _compared(a), _compared(b)
+        if type(a) is not type(b) or mine.keys() != theirs.keys():
             return False
-        for name, value in a.__dict__.items():
-            other = b.__dict__[name]
-            if name in ("_parameters", "_buffers", "_modules") or name.startswith("_jmi"):
-                continue  # the tensors' shapes and the children are in the fingerprint
+        for name, value in mine.items():
+            other = theirs[name]
+            if value is other or (isinstance(value, dict) and not value and other == {}):
+                continue
             if name.endswith(("hooks", "hooks_with_kwargs", "hooks_always_called")):
                 if [_code(v) for v in value.values()] != [_code(v) for v in other.values()]:
                     return False
@@ -141,6 +153,7 @@ class _Running:
     reads: int = 0
     created: dict[int, int] = field(default_factory=dict)  # measuring: id -> output index
     wanted: set[int] = field(default_factory=set)  # reusing: the output indices it keeps
+    pending: bool = True  # reusing: tracked tensors not alive at its start remain
     held: dict[int, torch.Tensor] = field(default_factory=dict)
 
 
@@ -235,7 +248,12 @@ class BlockReuse:
         if running.reusing:
             own = running.measured.notes.get(op)
             if own is not None:  # the tracker would collect and note here: the same peak
-                tracker._collect()
+                if running.pending:
+                    # Only what was dead or dying when the block started can go: the rest
+                    # is alive at its end (checked there), so alive all along.
+                    tracker._collect()
+                    entry = running.entry
+                    running.pending = any(id(t) not in entry for t in tracker.tensors)
                 tracker.live += own
                 tracker.note_peak()
                 tracker.live -= own
