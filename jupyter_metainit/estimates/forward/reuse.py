@@ -125,6 +125,9 @@ def _signature(obj: Any, tracked: Mapping[int, int], depth: int = 0) -> Any:
     return ("object", id(obj))
 
 
+_Output = tuple[int, int]  # (op index in the block, position among that op's outputs)
+
+
 @dataclass
 class _Measured:
     """What a measured block did, op by op, apart from what was tracked before it started."""
@@ -132,12 +135,12 @@ class _Measured:
     module: nn.Module
     position: int
     name: str
-    ops: int = 0
+    funcs: list[Any] = field(default_factory=list)  # the ops it ran, in order
     # op index -> bytes of the block's own tracked tensors when that op noted the peak
     notes: dict[int, int] = field(default_factory=dict)
-    # tracked at its end, in the tracker's order: (output index, its base's output index or
-    # None, bytes, metadata, reference count)
-    kept: list[tuple[int, int | None, int, tuple, int]] = field(default_factory=list)
+    # tracked at its end, in the tracker's order: (output, its base's output or None, bytes,
+    # metadata, reference count); an output is (op index, position among the op's outputs)
+    kept: list[tuple[_Output, _Output | None, int, tuple, int]] = field(default_factory=list)
     usable: bool = True
 
 
@@ -149,12 +152,11 @@ class _Running:
     reusing: bool
     entry: set[int]  # ids of the tracked tensors alive when the block started
     ops: int = 0
-    outputs: int = 0
     reads: int = 0
-    created: dict[int, int] = field(default_factory=dict)  # measuring: id -> output index
-    wanted: set[int] = field(default_factory=set)  # reusing: the output indices it keeps
+    created: dict[int, _Output] = field(default_factory=dict)  # measuring: id -> output
+    wanted: dict[int, list[int]] = field(default_factory=dict)  # reusing: op -> positions
     pending: bool = True  # reusing: tracked tensors not alive at its start remain
-    held: dict[int, torch.Tensor] = field(default_factory=dict)
+    held: dict[_Output, torch.Tensor] = field(default_factory=dict)
 
 
 def _refcounts(tensors: list[torch.Tensor]) -> list[int]:
@@ -219,7 +221,8 @@ class BlockReuse:
             twins.append(twin)
         self.running = _Running(module, name, twin, reusing, self._alive())
         if reusing:
-            self.running.wanted = {k[0] for k in twin.kept}
+            for (op, n), *_ in twin.kept:
+                self.running.wanted.setdefault(op, []).append(n)
             self.tracker.paused = True
 
     def saw(self, func: Any, out: Any) -> None:
@@ -236,27 +239,38 @@ class BlockReuse:
             running.reads += 1
         op = running.ops
         running.ops += 1
-        tracker = self.tracker
-        for t in op_tensors(out):
-            n = running.outputs
-            running.outputs += 1
-            if running.reusing:
-                if n in running.wanted:
-                    running.held[n] = t
-            elif id(t) not in tracker.index:
-                running.created[id(t)] = n
         if running.reusing:
-            own = running.measured.notes.get(op)
-            if own is not None:  # the tracker would collect and note here: the same peak
-                if running.pending:
-                    # Only what was dead or dying when the block started can go: the rest
-                    # is alive at its end (checked there), so alive all along.
-                    tracker._collect()
-                    entry = running.entry
-                    running.pending = any(id(t) not in entry for t in tracker.tensors)
-                tracker.live += own
-                tracker.note_peak()
-                tracker.live -= own
+            self._reused_op(running, func, out, op)
+            return
+        running.measured.funcs.append(func)
+        index, created = self.tracker.index, running.created
+        for n, t in enumerate(op_tensors(out)):
+            if id(t) not in index:
+                created[id(t)] = (op, n)
+
+    def _reused_op(self, running: _Running, func: Any, out: Any, op: int) -> None:
+        measured = running.measured
+        if op >= len(measured.funcs) or measured.funcs[op] is not func:
+            running.reads += 1  # not the twin's op: a mismatch at the block's end
+            return
+        positions = running.wanted.get(op)
+        if positions is not None:
+            outputs = op_tensors(out)
+            for n in positions:
+                if n < len(outputs):
+                    running.held[(op, n)] = outputs[n]
+        own = measured.notes.get(op)
+        if own is not None:  # the tracker would collect and note here: the same peak
+            tracker = self.tracker
+            if running.pending:
+                # Only what was dead or dying when the block started can go: the rest is
+                # alive at its end (checked there), so alive all along.
+                tracker._collect()
+                entry = running.entry
+                running.pending = any(id(t) not in entry for t in tracker.tensors)
+            tracker.live += own
+            tracker.note_peak()
+            tracker.live -= own
 
     def noted(self) -> None:
         """After the tracker noted a peak in a measured block: the block's own share."""
@@ -281,7 +295,6 @@ class BlockReuse:
 
     def _measure(self, running: _Running) -> None:
         tracker, measured, created = self.tracker, running.measured, running.created
-        measured.ops = running.ops
         tensors = tracker.tensors
         start = next((i for i, t in enumerate(tensors) if id(t) in created), len(tensors))
         counts = _refcounts(tensors[start:])
@@ -298,7 +311,7 @@ class BlockReuse:
 
     def _apply(self, running: _Running) -> None:
         tracker, measured, held = self.tracker, running.measured, running.held
-        if running.reads or running.ops != measured.ops or len(held) != len(measured.kept):
+        if running.reads or running.ops != len(measured.funcs) or len(held) != len(measured.kept):
             raise ReuseMismatch(f"{running.name} ran unlike {measured.name}")
         start = len(tracker.tensors)
         for n, base, nbytes, meta, _ in measured.kept:
