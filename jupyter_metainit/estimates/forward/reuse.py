@@ -1,17 +1,20 @@
 """Repeated blocks in a dry run: the first of identical blocks measured, the others reused.
 
 A 70B decoder runs 80 identical layers, and following every activation op by op through each
-is most of a dry run's time. A block that is identical to one measured before it, for what
-the measurement sees, still runs (its side effects, the KV cache's update among them, are the
-model's own) but with the op-by-op tracking paused; the measured block's figures are applied
-to it, shifted by what was live when it started. Identical means: the same structural
-fingerprint (:mod:`~jupyter_metainit.estimates.repeats`), the same attributes in every module
-of the block but an index (``layer_idx``, by the blocks' distance), the same hooks, and inputs
-of the same metadata that the run tracked alike; and the measured block read no values
-(``.item()``, a data-dependent shape: a mixture of experts' routing). What a reused block
-leaves alive is then checked against what the measured one left (tensors of the same
-metadata, in the same places, none of the earlier ones dropped); any difference raises
-:class:`ReuseMismatch` and the dry run starts over with every block tracked.
+is most of a dry run's own time. A block identical to one measured before it, for what the
+measurement sees, still runs (its side effects, the KV cache's update among them, are the
+model's own) with the op-by-op tracking paused, and the measured block's figures are applied
+to it: at each op where the measured block noted a peak, the same bytes of its own on top of
+what was live before it. Identical means: the same structural fingerprint
+(:mod:`~jupyter_metainit.estimates.repeats`), the same attributes in every module of the block
+but its index (``layer_idx``, by the blocks' distance), the same hooks, inputs of the same
+metadata that the run tracked alike, and a measured block that read no values (``.item()``,
+a data-dependent shape: a mixture of experts' routing). While a reused block runs, each op
+is checked against the measured block's (the same op, outputs of the same shapes and dtypes)
+and at its end what it left tracked against what the measured one left (same tensors, same
+references, nothing from before it dropped); any difference raises :class:`ReuseMismatch`
+and the dry run starts over with every block tracked, so the figures are always those of a
+run that tracks every op.
 """
 
 from __future__ import annotations
@@ -61,8 +64,8 @@ def _same(a: Any, b: Any, shift: int, depth: int = 0) -> bool:
         return False
     if isinstance(a, (bool, *_PLAIN)):
         return bool(a == b)
-    if isinstance(a, int):  # an index differs by the blocks' distance
-        return a == b or b - a == shift
+    if isinstance(a, int):
+        return a == b
     if isinstance(a, torch.Tensor):
         return _meta(a) == _meta(b)
     if isinstance(a, (list, tuple)):
@@ -80,6 +83,11 @@ def _same(a: Any, b: Any, shift: int, depth: int = 0) -> bool:
         other = [c.cell_contents for c in b.__closure__ or ()]
         return a.__code__ is b.__code__ and _same(cells, other, shift, depth + 1)
     return False
+
+
+def _is_index(name: str) -> bool:
+    """An attribute naming the block's position (``layer_idx``, ``layer_id``, ``block_index``)."""
+    return name.endswith(("idx", "index", "layer_id", "block_id"))
 
 
 def _compared(module: nn.Module) -> dict[str, Any]:
@@ -105,6 +113,9 @@ def same_attributes(ref: nn.Module, block: nn.Module, shift: int) -> bool:
                 continue
             if name.endswith(("hooks", "hooks_with_kwargs", "hooks_always_called")):
                 if [_code(v) for v in value.values()] != [_code(v) for v in other.values()]:
+                    return False
+            elif _is_index(name) and type(value) is int and type(other) is int:
+                if other - value != shift:  # an index differs by the blocks' distance
                     return False
             elif not _same(value, other, shift):
                 return False
@@ -135,7 +146,8 @@ class _Measured:
     module: nn.Module
     position: int
     name: str
-    funcs: list[Any] = field(default_factory=list)  # the ops it ran, in order
+    # the ops it ran, in order, with their outputs' shapes and dtypes
+    funcs: list[tuple[Any, list]] = field(default_factory=list)
     # op index -> bytes of the block's own tracked tensors when that op noted the peak
     notes: dict[int, int] = field(default_factory=dict)
     # tracked at its end, in the tracker's order: (output, its base's output or None, bytes,
@@ -242,20 +254,25 @@ class BlockReuse:
         if running.reusing:
             self._reused_op(running, func, out, op)
             return
-        running.measured.funcs.append(func)
+        outputs = op_tensors(out)
+        running.measured.funcs.append((func, [(t.shape, t.dtype) for t in outputs]))
         index, created = self.tracker.index, running.created
-        for n, t in enumerate(op_tensors(out)):
+        for n, t in enumerate(outputs):
             if id(t) not in index:
                 created[id(t)] = (op, n)
 
     def _reused_op(self, running: _Running, func: Any, out: Any, op: int) -> None:
         measured = running.measured
-        if op >= len(measured.funcs) or measured.funcs[op] is not func:
+        outputs = op_tensors(out)
+        if (
+            op >= len(measured.funcs)
+            or measured.funcs[op][0] is not func
+            or measured.funcs[op][1] != [(t.shape, t.dtype) for t in outputs]
+        ):
             running.reads += 1  # not the twin's op: a mismatch at the block's end
             return
         positions = running.wanted.get(op)
         if positions is not None:
-            outputs = op_tensors(out)
             for n in positions:
                 if n < len(outputs):
                     running.held[(op, n)] = outputs[n]
