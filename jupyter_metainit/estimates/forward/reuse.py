@@ -162,12 +162,11 @@ class _Running:
     name: str
     measured: _Measured
     reusing: bool
-    entry: set[int]  # ids of the tracked tensors alive when the block started
     ops: int = 0
     reads: int = 0
     created: dict[int, _Output] = field(default_factory=dict)  # measuring: id -> output
     wanted: dict[int, list[int]] = field(default_factory=dict)  # reusing: op -> positions
-    pending: bool = True  # reusing: tracked tensors not alive at its start remain
+    pending: bool = True  # reusing: tracked tensors may be dying
     held: dict[_Output, torch.Tensor] = field(default_factory=dict)
 
 
@@ -212,10 +211,6 @@ class BlockReuse:
         self.tracker.paused = False
         self.running = None
 
-    def _alive(self) -> set[int]:
-        tensors = self.tracker.tensors
-        return {id(t) for t, n in zip(tensors, _refcounts(tensors), strict=True) if n > 3}
-
     def pre(self, module: nn.Module, args: Any, kwargs: Any) -> None:
         if self.running is not None or id(module) in self.seen:
             return  # inside a block already, or a block run twice: tracked as any module
@@ -231,7 +226,7 @@ class BlockReuse:
         if twin is None:
             twin = _Measured(module, position, name)
             twins.append(twin)
-        self.running = _Running(module, name, twin, reusing, self._alive())
+        self.running = _Running(module, name, twin, reusing)
         if reusing:
             for (op, n), *_ in twin.kept:
                 self.running.wanted.setdefault(op, []).append(n)
@@ -280,11 +275,11 @@ class BlockReuse:
         if own is not None:  # the tracker would collect and note here: the same peak
             tracker = self.tracker
             if running.pending:
-                # Only what was dead or dying when the block started can go: the rest is
-                # alive at its end (checked there), so alive all along.
+                # Until nothing tracked is dying, collect as the tracker would; after that,
+                # what is tracked stays alive to the block's end (checked there: a tensor
+                # alive at the end was alive all along).
                 tracker._collect()
-                entry = running.entry
-                running.pending = any(id(t) not in entry for t in tracker.tensors)
+                running.pending = any(getrefcount(t) <= 3 for t in tracker.tensors)
             tracker.live += own
             tracker.note_peak()
             tracker.live -= own
@@ -314,8 +309,8 @@ class BlockReuse:
         tracker, measured, created = self.tracker, running.measured, running.created
         tensors = tracker.tensors
         start = next((i for i, t in enumerate(tensors) if id(t) in created), len(tensors))
-        counts = _refcounts(tensors[start:])
-        usable = not running.reads and running.entry <= self._alive()
+        counts = _refcounts(tensors)[start:]
+        usable = not running.reads
         for i in range(start, len(tensors)):
             t, base = tensors[i], tracker.base[i]
             if id(t) not in created or (base != i and id(tensors[base]) not in created):
@@ -339,6 +334,8 @@ class BlockReuse:
                 raise ReuseMismatch(f"{running.name} made other tensors than {measured.name}")
         held.clear()
         running.held = held = {}
-        counts = _refcounts(tracker.tensors[start:])
-        if counts != [k[4] for k in measured.kept] or not running.entry <= self._alive():
+        counts = _refcounts(tracker.tensors)
+        # Once it stopped collecting, nothing from before the block may have died since.
+        dying = not running.pending and min(counts[:start], default=4) <= 3
+        if counts[start:] != [k[4] for k in measured.kept] or dying:
             raise ReuseMismatch(f"{running.name} keeps other tensors alive than {measured.name}")
