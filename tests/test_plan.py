@@ -216,6 +216,16 @@ def test_a_missing_workload_says_to_give_seq_len_or_inputs(llama):
         place(llama, FOUR)
 
 
+def test_seq_len_for_a_model_that_takes_no_token_ids_says_to_pass_inputs():
+    config = transformers.ViTConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, image_size=32, patch_size=8)  # fmt: skip
+    with meta_init():
+        vit = transformers.ViTModel(config)
+    with pytest.raises(ValueError, match=r"ViTModel.forward\(pixel_values.*inputs=\[\("):
+        place(vit, FOUR, batch=2, seq_len=32)
+    assert place(vit, FOUR, inputs=[(2, 3, 32, 32)]).fits
+
+
 def _measured_peak(model, ids, training):
     from torch.distributed._tools.mem_tracker import MemTracker
 
