@@ -182,9 +182,7 @@ def _run_once(
     counter: contextlib.AbstractContextManager[Any] = (
         flop_counter() if flops else contextlib.nullcontext()
     )
-    reuse_blocks: contextlib.AbstractContextManager[Any] = (
-        BlockReuse(module, tracker) if reuse else contextlib.nullcontext()
-    )
+    reuse_blocks = BlockReuse(module, tracker) if reuse else None
     guard = ModelGuard(module, (example_inputs, kwargs))
     try:
         with ctx:
@@ -192,9 +190,12 @@ def _run_once(
             args, kw = _stand_in_inputs(example_inputs, kwargs, use_meta, shape_dtype)
             for t in tensors_in((args, kw)):
                 tracker.track(t)
-            with torch.no_grad(), modules.hooks(), counter, tracker, reuse_blocks:
+            reusing = reuse_blocks or contextlib.nullcontext()
+            with torch.no_grad(), modules.hooks(), counter, tracker, reusing:
                 tracker.note_peak()
                 output = module(*args, **kw)
+            if reuse_blocks is not None and reuse_blocks.mismatch:
+                raise ReuseMismatch("a reused block's mismatch was caught by the model's code")
             out_shapes = [tuple(t.shape) for t in tensors_in(output)]
             del output, args, kw
     finally:

@@ -195,6 +195,7 @@ class BlockReuse:
         self.running: _Running | None = None
         self.handles: list[Any] = []
         self._reads: dict[Any, bool] = {}
+        self.mismatch = False
 
     def __enter__(self) -> BlockReuse:
         for module, *_ in self.blocks.values():
@@ -301,7 +302,11 @@ class BlockReuse:
         self.running = None
         self.tracker.paused = False
         if running.reusing:
-            self._apply(running)
+            try:
+                self._apply(running)
+            except ReuseMismatch:
+                self.mismatch = True  # raised again after the forward, should it be caught
+                raise
         else:
             self._measure(running)
 
