@@ -2,6 +2,9 @@
 
 Three tables, each measurement in a fresh process:
 
+0. The first plan of a Llama-3-70B-shaped deferred model over 8 x 80 GiB, median of
+   ``--repeats`` (3) fresh processes, with identical blocks measured once (the default) and
+   with every op of every block tracked, alternated so that both see the same load.
 1. Planning a Llama-3-70B-shaped deferred model over 2, 4 and 8 x 80 GiB: ``place`` (the first
    call, which runs the dry run of the workload, and a re-plan that reuses it) against
    ``accelerate.infer_auto_device_map``; balance (most loaded device / mean, by the plan's own
@@ -14,7 +17,7 @@ Three tables, each measurement in a fresh process:
    weak references), on the real model materialized from the same deferred one; the second
    training step is measured (the optimizer states exist then, as in every later step).
 
-    .venv/bin/python benchmarks/bench_placement.py            # full (~3 min on 2 cores)
+    .venv/bin/python benchmarks/bench_placement.py            # full (~4 min on 2 cores)
     .venv/bin/python benchmarks/bench_placement.py --quick    # smoke run, small models
 """
 
@@ -85,8 +88,23 @@ NO_SPLIT = {"llama": ["LlamaDecoderLayer"], "t5": ["T5Block"], "vit": ["ViTLayer
 
 
 def plan_time(config: dict[str, Any], gpus: int, workload: dict[str, Any], kind: str = "llama",
-              capacity: int = 80 * GiB) -> dict[str, Any]:  # fmt: skip
-    """``place`` over ``gpus`` x ``capacity`` in bf16: first call (measures) and a re-plan."""
+              capacity: int = 80 * GiB, every_op: bool = False) -> dict[str, Any]:  # fmt: skip
+    """``place`` over ``gpus`` x ``capacity`` in bf16: first call (measures) and a re-plan.
+    ``every_op``: the dry run tracks every op of every block, as before identical blocks
+    were measured once (the reuse's hook switched off for this call)."""
+    from jupyter_metainit.estimates.forward.reuse import BlockReuse
+
+    measure_once = BlockReuse.pre
+    if every_op:  # restored below: --quick runs every job in one process
+        BlockReuse.pre = lambda self, *args: None  # type: ignore[method-assign]
+    try:
+        return _plan_time(config, gpus, workload, kind, capacity)
+    finally:
+        BlockReuse.pre = measure_once  # type: ignore[method-assign]
+
+
+def _plan_time(config: dict[str, Any], gpus: int, workload: dict[str, Any], kind: str,
+               capacity: int) -> dict[str, Any]:  # fmt: skip
     from jupyter_metainit import place
 
     model = _deferred(config, kind)
@@ -266,6 +284,27 @@ def _planner_rows(labelled: list[tuple[str, int]], results: list[dict], named: d
     return rows
 
 
+def _median(values: list[float]) -> float:
+    return sorted(values)[(len(values) - 1) // 2]
+
+
+def _first_plan_rows(timing: list[dict], named: dict) -> list[list[str]]:
+    """Medians of the alternated first-plan runs: identical blocks measured once, then every
+    op tracked."""
+    rows = []
+    for label, found in (("identical blocks measured once (default)", timing[0::2]),
+                         ("every op of every block tracked", timing[1::2])):  # fmt: skip
+        ok = [r for r in found if "error" not in r]
+        named[f"first plan, {label}"] = ok[0] if ok else (found or [{"error": "no run"}])[0]
+        if not ok:
+            rows.append([label, "n/a", "n/a", "n/a"])
+            continue
+        first = _median([r["first_seconds"] for r in ok])
+        replan = _median([r["seconds"] for r in ok])
+        rows.append([label, fmt_s(first), fmt_s(replan), fmt_mb(ok[0]["peak"])])
+    return rows
+
+
 def main() -> None:
     child_main(MEASUREMENTS)
     args = base_parser(__doc__.splitlines()[0]).parse_args()
@@ -298,7 +337,14 @@ def main() -> None:
         jobs.append(("measured_peak", {"config": small, "batch": 4, "seq_len": 512,
                                        "training": training}))  # fmt: skip
     jobs.append(("fsdp_peak", {"config": small, "batch": 4, "seq_len": 512}))
+    repeats = args.repeats or (1 if args.quick else 3)
+    first = len(jobs)
+    eight = {"config": big, "gpus": gpu_counts[-1], "workload": llama_load}
+    for _ in range(repeats):  # alternated: the same load for both
+        jobs += [("plan_time", eight), ("plan_time", {**eight, "every_op": True})]
     results = run_children(__file__, jobs, separate=not args.quick)
+    timing = results[first:]
+    del results[first:]
     rows, named = [], {}
     labelled = [(f"{gpus} x 80 GiB", 2 * k) for k, gpus in enumerate(gpu_counts)]
     print_table(
@@ -306,6 +352,12 @@ def main() -> None:
         "peaks predicted by place's per-part costs for both maps)",
         ["planner", "time", "balance (max/mean)", "largest device peak", "fits"],
         _planner_rows(labelled, results, named),
+    )
+    print_table(
+        f"First plan of the 70B over {gpu_counts[-1]} x 80 GiB, median of {repeats} fresh "
+        "processes (alternated)",
+        ["dry run", "first plan", "re-plan", "largest device peak"],
+        _first_plan_rows(timing, named),
     )
     base = 2 * len(gpu_counts)
     labelled = [

@@ -216,6 +216,28 @@ def test_a_missing_workload_says_to_give_seq_len_or_inputs(llama):
         place(llama, FOUR)
 
 
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16, "int4"])
+def test_the_planners_weight_bytes_are_the_memory_tables_totals(dtype):
+    from jupyter_metainit import memory_table
+    from jupyter_metainit.estimates.memory import subtree_bytes
+
+    tied = _llama(tie_word_embeddings=True)
+    tied.register_buffer("table", torch.zeros(3, 5), persistent=False)
+    tied.model.freqs = torch.ones(7)  # a tensor kept as a plain attribute
+    table = memory_table(tied, dtype=dtype)
+    assert subtree_bytes(tied, dtype=dtype) == table["total_bytes"].to_dict()
+
+
+def test_seq_len_for_a_model_that_takes_no_token_ids_says_to_pass_inputs():
+    config = transformers.ViTConfig(hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                    num_attention_heads=4, image_size=32, patch_size=8)  # fmt: skip
+    with meta_init():
+        vit = transformers.ViTModel(config)
+    with pytest.raises(ValueError, match=r"ViTModel.forward\(pixel_values.*inputs=\[\("):
+        place(vit, FOUR, batch=2, seq_len=32)
+    assert place(vit, FOUR, inputs=[(2, 3, 32, 32)]).fits
+
+
 def _measured_peak(model, ids, training):
     from torch.distributed._tools.mem_tracker import MemTracker
 

@@ -29,7 +29,7 @@ from jupyter_metainit.estimates.sizing import optimizer_state_bytes, whatif_bits
 from jupyter_metainit.estimates.subtrees import TiedSubtrees, elements_held, mixed_or_single
 from jupyter_metainit.estimates.table import MemoryTable
 
-__all__ = ["DRY_RUN_ATTR", "MemoryTable", "memory_table"]
+__all__ = ["DRY_RUN_ATTR", "MemoryTable", "memory_table", "subtree_bytes"]
 
 # Where dry_run leaves each module's figures (plain numbers and shapes) for later tables.
 DRY_RUN_ATTR = "_jupyter_metainit_dry_run"
@@ -82,7 +82,9 @@ def _module_paths(module: nn.Module) -> _Modules:
     return _Modules(names, mods, parents)
 
 
-def _facts_of(t: torch.Tensor, kind: int, bits: int | None, whatif: str | None) -> TensorFacts:
+def _facts_of(
+    t: torch.Tensor, kind: int, bits: int | None, whatif: str | None, sizes_only: bool = False
+) -> TensorFacts:
     dtype = t.dtype
     own_name = dtype_name(dtype)
     if is_lazy(t):  # shape unknown until a (dry) forward: counts as empty
@@ -93,12 +95,16 @@ def _facts_of(t: torch.Tensor, kind: int, bits: int | None, whatif: str | None) 
     else:
         nbytes, name = numel * dtype.itemsize, own_name
     trainable = kind == PARAMETER and t.requires_grad
+    if sizes_only:  # where each tensor lives and came from: not asked for
+        return TensorFacts(numel, nbytes, kind, trainable, name, "", "", "")
     return TensorFacts(
         numel, nbytes, kind, trainable, name, tensor_state(t), tensor_source(t), tensor_values(t)
     )
 
 
-def _holdings(tree: _Modules, bits: int | None, whatif: str | None) -> _Holdings:
+def _holdings(
+    tree: _Modules, bits: int | None, whatif: str | None, sizes_only: bool = False
+) -> _Holdings:
     """Which tensors each node holds directly, and each tensor's facts (keyed by ``id``: the
     modules keep every tensor alive for the whole call)."""
     # Tensors kept as plain attributes hold memory too (``self.freqs = ...``, dicts of tables):
@@ -116,7 +122,7 @@ def _holdings(tree: _Modules, bits: int | None, whatif: str | None) -> _Holdings
                 continue
             here[key] = None
             if key not in facts:
-                facts[key] = fact = _facts_of(own.tensor, kind, bits, whatif)
+                facts[key] = fact = _facts_of(own.tensor, kind, bits, whatif, sizes_only)
                 if fact.state != "uninitialized":
                     bytes_by_dtype[fact.dtype] = bytes_by_dtype.get(fact.dtype, 0) + fact.nbytes
             if kind == PARAMETER:
@@ -175,6 +181,18 @@ def _size_columns(held: _Holdings, opt_bytes: float) -> dict[str, list]:
             2 * params[i] + 4 * trainable[i] + rest[i] + 6 * trainable[i] + optim[i] for i in n
         ],
     }
+
+
+def subtree_bytes(module: nn.Module, *, dtype: torch.dtype | str | None = None) -> dict[str, int]:
+    """``memory_table(module, dtype=dtype)["total_bytes"]`` by qualified name, without the
+    table and the columns that ask the core about every tensor: the planner needs these bytes
+    for every part of every plan."""
+    bits, whatif_name = whatif_bits(dtype)
+    tree = _module_paths(module)
+    held = _holdings(tree, bits, whatif_name, sizes_only=True)
+    facts = held.facts  # every kind (parameters, buffers, attributes) counts, as in the table
+    totals = held.subtrees.totals(lambda key: facts[key].nbytes)
+    return dict(zip(tree.names, totals, strict=True))
 
 
 def _dry_run_columns(records: list[dict | None], total_bytes: list[int]) -> dict[str, list]:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from jupyter_metainit.estimates import memory_table
+from jupyter_metainit.estimates.memory import subtree_bytes
 from jupyter_metainit.estimates.sizing import OPTIMIZER_STATE_BYTES
 from jupyter_metainit.plan.partition import Costs
 from jupyter_metainit.plan.parts import Part
@@ -87,7 +87,7 @@ def part_costs(model: nn.Module, parts: list[Part], activity: Activity, conv: Co
                ) -> tuple[dict[str, Costs], dict[str, Costs]]:  # fmt: skip
     """Per part its own costs, and per leader (a part that is no follower) the costs of its
     whole tie group, which always shares one device."""
-    table = memory_table(model, dtype=conv.weights, optimizer=None)
+    weights_of = subtree_bytes(model, dtype=conv.weights)
     act_dtype = conv.activations or activity.dtype
     scale = act_dtype.itemsize / activity.dtype.itemsize
     own: dict[str, Costs] = {}
@@ -99,7 +99,7 @@ def part_costs(model: nn.Module, parts: list[Part], activity: Activity, conv: Co
         members = []
         for member in [part, *part.followers]:
             tensors = set(_tensors(member.module))
-            weights = int(table.at[member.name, "total_bytes"])
+            weights = weights_of[member.name]
             cost = _own_costs(member, weights, seen & tensors, activity, conv, optimizer,
                               training, scale)  # fmt: skip
             own[member.name] = cost

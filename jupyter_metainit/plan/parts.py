@@ -14,10 +14,9 @@ from __future__ import annotations
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 
-import torch
 from torch import nn
 
-from jupyter_metainit.estimates.repeats import fingerprint, identical_runs
+from jupyter_metainit.estimates.repeats import children, own_tensors, repeated_blocks
 
 __all__ = ["Part", "find_parts", "repeated_blocks"]
 
@@ -31,45 +30,6 @@ class Part:
     group: str = ""  # the repeated-block group ("model.layers"), "" for other parts
     followers: list[Part] = field(default_factory=list)
     leader: Part | None = None  # set on a follower: the part whose device it takes
-
-
-def _own_tensors(module: nn.Module) -> list[torch.Tensor]:
-    return [
-        *(p for p in module._parameters.values() if p is not None),
-        *(b for b in module._buffers.values() if b is not None),
-    ]
-
-
-def _children(module: nn.Module) -> list[tuple[str, nn.Module]]:
-    return [(n, m) for n, m in module._modules.items() if m is not None]
-
-
-def _fingerprint(module: nn.Module, memo: dict[int, str]) -> str:
-    """Equal for structurally identical modules (decoder layers...)."""
-    key = id(module)
-    if key not in memo:
-        children = [(local, _fingerprint(child, memo)) for local, child in _children(module)]
-        memo[key] = fingerprint(type(module).__qualname__, _own_tensors(module), children)
-    return memo[key]
-
-
-def repeated_blocks(module: nn.Module) -> dict[str, str]:
-    """Qualified name -> its group's name, for every member of a run of >= 2 consecutive
-    structurally identical siblings (``model.layers.0`` ... ``model.layers.79`` ->
-    ``model.layers``)."""
-    memo: dict[int, str] = {}
-    found: dict[str, str] = {}
-    for parent_name, parent in module.named_modules():
-        kids = _children(parent)
-        prefix = f"{parent_name}." if parent_name else ""
-        sigs = [_fingerprint(kid, memo) for _, kid in kids]
-        for start, end in identical_runs(sigs):
-            # Leaves (a list of identical Linear) repeat too, but only blocks with children
-            # are worth a group: single layers are split freely.
-            if _children(kids[start][1]):
-                for local, _ in kids[start : end + 1]:
-                    found[prefix + local] = parent_name
-    return found
 
 
 def _matches(name: str, module: nn.Module, wanted: set[str]) -> bool:
@@ -94,13 +54,13 @@ def find_parts(
     parts: list[Part] = []
 
     def visit(name: str, mod: nn.Module) -> None:
-        kids = _children(mod)
+        kids = children(mod)
         whole = (
             name in blocks
             or _matches(name, mod, keep_whole)
             or name in pinned
             or not kids
-            or bool(_own_tensors(mod))
+            or bool(own_tensors(mod))
         )
         if whole:
             parts.append(Part(name, mod, blocks.get(name, "")))
@@ -118,7 +78,7 @@ def _tie(parts: list[Part]) -> None:
     followers of the first part holding it."""
     holder: dict[int, Part] = {}
     for part in parts:
-        tensors = {id(t) for m in part.module.modules() for t in _own_tensors(m)}
+        tensors = {id(t) for m in part.module.modules() for t in own_tensors(m)}
         leaders = {holder[k].leader or holder[k] for k in tensors if k in holder}
         leaders.discard(part)
         if leaders:

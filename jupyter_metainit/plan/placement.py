@@ -25,7 +25,12 @@ from jupyter_metainit.plan.partition import Costs, Load, device_loads, fill, par
 from jupyter_metainit.plan.parts import Part, find_parts
 from jupyter_metainit.plan.precision import Convention, convention
 from jupyter_metainit.plan.result import Placement
-from jupyter_metainit.plan.workload import Activity, activation_dtype, measure
+from jupyter_metainit.plan.workload import (
+    Activity,
+    activation_dtype,
+    check_takes_token_ids,
+    measure,
+)
 
 __all__ = ["place"]
 
@@ -282,6 +287,8 @@ def place(
     _check_options(strategy, world_size, no_split)
     parsed = parse_devices(devices)
     conv = convention(precision)
+    if inputs is None and seq_len is not None:
+        check_takes_token_ids(model)
     inputs = _check_workload(batch, seq_len, inputs)
     parts = find_parts(model, no_split=no_split, pinned=(pin or {}).keys())
     pinned = _resolve_pins(pin, parts, model, parsed)

@@ -27,7 +27,7 @@ from jupyter_metainit.estimates.dry_run import run_forward
 from jupyter_metainit.estimates.memory import DRY_RUN_ATTR
 from jupyter_metainit.plan.parts import Part
 
-__all__ = ["Activity", "activation_dtype", "measure"]
+__all__ = ["Activity", "activation_dtype", "check_takes_token_ids", "measure"]
 
 # How deep a cache object is searched for its tensors (Cache -> layers -> keys).
 _CACHE_DEPTH = 6
@@ -54,6 +54,29 @@ def _accepts(module: nn.Module, name: str) -> bool:
     except (TypeError, ValueError):
         return False
     return name in params
+
+
+def check_takes_token_ids(model: nn.Module) -> None:
+    """``seq_len=`` makes token ids for a language model; refuse, saying what to pass instead,
+    a model whose forward takes no ``input_ids`` and that does not start with an embedding
+    (a vision or audio model: its dry run would fail on ids, or measure the wrong thing)."""
+    if _accepts(model, "input_ids"):
+        return
+    for m in model.modules():
+        if next(iter(m._modules.values()), None) is None and m._parameters:
+            if isinstance(m, nn.Embedding):
+                return
+            break
+    try:
+        takes = ", ".join(inspect.signature(model.forward).parameters)
+    except (TypeError, ValueError):
+        takes = "..."
+    raise ValueError(
+        f"place(..., seq_len=) runs the model on token ids of shape (batch, seq_len), but "
+        f"{type(model).__name__}.forward({takes}) takes no input_ids and the model does not "
+        "start with an embedding: pass its inputs as shapes instead, e.g. "
+        "inputs=[(8, 3, 224, 224)] or inputs={'pixel_values': (8, 3, 224, 224)}"
+    )
 
 
 def _workload_kwargs(model: nn.Module, training: bool, ids: Any) -> dict[str, Any]:
@@ -234,7 +257,7 @@ def _run(model: nn.Module, parts: list[Part], training: bool, inputs: tuple, kwa
     try:
         with _mode(model, training):
             try:
-                run_forward(model, *inputs, flops=False, **kwargs)
+                run_forward(model, *inputs, flops=False, reuse_repeats=True, **kwargs)
             except Exception as e:  # say which step failed, and what usually helps
                 on_meta = any(p.is_meta for p in model.parameters())
                 hint = (

@@ -7,8 +7,8 @@ module); :class:`ModuleStack` knows which modules are running and what each retu
 from __future__ import annotations
 
 import contextlib
-import sys
 from collections.abc import Iterator
+from sys import getrefcount
 from typing import Any
 
 import torch
@@ -19,7 +19,7 @@ from jupyter_metainit.estimates.forward.dtype_checks import (
     EagerDtypeChecks,
     run_past_cuda_only_meta_checks,
 )
-from jupyter_metainit.estimates.forward.nested import tensor_bytes, tensors_in
+from jupyter_metainit.estimates.forward.nested import op_tensors, tensor_bytes, tensors_in
 
 __all__ = ["ActivationTracker", "ModuleStack"]
 
@@ -47,6 +47,10 @@ class ActivationTracker(TorchDispatchMode):
         self.peak = 0
         self.module_peak: dict[str, int] = {}
         self.dtype_checks = EagerDtypeChecks()
+        # A repeated block's reuse (forward/reuse.py) sees every op; while it pauses the
+        # tracking, ops only run (a block identical to a measured one).
+        self.watch: Any = None
+        self.paused = False
 
     def track(self, t: torch.Tensor, base: int | None = None) -> None:
         i = len(self.tensors)
@@ -64,18 +68,20 @@ class ActivationTracker(TorchDispatchMode):
     def _collect(self) -> None:
         """Drop activations nobody else references (3 = our list, the loop name, the call arg)."""
         tensors = self.tensors
-        alive = [sys.getrefcount(t) > 3 for t in tensors]
-        for i, ok in enumerate(alive):
-            if ok and self.base[i] != i:
-                alive[self.base[i]] = True
-        if all(alive):
+        alive = [getrefcount(t) > 3 for t in tensors]
+        if False not in alive:
             return
+        base = self.base
+        for i, b in enumerate(base):
+            if b != i and alive[i]:
+                alive[b] = True
         keep = [i for i, ok in enumerate(alive) if ok]
         remap = {old: new for new, old in enumerate(keep)}
-        self.live -= sum(self.nbytes[i] for i, ok in enumerate(alive) if not ok)
+        nbytes = self.nbytes
+        self.live -= sum(n for n, ok in zip(nbytes, alive, strict=True) if not ok)
         self.tensors = [tensors[i] for i in keep]
-        self.nbytes = [self.nbytes[i] for i in keep]
-        self.base = [remap[self.base[i]] for i in keep]
+        self.nbytes = [nbytes[i] for i in keep]
+        self.base = [remap[base[i]] for i in keep]
         self.index = {id(t): n for n, t in enumerate(self.tensors)}
 
     def note_peak(self) -> None:
@@ -89,20 +95,25 @@ class ActivationTracker(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
         kwargs = kwargs or {}
-        self.dtype_checks.check(func, args, kwargs)
-        out = run_past_cuda_only_meta_checks(func, args, kwargs)
+        inputs = op_tensors(args, kwargs)  # holding them keeps nothing alive: args do
+        self.dtype_checks.check(func, args, kwargs, inputs)
+        out = run_past_cuda_only_meta_checks(func, args, kwargs, inputs)
+        if self.watch is not None:
+            self.watch.saw(func, out)
+            if self.paused:
+                return out
         index = self.index
-        sources = [index[id(a)] for a in tensors_in((args, kwargs)) if id(a) in index]
-        if sources:
+        if any(id(a) in index for a in inputs):
             self._collect()
             index = self.index
-            sources = [index[id(a)] for a in tensors_in((args, kwargs)) if id(a) in index]
-            aliases = func.is_view or func in _ALIASING_OPS
-            view_of = sources[0] if aliases and sources else None
-            for t in tensors_in(out):
+            sources = [index[id(a)] for a in inputs if id(a) in index]
+            view_of = sources[0] if func.is_view or func in _ALIASING_OPS else None
+            for t in op_tensors(out):
                 if id(t) not in index:
                     self.track(t, view_of)
             self.note_peak()
+            if self.watch is not None:
+                self.watch.noted()
         return out
 
 

@@ -43,7 +43,7 @@ def _stand_in(t: torch.Tensor, on_meta: bool) -> torch.Tensor:
         if on_meta:
             new = torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta")
         else:
-            new = t.detach().clone()
+            new = t.clone()  # under no_grad: no graph, nothing to detach from
     if isinstance(t, nn.Parameter):
         new = nn.Parameter(new, requires_grad=t.requires_grad)
     elif t.requires_grad:

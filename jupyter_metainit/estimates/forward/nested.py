@@ -11,7 +11,19 @@ from typing import Any
 
 import torch
 
-__all__ = ["generators_in", "is_shape", "map_tensors", "nested", "tensor_bytes", "tensors_in"]
+__all__ = [
+    "generators_in",
+    "is_shape",
+    "map_tensors",
+    "nested",
+    "op_tensors",
+    "tensor_bytes",
+    "tensors_in",
+]
+
+# Argument types of ATen ops that hold no tensor (checked before the slower Mapping test).
+_LEAVES = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
+                     torch.memory_format})  # fmt: skip
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -33,6 +45,29 @@ def nested(obj: Any, kind: type) -> Iterator[Any]:
 def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
     """Tensors in nested outputs (tuples, lists, dicts, transformers' ModelOutput)."""
     return nested(obj, torch.Tensor)
+
+
+def _collect_tensors(obj: Any, found: list[torch.Tensor]) -> None:
+    if isinstance(obj, torch.Tensor):
+        found.append(obj)
+    elif type(obj) in _LEAVES:
+        return
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            _collect_tensors(item, found)
+    elif isinstance(obj, Mapping):
+        for item in obj.values():
+            _collect_tensors(item, found)
+
+
+def op_tensors(args: Any, kwargs: Mapping[str, Any] | None = None) -> list[torch.Tensor]:
+    """``list(tensors_in((args, kwargs)))``, same tensors in the same order, without a
+    generator per level: a dry run's dispatch mode asks this for every op."""
+    found: list[torch.Tensor] = []
+    _collect_tensors(args, found)
+    if kwargs:
+        _collect_tensors(kwargs, found)
+    return found
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:
