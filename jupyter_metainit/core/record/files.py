@@ -12,21 +12,24 @@ inode, header). The change time (ctime) catches rewrites that restore the modifi
 (``cp -p``, ``rsync -t``, ``os.utime``): no user call can set it back. What is read is also
 checked: a sum of the bytes' 64-bit words (computed by the reading threads) must equal that of any
 earlier read of the same bytes of the same file version, which catches writes the timestamps miss
-(through a shared mapping, within the clock's granularity) before the bytes are used. A first
-mapping of some bytes is not digested: it copies nothing and its pages are the file's (as eager
-loading's mapping is), so there is no earlier value for it to differ from; the next read of them
-takes the digest that every later one must match (``dematerialize`` makes that read, comparing the
-tensor with the file, so bytes changed between a free and the next materialize are refused).
+(through a shared mapping, within the clock's granularity) before the bytes are used. A mapping of
+whole-tensor bytes is digested only when there is something to compare: it holds no copy, its pages
+are the file's (as eager loading's mapping is), so a first or repeated opening maps and checks the
+file's identity only. Freeing such a tensor (``dematerialize``) compares it with a new read of the
+file, whose digest every later read of those bytes must match: bytes changed between a free and the
+next materialize are refused.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import mmap
 import os
 import threading
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,7 +39,7 @@ import torch
 from jupyter_metainit.core.errors import MaterializationError
 from jupyter_metainit.core.runtime.pool import available_cores, core_pool
 
-__all__ = ["FileRef", "FileRegion", "file_region", "read_file_bytes"]
+__all__ = ["FileRef", "FileRegion", "comparing_with_file", "file_region", "read_file_bytes"]
 
 _HEADER_BYTES = 64 << 10  # identity: a digest of the file's first bytes (safetensors' header)
 
@@ -285,7 +288,7 @@ def read_file_bytes(region: FileRegion) -> torch.Tensor:
         ) from None
     try:
         if region.nbytes >= MAP_FROM and hasattr(mmap, "MAP_PRIVATE"):
-            digested = CHECK_CONTENT and _read_before(region)
+            digested = CHECK_CONTENT and _digest_mapping(region)
             out = _mapped(fd, region, read_ahead=digested)
             crcs = _in_chunks(region.nbytes, lambda i, n: _digest(out, i, n)) if digested else None
         else:
@@ -302,12 +305,29 @@ def read_file_bytes(region: FileRegion) -> torch.Tensor:
     return out
 
 
-def _read_before(region: FileRegion) -> bool:
-    """Were these bytes of this file version read before? A first mapping is not digested: it
-    holds no copy, its pages are the file's, as eager loading's mapping is; the next read of
-    the same bytes (``dematerialize`` makes one, comparing the tensor with the file) takes the
-    digest that every later read must match."""
-    return (region.file, region.offset, region.nbytes) in _read_digests
+def _digest_mapping(region: FileRegion) -> bool:
+    """Is a mapping of these bytes digested? Only to compare it with an earlier digest of them,
+    or while a tensor being freed is compared with its file (:func:`comparing_with_file`): that
+    digest is the one the bytes must match when the tensor comes back. Other mappings hold no
+    copy, their pages are the file's (as eager loading's mapping is): nothing to differ from."""
+    return (
+        _comparing > 0 or _read_digests.get((region.file, region.offset, region.nbytes)) is not None
+    )
+
+
+_comparing = 0  # > 0 while freeing compares tensors with their files (under the core's lock)
+
+
+@contextlib.contextmanager
+def comparing_with_file() -> Iterator[None]:
+    """Reads inside digest what they map: ``dematerialize`` compares a tensor read from a file
+    with a new read of it, and that read's digest is what a later materialize must find."""
+    global _comparing
+    _comparing += 1
+    try:
+        yield
+    finally:
+        _comparing -= 1
 
 
 MAP_FROM = 1 << 20  # smaller regions are read: one mapping each would add up (vm.max_map_count)
