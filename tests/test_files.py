@@ -297,3 +297,31 @@ def test_a_written_mapped_tensor_read_inside_meta_init_keeps_its_current_values(
         copy = raw.view(torch.float32).reshape(512, 1024)
     materialize(copy)
     assert torch.equal(copy, tensors["big"] + 1)
+
+
+def test_mapped_bytes_changed_without_new_timestamps_after_a_free_are_refused(large):
+    """A first mapping is not digested (its pages are the file's); freeing compares the tensor
+    with the file and takes the digest that the next materialize must match."""
+    import mmap
+
+    tensors, path = large
+    with open(path, "r+b") as f:
+        shared = mmap.mmap(f.fileno(), 0)
+    middle = len(shared) // 2  # inside "big" (2 MiB of the file's 2 MiB and a bit)
+    shared[middle] = shared[middle]  # the first write through the mapping stamps the times
+    with meta_init():
+        loaded = load_file(str(path))
+    materialize(loaded["big"])
+    assert _mapped_file(loaded["big"]) == str(path)
+    assert torch.equal(loaded["big"], tensors["big"])
+    dematerialize(loaded["big"])
+    stamp = os.stat(path)
+    shared[middle] ^= 0xFF  # a page already written: the kernel stamps no new time
+    try:
+        if os.stat(path).st_ctime_ns != stamp.st_ctime_ns:
+            pytest.skip("this kernel stamps every write through a mapping")
+        with pytest.raises(MaterializationError, match="differ from an earlier read"):
+            materialize(loaded["big"])
+        assert is_deferred(loaded["big"])
+    finally:
+        shared.close()

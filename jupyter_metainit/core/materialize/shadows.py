@@ -20,7 +20,7 @@ from torch.utils.weak import WeakIdKeyDictionary
 
 from jupyter_metainit.core.errors import MaterializationError
 from jupyter_metainit.core.materialize.walk import local_tensor, materialized_sources
-from jupyter_metainit.core.record.files import read_file_bytes
+from jupyter_metainit.core.record.files import comparing_with_file, read_file_bytes
 from jupyter_metainit.core.record.graph import External, StorageRecord, TensorRecord
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.replay import compute_values, plan
@@ -177,7 +177,8 @@ def why_not_reproducible(t: torch.Tensor, holder: Shadow) -> str | None:
         return reason
     if holder.digest is None:  # a file read: compare with the file
         try:
-            recorded = compute_values([recording._rec])[0]
+            with comparing_with_file():  # its digest: what the bytes must be when it comes back
+                recorded = compute_values([recording._rec])[0]
         except MaterializationError as e:
             return f"cannot be read again from its file ({e})"
         with torch.no_grad():

@@ -5,24 +5,31 @@ over its mapping of the file to ``torch.asarray``, ``torch.load(mmap=True)`` reb
 ``set_`` on storages of ``UntypedStorage.from_file``. Inside ``meta_init`` those calls are
 intercepted (``record/devices.data_factory``, ``record/dispatch``): the memory's address is looked
 up in the process's mappings (``/proc/self/maps``), which give the file and the offset, and the
-tensor becomes deferred, its recording one :func:`read_file_bytes` op. Replaying it reads exactly
-those bytes with ``pread`` (no mapping, so the process holds only the copy it keeps), after checking
-that the file is still the one that was recorded (size, modification and change times, inode,
-header). The change time (ctime) catches rewrites that restore the modification time (``cp -p``,
-``rsync -t``, ``os.utime``): no user call can set it back. What is read is also checked: a sum of
-the bytes' 64-bit words (computed by the reading threads) must equal that of any earlier read of the
-same bytes of the same file version, which catches writes the timestamps miss (through a shared
-mapping, within the clock's granularity) before the bytes are used.
+tensor becomes deferred, its recording one :func:`read_file_bytes` op. Replaying it maps those
+bytes privately (whole tensors of at least ``MAP_FROM`` bytes) or reads them with ``pread``, after
+checking that the file is still the one that was recorded (size, modification and change times,
+inode, header). The change time (ctime) catches rewrites that restore the modification time
+(``cp -p``, ``rsync -t``, ``os.utime``): no user call can set it back. What is read is also
+checked: a sum of the bytes' 64-bit words (computed by the reading threads) must equal that of any
+earlier read of the same bytes of the same file version, which catches writes the timestamps miss
+(through a shared mapping, within the clock's granularity) before the bytes are used. A mapping of
+whole-tensor bytes is digested only when there is something to compare: it holds no copy, its pages
+are the file's (as eager loading's mapping is), so a first or repeated opening maps and checks the
+file's identity only. Freeing such a tensor (``dematerialize``) compares it with a new read of the
+file, whose digest every later read of those bytes must match: bytes changed between a free and the
+next materialize are refused.
 """
 
 from __future__ import annotations
 
 import bisect
+import contextlib
 import hashlib
 import mmap
 import os
 import threading
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -32,7 +39,7 @@ import torch
 from jupyter_metainit.core.errors import MaterializationError
 from jupyter_metainit.core.runtime.pool import available_cores, core_pool
 
-__all__ = ["FileRef", "FileRegion", "file_region", "read_file_bytes"]
+__all__ = ["FileRef", "FileRegion", "comparing_with_file", "file_region", "read_file_bytes"]
 
 _HEADER_BYTES = 64 << 10  # identity: a digest of the file's first bytes (safetensors' header)
 
@@ -207,8 +214,9 @@ _CHUNK = 64 << 20
 
 # Switch for benchmarks/bench_checkpoint.py, which measures what the content check costs.
 CHECK_CONTENT = True
-# (file version, offset, nbytes) -> digest of each chunk, from the first read of those bytes
-_read_digests: dict[tuple[FileRef, int, int], tuple[int, ...]] = {}
+# (file version, offset, nbytes) -> digest of each chunk, from the first digested read of those
+# bytes (None: mapped once, not digested yet)
+_read_digests: dict[tuple[FileRef, int, int], tuple[int, ...] | None] = {}
 
 
 _PIECE = 1 << 20  # digested right after it is read, while it is in the CPU's cache
@@ -267,7 +275,8 @@ def read_file_bytes(region: FileRegion) -> torch.Tensor:
     writing to the tensor changes only this process's copy of the page. Smaller ones are read.
     Large reads run in chunks on several threads (most of their time is the kernel faulting in
     the new memory). The file is checked before (identity) and after (identity again, and the
-    bytes against any earlier read of them, digested from the mapping or as they are read).
+    bytes against any earlier read of them, digested from the mapping or as they are read; a
+    first mapping of the bytes is not digested, see the module's docstring).
     """
     region.file.check()
     path = region.file.path
@@ -279,10 +288,9 @@ def read_file_bytes(region: FileRegion) -> torch.Tensor:
         ) from None
     try:
         if region.nbytes >= MAP_FROM and hasattr(mmap, "MAP_PRIVATE"):
-            out = _mapped(fd, region)
-            crcs = (
-                _in_chunks(region.nbytes, lambda i, n: _digest(out, i, n)) if CHECK_CONTENT else ()
-            )
+            digested = CHECK_CONTENT and _digest_mapping(region)
+            out = _mapped(fd, region, read_ahead=digested)
+            crcs = _in_chunks(region.nbytes, lambda i, n: _digest(out, i, n)) if digested else None
         else:
             out = torch.empty(region.nbytes, dtype=torch.uint8)
             view = memoryview(out.numpy())
@@ -297,16 +305,43 @@ def read_file_bytes(region: FileRegion) -> torch.Tensor:
     return out
 
 
+def _digest_mapping(region: FileRegion) -> bool:
+    """Is a mapping of these bytes digested? Only to compare it with an earlier digest of them,
+    or while a tensor being freed is compared with its file (:func:`comparing_with_file`): that
+    digest is the one the bytes must match when the tensor comes back. Other mappings hold no
+    copy, their pages are the file's (as eager loading's mapping is): nothing to differ from."""
+    return (
+        _comparing > 0 or _read_digests.get((region.file, region.offset, region.nbytes)) is not None
+    )
+
+
+_comparing = 0  # > 0 while freeing compares tensors with their files (under the core's lock)
+
+
+@contextlib.contextmanager
+def comparing_with_file() -> Iterator[None]:
+    """Reads inside digest what they map: ``dematerialize`` compares a tensor read from a file
+    with a new read of it, and that read's digest is what a later materialize must find."""
+    global _comparing
+    _comparing += 1
+    try:
+        yield
+    finally:
+        _comparing -= 1
+
+
 MAP_FROM = 1 << 20  # smaller regions are read: one mapping each would add up (vm.max_map_count)
 
 
-def _mapped(fd: int, region: FileRegion) -> torch.Tensor:
-    """A private, copy-on-write mapping of the region as a ``uint8`` tensor that keeps it."""
+def _mapped(fd: int, region: FileRegion, read_ahead: bool) -> torch.Tensor:
+    """A private, copy-on-write mapping of the region as a ``uint8`` tensor that keeps it
+    (``read_ahead``: ask the kernel to read the file ahead, for a digest about to read it all;
+    otherwise pages are read when first used, as eager loading's mapping is)."""
     start = region.offset - region.offset % mmap.ALLOCATIONGRANULARITY
     skip = region.offset - start
     memory = mmap.mmap(fd, skip + region.nbytes, flags=mmap.MAP_PRIVATE,
                        prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)  # fmt: skip
-    if hasattr(memory, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
+    if read_ahead and hasattr(memory, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
         memory.madvise(mmap.MADV_WILLNEED)  # read ahead while the digest runs
     return torch.frombuffer(memory, dtype=torch.uint8, offset=skip, count=region.nbytes)
 
@@ -331,14 +366,18 @@ def _in_chunks(nbytes: int, job: Any) -> tuple[int, ...]:
     return tuple(j.result() for j in jobs)
 
 
-def _check_digests(region: FileRegion, crcs: tuple[int, ...]) -> None:
+def _check_digests(region: FileRegion, crcs: tuple[int, ...] | None) -> None:
+    """The file's identity again, and ``crcs`` against an earlier read's (None: a first
+    mapping, not digested; the next read's digest is the one to match)."""
     region.file.check(header=False)  # not changed while it was read
     key = (region.file, region.offset, region.nbytes)
     with _lock:
-        earlier = _read_digests.setdefault(key, crcs)
+        earlier = _read_digests.get(key)
+        if earlier is None:
+            _read_digests[key] = earlier = crcs
         if len(_read_digests) > 1 << 17:  # bounded: forget, keep checking new reads
             _read_digests.clear()
-    if earlier != crcs:
+    if crcs is not None and earlier != crcs:
         raise region.file.changed(
             "these bytes differ from an earlier read of them, though its times are the same"
         )

@@ -14,6 +14,7 @@ import torch
 from jupyter_metainit.core.errors import UnsupportedOperatorError
 from jupyter_metainit.core.record.graph import TensorRecord
 from jupyter_metainit.core.record.ops import user_frame
+from jupyter_metainit.core.runtime.plain import subclass_functions_off
 
 __all__ = ["SAVE_INSTEAD", "SHARE_MEMORY_ATTR", "DeferredTensor", "as_parameter", "grad_leaves"]
 
@@ -65,6 +66,7 @@ def _outside_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
     return outside_dynamo
 
 
+_cpp_device = torch._C.TensorBase.device.__get__
 _cpp_requires_grad = torch._C.TensorBase.requires_grad.__get__
 _cpp_is_leaf = torch._C.TensorBase.is_leaf.__get__
 
@@ -145,6 +147,13 @@ class DeferredTensor(torch.Tensor):
     @property
     def shape(self) -> torch.Size:  # type: ignore[override]
         return self._meta.shape
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        # The device it reports (the wrapper's own): what __torch_function__ ends up returning,
+        # without its bookkeeping (materialize reads it for every tensor it makes).
+        with subclass_functions_off():
+            return _cpp_device(self)
 
     @property
     def ndim(self) -> int:  # type: ignore[override]
