@@ -177,21 +177,32 @@ def measured_peak(config: dict[str, Any], batch: int, seq_len: int, training: bo
         model.train()
         optimizer = torch.optim.AdamW(model.parameters())
         tracker.track_external(model, optimizer)
-        with tracker:
-            for step in range(2):
-                model(ids, labels=ids).loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                if step == 0:
-                    tracker.reset_mod_stats()
+        measured = _two_steps_peak(model, optimizer, ids, tracker)
     else:
         model.eval()
         tracker.track_external(model)
         with tracker, torch.no_grad():
             model(ids, use_cache=True)
-    peak = tracker.get_tracker_snapshot("peak")
-    measured = max(int(stats["Total"]) for stats in peak.values())
+        measured = _tracked_peak(tracker)
     return {"predicted": plan.peak["cpu"], "measured": measured}
+
+
+def _two_steps_peak(model: Any, optimizer: Any, ids: Any, tracker: Any) -> int:
+    """Two AdamW steps under ``tracker``, its statistics reset after the first (so the
+    optimizer's states exist): the peak of the second step."""
+    with tracker:
+        for step in range(2):
+            model(ids, labels=ids).loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            if step == 0:
+                tracker.reset_mod_stats()
+    return _tracked_peak(tracker)
+
+
+def _tracked_peak(tracker: Any) -> int:
+    """The largest per-module "Total" of a MemTracker's peak snapshot."""
+    return max(int(stats["Total"]) for stats in tracker.get_tracker_snapshot("peak").values())
 
 
 def _fsdp_rank(rank: int, world: int, config: dict, batch: int, seq_len: int, store: str) -> None:
@@ -228,15 +239,7 @@ def _fsdp_rank(rank: int, world: int, config: dict, batch: int, seq_len: int, st
         ids = torch.randint(0, config["vocab_size"], (batch, seq_len))
         tracker = FSDPMemTracker(model, optimizer)
         tracker.track_inputs((ids,))
-        with tracker:
-            for step in range(2):
-                model(ids, labels=ids).loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
-                if step == 0:
-                    tracker.reset_mod_stats()
-        peak = tracker.get_tracker_snapshot("peak")
-        measured = max(int(stats["Total"]) for stats in peak.values())
+        measured = _two_steps_peak(model, optimizer, ids, tracker)
         if rank == 0:
             out = pathlib.Path(store + ".json")
             out.write_text(json.dumps({"predicted": plan.peak["cpu"], "measured": measured}))
