@@ -89,7 +89,9 @@ def _handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
             return made
     info = op_info(func)
     flat = iter_args(args, kwargs)
-    has_deferred = any(isinstance(x, DeferredTensor) for x in flat)
+    has_deferred = DeferredTensor in [type(x) for x in flat] or any(
+        isinstance(x, DeferredTensor) for x in flat
+    )
     bound = bind_arguments(func, args, kwargs)
     # Every tensor the op writes: ``Tensor(a!)``, each element of ``Tensor(a!)[]`` (the
     # ``_foreach_*_`` ops, fused optimizers, ``out=`` lists) and undeclared writes.
