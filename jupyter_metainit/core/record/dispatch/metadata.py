@@ -189,8 +189,8 @@ def probe_layout(
 
             with plain():
                 try:
-                    real = func(*map_args(zeros, meta_args, meta_kwargs)[0],
-                                **map_args(zeros, meta_args, meta_kwargs)[1])  # fmt: skip
+                    zero_args, zero_kwargs = map_args(zeros, meta_args, meta_kwargs)
+                    real = func(*zero_args, **zero_kwargs)
                     reals = real if isinstance(real, (tuple, list)) else (real,)
                     _probed[key] = tuple((tuple(r.shape), tuple(r.stride())) for r in reals)
                 except Exception:  # the real kernel rejects zeros: keep the meta layout
