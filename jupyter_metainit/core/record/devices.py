@@ -268,6 +268,10 @@ def _handle_outermost(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _handle_function(func: Any, args: tuple, kwargs: dict) -> Any:
+    if func not in _SPECIAL:  # most calls (``F.linear``, ``x.view``): one look-up, not ten
+        if "device" in kwargs:
+            return rewrite_device(func, args, kwargs, in_context=False)
+        return _run(func, args, kwargs)
     if func in TO_METHODS and args and isinstance(args[0], DeferredTensor):
         return retarget(func, args[0], args[1:], dict(kwargs))
     if func is torch.Tensor.numpy or func is torch.Tensor.tolist:
@@ -304,6 +308,19 @@ def _handle_function(func: Any, args: tuple, kwargs: dict) -> Any:
         return storage
     if "device" in kwargs:
         return rewrite_device(func, args, kwargs, in_context=False)
+    return _run(func, args, kwargs)
+
+
+# The calls ``_handle_function`` treats otherwise than by running them.
+_SPECIAL = frozenset({
+    *TO_METHODS, *_AUTOGRAD_CALLS, *SUBCLASS_SENSITIVE, torch.Tensor.numpy, torch.Tensor.tolist,
+    torch.Tensor.new_tensor, torch.Tensor.share_memory_, torch.Tensor.is_shared,
+    torch.Tensor.storage, torch.Tensor.untyped_storage,
+})  # fmt: skip
+
+
+def _run(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The call itself, on the meta tensors' wrappers (reads of index values as needed)."""
     try:
         with subclass_functions_off():
             return func(*args, **kwargs)

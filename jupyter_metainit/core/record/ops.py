@@ -162,9 +162,10 @@ def bind_arguments(func: torch._ops.OpOverload, args: tuple, kwargs: dict) -> li
     """The op's arguments in schema order (defaults as ``None`` placeholders are not filled)."""
     names = op_info(func).arg_names
     bound = list(args) + [None] * (len(names) - len(args))
-    for k, v in kwargs.items():
-        if k in names:
-            bound[names.index(k)] = v
+    if kwargs:
+        for k, v in kwargs.items():
+            if k in names:
+                bound[names.index(k)] = v
     return bound
 
 

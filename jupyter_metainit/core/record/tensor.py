@@ -14,7 +14,7 @@ import torch
 from jupyter_metainit.core.errors import UnsupportedOperatorError
 from jupyter_metainit.core.record.graph import TensorRecord
 from jupyter_metainit.core.record.ops import user_frame
-from jupyter_metainit.core.runtime.plain import subclass_functions_off
+from jupyter_metainit.core.runtime.interrupts import hold_interrupts, protect, release_interrupts
 
 __all__ = ["SAVE_INSTEAD", "SHARE_MEMORY_ATTR", "DeferredTensor", "as_parameter", "grad_leaves"]
 
@@ -67,6 +67,7 @@ def _outside_dynamo(fn: Callable[..., Any]) -> Callable[..., Any]:
 
 
 _cpp_device = torch._C.TensorBase.device.__get__
+_NoSubclassFunctions = torch._C.DisableTorchFunctionSubclass
 _cpp_requires_grad = torch._C.TensorBase.requires_grad.__get__
 _cpp_is_leaf = torch._C.TensorBase.is_leaf.__get__
 
@@ -151,9 +152,14 @@ class DeferredTensor(torch.Tensor):
     @property
     def device(self) -> torch.device:  # type: ignore[override]
         # The device it reports (the wrapper's own): what __torch_function__ ends up returning,
-        # without its bookkeeping (materialize reads it for every tensor it makes).
-        with subclass_functions_off():
-            return _cpp_device(self)
+        # without its bookkeeping (materialize reads it for every tensor it makes). What
+        # ``subclass_functions_off`` does, inlined: recording reads it for nearly every op.
+        hold_interrupts()
+        try:
+            with _NoSubclassFunctions():
+                return _cpp_device(self)
+        finally:
+            release_interrupts()
 
     @property
     def ndim(self) -> int:  # type: ignore[override]
@@ -275,3 +281,6 @@ def as_parameter(deferred: torch.Tensor, real: torch.Tensor, requires_grad: bool
     if type(real) is not torch.Tensor and type(real) is not torch.nn.Parameter:
         return torch.nn.Parameter(real, requires_grad=requires_grad)
     return torch.Tensor._make_subclass(cls, real, requires_grad)
+
+
+protect(DeferredTensor.device.fget)  # Ctrl-C waits from its first bytecode

@@ -8,6 +8,13 @@ import torch
 
 from jupyter_metainit.core.runtime.interrupts import hold_interrupts, protect, release_interrupts
 
+# Bound once: ``plain`` is entered several times for every recorded op.
+_DisableTorchFunction = torch._C.DisableTorchFunction
+_DisableTorchDispatch = torch._C._DisableTorchDispatch
+_DisableTorchFunctionSubclass = torch._C.DisableTorchFunctionSubclass
+_is_grad_enabled = torch._C.is_grad_enabled
+_set_grad_enabled = torch._C._set_grad_enabled
+
 
 class plain:
     """No torch-function modes/subclasses, no dispatch modes, no autograd: real kernels only.
@@ -24,17 +31,19 @@ class plain:
         # of entering or leaving would leave torch-function handling or autograd switched off
         # on this thread. It is raised on the way out, or at a `check()` inside (replay).
         hold_interrupts()
-        self._guards = (torch._C.DisableTorchFunction(), torch._C._DisableTorchDispatch())
-        for g in self._guards:
-            g.__enter__()
-        self._grad = torch.is_grad_enabled()
-        torch._C._set_grad_enabled(False)
+        functions, dispatch = _DisableTorchFunction(), _DisableTorchDispatch()
+        self._guards = (functions, dispatch)
+        functions.__enter__()
+        dispatch.__enter__()
+        self._grad = _is_grad_enabled()
+        _set_grad_enabled(False)
 
     def __exit__(self, *exc: Any) -> None:
         try:
-            torch._C._set_grad_enabled(self._grad)
-            for g in reversed(self._guards):
-                g.__exit__(*exc)
+            _set_grad_enabled(self._grad)
+            functions, dispatch = self._guards
+            dispatch.__exit__(*exc)
+            functions.__exit__(*exc)
         finally:
             release_interrupts(raise_pending=exc[0] is None)
 
@@ -48,7 +57,7 @@ class subclass_functions_off:
 
     def __enter__(self) -> None:
         hold_interrupts()
-        self._guard = torch._C.DisableTorchFunctionSubclass()
+        self._guard = _DisableTorchFunctionSubclass()
         self._guard.__enter__()
 
     def __exit__(self, *exc: Any) -> None:
@@ -62,6 +71,18 @@ protect(plain.__enter__, plain.__exit__, subclass_functions_off.__enter__,
         subclass_functions_off.__exit__)  # fmt: skip
 
 
+_SEQUENCES = (list, tuple)
+
+
+def _map_sequence(fn: Any, x: list | tuple) -> Any:
+    """``fn`` applied to each element of a ``Tensor[]``-like argument; lists of plain ints
+    (sizes, dims) are returned as they are."""
+    for v in x:
+        if type(v) is not int:
+            return type(x)([fn(v) for v in x])
+    return x
+
+
 def map_args(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """Apply ``fn`` to every argument of an ATen call, one list level deep (``Tensor[]``).
 
@@ -69,32 +90,19 @@ def map_args(fn: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     too slow). Lists of plain ints (sizes, dims) are passed through: ``fn`` maps tensors,
     devices and records, never an int.
     """
-    mapped = []
-    for x in args:
-        kind = type(x)
-        if kind is list or kind is tuple:
-            if not all(type(v) is int for v in x):
-                x = kind([fn(v) for v in x])
-            mapped.append(x)
-        else:
-            mapped.append(fn(x))
+    mapped = tuple([_map_sequence(fn, x) if type(x) in _SEQUENCES else fn(x) for x in args])
     if not kwargs:
-        return tuple(mapped), {}
-    mapped_kwargs = {}
-    for k, x in kwargs.items():
-        kind = type(x)
-        if kind is list or kind is tuple:
-            mapped_kwargs[k] = x if all(type(v) is int for v in x) else kind([fn(v) for v in x])
-        else:
-            mapped_kwargs[k] = fn(x)
-    return tuple(mapped), mapped_kwargs
+        return mapped, {}
+    return mapped, {
+        k: _map_sequence(fn, x) if type(x) in _SEQUENCES else fn(x) for k, x in kwargs.items()
+    }
 
 
 def iter_args(args: tuple, kwargs: dict) -> list[Any]:
     """Every argument of an ATen call, lists flattened one level."""
     out: list[Any] = []
-    for x in (*args, *kwargs.values()):
-        if type(x) is list or type(x) is tuple:
+    for x in (*args, *kwargs.values()) if kwargs else args:
+        if type(x) in _SEQUENCES:
             out.extend(x)
         else:
             out.append(x)

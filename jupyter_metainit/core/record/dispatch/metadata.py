@@ -57,9 +57,10 @@ def _arg_key(x: Any, tensors: bool = True) -> Any:
     if tensors and isinstance(x, torch.Tensor):
         return (x.shape, x.stride(), x.dtype, x.storage_offset())
     if kind is list or kind is tuple:
-        if all(type(v) is int for v in x):
-            return tuple(x)  # sizes: no (type, value) pairs needed, nothing else is a bare int
-        return tuple(_arg_key(v, tensors) for v in x)
+        for v in x:
+            if type(v) is not int:
+                return tuple([_arg_key(v, tensors) for v in x])
+        return tuple(x)  # sizes: no (type, value) pairs needed, nothing else is a bare int
     if isinstance(x, _SCALARS):
         return (kind, x)
     raise Unkeyable
@@ -188,8 +189,8 @@ def probe_layout(
 
             with plain():
                 try:
-                    real = func(*map_args(zeros, meta_args, meta_kwargs)[0],
-                                **map_args(zeros, meta_args, meta_kwargs)[1])  # fmt: skip
+                    zero_args, zero_kwargs = map_args(zeros, meta_args, meta_kwargs)
+                    real = func(*zero_args, **zero_kwargs)
                     reals = real if isinstance(real, (tuple, list)) else (real,)
                     _probed[key] = tuple((tuple(r.shape), tuple(r.stride())) for r in reals)
                 except Exception:  # the real kernel rejects zeros: keep the meta layout

@@ -89,7 +89,9 @@ def _handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
             return made
     info = op_info(func)
     flat = iter_args(args, kwargs)
-    has_deferred = any(isinstance(x, DeferredTensor) for x in flat)
+    has_deferred = DeferredTensor in [type(x) for x in flat] or any(
+        isinstance(x, DeferredTensor) for x in flat
+    )
     bound = bind_arguments(func, args, kwargs)
     # Every tensor the op writes: ``Tensor(a!)``, each element of ``Tensor(a!)[]`` (the
     # ``_foreach_*_`` ops, fused optimizers, ``out=`` lists) and undeclared writes.
@@ -145,14 +147,24 @@ def _makes_quantized(func: Any, kwargs: dict) -> bool:
     """Whether ``func`` returns a quantized tensor (``quantize_per_tensor``,
     ``_empty_affine_quantized``, a factory with a quantized dtype): replay has no way to make
     one (its values are integers plus scales, and they copy into no plain tensor)."""
-    name = func._schema.name.split("::")[-1]
-    if "fake_quantize" in name:  # returns a float tensor: recorded like any op
-        return False
-    return (
-        name.startswith("quantize_per")
-        or "affine_quantized" in name
-        or kwargs.get("dtype") in _QUANTIZED_DTYPES
-    )
+    by_name = _quantizing.get(func)
+    if by_name is None:
+        name = func._schema.name.split("::")[-1]
+        if "fake_quantize" in name:  # returns a float tensor: recorded like any op
+            by_name = _quantizing[func] = _NEVER
+        elif name.startswith("quantize_per") or "affine_quantized" in name:
+            by_name = _quantizing[func] = _ALWAYS
+        else:
+            by_name = _quantizing[func] = _BY_DTYPE
+    if by_name is _BY_DTYPE:
+        return kwargs.get("dtype") in _QUANTIZED_DTYPES
+    return by_name is _ALWAYS
+
+
+# What an op's name says about its result, per overload (read once): quantized always, never
+# (``fake_quantize``), or when its ``dtype`` argument is a quantized dtype.
+_ALWAYS, _NEVER, _BY_DTYPE = "always", "never", "by dtype"
+_quantizing: dict[Any, str] = {}
 
 
 def _generator_argument(info: OpInfo, bound: list) -> torch.Generator | None:
