@@ -310,7 +310,11 @@ def _first_plan_rows(timing: list[dict], named: dict) -> list[list[str]]:
 
 def main() -> None:
     child_main(MEASUREMENTS)
-    args = base_parser(__doc__.splitlines()[0]).parse_args()
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument(
+        "--first-plan", action="store_true", help="only the first-plan table (70B, 8 devices)"
+    )
+    args = parser.parse_args()
     big, small = dict(LLAMA_70B), dict(SMALL_LLAMA)
     batch, seq_len, gpu_counts = 8, 4096, (2, 4, 8)
     if args.quick:
@@ -340,6 +344,8 @@ def main() -> None:
         jobs.append(("measured_peak", {"config": small, "batch": 4, "seq_len": 512,
                                        "training": training}))  # fmt: skip
     jobs.append(("fsdp_peak", {"config": small, "batch": 4, "seq_len": 512}))
+    if args.first_plan:
+        jobs = []
     repeats = args.repeats or (1 if args.quick else 3)
     first = len(jobs)
     eight = {"config": big, "gpus": gpu_counts[-1], "workload": llama_load}
@@ -349,6 +355,15 @@ def main() -> None:
     timing = results[first:]
     del results[first:]
     rows, named = [], {}
+    first_plan_table = (
+        f"First plan of the 70B over {gpu_counts[-1]} x 80 GiB, median of {repeats} fresh "
+        "processes (alternated)",
+        ["dry run", "first plan", "re-plan", "largest device peak"],
+    )
+    if args.first_plan:
+        print_table(*first_plan_table, _first_plan_rows(timing, named))
+        print_errors(named)
+        return
     labelled = [(f"{gpus} x 80 GiB", 2 * k) for k, gpus in enumerate(gpu_counts)]
     print_table(
         f"Planning a 70B over 80 GiB GPUs (bf16 inference, batch {batch} x seq {seq_len}; "
@@ -356,12 +371,7 @@ def main() -> None:
         ["planner", "time", "balance (max/mean)", "largest device peak", "fits"],
         _planner_rows(labelled, results, named),
     )
-    print_table(
-        f"First plan of the 70B over {gpu_counts[-1]} x 80 GiB, median of {repeats} fresh "
-        "processes (alternated)",
-        ["dry run", "first plan", "re-plan", "largest device peak"],
-        _first_plan_rows(timing, named),
-    )
+    print_table(*first_plan_table, _first_plan_rows(timing, named))
     base = 2 * len(gpu_counts)
     labelled = [
         (f"{name}, {n} x {fmt_mb(cap)}", base + 2 * k)
