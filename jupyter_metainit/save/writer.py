@@ -1,11 +1,15 @@
 """Generate and write, overlapped, in bounded memory; publish the files only when all are written.
 
 The calling thread produces the values of a batch of consecutive tensors at a time (replay runs
-on every core) while a writer thread writes the previous batch: at most two batches' values are
-alive, each up to the largest tensor's bytes (or 64 MiB where all are smaller). Everything goes
-into a temporary directory beside the destination and is renamed into place at the end, so a
-failed or cancelled save (an exception from the progress callback, Ctrl-C) leaves nothing where
-the checkpoint should be, and the model is untouched (deferred tensors stay deferred).
+on every core) while they are written. Three ways to write, the first the file system allows:
+``O_DIRECT`` from the values' own memory (``save.direct``: the device copies, almost no CPU; a
+writer thread, two batches alive), the files mapped and the values generated into their pages
+(``save.mapped``: one batch's pages mapped at a time), or ``pwrite`` into the page cache from
+recycled buffers (a writer thread, two batches alive). Memory: up to two batches, each up to the
+largest tensor's bytes (or 64 MiB where all are smaller). Everything goes into a temporary
+directory beside the destination and is renamed into place at the end, so a failed or cancelled
+save (an exception from the progress callback, Ctrl-C) leaves nothing where the checkpoint
+should be, and the model is untouched (deferred tensors stay deferred). Nothing is fsynced.
 """
 
 from __future__ import annotations
