@@ -167,8 +167,9 @@ class Regions:
 
 
 class DirectWriter(threading.Thread):
-    """Runs the queued ``(fd, offset, buffer)`` writes; a ``(None, nbytes, keep)`` job ends a
-    batch: its tensor bytes count as written, its regions go back, its slot is freed."""
+    """Runs the queued ``(fd, offset, buffer)`` writes (a buffer keeps its memory alive); a
+    ``(None, nbytes, regions)`` job ends a batch: its tensor bytes count as written, its
+    regions go back to :class:`Regions`, its slot is freed."""
 
     def __init__(self, slots: threading.Semaphore, regions: Regions) -> None:
         super().__init__(name="jupyter_metainit.save direct writer", daemon=True)
@@ -182,11 +183,9 @@ class DirectWriter(threading.Thread):
         while (job := self.jobs.get()) is not None:
             fd, offset, payload = job
             del job
-            if fd is None:  # end of a batch: payload is (values, regions)
+            if fd is None:  # end of a batch: payload is its regions, all written now
                 self.written += offset
-                values, regions = payload
-                del payload, values
-                self.regions.give_back(regions)
+                self.regions.give_back(payload)
                 self.slots.release()
                 continue
             try:

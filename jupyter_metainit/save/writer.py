@@ -190,7 +190,7 @@ def _write_direct(
                     writer.jobs.put(job)
                 progress.report(writer.written, "generating")
             nbytes = sum(entry.nbytes for _, _, entry in batch)
-            writer.jobs.put((None, nbytes, (values, regions.take_used())))
+            writer.jobs.put((None, nbytes, regions.take_used()))  # the jobs hold the values
             del values
         writer.jobs.put(None)
         while writer.is_alive():
