@@ -116,65 +116,55 @@ def _address_of(view: memoryview) -> int:
 
 class Regions:
     """The replay's ``memory`` for the direct path: the storage for a batch's tensor starts at
-    an address congruent to its file offset modulo ``ALIGN``, in anonymous memory kept from
-    batch to batch (new memory costs a page fault per page on first touch). A request is given
-    the place of the next tensor of that size in the batch (the model's order: the order the
-    replay allocates them, usually); others get new memory."""
+    an address congruent to its file offset modulo ``ALIGN``, carved out of one of two arenas of
+    anonymous memory used by turns (batch ``k`` in arena ``k % 2``: the one of batch ``k - 2``,
+    written by then), so after the first two batches no page is touched for the first time.
+    A request is given the place of the next tensor of that size in the batch (the model's
+    order: the order the replay allocates them, usually); others get new memory."""
 
     def __init__(self) -> None:
         self._lock = threading.Lock()
-        self._kept: dict[int, list[mmap.mmap]] = {}  # nbytes -> free regions of nbytes + ALIGN
-        self._want: dict[int, list[int]] = {}  # nbytes -> file offsets, next last
-        self.used: list[mmap.mmap] = []  # this batch's regions, given back once written
+        self._arenas: list[mmap.mmap | None] = [None, None]
+        self._turn = 0
+        self._want: dict[int, list[tuple[mmap.mmap, int]]] = {}  # nbytes -> places, next last
 
     def start_batch(self, placed: Sequence[tuple[int, FileEntry]]) -> None:
-        """Expect a batch of ``(offset, entry)``; drop kept regions it cannot use."""
+        """Expect a batch of ``(file offset, entry)``: lay its places out in the next arena
+        (made larger where it is too small)."""
+        need = sum(entry.nbytes for _, entry in placed) + ALIGN * len(placed)
+        arena = self._arenas[self._turn]
+        if arena is None or len(arena) < need:
+            self._arenas[self._turn] = None  # a tensor still being written keeps it alive
+            arena = self._arenas[self._turn] = _aligned(need)
+        self._turn = 1 - self._turn
+        want: dict[int, list[tuple[mmap.mmap, int]]] = {}
+        at = 0
+        for offset, entry in placed:
+            at += (offset - at) % ALIGN
+            want.setdefault(entry.nbytes, []).append((arena, at))
+            at += entry.nbytes
         with self._lock:
-            self._want = {}
-            for offset, entry in reversed(placed):
-                if entry.nbytes:
-                    self._want.setdefault(entry.nbytes, []).append(offset)
-            for n in list(self._kept):
-                del self._kept[n][len(self._want.get(n, ())) :]
-                if not self._kept[n]:
-                    del self._kept[n]
-
-    def take_used(self) -> list[mmap.mmap]:
-        """The regions handed out since the last call (for :meth:`give_back` once written)."""
-        with self._lock:
-            used, self.used = self.used, []
-        return used
-
-    def give_back(self, regions: list[mmap.mmap]) -> None:
-        with self._lock:
-            for region in regions:
-                self._kept.setdefault(len(region) - ALIGN, []).append(region)
+            self._want = {n: places[::-1] for n, places in want.items() if n}
 
     def __call__(self, nbytes: int) -> torch.UntypedStorage:
         with self._lock:
-            offsets = self._want.get(nbytes)
-            if not offsets:
-                return torch.UntypedStorage(nbytes)
-            offset = offsets.pop()
-            free = self._kept.get(nbytes)
-            region = free.pop() if free else None
-        if region is None:
-            region = _aligned(nbytes + ALIGN)
-        with self._lock:
-            self.used.append(region)
-        return torch.frombuffer(region, dtype=torch.uint8, count=nbytes,
-                                offset=offset % ALIGN).untyped_storage()  # fmt: skip
+            places = self._want.get(nbytes)
+            place = places.pop() if places else None
+        if place is None:
+            return torch.UntypedStorage(nbytes)
+        arena, at = place
+        return torch.frombuffer(arena, dtype=torch.uint8, count=nbytes, offset=at).untyped_storage()
 
 
 class DirectWriter(threading.Thread):
     """Runs the queued ``(fd, offset, buffer)`` writes (a buffer keeps its memory alive); a
-    ``(None, nbytes, regions)`` job ends a batch: its tensor bytes count as written, its
-    regions go back to :class:`Regions`, its slot is freed."""
+    ``(None, nbytes, None)`` job ends a batch: its tensor bytes count as written, its slot
+    (and so its arena in :class:`Regions`) is free."""
 
-    def __init__(self, slots: threading.Semaphore, regions: Regions) -> None:
+    def __init__(self, slots: threading.Semaphore) -> None:
         super().__init__(name="jupyter_metainit.save direct writer", daemon=True)
         self.jobs: queue.Queue = queue.Queue()
-        self.slots, self.regions = slots, regions
+        self.slots = slots
         self.written = 0
         self.error: BaseException | None = None
         self.stop = threading.Event()
@@ -183,9 +173,8 @@ class DirectWriter(threading.Thread):
         while (job := self.jobs.get()) is not None:
             fd, offset, payload = job
             del job
-            if fd is None:  # end of a batch: payload is its regions, all written now
+            if fd is None:  # end of a batch, all written now
                 self.written += offset
-                self.regions.give_back(payload)
                 self.slots.release()
                 continue
             try:

@@ -157,7 +157,7 @@ def _write_direct(
     opened: dict[str, DirectFile] = {}
     slots = threading.Semaphore(2)
     regions = Regions()
-    writer = DirectWriter(slots, regions)
+    writer = DirectWriter(slots)
     try:
         for path, ordered in layout.items():
             size = len(headers[path]) + sum(entry.nbytes for entry in ordered)
@@ -190,7 +190,7 @@ def _write_direct(
                     writer.jobs.put(job)
                 progress.report(writer.written, "generating")
             nbytes = sum(entry.nbytes for _, _, entry in batch)
-            writer.jobs.put((None, nbytes, regions.take_used()))  # the jobs hold the values
+            writer.jobs.put((None, nbytes, None))  # the jobs hold the values
             del values
         writer.jobs.put(None)
         while writer.is_alive():
