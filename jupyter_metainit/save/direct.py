@@ -34,6 +34,7 @@ from jupyter_metainit.save.safetensors_file import FileEntry
 __all__ = ["ALIGN", "DirectFile", "DirectWriter", "Regions", "can_write_direct"]
 
 ALIGN = 4096  # the largest logical block size in common use: valid for 512-byte devices too
+_SLAB = 256 * ALIGN
 
 
 def can_write_direct() -> bool:
@@ -57,6 +58,7 @@ class DirectFile:
         self.path, self.size = path, size
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
         self._blocks: dict[int, list] = {}  # block -> [buffer, bytes still missing]
+        self._slab: tuple[mmap.mmap, int] | None = None  # block buffers are cut from it
 
     @classmethod
     def open(cls, path: str, size: int) -> DirectFile | None:
@@ -93,12 +95,22 @@ class DirectFile:
         pending = self._blocks.get(block)
         if pending is None:
             start = block * ALIGN
-            pending = self._blocks[block] = [_aligned(ALIGN), min(self.size, start + ALIGN) - start]
+            missing = min(self.size, start + ALIGN) - start
+            pending = self._blocks[block] = [self._block_buffer(), missing]
         pending[0][at : at + len(data)] = data
         pending[1] -= len(data)
         if pending[1] == 0:
             del self._blocks[block]
-            jobs.append((self.fd, block * ALIGN, memoryview(pending[0])))
+            jobs.append((self.fd, block * ALIGN, pending[0]))
+
+    def _block_buffer(self) -> memoryview:
+        """An aligned block's buffer, cut from a slab of 256 (one mapping per block could run
+        out of mappings on a model of many small tensors)."""
+        if self._slab is None or self._slab[1] == _SLAB:
+            self._slab = (_aligned(_SLAB), 0)
+        slab, used = self._slab
+        self._slab = (slab, used + ALIGN)
+        return memoryview(slab)[used : used + ALIGN]
 
     def finish(self) -> None:
         """Cut the file to its size (its last block was written whole)."""
