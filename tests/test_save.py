@@ -3,6 +3,7 @@ the layout transformers' ``save_pretrained`` writes (byte for byte), without cha
 
 from __future__ import annotations
 
+import itertools
 import os
 import subprocess
 import sys
@@ -16,6 +17,7 @@ from torch import nn
 import jupyter_metainit
 from jupyter_metainit import is_deferred, materialize, meta_init
 from jupyter_metainit.save import save
+from jupyter_metainit.save.safetensors_file import FileEntry
 
 transformers = pytest.importorskip("transformers")
 
@@ -179,6 +181,7 @@ import resource, torch
 from torch import nn
 from jupyter_metainit import meta_init
 from jupyter_metainit.save import save
+from jupyter_metainit.save.safetensors_file import FileEntry
 with meta_init():
     model = nn.Sequential(*[nn.Linear(5120, 4096, bias=False) for _ in range(8)])  # 8 x 80 MiB
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -277,3 +280,63 @@ def test_sharded_fused_experts_land_in_the_shards_save_pretrained_puts_them_in(t
     save(deferred, tmp_path / "ours", max_shard_size="20KB")
     eager.save_pretrained(tmp_path / "eager", max_shard_size="20KB")
     assert _files(str(tmp_path / "ours")) == _files(str(tmp_path / "eager"))
+
+
+_WRITER = __import__("jupyter_metainit.save.writer", fromlist=["writer"])
+
+
+@pytest.mark.parametrize("path", ["direct", "mapped", "pwrite"])
+def test_every_write_path_gives_the_bytes_of_save_pretrained(tmp_path, monkeypatch, path):
+    # O_DIRECT where the file system takes it, else the files mapped, else pwrite.
+    if path != "direct":
+        monkeypatch.setattr(_WRITER, "can_write_direct", lambda: False)
+    if path == "pwrite":
+        monkeypatch.setattr(_WRITER, "can_map", lambda: False)
+    deferred, eager = _deferred_and_eager(tie=False)
+    save(deferred, tmp_path / "ours", max_shard_size="100KB")
+    eager.save_pretrained(tmp_path / "eager", max_shard_size="100KB")
+    assert _files(str(tmp_path / "ours")) == _files(str(tmp_path / "eager"))
+
+
+def test_a_file_system_refusing_o_direct_falls_back_to_the_same_bytes(tmp_path, monkeypatch):
+    direct = __import__("jupyter_metainit.save.direct", fromlist=["direct"])
+    monkeypatch.setattr(direct.DirectFile, "open", classmethod(lambda cls, path, size: None))
+    tensors = {"a": torch.randn(3000), "b": torch.arange(7, dtype=torch.int16)}
+    save(tensors, tmp_path / "ours")
+    save_file(tensors, tmp_path / "theirs.safetensors", metadata={"format": "pt"})
+    ours = (tmp_path / "ours" / "model.safetensors").read_bytes()
+    assert ours == (tmp_path / "theirs.safetensors").read_bytes()
+
+
+def test_direct_writes_assemble_unaligned_pieces_in_any_order(tmp_path):
+    direct = __import__("jupyter_metainit.save.direct", fromlist=["direct"])
+    size = 5 * direct.ALIGN + 123
+    expected = torch.randint(0, 256, (size,), dtype=torch.uint8)
+    cuts = [0, 8, 100, direct.ALIGN + 8, direct.ALIGN + 16, 3 * direct.ALIGN + 40, size]
+    pieces = list(itertools.pairwise(cuts))
+    one = direct.DirectFile.open(str(tmp_path / "f"), size)
+    if one is None:
+        pytest.skip("this file system refuses O_DIRECT")
+    jobs: list = []
+    for a, b in reversed(pieces):  # unaligned sources: written through aligned copies
+        one.add(a, memoryview(expected[a:b].clone().numpy()).cast("B"), jobs)
+    for fd, offset, data in jobs:
+        assert offset % direct.ALIGN == 0 and len(data) % direct.ALIGN == 0
+        os.pwrite(fd, data, offset)
+    one.finish()
+    one.close()
+    assert (tmp_path / "f").read_bytes() == expected.numpy().tobytes()
+
+
+def test_direct_memory_starts_at_the_file_offset_modulo_the_block(tmp_path):
+    direct = __import__("jupyter_metainit.save.direct", fromlist=["direct"])
+    entries = [FileEntry("a", torch.float32, (10, 10)), FileEntry("b", torch.float32, (10, 10))]
+    regions = direct.Regions()
+    regions.start_batch([(8, entries[0]), (4096 + 408, entries[1])])
+    first, second, extra = regions(400), regions(400), regions(400)
+    assert first.data_ptr() % direct.ALIGN == 8
+    assert second.data_ptr() % direct.ALIGN == 408
+    assert extra.nbytes() == 400
+    assert second.data_ptr() >= first.data_ptr() + 400  # places do not overlap
+    regions.start_batch([(8, entries[0])])  # the other arena: batch 1 may still be written
+    assert not (first.data_ptr() - 8 <= regions(400).data_ptr() < second.data_ptr() + 400)

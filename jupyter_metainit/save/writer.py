@@ -1,11 +1,15 @@
 """Generate and write, overlapped, in bounded memory; publish the files only when all are written.
 
 The calling thread produces the values of a batch of consecutive tensors at a time (replay runs
-on every core) while a writer thread writes the previous batch: at most two batches' values are
-alive, each up to the largest tensor's bytes (or 64 MiB where all are smaller). Everything goes
-into a temporary directory beside the destination and is renamed into place at the end, so a
-failed or cancelled save (an exception from the progress callback, Ctrl-C) leaves nothing where
-the checkpoint should be, and the model is untouched (deferred tensors stay deferred).
+on every core) while they are written. Three ways to write, the first the file system allows:
+``O_DIRECT`` from the values' own memory (``save.direct``: the device copies, almost no CPU; a
+writer thread, two batches alive), the files mapped and the values generated into their pages
+(``save.mapped``: one batch's pages mapped at a time), or ``pwrite`` into the page cache from
+recycled buffers (a writer thread, two batches alive). Memory: up to two batches, each up to the
+largest tensor's bytes (or 64 MiB where all are smaller). Everything goes into a temporary
+directory beside the destination and is renamed into place at the end, so a failed or cancelled
+save (an exception from the progress callback, Ctrl-C) leaves nothing where the checkpoint
+should be, and the model is untouched (deferred tensors stay deferred). Nothing is fsynced.
 """
 
 from __future__ import annotations
@@ -22,6 +26,8 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core import progress_callback
+from jupyter_metainit.save.direct import DirectFile, DirectWriter, Regions, can_write_direct
+from jupyter_metainit.save.mapped import MappedFile, can_map, place_batch
 from jupyter_metainit.save.safetensors_file import FileEntry, file_order, header_bytes
 from jupyter_metainit.save.values import Recycler, cpu_values_of_batch
 
@@ -102,12 +108,129 @@ def write_safetensors_files(
     directory: str, files: dict[str, list[FileEntry]], tensors: dict[str, torch.Tensor],
     dtype: torch.dtype | None, progress: Progress,
 ) -> None:  # fmt: skip
-    """Write each file's header, then every tensor's bytes at its place in its file, two
-    batches alive (``_batches``). Tensors are computed in the order of ``tensors`` (the model's
-    order, close to the order they were made in), a batch of consecutive ones at a time: their
-    fills are then one run of the random stream, cut across the cores with one jump-ahead per
-    core, and the next batch continues where it ended, instead of jumping around the stream as
-    the file order (by dtype, then name) would make them."""
+    """Write each file's header, then every tensor's bytes at its place in its file. Tensors
+    are computed in the order of ``tensors`` (the model's order, close to the order they were
+    made in), a batch of consecutive ones at a time: their fills are then one run of the random
+    stream, cut across the cores with one jump-ahead per core, and the next batch continues
+    where it ended, instead of jumping around the stream as the file order (by dtype, then
+    name) would make them. On Linux the values are generated straight into the mapped files
+    (``save.mapped``); elsewhere, or where the file system cannot reserve the blocks, a writer
+    thread ``pwrite``s them, two batches alive (``_write_with_writer``)."""
+    layout = {os.path.join(directory, name): file_order(entries)
+              for name, entries in files.items()}  # fmt: skip
+    headers = {path: header_bytes(ordered, {"format": "pt"}) for path, ordered in layout.items()}
+    if can_write_direct() and _write_direct(layout, headers, tensors, dtype, progress):
+        return
+    mapped = _map_files(layout, headers) if can_map() else None
+    if mapped is None:
+        _write_with_writer(layout, headers, tensors, dtype, progress)
+        return
+    where: dict[str, tuple[MappedFile, int, FileEntry]] = {}
+    for path, ordered in layout.items():
+        offset = len(headers[path])
+        for entry in ordered:
+            where[entry.name] = (mapped[path], offset, entry)
+            offset += entry.nbytes
+    del mapped
+    done = 0
+
+    def report(nbytes: int) -> None:
+        nonlocal done
+        done += nbytes
+        progress.report(done, "generating")
+
+    for batch in _batches([where[name] for name in tensors if name in where]):
+        progress.report(done, "generating")
+        batch_tensors = [tensors[entry.name] for _, _, entry in batch]
+        place_batch(batch, lambda memory, ts=batch_tensors: cpu_values_of_batch(ts, dtype, memory),
+                    _check_geometry, report)  # fmt: skip
+    progress.report(done)
+
+
+def _write_direct(
+    layout: dict[str, list[FileEntry]], headers: dict[str, bytes],
+    tensors: dict[str, torch.Tensor], dtype: torch.dtype | None, progress: Progress,
+) -> bool:  # fmt: skip
+    """The ``O_DIRECT`` path (``save.direct``): a writer thread writes a batch while the next
+    is generated, at most two batches alive. False (nothing written) where the file system
+    refuses ``O_DIRECT``."""
+    opened: dict[str, DirectFile] = {}
+    slots = threading.Semaphore(2)
+    regions = Regions()
+    writer = DirectWriter(slots)
+    try:
+        for path, ordered in layout.items():
+            size = len(headers[path]) + sum(entry.nbytes for entry in ordered)
+            one = DirectFile.open(path, size)
+            if one is None:
+                return False
+            opened[path] = one
+        writer.start()
+        where: dict[str, tuple[DirectFile, int, FileEntry]] = {}
+        for path, ordered in layout.items():
+            jobs: list = []
+            opened[path].add(0, memoryview(headers[path]), jobs)
+            for job in jobs:
+                writer.jobs.put(job)
+            offset = len(headers[path])
+            for entry in ordered:
+                where[entry.name] = (opened[path], offset, entry)
+                offset += entry.nbytes
+        for batch in _batches([where[name] for name in tensors if name in where]):
+            _wait_for_slot(slots, writer, progress)
+            regions.start_batch([(offset, entry) for _, offset, entry in batch])
+            values = cpu_values_of_batch([tensors[e.name] for _, _, e in batch], dtype, regions)
+            for (direct, offset, entry), value in zip(batch, values, strict=True):
+                _check_geometry(entry, value)
+                jobs = []
+                if value.numel():
+                    flat = value.reshape(-1).view(torch.uint8).numpy()
+                    direct.add(offset, memoryview(flat).cast("B"), jobs)
+                for job in jobs:
+                    writer.jobs.put(job)
+                progress.report(writer.written, "generating")
+            nbytes = sum(entry.nbytes for _, _, entry in batch)
+            writer.jobs.put((None, nbytes, None))  # the jobs hold the values
+            del values
+        writer.jobs.put(None)
+        while writer.is_alive():
+            writer.join(0.1)
+            progress.report(writer.written, "writing")
+        if writer.error is not None:
+            raise writer.error
+        for one in opened.values():
+            one.finish()
+        progress.report(writer.written)
+        return True
+    finally:
+        writer.stop.set()
+        if writer.is_alive():
+            writer.jobs.put(None)
+            writer.join()
+        for one in opened.values():
+            one.close()
+
+
+def _map_files(
+    layout: dict[str, list[FileEntry]], headers: dict[str, bytes]
+) -> dict[str, MappedFile] | None:
+    """Each file at its final size, header written, mapped; None where one cannot be."""
+    mapped: dict[str, MappedFile] = {}
+    for path, ordered in layout.items():
+        size = len(headers[path]) + sum(entry.nbytes for entry in ordered)
+        one = MappedFile.create(path, headers[path], size)
+        if one is None:
+            return None
+        mapped[path] = one
+    return mapped
+
+
+def _write_with_writer(
+    layout: dict[str, list[FileEntry]], headers: dict[str, bytes],
+    tensors: dict[str, torch.Tensor], dtype: torch.dtype | None, progress: Progress,
+) -> None:  # fmt: skip
+    """The ``pwrite`` path: a writer thread writes a batch while the next is generated, at
+    most two batches alive (``_batches``)."""
     slots = threading.Semaphore(2)
     recycler = Recycler()
     writer = _Writer(slots, recycler)
@@ -115,13 +238,11 @@ def write_safetensors_files(
     fds: list[int] = []
     try:
         where: dict[str, tuple[int, int, FileEntry]] = {}
-        for file_name, entries in files.items():
-            ordered = file_order(entries)
-            fd = os.open(os.path.join(directory, file_name), os.O_WRONLY | os.O_CREAT, 0o644)
+        for path, ordered in layout.items():
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
             fds.append(fd)
-            header = header_bytes(ordered, {"format": "pt"})
-            writer.jobs.put((fd, 0, header, False))
-            offset = len(header)
+            writer.jobs.put((fd, 0, headers[path], False))
+            offset = len(headers[path])
             for entry in ordered:
                 where[entry.name] = (fd, offset, entry)
                 offset += entry.nbytes
@@ -179,7 +300,7 @@ def _write_batch(
 BATCH_BYTES = 64 << 20
 
 
-def _batches(placed: list[tuple[int, int, FileEntry]]) -> list[list[tuple[int, int, FileEntry]]]:
+def _batches(placed: list[Any]) -> list[list[Any]]:
     """Consecutive tensors grouped into batches of at most ``max(largest, BATCH_BYTES)``."""
     budget = max([BATCH_BYTES] + [entry.nbytes for _, _, entry in placed])
     batches: list[list[tuple[int, int, FileEntry]]] = []

@@ -1,0 +1,199 @@
+"""Write the files with ``O_DIRECT`` (Linux): the disk reads the values from their memory.
+
+Writing through the page cache costs about as much CPU as generating the values (allocating
+and zeroing pages, copying into them, writing them back later), on the same cores. An
+``O_DIRECT`` write costs almost none: the device copies from the buffer. It needs the file
+offset, the length and the buffer's address aligned to the block (``ALIGN``), and safetensors
+puts tensors at 8-byte offsets, in an order (by dtype, then name) that is not the order they
+are computed in. So each value is computed into memory whose address is congruent to its file
+offset modulo ``ALIGN`` (the replay's ``memory``): its whole blocks are written straight from
+it, and the few bytes at its ends that share a block with a neighbour (or the header) are
+copied into that block's buffer, written once all of it is known. The file's last block is
+written whole and the file then cut to its size. Values that land elsewhere (a real tensor, a
+cast) go through an aligned copy.
+
+Durability: the data is on the device when the save returns (not fsynced: neither is the
+``pwrite`` path, nor the benchmark's write floor).
+"""
+
+from __future__ import annotations
+
+import errno
+import mmap
+import os
+import queue
+import sys
+import threading
+from collections.abc import Sequence
+
+import numpy
+import torch
+
+from jupyter_metainit.save.safetensors_file import FileEntry
+
+__all__ = ["ALIGN", "DirectFile", "DirectWriter", "Regions", "can_write_direct"]
+
+ALIGN = 4096  # the largest logical block size in common use: valid for 512-byte devices too
+_SLAB = 256 * ALIGN
+
+
+def can_write_direct() -> bool:
+    return sys.platform.startswith("linux") and hasattr(os, "O_DIRECT")
+
+
+def _aligned(nbytes: int) -> mmap.mmap:
+    """Anonymous memory: page-aligned, so ``ALIGN``-aligned."""
+    return mmap.mmap(-1, max(nbytes, 1))
+
+
+def _address(buffer: mmap.mmap) -> int:
+    return torch.frombuffer(buffer, dtype=torch.uint8, count=1).data_ptr()
+
+
+class DirectFile:
+    """One output file opened with ``O_DIRECT``; :meth:`add` turns bytes placed at an offset
+    into aligned writes (``(fd, offset, buffer)`` jobs)."""
+
+    def __init__(self, path: str, size: int) -> None:
+        self.path, self.size = path, size
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+        self._blocks: dict[int, list] = {}  # block -> [buffer, bytes still missing]
+        self._slab: tuple[mmap.mmap, int] | None = None  # block buffers are cut from it
+
+    @classmethod
+    def open(cls, path: str, size: int) -> DirectFile | None:
+        """None where the file system refuses ``O_DIRECT`` (tmpfs, some network ones)."""
+        try:
+            return cls(path, size)
+        except OSError as exc:
+            if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                return None
+            raise
+
+    def add(self, offset: int, data: memoryview, jobs: list) -> None:
+        """Queue the writes of ``data`` (bytes, format ``B``) placed at ``offset``: its whole
+        blocks from its own memory where aligned (else from an aligned copy), its ends into
+        their blocks' buffers, each block's write queued once it is complete."""
+        end = offset + len(data)
+        first = min(-(-offset // ALIGN) * ALIGN, end)
+        last = max(end // ALIGN * ALIGN, first)
+        if last > first:
+            inner = data[first - offset : last - offset]
+            if _address_of(inner) % ALIGN:
+                copy = _aligned(len(inner))
+                copy[:] = inner
+                inner = memoryview(copy)
+            jobs.append((self.fd, first, inner))
+        for a, b in ((offset, first), (last, end)):
+            while a < b:
+                block = a // ALIGN
+                stop = min(b, (block + 1) * ALIGN)
+                self._put(block, a - block * ALIGN, data[a - offset : stop - offset], jobs)
+                a = stop
+
+    def _put(self, block: int, at: int, data: memoryview, jobs: list) -> None:
+        pending = self._blocks.get(block)
+        if pending is None:
+            start = block * ALIGN
+            missing = min(self.size, start + ALIGN) - start
+            pending = self._blocks[block] = [self._block_buffer(), missing]
+        pending[0][at : at + len(data)] = data
+        pending[1] -= len(data)
+        if pending[1] == 0:
+            del self._blocks[block]
+            jobs.append((self.fd, block * ALIGN, pending[0]))
+
+    def _block_buffer(self) -> memoryview:
+        """An aligned block's buffer, cut from a slab of 256 (one mapping per block could run
+        out of mappings on a model of many small tensors)."""
+        if self._slab is None or self._slab[1] == _SLAB:
+            self._slab = (_aligned(_SLAB), 0)
+        slab, used = self._slab
+        self._slab = (slab, used + ALIGN)
+        return memoryview(slab)[used : used + ALIGN]
+
+    def finish(self) -> None:
+        """Cut the file to its size (its last block was written whole)."""
+        if self._blocks:
+            raise RuntimeError(f"internal error: {self.path} has bytes never written")
+        os.ftruncate(self.fd, self.size)
+
+    def close(self) -> None:
+        os.close(self.fd)
+
+
+def _address_of(view: memoryview) -> int:
+    return int(numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data) if len(view) else 0
+
+
+class Regions:
+    """The replay's ``memory`` for the direct path: the storage for a batch's tensor starts at
+    an address congruent to its file offset modulo ``ALIGN``, carved out of one of two arenas of
+    anonymous memory used by turns (batch ``k`` in arena ``k % 2``: the one of batch ``k - 2``,
+    written by then), so after the first two batches no page is touched for the first time.
+    A request is given the place of the next tensor of that size in the batch (the model's
+    order: the order the replay allocates them, usually); others get new memory."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._arenas: list[mmap.mmap | None] = [None, None]
+        self._turn = 0
+        self._want: dict[int, list[tuple[mmap.mmap, int]]] = {}  # nbytes -> places, next last
+
+    def start_batch(self, placed: Sequence[tuple[int, FileEntry]]) -> None:
+        """Expect a batch of ``(file offset, entry)``: lay its places out in the next arena
+        (made larger where it is too small)."""
+        need = sum(entry.nbytes for _, entry in placed) + ALIGN * len(placed)
+        arena = self._arenas[self._turn]
+        if arena is None or len(arena) < need:
+            self._arenas[self._turn] = None  # a tensor still being written keeps it alive
+            arena = self._arenas[self._turn] = _aligned(need)
+        self._turn = 1 - self._turn
+        want: dict[int, list[tuple[mmap.mmap, int]]] = {}
+        at = 0
+        for offset, entry in placed:
+            at += (offset - at) % ALIGN
+            want.setdefault(entry.nbytes, []).append((arena, at))
+            at += entry.nbytes
+        with self._lock:
+            self._want = {n: places[::-1] for n, places in want.items() if n}
+
+    def __call__(self, nbytes: int) -> torch.UntypedStorage:
+        with self._lock:
+            places = self._want.get(nbytes)
+            place = places.pop() if places else None
+        if place is None:
+            return torch.UntypedStorage(nbytes)
+        arena, at = place
+        return torch.frombuffer(arena, dtype=torch.uint8, count=nbytes, offset=at).untyped_storage()
+
+
+class DirectWriter(threading.Thread):
+    """Runs the queued ``(fd, offset, buffer)`` writes (a buffer keeps its memory alive); a
+    ``(None, nbytes, None)`` job ends a batch: its tensor bytes count as written, its slot
+    (and so its arena in :class:`Regions`) is free."""
+
+    def __init__(self, slots: threading.Semaphore) -> None:
+        super().__init__(name="jupyter_metainit.save direct writer", daemon=True)
+        self.jobs: queue.Queue = queue.Queue()
+        self.slots = slots
+        self.written = 0
+        self.error: BaseException | None = None
+        self.stop = threading.Event()
+
+    def run(self) -> None:
+        while (job := self.jobs.get()) is not None:
+            fd, offset, payload = job
+            del job
+            if fd is None:  # end of a batch, all written now
+                self.written += offset
+                self.slots.release()
+                continue
+            try:
+                if self.error is None and not self.stop.is_set():
+                    done = 0
+                    while done < len(payload):
+                        done += os.pwrite(fd, payload[done:], offset + done)
+            except BaseException as exc:  # handed to the producer thread
+                self.error = exc
+            del payload
