@@ -134,12 +134,11 @@ def test_interrupt_at_every_line_of_recording_leaves_the_thread_clean():
 
 
 def test_interrupt_stops_fast_mode_before_the_remaining_work():
-    # Progress is reported per tensor after each batch of finished work, so the reports that
-    # follow a Ctrl-C grow with the threads: the model grows with them too.
-    threads = torch.get_num_threads()
+    # Progress is reported per tensor after each batch of finished work: the layers are large
+    # enough (4 MB each) for the Ctrl-C sent at the third report to come long before the end.
     torch.manual_seed(0)
     with meta_init():
-        model = nn.Sequential(*[nn.Linear(256, 256) for _ in range(32 * max(2, threads))])
+        model = nn.Sequential(*[nn.Linear(1024, 1024) for _ in range(64)])
     done = []
 
     def progress(nbytes, total):

@@ -701,7 +701,8 @@ def test_a_plan_that_does_not_fit_marks_the_devices_over_capacity_and_says_what_
     w.place("cuda:0=4KiB, cuda:1=4KiB", batch=2, seq_len=8)
     assert not w.plan["fits"] and "does not fit" in w.plan["headline"]
     assert [d["fits"] for d in w.plan["devices"]] == [False, False]
-    assert "does NOT fit" in w.status and "To fit:" in w.status
+    assert w.status == "" and "does NOT fit" in w.error and "under the plan bar" in w.error
+    assert any("offloading to host memory fits" in a for a in w.plan["advice"])
 
 
 def test_a_plan_without_devices_is_a_notice_and_plans_nothing():
@@ -787,8 +788,8 @@ def test_a_plan_place_refuses_says_why_and_keeps_the_last_plan():
     w = explore(model)
     w.place(TWO_GPUS, batch=2, seq_len=8)
     before = w.plan
-    w.place(TWO_GPUS, batch=2, seq_len=None)  # a language model needs its sequence length
-    assert w.error.startswith("Could not plan:") and "seq_len=" in w.error
+    w.place(TWO_GPUS, batch=2, seq_len=None)  # the bar's Seq len left empty
+    assert "Enter a Seq len" in w.notice["text"] and "inputs=" in w.notice["text"]
     assert w.plan == before and w.busy == ""
 
 

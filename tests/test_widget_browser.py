@@ -708,6 +708,20 @@ def test_a_plan_made_in_the_widget_shows_each_parts_device_in_jupyterlab(browser
     widget.screenshot(path=str(DOCS_IMG / "widget-plan-700.png"))
     assert _cut_tags(widget) == []
 
+    # a plan that does not fit: said in red, each device's "over" whole in its narrow column
+    widget.locator(".jmi-plan-devices").fill("cuda:0=100KiB, cuda:1=100KiB")
+    widget.locator(".jmi-plan-devices").press("Enter")
+    widget.locator(".jmi-message.jmi-error", has_text="does NOT fit").wait_for(timeout=60_000)
+    clipped = widget.evaluate(
+        """(root) => [...root.querySelectorAll('.jmi-dev-overtag')].filter((tag) => {
+          const cell = tag.closest('.jmi-c-device').getBoundingClientRect();
+          const r = tag.getBoundingClientRect();
+          return r.width === 0 || r.right > cell.right + 0.5;
+        }).length"""
+    )
+    assert widget.locator(".jmi-dev-overtag").count() > 0 and clipped == 0
+    widget.screenshot(path=str(ARTIFACTS / "widget-plan-over-700.png"))
+
 
 def _cut_tags(widget) -> list[str]:
     """The tags beside names shown only in part (a tag shows whole or not at all)."""

@@ -385,7 +385,8 @@ def _advice(model: nn.Module, parts: list[Part], activity: Activity, devices: di
             peak = None
         if peak is not None and all(peak[d] <= with_host[d] for d in with_host):
             advice.append(
-                f"offloading to host memory fits: add 'cpu': '{format_bytes(host)}' "
-                "to devices (slower: those parts run from the host)"
+                f"offloading to host memory fits: add the host, cpu, to the devices (it would "
+                f"hold {format_bytes(peak['cpu'])} of its {format_bytes(host)} free; slower: "
+                "those parts run from the host)"
             )
     return advice

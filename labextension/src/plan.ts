@@ -45,7 +45,10 @@ export function deviceChip(plan: Plan, node: number): HTMLElement {
   }
   const d = devices[at];
   if (!d) return h("span", "jmi-dev-none", "—");
-  const chip = h("span", `jmi-devchip${d.fits ? "" : " jmi-dev-over"}`, d.fits ? d.name : `${d.name} · over`);
+  const chip = h("span", `jmi-devchip${d.fits ? "" : " jmi-dev-over"}`);
+  // the name may shorten in a narrow column; "over" never does (style.css)
+  chip.append(h("span", "jmi-dev-name", d.name));
+  if (!d.fits) chip.append(h("span", "jmi-dev-overtag", " over"));
   chip.style.setProperty("--jmi-dev", deviceColor(at));
   chip.title = d.fits
     ? `Planned on ${d.name}`
@@ -259,7 +262,7 @@ export class SaveBar {
   render(busy: boolean): void {
     const names: string[] = this.host.get("selected") ?? [];
     this.what.textContent =
-      names.length === 0 ? "the whole model" : names.length === 1 ? `only ${names[0]}` : "select one subtree, or none";
+      names.length === 0 || (names.length === 1 && !names[0]) ? "the whole model" : names.length === 1 ? `only ${names[0]}` : "select one subtree, or none";
     enable(this.host, this.saveBtn, !busy && names.length <= 1, busy ? "Busy: wait for the running action" : names.length > 1 ? "Select one subtree, or none for the whole model" : "Write the values materialize would give, tensor by tensor; nothing in the model changes");
   }
 }

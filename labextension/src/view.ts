@@ -92,7 +92,10 @@ export class TreeView {
     root.appendChild(this.el);
     this.link = new KernelLink((content) => model.send(content), {
       // the last action's message is not about this one: hide it until the kernel's next
-      actionSent: () => (this.messageEl.hidden = true),
+      actionSent: () => {
+        this.messageEl.hidden = true;
+        this.noticeEl.hidden = true; // an old "Copied …" is not about it either
+      },
       changed: (connection) => {
         this.renderActions();
         if (!connection) return;
@@ -392,6 +395,10 @@ export class TreeView {
     else if (target.closest(".jmi-caret, .jmi-name")) {
       if (this.tree.children[node].length) this.toggleExpand(node);
     }
+    // the clicked row takes the keyboard: the notebook may have taken focus on mousedown
+    // (Notebook 7 focuses the cell), and the arrows and Space that follow are the tree's
+    this.renderRows();
+    this.focusRow();
   }
 
   /** Copy a row's path as code the magics take (`model.model.layers[5]`) and say so. */
@@ -620,7 +627,9 @@ export class TreeView {
     this.progressBar.style.width = `${(100 * frac).toFixed(1)}%`;
     const phase: string = this.model.get("phase") ?? "";
     const amount = total ? `${humanBytes(done)} / ${humanBytes(total)} (${Math.round(100 * frac)}%)` : "";
-    this.progressText.textContent = busy ? [`${busy}:`, amount, phase && `· ${phase}`].filter(Boolean).join(" ") : "";
+    // "materialize cpu: 1.0 GiB / 2.0 GiB (50%) · phase", or "free: phase" before any amount
+    const said = [amount, phase].filter(Boolean).join(" · ");
+    this.progressText.textContent = busy ? [`${busy}:`, said].filter(Boolean).join(" ") : "";
   }
 
   private renderMessage(): void {

@@ -466,7 +466,7 @@ describe("Plan and Save", () => {
   it("says in words that a part on a device over capacity does not fit", () => {
     const { root, model } = mount(smallTree());
     model.set("plan", twoDevicePlan(false));
-    expect(deviceCells(root)).toContain("cuda:1 · over");
+    expect(deviceCells(root)).toContain("cuda:1 over");
     const head = root.querySelector(".jmi-planhead")!;
     expect(head.textContent).toContain("does not fit");
     expect(head.textContent).toContain("over by 1.00 KiB");
@@ -528,6 +528,18 @@ describe("Plan and Save", () => {
     const described = document.getElementById(view.planBar.matBtn.getAttribute("aria-describedby")!)!;
     expect(root.contains(described)).toBe(true);
     expect(described.textContent).toContain("This kernel has no cuda:0, cuda:1");
+  });
+
+  it("says the whole model when the root is the one ticked subtree", () => {
+    const { root } = mount(smallTree(), { selected: [""] });
+    expect(root.querySelector(".jmi-save-what")!.textContent).toBe("the whole model");
+  });
+
+  it("keeps a device's 'over' whole however narrow its column", () => {
+    const { root, model } = mount(smallTree());
+    model.set("plan", { ...twoDevicePlan(), devices: twoDevicePlan().devices!.map((d) => ({ ...d, fits: false })) });
+    const tag = root.querySelector(".jmi-dev-over .jmi-dev-overtag");
+    expect(tag?.textContent).toBe(" over");
   });
 
   it("sends the path and format to save, and refuses two selected subtrees", () => {

@@ -183,6 +183,12 @@ class TreePlanning:
                 "seq_len": _check_count(content.get("seq_len"), "seq len", optional=True),
                 "training": bool(content.get("training", False)),
             }
+            if request["seq_len"] is None:
+                raise ValueError(
+                    "Enter a Seq len (tokens per sample): the plan measures the activations of "
+                    "that workload. A model whose forward takes other inputs is planned from "
+                    "Python: jupyter_metainit.place(model, devices, inputs=[(8, 3, 224, 224)])."
+                )
             devices = parse_device_text(request["devices"])
             return "plan", lambda: self._plan_job(request, devices, {})
         if self._plan_request is None:
@@ -220,18 +226,26 @@ class TreePlanning:
             self.error = f"Could not {label}: {exc}" + (
                 " Part of the model changed state; see the badges."
                 if changed
+                else ""
+                if label == "plan"
                 else " The model was left as it was."
             )
         else:
             self.refresh()
-            self.status = said.replace("{took}", format_duration(time.monotonic() - t0))
+            # a plan that does not fit is said as a problem (red), not as a success
+            text, problem = said if isinstance(said, tuple) else (said, False)
+            text = text.replace("{took}", format_duration(time.monotonic() - t0))
+            if problem:
+                self.error = text
+            else:
+                self.status = text
         finally:
             self.phase = ""
             self.busy = ""
 
     def _plan_job(
         self, request: dict, devices: Any, pin: dict[str, str], drop: bool = False
-    ) -> str:
+    ) -> tuple[str, bool]:
         # a new plan keeps the pins to devices it still has; unpin drops them all
         kept = {n: d for n, d in self._pins.items() if isinstance(devices, dict) and d in devices}
         pins = {} if drop else {**kept, **pin}
@@ -255,8 +269,8 @@ class TreePlanning:
         pinned = (
             f" Pinned: {modules_in_words(list(pin))} → {next(iter(pin.values()))}." if pin else ""
         )
-        advice = "" if placement.fits else " To fit: " + "; ".join(placement.advice) + "."
-        return f"Planned in {{took}}. {verdict}: {peaks}.{pinned}{advice}"
+        advice = "" if placement.fits else " What would make it fit is under the plan bar."
+        return f"Planned in {{took}}. {verdict}: {peaks}.{pinned}{advice}", not placement.fits
 
     def _materialize_plan_job(self) -> Job:
         placement = self._placement
