@@ -192,12 +192,7 @@ def _write_direct(
             nbytes = sum(entry.nbytes for _, _, entry in batch)
             writer.jobs.put((None, nbytes, None))  # the jobs hold the values
             del values
-        writer.jobs.put(None)
-        while writer.is_alive():
-            writer.join(0.1)
-            progress.report(writer.written, "writing")
-        if writer.error is not None:
-            raise writer.error
+        _drain(writer, progress)
         for one in opened.values():
             one.finish()
         progress.report(writer.written)
@@ -209,6 +204,16 @@ def _write_direct(
             writer.join()
         for one in opened.values():
             one.close()
+
+
+def _drain(writer: Any, progress: Progress) -> None:
+    """Let the writer thread finish what is queued, reporting progress; raise its failure."""
+    writer.jobs.put(None)
+    while writer.is_alive():
+        writer.join(0.1)
+        progress.report(writer.written, "writing")
+    if writer.error is not None:
+        raise writer.error
 
 
 def _map_files(
@@ -250,12 +255,7 @@ def _write_with_writer(
             _wait_for_slot(slots, writer, progress)
             recycler.start_batch([entry.nbytes for _, _, entry in batch])
             _write_batch(batch, tensors, dtype, writer, recycler, progress)
-        writer.jobs.put(None)
-        while writer.is_alive():
-            writer.join(0.1)
-            progress.report(writer.written, "writing")
-        if writer.error is not None:
-            raise writer.error
+        _drain(writer, progress)
         progress.report(writer.written)
     finally:
         writer.stop.set()
