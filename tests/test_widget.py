@@ -783,13 +783,30 @@ def test_a_tied_part_shows_the_device_of_the_tensor_it_shares():
     assert where["head"] == where["embed"] == 0
 
 
+def test_a_model_that_takes_images_is_planned_from_the_inputs_shapes():
+    with meta_init():
+        model = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.LazyLinear(4))
+    model(torch.zeros(1, 3, 10, 10, device="meta"))  # the lazy layer learns its size
+    w = explore(model)
+    w.place("cpu=1GiB", inputs="(2, 3, 10, 10)")
+    assert w.error == "" and w.status.startswith("Planned in")
+    assert w.plan["request"]["inputs"] == [(2, 3, 10, 10)] and w.plan["fits"]
+
+
+def test_inputs_that_are_not_shapes_are_refused_with_an_example():
+    model = _lm()  # the widget holds its model weakly
+    w = explore(model)
+    w.place("cpu=1GiB", inputs="224x224")
+    assert "Inputs must be shapes" in w.notice["text"] and "(8, 3, 224, 224)" in w.notice["text"]
+
+
 def test_a_plan_place_refuses_says_why_and_keeps_the_last_plan():
     model = _lm()
     w = explore(model)
     w.place(TWO_GPUS, batch=2, seq_len=8)
     before = w.plan
     w.place(TWO_GPUS, batch=2, seq_len=None)  # the bar's Seq len left empty
-    assert "Enter a Seq len" in w.notice["text"] and "inputs=" in w.notice["text"]
+    assert "Enter a Seq len" in w.notice["text"] and "Inputs" in w.notice["text"]
     assert w.plan == before and w.busy == ""
 
 

@@ -23,7 +23,13 @@ export interface Plan {
   advice?: string[];
   notes?: string[];
   pins?: Record<string, string>;
-  request?: { devices?: string; batch?: number; seq_len?: number | null; training?: boolean };
+  request?: {
+    devices?: string;
+    batch?: number;
+    seq_len?: number | null;
+    training?: boolean;
+    inputs?: number[][] | null;
+  };
 }
 
 /** One colour per device, told apart by people with the common colour-vision deficiencies
@@ -115,6 +121,7 @@ export class PlanBar {
   readonly devices = h("input", "jmi-input jmi-plan-devices");
   readonly batch = h("input", "jmi-input jmi-num");
   readonly seqLen = h("input", "jmi-input jmi-num");
+  readonly inputs = h("input", "jmi-input jmi-plan-inputs");
   readonly mode = h("select", "jmi-select jmi-plan-mode");
   readonly planBtn = h("button", "jmi-btn jmi-primary jmi-plan-go", "Plan");
   readonly pinSel = h("select", "jmi-select jmi-pin-device");
@@ -138,6 +145,10 @@ export class PlanBar {
     this.seqLen.min = "1";
     this.seqLen.placeholder = "tokens";
     this.seqLen.title = "Tokens per sample (prompt + generated) for a language model";
+    this.inputs.type = "text";
+    this.inputs.placeholder = "(8, 3, 224, 224)";
+    this.inputs.title =
+      "Instead of Seq len, for a model whose forward takes other inputs: their shapes, batch included (several: (8, 3, 224, 224), (8,))";
     for (const [v, t] of [["inference", "Inference"], ["training", "Training (AdamW)"]]) {
       const o = h("option", "", t);
       o.value = v;
@@ -163,6 +174,7 @@ export class PlanBar {
       labelled("Devices", this.devices),
       labelled("Batch", this.batch),
       labelled("Seq len", this.seqLen),
+      labelled("or Inputs", this.inputs),
       this.mode,
       this.planBtn,
     );
@@ -180,6 +192,7 @@ export class PlanBar {
       batch: Number(this.batch.value) || 1,
       seq_len: seq ? Number(seq) : null,
       training: this.mode.value === "training",
+      inputs: this.inputs.value.trim() || null,
     });
   }
 

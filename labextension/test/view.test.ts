@@ -493,7 +493,17 @@ describe("Plan and Save", () => {
     view.planBar.mode.value = "training";
     view.planBar.el.dispatchEvent(new Event("submit", { cancelable: true }));
     expect(model.sent).toEqual([
-      { action: "plan", devices: "cuda:0=80GiB, cuda:1=80GiB", batch: 4, seq_len: 4096, training: true, id: 1 },
+      { action: "plan", devices: "cuda:0=80GiB, cuda:1=80GiB", batch: 4, seq_len: 4096, training: true, inputs: null, id: 1 },
+    ]);
+  });
+
+  it("sends the Inputs' shapes typed instead of a Seq len", () => {
+    const { model, view } = mount(smallTree());
+    view.planBar.devices.value = "cpu=8GiB";
+    view.planBar.inputs.value = " (8, 3, 224, 224) ";
+    view.planBar.el.dispatchEvent(new Event("submit", { cancelable: true }));
+    expect(model.sent).toEqual([
+      { action: "plan", devices: "cpu=8GiB", batch: 1, seq_len: null, training: false, inputs: "(8, 3, 224, 224)", id: 1 },
     ]);
   });
 

@@ -23,10 +23,12 @@ class PlanningCalls:
         batch: int = 1,
         seq_len: int | None = None,
         training: bool = False,
+        inputs: str | None = None,
         wait: bool = True,
     ) -> None:
         """Plan where each part goes (what *Plan…* does): ``devices`` as typed in the plan bar,
-        ``"cuda:0=80GiB, cuda:1=80GiB"`` or ``"auto"``. The tree then shows the plan."""
+        ``"cuda:0=80GiB, cuda:1=80GiB"`` or ``"auto"``; ``inputs`` as its Inputs field,
+        ``"(8, 3, 224, 224)"``, instead of ``seq_len``. The tree then shows the plan."""
         self.handle_action(
             {
                 "action": "plan",
@@ -34,6 +36,7 @@ class PlanningCalls:
                 "batch": batch,
                 "seq_len": seq_len,
                 "training": training,
+                "inputs": inputs,
             }
         )
         if wait:

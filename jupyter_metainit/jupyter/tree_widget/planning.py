@@ -11,6 +11,7 @@ the pinned parts; ``unpin`` drops every pin.
 
 from __future__ import annotations
 
+import ast
 import time
 from collections.abc import Callable
 from typing import Any
@@ -73,6 +74,32 @@ def _check_count(value: Any, what: str, *, optional: bool = False) -> int | None
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX_BATCH:
         raise ValueError(f"Refused: {what} must be a whole number >= 1, not {value!r}.")
     return value
+
+
+def _input_shapes(text: Any) -> list[tuple[int, ...]] | None:
+    """The plan bar's Inputs: one shape ``(8, 3, 224, 224)`` or several, batch included, for
+    ``place(inputs=...)``; None when empty."""
+    if text is None or (isinstance(text, str) and not text.strip()):
+        return None
+    try:
+        value = ast.literal_eval(text) if isinstance(text, str) else None
+    except (ValueError, SyntaxError):
+        value = None
+    shapes = [value] if _is_shape(value) else value
+    if not isinstance(shapes, (list, tuple)) or not shapes or not all(map(_is_shape, shapes)):
+        raise ValueError(
+            "Refused: Inputs must be shapes of whole numbers, e.g. (8, 3, 224, 224), or "
+            f"(8, 3, 224, 224), (8,) for two inputs; not {text!r}."
+        )
+    return [tuple(shape) for shape in shapes]
+
+
+def _is_shape(value: Any) -> bool:
+    return (
+        isinstance(value, (list, tuple))
+        and len(value) > 0
+        and all(type(d) is int and 1 <= d <= _MAX_BATCH for d in value)
+    )
 
 
 def _node_devices(
@@ -182,12 +209,13 @@ class TreePlanning:
                 "batch": _check_count(content.get("batch", 1), "batch"),
                 "seq_len": _check_count(content.get("seq_len"), "seq len", optional=True),
                 "training": bool(content.get("training", False)),
+                "inputs": _input_shapes(content.get("inputs")),
             }
-            if request["seq_len"] is None:
+            if request["seq_len"] is None and request["inputs"] is None:
                 raise ValueError(
-                    "Enter a Seq len (tokens per sample): the plan measures the activations of "
-                    "that workload. A model whose forward takes other inputs is planned from "
-                    "Python: jupyter_metainit.place(model, devices, inputs=[(8, 3, 224, 224)])."
+                    "Enter a Seq len (tokens per sample), or for a model whose forward takes "
+                    "other inputs their shapes in Inputs, batch included, e.g. (8, 3, 224, 224): "
+                    "the plan measures the activations of that workload."
                 )
             devices = parse_device_text(request["devices"])
             return "plan", lambda: self._plan_job(request, devices, {})
@@ -255,6 +283,7 @@ class TreePlanning:
             devices,
             batch=request["batch"],
             seq_len=request["seq_len"],
+            inputs=request.get("inputs"),
             training=request["training"],
             precision=parse_dtype(self.dtype or None),
             pin=pins or None,
