@@ -113,25 +113,28 @@ def write_safetensors_files(
     made in), a batch of consecutive ones at a time: their fills are then one run of the random
     stream, cut across the cores with one jump-ahead per core, and the next batch continues
     where it ended, instead of jumping around the stream as the file order (by dtype, then
-    name) would make them. On Linux the values are generated straight into the mapped files
-    (``save.mapped``); elsewhere, or where the file system cannot reserve the blocks, a writer
-    thread ``pwrite``s them, two batches alive (``_write_with_writer``)."""
+    name) would make them. The first way the file system allows (module docstring):
+    ``O_DIRECT`` (``_write_direct``), the mapped files (``save.mapped``), ``pwrite``
+    (``_write_with_writer``)."""
     layout = {os.path.join(directory, name): file_order(entries)
               for name, entries in files.items()}  # fmt: skip
     headers = {path: header_bytes(ordered, {"format": "pt"}) for path, ordered in layout.items()}
-    if can_write_direct() and _write_direct(layout, headers, tensors, dtype, progress):
-        return
-    mapped = _map_files(layout, headers) if can_map() else None
-    if mapped is None:
-        _write_with_writer(layout, headers, tensors, dtype, progress)
-        return
-    where: dict[str, tuple[MappedFile, int, FileEntry]] = {}
+    sizes = {path: len(headers[path]) + sum(entry.nbytes for entry in ordered)
+             for path, ordered in layout.items()}  # fmt: skip
+    # (file path, offset, entry) of each tensor to write, in the order of ``tensors``
+    where: dict[str, tuple[str, int, FileEntry]] = {}
     for path, ordered in layout.items():
         offset = len(headers[path])
         for entry in ordered:
-            where[entry.name] = (mapped[path], offset, entry)
+            where[entry.name] = (path, offset, entry)
             offset += entry.nbytes
-    del mapped
+    placed = [where[name] for name in tensors if name in where]
+    if can_write_direct() and _write_direct(headers, sizes, placed, tensors, dtype, progress):
+        return
+    mapped = _map_files(headers, sizes) if can_map() else None
+    if mapped is None:
+        _write_with_writer(headers, placed, tensors, dtype, progress)
+        return
     done = 0
 
     def report(nbytes: int) -> None:
@@ -139,7 +142,7 @@ def write_safetensors_files(
         done += nbytes
         progress.report(done, "generating")
 
-    for batch in _batches([where[name] for name in tensors if name in where]):
+    for batch in _batches([(mapped[path], offset, entry) for path, offset, entry in placed]):
         progress.report(done, "generating")
         batch_tensors = [tensors[entry.name] for _, _, entry in batch]
         place_batch(batch, lambda memory, ts=batch_tensors: cpu_values_of_batch(ts, dtype, memory),
@@ -148,7 +151,7 @@ def write_safetensors_files(
 
 
 def _write_direct(
-    layout: dict[str, list[FileEntry]], headers: dict[str, bytes],
+    headers: dict[str, bytes], sizes: dict[str, int], placed: list[tuple[str, int, FileEntry]],
     tensors: dict[str, torch.Tensor], dtype: torch.dtype | None, progress: Progress,
 ) -> bool:  # fmt: skip
     """The ``O_DIRECT`` path (``save.direct``): a writer thread writes a batch while the next
@@ -159,24 +162,18 @@ def _write_direct(
     regions = Regions()
     writer = DirectWriter(slots)
     try:
-        for path, ordered in layout.items():
-            size = len(headers[path]) + sum(entry.nbytes for entry in ordered)
+        for path, size in sizes.items():
             one = DirectFile.open(path, size)
             if one is None:
                 return False
             opened[path] = one
         writer.start()
-        where: dict[str, tuple[DirectFile, int, FileEntry]] = {}
-        for path, ordered in layout.items():
+        for path, header in headers.items():
             jobs: list = []
-            opened[path].add(0, memoryview(headers[path]), jobs)
+            opened[path].add(0, memoryview(header), jobs)
             for job in jobs:
                 writer.jobs.put(job)
-            offset = len(headers[path])
-            for entry in ordered:
-                where[entry.name] = (opened[path], offset, entry)
-                offset += entry.nbytes
-        for batch in _batches([where[name] for name in tensors if name in where]):
+        for batch in _batches([(opened[path], offset, entry) for path, offset, entry in placed]):
             _wait_for_slot(slots, writer, progress)
             regions.start_batch([(offset, entry) for _, offset, entry in batch])
             values = cpu_values_of_batch([tensors[e.name] for _, _, e in batch], dtype, regions)
@@ -216,13 +213,10 @@ def _drain(writer: Any, progress: Progress) -> None:
         raise writer.error
 
 
-def _map_files(
-    layout: dict[str, list[FileEntry]], headers: dict[str, bytes]
-) -> dict[str, MappedFile] | None:
+def _map_files(headers: dict[str, bytes], sizes: dict[str, int]) -> dict[str, MappedFile] | None:
     """Each file at its final size, header written, mapped; None where one cannot be."""
     mapped: dict[str, MappedFile] = {}
-    for path, ordered in layout.items():
-        size = len(headers[path]) + sum(entry.nbytes for entry in ordered)
+    for path, size in sizes.items():
         one = MappedFile.create(path, headers[path], size)
         if one is None:
             return None
@@ -231,7 +225,7 @@ def _map_files(
 
 
 def _write_with_writer(
-    layout: dict[str, list[FileEntry]], headers: dict[str, bytes],
+    headers: dict[str, bytes], placed: list[tuple[str, int, FileEntry]],
     tensors: dict[str, torch.Tensor], dtype: torch.dtype | None, progress: Progress,
 ) -> None:  # fmt: skip
     """The ``pwrite`` path: a writer thread writes a batch while the next is generated, at
@@ -240,18 +234,12 @@ def _write_with_writer(
     recycler = Recycler()
     writer = _Writer(slots, recycler)
     writer.start()
-    fds: list[int] = []
+    fds: dict[str, int] = {}
     try:
-        where: dict[str, tuple[int, int, FileEntry]] = {}
-        for path, ordered in layout.items():
-            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
-            fds.append(fd)
-            writer.jobs.put((fd, 0, headers[path], False))
-            offset = len(headers[path])
-            for entry in ordered:
-                where[entry.name] = (fd, offset, entry)
-                offset += entry.nbytes
-        for batch in _batches([where[name] for name in tensors if name in where]):
+        for path, header in headers.items():
+            fds[path] = os.open(path, os.O_WRONLY | os.O_CREAT, 0o644)
+            writer.jobs.put((fds[path], 0, header, False))
+        for batch in _batches([(fds[path], offset, entry) for path, offset, entry in placed]):
             _wait_for_slot(slots, writer, progress)
             recycler.start_batch([entry.nbytes for _, _, entry in batch])
             _write_batch(batch, tensors, dtype, writer, recycler, progress)
@@ -262,7 +250,7 @@ def _write_with_writer(
         if writer.is_alive():
             writer.jobs.put(None)
             writer.join()
-        for fd in fds:
+        for fd in fds.values():
             os.close(fd)
 
 
