@@ -268,10 +268,22 @@ def _handle_outermost(func: Any, args: tuple, kwargs: dict) -> Any:
 
 
 def _handle_function(func: Any, args: tuple, kwargs: dict) -> Any:
-    if func not in _SPECIAL:  # most calls (``F.linear``, ``x.view``): one look-up, not ten
-        if "device" in kwargs:
-            return rewrite_device(func, args, kwargs, in_context=False)
-        return _run(func, args, kwargs)
+    # most calls (``F.linear``, ``x.view``) are none of the special ones: one look-up, not ten
+    if func in _SPECIAL:
+        handled = _handle_special(func, args, kwargs)
+        if handled is not _NOT_SPECIAL:
+            return handled
+    if "device" in kwargs:
+        return rewrite_device(func, args, kwargs, in_context=False)
+    return _run(func, args, kwargs)
+
+
+_NOT_SPECIAL = object()  # _handle_special's answer for a call it leaves to the general path
+
+
+def _handle_special(func: Any, args: tuple, kwargs: dict) -> Any:
+    """The calls treated otherwise than by running them (``_SPECIAL``), or ``_NOT_SPECIAL``
+    when this call of one of them is an ordinary one (a method on a real tensor)."""
     if func in TO_METHODS and args and isinstance(args[0], DeferredTensor):
         return retarget(func, args[0], args[1:], dict(kwargs))
     if func is torch.Tensor.numpy or func is torch.Tensor.tolist:
@@ -306,12 +318,10 @@ def _handle_function(func: Any, args: tuple, kwargs: dict) -> Any:
             # what to do instead of PyTorch's "data is not allocated yet".
             storage.__class__ = _DeferredStorage
         return storage
-    if "device" in kwargs:
-        return rewrite_device(func, args, kwargs, in_context=False)
-    return _run(func, args, kwargs)
+    return _NOT_SPECIAL
 
 
-# The calls ``_handle_function`` treats otherwise than by running them.
+# The calls ``_handle_special`` treats otherwise than by running them.
 _SPECIAL = frozenset({
     *TO_METHODS, *_AUTOGRAD_CALLS, *SUBCLASS_SENSITIVE, torch.Tensor.numpy, torch.Tensor.tolist,
     torch.Tensor.new_tensor, torch.Tensor.share_memory_, torch.Tensor.is_shared,
