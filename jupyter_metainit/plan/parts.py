@@ -18,7 +18,7 @@ from torch import nn
 
 from jupyter_metainit.estimates.repeats import children, own_tensors, repeated_blocks
 
-__all__ = ["Part", "find_parts", "repeated_blocks"]
+__all__ = ["Part", "find_parts"]
 
 
 @dataclass(eq=False)  # identity: parts are compared and hashed as objects

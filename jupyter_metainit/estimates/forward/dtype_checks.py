@@ -15,7 +15,7 @@ import torch
 from torch.nn.parameter import is_lazy
 
 from jupyter_metainit.core import plain
-from jupyter_metainit.estimates.forward.nested import map_tensors, op_tensors, tensors_in
+from jupyter_metainit.estimates.forward.nested import map_tensors, tensors_in
 
 __all__ = ["EagerDtypeChecks", "run_past_cuda_only_meta_checks"]
 
@@ -26,17 +26,16 @@ _CUDA_ONLY_META_DTYPE = {torch.ops.aten._grouped_mm.default: torch.bfloat16}
 
 
 def run_past_cuda_only_meta_checks(
-    func: Any, args: tuple, kwargs: dict, inputs: list[torch.Tensor] | None = None
+    func: Any, args: tuple, kwargs: dict, inputs: list[torch.Tensor]
 ) -> Any:
     """``func(*args, **kwargs)``; for an op whose meta kernel refuses dtypes its CPU kernel
     computes in, the output's shape from the meta kernel in the dtype it takes, given the dtype
     the CPU kernel returns (``out_dtype``, else the first input's). The casts are the run's own
     scratch: what the caller sees is one output, as eager makes it. ``inputs``: the tensors
-    in the arguments, where the caller has them already."""
+    in the arguments (``op_tensors``)."""
     wanted = _CUDA_ONLY_META_DTYPE.get(func)
     if wanted is None:
         return func(*args, **kwargs)
-    inputs = op_tensors(args, kwargs) if inputs is None else inputs
     if all(t.dtype == wanted for t in inputs if t.is_floating_point()):
         return func(*args, **kwargs)
     eager_dtype = kwargs.get("out_dtype") or args[0].dtype
@@ -76,12 +75,9 @@ class EagerDtypeChecks:
             and "generator" not in func._schema.arguments.__repr__()
         )
 
-    def check(
-        self, func: Any, args: tuple, kwargs: dict, inputs: list[torch.Tensor] | None = None
-    ) -> None:
-        """Raise eager's dtype error for this op, if eager has one (``inputs``: the tensors
-        in the arguments, where the caller has them already)."""
-        tensors = op_tensors(args, kwargs) if inputs is None else inputs
+    def check(self, func: Any, args: tuple, kwargs: dict, tensors: list[torch.Tensor]) -> None:
+        """Raise eager's dtype error for this op, if eager has one (``tensors``: those in the
+        arguments, ``op_tensors``)."""
         if not tensors or any(is_lazy(t) for t in tensors):  # shapeless until inferred
             return
         # Metadata reads without each tensor subclass's __torch_function__ (every op: cheap).
