@@ -31,7 +31,7 @@ from jupyter_metainit.save.writer import (
     write_safetensors_files,
 )
 
-__all__ = ["write_checkpoint"]
+__all__ = ["mark_config", "write_checkpoint"]
 
 _SHARD_FILE = re.compile(r"model(-\d{5}-of-\d{5})?\.safetensors(\.index\.json)?")
 
@@ -123,9 +123,14 @@ def _write_transformers_files(obj: Any, directory: str, dtype: torch.dtype | Non
     and the architecture, as it sets them) and ``generation_config.json``."""
     if not is_transformers_model(obj):
         return
-    saved_dtype = dtype if dtype is not None else obj.dtype
-    obj.config.dtype = str(saved_dtype).split(".")[1]
-    obj.config.architectures = [type(obj).__name__.removeprefix("FSDP")]
+    mark_config(obj, dtype if dtype is not None else obj.dtype)
     obj.config.save_pretrained(directory)
     if obj.can_generate():
         obj.generation_config.save_pretrained(directory)
+
+
+def mark_config(model: Any, dtype: torch.dtype) -> None:
+    """The dtype and architecture eager ``save_pretrained`` sets on the config (on every rank,
+    whether it writes or not)."""
+    model.config.dtype = str(dtype).split(".")[1]
+    model.config.architectures = [type(model).__name__.removeprefix("FSDP")]

@@ -20,7 +20,7 @@ import torch
 
 from jupyter_metainit.core import is_deferred
 from jupyter_metainit.core.errors import MetaInitError
-from jupyter_metainit.save.checkpoint import write_checkpoint
+from jupyter_metainit.save.checkpoint import mark_config, write_checkpoint
 from jupyter_metainit.save.layout import file_names, state_dict_of
 
 __all__ = ["holds_deferred", "save_deferred"]
@@ -62,7 +62,7 @@ def save_deferred(model: Any, original: Callable[..., Any], args: tuple, kwargs:
     if os.path.isfile(directory):  # transformers logs an error and writes nothing
         return original(model, *args, **kwargs)
     if not _saves_on_this_rank(model, options["is_main_process"]):
-        _mark_config(model)  # what eager does on the other ranks: the directory, no file
+        mark_config(model, model.dtype)  # what eager does on the other ranks: no file
         os.makedirs(directory, exist_ok=True)
         return None
     state, origin = _state_to_save(model, options["state_dict"])
@@ -152,12 +152,6 @@ def _code_files(model: Any) -> Callable[[str], Any] | None:
 def _saves_on_this_rank(model: Any, is_main_process: bool) -> bool:
     should_save = getattr(model, "should_save_on_this_rank", None)
     return bool(should_save(is_main_process)) if callable(should_save) else bool(is_main_process)
-
-
-def _mark_config(model: Any) -> None:
-    """The dtype and architecture eager ``save_pretrained`` sets on the config on every rank."""
-    model.config.dtype = str(model.dtype).split(".")[1]
-    model.config.architectures = [type(model).__name__.removeprefix("FSDP")]
 
 
 def _state_to_save(
