@@ -38,7 +38,6 @@ aten = torch.ops.aten
 
 # op -> the chunk alignment its kernel needs (normal_ works in blocks of 16 elements)
 ALIGN = {aten.normal_.default: 16, aten.uniform_.default: 1}
-_ALIGN = ALIGN
 FILLS = frozenset(ALIGN)
 # Below this many elements per chunk, a jump-ahead (up to about 10 ms) costs more than the chunk's
 # share of the fill saves (about 7 ns an element on one core).
@@ -98,7 +97,7 @@ def split_is_exact(func: Any, dtype: torch.dtype, fill: Callable) -> bool:
                 chunked = torch.empty(n, dtype=dtype)
                 a, b = torch.Generator().manual_seed(n), torch.Generator().manual_seed(n)
                 fill(serial, a)
-                bounds = _chunks(n, parts, _ALIGN[func])
+                bounds = _chunks(n, parts, ALIGN[func])
                 _fill_in_chunks(chunked, fill, b, bounds, draws_per_element(dtype), False)
                 same_values = torch.equal(serial.view(torch.uint8), chunked.view(torch.uint8))
                 ok = ok and same_values and torch.equal(a.get_state(), b.get_state())
@@ -120,7 +119,7 @@ def _fillable(func: Any, t: Any, generator: torch.Generator) -> bool:
     """A fill this module can cut: ``normal_``/``uniform_`` of a contiguous CPU tensor of a
     dtype with a known draw count, from a CPU generator."""
     return (
-        func in _ALIGN
+        func in ALIGN
         and isinstance(t, torch.Tensor)
         and t.device.type == "cpu"
         and generator.device.type == "cpu"
@@ -133,7 +132,7 @@ def _covering(func: Any, n: int, lo: int, hi: int) -> tuple[int, int]:
     """The elements to generate for ``[lo, hi)`` of a fill of ``n``: widened to the kernel's
     blocks, to the fill's end when a partial last block is near (it is redrawn), and to at
     least 16 elements (shorter fills take another kernel path)."""
-    align = _ALIGN[func]
+    align = ALIGN[func]
     start = max(0, lo) // align * align
     end = min(n, -(-hi // align) * align)
     if n - end < 16:
@@ -165,7 +164,7 @@ def split_fill(
     if not split_is_exact(func, target.dtype, fill_plainly):
         return False
     parts = min(workers, target.numel() // MIN_CHUNK)
-    bounds = _chunks(target.numel(), parts, _ALIGN[func])
+    bounds = _chunks(target.numel(), parts, ALIGN[func])
     _fill_in_chunks(target, fill_plainly, generator, bounds, draws_per_element(target.dtype), True)
     return True
 
@@ -187,7 +186,7 @@ def fill_region(
     if not _fillable(func, target, generator):
         return False
     n = target.numel()
-    align, per = _ALIGN[func], draws_per_element(target.dtype)
+    align, per = ALIGN[func], draws_per_element(target.dtype)
     lo, hi = _covering(func, n, *region)
     if n - (hi - lo) < MIN_SKIP:
         return False
@@ -227,7 +226,7 @@ def fill_region_into(
     next fill of the stream starts from it without a jump). False if not possible."""
     if not _fillable(func, dst, generator):
         return False
-    align, per = _ALIGN[func], draws_per_element(dst.dtype)
+    align, per = ALIGN[func], draws_per_element(dst.dtype)
     lo, hi = first, first + dst.numel()
     start, end = _covering(func, numel, lo, hi)
     fill_plainly = _plainly(fill)
