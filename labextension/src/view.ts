@@ -14,10 +14,6 @@ import { type Plan, PlanBar, planHead, SaveBar } from "./plan";
 import { ROW_HEIGHT, type RowContext, treeRow } from "./row";
 import { type PatchRow, Tree, type TreeJSON, type VisibleRow } from "./tree";
 
-export { codePath } from "./cells";
-export { ACK_TIMEOUT_MS, GONE_KERNEL, GONE_WIDGET, SILENCE_MS, SILENT_KERNEL } from "./kernel_link";
-export { ROW_HEIGHT } from "./row";
-
 /** The part of anywidget's model this view uses. */
 export interface WidgetModel {
   get(name: string): any;
@@ -154,16 +150,6 @@ export class TreeView {
       if (msg && msg.kind === "ack") this.link.acknowledged(Number(msg.id));
     });
     this.update();
-  }
-
-  /** The kernel is gone (comm closed, kernel restarted or dead). */
-  get disconnected(): boolean {
-    return this.link.disconnected;
-  }
-
-  /** An action was sent that the kernel has not answered for a while: it is busy. */
-  get waiting(): boolean {
-    return this.link.waiting;
   }
 
   private listen(events: string, cb: (...args: any[]) => void): void {

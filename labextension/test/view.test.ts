@@ -1,5 +1,6 @@
 import { afterEach, describe, expect, it, vi } from "vitest";
-import { codePath, TreeView, type WidgetModel } from "../src/view";
+import { codePath } from "../src/cells";
+import { TreeView, type WidgetModel } from "../src/view";
 import { bigTree, smallTree } from "./fixture";
 import type { TreeJSON } from "../src/tree";
 import { ROW } from "../src/rows";
