@@ -195,10 +195,7 @@ def _write_direct(
         progress.report(writer.written)
         return True
     finally:
-        writer.stop.set()
-        if writer.is_alive():
-            writer.jobs.put(None)
-            writer.join()
+        _stop(writer)
         for one in opened.values():
             one.close()
 
@@ -211,6 +208,14 @@ def _drain(writer: Any, progress: Progress) -> None:
         progress.report(writer.written, "writing")
     if writer.error is not None:
         raise writer.error
+
+
+def _stop(writer: Any) -> None:
+    """End the writer thread without the rest of its queue (after a failure, or once drained)."""
+    writer.stop.set()
+    if writer.is_alive():
+        writer.jobs.put(None)
+        writer.join()
 
 
 def _map_files(headers: dict[str, bytes], sizes: dict[str, int]) -> dict[str, MappedFile] | None:
@@ -246,10 +251,7 @@ def _write_with_writer(
         _drain(writer, progress)
         progress.report(writer.written)
     finally:
-        writer.stop.set()
-        if writer.is_alive():
-            writer.jobs.put(None)
-            writer.join()
+        _stop(writer)
         for fd in fds.values():
             os.close(fd)
 
