@@ -298,6 +298,29 @@ def test_every_write_path_gives_the_bytes_of_save_pretrained(tmp_path, monkeypat
     assert _files(str(tmp_path / "ours")) == _files(str(tmp_path / "eager"))
 
 
+def _large_layers() -> nn.Module:
+    # Over MIN_STREAM_ELEMENTS in one batch, odd sizes: the fills run cut across the cores and
+    # their parts are written while the rest is generated, at offsets in the middle of blocks.
+    return nn.Sequential(nn.Linear(2047, 2049), nn.Linear(2049, 2047), nn.Linear(2047, 1031))
+
+
+@pytest.mark.parametrize("path", ["direct", "mapped", "pwrite"])
+def test_parts_written_while_generating_give_the_bytes_of_save_file(tmp_path, monkeypatch, path):
+    if path != "direct":
+        monkeypatch.setattr(_WRITER, "can_write_direct", lambda: False)
+    if path == "pwrite":
+        monkeypatch.setattr(_WRITER, "can_map", lambda: False)
+    torch.manual_seed(0)
+    with meta_init():
+        deferred = _large_layers()
+    torch.manual_seed(0)
+    eager = _large_layers()
+    save(deferred, tmp_path / "ours")
+    save_file(eager.state_dict(), tmp_path / "eager.safetensors", metadata={"format": "pt"})
+    ours = (tmp_path / "ours" / "model.safetensors").read_bytes()
+    assert ours == (tmp_path / "eager.safetensors").read_bytes()
+
+
 def test_a_file_system_refusing_o_direct_falls_back_to_the_same_bytes(tmp_path, monkeypatch):
     direct = __import__("jupyter_metainit.save.direct", fromlist=["direct"])
     monkeypatch.setattr(direct.DirectFile, "open", classmethod(lambda cls, path, size: None))
