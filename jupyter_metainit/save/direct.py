@@ -67,13 +67,24 @@ class DirectFile:
 
     @classmethod
     def open(cls, path: str, size: int) -> DirectFile | None:
-        """None where the file system refuses ``O_DIRECT`` (tmpfs, some network ones)."""
+        """None where the file system refuses ``O_DIRECT`` (tmpfs, some network ones), or
+        refuses writes of ``ALIGN`` bytes with it (a device with larger logical blocks): one
+        block of zeros is written at the start first, before any other write is queued (the
+        header's block overwrites it later)."""
         try:
-            return cls(path, size)
+            one = cls(path, size)
         except OSError as exc:
             if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
                 return None
             raise
+        try:
+            os.pwrite(one.fd, memoryview(_aligned(ALIGN)), 0)
+        except OSError as exc:
+            one.close()
+            if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                return None
+            raise
+        return one
 
     def add(self, offset: int, data: memoryview, jobs: list) -> None:
         """Queue the writes of ``data`` (bytes, format ``B``) placed at ``offset``: its whole
