@@ -3,6 +3,7 @@ the layout transformers' ``save_pretrained`` writes (byte for byte), without cha
 
 from __future__ import annotations
 
+import errno
 import itertools
 import os
 import subprocess
@@ -298,6 +299,29 @@ def test_every_write_path_gives_the_bytes_of_save_pretrained(tmp_path, monkeypat
     assert _files(str(tmp_path / "ours")) == _files(str(tmp_path / "eager"))
 
 
+def _large_layers() -> nn.Module:
+    # Over MIN_STREAM_ELEMENTS in one batch, odd sizes: the fills run cut across the cores and
+    # their parts are written while the rest is generated, at offsets in the middle of blocks.
+    return nn.Sequential(nn.Linear(2047, 2049), nn.Linear(2049, 2047), nn.Linear(2047, 1031))
+
+
+@pytest.mark.parametrize("path", ["direct", "mapped", "pwrite"])
+def test_parts_written_while_generating_give_the_bytes_of_save_file(tmp_path, monkeypatch, path):
+    if path != "direct":
+        monkeypatch.setattr(_WRITER, "can_write_direct", lambda: False)
+    if path == "pwrite":
+        monkeypatch.setattr(_WRITER, "can_map", lambda: False)
+    torch.manual_seed(0)
+    with meta_init():
+        deferred = _large_layers()
+    torch.manual_seed(0)
+    eager = _large_layers()
+    save(deferred, tmp_path / "ours")
+    save_file(eager.state_dict(), tmp_path / "eager.safetensors", metadata={"format": "pt"})
+    ours = (tmp_path / "ours" / "model.safetensors").read_bytes()
+    assert ours == (tmp_path / "eager.safetensors").read_bytes()
+
+
 def test_a_file_system_refusing_o_direct_falls_back_to_the_same_bytes(tmp_path, monkeypatch):
     direct = __import__("jupyter_metainit.save.direct", fromlist=["direct"])
     monkeypatch.setattr(direct.DirectFile, "open", classmethod(lambda cls, path, size: None))
@@ -306,6 +330,28 @@ def test_a_file_system_refusing_o_direct_falls_back_to_the_same_bytes(tmp_path, 
     save_file(tensors, tmp_path / "theirs.safetensors", metadata={"format": "pt"})
     ours = (tmp_path / "ours" / "model.safetensors").read_bytes()
     assert ours == (tmp_path / "theirs.safetensors").read_bytes()
+
+
+def test_a_device_refusing_o_direct_writes_of_one_block_falls_back_to_the_same_bytes(
+    tmp_path, monkeypatch
+):
+    # O_DIRECT opens, but the first write of 4 KiB is refused (a device with larger logical
+    # blocks says EINVAL): that file system is written the next way, with the same bytes.
+    real_pwrite, refused = os.pwrite, []
+
+    def pwrite(fd, data, offset):
+        if not refused:  # the save's first write: the O_DIRECT probe of the first file
+            refused.append(fd)
+            raise OSError(errno.EINVAL, "Invalid argument")
+        return real_pwrite(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", pwrite)
+    deferred, eager = _deferred_and_eager(tie=False)
+    save(deferred, tmp_path / "ours", max_shard_size="100KB")
+    monkeypatch.undo()
+    assert refused
+    eager.save_pretrained(tmp_path / "eager", max_shard_size="100KB")
+    assert _files(str(tmp_path / "ours")) == _files(str(tmp_path / "eager"))
 
 
 def test_direct_writes_assemble_unaligned_pieces_in_any_order(tmp_path):

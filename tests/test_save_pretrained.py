@@ -196,6 +196,22 @@ def test_an_unsupported_option_is_refused_before_the_directory_is_made(tmp_path,
     assert not (tmp_path / "out").exists()
 
 
+# What transformers sets on a model once peft's ``load_adapter`` ran on it, or once a quantizer
+# prepared it (neither peft nor a CPU quantization backend is installed here).
+@pytest.mark.parametrize(
+    ("feature", "value", "named"),
+    [("_hf_peft_config_loaded", True, "PEFT adapters"), ("hf_quantizer", object(), "quantized")],
+)
+def test_adapters_and_quantization_are_refused_before_anything_is_written(
+    tmp_path, feature, value, named
+):
+    deferred, _ = _deferred_and_eager()
+    setattr(deferred, feature, value)
+    with pytest.raises(MetaInitError, match=rf"{named}.*nothing was written"):
+        deferred.save_pretrained(tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_a_refusal_leaves_an_existing_directory_unchanged(tmp_path):
     deferred, eager = _deferred_and_eager()
     eager.save_pretrained(tmp_path / "out")

@@ -125,3 +125,24 @@ def test_parts_are_reported_final_while_the_rest_is_generated(monkeypatch):
     fill_stream(fills, torch.Generator().manual_seed(2).get_state(), 2, on_piece)
     assert sum(b - a for _, a, b in seen) == 5333
     assert max(b - a for _, a, b in seen) <= 1000 + 16
+
+
+def test_a_lone_fill_runs_cut_across_cores_its_parts_told_as_final(monkeypatch):
+    # A batch of one large tensor (an embedding) goes the same way as a run of fills.
+    monkeypatch.setattr(run_module, "available_cores", lambda: 3)
+    monkeypatch.setattr(stream_fills, "MIN_STREAM_ELEMENTS", 1)
+    used = []
+    real_fill_stream = stream_fills.fill_stream
+    monkeypatch.setattr(
+        stream_fills, "fill_stream", lambda *a: used.append(len(a[0])) or real_fill_stream(*a)
+    )
+    torch.manual_seed(7)
+    eager = nn.Embedding(500, 64)
+    torch.manual_seed(7)
+    with meta_init():
+        deferred = nn.Embedding(500, 64)
+    told = []
+    [value] = values_to_write([deferred.weight], on_part=lambda k, a, b, flat: told.append(b - a))
+    assert used == [1]
+    assert torch.equal(value, eager.weight.detach())
+    assert sum(told) == 500 * 64

@@ -31,7 +31,7 @@ import torch
 
 from jupyter_metainit.save.safetensors_file import FileEntry
 
-__all__ = ["ALIGN", "DirectFile", "DirectWriter", "Regions", "can_write_direct"]
+__all__ = ["ALIGN", "DirectFile", "DirectWriter", "Regions", "arena_bytes", "can_write_direct"]
 
 ALIGN = 4096  # the largest logical block size in common use: valid for 512-byte devices too
 _SLAB = 256 * ALIGN
@@ -42,8 +42,13 @@ def can_write_direct() -> bool:
 
 
 def _aligned(nbytes: int) -> mmap.mmap:
-    """Anonymous memory: page-aligned, so ``ALIGN``-aligned."""
-    return mmap.mmap(-1, max(nbytes, 1))
+    """Private anonymous memory: page-aligned, so ``ALIGN``-aligned. Private, not Python's
+    default shared mapping: shared anonymous pages live in shmem, whose first touch costs
+    more. (Huge pages were slower still to touch first on the VMs measured: not asked for.)"""
+    return mmap.mmap(-1, max(nbytes, 1), flags=mmap.MAP_PRIVATE | _ANONYMOUS)
+
+
+_ANONYMOUS = getattr(mmap, "MAP_ANONYMOUS", 0)  # CPython adds it for fileno -1 anyway
 
 
 def _address(buffer: mmap.mmap) -> int:
@@ -62,13 +67,24 @@ class DirectFile:
 
     @classmethod
     def open(cls, path: str, size: int) -> DirectFile | None:
-        """None where the file system refuses ``O_DIRECT`` (tmpfs, some network ones)."""
+        """None where the file system refuses ``O_DIRECT`` (tmpfs, some network ones), or
+        refuses writes of ``ALIGN`` bytes with it (a device with larger logical blocks): one
+        block of zeros is written at the start first, before any other write is queued (the
+        header's block overwrites it later)."""
         try:
-            return cls(path, size)
+            one = cls(path, size)
         except OSError as exc:
             if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
                 return None
             raise
+        try:
+            os.pwrite(one.fd, memoryview(_aligned(ALIGN)), 0)
+        except OSError as exc:
+            one.close()
+            if exc.errno in (errno.EINVAL, errno.EOPNOTSUPP):
+                return None
+            raise
+        return one
 
     def add(self, offset: int, data: memoryview, jobs: list) -> None:
         """Queue the writes of ``data`` (bytes, format ``B``) placed at ``offset``: its whole
@@ -126,15 +142,23 @@ def _address_of(view: memoryview) -> int:
     return int(numpy.frombuffer(view, dtype=numpy.uint8).ctypes.data) if len(view) else 0
 
 
+def arena_bytes(entries: Sequence[FileEntry]) -> int:
+    """The arena bytes a batch of ``entries`` needs: each starts up to ``ALIGN`` - 1 bytes on."""
+    return sum(entry.nbytes for entry in entries) + ALIGN * len(entries)
+
+
 class Regions:
     """The replay's ``memory`` for the direct path: the storage for a batch's tensor starts at
     an address congruent to its file offset modulo ``ALIGN``, carved out of one of two arenas of
     anonymous memory used by turns (batch ``k`` in arena ``k % 2``: the one of batch ``k - 2``,
     written by then), so after the first two batches no page is touched for the first time.
+    Each arena is made ``capacity`` bytes (the largest batch's :func:`arena_bytes`) at once: an
+    arena made anew for a larger batch costs its unmapping and a new first touch of every page.
     A request is given the place of the next tensor of that size in the batch (the model's
     order: the order the replay allocates them, usually); others get new memory."""
 
-    def __init__(self) -> None:
+    def __init__(self, capacity: int = 0) -> None:
+        self._capacity = capacity
         self._lock = threading.Lock()
         self._arenas: list[mmap.mmap | None] = [None, None]
         self._turn = 0
@@ -143,11 +167,11 @@ class Regions:
     def start_batch(self, placed: Sequence[tuple[int, FileEntry]]) -> None:
         """Expect a batch of ``(file offset, entry)``: lay its places out in the next arena
         (made larger where it is too small)."""
-        need = sum(entry.nbytes for _, entry in placed) + ALIGN * len(placed)
+        need = arena_bytes([entry for _, entry in placed])
         arena = self._arenas[self._turn]
         if arena is None or len(arena) < need:
             self._arenas[self._turn] = None  # a tensor still being written keeps it alive
-            arena = self._arenas[self._turn] = _aligned(need)
+            arena = self._arenas[self._turn] = _aligned(max(need, self._capacity))
         self._turn = 1 - self._turn
         want: dict[int, list[tuple[mmap.mmap, int]]] = {}
         at = 0

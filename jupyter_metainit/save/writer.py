@@ -26,7 +26,13 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core import progress_callback
-from jupyter_metainit.save.direct import DirectFile, DirectWriter, Regions, can_write_direct
+from jupyter_metainit.save.direct import (
+    DirectFile,
+    DirectWriter,
+    Regions,
+    arena_bytes,
+    can_write_direct,
+)
 from jupyter_metainit.save.mapped import MappedFile, can_map, place_batch
 from jupyter_metainit.save.safetensors_file import FileEntry, file_order, header_bytes
 from jupyter_metainit.save.values import Recycler, cpu_values_of_batch
@@ -154,12 +160,11 @@ def _write_direct(
     headers: dict[str, bytes], sizes: dict[str, int], placed: list[tuple[str, int, FileEntry]],
     tensors: dict[str, torch.Tensor], dtype: torch.dtype | None, progress: Progress,
 ) -> bool:  # fmt: skip
-    """The ``O_DIRECT`` path (``save.direct``): a writer thread writes a batch while the next
-    is generated, at most two batches alive. False (nothing written) where the file system
+    """The ``O_DIRECT`` path (``save.direct``): a writer thread writes while the values are
+    generated, at most two batches alive. False (nothing written) where the file system
     refuses ``O_DIRECT``."""
     opened: dict[str, DirectFile] = {}
     slots = threading.Semaphore(2)
-    regions = Regions()
     writer = DirectWriter(slots)
     try:
         for path, size in sizes.items():
@@ -167,28 +172,18 @@ def _write_direct(
             if one is None:
                 return False
             opened[path] = one
+        batches = _batches([(opened[path], offset, entry) for path, offset, entry in placed])
+        regions = Regions(max((arena_bytes([e for *_, e in b]) for b in batches), default=0))
         writer.start()
         for path, header in headers.items():
             jobs: list = []
             opened[path].add(0, memoryview(header), jobs)
             for job in jobs:
                 writer.jobs.put(job)
-        for batch in _batches([(opened[path], offset, entry) for path, offset, entry in placed]):
+        for batch in batches:
             _wait_for_slot(slots, writer, progress)
             regions.start_batch([(offset, entry) for _, offset, entry in batch])
-            values = cpu_values_of_batch([tensors[e.name] for _, _, e in batch], dtype, regions)
-            for (direct, offset, entry), value in zip(batch, values, strict=True):
-                _check_geometry(entry, value)
-                jobs = []
-                if value.numel():
-                    flat = value.reshape(-1).view(torch.uint8).numpy()
-                    direct.add(offset, memoryview(flat).cast("B"), jobs)
-                for job in jobs:
-                    writer.jobs.put(job)
-                progress.report(writer.written, "generating")
-            nbytes = sum(entry.nbytes for _, _, entry in batch)
-            writer.jobs.put((None, nbytes, None))  # the jobs hold the values
-            del values
+            _direct_batch(batch, tensors, dtype, regions, writer, progress)
         _drain(writer, progress)
         for one in opened.values():
             one.finish()
@@ -198,6 +193,39 @@ def _write_direct(
         _stop(writer)
         for one in opened.values():
             one.close()
+
+
+def _direct_batch(
+    batch: list[tuple[DirectFile, int, FileEntry]], tensors: dict[str, torch.Tensor],
+    dtype: torch.dtype | None, regions: Regions, writer: DirectWriter, progress: Progress,
+) -> None:  # fmt: skip
+    """Compute one batch into ``regions`` and queue its writes: each part of a fill as soon as
+    it is final (the disk writes while the rest is generated, and the last batch leaves little
+    to write after it), the other tensors once the batch is done; then the batch's end."""
+    lock = threading.Lock()  # the files' partly filled blocks, shared by the parts' threads
+    streamed: set[int] = set()
+
+    def add(j: int, start: int, value: torch.Tensor) -> None:
+        direct, offset, _ = batch[j]
+        data = memoryview(value.reshape(-1).view(torch.uint8).numpy()).cast("B")
+        jobs: list = []
+        with lock:
+            direct.add(offset + start, data, jobs)
+        for job in jobs:
+            writer.jobs.put(job)
+
+    def on_part(j: int, a: int, b: int, flat: torch.Tensor) -> None:
+        streamed.add(j)
+        add(j, a * flat.element_size(), flat[a:b])
+
+    values = cpu_values_of_batch([tensors[e.name] for *_, e in batch], dtype, regions, on_part)
+    for (_, _, entry), value in zip(batch, values, strict=True):
+        _check_geometry(entry, value)
+    for j, value in enumerate(values):
+        if j not in streamed and value.numel():
+            add(j, 0, value)
+        progress.report(writer.written, "generating")
+    writer.jobs.put((None, sum(entry.nbytes for *_, entry in batch), None))  # ends the batch
 
 
 def _drain(writer: Any, progress: Progress) -> None:

@@ -370,10 +370,10 @@ def execute(
     with plain(), torch.inference_mode(False):
         run = Run(p, device, rng, progress, retain)
         run.memory = memory
-        cores = (threads or available_cores()) if len(p.ops) > 1 else 1
-        done: set[int] = set()
-        if one_stream and run.random.name == "exact" and cores > 1 and device == _CPU:
-            done = run_stream_fills(run, p.ops, cores, on_filled)
+        workers, done = threads or (available_cores() if one_stream or len(p.ops) > 1 else 1), set()
+        if one_stream and run.random.name == "exact" and workers > 1 and device == _CPU:
+            done = run_stream_fills(run, p.ops, workers, on_filled)  # a lone fill's too
+        cores = workers if len(p.ops) > 1 else 1
         split = run.random.parallel_groups(p.ops, cores) if cores > 1 and not done else None
         if split is not None:
             groups, workers = split

@@ -15,6 +15,7 @@ construction (one stream per op).
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable
 from typing import Any
 
@@ -28,6 +29,7 @@ from jupyter_metainit.core.runtime.pool import available_cores, core_pool
 __all__ = [
     "ALIGN",
     "FILLS",
+    "cut_point",
     "fill_region",
     "fill_region_into",
     "split_fill",
@@ -49,15 +51,23 @@ MIN_SKIP = 1 << 22
 _verified: dict[tuple[Any, torch.dtype], bool] = {}
 
 
+def cut_point(n: int, e: int, align: int) -> int:
+    """Where a fill of ``n`` elements may be cut near element ``e``: the kernel's block boundary
+    at or below it, leaving at least 16 elements on each side (``normal_`` takes another path
+    below 16), or one of its ends. The one rule for a fill cut alone (here) and for a run of
+    fills cut as one (``stream_fill``)."""
+    e = e // align * align
+    if e < 16:
+        return 0
+    if n - e < 16:
+        return n
+    return e
+
+
 def _chunks(n: int, parts: int, align: int) -> list[tuple[int, int]]:
-    size = -(-n // parts)
-    size = -(-size // align) * align
-    bounds = [(a, min(n, a + size)) for a in range(0, n, size)]
-    if len(bounds) > 1 and bounds[-1][1] - bounds[-1][0] < 16:
-        # normal_ takes another path below 16 elements: fold the short tail into its neighbour
-        bounds.pop()
-        bounds[-1] = (bounds[-1][0], n)
-    return bounds
+    """``[0, n)`` in up to ``parts`` chunks of about equal size, cut where the fill may be."""
+    cuts = sorted({0, n, *(cut_point(n, n * k // parts, align) for k in range(1, parts))})
+    return list(itertools.pairwise(cuts))
 
 
 def _fill_in_chunks(

@@ -5,12 +5,13 @@ jump-ahead per chunk; a model's many mid-sized fills (a decoder layer's projecti
 too small for that to pay. But consecutive fills of one generator are one sequence of draws:
 laid end to end (with the draws of any ops between them skipped), that sequence can be cut into
 one equal part per core wherever a fill may be cut (a multiple of the kernel's block, leaving at
-least 16 elements on each side). Each part's thread jumps once, to where its first piece starts,
-then fills its pieces in order, the generator running on from one fill into the next, as the
-single stream does. Saving a model goes through this (``replay.reads.values_to_write`` of a
-batch of tensors): one jump per core per batch instead of one per tensor and chunk, and every
-core busy whatever the tensors' sizes. The cut rests on the same facts as ``split_fill``, checked
-once per op and dtype in each process (``split_fill.split_is_exact``).
+least 16 elements on each side: ``split_fill.cut_point``). Each part's thread jumps once, to
+where its first piece starts, then fills its pieces in order, the generator running on from one
+fill into the next, as the single stream does. Saving a model goes through this
+(``replay.reads.values_to_write`` of a batch of tensors): one jump per core per batch instead of
+one per tensor and chunk, and every core busy whatever the tensors' sizes. The cut rests on the
+same facts as ``split_fill``, checked once per op and dtype in each process
+(``split_fill.split_is_exact``).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core.rng.positions import advance_state
+from jupyter_metainit.core.rng.split_fill import cut_point
 from jupyter_metainit.core.runtime.interrupts import interrupted
 from jupyter_metainit.core.runtime.plain import plain
 from jupyter_metainit.core.runtime.pool import core_pool, on_core_pool
@@ -48,15 +50,8 @@ Piece = tuple[int, int, int]  # (fill number, first element, end element)
 
 
 def _cut_point(f: StreamFill, e: int) -> int:
-    """Where fill ``f`` may be cut near element ``e``: a block boundary leaving at least 16
-    elements on each side, or one of its ends."""
-    n = f.target.numel()
-    e = e // f.align * f.align
-    if e < 16:
-        return 0
-    if n - e < 16:
-        return n
-    return e
+    """Where fill ``f`` may be cut near element ``e`` (``split_fill.cut_point``)."""
+    return cut_point(f.target.numel(), e, f.align)
 
 
 def _parts(fills: list[StreamFill], workers: int) -> list[list[Piece]]:
