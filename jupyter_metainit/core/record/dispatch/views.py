@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core.errors import UnsupportedOperatorError
+from jupyter_metainit.core.record.dispatch.file_memory import storage_region
 from jupyter_metainit.core.record.dispatch.inputs import (
     META,
     call_site,
@@ -23,7 +24,6 @@ from jupyter_metainit.core.record.dispatch.inputs import (
     to_meta,
     wrap_file_region,
 )
-from jupyter_metainit.core.record.files import storage_region
 from jupyter_metainit.core.record.graph import OpRecord, StorageRecord, TensorRecord, next_seq
 from jupyter_metainit.core.record.ops import OpInfo
 from jupyter_metainit.core.record.tensor import (

@@ -1,0 +1,119 @@
+"""Which file is this memory? The file region a memory-mapped storage shows.
+
+Checkpoint readers hand PyTorch memory-mapped bytes (see ``record/files``); inside ``meta_init``
+the memory's address is looked up in the process's mappings (``/proc/self/maps``, read again
+only when an address is not in the cached copy or its mapping is gone), which give the file and
+the offset, and the file's identity (``FileRef``) is taken once per file version.
+"""
+
+from __future__ import annotations
+
+import bisect
+import os
+import threading
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from jupyter_metainit.core.record.files import FileRef, FileRegion, header_digest
+
+__all__ = ["file_region", "storage_region"]
+
+
+@dataclass(frozen=True)
+class _Mapping:
+    start: int
+    end: int
+    offset: int
+    inode: int
+    path: str
+
+
+_maps: list[_Mapping] = []
+_starts: list[int] = []
+_refs: dict[tuple[str, int, int, int], FileRef] = {}
+_lock = threading.Lock()
+
+
+def _read_maps() -> None:
+    global _maps, _starts
+    found = []
+    try:
+        with open("/proc/self/maps") as f:
+            for line in f:
+                parts = line.split(maxsplit=5)
+                if len(parts) < 6 or not parts[5].startswith("/"):
+                    continue
+                path = parts[5].rstrip("\n")
+                if path.endswith(" (deleted)"):
+                    continue
+                lo, hi = (int(x, 16) for x in parts[0].split("-"))
+                found.append(_Mapping(lo, hi, int(parts[2], 16), int(parts[4]), path))
+    except OSError:  # no /proc: no file-backed recording, tensors are copied instead
+        found = []
+    found.sort(key=lambda m: m.start)
+    _maps, _starts = found, [m.start for m in found]
+
+
+def _lookup(address: int) -> _Mapping | None:
+    i = bisect.bisect_right(_starts, address) - 1
+    if i >= 0 and _maps[i].start <= address < _maps[i].end:
+        return _maps[i]
+    return None
+
+
+def _still_mapped(mapping: _Mapping) -> bool:
+    """Is this cached mapping still there, of the same file? (A file closed and another one
+    opened can be mapped at the very same addresses.)"""
+    try:
+        st = os.stat(f"/proc/self/map_files/{mapping.start:x}-{mapping.end:x}")
+    except OSError:
+        return False  # gone, or map_files not readable here: look again
+    return st.st_ino == mapping.inode
+
+
+def _file_ref(path: str) -> FileRef | None:
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    key = (path, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
+    ref = _refs.get(key)
+    if ref is None:
+        header = header_digest(path)
+        ref = FileRef(path, st.st_size, st.st_mtime_ns, st.st_ino, header, st.st_ctime_ns)
+        _refs[key] = ref
+    return ref
+
+
+def file_region(address: int, nbytes: int) -> FileRegion | None:
+    """The file region mapped at ``address`` (``nbytes`` long), if the memory is a file."""
+    if nbytes <= 0 or address == 0:
+        return None
+    with _lock:
+        mapping = _lookup(address)
+        if mapping is None or address + nbytes > mapping.end or not _still_mapped(mapping):
+            _read_maps()  # mappings changed since the last look
+            mapping = _lookup(address)
+        if mapping is None or address + nbytes > mapping.end:
+            return None
+        ref = _file_ref(mapping.path)
+    if ref is None or ref.inode != mapping.inode:
+        return None
+    offset = mapping.offset + address - mapping.start
+    if offset + nbytes > ref.size:
+        return None
+    return FileRegion(ref, offset, nbytes)
+
+
+def storage_region(data: Any) -> FileRegion | None:
+    """The file region holding ``data`` (an ``UntypedStorage`` or a CPU tensor's whole
+    storage), if it is memory-mapped from a file."""
+    if isinstance(data, torch.Tensor):
+        if data.device.type != "cpu" or data.layout != torch.strided:
+            return None
+        data = data.untyped_storage()
+    if not isinstance(data, torch.UntypedStorage) or data.device.type != "cpu":
+        return None
+    return file_region(data.data_ptr(), data.nbytes())
