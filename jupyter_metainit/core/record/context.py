@@ -38,6 +38,7 @@ from jupyter_metainit.core.record.devices import (
     rewrite_device,
 )
 from jupyter_metainit.core.record.dispatch.triage import handle_op
+from jupyter_metainit.core.record.dispatch.views import VIEW_METHODS, view_method
 from jupyter_metainit.core.record.lazy import lazy_module_support
 from jupyter_metainit.core.record.ops import user_frame
 from jupyter_metainit.core.record.process_wrappers import process_wrappers
@@ -96,6 +97,10 @@ class _FunctionMode(TorchFunctionMode):
         # Each torch-level call is a critical section (see _interrupts): a Ctrl-C lands between
         # two calls of the user's code, never inside torch's own guards (`no_grad`, ...).
         with critical():
+            if func in VIEW_METHODS and DeferredTensor in types:
+                made = view_method(func, args, kwargs or {})
+                if made is not None:
+                    return made
             if tls.where is not None:
                 return self._handle(func, types, args, kwargs or {})
             tls.where = user_frame()  # for every op this call dispatches

@@ -71,6 +71,64 @@ def record_view(func: Any, args: tuple, kwargs: dict) -> Any:
     return type(out)(results)
 
 
+# Tensor methods, implemented in C++, that give a view of their input (``reshape`` and
+# ``flatten`` when they can; a copy otherwise): what loading a checkpoint does to each tensor
+# (``view(dtype)``, ``reshape``, ``t[...]``, ``nn.Parameter``'s ``detach``).
+VIEW_METHODS = frozenset({
+    torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.__getitem__, torch.Tensor.detach,
+    torch.Tensor.t, torch.Tensor.transpose, torch.Tensor.permute, torch.Tensor.unsqueeze,
+    torch.Tensor.squeeze, torch.Tensor.flatten, torch.Tensor.expand, torch.Tensor.narrow,
+    torch.Tensor.select,
+})  # fmt: skip
+_SIMPLE = (int, torch.dtype, type(None), type(Ellipsis))
+_len_function_modes = torch._C._len_torch_function_stack
+_getitem = torch.Tensor.__getitem__
+_len_dispatch_modes = torch._C._len_torch_dispatch_stack
+
+
+def _simple(x: Any, lists: bool = True) -> bool:
+    """A size, dim, dtype or basic index (no tensor, no bool; no list where ``lists`` is
+    false: in an index, a list is advanced indexing)."""
+    if type(x) in _SIMPLE:
+        return True
+    if type(x) is tuple or type(x) is torch.Size or (lists and type(x) is list):
+        return all(_simple(v, lists) for v in x)
+    if type(x) is slice:
+        return _simple((x.start, x.stop, x.step))
+    return False
+
+
+def view_method(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A :data:`VIEW_METHODS` call on a deferred tensor, answered at the torch-function level
+    inside ``meta_init``: the method runs on the meta tensor, and its result, if it is a view of
+    it, becomes a deferred view as :func:`record_view` makes it, without the trip through ATen
+    dispatch (several per op, a third of recording a checkpoint). ``None`` when the call is not
+    such a view (a copy, a tensor or list argument) or another mode is active (it must see the
+    call as usual): the caller then takes the general path, which gives the same result."""
+    self = args[0]
+    if (
+        type(self) is not DeferredTensor
+        or _len_function_modes() != 0
+        or _len_dispatch_modes() != 1
+        or not all(_simple(a, func is not _getitem) for a in args[1:])
+        or (kwargs and not all(_simple(v) for v in kwargs.values()))
+    ):
+        return None
+    meta = self._meta
+    grad = torch.is_grad_enabled()
+    with plain():
+        out = func(meta, *args[1:], **kwargs)
+        if type(out) is not torch.Tensor or (
+            out.untyped_storage()._cdata != meta.untyped_storage()._cdata
+        ):
+            return None
+    base = getattr(self, "_view_of", None)
+    r = self._rg and grad and func is not torch.Tensor.detach and is_float(out.dtype)
+    made = DeferredTensor(out, TensorRecord(self._rec.storage, out), self.device, r, r)
+    made._view_of = self if base is None else base
+    return made
+
+
 def _set_geometry(
     t: DeferredTensor, meta: torch.Tensor, storage: StorageRecord | None = None
 ) -> None:
