@@ -38,7 +38,13 @@ from jupyter_metainit.core.record.devices import (
     rewrite_device,
 )
 from jupyter_metainit.core.record.dispatch.triage import handle_op
-from jupyter_metainit.core.record.dispatch.views import VIEW_METHODS, view_method
+from jupyter_metainit.core.record.dispatch.views import (
+    INIT_FUNCTIONS,
+    NOT_A_VIEW,
+    VIEW_METHODS,
+    on_meta_tensor,
+    view_method,
+)
 from jupyter_metainit.core.record.lazy import lazy_module_support
 from jupyter_metainit.core.record.ops import user_frame
 from jupyter_metainit.core.record.process_wrappers import process_wrappers
@@ -85,6 +91,9 @@ _METADATA_CALLS = frozenset({
 })  # fmt: skip
 
 
+_FAST = VIEW_METHODS | INIT_FUNCTIONS  # answered without the general path when they can be
+
+
 class _FunctionMode(TorchFunctionMode):
     def __torch_function__(
         self, func: Any, types: Any, args: tuple = (), kwargs: Any = None
@@ -97,9 +106,9 @@ class _FunctionMode(TorchFunctionMode):
         # Each torch-level call is a critical section (see _interrupts): a Ctrl-C lands between
         # two calls of the user's code, never inside torch's own guards (`no_grad`, ...).
         with critical():
-            if func in VIEW_METHODS and DeferredTensor in types:
-                made = view_method(func, args, kwargs or {})
-                if made is not None:
+            if func in _FAST:  # no trip through ATen dispatch where it is not needed
+                made = self._view(func, types, args, kwargs or {})
+                if made is not NOT_A_VIEW:
                     return made
             if tls.where is not None:
                 return self._handle(func, types, args, kwargs or {})
@@ -108,6 +117,14 @@ class _FunctionMode(TorchFunctionMode):
                 return self._handle(func, types, args, kwargs or {})
             finally:
                 tls.where = None
+
+    @staticmethod
+    def _view(func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
+        """Views of deferred tensors, and views and init functions of plain meta tensors,
+        answered without the general path where they can be (``NOT_A_VIEW`` otherwise)."""
+        if DeferredTensor in types:
+            return view_method(func, args, kwargs) if func in VIEW_METHODS else NOT_A_VIEW
+        return on_meta_tensor(func, args, kwargs) if args else NOT_A_VIEW
 
     @staticmethod
     def _handle(func: Any, types: Any, args: tuple, kwargs: dict) -> Any:

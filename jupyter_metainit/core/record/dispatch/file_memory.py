@@ -11,8 +11,7 @@ from __future__ import annotations
 import bisect
 import os
 import threading
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, NamedTuple
 
 import torch
 
@@ -21,8 +20,7 @@ from jupyter_metainit.core.record.files import FileRef, FileRegion, header_diges
 __all__ = ["file_region", "storage_region"]
 
 
-@dataclass(frozen=True)
-class _Mapping:
+class _Mapping(NamedTuple):  # a tuple: the process has hundreds of mappings, read at once
     start: int
     end: int
     offset: int
@@ -41,15 +39,16 @@ def _read_maps() -> None:
     found = []
     try:
         with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                if len(parts) < 6 or not parts[5].startswith("/"):
-                    continue
-                path = parts[5].rstrip("\n")
-                if path.endswith(" (deleted)"):
-                    continue
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                found.append(_Mapping(lo, hi, int(parts[2], 16), int(parts[4]), path))
+            text = f.read()
+        for line in text.splitlines():
+            if " /" not in line:  # anonymous memory, [heap], [stack]...: not a file
+                continue
+            parts = line.split(maxsplit=5)
+            if len(parts) < 6 or not parts[5].startswith("/") or parts[5].endswith(" (deleted)"):
+                continue
+            lo, _, hi = parts[0].partition("-")
+            found.append(_Mapping(int(lo, 16), int(hi, 16), int(parts[2], 16), int(parts[4]),
+                                  parts[5]))  # fmt: skip
     except OSError:  # no /proc: no file-backed recording, tensors are copied instead
         found = []
     found.sort(key=lambda m: m.start)

@@ -26,6 +26,7 @@ from jupyter_metainit.core.record.dispatch.inputs import (
 )
 from jupyter_metainit.core.record.graph import OpRecord, StorageRecord, TensorRecord, next_seq
 from jupyter_metainit.core.record.ops import OpInfo
+from jupyter_metainit.core.record.state import tls
 from jupyter_metainit.core.record.tensor import (
     INTERNAL_ATTRS,
     PARAMETER_ATTRS,
@@ -83,6 +84,7 @@ VIEW_METHODS = frozenset({
 _SIMPLE = (int, torch.dtype, type(None), type(Ellipsis))
 _len_function_modes = torch._C._len_torch_function_stack
 _getitem = torch.Tensor.__getitem__
+NOT_A_VIEW = object()  # the answer of view_method/view_of_meta for a call they leave alone
 _len_dispatch_modes = torch._C._len_torch_dispatch_stack
 
 
@@ -102,7 +104,7 @@ def view_method(func: Any, args: tuple, kwargs: dict) -> Any:
     """A :data:`VIEW_METHODS` call on a deferred tensor, answered at the torch-function level
     inside ``meta_init``: the method runs on the meta tensor, and its result, if it is a view of
     it, becomes a deferred view as :func:`record_view` makes it, without the trip through ATen
-    dispatch (several per op, a third of recording a checkpoint). ``None`` when the call is not
+    dispatch (several per op, a third of recording a checkpoint). ``NOT_A_VIEW`` when it is not
     such a view (a copy, a tensor or list argument) or another mode is active (it must see the
     call as usual): the caller then takes the general path, which gives the same result."""
     self = args[0]
@@ -113,7 +115,7 @@ def view_method(func: Any, args: tuple, kwargs: dict) -> Any:
         or not all(_simple(a, func is not _getitem) for a in args[1:])
         or (kwargs and not all(_simple(v) for v in kwargs.values()))
     ):
-        return None
+        return NOT_A_VIEW
     meta = self._meta
     grad = torch.is_grad_enabled()
     with plain():
@@ -121,12 +123,62 @@ def view_method(func: Any, args: tuple, kwargs: dict) -> Any:
         if type(out) is not torch.Tensor or (
             out.untyped_storage()._cdata != meta.untyped_storage()._cdata
         ):
-            return None
+            return NOT_A_VIEW
     base = getattr(self, "_view_of", None)
     r = self._rg and grad and func is not torch.Tensor.detach and is_float(out.dtype)
     made = DeferredTensor(out, TensorRecord(self._rec.storage, out), self.device, r, r)
     made._view_of = self if base is None else base
     return made
+
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_NoDispatch = torch._C._DisableTorchDispatch
+_init = torch.nn.init
+# ``nn.init`` functions that only run in-place ops on their tensor: what a model built under
+# ``torch.device("meta")`` (as ``from_pretrained`` builds it) calls on each of its parameters.
+INIT_FUNCTIONS = frozenset({
+    _init.kaiming_uniform_, _init.kaiming_normal_, _init.xavier_uniform_, _init.xavier_normal_,
+    _init.uniform_, _init.normal_, _init.zeros_, _init.ones_, _init.constant_,
+})  # fmt: skip
+_SCALARS = (int, float, bool, str, torch.dtype, type(None))
+
+
+def on_meta_tensor(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A :data:`VIEW_METHODS` or :data:`INIT_FUNCTIONS` call on a plain ``meta`` tensor inside
+    ``meta_init`` (``state_dict()`` of a model built on ``torch.device("meta")`` detaches each
+    tensor, twice per checkpoint tensor in ``from_pretrained``; its constructor initialises
+    them), run without the recorder's dispatch mode: triage would run each of its ATen ops as
+    it is, on meta tensors, drawing nothing (autograd sees it as eagerly). ``NOT_A_VIEW`` when
+    it is not such a call (other arguments than sizes, dims, scalars or basic indices)."""
+    self = args[0]
+    if (
+        type(self) not in _PLAIN_TYPES
+        or not self.is_meta
+        or tls.pending_device is not None
+        or _len_function_modes() != 0
+        or _len_dispatch_modes() != 1
+    ):
+        return NOT_A_VIEW
+    if func in INIT_FUNCTIONS:
+        if not all(type(a) in _SCALARS for a in (*args[1:], *kwargs.values())):
+            return NOT_A_VIEW
+    elif not all(_simple(a, func is not _getitem) for a in args[1:]) or (
+        kwargs and not all(_simple(v) for v in kwargs.values())
+    ):
+        return NOT_A_VIEW
+    with _NoDispatch():
+        return func(*args, **kwargs)
+
+
+def meta_factory(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    """A factory asked for ``meta`` tensors, with no tensor argument (``with
+    torch.device("meta")``, as ``from_pretrained`` builds a model): triage would run each of its
+    ATen ops as it is, so it runs without the recorder's dispatch mode when no other mode is
+    there to see it."""
+    if tls.pending_device is None and _len_dispatch_modes() == 1 and _len_function_modes() == 0:
+        with _NoDispatch():
+            return func(*args, **kwargs)
+    return func(*args, **kwargs)
 
 
 def _set_geometry(
