@@ -95,10 +95,25 @@ def test_views_and_inits_of_meta_tensors_stay_meta_and_draw_nothing():
     with meta_init(), torch.device("meta"):
         p = torch.nn.Parameter(torch.empty(8, 4))
         torch.nn.init.kaiming_uniform_(p, a=5**0.5)
+        torch.nn.init.normal_(p, std=0.02)
         d = p.detach()
     assert type(p) is torch.nn.Parameter and p.is_meta and p.requires_grad
     assert type(d) is torch.Tensor and d.is_meta and not d.requires_grad
     assert torch.equal(torch.get_rng_state(), state)
+
+
+def test_an_init_function_on_a_deferred_tensor_is_still_recorded():
+    def build():
+        with torch.device("meta"):
+            meta = torch.empty(3)
+        w = torch.empty(8, 4)
+        torch.nn.init.kaiming_uniform_(w, a=5**0.5)
+        torch.nn.init.zeros_(meta)  # a meta tensor beside it changes nothing
+        return w
+
+    eager, deferred = _eager_and_deferred(build)
+    materialize(deferred)
+    assert torch.equal(deferred, eager)
 
 
 @pytest.mark.parametrize("n", [8])

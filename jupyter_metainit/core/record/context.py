@@ -124,7 +124,7 @@ class _FunctionMode(TorchFunctionMode):
         answered without the general path where they can be (``NOT_A_VIEW`` otherwise)."""
         if DeferredTensor in types:
             return view_method(func, args, kwargs) if func in VIEW_METHODS else NOT_A_VIEW
-        return on_meta_tensor(func, args, kwargs) if args else NOT_A_VIEW
+        return on_meta_tensor(func, args, kwargs)
 
     @staticmethod
     def _handle(func: Any, types: Any, args: tuple, kwargs: dict) -> Any:

@@ -107,7 +107,7 @@ def view_method(func: Any, args: tuple, kwargs: dict) -> Any:
     dispatch (several per op, a third of recording a checkpoint). ``NOT_A_VIEW`` when it is not
     such a view (a copy, a tensor or list argument) or another mode is active (it must see the
     call as usual): the caller then takes the general path, which gives the same result."""
-    self = args[0]
+    self = args[0] if args else None
     if (
         type(self) is not DeferredTensor
         or _len_function_modes() != 0
@@ -150,7 +150,8 @@ def on_meta_tensor(func: Any, args: tuple, kwargs: dict) -> Any:
     them), run without the recorder's dispatch mode: triage would run each of its ATen ops as
     it is, on meta tensors, drawing nothing (autograd sees it as eagerly). ``NOT_A_VIEW`` when
     it is not such a call (other arguments than sizes, dims, scalars or basic indices)."""
-    self = args[0]
+    # (``nn.init`` functions pass every argument by keyword to torch-function handlers)
+    self = args[0] if args else kwargs.get("tensor")
     if (
         type(self) not in _PLAIN_TYPES
         or not self.is_meta
@@ -160,7 +161,8 @@ def on_meta_tensor(func: Any, args: tuple, kwargs: dict) -> Any:
     ):
         return NOT_A_VIEW
     if func in INIT_FUNCTIONS:
-        if not all(type(a) in _SCALARS for a in (*args[1:], *kwargs.values())):
+        rest = (*args[1:], *(v for k, v in kwargs.items() if k != "tensor"))
+        if not all(type(a) in _SCALARS for a in rest):
             return NOT_A_VIEW
     elif not all(_simple(a, func is not _getitem) for a in args[1:]) or (
         kwargs and not all(_simple(v) for v in kwargs.values())
