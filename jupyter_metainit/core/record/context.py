@@ -88,6 +88,7 @@ _METADATA_CALLS = frozenset({
     torch.Tensor.stride, torch.Tensor.numel, torch.Tensor.element_size, torch.Tensor.storage_offset,
     torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
     torch.Tensor.ndim.__get__, torch.Tensor.is_meta.__get__, torch.Tensor.layout.__get__,
+    torch.Tensor.is_floating_point, torch.Tensor.is_complex,
 })  # fmt: skip
 
 
