@@ -83,7 +83,8 @@ VIEW_METHODS = frozenset({
 })  # fmt: skip
 _SIMPLE = (int, torch.dtype, type(None), type(Ellipsis))
 _len_function_modes = torch._C._len_torch_function_stack
-_getitem = torch.Tensor.__getitem__
+_getitem, _detach = torch.Tensor.__getitem__, torch.Tensor.detach
+_NoDispatch = torch._C._DisableTorchDispatch
 NOT_A_VIEW = object()  # the answer of view_method/view_of_meta for a call they leave alone
 _len_dispatch_modes = torch._C._len_torch_dispatch_stack
 
@@ -117,22 +118,22 @@ def view_method(func: Any, args: tuple, kwargs: dict) -> Any:
     ):
         return NOT_A_VIEW
     meta = self._meta
-    grad = torch.is_grad_enabled()
-    with plain():
+    # (the caller's torch-function mode is off while it runs, and ``meta`` never requires grad:
+    # the dispatch mode is all there is to switch off)
+    with _NoDispatch():
         out = func(meta, *args[1:], **kwargs)
-        if type(out) is not torch.Tensor or (
-            out.untyped_storage()._cdata != meta.untyped_storage()._cdata
-        ):
-            return NOT_A_VIEW
+    if type(out) is not torch.Tensor or (
+        out.untyped_storage()._cdata != meta.untyped_storage()._cdata
+    ):
+        return NOT_A_VIEW
     base = getattr(self, "_view_of", None)
-    r = self._rg and grad and func is not torch.Tensor.detach and is_float(out.dtype)
+    r = self._rg and torch.is_grad_enabled() and func is not _detach and is_float(out.dtype)
     made = DeferredTensor(out, TensorRecord(self._rec.storage, out), self.device, r, r)
     made._view_of = self if base is None else base
     return made
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
-_NoDispatch = torch._C._DisableTorchDispatch
 _init = torch.nn.init
 # ``nn.init`` functions that only run in-place ops on their tensor: what a model built under
 # ``torch.device("meta")`` (as ``from_pretrained`` builds it) calls on each of its parameters.
