@@ -81,12 +81,13 @@ VIEW_METHODS = frozenset({
     torch.Tensor.squeeze, torch.Tensor.flatten, torch.Tensor.expand, torch.Tensor.narrow,
     torch.Tensor.select,
 })  # fmt: skip
+_MAY_COPY = frozenset({torch.Tensor.reshape, torch.Tensor.flatten})  # when not viewable
 _SIMPLE = (int, torch.dtype, type(None), type(Ellipsis))
 _len_function_modes = torch._C._len_torch_function_stack
+_len_dispatch_modes = torch._C._len_torch_dispatch_stack
 _getitem, _detach = torch.Tensor.__getitem__, torch.Tensor.detach
 _NoDispatch = torch._C._DisableTorchDispatch
-NOT_A_VIEW = object()  # the answer of view_method/view_of_meta for a call they leave alone
-_len_dispatch_modes = torch._C._len_torch_dispatch_stack
+NOT_A_VIEW = object()  # what view_method and on_meta_tensor answer for a call they leave alone
 
 
 def _simple(x: Any, lists: bool = True) -> bool:
@@ -95,10 +96,19 @@ def _simple(x: Any, lists: bool = True) -> bool:
     if type(x) in _SIMPLE:
         return True
     if type(x) is tuple or type(x) is torch.Size or (lists and type(x) is list):
-        return all(_simple(v, lists) for v in x)
+        return all(type(v) is int or _simple(v, lists) for v in x)
     if type(x) is slice:
         return _simple((x.start, x.stop, x.step))
     return False
+
+
+def _simple_arguments(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Every argument after the tensor is :func:`_simple`."""
+    lists = func is not _getitem
+    for a in args[1:]:
+        if type(a) is not int and not _simple(a, lists):
+            return False
+    return not kwargs or all(_simple(v) for v in kwargs.values())
 
 
 def view_method(func: Any, args: tuple, kwargs: dict) -> Any:
@@ -113,8 +123,7 @@ def view_method(func: Any, args: tuple, kwargs: dict) -> Any:
         type(self) is not DeferredTensor
         or _len_function_modes() != 0
         or _len_dispatch_modes() != 1
-        or not all(_simple(a, func is not _getitem) for a in args[1:])
-        or (kwargs and not all(_simple(v) for v in kwargs.values()))
+        or not _simple_arguments(func, args, kwargs)
     ):
         return NOT_A_VIEW
     meta = self._meta
@@ -122,10 +131,8 @@ def view_method(func: Any, args: tuple, kwargs: dict) -> Any:
     # the dispatch mode is all there is to switch off)
     with _NoDispatch():
         out = func(meta, *args[1:], **kwargs)
-    if type(out) is not torch.Tensor or (
-        out.untyped_storage()._cdata != meta.untyped_storage()._cdata
-    ):
-        return NOT_A_VIEW
+    if func in _MAY_COPY and out.untyped_storage()._cdata != meta.untyped_storage()._cdata:
+        return NOT_A_VIEW  # a copy: recorded as one by the general path
     base = getattr(self, "_view_of", None)
     r = self._rg and torch.is_grad_enabled() and func is not _detach and is_float(out.dtype)
     made = DeferredTensor(out, TensorRecord(self._rec.storage, out), self.device, r, r)
@@ -165,9 +172,7 @@ def on_meta_tensor(func: Any, args: tuple, kwargs: dict) -> Any:
         rest = (*args[1:], *(v for k, v in kwargs.items() if k != "tensor"))
         if not all(type(a) in _SCALARS for a in rest):
             return NOT_A_VIEW
-    elif not all(_simple(a, func is not _getitem) for a in args[1:]) or (
-        kwargs and not all(_simple(v) for v in kwargs.values())
-    ):
+    elif not _simple_arguments(func, args, kwargs):
         return NOT_A_VIEW
     with _NoDispatch():
         return func(*args, **kwargs)
