@@ -20,7 +20,7 @@ from jupyter_metainit.core.record.files import FileRef, FileRegion, header_diges
 __all__ = ["file_region", "storage_region"]
 
 
-class _Mapping(NamedTuple):  # a tuple: the process has hundreds of mappings, read at once
+class _Mapping(NamedTuple):
     start: int
     end: int
     offset: int
@@ -28,37 +28,49 @@ class _Mapping(NamedTuple):  # a tuple: the process has hundreds of mappings, re
     path: str
 
 
-_maps: list[_Mapping] = []
+# The lines of ``/proc/self/maps`` that name a file, in address order, and their start
+# addresses: a line is parsed when an address falls in it (a process has hundreds of mappings,
+# and the file is read again for each new checkpoint file mapped).
+_lines: list[str] = []
 _starts: list[int] = []
+_parsed: dict[int, _Mapping | None] = {}
 _refs: dict[tuple[str, int, int, int], FileRef] = {}
 _lock = threading.Lock()
 
 
 def _read_maps() -> None:
-    global _maps, _starts
-    found = []
+    global _lines, _starts, _parsed
     try:
         with open("/proc/self/maps") as f:
             text = f.read()
-        for line in text.splitlines():
-            if " /" not in line:  # anonymous memory, [heap], [stack]...: not a file
-                continue
-            parts = line.split(maxsplit=5)
-            if len(parts) < 6 or not parts[5].startswith("/") or parts[5].endswith(" (deleted)"):
-                continue
-            lo, _, hi = parts[0].partition("-")
-            found.append(_Mapping(int(lo, 16), int(hi, 16), int(parts[2], 16), int(parts[4]),
-                                  parts[5]))  # fmt: skip
     except OSError:  # no /proc: no file-backed recording, tensors are copied instead
-        found = []
-    found.sort(key=lambda m: m.start)
-    _maps, _starts = found, [m.start for m in found]
+        text = ""
+    lines = [line for line in text.splitlines() if " /" in line]  # not anonymous memory
+    starts = [int(line[: line.index("-")], 16) for line in lines]
+    if starts != sorted(starts):  # the kernel lists them in address order
+        order = sorted(range(len(lines)), key=starts.__getitem__)
+        lines, starts = [lines[i] for i in order], [starts[i] for i in order]
+    _lines, _starts, _parsed = lines, starts, {}
+
+
+def _parse(line: str) -> _Mapping | None:
+    """The mapping a line describes, or None if it is not of a file that is still there."""
+    parts = line.split(maxsplit=5)
+    if len(parts) < 6 or not parts[5].startswith("/") or parts[5].endswith(" (deleted)"):
+        return None
+    lo, _, hi = parts[0].partition("-")
+    return _Mapping(int(lo, 16), int(hi, 16), int(parts[2], 16), int(parts[4]), parts[5])
 
 
 def _lookup(address: int) -> _Mapping | None:
     i = bisect.bisect_right(_starts, address) - 1
-    if i >= 0 and _maps[i].start <= address < _maps[i].end:
-        return _maps[i]
+    if i < 0:
+        return None
+    if i not in _parsed:
+        _parsed[i] = _parse(_lines[i])
+    mapping = _parsed[i]
+    if mapping is not None and mapping.start <= address < mapping.end:
+        return mapping
     return None
 
 
