@@ -15,6 +15,9 @@
    the file): the whole model freed and materialized again, its files in the page cache, with and
    without the check, alternating in one process.
 
+``--before DIR`` adds a row to table 2: ``meta_init`` from another checkout of this project
+(e.g. the commit before a change), alternating with the others in the same run.
+
     .venv/bin/python benchmarks/bench_checkpoint.py            # ~2 min, 1 GB of disk
     .venv/bin/python benchmarks/bench_checkpoint.py --quick    # smoke run, tiny model
 """
@@ -96,11 +99,17 @@ def open_and_layer(directory: str, layer: int) -> dict[str, Any]:
     return out
 
 
-def load_whole(directory: str, method: str) -> dict[str, Any]:
+def load_whole(directory: str, method: str, checkout: str | None = None) -> dict[str, Any]:
     """Load the whole checkpoint, then read every weight once. Imports come first, outside the
     measurement, for every method (as in a notebook, where they ran in an earlier cell):
-    importing the modeling code alone takes seconds here and would hide what loading costs."""
+    importing the modeling code alone takes seconds here and would hide what loading costs.
+    ``checkout``: another checkout of this project whose ``jupyter_metainit`` is used
+    (``--before``)."""
     import importlib
+    import sys
+
+    if checkout is not None:
+        sys.path.insert(0, checkout)
 
     import torch
     import transformers
@@ -181,7 +190,9 @@ METHODS = {
 
 def main() -> None:
     child_main(MEASUREMENTS)
-    args = base_parser(__doc__.splitlines()[0]).parse_args()
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--before", metavar="DIR", help="another checkout: its meta_init row too")
+    args = parser.parse_args()
     repeats = args.repeats or (1 if args.quick else 3)
     print("# bench_checkpoint: opening checkpoints without memory")
     print(f"{environment_line()}; {repeats} fresh process(es) per measurement")
@@ -229,13 +240,17 @@ def main() -> None:
             ok_layer = lay["read"] <= 1.1 * lb and lay["peak_extra"] <= 1.05 * lb + 100 * MiB
             print(f"target layer read <= 1.1x and peak <= 1.05x + 100 MB: {verdict(ok_layer)}")
         # Alternating methods, one fresh process each: a busy machine's slow spells fall on all.
-        jobs = [("load_whole", {"directory": fits, "method": m}) for _ in range(repeats)
-                for m in METHODS]  # fmt: skip
+        methods = dict(METHODS)
+        if args.before and not args.quick:  # (--quick runs all in one process: no second copy)
+            methods["before"] = f"{METHODS['meta_init']}, before ({args.before})"
+        jobs = [("load_whole", {"directory": fits, "method": m} if m != "before" else
+                 {"directory": fits, "method": "meta_init", "checkout": args.before})
+                for _ in range(repeats) for m in methods]  # fmt: skip
         whole = run_children(__file__, jobs, separate=not args.quick)
-        by = {m: median_result(whole[i :: len(METHODS)]) for i, m in enumerate(METHODS)}
+        by = {m: median_result(whole[i :: len(methods)]) for i, m in enumerate(methods)}
         ref = by["eager"]
         rows = []
-        for m, label in METHODS.items():
+        for m, label in methods.items():
             x = by[m]
             if "error" in x:
                 rows.append([label, "n/a", "n/a", "n/a", "n/a"])
@@ -256,7 +271,7 @@ def main() -> None:
             "mapped bytes only after a free; the sparse table's 'bytes read' counts read() "
             "calls, which mapped tensors do not make)"
         )
-        print_errors({METHODS[m]: x for m, x in by.items()})
+        print_errors({methods[m]: x for m, x in by.items()})
         check = run_children(
             __file__, [("content_check", {"directory": fits, "rounds": 1 if args.quick else 3})]
         )[0]

@@ -38,7 +38,7 @@ from jupyter_metainit.core.materialize.queries import (
     tensor_source,
 )
 from jupyter_metainit.core.materialize.user_state import copy_user_attributes
-from jupyter_metainit.core.record.files import read_file_bytes
+from jupyter_metainit.core.record.files import one_header_check, read_file_bytes
 from jupyter_metainit.core.record.tensor import SHARE_MEMORY_ATTR, DeferredTensor, as_parameter
 from jupyter_metainit.core.replay import Plan, execute, plan, real_view
 from jupyter_metainit.core.runtime import events
@@ -294,7 +294,8 @@ def _replay(call: _Call, replays: _Replays) -> dict[int, torch.Tensor]:
     """Run the replays: storage ``id`` -> its real memory, on the device asked for."""
     values: dict[int, torch.Tensor] = {}
     for (mode, on), (replay, group) in replays.items():
-        out = execute(replay, on, mode, call.tracker)
+        with one_header_check():  # a checkpoint file's header once, not once per tensor
+            out = execute(replay, on, mode, call.tracker)
         for t in group:  # made where it was made before, then put where it is asked for
             key, target = id(t._rec.storage), call.device or t.device
             if on is not None and out[key].device != target:

@@ -63,7 +63,10 @@ def tensor_source(t: torch.Tensor) -> str:
     was never deferred, or a meta/lazy one)."""
     local = _deferred_local(t)
     if isinstance(local, DeferredTensor):
-        ops = plan([local._rec]).ops
+        writes = local._rec.storage.writes
+        # A storage one op made from nothing (a file read, a constant) is its own plan: asked
+        # for every tensor of a checkpoint that is materialized.
+        ops = writes if len(writes) == 1 and not writes[0].reads else plan([local._rec]).ops
         from_file = any(op.func is read_file_bytes for op in ops)
         return "checkpoint" if from_file and not any(op.rng is not None for op in ops) else "init"
     return shadows.sources.get(t, "")

@@ -80,6 +80,8 @@ def own_tensors(
 def _attribute_tensors(
     name: str, value: object, real: bool, depth: int, entered: set[int] | None = None
 ) -> list[OwnTensor]:
+    if type(value) in _SCALARS:  # most attributes of a model's modules (sizes, flags)
+        return []
     if isinstance(value, torch.Tensor):
         if real or isinstance(value, DeferredTensor) or _was_deferred(value):
             return [OwnTensor(name, value, "attribute")]
@@ -100,6 +102,7 @@ def _attribute_tensors(
     return out
 
 
+_SCALARS = frozenset({int, float, bool, complex, str, type(None)})
 # Never entered: text, modules (their children are walked as modules), classes, functions.
 _NEVER_ENTERED = (
     str, bytes, bytearray, memoryview, nn.Module, type, types.ModuleType, types.FunctionType,

@@ -38,6 +38,13 @@ from jupyter_metainit.core.record.devices import (
     rewrite_device,
 )
 from jupyter_metainit.core.record.dispatch.triage import handle_op
+from jupyter_metainit.core.record.dispatch.views import (
+    INIT_FUNCTIONS,
+    NOT_A_VIEW,
+    VIEW_METHODS,
+    on_meta_tensor,
+    view_method,
+)
 from jupyter_metainit.core.record.lazy import lazy_module_support
 from jupyter_metainit.core.record.ops import user_frame
 from jupyter_metainit.core.record.process_wrappers import process_wrappers
@@ -81,7 +88,11 @@ _METADATA_CALLS = frozenset({
     torch.Tensor.stride, torch.Tensor.numel, torch.Tensor.element_size, torch.Tensor.storage_offset,
     torch.Tensor.shape.__get__, torch.Tensor.dtype.__get__, torch.Tensor.device.__get__,
     torch.Tensor.ndim.__get__, torch.Tensor.is_meta.__get__, torch.Tensor.layout.__get__,
+    torch.Tensor.is_floating_point, torch.Tensor.is_complex,
 })  # fmt: skip
+
+
+_FAST = VIEW_METHODS | INIT_FUNCTIONS  # answered without the general path when they can be
 
 
 class _FunctionMode(TorchFunctionMode):
@@ -96,6 +107,10 @@ class _FunctionMode(TorchFunctionMode):
         # Each torch-level call is a critical section (see _interrupts): a Ctrl-C lands between
         # two calls of the user's code, never inside torch's own guards (`no_grad`, ...).
         with critical():
+            if func in _FAST:  # no trip through ATen dispatch where it is not needed
+                made = self._view(func, types, args, kwargs or {})
+                if made is not NOT_A_VIEW:
+                    return made
             if tls.where is not None:
                 return self._handle(func, types, args, kwargs or {})
             tls.where = user_frame()  # for every op this call dispatches
@@ -103,6 +118,14 @@ class _FunctionMode(TorchFunctionMode):
                 return self._handle(func, types, args, kwargs or {})
             finally:
                 tls.where = None
+
+    @staticmethod
+    def _view(func: Any, types: Any, args: tuple, kwargs: dict) -> Any:
+        """Views of deferred tensors, and views and init functions of plain meta tensors,
+        answered without the general path where they can be (``NOT_A_VIEW`` otherwise)."""
+        if DeferredTensor in types:
+            return view_method(func, args, kwargs) if func in VIEW_METHODS else NOT_A_VIEW
+        return on_meta_tensor(func, args, kwargs)
 
     @staticmethod
     def _handle(func: Any, types: Any, args: tuple, kwargs: dict) -> Any:

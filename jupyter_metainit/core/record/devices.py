@@ -15,10 +15,11 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core.errors import DeferredDataError, UnsupportedOperatorError
+from jupyter_metainit.core.record.dispatch.file_memory import storage_region
 from jupyter_metainit.core.record.dispatch.inputs import wrap_constant, wrap_file_region
 from jupyter_metainit.core.record.dispatch.reads import read_value
+from jupyter_metainit.core.record.dispatch.views import meta_factory
 from jupyter_metainit.core.record.dispatch.whole_calls import SUBCLASS_SENSITIVE, record_call
-from jupyter_metainit.core.record.files import storage_region
 from jupyter_metainit.core.record.ops import user_frame
 from jupyter_metainit.core.record.state import canonical_device, default_device, dtype_override, tls
 from jupyter_metainit.core.record.tensor import SAVE_INSTEAD, SHARE_MEMORY_ATTR, DeferredTensor
@@ -108,6 +109,8 @@ def rewrite_device(func: Any, args: tuple, kwargs: dict, in_context: bool) -> An
     target = canonical_device(device) if device is not None else default_device()
     if target.type == "meta":
         with subclass_functions_off():
+            if func in FACTORIES and not _has_tensor_argument(args, kwargs):
+                return meta_factory(func, args, kwargs)
             return func(*args, **kwargs)
     kwargs = dict(kwargs)
     kwargs["device"] = META

@@ -4,25 +4,25 @@ Checkpoint readers hand PyTorch memory-mapped bytes: ``safetensors`` passes an `
 over its mapping of the file to ``torch.asarray``, ``torch.load(mmap=True)`` rebuilds tensors with
 ``set_`` on storages of ``UntypedStorage.from_file``. Inside ``meta_init`` those calls are
 intercepted (``record/devices.data_factory``, ``record/dispatch``): the memory's address is looked
-up in the process's mappings (``/proc/self/maps``), which give the file and the offset, and the
-tensor becomes deferred, its recording one :func:`read_file_bytes` op. Replaying it maps those
-bytes privately (whole tensors of at least ``MAP_FROM`` bytes) or reads them with ``pread``, after
-checking that the file is still the one that was recorded (size, modification and change times,
-inode, header). The change time (ctime) catches rewrites that restore the modification time
-(``cp -p``, ``rsync -t``, ``os.utime``): no user call can set it back. What is read is also
-checked: a sum of the bytes' 64-bit words (computed by the reading threads) must equal that of any
-earlier read of the same bytes of the same file version, which catches writes the timestamps miss
-(through a shared mapping, within the clock's granularity) before the bytes are used. A mapping of
-whole-tensor bytes is digested only when there is something to compare: it holds no copy, its pages
-are the file's (as eager loading's mapping is), so a first or repeated opening maps and checks the
-file's identity only. Freeing such a tensor (``dematerialize``) compares it with a new read of the
-file, whose digest every later read of those bytes must match: bytes changed between a free and the
-next materialize are refused.
+up in the process's mappings (``/proc/self/maps``, see ``dispatch/file_memory``), which give the
+file and the offset, and the tensor becomes deferred, its recording one :func:`read_file_bytes` op.
+Replaying it maps those bytes privately (whole tensors of at least ``MAP_FROM`` bytes) or reads them
+with ``pread``, after checking that the file is still the one that was recorded (size, modification
+and change times, inode, header). The change time (ctime) catches rewrites that restore the
+modification time (``cp -p``, ``rsync -t``, ``os.utime``): no user call can set it back. What is
+read is also checked: a sum of the bytes' 64-bit words (computed by the reading threads) must equal
+that of any earlier read of the same bytes of the same file version, which catches writes the
+timestamps miss (through a shared mapping, within the clock's granularity) before the bytes are
+used. A mapping of whole-tensor bytes is digested only when there is something to compare: it holds
+no copy, its pages are the file's (as eager loading's mapping is), so a first or repeated opening
+maps and checks the file's identity only. Freeing such a tensor (``dematerialize``) compares it with
+a new read of the file, whose digest every later read of those bytes must match: bytes changed
+between a free and the next materialize are refused. The header is read once per file in one
+``materialize`` (:func:`one_header_check`); each read compares the metadata.
 """
 
 from __future__ import annotations
 
-import bisect
 import contextlib
 import hashlib
 import mmap
@@ -39,7 +39,14 @@ import torch
 from jupyter_metainit.core.errors import MaterializationError
 from jupyter_metainit.core.runtime.pool import available_cores, core_pool
 
-__all__ = ["FileRef", "FileRegion", "comparing_with_file", "file_region", "read_file_bytes"]
+__all__ = [
+    "FileRef",
+    "FileRegion",
+    "comparing_with_file",
+    "header_digest",
+    "one_header_check",
+    "read_file_bytes",
+]
 
 _HEADER_BYTES = 64 << 10  # identity: a digest of the file's first bytes (safetensors' header)
 
@@ -71,10 +78,12 @@ class FileRef:
                 "was materialized."
             ) from None
         identity = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
-        if identity != (self.size, self.mtime_ns, self.ctime_ns, self.inode) or (
-            header and _header_digest(self.path) != self.header
-        ):
+        if identity != (self.size, self.mtime_ns, self.ctime_ns, self.inode):
             raise self.changed("size, modification or change time, or contents differ")
+        if header and not _header_checked(self):
+            if header_digest(self.path) != self.header:
+                raise self.changed("size, modification or change time, or contents differ")
+            _note_header_checked(self)
 
     def changed(self, how: str) -> MaterializationError:
         return MaterializationError(
@@ -93,7 +102,46 @@ class FileRegion:
     nbytes: int
 
 
-def _header_digest(path: str) -> bytes:
+# Files whose header was compared in the current batch of reads (``one_header_check``): the
+# other reads of the batch check their metadata only. None: outside a batch, every check reads.
+_headers_checked: set[FileRef] | None = None
+_lock = threading.Lock()
+_batches = 0
+
+
+def _header_checked(ref: FileRef) -> bool:
+    checked = _headers_checked
+    return checked is not None and ref in checked
+
+
+def _note_header_checked(ref: FileRef) -> None:
+    checked = _headers_checked
+    if checked is not None:
+        checked.add(ref)
+
+
+@contextlib.contextmanager
+def one_header_check() -> Iterator[None]:
+    """Within the block (one ``materialize``), a file's header is read and compared once, by
+    the first read of it; the other reads of that file compare its metadata (size, times,
+    inode: what any write changes) before and after, and their bytes' digests where there is
+    an earlier one. Reading the header again for each of a checkpoint's tensors cost more than
+    mapping them. Nested blocks share the outermost one's record."""
+    global _headers_checked, _batches
+    with _lock:
+        _batches += 1
+        if _headers_checked is None:
+            _headers_checked = set()
+    try:
+        yield
+    finally:
+        with _lock:
+            _batches -= 1
+            if _batches == 0:
+                _headers_checked = None
+
+
+def header_digest(path: str) -> bytes:
     try:
         with open(path, "rb") as f:
             return hashlib.blake2b(f.read(_HEADER_BYTES), digest_size=16).digest()
@@ -101,108 +149,6 @@ def _header_digest(path: str) -> bytes:
         raise MaterializationError(
             f"the checkpoint file {path} cannot be read (permission denied)"
         ) from None
-
-
-# ---------------------------------------------------------------------------------------------
-# which file is this memory?
-
-
-@dataclass(frozen=True)
-class _Mapping:
-    start: int
-    end: int
-    offset: int
-    inode: int
-    path: str
-
-
-_maps: list[_Mapping] = []
-_starts: list[int] = []
-_refs: dict[tuple[str, int, int, int], FileRef] = {}
-_lock = threading.Lock()
-
-
-def _read_maps() -> None:
-    global _maps, _starts
-    found = []
-    try:
-        with open("/proc/self/maps") as f:
-            for line in f:
-                parts = line.split(maxsplit=5)
-                if len(parts) < 6 or not parts[5].startswith("/"):
-                    continue
-                path = parts[5].rstrip("\n")
-                if path.endswith(" (deleted)"):
-                    continue
-                lo, hi = (int(x, 16) for x in parts[0].split("-"))
-                found.append(_Mapping(lo, hi, int(parts[2], 16), int(parts[4]), path))
-    except OSError:  # no /proc: no file-backed recording, tensors are copied instead
-        found = []
-    found.sort(key=lambda m: m.start)
-    _maps, _starts = found, [m.start for m in found]
-
-
-def _lookup(address: int) -> _Mapping | None:
-    i = bisect.bisect_right(_starts, address) - 1
-    if i >= 0 and _maps[i].start <= address < _maps[i].end:
-        return _maps[i]
-    return None
-
-
-def _still_mapped(mapping: _Mapping) -> bool:
-    """Is this cached mapping still there, of the same file? (A file closed and another one
-    opened can be mapped at the very same addresses.)"""
-    try:
-        st = os.stat(f"/proc/self/map_files/{mapping.start:x}-{mapping.end:x}")
-    except OSError:
-        return False  # gone, or map_files not readable here: look again
-    return st.st_ino == mapping.inode
-
-
-def _file_ref(path: str) -> FileRef | None:
-    try:
-        st = os.stat(path)
-    except OSError:
-        return None
-    key = (path, st.st_size, st.st_mtime_ns, st.st_ino, st.st_ctime_ns)
-    ref = _refs.get(key)
-    if ref is None:
-        header = _header_digest(path)
-        ref = FileRef(path, st.st_size, st.st_mtime_ns, st.st_ino, header, st.st_ctime_ns)
-        _refs[key] = ref
-    return ref
-
-
-def file_region(address: int, nbytes: int) -> FileRegion | None:
-    """The file region mapped at ``address`` (``nbytes`` long), if the memory is a file."""
-    if nbytes <= 0 or address == 0:
-        return None
-    with _lock:
-        mapping = _lookup(address)
-        if mapping is None or address + nbytes > mapping.end or not _still_mapped(mapping):
-            _read_maps()  # mappings changed since the last look
-            mapping = _lookup(address)
-        if mapping is None or address + nbytes > mapping.end:
-            return None
-        ref = _file_ref(mapping.path)
-    if ref is None or ref.inode != mapping.inode:
-        return None
-    offset = mapping.offset + address - mapping.start
-    if offset + nbytes > ref.size:
-        return None
-    return FileRegion(ref, offset, nbytes)
-
-
-def storage_region(data: Any) -> FileRegion | None:
-    """The file region holding ``data`` (an ``UntypedStorage`` or a CPU tensor's whole
-    storage), if it is memory-mapped from a file."""
-    if isinstance(data, torch.Tensor):
-        if data.device.type != "cpu" or data.layout != torch.strided:
-            return None
-        data = data.untyped_storage()
-    if not isinstance(data, torch.UntypedStorage) or data.device.type != "cpu":
-        return None
-    return file_region(data.data_ptr(), data.nbytes())
 
 
 # ---------------------------------------------------------------------------------------------

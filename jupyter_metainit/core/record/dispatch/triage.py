@@ -87,11 +87,20 @@ def _handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
         made = record_from_recipe(func, args, kwargs)
         if made is not None:
             return made
-    info = op_info(func)
     flat = iter_args(args, kwargs)
     has_deferred = DeferredTensor in [type(x) for x in flat] or any(
         isinstance(x, DeferredTensor) for x in flat
     )
+    if not has_deferred:
+        if func is aten.lift_fresh.default:
+            return wrap_constant(args[0], output_device(kwargs, flat))
+        if _on_meta(kwargs, flat):
+            # PyTorch's own meta device, asked for explicitly (`with torch.device("meta")`, as
+            # transformers builds a model before loading it): plain meta tensors, as eagerly;
+            # random ops on them draw nothing.
+            with plain():
+                return func(*args, **kwargs)
+    info = op_info(func)
     bound = bind_arguments(func, args, kwargs)
     # Every tensor the op writes: ``Tensor(a!)``, each element of ``Tensor(a!)[]`` (the
     # ``_foreach_*_`` ops, fused optimizers, ``out=`` lists) and undeclared writes.
@@ -104,14 +113,6 @@ def _handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
     mutated_real = any(not isinstance(t, DeferredTensor) for t in written)
     mutated_deferred = any(isinstance(t, DeferredTensor) for t in written)
     if not has_deferred:
-        if func is aten.lift_fresh.default:
-            return wrap_constant(args[0], output_device(kwargs, flat))
-        if _on_meta(kwargs, flat):
-            # PyTorch's own meta device, asked for explicitly (`with torch.device("meta")`, as
-            # transformers builds a model before loading it): plain meta tensors, as eagerly;
-            # random ops on them draw nothing.
-            with plain():
-                return func(*args, **kwargs)
         if mutated_real or func.is_view or not info.returns_tensors:
             if info.is_random:
                 # Real random work: the generator must be where eager code has it.

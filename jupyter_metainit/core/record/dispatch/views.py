@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core.errors import UnsupportedOperatorError
+from jupyter_metainit.core.record.dispatch.file_memory import storage_region
 from jupyter_metainit.core.record.dispatch.inputs import (
     META,
     call_site,
@@ -23,9 +24,9 @@ from jupyter_metainit.core.record.dispatch.inputs import (
     to_meta,
     wrap_file_region,
 )
-from jupyter_metainit.core.record.files import storage_region
 from jupyter_metainit.core.record.graph import OpRecord, StorageRecord, TensorRecord, next_seq
 from jupyter_metainit.core.record.ops import OpInfo
+from jupyter_metainit.core.record.state import tls
 from jupyter_metainit.core.record.tensor import (
     INTERNAL_ATTRS,
     PARAMETER_ATTRS,
@@ -69,6 +70,123 @@ def record_view(func: Any, args: tuple, kwargs: dict) -> Any:
         made._view_of = base
         results.append(made)
     return type(out)(results)
+
+
+# Tensor methods, implemented in C++, that give a view of their input (``reshape`` and
+# ``flatten`` when they can; a copy otherwise): what loading a checkpoint does to each tensor
+# (``view(dtype)``, ``reshape``, ``t[...]``, ``nn.Parameter``'s ``detach``).
+VIEW_METHODS = frozenset({
+    torch.Tensor.view, torch.Tensor.reshape, torch.Tensor.__getitem__, torch.Tensor.detach,
+    torch.Tensor.t, torch.Tensor.transpose, torch.Tensor.permute, torch.Tensor.unsqueeze,
+    torch.Tensor.squeeze, torch.Tensor.flatten, torch.Tensor.expand, torch.Tensor.narrow,
+    torch.Tensor.select,
+})  # fmt: skip
+_MAY_COPY = frozenset({torch.Tensor.reshape, torch.Tensor.flatten})  # when not viewable
+_SIMPLE = (int, torch.dtype, type(None), type(Ellipsis))
+_len_function_modes = torch._C._len_torch_function_stack
+_len_dispatch_modes = torch._C._len_torch_dispatch_stack
+_getitem, _detach = torch.Tensor.__getitem__, torch.Tensor.detach
+_NoDispatch = torch._C._DisableTorchDispatch
+NOT_A_VIEW = object()  # what view_method and on_meta_tensor answer for a call they leave alone
+
+
+def _simple(x: Any, lists: bool = True) -> bool:
+    """A size, dim, dtype or basic index (no tensor, no bool; no list where ``lists`` is
+    false: in an index, a list is advanced indexing)."""
+    if type(x) in _SIMPLE:
+        return True
+    if type(x) is tuple or type(x) is torch.Size or (lists and type(x) is list):
+        return all(type(v) is int or _simple(v, lists) for v in x)
+    if type(x) is slice:
+        return _simple((x.start, x.stop, x.step))
+    return False
+
+
+def _simple_arguments(func: Any, args: tuple, kwargs: dict) -> bool:
+    """Every argument after the tensor is :func:`_simple`."""
+    lists = func is not _getitem
+    for a in args[1:]:
+        if type(a) is not int and not _simple(a, lists):
+            return False
+    return not kwargs or all(_simple(v) for v in kwargs.values())
+
+
+def view_method(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A :data:`VIEW_METHODS` call on a deferred tensor, answered at the torch-function level
+    inside ``meta_init``: the method runs on the meta tensor, and its result, if it is a view of
+    it, becomes a deferred view as :func:`record_view` makes it, without the trip through ATen
+    dispatch (several per op, a third of recording a checkpoint). ``NOT_A_VIEW`` when it is not
+    such a view (a copy, a tensor or list argument) or another mode is active (it must see the
+    call as usual): the caller then takes the general path, which gives the same result."""
+    self = args[0] if args else None
+    if (
+        type(self) is not DeferredTensor
+        or _len_function_modes() != 0
+        or _len_dispatch_modes() != 1
+        or not _simple_arguments(func, args, kwargs)
+    ):
+        return NOT_A_VIEW
+    meta = self._meta
+    # (the caller's torch-function mode is off while it runs, and ``meta`` never requires grad:
+    # the dispatch mode is all there is to switch off)
+    with _NoDispatch():
+        out = func(meta, *args[1:], **kwargs)
+    if func in _MAY_COPY and out.untyped_storage()._cdata != meta.untyped_storage()._cdata:
+        return NOT_A_VIEW  # a copy: recorded as one by the general path
+    base = getattr(self, "_view_of", None)
+    r = self._rg and torch.is_grad_enabled() and func is not _detach and is_float(out.dtype)
+    made = DeferredTensor(out, TensorRecord(self._rec.storage, out), self.device, r, r)
+    made._view_of = self if base is None else base
+    return made
+
+
+_PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
+_init = torch.nn.init
+# ``nn.init`` functions that only run in-place ops on their tensor: what a model built under
+# ``torch.device("meta")`` (as ``from_pretrained`` builds it) calls on each of its parameters.
+INIT_FUNCTIONS = frozenset({
+    _init.kaiming_uniform_, _init.kaiming_normal_, _init.xavier_uniform_, _init.xavier_normal_,
+    _init.uniform_, _init.normal_, _init.zeros_, _init.ones_, _init.constant_,
+})  # fmt: skip
+_SCALARS = (int, float, bool, str, torch.dtype, type(None))
+
+
+def on_meta_tensor(func: Any, args: tuple, kwargs: dict) -> Any:
+    """A :data:`VIEW_METHODS` or :data:`INIT_FUNCTIONS` call on a plain ``meta`` tensor inside
+    ``meta_init`` (``state_dict()`` of a model built on ``torch.device("meta")`` detaches each
+    tensor, twice per checkpoint tensor in ``from_pretrained``; its constructor initialises
+    them), run without the recorder's dispatch mode: triage would run each of its ATen ops as
+    it is, on meta tensors, drawing nothing (autograd sees it as eagerly). ``NOT_A_VIEW`` when
+    it is not such a call (other arguments than sizes, dims, scalars or basic indices)."""
+    # (``nn.init`` functions pass every argument by keyword to torch-function handlers)
+    self = args[0] if args else kwargs.get("tensor")
+    if (
+        type(self) not in _PLAIN_TYPES
+        or not self.is_meta
+        or tls.pending_device is not None
+        or _len_function_modes() != 0
+        or _len_dispatch_modes() != 1
+    ):
+        return NOT_A_VIEW
+    if func in INIT_FUNCTIONS:
+        rest = (*args[1:], *(v for k, v in kwargs.items() if k != "tensor"))
+        if not all(type(a) in _SCALARS for a in rest):
+            return NOT_A_VIEW
+    elif not _simple_arguments(func, args, kwargs):
+        return NOT_A_VIEW
+    with _NoDispatch():
+        return func(*args, **kwargs)
+
+
+def meta_factory(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
+    """A factory asked for ``meta`` tensors, with no tensor argument (``with
+    torch.device("meta")``, as ``from_pretrained`` builds a model): triage would run each of its
+    ATen ops as it is, so it runs without the recorder's dispatch mode when no other mode is
+    there to see it."""
+    if tls.pending_device is None and _len_dispatch_modes() == 1 and _len_function_modes() == 0:
+        with _NoDispatch():
+            return func(*args, **kwargs)
+    return func(*args, **kwargs)
 
 
 def _set_geometry(
