@@ -73,6 +73,21 @@ def test_views_require_grad_as_eager_views_do():
     assert cast.requires_grad == eager.view(torch.int32).requires_grad
 
 
+def test_views_made_under_no_grad_require_grad_as_eagers_do():
+    # Eager: a view of a tensor that requires grad requires grad also when made under no_grad
+    # (a leaf then, without grad_fn); a detach never does.
+    def views(p):
+        with torch.no_grad():
+            v, row, flat = p.view(24), p[0], p.reshape(-1)
+            return [v.requires_grad, v.is_leaf, row.requires_grad, flat.requires_grad,
+                    p.detach().requires_grad]  # fmt: skip
+
+    with meta_init():
+        deferred = torch.nn.Parameter(torch.randn(4, 6))
+        inside = views(deferred)
+    assert inside == views(deferred) == views(torch.nn.Parameter(torch.randn(4, 6)))
+
+
 def test_a_dispatch_mode_inside_meta_init_still_sees_each_view():
     seen = []
 

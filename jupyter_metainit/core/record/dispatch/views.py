@@ -51,7 +51,10 @@ def record_view(func: Any, args: tuple, kwargs: dict) -> Any:
         meta_args.append(to_meta(a) if isinstance(a, torch.Tensor) else a)
     with plain():
         out = func(*meta_args, **kwargs)
-    rg = self._rg and func is not aten.detach.default and torch.is_grad_enabled()
+    # As eager: a view requires grad where its base does, made under no_grad too (a leaf
+    # then: no grad_fn); a detach never does.
+    rg = self._rg and func is not aten.detach.default
+    derived = torch.is_grad_enabled()
     storage, device = self._rec.storage, self.device
     # The tensor this is a view of, as eager's ``_base``: an in-place op through the view that
     # makes it require grad makes the base require grad too (``pad(mode="circular")``).
@@ -60,13 +63,13 @@ def record_view(func: Any, args: tuple, kwargs: dict) -> Any:
         base = self
     if isinstance(out, torch.Tensor):
         r = rg and is_float(out.dtype)
-        made = DeferredTensor(out, TensorRecord(storage, out), device, r, r)
+        made = DeferredTensor(out, TensorRecord(storage, out), device, r, r and derived)
         made._view_of = base
         return made
     results = []
     for o in out:
         r = rg and is_float(o.dtype)
-        made = DeferredTensor(o, TensorRecord(storage, o), device, r, r)
+        made = DeferredTensor(o, TensorRecord(storage, o), device, r, r and derived)
         made._view_of = base
         results.append(made)
     return type(out)(results)
@@ -134,8 +137,9 @@ def view_method(func: Any, args: tuple, kwargs: dict) -> Any:
     if func in _MAY_COPY and out.untyped_storage()._cdata != meta.untyped_storage()._cdata:
         return NOT_A_VIEW  # a copy: recorded as one by the general path
     base = getattr(self, "_view_of", None)
-    r = self._rg and torch.is_grad_enabled() and func is not _detach and is_float(out.dtype)
-    made = DeferredTensor(out, TensorRecord(self._rec.storage, out), self.device, r, r)
+    r = self._rg and func is not _detach and is_float(out.dtype)  # as record_view
+    made = DeferredTensor(out, TensorRecord(self._rec.storage, out), self.device, r,
+                          r and torch.is_grad_enabled())  # fmt: skip
     made._view_of = self if base is None else base
     return made
 
