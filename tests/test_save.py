@@ -286,13 +286,18 @@ def test_sharded_fused_experts_land_in_the_shards_save_pretrained_puts_them_in(t
 _WRITER = __import__("jupyter_metainit.save.writer", fromlist=["writer"])
 
 
-@pytest.mark.parametrize("path", ["direct", "mapped", "pwrite"])
-def test_every_write_path_gives_the_bytes_of_save_pretrained(tmp_path, monkeypatch, path):
-    # O_DIRECT where the file system takes it, else the files mapped, else pwrite.
+def _write_path(monkeypatch, path: str) -> None:
+    """Make ``save`` write the ``path`` way: O_DIRECT where the file system takes it (here),
+    else the files mapped, else pwrite."""
     if path != "direct":
         monkeypatch.setattr(_WRITER, "can_write_direct", lambda: False)
     if path == "pwrite":
         monkeypatch.setattr(_WRITER, "can_map", lambda: False)
+
+
+@pytest.mark.parametrize("path", ["direct", "mapped", "pwrite"])
+def test_every_write_path_gives_the_bytes_of_save_pretrained(tmp_path, monkeypatch, path):
+    _write_path(monkeypatch, path)
     deferred, eager = _deferred_and_eager(tie=False)
     save(deferred, tmp_path / "ours", max_shard_size="100KB")
     eager.save_pretrained(tmp_path / "eager", max_shard_size="100KB")
@@ -307,10 +312,7 @@ def _large_layers() -> nn.Module:
 
 @pytest.mark.parametrize("path", ["direct", "mapped", "pwrite"])
 def test_parts_written_while_generating_give_the_bytes_of_save_file(tmp_path, monkeypatch, path):
-    if path != "direct":
-        monkeypatch.setattr(_WRITER, "can_write_direct", lambda: False)
-    if path == "pwrite":
-        monkeypatch.setattr(_WRITER, "can_map", lambda: False)
+    _write_path(monkeypatch, path)
     torch.manual_seed(0)
     with meta_init():
         deferred = _large_layers()

@@ -75,14 +75,21 @@ def test_the_cuts_fall_on_the_kernels_blocks_and_cover_every_element():
         assert all(x[1] == y[0] for x, y in itertools.pairwise(spans))
 
 
-def test_values_to_write_of_a_batch_cuts_its_fills_across_cores_and_equals_eager(monkeypatch):
+def _streams_counted(monkeypatch) -> list[int]:
+    """Three cores and no size floor for the stream path; the returned list gets the number of
+    fills of each run of fills cut across the cores."""
     monkeypatch.setattr(run_module, "available_cores", lambda: 3)
     monkeypatch.setattr(stream_fills, "MIN_STREAM_ELEMENTS", 1)
-    used = []
+    used: list[int] = []
     real_fill_stream = stream_fills.fill_stream
     monkeypatch.setattr(
         stream_fills, "fill_stream", lambda *a: used.append(len(a[0])) or real_fill_stream(*a)
     )
+    return used
+
+
+def test_values_to_write_of_a_batch_cuts_its_fills_across_cores_and_equals_eager(monkeypatch):
+    used = _streams_counted(monkeypatch)
 
     def build() -> nn.Module:
         bf16 = {"dtype": torch.bfloat16}
@@ -129,13 +136,7 @@ def test_parts_are_reported_final_while_the_rest_is_generated(monkeypatch):
 
 def test_a_lone_fill_runs_cut_across_cores_its_parts_told_as_final(monkeypatch):
     # A batch of one large tensor (an embedding) goes the same way as a run of fills.
-    monkeypatch.setattr(run_module, "available_cores", lambda: 3)
-    monkeypatch.setattr(stream_fills, "MIN_STREAM_ELEMENTS", 1)
-    used = []
-    real_fill_stream = stream_fills.fill_stream
-    monkeypatch.setattr(
-        stream_fills, "fill_stream", lambda *a: used.append(len(a[0])) or real_fill_stream(*a)
-    )
+    used = _streams_counted(monkeypatch)
     torch.manual_seed(7)
     eager = nn.Embedding(500, 64)
     torch.manual_seed(7)
