@@ -37,6 +37,7 @@ from jupyter_metainit.core.record.devices import (
     requires_grad_kwarg,
     rewrite_device,
 )
+from jupyter_metainit.core.record.dispatch.file_memory import release_held
 from jupyter_metainit.core.record.dispatch.triage import handle_op
 from jupyter_metainit.core.record.dispatch.views import (
     INIT_FUNCTIONS,
@@ -240,6 +241,7 @@ class meta_init(contextlib.ContextDecorator):
                 if outermost:
                     flush_all()
                     value_reader().forget_all()
+                    release_held()  # a checkpoint's mapping may go once its reader closes
         finally:
             # Our SIGINT handler goes last: once the previous one is back, a Ctrl-C raises at
             # once, and it must not land before the critical section is closed.
