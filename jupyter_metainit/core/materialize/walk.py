@@ -78,7 +78,7 @@ def own_tensors(
 def _attributes(module: nn.Module, real: bool, walk: _Walk | None) -> list[OwnTensor]:
     out: list[OwnTensor] = []
     for n, v in module.__dict__.items():
-        if n not in _MODULE_INTERNALS:
+        if type(v) not in _SCALARS and n not in _MODULE_INTERNALS:  # (most are sizes, flags)
             out += _attribute_tensors(n, v, real, 0, None, walk)
     return out
 
@@ -105,14 +105,16 @@ def _attribute_tensors(
 ) -> list[OwnTensor]:  # fmt: skip
     if type(value) in _SCALARS:  # most attributes of a model's modules (sizes, flags)
         return []
+    if walk is not None and id(value) in walk.full:
+        # Its tensors are known (see _Walk). First: ``isinstance`` asks an object that is not of
+        # the type for its ``__class__``, which costs on a transformers config.
+        return []
     if isinstance(value, torch.Tensor):
         if real or isinstance(value, DeferredTensor) or _was_deferred(value):
             return [OwnTensor(name, value, "attribute")]
         return []
     if isinstance(value, _NEVER_ENTERED):
         return []
-    if walk is not None and id(value) in walk.full:
-        return []  # its tensors are known (see _Walk)
     if depth >= _MAX_CONTAINER_DEPTH:
         if walk is not None:
             walk.cuts += 1
