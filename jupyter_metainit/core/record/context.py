@@ -275,9 +275,9 @@ class meta_init(contextlib.ContextDecorator):
                 tls.devices.pop()
                 tls.dtypes.pop()
                 if outermost:
+                    release_held()  # a checkpoint's mapping may go once its reader closes
                     flush_all()
                     value_reader().forget_all()
-                    release_held()  # a checkpoint's mapping may go once its reader closes
         finally:
             # Our SIGINT handler goes last: once the previous one is back, a Ctrl-C raises at
             # once, and it must not land before the critical section is closed.
