@@ -150,3 +150,49 @@ def test_a_materialize_reads_each_files_header_once(tmp_path, n):
 def _read_bytes() -> int:
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("rchar"))
+
+
+def _mappings_of(path) -> int:
+    with open("/proc/self/maps") as f:
+        return sum(1 for line in f if line.rstrip().endswith(str(path)))
+
+
+def test_a_file_read_inside_a_block_stays_mapped_until_the_block_ends(tmp_path):
+    # The storage last found in a mapping is held (its mapping cannot go, nor its addresses be
+    # taken by another file), so the other tensors of the file skip the map_files check; it is
+    # let go when the outermost block ends.
+    from safetensors import safe_open
+
+    from jupyter_metainit.core.record.dispatch import file_memory
+
+    tensors = {f"w{i}": torch.full((1 << 16,), float(i)) for i in range(3)}
+    path = tmp_path / "w.safetensors"
+    save_file(tensors, str(path))
+    with meta_init():
+        with meta_init(), safe_open(str(path), framework="pt") as f:
+            loaded = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118
+        assert file_memory._held is not None  # the inner block is not the outermost
+    assert file_memory._held is None
+    import gc
+
+    gc.collect()
+    assert _mappings_of(path) == 0  # nothing keeps the reader's mapping after the block
+    materialize(list(loaded.values()))
+    assert all(torch.equal(loaded[k], t) for k, t in tensors.items())
+
+
+def test_another_file_mapped_where_a_closed_one_was_is_found_as_that_file(tmp_path):
+    # Between blocks nothing is held: a new file over the same addresses is looked up again.
+    from safetensors import safe_open
+
+    paths = []
+    for i in range(2):
+        path = tmp_path / f"w{i}.safetensors"
+        save_file({"w": torch.full((1 << 16,), float(i))}, str(path))
+        paths.append(path)
+    loaded = []
+    for path in paths:
+        with meta_init(), safe_open(str(path), framework="pt") as f:
+            loaded.append(f.get_tensor("w"))
+    materialize(loaded)
+    assert [float(t[0]) for t in loaded] == [0.0, 1.0]

@@ -248,8 +248,9 @@ def _replay_how(
     they stay one memory.
     """
     by_storage: dict[int, tuple[bool, torch.device | None]] = {}
+    freed_how = shadows.freed_how if shadows.freed_how else {}  # (a look-up makes a weak ref)
     for t in tensors:
-        fast, made_on = shadows.freed_how.get(t, (False, None))
+        fast, made_on = freed_how.get(t, (False, None))
         was_fast, was_on = by_storage.get(id(t._rec.storage), (False, None))
         by_storage[id(t._rec.storage)] = (fast or was_fast, was_on or made_on)
     out: dict[int, tuple[str, torch.device | None]] = {}
@@ -313,6 +314,7 @@ def _real_tensors(
     used: set[int] = set()
     new = []
     fast: set[int] = set()
+    freed_state = shadows.freed_state if shadows.freed_state else {}  # (as in _replay_how)
     for t in call.tensors:
         if id(t) in loaded:
             new.append(_build_real(t, loaded[id(t)], call.dtype, used, exact_tensor=True))
@@ -320,7 +322,7 @@ def _real_tensors(
             new.append(_build_real(t, aliased[id(t)], call.dtype, used))
         else:
             new.append(_build_real(t, values[id(t._rec.storage)], call.dtype, used))
-        state = shadows.freed_state.get(t)
+        state = freed_state.get(t)
         if state is not None:  # freed before: what the user had set on the object
             state.apply(new[-1])
         # Values differ from eager only where a random op ran in fast mode.

@@ -293,8 +293,10 @@ def note_materialized(
     (``device=``; or, for fast draws, which depend on it, the tensor's own), whether they are
     fast; whatever was kept of it while it was freed is done with."""
     sources[t] = source
-    freed_state.pop(t, None)
-    freed_how.pop(t, None)
+    if freed_state:  # (a look-up makes a weak reference: none where nothing was freed)
+        freed_state.pop(t, None)
+    if freed_how:
+        freed_how.pop(t, None)
     if on is None and fast:
         on = t.device  # fast draws depend on the device they were made on
     if on is not None:

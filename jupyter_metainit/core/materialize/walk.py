@@ -71,22 +71,53 @@ def own_tensors(
         if b is not None
     ]
     if attributes or real_attributes:
-        for n, v in module.__dict__.items():
-            if n not in _MODULE_INTERNALS:
-                out += _attribute_tensors(n, v, real_attributes, 0)
+        out += _attributes(module, real_attributes, None)
     return out
 
 
+def _attributes(module: nn.Module, real: bool, walk: _Walk | None) -> list[OwnTensor]:
+    out: list[OwnTensor] = []
+    for n, v in module.__dict__.items():
+        if type(v) not in _SCALARS and n not in _MODULE_INTERNALS:  # (most are sizes, flags)
+            out += _attribute_tensors(n, v, real, 0, None, walk)
+    return out
+
+
+class _Walk:
+    """What one walk over several modules (:func:`unique_tensors`) has looked into in full.
+
+    Every module of a ``transformers`` model holds the same ``config`` (dozens of them): it is
+    looked into once. A container counts as walked in full only if nothing under it was cut
+    (by the depth bound or the cycle check), so that any later look into it could find only
+    tensors found already; those looks are skipped (the walk keeps each tensor once anyway).
+    """
+
+    __slots__ = ("cuts", "full")
+
+    def __init__(self) -> None:
+        self.full: dict[int, object] = {}  # id -> container (kept: ids stay unique meanwhile)
+        self.cuts = 0  # containers not entered because of the depth bound or a cycle
+
+
 def _attribute_tensors(
-    name: str, value: object, real: bool, depth: int, entered: set[int] | None = None
-) -> list[OwnTensor]:
+    name: str, value: object, real: bool, depth: int, entered: set[int] | None = None,
+    walk: _Walk | None = None,
+) -> list[OwnTensor]:  # fmt: skip
     if type(value) in _SCALARS:  # most attributes of a model's modules (sizes, flags)
+        return []
+    if walk is not None and id(value) in walk.full:
+        # Its tensors are known (see _Walk). First: ``isinstance`` asks an object that is not of
+        # the type for its ``__class__``, which costs on a transformers config.
         return []
     if isinstance(value, torch.Tensor):
         if real or isinstance(value, DeferredTensor) or _was_deferred(value):
             return [OwnTensor(name, value, "attribute")]
         return []
-    if depth >= _MAX_CONTAINER_DEPTH or isinstance(value, _NEVER_ENTERED):
+    if isinstance(value, _NEVER_ENTERED):
+        return []
+    if depth >= _MAX_CONTAINER_DEPTH:
+        if walk is not None:
+            walk.cuts += 1
         return []
     items = _container_items(value)
     if items is None:
@@ -94,11 +125,16 @@ def _attribute_tensors(
     # Cycle-safe: a structure that refers to itself (a node's ``parent``) is entered once.
     entered = set() if entered is None else entered
     if id(value) in entered:
+        if walk is not None:
+            walk.cuts += 1
         return []
     entered.add(id(value))
+    cuts = walk.cuts if walk is not None else 0
     out: list[OwnTensor] = []
     for key, item in items:
-        out += _attribute_tensors(f"{name}.{key}", item, real, depth + 1, entered)
+        out += _attribute_tensors(f"{name}.{key}", item, real, depth + 1, entered, walk)
+    if walk is not None and walk.cuts == cuts:
+        walk.full[id(value)] = value
     return out
 
 
@@ -170,8 +206,12 @@ def named_tensors(
 def unique_tensors(module: nn.Module, *, attributes: bool = False) -> list[torch.Tensor]:
     """Every tensor of ``module`` and its children, each object once, in walk order."""
     seen: dict[int, torch.Tensor] = {}
+    walk = _Walk() if attributes else None
     for m in module.modules():
-        for own in own_tensors(m, attributes=attributes):
+        owned = own_tensors(m)
+        if walk is not None:
+            owned += _attributes(m, False, walk)
+        for own in owned:
             seen.setdefault(id(own.tensor), own.tensor)
     return list(seen.values())
 

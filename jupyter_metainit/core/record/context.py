@@ -35,13 +35,16 @@ from jupyter_metainit.core.record.devices import (
     data_factory,
     handle_function,
     requires_grad_kwarg,
+    retarget,
     rewrite_device,
 )
+from jupyter_metainit.core.record.dispatch.file_memory import release_held
 from jupyter_metainit.core.record.dispatch.triage import handle_op
 from jupyter_metainit.core.record.dispatch.views import (
     INIT_FUNCTIONS,
     NOT_A_VIEW,
     VIEW_METHODS,
+    meta_factory,
     on_meta_tensor,
     view_method,
 )
@@ -111,6 +114,15 @@ class _FunctionMode(TorchFunctionMode):
                 made = self._view(func, types, args, kwargs or {})
                 if made is not NOT_A_VIEW:
                     return made
+            elif func is _TO and DeferredTensor in types and _plain_to(args, kwargs):
+                # ``t.to(...)`` (once per checkpoint tensor): what the general path ends in,
+                # without its layers (an op it records finds its call site itself)
+                return retarget(func, args[0], args[1:], dict(kwargs or {}))
+            elif func in FACTORIES and _meta_factory_call(func, types, args, kwargs):
+                # A model built on ``torch.device("meta")`` (as ``from_pretrained`` builds it):
+                # what ``rewrite_device`` does with the call, without the general path's layers.
+                with subclass_functions_off():
+                    return meta_factory(func, args, kwargs)
             if tls.where is not None:
                 return self._handle(func, types, args, kwargs or {})
             tls.where = user_frame()  # for every op this call dispatches
@@ -140,6 +152,31 @@ class _FunctionMode(TorchFunctionMode):
             made = rewrite_device(func, args, kwargs, in_context=True)
             return requires_grad_kwarg(made, kwargs, func)
         return func(*args, **kwargs)
+
+
+_TO = torch.Tensor.to
+
+
+def _plain_to(args: tuple, kwargs: Any) -> bool:
+    """A ``.to`` call on a deferred tensor with no ``requires_grad=`` (which the general path
+    treats apart)."""
+    return (
+        bool(args)
+        and isinstance(args[0], DeferredTensor)
+        and not (kwargs and "requires_grad" in kwargs)
+    )
+
+
+def _meta_factory_call(func: Any, types: Any, args: tuple, kwargs: Any) -> bool:
+    """A factory given ``device=torch.device("meta")`` and no tensor."""
+    device = kwargs.get("device") if kwargs else None
+    return (
+        type(device) is torch.device
+        and device.type == "meta"
+        and DeferredTensor not in types
+        and func not in DATA_FACTORIES
+        and not any(isinstance(a, torch.Tensor) for a in (*args, *kwargs.values()))
+    )
 
 
 def _deep_copy_of_real(tensor: torch.Tensor, memo: dict) -> torch.Tensor:
@@ -238,6 +275,7 @@ class meta_init(contextlib.ContextDecorator):
                 tls.devices.pop()
                 tls.dtypes.pop()
                 if outermost:
+                    release_held()  # a checkpoint's mapping may go once its reader closes
                     flush_all()
                     value_reader().forget_all()
         finally:

@@ -90,6 +90,8 @@ _len_function_modes = torch._C._len_torch_function_stack
 _len_dispatch_modes = torch._C._len_torch_dispatch_stack
 _getitem, _detach = torch.Tensor.__getitem__, torch.Tensor.detach
 _NoDispatch = torch._C._DisableTorchDispatch
+_NoSubclassFunctions = torch._C.DisableTorchFunctionSubclass
+_cpp_device = torch._C.TensorBase.device.__get__
 NOT_A_VIEW = object()  # what view_method and on_meta_tensor answer for a call they leave alone
 
 
@@ -138,7 +140,9 @@ def view_method(func: Any, args: tuple, kwargs: dict) -> Any:
         return NOT_A_VIEW  # a copy: recorded as one by the general path
     base = getattr(self, "_view_of", None)
     r = self._rg and func is not _detach and is_float(out.dtype)  # as record_view
-    made = DeferredTensor(out, TensorRecord(self._rec.storage, out), self.device, r,
+    with _NoSubclassFunctions():  # the device it reports (``self.device``, in a critical section)
+        device = _cpp_device(self)
+    made = DeferredTensor(out, TensorRecord(self._rec.storage, out), device, r,
                           r and torch.is_grad_enabled())  # fmt: skip
     made._view_of = self if base is None else base
     return made
