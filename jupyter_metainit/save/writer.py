@@ -199,13 +199,13 @@ def _direct_batch(
     batch: list[tuple[DirectFile, int, FileEntry]], tensors: dict[str, torch.Tensor],
     dtype: torch.dtype | None, regions: Regions, writer: DirectWriter, progress: Progress,
 ) -> None:  # fmt: skip
-    """Compute one batch into ``regions`` and queue its writes: each part of a fill as soon as
-    it is final (the disk writes while the rest is generated, and the last batch leaves little
-    to write after it), the other tensors once the batch is done; then the batch's end."""
+    """Compute one batch into ``regions`` and queue its writes as :func:`_stream_batch` hands
+    them over (the last batch leaves little to write after it); then the batch's end."""
     lock = threading.Lock()  # the files' partly filled blocks, shared by the parts' threads
-    streamed: set[int] = set()
 
-    def add(j: int, start: int, value: torch.Tensor) -> None:
+    def put(j: int, start: int, value: torch.Tensor) -> None:
+        if not value.numel():
+            return
         direct, offset, _ = batch[j]
         data = memoryview(value.reshape(-1).view(torch.uint8).numpy()).cast("B")
         jobs: list = []
@@ -214,18 +214,35 @@ def _direct_batch(
         for job in jobs:
             writer.jobs.put(job)
 
+    _stream_batch(batch, tensors, dtype, regions, put, lambda: writer.written, progress)
+    writer.jobs.put((None, sum(entry.nbytes for *_, entry in batch), None))  # ends the batch
+
+
+def _stream_batch(
+    batch: list[tuple[Any, int, FileEntry]], tensors: dict[str, torch.Tensor],
+    dtype: torch.dtype | None, memory: Callable[[int], torch.UntypedStorage],
+    put: Callable[[int, int, torch.Tensor], None], written: Callable[[], int], progress: Progress,
+) -> list[torch.Tensor]:  # fmt: skip
+    """Compute one batch into ``memory``, handing each value over to be written as
+    ``put(j, start, values)`` (the bytes of tensor ``j`` from byte ``start`` on): each part of
+    a fill as soon as it is final (from the replay's threads: the disk writes while the rest is
+    generated), each other tensor whole once the batch is done and every value's geometry
+    checked, reporting ``written()`` bytes after each (a progress callback may cancel there).
+    Returns the values."""
+    streamed: set[int] = set()
+
     def on_part(j: int, a: int, b: int, flat: torch.Tensor) -> None:
         streamed.add(j)
-        add(j, a * flat.element_size(), flat[a:b])
+        put(j, a * flat.element_size(), flat[a:b])
 
-    values = cpu_values_of_batch([tensors[e.name] for *_, e in batch], dtype, regions, on_part)
-    for (_, _, entry), value in zip(batch, values, strict=True):
+    values = cpu_values_of_batch([tensors[e.name] for *_, e in batch], dtype, memory, on_part)
+    for (*_, entry), value in zip(batch, values, strict=True):
         _check_geometry(entry, value)
     for j, value in enumerate(values):
-        if j not in streamed and value.numel():
-            add(j, 0, value)
-        progress.report(writer.written, "generating")
-    writer.jobs.put((None, sum(entry.nbytes for *_, entry in batch), None))  # ends the batch
+        if j not in streamed:
+            put(j, 0, value)
+        progress.report(written(), "generating")
+    return values
 
 
 def _drain(writer: Any, progress: Progress) -> None:
@@ -288,26 +305,15 @@ def _write_batch(
     batch: list[tuple[int, int, FileEntry]], tensors: dict[str, torch.Tensor],
     dtype: torch.dtype | None, writer: _Writer, recycler: Recycler, progress: Progress,
 ) -> None:  # fmt: skip
-    """Compute one batch and queue its writes: each part of a fill as soon as it is final
-    (the writer starts while the rest is generated), the other tensors when the batch is done;
-    the last job gives the batch's slot back."""
-    streamed: set[int] = set()
+    """Compute one batch and queue its writes as :func:`_stream_batch` hands them over; the
+    last job gives the batch's slot back."""
 
-    def on_part(j: int, a: int, b: int, flat: torch.Tensor) -> None:
+    def put(j: int, start: int, value: torch.Tensor) -> None:
         fd, offset, _ = batch[j]
-        writer.jobs.put((fd, offset + a * flat.element_size(), flat[a:b], False))
-        streamed.add(j)
+        writer.jobs.put((fd, offset + start, value, False))
 
-    values = cpu_values_of_batch(
-        [tensors[entry.name] for _, _, entry in batch], dtype, recycler, on_part
-    )
+    values = _stream_batch(batch, tensors, dtype, recycler, put, lambda: writer.written, progress)
     recycler.settle(values)
-    for (_, _, entry), value in zip(batch, values, strict=True):
-        _check_geometry(entry, value)
-    for j, ((fd, offset, _), value) in enumerate(zip(batch, values, strict=True)):
-        if j not in streamed:
-            writer.jobs.put((fd, offset, value, False))
-        progress.report(writer.written, "generating")
     writer.jobs.put((-1, 0, None, True))
 
 
