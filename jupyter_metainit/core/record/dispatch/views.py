@@ -40,6 +40,23 @@ from jupyter_metainit.core.runtime.swap import swap_in_place
 aten = torch.ops.aten
 
 
+def _deferred_view(
+    self: DeferredTensor, out: torch.Tensor, device: torch.device, rg: bool
+) -> DeferredTensor:
+    """``out`` (a view of ``self``'s meta tensor) as a deferred view of ``self``: the same
+    storage, reporting ``device``. As eager's views: it requires grad where ``self`` does
+    (``rg``: not for a detach) and its dtype can, made under no_grad too (a leaf then: no
+    grad_fn); it keeps the tensor it is a view of, as eager's ``_base``: an in-place op through
+    the view that makes it require grad makes the base require grad too
+    (``pad(mode="circular")``)."""
+    r = rg and is_float(out.dtype)
+    made = DeferredTensor(out, TensorRecord(self._rec.storage, out), device, r,
+                          r and torch.is_grad_enabled())  # fmt: skip
+    base = getattr(self, "_view_of", None)
+    made._view_of = self if base is None else base
+    return made
+
+
 def record_view(func: Any, args: tuple, kwargs: dict) -> Any:
     """A view of a deferred tensor: new geometry over the same storage, nothing recorded.
 
@@ -51,27 +68,11 @@ def record_view(func: Any, args: tuple, kwargs: dict) -> Any:
         meta_args.append(to_meta(a) if isinstance(a, torch.Tensor) else a)
     with plain():
         out = func(*meta_args, **kwargs)
-    # As eager: a view requires grad where its base does, made under no_grad too (a leaf
-    # then: no grad_fn); a detach never does.
     rg = self._rg and func is not aten.detach.default
-    derived = torch.is_grad_enabled()
-    storage, device = self._rec.storage, self.device
-    # The tensor this is a view of, as eager's ``_base``: an in-place op through the view that
-    # makes it require grad makes the base require grad too (``pad(mode="circular")``).
-    base = getattr(self, "_view_of", None)
-    if base is None:
-        base = self
+    device = self.device
     if isinstance(out, torch.Tensor):
-        r = rg and is_float(out.dtype)
-        made = DeferredTensor(out, TensorRecord(storage, out), device, r, r and derived)
-        made._view_of = base
-        return made
-    results = []
-    for o in out:
-        r = rg and is_float(o.dtype)
-        made = DeferredTensor(o, TensorRecord(storage, o), device, r, r and derived)
-        made._view_of = base
-        results.append(made)
+        return _deferred_view(self, out, device, rg)
+    results = [_deferred_view(self, o, device, rg) for o in out]
     return type(out)(results)
 
 
@@ -93,6 +94,12 @@ _NoDispatch = torch._C._DisableTorchDispatch
 _NoSubclassFunctions = torch._C.DisableTorchFunctionSubclass
 _cpp_device = torch._C.TensorBase.device.__get__
 NOT_A_VIEW = object()  # what view_method and on_meta_tensor answer for a call they leave alone
+
+
+def _recorder_alone() -> bool:
+    """No mode is active but the recorder's dispatch mode (the caller's torch-function mode is
+    off while it runs): no other mode needs to see the call go through the general path."""
+    return _len_function_modes() == 0 and _len_dispatch_modes() == 1
 
 
 def _simple(x: Any, lists: bool = True) -> bool:
@@ -126,8 +133,7 @@ def view_method(func: Any, args: tuple, kwargs: dict) -> Any:
     self = args[0] if args else None
     if (
         type(self) is not DeferredTensor
-        or _len_function_modes() != 0
-        or _len_dispatch_modes() != 1
+        or not _recorder_alone()
         or not _simple_arguments(func, args, kwargs)
     ):
         return NOT_A_VIEW
@@ -138,14 +144,9 @@ def view_method(func: Any, args: tuple, kwargs: dict) -> Any:
         out = func(meta, *args[1:], **kwargs)
     if func in _MAY_COPY and out.untyped_storage()._cdata != meta.untyped_storage()._cdata:
         return NOT_A_VIEW  # a copy: recorded as one by the general path
-    base = getattr(self, "_view_of", None)
-    r = self._rg and func is not _detach and is_float(out.dtype)  # as record_view
     with _NoSubclassFunctions():  # the device it reports (``self.device``, in a critical section)
         device = _cpp_device(self)
-    made = DeferredTensor(out, TensorRecord(self._rec.storage, out), device, r,
-                          r and torch.is_grad_enabled())  # fmt: skip
-    made._view_of = self if base is None else base
-    return made
+    return _deferred_view(self, out, device, self._rg and func is not _detach)
 
 
 _PLAIN_TYPES = (torch.Tensor, torch.nn.Parameter)
@@ -172,8 +173,7 @@ def on_meta_tensor(func: Any, args: tuple, kwargs: dict) -> Any:
         type(self) not in _PLAIN_TYPES
         or not self.is_meta
         or tls.pending_device is not None
-        or _len_function_modes() != 0
-        or _len_dispatch_modes() != 1
+        or not _recorder_alone()
     ):
         return NOT_A_VIEW
     if func in INIT_FUNCTIONS:
@@ -191,7 +191,7 @@ def meta_factory(func: Any, args: tuple, kwargs: dict) -> torch.Tensor:
     torch.device("meta")``, as ``from_pretrained`` builds a model): triage would run each of its
     ATen ops as it is, so it runs without the recorder's dispatch mode when no other mode is
     there to see it."""
-    if tls.pending_device is None and _len_dispatch_modes() == 1 and _len_function_modes() == 0:
+    if tls.pending_device is None and _recorder_alone():
         with _NoDispatch():
             return func(*args, **kwargs)
     return func(*args, **kwargs)
