@@ -11,15 +11,7 @@ from safetensors.torch import save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from jupyter_metainit import is_deferred, materialize, meta_init
-
-
-def _eager_and_deferred(build):
-    torch.manual_seed(0)
-    eager = build()
-    torch.manual_seed(0)
-    with meta_init():
-        deferred = build()
-    return eager, deferred
+from tests._twins import eager_and_deferred
 
 
 def test_a_write_through_each_kind_of_view_lands_on_the_base():
@@ -32,35 +24,31 @@ def test_a_write_through_each_kind_of_view_lands_on_the_base():
         t.view(torch.int32)[3, 0].fill_(7)
         return t
 
-    eager, deferred = _eager_and_deferred(build)
+    eager, deferred = eager_and_deferred(build)
     materialize(deferred)
     assert torch.equal(deferred, eager)
 
 
-def test_a_reshape_that_must_copy_is_a_copy():
-    def build():
-        t = torch.randn(4, 6)
-        flat = t.t().reshape(-1)  # not viewable: a copy
-        flat.fill_(0.0)
-        return t, flat
-
-    (eager, eager_flat), (deferred, flat) = _eager_and_deferred(build)
-    assert flat._rec.storage is not deferred._rec.storage
-    materialize([deferred, flat])
-    assert torch.equal(deferred, eager) and torch.equal(flat, eager_flat)
+def _reshape_that_must_copy():
+    t = torch.randn(4, 6)
+    flat = t.t().reshape(-1)  # not viewable: a copy
+    flat.fill_(0.0)
+    return t, flat
 
 
-def test_an_advanced_index_is_a_copy():
-    def build():
-        t = torch.randn(5, 3)
-        rows = t[[0, 2]]
-        rows.fill_(1.0)
-        return t, rows
+def _advanced_index():
+    t = torch.randn(5, 3)
+    rows = t[[0, 2]]
+    rows.fill_(1.0)
+    return t, rows
 
-    (eager, eager_rows), (deferred, rows) = _eager_and_deferred(build)
-    assert rows._rec.storage is not deferred._rec.storage
-    materialize([deferred, rows])
-    assert torch.equal(deferred, eager) and torch.equal(rows, eager_rows)
+
+@pytest.mark.parametrize("build", [_reshape_that_must_copy, _advanced_index])
+def test_a_view_method_that_must_copy_is_a_copy(build):
+    (eager, eager_copy), (deferred, copy) = eager_and_deferred(build)
+    assert copy._rec.storage is not deferred._rec.storage
+    materialize([deferred, copy])
+    assert torch.equal(deferred, eager) and torch.equal(copy, eager_copy)
 
 
 def test_views_require_grad_as_eager_views_do():
@@ -126,7 +114,7 @@ def test_an_init_function_on_a_deferred_tensor_is_still_recorded():
         torch.nn.init.zeros_(meta)  # a meta tensor beside it changes nothing
         return w
 
-    eager, deferred = _eager_and_deferred(build)
+    eager, deferred = eager_and_deferred(build)
     materialize(deferred)
     assert torch.equal(deferred, eager)
 

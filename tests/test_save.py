@@ -23,6 +23,7 @@ from jupyter_metainit.save.safetensors_file import FileEntry
 transformers = pytest.importorskip("transformers")
 
 from tests._models import llama_config  # noqa: E402
+from tests._twins import eager_and_deferred  # noqa: E402
 
 
 def _deferred_and_eager(tie: bool = True) -> tuple[nn.Module, nn.Module]:
@@ -313,11 +314,7 @@ def _large_layers() -> nn.Module:
 @pytest.mark.parametrize("path", ["direct", "mapped", "pwrite"])
 def test_parts_written_while_generating_give_the_bytes_of_save_file(tmp_path, monkeypatch, path):
     _write_path(monkeypatch, path)
-    torch.manual_seed(0)
-    with meta_init():
-        deferred = _large_layers()
-    torch.manual_seed(0)
-    eager = _large_layers()
+    eager, deferred = eager_and_deferred(_large_layers)
     save(deferred, tmp_path / "ours")
     save_file(eager.state_dict(), tmp_path / "eager.safetensors", metadata={"format": "pt"})
     ours = (tmp_path / "ours" / "model.safetensors").read_bytes()

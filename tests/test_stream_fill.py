@@ -16,6 +16,7 @@ from jupyter_metainit.core.rng import stream_fill
 from jupyter_metainit.core.rng.draws import draws_per_element
 from jupyter_metainit.core.rng.split_fill import ALIGN
 from jupyter_metainit.core.rng.stream_fill import StreamFill, fill_stream
+from tests._twins import eager_and_deferred
 
 aten = torch.ops.aten
 
@@ -137,11 +138,7 @@ def test_parts_are_reported_final_while_the_rest_is_generated(monkeypatch):
 def test_a_lone_fill_runs_cut_across_cores_its_parts_told_as_final(monkeypatch):
     # A batch of one large tensor (an embedding) goes the same way as a run of fills.
     used = _streams_counted(monkeypatch)
-    torch.manual_seed(7)
-    eager = nn.Embedding(500, 64)
-    torch.manual_seed(7)
-    with meta_init():
-        deferred = nn.Embedding(500, 64)
+    eager, deferred = eager_and_deferred(lambda: nn.Embedding(500, 64), seed=7)
     told = []
     [value] = values_to_write([deferred.weight], on_part=lambda k, a, b, flat: told.append(b - a))
     assert used == [1]
