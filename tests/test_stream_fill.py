@@ -8,7 +8,6 @@ import pytest
 import torch
 from torch import nn
 
-from jupyter_metainit import meta_init
 from jupyter_metainit.core import values_to_write
 from jupyter_metainit.core.replay import run as run_module
 from jupyter_metainit.core.replay import stream_fills
@@ -101,11 +100,7 @@ def test_values_to_write_of_a_batch_cuts_its_fills_across_cores_and_equals_eager
             nn.init.uniform_(layer.bias, -0.1, 0.1)
         return model
 
-    torch.manual_seed(5)
-    eager = build()
-    torch.manual_seed(5)
-    with meta_init():
-        deferred = build()
+    eager, deferred = eager_and_deferred(build, seed=5)
     names = list(dict(deferred.named_parameters()))
     values = values_to_write([dict(deferred.named_parameters())[n] for n in names])
     assert used, "the batch's fills did not run as one stream"
