@@ -51,10 +51,6 @@ def _aligned(nbytes: int) -> mmap.mmap:
 _ANONYMOUS = getattr(mmap, "MAP_ANONYMOUS", 0)  # CPython adds it for fileno -1 anyway
 
 
-def _address(buffer: mmap.mmap) -> int:
-    return torch.frombuffer(buffer, dtype=torch.uint8, count=1).data_ptr()
-
-
 class DirectFile:
     """One output file opened with ``O_DIRECT``; :meth:`add` turns bytes placed at an offset
     into aligned writes (``(fd, offset, buffer)`` jobs)."""
