@@ -24,6 +24,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 import tempfile
@@ -124,6 +125,13 @@ def load_whole(directory: str, method: str, checkout: str | None = None) -> dict
     with meter():
         if method == "eager":
             model = transformers.AutoModelForCausalLM.from_pretrained(directory)
+        elif method in ("eager_sync", "eager_seen"):
+            # What meta_init changes around eager loading, without recording: the tensors are
+            # read in the calling thread (as inside the block), and (``eager_seen``) every torch
+            # call is seen once by a Python torch-function mode that only passes it on.
+            seen = _pass_through() if method == "eager_seen" else contextlib.nullcontext()
+            with _environment(HF_DEACTIVATE_ASYNC_LOAD="1"), seen:
+                model = transformers.AutoModelForCausalLM.from_pretrained(directory)
         elif method == "accelerate":
             from accelerate import init_empty_weights, load_checkpoint_and_dispatch
 
@@ -144,6 +152,33 @@ def load_whole(directory: str, method: str, checkout: str | None = None) -> dict
             for p in model.parameters():
                 p.sum()
     return meter.as_dict() | {"bytes": tensor_bytes(model)}
+
+
+@contextlib.contextmanager
+def _environment(**values: str) -> Any:
+    """Environment variables set for the block, as they were after it."""
+    before = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in before.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _pass_through() -> Any:
+    """A torch-function mode that sees every torch call in Python and passes it on unchanged:
+    the least any recorder written in Python pays per call."""
+    from torch.overrides import TorchFunctionMode
+
+    class PassThrough(TorchFunctionMode):
+        def __torch_function__(self, func, types, args=(), kwargs=None):
+            return func(*args, **(kwargs or {}))
+
+    return PassThrough()
 
 
 def content_check(directory: str, rounds: int) -> dict[str, Any]:
@@ -183,6 +218,8 @@ MEASUREMENTS = {
 }
 METHODS = {
     "eager": "eager `from_pretrained`",
+    "eager_sync": "eager `from_pretrained`, tensors read in the calling thread",
+    "eager_seen": "the same, every torch call seen by a pass-through Python mode",
     "accelerate": "`init_empty_weights` + `load_checkpoint_and_dispatch`",
     "meta_init": "`meta_init` + `from_pretrained` + `materialize`",
 }
@@ -267,9 +304,9 @@ def main() -> None:
             rows,
         )
         print(
-            "(all three map the files and read the pages when first used: materialize digests "
-            "mapped bytes only after a free; the sparse table's 'bytes read' counts read() "
-            "calls, which mapped tensors do not make)"
+            "(every method maps the files and reads the pages when first used: materialize "
+            "digests mapped bytes only after a free; the sparse table's 'bytes read' counts "
+            "read() calls, which mapped tensors do not make)"
         )
         print_errors({methods[m]: x for m, x in by.items()})
         check = run_children(
