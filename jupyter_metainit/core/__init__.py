@@ -23,7 +23,7 @@ public face; ``errors`` beside it holds the exceptions.
   ``dtype_name``, ``available_memory``, ``is_out_of_memory``, ``local_tensor`` (a DTensor's
   local shard), ``copy_user_attributes`` (the user's attributes onto a real tensor);
 - for ``save``: ``values_to_write`` (exact values of a deferred tensor or of a batch of them,
-  nothing kept or swapped).
+  nothing kept or swapped) and ``source_files`` (the checkpoint files a deferred tensor reads).
 """
 
 from __future__ import annotations
@@ -34,6 +34,7 @@ from jupyter_metainit.core.materialize.progress import progress_callback
 from jupyter_metainit.core.materialize.queries import (
     is_deferred,
     iter_deferred,
+    source_files,
     tensor_source,
     tensor_state,
     tensor_values,
@@ -83,5 +84,6 @@ UPPER_LAYER_FACE = (
     available_memory, busy_with, copy_user_attributes, counted_attributes, dtype_name, events,
     format_bytes, format_count, format_duration, is_out_of_memory, iter_deferred, local_tensor,
     missing_device_reason, named_tensors, noting_whole_intermediates, own_tensors, parse_device,
-    parse_dtype, plain, progress_callback, storage_of, unique_tensors, values_to_write,
+    parse_dtype, plain, progress_callback, source_files, storage_of, unique_tensors,
+    values_to_write,
 )  # fmt: skip

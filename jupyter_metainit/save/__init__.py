@@ -20,6 +20,7 @@ from jupyter_metainit.core import parse_dtype
 from jupyter_metainit.save.checkpoint import write_checkpoint
 from jupyter_metainit.save.hook import install_save_pretrained
 from jupyter_metainit.save.layout import state_dict_of
+from jupyter_metainit.save.staging import checked_destination
 
 __all__ = ["save"]
 
@@ -60,9 +61,7 @@ def save(
     if format not in _FORMATS:
         raise ValueError(f"format must be 'safetensors' or 'dcp', not {format!r}")
     dtype = parse_dtype(dtype)
-    destination = os.fspath(path)
-    if os.path.isfile(destination):
-        raise NotADirectoryError(f"save() writes a directory; {destination} is a file")
+    destination = checked_destination(os.fspath(path))
     if format == "dcp":
         from jupyter_metainit.save.dcp import save_dcp  # torch.distributed loads only for dcp
 

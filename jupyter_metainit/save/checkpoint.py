@@ -2,8 +2,8 @@
 and a deferred model's ``save_pretrained`` write.
 
 Everything that can be refused is refused before the first byte is written; the files (weights,
-index, ``config.json``, ``generation_config.json``) are written into a staging directory that is
-renamed into place only when all are complete.
+index, ``config.json``, ``generation_config.json``) are written into a staging directory and put
+in place only when all are complete (``save.staging``).
 """
 
 from __future__ import annotations
@@ -24,12 +24,12 @@ from jupyter_metainit.save.layout import (
     plan_layout,
     untie,
 )
-from jupyter_metainit.save.writer import (
-    Progress,
+from jupyter_metainit.save.staging import (
     publish_directory,
+    refuse_overwriting_sources,
     staging_directory,
-    write_safetensors_files,
 )
+from jupyter_metainit.save.writer import Progress, write_safetensors_files
 
 __all__ = ["mark_config", "write_checkpoint"]
 
@@ -67,6 +67,8 @@ def write_checkpoint(
     layout = plan_layout(
         state, parse_size(max_shard_size), dtype, _total_parameters(obj), weights_name
     )
+    stale = stale or _is_shard_file
+    refuse_overwriting_sources(state, destination, written=layout.files, stale=stale)
     bar = Progress(progress, sum(e.nbytes for es in layout.files.values() for e in es))
     try:
         with staging_directory(destination) as staging:
@@ -76,14 +78,16 @@ def write_checkpoint(
             write_safetensors_files(staging, layout.files, layout.tensors, dtype, bar)
             if layout.index is not None:
                 _write_index(os.path.join(staging, index_name), layout.index)
-            publish_directory(staging, destination, stale=stale or _is_shard_file)
+            publish_directory(staging, destination, stale=stale)
     finally:
         bar.close()
     return destination
 
 
 def _is_shard_file(name: str) -> bool:
-    return name != WEIGHTS_NAME and _SHARD_FILE.fullmatch(name) is not None
+    """A file of an earlier save in this layout: its shards and index, or its single file (a
+    sharded save leaves no ``model.safetensors`` that ``from_pretrained`` would load instead)."""
+    return _SHARD_FILE.fullmatch(name) is not None
 
 
 def _write_index(path: str, index: dict[str, Any]) -> None:

@@ -10,8 +10,6 @@ checkpoint made without ever holding the model.
 
 from __future__ import annotations
 
-import os
-import shutil
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -25,6 +23,11 @@ from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemT
 
 from jupyter_metainit.core import is_deferred
 from jupyter_metainit.save.layout import check_savable, state_dict_of
+from jupyter_metainit.save.staging import (
+    checked_destination,
+    publish_directory,
+    staging_directory,
+)
 from jupyter_metainit.save.values import cpu_values
 from jupyter_metainit.save.writer import Progress
 
@@ -107,43 +110,44 @@ def _local_bytes(state: dict[str, Any]) -> int:
 
 
 def save_dcp(obj: Any, destination: str, *, dtype: torch.dtype | None, progress: Any) -> str:
-    """Write ``obj``'s state dict with ``dcp.save`` into ``destination``, staged beside it under
-    a name every rank agrees on and renamed into place by the coordinator at the end."""
+    """Write ``obj``'s state dict with ``dcp.save`` into ``destination``, staged inside it under
+    a name every rank agrees on and put in place by the coordinator at the end (an earlier DCP
+    checkpoint's files there are replaced; the directory's other files stay)."""
     state, _ = state_dict_of(obj)
     check_savable(state, sharded_ok=True)
     state = _with_dtype(state, dtype)
     grouped = dist.is_available() and dist.is_initialized()
     coordinator = not grouped or dist.get_rank() == 0
-    parent = os.path.dirname(os.path.abspath(destination))
-    staging = os.path.join(parent, f".{os.path.basename(destination)}.saving")
     if coordinator:
-        shutil.rmtree(staging, ignore_errors=True)
-        os.makedirs(staging)
-    if grouped:
-        dist.barrier()
+        checked_destination(destination)
     bar = Progress(progress, _local_bytes(state))
     planner = ValuesOnDemandPlanner(bar)
     try:
-        writer = FileSystemWriter(staging, single_file_per_rank=False, thread_count=1)
-        with warnings.catch_warnings():
-            # dcp warns that it saves in one process, which is what was asked for here.
-            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.save(state, storage_writer=writer, planner=planner, no_dist=not grouped)
-        bar.report(planner.done)
-        if coordinator:
-            if os.path.exists(destination):
-                shutil.rmtree(destination)
-            os.rename(staging, destination)
-        if grouped:
-            dist.barrier()
+        with staging_directory(destination, shared_name="dcp", owner=coordinator) as staging:
+            if grouped:
+                dist.barrier()  # the coordinator made the staging directory
+            writer = FileSystemWriter(staging, single_file_per_rank=False, thread_count=1)
+            with warnings.catch_warnings():
+                # dcp warns that it saves in one process, which is what was asked for here.
+                warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+                dcp.save(state, storage_writer=writer, planner=planner, no_dist=not grouped)
+            bar.report(planner.done)
+            if coordinator:
+                publish_directory(staging, destination, stale=_is_dcp_file)
+            if grouped:
+                dist.barrier()
     except CheckpointException as exc:
         raise _original(exc) from None
     finally:
         planner.close()
         bar.close()
-        if coordinator:
-            shutil.rmtree(staging, ignore_errors=True)
     return destination
+
+
+def _is_dcp_file(name: str) -> bool:
+    """A file of an earlier DCP checkpoint: replaced or removed by this one (nothing else in the
+    directory is touched)."""
+    return name == ".metadata" or name.endswith(".distcp")
 
 
 def _original(exc: CheckpointException) -> BaseException:

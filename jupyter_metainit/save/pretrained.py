@@ -72,7 +72,7 @@ def save_deferred(model: Any, original: Callable[..., Any], args: tuple, kwargs:
         model, state, origin, destination,
         max_shard_size=options["max_shard_size"], dtype=None, progress=None, names=names,
         original_format=bool(options["save_original_format"]),
-        stale=_eager_stale_shards(destination, names[0]), code_files=_code_files(model),
+        stale=_stale_files(destination, *names), code_files=_code_files(model),
     )  # fmt: skip
     return None
 
@@ -167,16 +167,20 @@ def _state_to_save(
     return state, dict(state)
 
 
-def _eager_stale_shards(directory: str, weights_name: str) -> Callable[[str], bool]:
-    """The files eager ``save_pretrained`` removes before writing: shards of this weights name
-    (``model-0000k-of-0000N.safetensors``) that this save does not rewrite."""
+def _stale_files(directory: str, weights_name: str, index_name: str) -> Callable[[str], bool]:
+    """The files of an earlier save that this one does not rewrite: shards of this weights name
+    (``model-0000k-of-0000N.safetensors``), which eager ``save_pretrained`` removes too; and,
+    unlike eager, the single weights file or the index (``from_pretrained`` would load that file
+    instead of the new shards; an index would name shards that are gone)."""
     stem = _strip(weights_name)
 
     def stale(name: str) -> bool:
-        return (
-            name.startswith(stem)
-            and os.path.isfile(os.path.join(directory, name))
-            and re.fullmatch(r"(.*?)-\d{5}-of-\d{5}", _strip(name)) is not None
+        return os.path.isfile(os.path.join(directory, name)) and (
+            name in (weights_name, index_name)
+            or (
+                name.startswith(stem)
+                and re.fullmatch(r"(.*?)-\d{5}-of-\d{5}", _strip(name)) is not None
+            )
         )
 
     return stale

@@ -6,21 +6,18 @@ on every core) while they are written. Three ways to write, the first the file s
 writer thread, two batches alive), the files mapped and the values generated into their pages
 (``save.mapped``: one batch's pages mapped at a time), or ``pwrite`` into the page cache from
 recycled buffers (a writer thread, two batches alive). Memory: up to two batches, each up to the
-largest tensor's bytes (or 64 MiB where all are smaller). Everything goes into a temporary
-directory beside the destination and is renamed into place at the end, so a failed or cancelled
-save (an exception from the progress callback, Ctrl-C) leaves nothing where the checkpoint
-should be, and the model is untouched (deferred tensors stay deferred). Nothing is fsynced.
+largest tensor's bytes (or 64 MiB where all are smaller). The files are written into a
+staging directory (``save.staging``) and put in place at the end, so a failed or cancelled save
+(an exception from the progress callback, Ctrl-C) leaves nothing where the checkpoint should be,
+and the model is untouched (deferred tensors stay deferred). Nothing is fsynced.
 """
 
 from __future__ import annotations
 
 import os
 import queue
-import shutil
-import tempfile
 import threading
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -37,7 +34,7 @@ from jupyter_metainit.save.mapped import MappedFile, can_map, place_batch
 from jupyter_metainit.save.safetensors_file import FileEntry, file_order, header_bytes
 from jupyter_metainit.save.values import Recycler, cpu_values_of_batch
 
-__all__ = ["Progress", "publish_directory", "staging_directory", "write_safetensors_files"]
+__all__ = ["Progress", "write_safetensors_files"]
 
 
 class Progress:
@@ -354,34 +351,3 @@ def _check_geometry(entry: FileEntry, values: torch.Tensor) -> None:
             f"{entry.name}: its values came out {values.dtype} {tuple(values.shape)}, but the "
             f"header says {entry.dtype} {entry.shape}; was the model changed while saving?"
         )
-
-
-@contextmanager
-def staging_directory(destination: str) -> Iterator[str]:
-    """A temporary directory beside ``destination`` (same file system: renames are cheap),
-    removed with everything in it unless :func:`publish_directory` moved it."""
-    parent = os.path.dirname(os.path.abspath(destination)) or "."
-    os.makedirs(parent, exist_ok=True)
-    staging = tempfile.mkdtemp(prefix=f".{os.path.basename(destination)}.saving-", dir=parent)
-    try:
-        yield staging
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-
-
-def publish_directory(staging: str, destination: str, stale: Callable[[str], bool]) -> None:
-    """Move the finished files into ``destination``: the whole directory at once if it does not
-    exist; else file by file (``os.replace``), first removing the files ``stale`` names (shards
-    of an earlier save that this one does not overwrite), as ``save_pretrained`` does."""
-    if not os.path.exists(destination):
-        os.rename(staging, destination)
-        os.makedirs(staging)  # staging_directory removes it
-        return
-    if not os.path.isdir(destination):
-        raise NotADirectoryError(f"{destination} exists and is not a directory")
-    new = set(os.listdir(staging))
-    for name in os.listdir(destination):
-        if name not in new and stale(name):
-            os.remove(os.path.join(destination, name))
-    for name in sorted(new):
-        os.replace(os.path.join(staging, name), os.path.join(destination, name))

@@ -20,7 +20,14 @@ from jupyter_metainit.core.record.files import read_file_bytes
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.replay import plan
 
-__all__ = ["is_deferred", "iter_deferred", "tensor_source", "tensor_state", "tensor_values"]
+__all__ = [
+    "is_deferred",
+    "iter_deferred",
+    "source_files",
+    "tensor_source",
+    "tensor_state",
+    "tensor_values",
+]
 
 
 def is_deferred(obj: Any) -> bool:
@@ -63,13 +70,27 @@ def tensor_source(t: torch.Tensor) -> str:
     was never deferred, or a meta/lazy one)."""
     local = _deferred_local(t)
     if isinstance(local, DeferredTensor):
-        writes = local._rec.storage.writes
-        # A storage one op made from nothing (a file read, a constant) is its own plan: asked
-        # for every tensor of a checkpoint that is materialized.
-        ops = writes if len(writes) == 1 and not writes[0].reads else plan([local._rec]).ops
+        ops = _ops_of(local)
         from_file = any(op.func is read_file_bytes for op in ops)
         return "checkpoint" if from_file and not any(op.rng is not None for op in ops) else "init"
     return shadows.sources.get(t, "")
+
+
+def source_files(t: torch.Tensor) -> frozenset[str]:
+    """The files a deferred tensor's values are read from (as recorded: the real path of each
+    checkpoint file); empty for a real tensor and for values computed from no file. ``save``
+    asks it so as not to replace a file that tensors it leaves deferred still need."""
+    local = _deferred_local(t)
+    if not isinstance(local, DeferredTensor):
+        return frozenset()
+    return frozenset(op.args[0].file.path for op in _ops_of(local) if op.func is read_file_bytes)
+
+
+def _ops_of(t: DeferredTensor) -> list[Any]:
+    """The ops that compute ``t``'s values. A storage one op made from nothing (a file read, a
+    constant) is its own plan: asked for every tensor of a checkpoint that is materialized."""
+    writes = t._rec.storage.writes
+    return writes if len(writes) == 1 and not writes[0].reads else plan([t._rec]).ops
 
 
 def is_uninitialized(t: torch.Tensor) -> bool:

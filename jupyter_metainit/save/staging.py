@@ -1,0 +1,140 @@
+"""Where a save's files are written until they are final, and how they are put in place.
+
+Use :func:`staging_directory` around the writing and :func:`publish_directory` at its end:
+together they make a save that fails or is cancelled leave nothing where the checkpoint should
+be, and a save that succeeds touch nothing in the destination but its own files.
+
+The staging directory is a hidden directory *inside* the destination (made first if missing,
+with the permissions ``os.makedirs`` gives, as eager ``save_pretrained`` does): the final files
+are then on its file system whatever is mounted where (a volume mounted at the destination), and
+an existing destination needs no write permission on its parent. Publishing moves each finished
+file into place (``os.replace``; an index last, so that a reader never finds an index naming a
+shard that is not there yet), then removes the files of an earlier checkpoint that this one
+replaces (``stale``); the user's other files stay. :func:`refuse_overwriting_sources` refuses,
+before anything is written, a save that would replace files its own deferred tensors are still
+read from (a model opened with ``from_pretrained`` inside ``meta_init``, saved back into its
+directory): they could never be materialized afterwards.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import tempfile
+from collections.abc import Callable, Container, Iterable, Iterator
+from contextlib import contextmanager
+
+import torch
+
+from jupyter_metainit.core import source_files
+from jupyter_metainit.core.errors import MetaInitError
+
+__all__ = [
+    "checked_destination",
+    "publish_directory",
+    "refuse_overwriting_sources",
+    "staging_directory",
+]
+
+STAGING_PREFIX = ".saving-"  # never a checkpoint file's name: stale rules do not match it
+
+
+def checked_destination(path: str) -> str:
+    """``path`` as the directory a save writes, or a clear error before any work is done."""
+    if not path:
+        raise ValueError("save() needs a directory to write, not an empty path")
+    if os.path.exists(path) and not os.path.isdir(path):
+        raise NotADirectoryError(f"save() writes a directory; {path} is a file")
+    return path
+
+
+@contextmanager
+def staging_directory(
+    destination: str, *, shared_name: str | None = None, owner: bool = True
+) -> Iterator[str]:
+    """A new hidden directory inside ``destination`` (made if missing), removed with
+    everything in it at the end; a ``destination`` this made is removed too if the block
+    fails and it is still empty.
+
+    ``shared_name``: a fixed name instead of a unique one, for processes that write into one
+    staging directory (ranks of a ``torch.distributed`` save); only the ``owner`` makes and
+    removes it (the others must wait for it, e.g. at a barrier)."""
+    made = owner and not os.path.isdir(destination)
+    if owner:
+        os.makedirs(destination, exist_ok=True)
+    if shared_name is None:
+        staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=destination)
+    else:
+        staging = os.path.join(destination, STAGING_PREFIX + shared_name)
+        if owner:
+            shutil.rmtree(staging, ignore_errors=True)  # what a killed save of ours left
+            os.makedirs(staging)
+    finished = False
+    try:
+        yield staging
+        finished = True
+    finally:
+        if owner:
+            shutil.rmtree(staging, ignore_errors=True)
+            if made and not finished:
+                _remove_if_empty(destination)
+
+
+def publish_directory(staging: str, destination: str, stale: Callable[[str], bool]) -> None:
+    """Move every file of ``staging`` into ``destination`` (same file system, see the module's
+    docstring), indexes last; then remove the files ``stale`` names that this save did not
+    write (an earlier checkpoint's shards, or its single file where this one is sharded)."""
+    new = sorted(os.listdir(staging), key=lambda name: (is_index(name), name))
+    for name in new:
+        os.replace(os.path.join(staging, name), os.path.join(destination, name))
+    written = set(new)
+    for name in os.listdir(destination):
+        path = os.path.join(destination, name)
+        if name not in written and stale(name) and os.path.isfile(path):
+            os.remove(path)
+
+
+def refuse_overwriting_sources(
+    tensors: Iterable[torch.Tensor] | dict[str, torch.Tensor],
+    destination: str,
+    *,
+    written: Container[str],
+    stale: Callable[[str], bool],
+) -> None:
+    """Raise if a deferred tensor among ``tensors`` reads a file of ``destination`` that the
+    save would replace (a name in ``written``) or remove (one ``stale`` names)."""
+    if not os.path.isdir(destination):
+        return
+    replaced = {
+        os.path.realpath(os.path.join(destination, name))
+        for name in os.listdir(destination)
+        if name in written or stale(name)
+    }
+    if not replaced:
+        return
+    values = tensors.values() if isinstance(tensors, dict) else tensors
+    needed: dict[str, int] = {}
+    for t in values:
+        for path in source_files(t):
+            if os.path.realpath(path) in replaced:
+                needed[path] = needed.get(path, 0) + 1
+    if needed:
+        files = ", ".join(os.path.basename(p) for p in sorted(needed))
+        count = sum(needed.values())
+        raise MetaInitError(
+            f"{count} deferred tensor(s) being saved are still read from {files} in "
+            f"{destination}, which this save would replace: they could not be materialized "
+            "afterwards. Materialize them first (jupyter_metainit.materialize(model)), or save "
+            "to another directory. Nothing was written."
+        )
+
+
+def is_index(name: str) -> bool:
+    """A file that names the others: transformers' shard index, a DCP checkpoint's metadata."""
+    return name.endswith(".index.json") or name == ".metadata"
+
+
+def _remove_if_empty(directory: str) -> None:
+    with contextlib.suppress(OSError):  # not empty (or gone): leave it
+        os.rmdir(directory)

@@ -1,0 +1,180 @@
+"""Where a save writes before its files are final, and what it leaves in the destination: its
+own files, an earlier checkpoint's files replaced, everything else untouched; nothing at all
+after a failure."""
+
+from __future__ import annotations
+
+import os
+import stat
+import subprocess
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from jupyter_metainit import is_deferred, materialize, meta_init
+from jupyter_metainit.core.errors import MetaInitError
+from jupyter_metainit.save import save
+
+transformers = pytest.importorskip("transformers")
+
+from tests._models import llama_config  # noqa: E402
+
+
+def _deferred_mlp(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    with meta_init():
+        return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+
+
+def _deferred_llama(seed: int = 0) -> nn.Module:
+    torch.manual_seed(seed)
+    with meta_init():
+        return transformers.LlamaForCausalLM(llama_config(tie_word_embeddings=False))
+
+
+def _cancel_at_first_report(done: int, total: int) -> None:
+    raise KeyboardInterrupt
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "dcp"])
+def test_a_save_into_a_directory_keeps_the_files_that_are_not_its_own(tmp_path, fmt):
+    (tmp_path / "train.py").write_text("print('mine')")
+    (tmp_path / "data").mkdir()
+    save(_deferred_mlp(), tmp_path, format=fmt)
+    assert (tmp_path / "train.py").read_text() == "print('mine')"
+    assert (tmp_path / "data").is_dir()
+
+
+def test_a_dcp_save_replaces_an_earlier_dcp_checkpoint_in_the_directory(tmp_path):
+    import torch.distributed.checkpoint as dcp
+
+    save(_deferred_mlp(seed=1), tmp_path, format="dcp")
+    (tmp_path / "__9_9.distcp").write_bytes(b"an earlier save's shard")
+    save(_deferred_mlp(seed=2), tmp_path, format="dcp")
+    assert not (tmp_path / "__9_9.distcp").exists()
+    torch.manual_seed(2)
+    eager = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+    state = {k: torch.zeros_like(v) for k, v in eager.state_dict().items()}
+    dcp.load(state, checkpoint_id=str(tmp_path), no_dist=True)
+    assert all(torch.equal(state[k], v) for k, v in eager.state_dict().items())
+
+
+def test_the_staging_directory_is_inside_the_destination(tmp_path):
+    seen: list[list[str]] = []
+    destination = tmp_path / "ckpt"
+    save(_deferred_mlp(), destination, progress=lambda d, t: seen.append(os.listdir(destination)))
+    assert seen and all(any(n.startswith(".saving-") for n in names) for names in seen)
+    assert os.listdir(tmp_path) == ["ckpt"]
+    assert not any(n.startswith(".saving-") for n in os.listdir(destination))
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "dcp"])
+def test_a_failed_save_into_a_new_directory_leaves_no_directory(tmp_path, fmt):
+    with pytest.raises(KeyboardInterrupt):
+        save(_deferred_mlp(), tmp_path / "new", format=fmt, progress=_cancel_at_first_report)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_failed_save_into_a_checkpoint_leaves_its_files_as_they_were(tmp_path):
+    save(_deferred_mlp(seed=1), tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with pytest.raises(KeyboardInterrupt):
+        save(_deferred_mlp(seed=2), tmp_path, progress=_cancel_at_first_report)
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+
+
+def test_a_sharded_save_over_a_single_file_removes_the_single_file(tmp_path):
+    # from_pretrained prefers model.safetensors: left there, it would load the earlier model
+    save(_deferred_llama(seed=1), tmp_path)
+    newer = _deferred_llama(seed=2)
+    save(newer, tmp_path, max_shard_size="100KB")
+    assert not (tmp_path / "model.safetensors").exists()
+    loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    materialize(newer)
+    assert all(torch.equal(loaded.state_dict()[k], v) for k, v in newer.state_dict().items())
+
+
+def test_save_pretrained_sharded_over_a_single_file_removes_the_single_file(tmp_path):
+    _deferred_llama(seed=1).save_pretrained(tmp_path)
+    _deferred_llama(seed=2).save_pretrained(tmp_path, max_shard_size="100KB")
+    assert not (tmp_path / "model.safetensors").exists()
+    assert (tmp_path / "model.safetensors.index.json").exists()
+
+
+def test_save_pretrained_of_one_file_over_shards_removes_their_index(tmp_path):
+    _deferred_llama(seed=1).save_pretrained(tmp_path, max_shard_size="100KB")
+    _deferred_llama(seed=2).save_pretrained(tmp_path)
+    assert sorted(os.listdir(tmp_path)) == [
+        "config.json", "generation_config.json", "model.safetensors",
+    ]  # fmt: skip
+
+
+def test_a_new_checkpoint_directory_gets_the_permissions_of_the_umask(tmp_path):
+    umask = os.umask(0o022)
+    try:
+        save(_deferred_mlp(), tmp_path / "shared")
+    finally:
+        os.umask(umask)
+    assert stat.S_IMODE(os.stat(tmp_path / "shared").st_mode) == 0o755
+
+
+def test_an_empty_path_is_refused_before_any_work(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(ValueError, match="empty path"):
+        save(_deferred_mlp(), "")
+    assert os.listdir(tmp_path) == []
+
+
+def test_saving_a_model_back_over_the_files_it_is_read_from_is_refused(tmp_path):
+    _deferred_llama(seed=1).save_pretrained(tmp_path)
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    with meta_init():
+        opened = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    with pytest.raises(MetaInitError, match=r"model\.safetensors.*Materialize them first"):
+        save(opened, tmp_path)
+    with pytest.raises(MetaInitError, match="Materialize them first"):
+        opened.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    materialize(opened)  # still readable: nothing was replaced
+    assert not is_deferred(opened)
+
+
+def test_a_model_materialized_from_its_files_can_be_saved_back_over_them(tmp_path):
+    original = _deferred_llama(seed=1)
+    original.save_pretrained(tmp_path)
+    with meta_init():
+        opened = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
+    materialize(opened)
+    save(opened, tmp_path)
+    materialize(original)
+    saved = load_file(tmp_path / "model.safetensors")
+    assert all(torch.equal(saved[k], v) for k, v in original.state_dict().items())
+
+
+def _mount_tmpfs(path: os.PathLike) -> bool:
+    os.makedirs(path, exist_ok=True)
+    done = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", "size=64M", "tmpfs", str(path)], capture_output=True
+    )
+    return done.returncode == 0
+
+
+def test_a_save_into_a_mounted_volume_replaces_its_checkpoint(tmp_path):
+    # the volume's own file system: no rename across devices, no parent to write to
+    volume = tmp_path / "volume"
+    if not _mount_tmpfs(volume):
+        pytest.skip("mounting a tmpfs needs root and CAP_SYS_ADMIN")
+    try:
+        save(_deferred_llama(seed=1), volume, max_shard_size="100KB")
+        newer = _deferred_llama(seed=2)
+        save(newer, volume)
+        assert sorted(os.listdir(volume)) == [
+            "config.json", "generation_config.json", "model.safetensors",
+        ]  # fmt: skip
+        saved = load_file(volume / "model.safetensors")
+        materialize(newer)
+        assert all(torch.equal(saved[k], v) for k, v in newer.state_dict().items())
+    finally:
+        subprocess.run(["umount", str(volume)], check=False)
