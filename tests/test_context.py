@@ -188,3 +188,31 @@ def test_a_deep_copy_of_a_real_tensor_inside_the_block_is_a_deferred_copy_with_i
         copied = copy.deepcopy(real)
     assert is_deferred(copied) and copied.requires_grad and copied.note == "kept"
     assert torch.equal(materialize(copied), real.detach())
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda x: torch.randn_like(x, device="cpu"),
+        lambda x: torch.rand_like(input=x, device="cpu"),
+        lambda x: torch.randint_like(x, 10, device="cpu"),
+        lambda x: torch.zeros_like(x, device="cpu"),
+        lambda x: torch.full_like(x, 2.5, device="cpu"),
+        lambda x: x.new_ones(2, 3, device="cpu"),
+    ],
+    ids=["randn_like", "rand_like", "randint_like", "zeros_like", "full_like", "new_ones"],
+)
+def test_factory_from_a_meta_tensors_metadata_equals_eager(make):
+    def build():
+        x = torch.empty(3, 4, device="meta").t()  # strides the result keeps
+        return make(x), torch.randn(2)  # and the generator goes on where eager's does
+
+    torch.manual_seed(0)
+    eager = build()
+    torch.manual_seed(0)
+    with meta_init():
+        deferred = build()
+    assert all(is_deferred(t) for t in deferred)
+    materialize(list(deferred))
+    for a, b in zip(eager, deferred, strict=True):
+        assert a.stride() == b.stride() and a.dtype == b.dtype and torch.equal(a, b)

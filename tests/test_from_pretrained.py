@@ -6,6 +6,7 @@ import pytest
 import torch
 from _models import llama_config
 from safetensors.torch import load_file, save_file
+from torch import nn
 
 from jupyter_metainit import is_deferred, materialize, meta_init
 from jupyter_metainit.core import DeferredTensor, tensor_source
@@ -122,3 +123,76 @@ def test_a_sparse_70b_checkpoint_opens_deferred_and_reads_only_what_is_materiali
     assert 8192 * 2 <= read < 8192 * 2 + (128 << 10)  # its bytes, plus the file's header check
     assert torch.equal(norm.weight, torch.zeros(8192, dtype=torch.bfloat16))  # holes read as 0
     assert is_deferred(model.model.layers[40].mlp)
+
+
+class _BufferConfig(transformers.PretrainedConfig):
+    model_type = "jm_buffers"
+
+
+class _Positions(transformers.PreTrainedModel):
+    """A non-persistent buffer that ``_init_weights`` leaves alone: ``from_pretrained`` gives it
+    ``torch.empty_like(meta_buffer, device="cpu")``, uninitialised memory."""
+
+    config_class = _BufferConfig
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("pos", torch.arange(5), persistent=False)
+        self.post_init()
+
+    def _init_weights(self, module):
+        pass
+
+
+class _ScaledPositions(_Positions):
+    """The same buffer, computed by ``_init_weights`` from the placeholder it was given."""
+
+    def _init_weights(self, module):
+        if isinstance(module, _ScaledPositions):
+            module.pos.mul_(0).add_(torch.arange(5) * 2)  # reads the placeholder first
+
+
+class _WithTable(_Positions):
+    """A persistent buffer the checkpoint (saved by ``_Positions``) does not have."""
+
+    def __init__(self, config):
+        super().__init__(config)
+        self.register_buffer("table", torch.ones(2, 3))
+
+
+def _both_custom(tmp_path, cls, saved_cls=_Positions):
+    torch.manual_seed(0)
+    saved_cls(_BufferConfig()).save_pretrained(tmp_path)
+    eager = cls.from_pretrained(tmp_path)
+    with meta_init():
+        deferred = cls.from_pretrained(tmp_path)
+    return eager, deferred
+
+
+def _same_metadata(a, b):
+    return (a.shape, a.stride(), a.dtype, a.device) == (b.shape, b.stride(), b.dtype, b.device)
+
+
+def test_non_persistent_buffer_left_uninitialised_materializes_like_eager(tmp_path):
+    eager, deferred = _both_custom(tmp_path, _Positions)
+    assert isinstance(deferred.pos, DeferredTensor)
+    materialize(deferred)
+    assert _same_metadata(deferred.pos, eager.pos)  # values: uninitialised memory, as eager's
+    assert torch.equal(deferred.lin.weight, eager.lin.weight)
+    assert torch.equal(deferred.lin.bias, eager.lin.bias)
+
+
+def test_non_persistent_buffer_computed_from_its_placeholder_equals_eager(tmp_path):
+    eager, deferred = _both_custom(tmp_path, _ScaledPositions)
+    materialize(deferred)
+    assert torch.equal(deferred.pos, eager.pos)
+    assert torch.equal(deferred.pos, torch.arange(5) * 2)
+
+
+def test_missing_persistent_buffer_left_uninitialised_materializes_like_eager(tmp_path):
+    eager, deferred = _both_custom(tmp_path, _WithTable)
+    assert isinstance(deferred.table, DeferredTensor)
+    materialize(deferred)
+    assert _same_metadata(deferred.table, eager.table)
+    assert torch.equal(deferred.lin.weight, eager.lin.weight)

@@ -1150,3 +1150,48 @@ def test_an_attribute_whose_parameter_was_written_after_keeps_its_values_and_war
     with pytest.warns(UserWarning, match=r"as a leaf.*written after it was computed"):
         materialize(m)
     assert torch.equal(m.scaled, eager.scaled)
+
+
+class _MetaBuffer(nn.Module):
+    """A buffer made with ``device="meta"`` inside the block: no data, no recording."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("pos", torch.empty(3, device="meta"))
+
+
+def test_a_meta_buffer_is_refused_by_name_and_nothing_changes():
+    with meta_init():
+        m = _MetaBuffer()
+    with pytest.raises(MaterializationError) as caught:
+        materialize(m)
+    message = str(caught.value)
+    assert "`_MetaBuffer.pos` (buffer)" in message and "holds no data" in message
+    assert "without device='meta'" in message and "Nothing was materialized" in message
+    assert is_deferred(m.lin.weight) and is_deferred(m.lin.bias) and m.pos.is_meta
+    materialize(m.lin)  # still usable
+    assert not is_deferred(m.lin)
+
+
+class _CopiedFromMeta(nn.Module):
+    """A deferred buffer whose recording reads a meta tensor (eager refuses the copy at once)."""
+
+    def __init__(self):
+        super().__init__()
+        self.lin = nn.Linear(4, 4)
+        self.register_buffer("b", torch.zeros(3))
+        self.b.copy_(torch.empty(3, device="meta"))
+
+
+def test_a_recording_that_reads_a_meta_tensor_is_refused_by_name_and_nothing_changes():
+    with meta_init():
+        m = _CopiedFromMeta()
+    with pytest.raises(MaterializationError) as caught:
+        materialize(m)
+    message = str(caught.value)
+    assert "`_CopiedFromMeta.b` (buffer)" in message and "holds no data" in message
+    assert "aten.copy_" in message and "test_materialize.py" in message
+    assert is_deferred(m.lin.weight) and is_deferred(m.b)
+    materialize(m.lin)  # still usable
+    assert not is_deferred(m.lin)

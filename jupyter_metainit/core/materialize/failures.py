@@ -10,7 +10,9 @@ says what was needed and what is free. Every message ends in what to do instead.
 
 from __future__ import annotations
 
+import contextlib
 import traceback
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -18,7 +20,10 @@ import torch
 from jupyter_metainit.core.errors import MaterializationError, MetaInitError, NotEnoughMemoryError
 from jupyter_metainit.core.materialize.progress import storage_sizes
 from jupyter_metainit.core.materialize.queries import is_uninitialized
+from jupyter_metainit.core.materialize.walk import named_tensors
+from jupyter_metainit.core.record.graph import External
 from jupyter_metainit.core.record.tensor import DeferredTensor
+from jupyter_metainit.core.replay import Plan, plan
 from jupyter_metainit.core.runtime.arguments import (
     check_floating_dtype,
     missing_device_reason,
@@ -30,6 +35,7 @@ from jupyter_metainit.core.runtime.memory import free_memory, is_out_of_memory
 __all__ = [
     "check_arguments",
     "check_recorded_devices",
+    "refuse_meta_inputs",
     "refuse_unmaterializable",
     "released",
     "target_device",
@@ -119,23 +125,83 @@ def check_recorded_devices(tensors: list[DeferredTensor], what: str) -> None:
             )
 
 
-def refuse_unmaterializable(collected: list[torch.Tensor], tensors: list) -> None:
+def refuse_unmaterializable(collected: list[torch.Tensor], tensors: list, obj: Any = None) -> None:
     """Refuse a lazy module's parameters (no shape yet) and tensors on PyTorch's meta device
-    (no recording of their values) among ``collected``; ``tensors`` are its deferred ones."""
+    (no data and no recording of their values) among ``collected``; ``tensors`` are its
+    deferred ones, ``obj`` what the call was given (to name the meta tensors' attributes)."""
     if any(is_uninitialized(t) for t in collected):
         raise MaterializationError(
             "a lazy module's parameters have no shape yet; run a forward pass on example inputs "
             "first (inside meta_init, or with jupyter_metainit.dry_run)"
         )
     meta = [t for t in collected if not isinstance(t, DeferredTensor) and t.is_meta]
-    if meta:
-        which = "these tensors are" if not tensors else f"{len(meta)} of these tensors are"
+    if not meta:
+        return
+    named = _attribute_names(obj, meta)
+    if not tensors:
+        which = f"{named} are" if named else "these tensors are"
         raise MaterializationError(
             f"{which} on PyTorch's meta device, with no recording of their values (built with "
             "`torch.device('meta')`, not `jupyter_metainit.meta_init()`); nothing was "
             "materialized. Build the model inside `with jupyter_metainit.meta_init():` to "
             "materialize it, or leave those parts out."
         )
+    which = named or f"{len(meta)} of these tensors"
+    raise MaterializationError(
+        f"{which}: a plain tensor on PyTorch's meta device (made with device='meta' or under "
+        "`torch.device('meta')`), which holds no data and no recording of its values, so "
+        "there is nothing to materialize. Give it values (assign a tensor to the attribute, or "
+        "initialise it in the model's code), or make it inside `jupyter_metainit.meta_init()` "
+        "without device='meta' (it is then recorded). Nothing was materialized: the model is "
+        "still deferred."
+    )
+
+
+def _attribute_names(obj: Any, tensors: list[torch.Tensor], most: int = 5) -> str:
+    """``"Net.pos (non-persistent buffer), ..."``: where ``tensors`` sit in the modules of
+    ``obj`` (a module, or a list of them); ``""`` when none is found there."""
+    modules = [obj] if isinstance(obj, torch.nn.Module) else obj
+    if not isinstance(modules, (list, tuple)):
+        return ""
+    wanted = {id(t) for t in tensors}
+    names: dict[int, str] = {}
+    for m in modules:
+        if not isinstance(m, torch.nn.Module):
+            continue
+        for prefix, own in named_tensors(m, attributes=True):
+            if id(own.tensor) in wanted and id(own.tensor) not in names:
+                path = ".".join(p for p in (type(m).__name__, prefix, own.name) if p)
+                names[id(own.tensor)] = f"`{path}` ({own.kind})"
+    shown = list(names.values())[:most]
+    more = len(names) - len(shown)
+    return ", ".join(shown) + (f" and {more} more" if more else "")
+
+
+@contextlib.contextmanager
+def refuse_meta_inputs(replay: Plan, group: list[DeferredTensor], obj: Any) -> Iterator[None]:
+    """Around a replay: when it fails and one of its ops was recorded on a plain tensor of
+    PyTorch's meta device (no data: ``deferred.copy_(torch.empty(3, device="meta"))``), say
+    which attribute needs it and where it was used, instead of PyTorch's "Cannot copy out of
+    meta tensor". Checked on failure only: a replay that runs costs nothing more."""
+    try:
+        yield
+    except Exception:
+        bad = next(
+            (op for op in replay.ops for x in (*op.args, *op.kwargs.values())
+             if isinstance(x, External) and x.tensor.is_meta),
+            None,
+        )  # fmt: skip
+        if bad is None:
+            raise
+        needing = [t for t in group if bad in plan([t._rec]).ops]
+        which = _attribute_names(obj, needing) or f"{len(needing)} tensor(s)"
+        raise MaterializationError(
+            f"{which} cannot be materialized: its recording uses a plain tensor of PyTorch's "
+            f"meta device ({bad.func} at {bad.where}), which holds no data to compute it from. "
+            "Give that tensor values, or make it inside `jupyter_metainit.meta_init()` without "
+            "device='meta' (it is then recorded). Nothing was materialized: the model is still "
+            "deferred."
+        ) from None
 
 
 def released(

@@ -25,6 +25,7 @@ from jupyter_metainit.core.materialize.failures import (
     check_arguments,
     check_recorded_devices,
     placed,
+    refuse_meta_inputs,
     refuse_unmaterializable,
     released,
     target_device,
@@ -120,7 +121,7 @@ def materialize(
         with handling_interrupts(), exclusive(f"materializing {what}"):
             collected = collect(obj)
             tensors = [t for t in collected if isinstance(t, DeferredTensor)]
-            refuse_unmaterializable(collected, tensors)
+            refuse_unmaterializable(collected, tensors, obj)
             if device is None:
                 check_recorded_devices(tensors, what)
             reals = [t for t in collected if not isinstance(t, DeferredTensor) and not t.is_meta]
@@ -295,7 +296,8 @@ def _replay(call: _Call, replays: _Replays) -> dict[int, torch.Tensor]:
     """Run the replays: storage ``id`` -> its real memory, on the device asked for."""
     values: dict[int, torch.Tensor] = {}
     for (mode, on), (replay, group) in replays.items():
-        with one_header_check():  # a checkpoint file's header once, not once per tensor
+        # a checkpoint file's header once, not once per tensor
+        with one_header_check(), refuse_meta_inputs(replay, group, call.obj):
             out = execute(replay, on, mode, call.tracker)
         for t in group:  # made where it was made before, then put where it is asked for
             key, target = id(t._rec.storage), call.device or t.device

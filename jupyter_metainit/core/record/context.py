@@ -34,6 +34,7 @@ from jupyter_metainit.core.record.devices import (
     FACTORIES,
     data_factory,
     handle_function,
+    pending,
     requires_grad_kwarg,
     retarget,
     rewrite_device,
@@ -149,12 +150,41 @@ class _FunctionMode(TorchFunctionMode):
         if func in DATA_FACTORIES:
             return requires_grad_kwarg(data_factory(func, args, dict(kwargs)), kwargs)
         if "device" in kwargs or func in FACTORIES:
+            args, kwargs = _stand_in_for_meta_input(func, args, kwargs)
             made = rewrite_device(func, args, kwargs, in_context=True)
             return requires_grad_kwarg(made, kwargs, func)
         return func(*args, **kwargs)
 
 
 _TO = torch.Tensor.to
+
+# Factories that read only the metadata of their tensor argument (shape, strides, dtype).
+_METADATA_INPUT = frozenset({
+    torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like, torch.rand_like,
+    torch.randn_like, torch.randint_like, torch.Tensor.new_empty, torch.Tensor.new_zeros,
+    torch.Tensor.new_ones, torch.Tensor.new_full, torch.Tensor.new_empty_strided,
+})  # fmt: skip
+
+
+def _stand_in_for_meta_input(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:
+    """``torch.empty_like(meta_tensor, device="cpu")`` (``from_pretrained`` gives each
+    non-persistent buffer and missing weight of a model built on ``torch.device("meta")`` a
+    real placeholder so): eager makes a real tensor from the meta one's metadata alone. The
+    meta tensor has no data to replay, so the call is recorded on a deferred stand-in with its
+    geometry (an ``empty_strided``, replayed without a fill): the result is the same call's."""
+    if func not in _METADATA_INPUT or kwargs.get("device") is None:
+        return args, kwargs
+    x = args[0] if args else kwargs.get("input")
+    if not isinstance(x, torch.Tensor) or isinstance(x, DeferredTensor) or not x.is_meta:
+        return args, kwargs
+    target = canonical_device(kwargs["device"])
+    if target.type == "meta":
+        return args, kwargs
+    with pending(target):
+        stand_in = torch.empty_strided(x.size(), x.stride(), dtype=x.dtype, device="meta")
+    if args:
+        return (stand_in, *args[1:]), kwargs
+    return args, {**kwargs, "input": stand_in}
 
 
 def _plain_to(args: tuple, kwargs: Any) -> bool:
