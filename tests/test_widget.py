@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import gc
 import json
 import time
 
@@ -459,6 +460,17 @@ def test_a_widget_whose_model_is_gone_says_so_and_does_nothing():
     assert w.busy == ""
     w.refresh()
     assert "is gone" in w.error
+
+
+def test_a_widget_turns_its_actions_off_as_soon_as_its_model_is_freed():
+    # the page greys every action on `model_gone` (as when the kernel is gone): a second click
+    # must not clear the message and do nothing
+    with meta_init():
+        model = Net()
+    w = explore(model)
+    del model
+    gc.collect()
+    assert w.model_gone and "is gone" in w.error
 
 
 # ---------------------------------------------------------------------------- fast values

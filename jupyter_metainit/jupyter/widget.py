@@ -14,6 +14,7 @@ magics, another widget, ``materialize_sharded``): the core publishes what it cha
 
 from __future__ import annotations
 
+import contextlib
 import pathlib
 import threading
 import weakref
@@ -63,6 +64,19 @@ def widgets_of(module: nn.Module) -> list[ModuleTreeWidget]:
     return [w for w in list(_live_widgets) if w.comm is not None and w._tree.holds(module)]
 
 
+def _on_model_freed(widget_ref: weakref.ref) -> Any:
+    """A callback for the model's weak reference: the widget (held weakly: a widget must not
+    keep itself alive) shows that the model is gone at once, not at the next click."""
+
+    def freed(_ref: weakref.ref) -> None:
+        widget = widget_ref()
+        if widget is not None:
+            with contextlib.suppress(Exception):  # runs where the model was freed: never raise
+                widget.mark_model_gone()
+
+    return freed
+
+
 class ModuleTreeWidget(
     PageTrust, TreePlanning, PlanningCalls, TreeActions, FollowsModel, anywidget.AnyWidget
 ):
@@ -92,6 +106,9 @@ class ModuleTreeWidget(
     ).tag(sync=True)
     phase = traitlets.Unicode("", help="What the running action does now, in words.").tag(sync=True)
     error = traitlets.Unicode("", help="Why the last action failed, in plain words.").tag(sync=True)
+    model_gone = traitlets.Bool(
+        False, help="The model was freed (no name refers to it): every action is off for good."
+    ).tag(sync=True)
     status = traitlets.Unicode("", help="What the last action did.").tag(sync=True)
     notice = traitlets.Dict(
         {"id": 0, "text": ""}, help="A refused request: shown briefly, beside the status."
@@ -124,7 +141,7 @@ class ModuleTreeWidget(
         if not isinstance(module, nn.Module):
             raise TypeError(f"explore() needs an nn.Module, got {type(module).__name__}")
         # Held weakly (see ModuleTree): the widget outlives its output in ipywidgets' registry.
-        self._module_ref = weakref.ref(module)
+        self._module_ref = weakref.ref(module, _on_model_freed(weakref.ref(self)))
         self._model_type = type(module).__name__
         self._tree = ModuleTree.build(module)
         self._stats = self._tree.stats()

@@ -95,7 +95,7 @@ export class TreeView {
       changed: (connection) => {
         this.renderActions();
         if (!connection) return;
-        this.el.classList.toggle("jmi-off", this.link.disconnected);
+        this.el.classList.toggle("jmi-off", this.off);
         this.renderRows();
         this.renderTable();
       },
@@ -131,6 +131,12 @@ export class TreeView {
     this.listen("change:busy change:devices change:no_cuda_reason", () => this.renderActions());
     this.listen("change:progress change:busy", () => this.renderProgress());
     this.listen("change:busy", () => this.renderRows());
+    this.listen("change:model_gone", () => {
+      this.el.classList.toggle("jmi-off", this.off);
+      this.renderActions();
+      this.renderRows();
+      this.renderMessage();
+    });
     this.listen("change:error change:status", () => this.renderMessage());
     this.listen("change:notice", () => this.renderNotice());
     this.listen("change:show_table change:table_html change:table_full", () => this.renderTable());
@@ -350,7 +356,7 @@ export class TreeView {
   }
 
   toggleCheck(node: number): void {
-    if (this.link.disconnected || this.model.get("busy")) return;
+    if (this.off || this.model.get("busy")) return;
     const next = this.tree.toggle(this.selected, node);
     this.selected = new Set(next);
     this.refreshChecks();
@@ -579,8 +585,13 @@ export class TreeView {
     this.renderActions();
   }
 
+  /** Nothing can be done: the kernel is gone, or the model was freed in it. */
+  private get off(): boolean {
+    return this.link.disconnected || Boolean(this.model.get("model_gone"));
+  }
+
   renderActions(): void {
-    const off = this.link.disconnected;
+    const off = this.off;
     // an action sent and not yet answered counts as running: no second one meanwhile
     const busy = Boolean(this.model.get("busy")) || off || this.link.actionPending;
     this.actionBar.render(busy, off);
@@ -675,7 +686,7 @@ export class TreeView {
       focusNode: this.focusNode,
       query: this.query,
       varName: String(this.model.get("var_name") ?? "model"),
-      locked: Boolean(this.model.get("busy")) || this.link.disconnected,
+      locked: Boolean(this.model.get("busy")) || this.off,
       plan,
       planned: Boolean(plan.devices?.length),
     };

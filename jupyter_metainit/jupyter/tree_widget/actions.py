@@ -26,7 +26,6 @@ from jupyter_metainit.core import (
 )
 from jupyter_metainit.jupyter.cell_watch import cells as _cells
 from jupyter_metainit.jupyter.tree_widget.wording import (
-    MODEL_GONE,
     failure_in_words,
     materialized_in_words,
     modules_in_words,
@@ -148,7 +147,7 @@ class TreeActions:
             self._notify(f"Unknown action {action!r}; nothing was done.")
             return
         if not self._tree.alive:
-            self.error = MODEL_GONE
+            self.mark_model_gone()
             return
         if action not in ("materialize", "free"):  # plan, pin, save...: tree_widget/planning.py
             try:

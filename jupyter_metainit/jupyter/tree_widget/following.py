@@ -75,11 +75,17 @@ class FollowsModel:
                     self.status = ""
                     self.error = ""
 
+    def mark_model_gone(self) -> None:
+        """The model was freed: say so, and turn every action off for good (the page greys its
+        buttons, as when the kernel is gone)."""
+        self.model_gone = True
+        self.error = MODEL_GONE
+
     def refresh(self) -> bool:
         """Recompute every node's totals and state; send the page only the rows that changed.
         True if any row changed."""
         if not self._tree.alive:
-            self.error = MODEL_GONE
+            self.mark_model_gone()
             return False
         with self._refresh_lock:
             stats = self._tree.stats()
