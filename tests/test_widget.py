@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gc
 import json
+import os
 import time
 
 import pytest
@@ -777,6 +778,36 @@ def test_save_writes_the_selected_subtree_and_says_what_was_written(tmp_path):
     for name, value in eager.layers[1].state_dict().items():
         assert torch.equal(saved[name], value), name
     assert all(is_deferred(t) for t in model.state_dict().values())  # saving changes nothing
+
+
+def test_save_over_a_checkpoint_asks_first_and_replaces_it_when_asked_again(tmp_path):
+    from safetensors.torch import load_file
+
+    model = _lm()
+    w = explore(model)
+    w.save(str(tmp_path))
+    (tmp_path / "notes.txt").write_text("mine")
+    os.utime(tmp_path / "notes.txt", (1e9, 1e9))  # written long before the save
+    before = (tmp_path / "model.safetensors").read_bytes()
+    w.dtype = "bfloat16"
+    w.save(str(tmp_path))
+    assert "already holds a checkpoint" in w.notice["text"] and "Save again" in w.notice["text"]
+    assert (tmp_path / "model.safetensors").read_bytes() == before
+    w.save(str(tmp_path))
+    assert w.error == "" and "notes.txt" not in w.status  # it names what it wrote
+    saved = load_file(tmp_path / "model.safetensors")
+    assert all(v.dtype == torch.bfloat16 for v in saved.values())
+    assert (tmp_path / "notes.txt").read_text() == "mine"
+
+
+def test_save_to_a_path_it_cannot_write_says_so_in_the_users_words(tmp_path):
+    (tmp_path / "a_file").write_text("")
+    model = _lm()
+    w = explore(model)
+    w.save(str(tmp_path / "a_file" / "ckpt"))
+    assert w.error.startswith(f"Could not save: cannot write to {tmp_path / 'a_file' / 'ckpt'}")
+    assert ".saving" not in w.error
+    assert "Nothing was saved. The model was left as it was." in w.error
 
 
 def test_save_refuses_an_empty_path_with_a_notice():

@@ -251,7 +251,7 @@ class TreePlanning:
         except Exception as exc:
             self.refresh()
             changed = [s.row() for s in self._stats] != before
-            self.error = f"Could not {label}: {exc}" + (
+            self.error = f"Could not {label}: {_sentence(str(exc))}" + (
                 " Part of the model changed state; see the badges."
                 if changed
                 else ""
@@ -335,3 +335,9 @@ def _parts_per_device(placement: Placement) -> dict[str, int]:
     for _, _, device, _ in placement.parts:
         out[device] = out.get(device, 0) + 1
     return out
+
+
+def _sentence(text: str) -> str:
+    """``text`` ending as a sentence does (what follows it is another sentence)."""
+    text = text.rstrip()
+    return text if text.endswith((".", "!", "?")) else text + "."

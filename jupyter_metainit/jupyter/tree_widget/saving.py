@@ -8,6 +8,7 @@ tensor at a time as they are written. A cancelled or failed save leaves nothing 
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable
 from typing import Any
 
@@ -42,6 +43,7 @@ def prepare_save(widget: Any, content: dict) -> tuple[str, Callable[[], str]]:
             "nothing was saved."
         )
     destination = os.path.abspath(os.path.expanduser(path.strip()))
+    _confirm_replacing(widget, destination, fmt)
     what = code_path(widget.var_name, names[0]) if names else f"{widget.var_name} (whole model)"
     dtype = parse_dtype(widget.dtype or None)
 
@@ -52,24 +54,62 @@ def prepare_save(widget: Any, content: dict) -> tuple[str, Callable[[], str]]:
         def progress(done: int, total: int) -> None:
             widget._progress(done, total, f"writing {fmt} to {destination}")
 
+        # (file times come from a coarse clock, a few ms behind this one: a second's margin)
+        started = time.time_ns() - 1_000_000_000
         try:
             save(obj, destination, format=fmt, dtype=dtype, progress=progress)
         except ActionCancelled:
             raise ActionCancelled(f"nothing was written to {destination}.") from None
-        return (
-            f"Saved {what} to {destination} ({fmt}) in {{took}}: {written_in_words(destination)}."
-        )
+        except OSError as exc:  # the file system's answer, about the path the user typed
+            raise OSError(
+                f"cannot write to {destination} ({exc.strerror or exc}); choose a directory "
+                "you can write to. Nothing was saved"
+            ) from None
+        wrote = written_in_words(destination, since_ns=started)
+        return f"Saved {what} to {destination} ({fmt}) in {{took}}: {wrote}."
 
     return "save", job
 
 
-def written_in_words(directory: str) -> str:
-    """``model.safetensors (1.2 MiB), config.json (700 B)``: the files a save wrote."""
+def _confirm_replacing(widget: Any, destination: str, fmt: str) -> None:
+    """A save that would replace a checkpoint already there asks first: refused once with what
+    is there; the same save asked again goes ahead (a page click cannot be undone)."""
+    there = _checkpoint_files(destination)
+    asked = (destination, fmt)
+    if not there or getattr(widget, "_replace_confirmed", None) == asked:
+        widget._replace_confirmed = None
+        return
+    widget._replace_confirmed = asked
+    shown = ", ".join(there[:3]) + (f" and {len(there) - 3} more" if len(there) > 3 else "")
+    raise ValueError(
+        f"{destination} already holds a checkpoint ({shown}). Click Save again to replace "
+        "it (your other files there stay), or choose another directory; nothing was saved."
+    )
+
+
+def _checkpoint_files(directory: str) -> list[str]:
+    """The files of a checkpoint in ``directory`` that a save there would replace."""
+    if not os.path.isdir(directory):
+        return []
+    return sorted(
+        name
+        for name in os.listdir(directory)
+        if name in ("config.json", "generation_config.json", ".metadata")
+        or name.endswith((".safetensors", ".safetensors.index.json", ".distcp"))
+    )
+
+
+def written_in_words(directory: str, since_ns: int = 0) -> str:
+    """``model.safetensors (1.2 MiB), config.json (700 B)``: the files a save wrote (those
+    changed since ``since_ns``: not the other files the directory holds)."""
     files = []
-    for root, _, names in os.walk(directory):
+    for root, dirs, names in os.walk(directory):
+        dirs[:] = [d for d in dirs if not d.startswith(".saving-")]
         for name in sorted(names):
             path = os.path.join(root, name)
-            files.append((os.path.relpath(path, directory), os.path.getsize(path)))
+            info = os.stat(path)
+            if info.st_mtime_ns >= since_ns:
+                files.append((os.path.relpath(path, directory), info.st_size))
     total = format_bytes(sum(size for _, size in files))
     shown = ", ".join(f"{name} ({format_bytes(size)})" for name, size in files[:4])
     more = f" and {len(files) - 4} more" if len(files) > 4 else ""
