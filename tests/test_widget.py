@@ -800,6 +800,16 @@ def test_save_over_a_checkpoint_asks_first_and_replaces_it_when_asked_again(tmp_
     assert (tmp_path / "notes.txt").read_text() == "mine"
 
 
+def test_save_says_when_parts_hold_fast_values(tmp_path):
+    model = _lm()
+    w = explore(model)
+    w.selected, w.rng = ["layers.1"], "fast"
+    w.materialize("cpu")
+    w.selected, w.rng = [], "exact"
+    w.save(str(tmp_path))
+    assert w.error == "" and "hold RNG fast values (not eager's)" in w.status
+
+
 def test_save_to_a_path_it_cannot_write_says_so_in_the_users_words(tmp_path):
     (tmp_path / "a_file").write_text("")
     model = _lm()

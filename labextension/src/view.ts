@@ -277,6 +277,9 @@ export class TreeView {
         this.focusNotebook();
       } else if (this.rowsEl.contains(ev.target)) {
         this.onKey(ev);
+      } else if (ev.target === this.depthInput && ev.key === "Enter") {
+        ev.preventDefault(); // applies the depth, as Enter submits the plan and save fields
+        this.expandToDepth(Number(this.depthInput.value) || 0);
       }
     };
     for (const type of ["keydown", "keypress", "keyup"]) {

@@ -144,6 +144,25 @@ describe("TreeView", () => {
     expect(root.querySelectorAll(".jmi-rows .jmi-row").length).toBeLessThan(60);
   });
 
+  it("expands to the typed depth on Enter in the depth box", () => {
+    const { root } = mount(smallTree());
+    const depth = root.querySelector<HTMLInputElement>(".jmi-depth")!;
+    depth.value = "2";
+    depth.dispatchEvent(new KeyboardEvent("keydown", { key: "Enter", bubbles: true }));
+    expect(rowNames(root)).toEqual(["(model)", "embed", "layers", "0", "1", "norm"]);
+  });
+
+  it("greys every action once the model is gone in the kernel", () => {
+    const { root, model } = mount(smallTree());
+    model.set("error", "The model this widget showed is gone.");
+    model.set("model_gone", true);
+    const actions = [...root.querySelectorAll<HTMLButtonElement>(".jmi-actions .jmi-btn")];
+    expect(actions.length).toBeGreaterThan(0);
+    expect(actions.every((b) => b.disabled || b.classList.contains("jmi-disabled"))).toBe(true);
+    expect(root.querySelector<HTMLElement>(".jmi-message")!.hidden).toBe(false);
+    expect(root.querySelector<HTMLInputElement>(".jmi-rows .jmi-check")!.disabled).toBe(true);
+  });
+
   it("filters as one types", () => {
     const { root } = mount(bigTree());
     const input = root.querySelector<HTMLInputElement>(".jmi-search")!;

@@ -12,7 +12,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-from jupyter_metainit.core import format_bytes, parse_dtype
+from jupyter_metainit.core import format_bytes, parse_dtype, tensor_values, unique_tensors
 from jupyter_metainit.jupyter.tree_widget.actions import ActionCancelled
 from jupyter_metainit.jupyter.tree_widget.wording import code_path
 from jupyter_metainit.save import save
@@ -66,9 +66,21 @@ def prepare_save(widget: Any, content: dict) -> tuple[str, Callable[[], str]]:
                 "you can write to. Nothing was saved"
             ) from None
         wrote = written_in_words(destination, since_ns=started)
-        return f"Saved {what} to {destination} ({fmt}) in {{took}}: {wrote}."
+        return f"Saved {what} to {destination} ({fmt}) in {{took}}: {wrote}." + _fast_note(obj)
 
     return "save", job
+
+
+def _fast_note(obj: Any) -> str:
+    """Said, not only tagged: parts materialized with RNG fast are saved as they are, and their
+    values are not those eager code gives."""
+    fast = sum(tensor_values(t) == "fast" for t in unique_tensors(obj))
+    if not fast:
+        return ""
+    return (
+        f" {fast} of its tensors hold RNG fast values (not eager's), saved as they are; "
+        "materialize them with RNG exact first for eager's values."
+    )
 
 
 def _confirm_replacing(widget: Any, destination: str, fmt: str) -> None:
