@@ -11,7 +11,7 @@ import torch
 from safetensors.torch import load_file
 from torch import nn
 
-from jupyter_metainit import is_deferred, materialize, meta_init
+from jupyter_metainit import is_deferred, materialize
 from jupyter_metainit.save import save
 from tests._twins import eager_and_deferred
 

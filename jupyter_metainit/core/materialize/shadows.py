@@ -66,6 +66,7 @@ freed_state: WeakIdKeyDictionary = WeakIdKeyDictionary()  # freed tensor -> User
 # Real tensors whose shadow clear_meta_init_cache dropped (only to say so when freeing them).
 cleared: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
+
 def realized_base(
     rec: TensorRecord, device: torch.device | None, bases: dict[int, torch.Tensor]
 ) -> torch.Tensor | None:
