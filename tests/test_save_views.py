@@ -140,3 +140,32 @@ def test_memory_replaced_since_materializing_is_not_used(tmp_path):
     save(deferred, tmp_path / "ours")
     saved = load_file(tmp_path / "ours" / "model.safetensors")
     assert torch.equal(saved["rows"], _materialized_state(deferred)["rows"])
+
+
+class _ViewBesideLargeFills(nn.Module):
+    """A view of a small weight, then fills large enough to be written in parts while they are
+    generated: one batch holds both."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(64, 32)
+        self.register_buffer("a_rows", self.a.weight.data[3:5])
+        self.b = nn.Linear(2047, 2049)
+        self.c = nn.Linear(2049, 2047)
+
+
+@pytest.mark.parametrize("path", ["direct", "pwrite"])
+def test_parts_written_while_generating_land_beside_a_view_of_edited_memory(
+    tmp_path, monkeypatch, path
+):
+    _write_path(monkeypatch, path)
+    eager, deferred = eager_and_deferred(_ViewBesideLargeFills)
+    materialize(deferred.a.weight)
+    with torch.no_grad():
+        deferred.a.weight.mul_(2)
+        eager.a.weight.mul_(2)
+    save(deferred, tmp_path / "ours")
+    saved = load_file(tmp_path / "ours" / "model.safetensors")
+    expected = {k: v.contiguous() for k, v in eager.state_dict().items()}
+    assert saved.keys() == expected.keys()
+    assert all(torch.equal(saved[k], expected[k]) for k in expected)

@@ -68,7 +68,8 @@ def values_to_write(
 ) -> torch.Tensor | list[torch.Tensor]:
     """Exact values of one deferred tensor (or of a batch of them: a list) as new real CPU
     tensors, without changing them: for writing a model out a batch at a time
-    (``jupyter_metainit.save``).
+    (``jupyter_metainit.save``). They are what ``materialize`` would give: a view of memory an
+    earlier ``materialize`` made real gets that memory's values now (``realized``).
 
     Unlike :func:`compute_values` it neither takes from nor adds to the read cache (whose
     256 MB would stay held after the save) and copies nothing when a tensor covers its whole
