@@ -348,7 +348,8 @@ METADATA_QUERIES: dict[Any, Any] = {
             aten.size.default, aten.size.int, aten.stride.default, aten.stride.int,
             aten.storage_offset.default, aten.sym_numel.default, aten.sym_size.default,
             aten.sym_size.int, aten.sym_stride.default, aten.sym_stride.int,
-            aten.sym_storage_offset.default, aten.is_complex.default,
+            aten.sym_storage_offset.default, aten.is_complex.default, aten.dense_dim.default,
+            aten.sparse_dim.default,
         )
     },
 }  # fmt: skip
