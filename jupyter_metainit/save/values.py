@@ -2,8 +2,10 @@
 
 A deferred tensor's values come from the core's ``values_to_write``: only the recorded ops it
 depends on run, on the CPU, on every core (the parallel exact fills); nothing in the model is
-swapped and nothing is kept afterwards. A real tensor is saved as it is now (also with
-``rng="fast"`` values); a sharded one (DTensor) gives its local shard.
+swapped and nothing is kept afterwards. A deferred view of memory an earlier ``materialize`` made
+real gets that memory's values now, as materializing it would (the core's one rule for it). A
+real tensor is saved as it is now (also with ``rng="fast"`` values); a sharded one (DTensor)
+gives its local shard.
 """
 
 from __future__ import annotations

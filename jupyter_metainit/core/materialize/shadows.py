@@ -12,8 +12,6 @@ ours. :func:`why_not_reproducible` says whether a shadow still gives a tensor's 
 
 from __future__ import annotations
 
-import weakref
-
 import torch
 from torch.utils._pytree import tree_leaves
 from torch.utils.weak import WeakIdKeyDictionary
@@ -21,16 +19,16 @@ from torch.utils.weak import WeakIdKeyDictionary
 from jupyter_metainit.core.errors import MaterializationError
 from jupyter_metainit.core.materialize.walk import local_tensor, materialized_sources
 from jupyter_metainit.core.record.files import comparing_with_file, read_file_bytes
-from jupyter_metainit.core.record.graph import External, StorageRecord, TensorRecord
+from jupyter_metainit.core.record.graph import External, TensorRecord
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.replay import compute_values, plan
+from jupyter_metainit.core.replay.realized import realized_memory, remember_realized
 from jupyter_metainit.core.replay.values import value_cache
 from jupyter_metainit.core.rng import streams as _rng
 from jupyter_metainit.core.runtime.digest import digest
-from jupyter_metainit.core.runtime.plain import plain
 from jupyter_metainit.core.runtime.swap import swap_in_place
 
-__all__ = ["clear_meta_init_cache"]
+__all__ = ["clear_meta_init_cache", "realized_base", "remember_realized"]
 
 
 class Shadow:
@@ -68,64 +66,21 @@ freed_state: WeakIdKeyDictionary = WeakIdKeyDictionary()  # freed tensor -> User
 # Real tensors whose shadow clear_meta_init_cache dropped (only to say so when freeing them).
 cleared: WeakIdKeyDictionary = WeakIdKeyDictionary()
 
-# Storages a materialization made real, with the tensor over each, the writes recorded on the
-# storage then, and the memory's address: a deferred view of the same storage materialized in a
-# later call (``self.w_t = self.w.t()``, ``materialize(model.a)`` then ``materialize(model.b)``)
-# becomes a view of that memory, as in eager and in a whole-model call.
-_realized: weakref.WeakKeyDictionary[StorageRecord, tuple[weakref.ref, int, int]] = (
-    weakref.WeakKeyDictionary()
-)
-
 
 def realized_base(
     rec: TensorRecord, device: torch.device | None, bases: dict[int, torch.Tensor]
 ) -> torch.Tensor | None:
     """The real memory of ``rec``'s storage as a flat tensor, if an earlier call made it real
-    and it is still what that call made (same memory, nothing recorded on it since, on the
-    requested device); else ``None`` (the storage is replayed)."""
+    and it is still what that call made (``replay.realized``'s rule, which ``save`` and value
+    reads follow too), on the requested device; else ``None`` (the storage is replayed)."""
     storage = rec.storage
     if id(storage) in bases:
         return bases[id(storage)]
-    real = _realized_tensor(storage)
-    if real is None or (device is not None and real.device != device):
+    base = realized_memory(storage)
+    if base is None or (device is not None and base.device != device):
         return None
-    memory = real.untyped_storage()
-    with plain():
-        base = torch.empty(0, dtype=storage.dtype, device=real.device)
-        base.set_(memory, 0, (storage.nbytes // storage.dtype.itemsize,))
     bases[id(storage)] = base
     return base
-
-
-def _realized_tensor(storage: StorageRecord) -> torch.Tensor | None:
-    """The real tensor an earlier call made over ``storage``, while it still holds that memory
-    and nothing was recorded on the storage since."""
-    entry = _realized.get(storage)
-    if entry is None:
-        return None
-    ref, writes, address = entry
-    real = ref()
-    if real is None or isinstance(real, DeferredTensor) or real.is_meta:
-        return None
-    memory = real.untyped_storage()
-    if (
-        len(storage.writes) != writes
-        or memory.data_ptr() != address
-        or memory.nbytes() != storage.nbytes
-    ):
-        return None
-    return real
-
-
-def remember_realized(tensors: list[torch.Tensor], records: list[TensorRecord]) -> None:
-    """After the swap: note the storages now real whose memory holds them as recorded (not a
-    cast copy, not a partial copy)."""
-    for t, rec in zip(tensors, records, strict=True):
-        if t.dtype != rec.dtype or isinstance(t, DeferredTensor):
-            continue
-        memory = t.untyped_storage()
-        if memory.nbytes() == rec.storage.nbytes and _realized_tensor(rec.storage) is None:
-            _realized[rec.storage] = (weakref.ref(t), len(rec.storage.writes), memory.data_ptr())
 
 
 def freeable(t: torch.Tensor) -> torch.Tensor:

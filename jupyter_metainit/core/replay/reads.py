@@ -15,6 +15,7 @@ import torch
 from jupyter_metainit.core.record.graph import StorageRecord, TensorRecord, constant_op
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.replay.planning import plan
+from jupyter_metainit.core.replay.realized import any_realized, current_values
 from jupyter_metainit.core.replay.run import execute, real_view
 from jupyter_metainit.core.replay.values import value_cache
 from jupyter_metainit.core.runtime.interrupts import handling_interrupts
@@ -67,7 +68,8 @@ def values_to_write(
 ) -> torch.Tensor | list[torch.Tensor]:
     """Exact values of one deferred tensor (or of a batch of them: a list) as new real CPU
     tensors, without changing them: for writing a model out a batch at a time
-    (``jupyter_metainit.save``).
+    (``jupyter_metainit.save``). They are what ``materialize`` would give: a view of memory an
+    earlier ``materialize`` made real gets that memory's values now (``realized``).
 
     Unlike :func:`compute_values` it neither takes from nor adds to the read cache (whose
     256 MB would stay held after the save) and copies nothing when a tensor covers its whole
@@ -81,22 +83,30 @@ def values_to_write(
     """
     one = isinstance(t, DeferredTensor)
     records = [t._rec] if one else [x._rec for x in t]
-    on_filled = None if on_part is None else _parts_of(records, on_part)
     with handling_interrupts(), exclusive("computing values to write"):
-        env = execute(plan(records), torch.device("cpu"), "exact", one_stream=True,
-                      memory=memory, on_filled=on_filled)  # fmt: skip
-        bases = [env[id(r.storage)] for r in records]
-        del env
-    with plain():
-        out = [_compact(base, r) for base, r in zip(bases, records, strict=True)]
-    return out[0] if one else out
+        out = current_values(records)  # memory materialize made real: what it would give
+        rest = [k for k in range(len(records)) if k not in out]
+        if rest:
+            replayed = [records[k] for k in rest]
+            on_filled = None if on_part is None else _parts_of(replayed, on_part, rest)
+            env = execute(plan(replayed), torch.device("cpu"), "exact", one_stream=True,
+                          memory=memory, on_filled=on_filled)  # fmt: skip
+            bases = [env[id(r.storage)] for r in replayed]
+            del env
+            with plain():
+                for k, base, r in zip(rest, bases, replayed, strict=True):
+                    out[k] = _compact(base, r)
+    values = [out[k] for k in range(len(records))]
+    return values[0] if one else values
 
 
 def _parts_of(
-    records: list[TensorRecord], on_part: Callable[[int, int, int, torch.Tensor], None]
-) -> Callable[[TensorRecord, int, int, torch.Tensor], None]:
+    records: list[TensorRecord], on_part: Callable[[int, int, int, torch.Tensor], None],
+    index: list[int],
+) -> Callable[[TensorRecord, int, int, torch.Tensor], None]:  # fmt: skip
     """``execute``'s ``on_filled`` for the requested records that are their fill's whole
-    storage as it is (the tensor returned is that storage: parts of it are its parts)."""
+    storage as it is (the tensor returned is that storage: parts of it are its parts);
+    ``records[i]`` is the caller's tensor ``index[i]``."""
     by_storage: dict[int, list[int]] = {}
     for k, r in enumerate(records):
         by_storage.setdefault(id(r.storage), []).append(k)
@@ -108,7 +118,7 @@ def _parts_of(
                 target.size, target.stride, target.offset, target.dtype
             )  # fmt: skip
             if same and not r.conj and not r.neg:
-                on_part(k, a, b, flat)
+                on_part(index[k], a, b, flat)
 
     return on_filled
 
@@ -127,7 +137,16 @@ class ReplayValueReader:
     the CPU with the shared :data:`value_cache`."""
 
     def values(self, records: list[TensorRecord]) -> list[torch.Tensor]:
-        return compute_values(records)
+        """The current values (``.item()``, an op that needs them): those of memory an earlier
+        ``materialize`` made real (``realized``: what materializing them would give), the
+        others replayed. (:func:`compute_values` itself is the recording's values.)"""
+        if not any_realized():
+            return compute_values(records)
+        with exclusive("reading values of deferred tensors"):
+            out = current_values(records)
+            rest = [r for k, r in enumerate(records) if k not in out]
+            replayed = iter(compute_values(rest) if rest else [])
+        return [out[k] if k in out else next(replayed) for k in range(len(records))]
 
     def keep(self, storage: StorageRecord, writes: int, value: torch.Tensor) -> None:
         value_cache.put(storage, writes, value)

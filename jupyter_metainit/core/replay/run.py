@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core.errors import MaterializationError
+from jupyter_metainit.core.record.dispatch.metadata import made_pinned
 from jupyter_metainit.core.record.graph import (
     Constant,
     External,
@@ -46,6 +47,7 @@ from jupyter_metainit.core.runtime.pool import available_cores
 __all__ = ["Progress", "Run", "execute", "real_view"]
 
 aten = torch.ops.aten
+_CPU = torch.device("cpu")
 
 
 class Progress:
@@ -199,13 +201,14 @@ class Run:
 
     def allocate(self, created: TensorRecord, device: torch.device) -> torch.Tensor:
         """Empty memory for a storage whose creating op was dead: from ``memory`` (the caller's
-        recycled CPU buffers, ``execute(memory=...)``) where given, else new."""
+        recycled CPU buffers, ``execute(memory=...)``) where given, else new (page-locked where
+        that op made it so, ``empty(..., pin_memory=True)``, as eager)."""
         if self.memory is not None and device.type == "cpu" and created.offset == 0:
             t = torch.empty(0, dtype=created.dtype)
             t.set_(self.memory(created.storage.nbytes), 0, created.size, created.stride)
             return t
-        return torch.empty_strided(created.size, created.stride, dtype=created.dtype,
-                                   device=device)  # fmt: skip
+        return torch.empty_strided(created.size, created.stride, dtype=created.dtype, device=device,
+                                   pin_memory=made_pinned(created.storage, device))  # fmt: skip
 
     def op_device(self, op: OpRecord) -> torch.device:
         if self.device is not None:
@@ -384,9 +387,6 @@ def execute(
             if i not in done:
                 run.run_and_release(i, op)
     return _results(run, p)
-
-
-_CPU = torch.device("cpu")
 
 
 def _results(run: Run, p: Plan) -> dict[int, torch.Tensor]:

@@ -286,3 +286,70 @@ def output_requires_grad(func: Any, args: tuple, kwargs: dict, out: Any) -> tupl
         _grad_rules.clear()
     _grad_rules[key] = rule
     return rule
+
+
+# ---------------------------------------------------------------------------------------------
+# questions about metadata only: answered from the recording, never by computing values
+
+
+def made_pinned(storage: Any, device: torch.device | None = None) -> bool:
+    """Whether ``storage`` is page-locked memory once replayed (on ``device``, else where it
+    was recorded), as eager code made it: its creating op asked for it (``torch.empty(...,
+    pin_memory=True)``, ``t.pin_memory()``). Views and in-place writes keep the memory they
+    were given; any other op makes new memory, not pinned."""
+    creator = storage.writes[0] if storage.writes else None
+    if creator is None or (device or storage.device).type != "cpu":
+        return False
+    return creator.func is aten._pin_memory.default or creator.kwargs.get("pin_memory") is True
+
+
+def _is_pinned(t: torch.Tensor, device: Any = None) -> bool:
+    if isinstance(t, DeferredTensor):
+        return made_pinned(t._rec.storage)
+    with plain():
+        return t.is_pinned() if device is None else t.is_pinned(device)
+
+
+def _is_set_to(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """The same memory and geometry: for deferred tensors, the same storage record."""
+    if isinstance(a, DeferredTensor) and isinstance(b, DeferredTensor):
+        x, y = a._rec, b._rec
+        return x.storage is y.storage and (x.size, x.stride, x.offset, x.dtype) == (
+            y.size, y.stride, y.offset, y.dtype
+        )  # fmt: skip
+    if isinstance(a, DeferredTensor) or isinstance(b, DeferredTensor):
+        return False  # a deferred tensor has no memory a real one could share
+    with plain():
+        return a.is_set_to(b)
+
+
+def _on_meta(func: Any) -> Any:
+    def answer(*args: Any, **kwargs: Any) -> Any:
+        a, k = map_args(meta_of, args, kwargs)
+        with plain():
+            return func(*a, **k)
+
+    return answer
+
+
+# Ops that return no tensor and depend on metadata only: without an answer here they would take
+# the path of ops that need values (``reads``), computing every value of their inputs by replay
+# (``torch.distributed.checkpoint`` asks ``is_pinned()`` of every tensor it saves), and failing
+# with an error naming an op the user never called where the values cannot be computed.
+METADATA_QUERIES: dict[Any, Any] = {
+    aten.is_pinned.default: _is_pinned,
+    aten.is_set_to.default: _is_set_to,
+    **{
+        f: _on_meta(f)
+        for f in (
+            aten.is_same_size.default, aten.is_contiguous.default,
+            aten.is_contiguous.memory_format, aten.is_non_overlapping_and_dense.default,
+            aten.is_strides_like_format.default, aten.dim.default, aten.numel.default,
+            aten.size.default, aten.size.int, aten.stride.default, aten.stride.int,
+            aten.storage_offset.default, aten.sym_numel.default, aten.sym_size.default,
+            aten.sym_size.int, aten.sym_stride.default, aten.sym_stride.int,
+            aten.sym_storage_offset.default, aten.is_complex.default, aten.dense_dim.default,
+            aten.sparse_dim.default,
+        )
+    },
+}  # fmt: skip

@@ -22,7 +22,7 @@ import torch
 from jupyter_metainit.core.errors import UnsupportedOperatorError
 from jupyter_metainit.core.record.dispatch.fills import record_fill
 from jupyter_metainit.core.record.dispatch.inputs import call_site, output_device, wrap_constant
-from jupyter_metainit.core.record.dispatch.metadata import OVERWRITES_SELF
+from jupyter_metainit.core.record.dispatch.metadata import METADATA_QUERIES, OVERWRITES_SELF
 from jupyter_metainit.core.record.dispatch.reads import (
     run_on_values,
     run_on_values_and_record_writes,
@@ -63,6 +63,8 @@ def _handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
       write a real tensor and ops that return no tensor run for real; everything else (factory
       calls, new tensors computed from real ones) is recorded, real inputs kept as ``External``
       (their version is checked at replay).
+    * **Metadata only** (``is_pinned``, ``is_set_to``, ``is_same_size``): answered from the
+      records and meta tensors (``metadata.METADATA_QUERIES``), never by computing values.
     * **Values needed**: an op that returns no tensor (``.item()``, ``equal``) or writes a real
       tensor from deferred ones gets the deferred inputs' exact values by replay, and runs.
     * **Views** are not recorded: the output is a new ``TensorRecord`` (geometry, dtype) over
@@ -79,6 +81,9 @@ def _handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
         raise UnsupportedOperatorError(f"{func} is not an ATen operator; it cannot be deferred")
     if func.is_view and args and type(args[0]) is DeferredTensor:
         return record_view(func, args, kwargs)
+    query = METADATA_QUERIES.get(func)
+    if query is not None:  # ``is_pinned()``: metadata only, never values
+        return query(*args, **kwargs)
     if func in OVERWRITES_SELF and type(args[0]) is DeferredTensor:
         made = record_fill(func, args, kwargs)
         if made is not None:

@@ -1,0 +1,100 @@
+"""Storages a materialization made real: the one rule for the values of deferred tensors over them.
+
+``materialize(model.w)`` makes ``w``'s storage real; a deferred view of the same storage
+(``self.w_t = self.w.t()``, a buffer ``w.data[2:4]``) stays deferred, and materializing it later
+makes it a view of that memory, as in eager and in a whole-model call. So the values of such a
+view are the memory's values *now*, whatever was done to it in place since (``w.data.mul_(2)``,
+training): replaying its recording would give what the memory held before.
+
+This module owns that rule, for every path that gives a deferred tensor's values: ``materialize``
+(a view of the memory), ``save`` (``reads.values_to_write``) and value reads (``.item()``, an op
+that needs values). It holds while the memory is still what materialize made (same real tensor,
+same memory, nothing recorded on the storage since); otherwise the recording is replayed.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+
+from jupyter_metainit.core.record.graph import StorageRecord, TensorRecord
+from jupyter_metainit.core.record.tensor import DeferredTensor
+from jupyter_metainit.core.replay.run import real_view
+from jupyter_metainit.core.runtime.plain import plain
+
+__all__ = ["any_realized", "current_values", "realized_memory", "remember_realized"]
+
+# Storages a materialization made real, with the tensor over each, the writes recorded on the
+# storage then, and the memory's address.
+_realized: weakref.WeakKeyDictionary[StorageRecord, tuple[weakref.ref, int, int]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def any_realized() -> bool:
+    """Whether any storage was made real (a cheap test before taking the lock)."""
+    return bool(_realized)
+
+
+def _realized_tensor(storage: StorageRecord) -> torch.Tensor | None:
+    """The real tensor an earlier call made over ``storage``, while it still holds that memory
+    and nothing was recorded on the storage since."""
+    entry = _realized.get(storage)
+    if entry is None:
+        return None
+    ref, writes, address = entry
+    real = ref()
+    if real is None or isinstance(real, DeferredTensor) or real.is_meta:
+        return None
+    memory = real.untyped_storage()
+    if (
+        len(storage.writes) != writes
+        or memory.data_ptr() != address
+        or memory.nbytes() != storage.nbytes
+    ):
+        return None
+    return real
+
+
+def remember_realized(tensors: list[torch.Tensor], records: list[TensorRecord]) -> None:
+    """After materialize's swap: note the storages now real whose memory holds them as
+    recorded (not a cast copy, not a partial copy)."""
+    for t, rec in zip(tensors, records, strict=True):
+        if t.dtype != rec.dtype or isinstance(t, DeferredTensor):
+            continue
+        memory = t.untyped_storage()
+        if memory.nbytes() == rec.storage.nbytes and _realized_tensor(rec.storage) is None:
+            _realized[rec.storage] = (weakref.ref(t), len(rec.storage.writes), memory.data_ptr())
+
+
+def realized_memory(storage: StorageRecord) -> torch.Tensor | None:
+    """The real memory an earlier ``materialize`` made of ``storage``, as a flat tensor of the
+    storage's dtype over all of it, while the rule above holds; else ``None`` (replay it)."""
+    if not _realized:
+        return None
+    real = _realized_tensor(storage)
+    if real is None:
+        return None
+    with plain():
+        base = torch.empty(0, dtype=storage.dtype, device=real.device)
+        base.set_(real.untyped_storage(), 0, (storage.nbytes // storage.dtype.itemsize,))
+    return base
+
+
+def current_values(records: list[TensorRecord]) -> dict[int, torch.Tensor]:
+    """New contiguous CPU copies of the current values of the records whose storage is real
+    memory (by index in ``records``); the others are not in it and need a replay. Call it
+    under the lock (``runtime.lock.exclusive``), as ``materialize`` holds it."""
+    out: dict[int, torch.Tensor] = {}
+    if not _realized:
+        return out
+    for k, r in enumerate(records):
+        base = realized_memory(r.storage)
+        if base is not None:
+            with plain():
+                view = real_view(base, r)
+                copy = torch.empty(view.shape, dtype=view.dtype)
+                copy.copy_(view)  # resolves the lazy conjugate/negative bits too
+            out[k] = copy
+    return out
