@@ -111,6 +111,16 @@ def test_save_pretrained_of_one_file_over_shards_removes_their_index(tmp_path):
     ]  # fmt: skip
 
 
+def test_a_directory_where_a_checkpoint_file_goes_stops_the_save_before_anything_moves(tmp_path):
+    save(_deferred_mlp(seed=1), tmp_path)
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "model.safetensors").mkdir()
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(IsADirectoryError, match="Nothing was replaced"):
+        save(_deferred_mlp(seed=2), tmp_path)
+    assert sorted(os.listdir(tmp_path)) == before
+
+
 def test_a_new_checkpoint_directory_gets_the_permissions_of_the_umask(tmp_path):
     umask = os.umask(0o022)
     try:

@@ -86,6 +86,12 @@ def publish_directory(staging: str, destination: str, stale: Callable[[str], boo
     docstring), indexes last; then remove the files ``stale`` names that this save did not
     write (an earlier checkpoint's shards, or its single file where this one is sharded)."""
     new = sorted(os.listdir(staging), key=lambda name: (is_index(name), name))
+    in_the_way = [n for n in new if os.path.isdir(os.path.join(destination, n))]
+    if in_the_way:  # before anything moves: a half-replaced checkpoint is worse than none
+        raise IsADirectoryError(
+            f"{destination} holds a directory named {in_the_way[0]!r} where the checkpoint's "
+            "file goes; move or rename it, or save to another directory. Nothing was replaced."
+        )
     for name in new:
         os.replace(os.path.join(staging, name), os.path.join(destination, name))
     written = set(new)
