@@ -164,6 +164,22 @@ def test_an_fsdp_plan_of_bart_shards_its_blocks_and_counts_every_weight_once():
     assert sum(costs.weights for _, _, _, costs in plan.parts) == subtree_bytes(model)[""]
 
 
+def test_a_failure_after_the_own_tensors_were_made_leaves_them_deferred_too():
+    model = _vit()
+    plan = place(model, VIT_DEVICES, inputs=[(2, 3, 16, 16)])
+    cpus = {"cuda:0": "cpu", "cuda:1": "cpu:0"}
+    placement = Placement.from_device_map({n: cpus[d] for n, d in plan.device_map.items()})
+    assert next(iter(placement.device_map)) == "cls_token"  # made in the first group
+
+    def cancel_in_the_last_group(done, total):
+        if done > total * 0.9:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        materialize(model, placement=placement, progress=cancel_in_the_last_group)
+    assert all(is_deferred(t) for t in model.state_dict().values())
+
+
 def test_a_pin_inside_a_repeated_block_names_the_block_to_pin_instead():
     with pytest.raises(ValueError) as caught:
         place(_bart(), TWO, batch=2, seq_len=32, pin={"model.decoder.layers.0.fc1": "cuda:1"})

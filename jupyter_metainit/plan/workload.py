@@ -142,7 +142,7 @@ def _cache_per_part(cache: Any, parts: list[Part]) -> dict[str, int]:
                     for p, layer in zip(members, layers, strict=True)
                 }
     total = _nbytes(_tensors_in(cache))
-    holders = max(groups.values(), key=len) if groups else parts
+    holders = max(groups.values(), key=len) if groups else [p for p in parts if not p.own_only]
     return {p.name: total // len(holders) for p in holders}
 
 
