@@ -5,7 +5,9 @@
 with eager's values (exactness holds in any grouping), and the progress callback sees one total
 for the whole model. A failure anywhere makes the parts already made deferred again: every
 device but the last keeps its recording until the call has succeeded, so those parts can also
-be freed later with ``dematerialize``.
+be freed later with ``dematerialize``. A map may name a module's own parameters and buffers
+one by one (``final_logits_bias``: they go elsewhere than its children): only those tensors are
+made there.
 """
 
 from __future__ import annotations
@@ -27,28 +29,53 @@ from jupyter_metainit.core import (
 __all__ = ["materialize_parts"]
 
 
-def _groups(model: nn.Module, device_map: Mapping[str, Any]) -> dict[str, list[nn.Module]]:
-    """Modules per device, devices in the map's order (the pipeline's)."""
-    groups: dict[str, list[nn.Module]] = {}
+def _target(model: nn.Module, name: str) -> nn.Module | torch.Tensor:
+    """The module, parameter or buffer a device map's key names."""
+    owner, _, local = name.rpartition(".")
+    try:
+        return model.get_submodule(name)
+    except AttributeError:
+        pass
+    try:
+        parent = model.get_submodule(owner)
+    except AttributeError:
+        parent = None
+    tensor = None
+    if parent is not None:
+        tensor = parent._parameters.get(local, parent._buffers.get(local))
+    if tensor is None:
+        raise ValueError(
+            f"the plan names {name!r}, which is no module, parameter or buffer of this model: "
+            "plan this model (jupyter_metainit.place(model, ...)) and materialize it with that "
+            "plan"
+        )
+    return tensor
+
+
+def _groups(
+    model: nn.Module, device_map: Mapping[str, Any]
+) -> dict[str, list[nn.Module | torch.Tensor]]:
+    """Modules (and tensors named one by one) per device, devices in the map's order (the
+    pipeline's)."""
+    groups: dict[str, list[nn.Module | torch.Tensor]] = {}
     for name, device in device_map.items():
-        try:
-            module = model.get_submodule(name)
-        except AttributeError:
-            raise ValueError(
-                f"the plan names {name!r}, which is no module of this model: plan this model "
-                "(jupyter_metainit.place(model, ...)) and materialize it with that plan"
-            ) from None
+        module = _target(model, name)
         if isinstance(device, int) and not isinstance(device, bool):
             device = f"cuda:{device}"  # accelerate's maps name GPUs by index
         groups.setdefault(str(device), []).append(module)
     return groups
 
 
-def _bytes(modules: list[nn.Module], dtype: torch.dtype | None) -> int:
+def _bytes(modules: list[nn.Module | torch.Tensor], dtype: torch.dtype | None) -> int:
     """What the deferred tensors of ``modules`` hold when real, floating ones at ``dtype``."""
     seen: dict[int, torch.Tensor] = {}
     for module in modules:
-        for t in unique_tensors(module, attributes=True):
+        found = (
+            [module]
+            if isinstance(module, torch.Tensor)
+            else unique_tensors(module, attributes=True)
+        )
+        for t in found:
             if is_deferred(t):
                 seen.setdefault(id(t), t)
     size = 0
@@ -81,7 +108,7 @@ def materialize_parts(
     keep_cache = options.pop("keep_cache", False)
     sizes = [_bytes(parts, options.get("dtype")) for parts in groups.values()]
     callback, bar = progress_callback(progress)
-    done: list[nn.Module] = []
+    done: list[nn.Module | torch.Tensor] = []
     offset = 0
     try:
         for k, (device, parts) in enumerate(groups.items()):

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from torch import nn
+from torch.nn.parameter import is_lazy
 
 from jupyter_metainit.estimates.memory import subtree_bytes
 from jupyter_metainit.estimates.sizing import OPTIMIZER_STATE_BYTES
@@ -34,10 +35,11 @@ def state_bytes_per_parameter(optimizer: str | float | None, state_itemsize: int
     return OPTIMIZER_STATE_BYTES[key] / 4 * state_itemsize  # the table counts fp32 states
 
 
-def _tensors(module: nn.Module) -> dict[int, tuple]:
-    """id -> (tensor, is_parameter) for every parameter and buffer in the subtree, once."""
+def _tensors(part: Part) -> dict[int, tuple]:
+    """id -> (tensor, is_parameter) for every parameter and buffer of the part, once: its
+    module's subtree, or for an ``own_only`` part the module's own tensors."""
     found: dict[int, tuple] = {}
-    for m in module.modules():
+    for m in [part.module] if part.own_only else part.module.modules():
         for slots, is_param in ((m._parameters, True), (m._buffers, False)):
             for t in slots.values():
                 if t is not None:
@@ -50,7 +52,7 @@ def _own_costs(part: Part, weights: int, shared: set[int], activity: Activity,
                scale: float) -> Costs:  # fmt: skip
     """One part alone; tensors in ``shared`` are counted by an earlier part of its tie group."""
     grads = states = step_all = step_one = 0
-    for key, (t, is_param) in _tensors(part.module).items():
+    for key, (t, is_param) in _tensors(part).items():
         if key in shared:
             weights -= t.numel() * itemsize(conv.weights, t.dtype)
             continue
@@ -98,8 +100,17 @@ def part_costs(model: nn.Module, parts: list[Part], activity: Activity, conv: Co
         seen: set[int] = set()
         members = []
         for member in [part, *part.followers]:
-            tensors = set(_tensors(member.module))
-            weights = weights_of[member.name]
+            found = _tensors(member)
+            tensors = set(found)
+            weights = (
+                sum(
+                    t.numel() * itemsize(conv.weights, t.dtype)
+                    for t, _ in found.values()
+                    if not is_lazy(t)
+                )
+                if member.own_only
+                else weights_of[member.name]
+            )
             cost = _own_costs(member, weights, seen & tensors, activity, conv, optimizer,
                               training, scale)  # fmt: skip
             own[member.name] = cost

@@ -82,7 +82,7 @@ def plan_fsdp(model: nn.Module, parts: list[Part], activity: Activity, devices: 
     else:
         working = max(c.transient for c in own.values())
         peak = shards + unsharded + total.cache + working
-    parts_table = [(p.name, type(p.module).__name__, device, own[p.name]) for p in parts]
+    parts_table = [(p.label, p.kind, device, own[p.name]) for p in parts]
     return Placement(
         device_map={"": device}, peak={device: peak}, capacity={device: devices[device]},
         parts=parts_table, strategy="fsdp", training=training, precision=conv.name,

@@ -21,8 +21,9 @@ from jupyter_metainit.estimates.fit import device_budget
 from jupyter_metainit.plan.costs import part_costs
 from jupyter_metainit.plan.devices import is_offload, parse_devices
 from jupyter_metainit.plan.fsdp import plan_fsdp
+from jupyter_metainit.plan.names import compact_device_map, resolve_pins
 from jupyter_metainit.plan.partition import Costs, Load, device_loads, fill, partition
-from jupyter_metainit.plan.parts import Part, find_parts
+from jupyter_metainit.plan.parts import Part, describe, find_parts
 from jupyter_metainit.plan.precision import Convention, convention
 from jupyter_metainit.plan.result import Placement
 from jupyter_metainit.plan.workload import (
@@ -71,7 +72,12 @@ def _split(inputs: tuple) -> tuple[tuple, dict]:
 
 def _activity(model: nn.Module, parts: list[Part], training: bool, inputs: tuple) -> Activity:
     # The parts (their names, in order) and the workload decide what is measured.
-    key = (training, repr(inputs), activation_dtype(model), tuple((p.name, p.group) for p in parts))
+    key = (
+        training,
+        repr(inputs),
+        activation_dtype(model),
+        tuple((p.name, p.group, p.own_only) for p in parts),
+    )
     per_model = _MEASURED.setdefault(model, {})
     if key not in per_model:
         per_model.clear()  # one workload kept per model: measurements are small, models many
@@ -82,41 +88,6 @@ def _activity(model: nn.Module, parts: list[Part], training: bool, inputs: tuple
     reused = per_model[key]
     return Activity(reused.transient, reused.cache, reused.saved, reused.order, reused.dtype,
                     0.0, reused.notes)  # fmt: skip
-
-
-def _resolve_pins(pin: Mapping[str, Any] | None, parts: list[Part], model: nn.Module,
-                  devices: dict[str, int]) -> dict[str, str]:  # fmt: skip
-    """Leader part name -> device, for every part a pin names (or lies under)."""
-    if not pin:
-        return {}
-    if not isinstance(pin, Mapping):
-        raise TypeError(f"pin must map module names to devices, e.g. {{'lm_head': 'cuda:0'}}, "
-                        f"not {pin!r}")  # fmt: skip
-    modules = dict(model.named_modules())
-    resolved: dict[str, str] = {}
-    for name, device in pin.items():
-        target = parse_devices({device: 1})
-        device_name = next(iter(target))
-        if device_name not in devices:
-            raise ValueError(
-                f"pin={{{name!r}: {device!r}}}: {device_name} is not in devices= "
-                f"({', '.join(devices)}); add it with its capacity or pin elsewhere"
-            )
-        if name not in modules:
-            raise ValueError(
-                f"pin: the model has no module {name!r}; use a qualified name "
-                "as in model.named_modules() (e.g. 'lm_head', 'model.layers.0')"
-            )
-        under = [p for p in parts if not name or p.name == name or p.name.startswith(name + ".")]
-        if not under:
-            holder = next(p for p in parts if name.startswith(p.name + ".") or not p.name)
-            raise ValueError(
-                f"pin: {name!r} lies inside {holder.name!r}, which is kept whole; "
-                f"pin {holder.name!r}, or pass no_split=[] to split blocks"
-            )
-        for part in under:
-            resolved[(part.leader or part).name] = device_name
-    return resolved
 
 
 def _tiers(devices: dict[str, int], pinned: dict[str, str]) -> list[list[str]]:
@@ -149,28 +120,6 @@ def _plan(sequence: list[tuple[str, Costs]], devices: dict[str, int], tier: list
     return where, max(load.peak / devices[d] for load, d in zip(loads, tier, strict=True))
 
 
-def _device_map(model: nn.Module, where: dict[str, str]) -> dict[str, str]:
-    """Part devices, compacted: a module whose parts all go to one device stands for them."""
-    below: dict[str, set[str]] = {}
-    for name, device in where.items():
-        below.setdefault(name, set()).add(device)
-        while name:
-            name = name.rpartition(".")[0]
-            below.setdefault(name, set()).add(device)
-    compact: dict[str, str] = {}
-    for name, _ in model.named_modules():
-        devices = below.get(name)
-        if devices is None or len(devices) != 1:
-            continue
-        parent, covered = name, False
-        while parent and not covered:  # an ancestor on one device already stands for it
-            parent = parent.rpartition(".")[0]
-            covered = len(below.get(parent, ())) == 1
-        if not covered:
-            compact[name] = next(iter(devices))
-    return compact
-
-
 def _start_loads(devices: dict[str, int], pinned: dict[str, str], grouped: dict[str, Costs],
                  training: bool) -> dict[str, Load]:  # fmt: skip
     start = {d: Load(training, foreach=not is_offload(d)) for d in devices}
@@ -178,7 +127,7 @@ def _start_loads(devices: dict[str, int], pinned: dict[str, str], grouped: dict[
         start[device].add(grouped[name])
     for device, load in start.items():
         if load.peak > devices[device]:
-            names = ", ".join(repr(n or "(root)") for n, d in pinned.items() if d == device)
+            names = ", ".join(describe(n) for n, d in pinned.items() if d == device)
             raise ValueError(
                 f"pinned {names} need {format_bytes(load.peak)} on {device}, which holds "
                 f"{format_bytes(devices[device])}: pin fewer parts there, pin them to a larger "
@@ -267,7 +216,8 @@ def place(
     what autograd saves for backward (each distinct part run once on meta tensors), the
     gradients, the optimizer states and the optimizer step's temporaries. Parts are repeated
     blocks (never split; ``no_split=`` names the modules to keep whole instead), leaves, and
-    modules with tensors of their own; tied parts share a device. The parts, in the order the
+    the tensors a module holds itself next to its children (placed before them, named one by one
+    in the device map); tied parts share a device. The parts, in the order the
     forward runs them, are cut into one contiguous range per device, minimising the most
     loaded device relative to its capacity (exactly, not first-fit). Host memory (``"cpu"``)
     is an offload: used only for what the accelerators cannot hold. ``pin={"lm_head":
@@ -291,7 +241,7 @@ def place(
         check_takes_token_ids(model)
     inputs = _check_workload(batch, seq_len, inputs)
     parts = find_parts(model, no_split=no_split, pinned=(pin or {}).keys())
-    pinned = _resolve_pins(pin, parts, model, parsed)
+    pinned = resolve_pins(pin, parts, model, parsed)
     activity = _activity(model, parts, training, inputs)
     own, grouped = part_costs(model, parts, activity, conv, optimizer=optimizer,
                               training=training)  # fmt: skip
@@ -308,8 +258,8 @@ def place(
         return from_fsdp
     where, peak = _pipeline(model, parts, activity, parsed, pinned, own, grouped, training)
     result = Placement(
-        device_map=_device_map(model, where), peak=peak, capacity=parsed,
-        parts=[(p.name, type(p.module).__name__, where[p.name], own[p.name])
+        device_map=compact_device_map(model, parts, where), peak=peak, capacity=parsed,
+        parts=[(p.label, p.kind, where[p.name], own[p.name])
                for p in sorted(parts, key=lambda p: activity.order.index(p.name))],
         training=training, workload=workload, precision=conv.name, notes=list(activity.notes),
         measure_seconds=activity.seconds,
@@ -372,7 +322,7 @@ def _advice(model: nn.Module, parts: list[Part], activity: Activity, devices: di
         biggest = max(sequence, key=lambda s: _alone(s[1], training))
         advice.append(
             f"no number of {format_bytes(capacity)} devices holds it as a pipeline "
-            f"(part {biggest[0]!r} alone is too large): use strategy='fsdp'"
+            f"(part {describe(biggest[0])} alone is too large): use strategy='fsdp'"
         )
     else:
         advice.append(f"{count} devices of {format_bytes(capacity)} fit it")

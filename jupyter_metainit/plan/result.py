@@ -32,7 +32,9 @@ class Placement:
     device_map: dict[str, str]
     peak: dict[str, int]
     capacity: dict[str, int]
-    parts: list[tuple[str, str, str, Costs]]  # (name, type, device, costs)
+    # (name, type, device, costs); a module's own tensors beside its children are one part,
+    # named by their names ("cls_token, pos_embed"), of type "tensors of <its class>"
+    parts: list[tuple[str, str, str, Costs]]
     strategy: str = "pipeline"
     training: bool = False
     workload: str = ""
@@ -128,7 +130,7 @@ class Placement:
             for name, _, device, _ in self.parts:
                 first.setdefault(device, name)
             lines.append("  first part per device: " + ", ".join(
-                f"{d}: {n or '(root)'}" for d, n in first.items()))  # fmt: skip
+                f"{d}: {n or 'the whole model'}" for d, n in first.items()))  # fmt: skip
         lines += [f"  to fit: {a}" for a in self.advice]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)
@@ -149,4 +151,5 @@ class Placement:
 
 
 def _short(names: list[str]) -> str:
-    return ", ".join(names[:3]) + (f", ... {names[-1] or '(root)'}" if len(names) > 3 else "")
+    shown = [n or "the whole model" for n in names]
+    return ", ".join(shown[:3]) + (f", ... {shown[-1]}" if len(shown) > 3 else "")

@@ -5,7 +5,9 @@ activation bytes while it runs (:func:`~jupyter_metainit.estimates.dry_run` foll
 op) and, for inference with a cache, the model's own cache object, whose tensors are measured
 layer by layer. For training, each distinct part then runs forward once more on meta tensors
 with autograd on, and what autograd saves for the backward pass is counted (a repeated block
-is measured once for its whole group).
+is measured once for its whole group). A part of a module's own tensors (``own_only``) runs no
+forward of its own: it keeps its place in module order (before the module's children) and has
+no activations of its own.
 """
 
 from __future__ import annotations
@@ -25,7 +27,7 @@ from torch.overrides import TorchFunctionMode
 
 from jupyter_metainit.estimates.dry_run import run_forward
 from jupyter_metainit.estimates.memory import DRY_RUN_ATTR
-from jupyter_metainit.plan.parts import Part
+from jupyter_metainit.plan.parts import Part, describe
 
 __all__ = ["Activity", "activation_dtype", "check_takes_token_ids", "measure"]
 
@@ -140,7 +142,7 @@ def _cache_per_part(cache: Any, parts: list[Part]) -> dict[str, int]:
                     for p, layer in zip(members, layers, strict=True)
                 }
     total = _nbytes(_tensors_in(cache))
-    holders = max(groups.values(), key=len) if groups else parts
+    holders = max(groups.values(), key=len) if groups else [p for p in parts if not p.own_only]
     return {p.name: total // len(holders) for p in holders}
 
 
@@ -206,14 +208,15 @@ class _FusedAttention(TorchFunctionMode):
 
 def _saved_bytes(module: nn.Module, args: Any, kwargs: Any) -> int:
     """Bytes autograd saves for the backward of one forward of ``module`` on meta tensors:
-    each storage once, weights and buffers not counted (they are the part's own memory)."""
+    each storage once, weights and buffers not counted (they are the part's own memory).
+    Tied tensors are given once: ``functional_call`` ties their other names to them."""
     stand_ins = {
         n: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta").requires_grad_(
             t.requires_grad and t.dtype.is_floating_point
         )
         for n, t in [
-            *module.named_parameters(remove_duplicate=False),
-            *module.named_buffers(remove_duplicate=False),
+            *module.named_parameters(),
+            *module.named_buffers(),
         ]
     }
     own = {t.untyped_storage()._cdata for t in stand_ins.values()}
@@ -252,6 +255,8 @@ def _run(model: nn.Module, parts: list[Part], training: bool, inputs: tuple, kwa
         return pre
 
     for part in parts:
+        if part.own_only:  # its module's forward is its children's and more: not this part's
+            continue
         handles.append(part.module.register_forward_pre_hook(noting(part.name), with_kwargs=True))
     handles.append(model.register_forward_hook(lambda m, a, out: caught.append(out)))
     try:
@@ -316,7 +321,10 @@ def measure(model: nn.Module, parts: list[Part], *, training: bool, inputs: tupl
         rank[part.name] = last
     ranked = sorted(by_module, key=lambda p: rank[p.name])
     activity.order = [p.name for p in ranked]
-    peak = {p.name: int(_record(p.module).get("peak_activation_bytes", 0)) for p in by_module}
+    peak = {
+        p.name: 0 if p.own_only else int(_record(p.module).get("peak_activation_bytes", 0))
+        for p in by_module
+    }
     before = 0
     for part in ranked:
         activity.transient[part.name] = max(0, peak[part.name] - before)
@@ -325,14 +333,15 @@ def measure(model: nn.Module, parts: list[Part], *, training: bool, inputs: tupl
     # part that ran last.
     root_peak = int(_record(model)["run"]["peak_activation_bytes"])
     outside = root_peak - max(peak.values(), default=0)
-    if outside > 0 and ranked:
-        name = ranked[-1].name
+    ran = [p for p in ranked if not p.own_only] or ranked  # the last one holds what follows
+    if outside > 0 and ran:
+        name = ran[-1].name
         activity.transient[name] = max(activity.transient[name], root_peak - before)
-    if training and ranked:
-        loss = _loss_keeps(output, ranked[-1])
-        _measure_saved(parts, specs, activity, max(0, outside, loss))
+    if training and ran:
+        loss = _loss_keeps(output, ran[-1])
+        _measure_saved(parts, specs, activity, max(0, outside, loss), ran[-1].name)
         # Its backward holds the gradients of the log-softmax and of the logits at once.
-        last = ranked[-1].name
+        last = ran[-1].name
         activity.transient[last] = max(activity.transient[last], 2 * loss)
     activity.dtype = activation_dtype(model)
     activity.seconds = time.perf_counter() - start
@@ -340,7 +349,7 @@ def measure(model: nn.Module, parts: list[Part], *, training: bool, inputs: tupl
 
 
 def _measure_saved(
-    parts: list[Part], specs: dict[str, tuple], activity: Activity, outside: int
+    parts: list[Part], specs: dict[str, tuple], activity: Activity, outside: int, last: str
 ) -> None:
     measured: dict[str, int] = {}
     for part in parts:
@@ -355,17 +364,25 @@ def _measure_saved(
             saved = _saved_bytes(part.module, args, kw)
         except Exception as e:  # a part that cannot run on meta tensors: its live peak
             saved = activity.transient[part.name]
-            activity.notes.append(
-                f"{part.name}: saved activations estimated by its forward peak "
-                f"({type(e).__name__} on meta tensors)"
-            )
+            activity.notes.append(_estimated_note(part.name, e))
         activity.saved[part.name] = saved
         if part.group:
             measured[part.group] = saved
     # The model's own code after the parts (a loss on the logits) keeps what it computed for
     # backward: what it adds to the peak, at least cross-entropy's log-softmax.
     if activity.order:
-        activity.saved[activity.order[-1]] += outside
+        activity.saved[last] += outside
+
+
+def _estimated_note(name: str, error: Exception) -> str:
+    """The plan's note for a part whose saved activations could not be measured."""
+    reason = str(error).splitlines()[0].strip() if str(error).strip() else type(error).__name__
+    if len(reason) > 160:
+        reason = reason[:157] + "..."
+    return (
+        f"{describe(name)}: what it keeps for the backward pass is estimated by its forward "
+        f"peak, because its forward could not run again on shape-only tensors ({reason})"
+    )
 
 
 def activation_dtype(model: nn.Module) -> torch.dtype:

@@ -72,7 +72,9 @@ def _check_count(value: Any, what: str, *, optional: bool = False) -> int | None
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
     if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX_BATCH:
-        raise ValueError(f"Refused: {what} must be a whole number >= 1, not {value!r}.")
+        raise ValueError(
+            f"Refused: {what} must be a whole number from 1 to {_MAX_BATCH:,}, not {value!r}."
+        )
     return value
 
 
