@@ -827,6 +827,28 @@ def test_save_refuses_an_empty_path_with_a_notice():
     assert "Type the directory to save to" in w.notice["text"] and w.status == ""
 
 
+class _OwnAndChild(nn.Module):
+    """A module with a tensor of its own next to a child: a plan may part them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.p = nn.Parameter(torch.randn(64, 64))
+        self.c = nn.Linear(64, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.c(x) + self.p.sum()
+
+
+def test_a_module_whose_own_tensor_goes_elsewhere_shows_several_devices():
+    with meta_init():
+        model = nn.Sequential(_OwnAndChild(), nn.Linear(64, 4))
+    w = explore(model)
+    w.place("cuda:0=20KiB, cuda:1=40KiB", inputs="(2, 64)")
+    assert w.plan["device_map"]["0.p"] == "cuda:0" and w.plan["device_map"]["0.c"] == "cuda:1"
+    where = dict(zip(rows(w), w.plan["nodes"], strict=True))
+    assert where["0"] == -2 and where["0.c"] == 1
+
+
 def test_a_tied_part_shows_the_device_of_the_tensor_it_shares():
     model = _lm()
     model.head.weight = model.embed.weight

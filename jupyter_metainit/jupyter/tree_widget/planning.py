@@ -120,7 +120,15 @@ def _node_devices(
     by_tensor: dict[int, str] = {}
     for tensor_name, tensor in tensors:
         owner = tensor_name.rpartition(".")[0]
-        key = next((k for k in keys if not k or owner == k or owner.startswith(k + ".")), None)
+        # a key is a module (its tensors and its children's) or a tensor of its own (by name)
+        key = next(
+            (
+                k
+                for k in keys
+                if not k or tensor_name == k or owner == k or owner.startswith(k + ".")
+            ),
+            None,
+        )
         if key is not None:
             by_tensor.setdefault(id(tensor), placement.device_map[key])
     for tensor_name, tensor in tensors:
