@@ -16,11 +16,12 @@ transformers = pytest.importorskip("transformers")
 TWO = {"cuda:0": "2MiB", "cuda:1": "2MiB"}
 
 
-def _bart():
+def _bart(width: int = 64, vocab: int = 500) -> nn.Module:
+    """A small deferred BART (seed 0): its root holds ``final_logits_bias``."""
     config = transformers.BartConfig(
-        d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, vocab_size=500,
-        max_position_embeddings=64,
+        d_model=width, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+        decoder_attention_heads=4, encoder_ffn_dim=2 * width, decoder_ffn_dim=2 * width,
+        vocab_size=vocab, max_position_embeddings=width,
     )  # fmt: skip
     torch.manual_seed(0)
     with meta_init():
@@ -140,14 +141,7 @@ def test_materializing_a_plan_with_own_tensors_gives_eagers_values(build):
 def test_barts_predicted_peak_is_within_5_percent_of_a_real_run_on_the_cpu(training):
     from tests.test_plan import _measured_peak
 
-    config = transformers.BartConfig(
-        d_model=128, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-        decoder_attention_heads=4, encoder_ffn_dim=256, decoder_ffn_dim=256, vocab_size=1000,
-        max_position_embeddings=128,
-    )  # fmt: skip
-    torch.manual_seed(0)
-    with meta_init():
-        model = transformers.BartForConditionalGeneration(config)
+    model = _bart(width=128, vocab=1000)
     predicted = place(model, {"cpu": "1GiB"}, batch=4, seq_len=64, training=training).peak["cpu"]
     materialize(model)
     measured = _measured_peak(model, torch.randint(4, 1000, (4, 64)), training)
