@@ -9,8 +9,9 @@ training): replaying its recording would give what the memory held before.
 This module owns that rule, for every path that gives a deferred tensor's values: ``materialize``
 (a view of the memory), ``save`` (``reads.values_to_write``), value reads (``.item()``, an op
 that needs values) and ops on such a view while it is still deferred (``realized_view``:
-recording runs them on the memory, as eager code does). It holds while the memory is still what materialize made (same real tensor,
-same memory, nothing recorded on the storage since); otherwise the recording is replayed.
+recording runs them on the memory, as eager code does). It holds while the memory is still
+what materialize made (same real tensor, same memory, nothing recorded on the storage since);
+otherwise the recording is replayed.
 """
 
 from __future__ import annotations
