@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from jupyter_metainit import is_deferred, materialize
+from jupyter_metainit import is_deferred, materialize, meta_init
 from tests._twins import eager_and_deferred
 
 
@@ -131,3 +131,21 @@ def test_in_place_view_op_changes_the_deferred_view() -> None:
 def test_no_realized_memory_records_as_before() -> None:
     _eager, deferred = eager_and_deferred(_Views, seed=4)
     assert is_deferred(deferred.w_view * 2)
+
+
+def test_whole_call_on_the_view_uses_the_edited_memory() -> None:
+    eager, deferred = _edited()
+    assert torch.equal(torch.linalg.norm(deferred.w_view), torch.linalg.norm(eager.w_view))
+
+
+def test_init_function_in_meta_init_writes_the_memory() -> None:
+    eager, deferred = _edited()
+    torch.manual_seed(7)
+    with torch.no_grad():
+        nn.init.trunc_normal_(eager.w_view, std=0.02)
+    torch.manual_seed(7)
+    with meta_init(), torch.no_grad():
+        nn.init.trunc_normal_(deferred.w_view, std=0.02)
+    assert torch.equal(deferred.w, eager.w)
+    materialize(deferred)
+    assert torch.equal(deferred.w_view, eager.w_view)
