@@ -149,3 +149,15 @@ def test_init_function_in_meta_init_writes_the_memory() -> None:
     assert torch.equal(deferred.w, eager.w)
     materialize(deferred)
     assert torch.equal(deferred.w_view, eager.w_view)
+
+
+def test_new_tensor_in_meta_init_is_recorded_from_the_values_at_op_time() -> None:
+    eager, deferred = _edited()
+    with meta_init():
+        y = deferred.w_view * 2
+    y_eager = eager.w_view * 2
+    assert is_deferred(y)  # a new tensor inside meta_init, as from a real input
+    with torch.no_grad():
+        deferred.w.add_(5)
+    materialize(y)
+    assert torch.equal(y, y_eager)

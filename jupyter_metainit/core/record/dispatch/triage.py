@@ -166,14 +166,19 @@ def _on_real_memory(
 
     If its other tensor inputs are all real, it runs now (a random one from the real
     generator, where eager code has it) and its result is returned, with ``args`` and
-    ``kwargs``; else (other deferred inputs, or a device change being recorded) it is
-    ``_RECORD`` with the arguments to record the op with (``reads.realized_as_constants``).
+    ``kwargs``; inside ``meta_init`` the views become the real tensors they stand for, and
+    the block's rules for real inputs apply (a write or a read of values runs now, a new
+    tensor is recorded). Else (other deferred inputs, or a device change being recorded) it
+    is ``_RECORD`` with the arguments to record the op with (``reads.realized_as_constants``).
     """
     info = op_info(func)
     if info.is_inplace_view:  # ``t_()``, ``set_()``: the deferred tensor's own geometry
         return _RECORD, args, kwargs
     bound = bind_arguments(func, args, kwargs)
     others = any(isinstance(x, DeferredTensor) and id(x) not in real for x in flat)
+    if not others and tls.depth > 0:  # the real tensors they stand for, under meta_init's rules
+        args, kwargs = realized_as_constants(args, kwargs, real, set(real))
+        return _RECORD, args, kwargs
     if not others and tls.pending_device is None:
         if info.is_random:
             before_real_draw(_generator_argument(info, bound))
