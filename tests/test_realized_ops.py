@@ -161,3 +161,27 @@ def test_new_tensor_in_meta_init_is_recorded_from_the_values_at_op_time() -> Non
         deferred.w.add_(5)
     materialize(y)
     assert torch.equal(y, y_eager)
+
+
+class _SharedParameter(nn.Module):
+    """Two parameters over one memory: eager autograd keeps them apart."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(6, 4))
+        self.p = nn.Parameter(self.w.data)
+
+
+def test_op_on_a_deferred_parameter_over_real_memory_keeps_its_values_and_grad() -> None:
+    eager, deferred = eager_and_deferred(_SharedParameter, seed=4)
+    materialize(deferred.w)
+    with torch.no_grad():
+        deferred.w.mul_(2)
+        eager.w.mul_(2)
+    y, y_eager = deferred.p * 2, eager.p * 2
+    assert y.requires_grad and y_eager.requires_grad
+    with torch.no_grad():
+        deferred.w.add_(5)
+    materialize(y)
+    assert torch.equal(y.detach(), y_eager.detach())
+    assert deferred.w.grad is None  # nothing of ``p``'s graph reaches ``w``

@@ -30,7 +30,7 @@ from jupyter_metainit.core.record.dispatch.inputs import (
     wrap_constant,
 )
 from jupyter_metainit.core.record.ops import OpInfo, Where
-from jupyter_metainit.core.record.tensor import DeferredTensor
+from jupyter_metainit.core.record.tensor import DeferredTensor, grad_leaves
 from jupyter_metainit.core.record.value_reader import value_reader
 from jupyter_metainit.core.runtime.plain import iter_args, map_args, plain
 
@@ -227,7 +227,7 @@ def realized_inputs(flat: list) -> dict[int, torch.Tensor] | None:
     for x in flat:
         if isinstance(x, DeferredTensor):
             real = reader.real_view(x._rec, False)
-            if real is not None and x._rg and torch.is_grad_enabled():
+            if real is not None and x._rg and x._derived and torch.is_grad_enabled():
                 with _as_eager():  # a view autograd records, as eager's view requiring grad
                     real = reader.real_view(x._rec, True)
             if real is not None:
@@ -235,6 +235,19 @@ def realized_inputs(flat: list) -> dict[int, torch.Tensor] | None:
                     found = {}
                 found[id(x)] = real
     return found
+
+
+def own_grad_leaf(x: Any) -> bool:
+    """Whether eager autograd would reach, from ``x``, a leaf that is still deferred (``x`` is
+    one, or a view of one: a parameter of its own over memory made real, ``nn.Parameter(
+    w.data)``) rather than the real tensor over its memory, in grad mode. No real graph can
+    reach a deferred leaf, so an op on ``x`` is recorded, its values kept as a constant."""
+    if not (isinstance(x, DeferredTensor) and x._rg and torch.is_grad_enabled()):
+        return False
+    if not x._derived:
+        return True
+    ref = grad_leaves.get(x._rec.storage)
+    return ref is not None and isinstance(ref(), DeferredTensor)
 
 
 def run_on_real_memory(func: Any, args: tuple, kwargs: dict, real: dict[int, torch.Tensor]) -> Any:

@@ -24,6 +24,7 @@ from jupyter_metainit.core.record.dispatch.fills import record_fill
 from jupyter_metainit.core.record.dispatch.inputs import call_site, output_device, wrap_constant
 from jupyter_metainit.core.record.dispatch.metadata import METADATA_QUERIES, OVERWRITES_SELF
 from jupyter_metainit.core.record.dispatch.reads import (
+    own_grad_leaf,
     realized_as_constants,
     realized_inputs,
     run_on_real_memory,
@@ -175,7 +176,9 @@ def _on_real_memory(
     if info.is_inplace_view:  # ``t_()``, ``set_()``: the deferred tensor's own geometry
         return _RECORD, args, kwargs
     bound = bind_arguments(func, args, kwargs)
-    others = any(isinstance(x, DeferredTensor) and id(x) not in real for x in flat)
+    others = any(
+        isinstance(x, DeferredTensor) and (id(x) not in real or own_grad_leaf(x)) for x in flat
+    )
     if not others and tls.depth > 0:  # the real tensors they stand for, under meta_init's rules
         args, kwargs = realized_as_constants(args, kwargs, real, set(real))
         return _RECORD, args, kwargs

@@ -21,6 +21,7 @@ from jupyter_metainit.core.record.dispatch.inputs import (
     to_meta_or_same,
 )
 from jupyter_metainit.core.record.dispatch.reads import (
+    own_grad_leaf,
     realized_as_constants,
     realized_inputs,
     run_on_real_memory,
@@ -46,7 +47,9 @@ def record_call(func: Any, args: tuple, kwargs: dict) -> Any:
     flat = iter_args(args, kwargs)
     real = realized_inputs(flat)
     if real is not None:  # views of memory made real: as ``triage._on_real_memory``
-        if all(id(x) in real for x in flat if isinstance(x, DeferredTensor)):
+        if all(
+            id(x) in real and not own_grad_leaf(x) for x in flat if isinstance(x, DeferredTensor)
+        ):
             return run_on_real_memory(func, args, kwargs, real)
         args, kwargs = realized_as_constants(args, kwargs, real, set())
         flat = iter_args(args, kwargs)
