@@ -259,7 +259,10 @@ class DeferredTensor(torch.Tensor):
         if id(self) in memo:
             return memo[id(self)]
         new = self.clone(memory_format=torch.preserve_format)
-        new._rg, new._derived = self._rg, False
+        if isinstance(new, DeferredTensor):
+            new._rg, new._derived = self._rg, False
+        else:  # a view of memory made real: cloned now, as eagerly (``reads.realized_inputs``)
+            new = new.detach().requires_grad_(self._rg)
         memo[id(self)] = new
         for k, v in self.__dict__.items():
             if k not in INTERNAL_ATTRS:

@@ -30,6 +30,7 @@ import torch
 
 from jupyter_metainit.core.record.state import tls
 from jupyter_metainit.core.record.tensor import DeferredTensor
+from jupyter_metainit.core.record.value_reader import value_reader
 from jupyter_metainit.core.rng.streams import exact_state, settle
 from jupyter_metainit.core.runtime.plain import plain
 
@@ -117,6 +118,7 @@ def trunc_normal_(
     if not (
         tls.depth > 0
         and isinstance(tensor, DeferredTensor)
+        and value_reader().real_view(tensor._rec, False) is None  # else eager's, on its memory
         and tensor.device.type == "cpu"
         and gen.device.type == "cpu"
         and tensor.is_contiguous()

@@ -36,6 +36,14 @@ class ValueReader(Protocol):
         """Drop every kept value (the outermost ``meta_init`` block has ended)."""
         ...
 
+    def real_view(self, record: TensorRecord, grad: bool) -> torch.Tensor | None:
+        """The real tensor ``record`` now views: a view of the memory an earlier
+        ``materialize`` made of its storage, while nothing was recorded on it since (an op on
+        such a deferred view runs on that memory, as eagerly); else ``None``, the common case,
+        answered without a look-up when no storage was made real. With ``grad``, a view of the
+        real tensor itself (its autograd graph reaches it); else a detached one."""
+        ...
+
 
 class _NoReader:
     def values(self, records: list[TensorRecord]) -> list[torch.Tensor]:
@@ -46,6 +54,9 @@ class _NoReader:
 
     def forget_all(self) -> None:
         pass
+
+    def real_view(self, record: TensorRecord, grad: bool) -> torch.Tensor | None:
+        return None
 
 
 _reader: ValueReader = _NoReader()

@@ -15,7 +15,7 @@ import torch
 from jupyter_metainit.core.record.graph import StorageRecord, TensorRecord, constant_op
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.replay.planning import plan
-from jupyter_metainit.core.replay.realized import any_realized, current_values
+from jupyter_metainit.core.replay.realized import any_realized, current_values, realized_view
 from jupyter_metainit.core.replay.run import execute, real_view
 from jupyter_metainit.core.replay.values import value_cache
 from jupyter_metainit.core.runtime.interrupts import handling_interrupts
@@ -153,3 +153,6 @@ class ReplayValueReader:
 
     def forget_all(self) -> None:
         value_cache.clear()
+
+    def real_view(self, record: TensorRecord, grad: bool) -> torch.Tensor | None:
+        return realized_view(record, grad)

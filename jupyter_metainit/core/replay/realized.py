@@ -7,9 +7,11 @@ view are the memory's values *now*, whatever was done to it in place since (``w.
 training): replaying its recording would give what the memory held before.
 
 This module owns that rule, for every path that gives a deferred tensor's values: ``materialize``
-(a view of the memory), ``save`` (``reads.values_to_write``) and value reads (``.item()``, an op
-that needs values). It holds while the memory is still what materialize made (same real tensor,
-same memory, nothing recorded on the storage since); otherwise the recording is replayed.
+(a view of the memory), ``save`` (``reads.values_to_write``), value reads (``.item()``, an op
+that needs values) and ops on such a view while it is still deferred (``realized_view``:
+recording runs them on the memory, as eager code does). It holds while the memory is still
+what materialize made (same real tensor, same memory, nothing recorded on the storage since);
+otherwise the recording is replayed.
 """
 
 from __future__ import annotations
@@ -23,7 +25,13 @@ from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.replay.run import real_view
 from jupyter_metainit.core.runtime.plain import plain
 
-__all__ = ["any_realized", "current_values", "realized_memory", "remember_realized"]
+__all__ = [
+    "any_realized",
+    "current_values",
+    "realized_memory",
+    "realized_view",
+    "remember_realized",
+]
 
 # Storages a materialization made real, with the tensor over each, the writes recorded on the
 # storage then, and the memory's address.
@@ -80,6 +88,25 @@ def realized_memory(storage: StorageRecord) -> torch.Tensor | None:
         base = torch.empty(0, dtype=storage.dtype, device=real.device)
         base.set_(real.untyped_storage(), 0, (storage.nbytes // storage.dtype.itemsize,))
     return base
+
+
+def realized_view(rec: TensorRecord, grad: bool) -> torch.Tensor | None:
+    """``rec``'s view of the real memory an earlier ``materialize`` made of its storage, while
+    the rule above holds; else ``None``. With ``grad`` (the deferred view requires grad, in
+    grad mode) it is a view of the real tensor itself, so autograd reaches it (the caller
+    lets autograd record); else of a detached alias (same memory and version counter, so a
+    write through it is seen as a write of the real tensor). One look-up; none when nothing
+    was made real (the common case)."""
+    if not _realized:
+        return None
+    real = _realized_tensor(rec.storage)
+    if real is None:
+        return None
+    if grad and real.requires_grad:
+        with plain(), torch.enable_grad():
+            return real_view(real, rec)
+    with plain():
+        return real_view(real.detach(), rec)
 
 
 def current_values(records: list[TensorRecord]) -> dict[int, torch.Tensor]:

@@ -5,6 +5,14 @@ data-dependent output shape, sparse and nested results: these run for real, on t
 exact values of their deferred inputs, which the installed
 :class:`~jupyter_metainit.core.record.value_reader.ValueReader` computes (by replay). The deferred
 inputs stay deferred.
+
+A deferred view of memory an earlier ``materialize`` made real (``realized``: a buffer
+``w.data[2:4]`` after ``materialize(model.w)``) stands for that memory while nothing was recorded
+on its storage since: an op on such views and real tensors only runs now on the memory
+(:func:`run_on_real_memory`, as eagerly: a real result, an in-place op writes the memory); mixed
+with other deferred inputs, each such view the op only reads becomes a constant of its values now
+(:func:`realized_as_constants`; eager code computes at the time of the op, so later edits of the
+memory must not reach the result).
 """
 
 from __future__ import annotations
@@ -12,11 +20,17 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch._C import DispatchKey
 
 from jupyter_metainit.core.errors import MetaInitError, UnsupportedOperatorError
-from jupyter_metainit.core.record.dispatch.inputs import call_site, device_of, meta_like
+from jupyter_metainit.core.record.dispatch.inputs import (
+    call_site,
+    device_of,
+    meta_like,
+    wrap_constant,
+)
 from jupyter_metainit.core.record.ops import OpInfo, Where
-from jupyter_metainit.core.record.tensor import DeferredTensor
+from jupyter_metainit.core.record.tensor import DeferredTensor, grad_leaves
 from jupyter_metainit.core.record.value_reader import value_reader
 from jupyter_metainit.core.runtime.plain import iter_args, map_args, plain
 
@@ -184,3 +198,99 @@ def _bound_value(info: OpInfo, args: tuple, kwargs: dict, index: int) -> Any:
     if index < len(args):
         return args[index]
     return kwargs.get(info.arg_names[index])
+
+
+# Keys ``__torch_dispatch__`` runs with excluded (it is below autograd): ops run for real on
+# real memory need them back, as in eager code (autograd for views that require grad, the
+# lazy conjugate/negative bits of a view).
+_EAGER_KEYS = (
+    DispatchKey.AutogradFunctionality, DispatchKey.ADInplaceOrView, DispatchKey.AutogradOther,
+    DispatchKey.Conjugate, DispatchKey.Negative, DispatchKey.ZeroTensor,
+)  # fmt: skip
+
+
+def _as_eager() -> Any:
+    """A guard under which real kernels dispatch as they do in eager code (see above)."""
+    exclude = torch._C._dispatch_tls_local_exclude_set()
+    for key in _EAGER_KEYS:
+        exclude = exclude.remove(key)
+    return torch._C._ForceDispatchKeyGuard(torch._C._dispatch_tls_local_include_set(), exclude)
+
+
+def realized_inputs(flat: list) -> dict[int, torch.Tensor] | None:
+    """The real view each deferred input of memory made real stands for (by ``id``), or
+    ``None`` when there is none: one question to the value reader per deferred input, answered
+    without a look-up when no storage was made real (a second one for a view that requires
+    grad, in grad mode)."""
+    reader = value_reader()
+    found: dict[int, torch.Tensor] | None = None
+    for x in flat:
+        if isinstance(x, DeferredTensor):
+            real = reader.real_view(x._rec, False)
+            if real is not None and x._rg and x._derived and torch.is_grad_enabled():
+                with _as_eager():  # a view autograd records, as eager's view requiring grad
+                    real = reader.real_view(x._rec, True)
+            if real is not None:
+                if found is None:
+                    found = {}
+                found[id(x)] = real
+    return found
+
+
+def own_grad_leaf(x: Any) -> bool:
+    """Whether eager autograd would reach, from ``x``, a leaf that is still deferred (``x`` is
+    one, or a view of one: a parameter of its own over memory made real, ``nn.Parameter(
+    w.data)``) rather than the real tensor over its memory, in grad mode. No real graph can
+    reach a deferred leaf, so an op on ``x`` is recorded, its values kept as a constant."""
+    if not (isinstance(x, DeferredTensor) and x._rg and torch.is_grad_enabled()):
+        return False
+    if not x._derived:
+        return True
+    ref = grad_leaves.get(x._rec.storage)
+    return ref is not None and isinstance(ref(), DeferredTensor)
+
+
+def run_on_real_memory(func: Any, args: tuple, kwargs: dict, real: dict[int, torch.Tensor]) -> Any:
+    """``func`` run now, as eager code runs it, with each deferred input replaced by the real
+    view it stands for (``real``, by ``id``; all of them are in it): a real result, with
+    autograd as eager's; an in-place op writes the memory and returns the deferred input
+    itself, as eagerly."""
+    grad = torch.is_grad_enabled()
+    a, k = map_args(lambda x: real.get(id(x), x) if isinstance(x, DeferredTensor) else x,
+                    args, kwargs)  # fmt: skip
+    with plain(), _as_eager():
+        torch._C._set_grad_enabled(grad)
+        out = func(*a, **k)
+    back = {id(v): d for d in iter_args(args, kwargs) if isinstance(d, DeferredTensor)
+            for v in (real[id(d)],)}  # fmt: skip
+    if isinstance(out, torch.Tensor):
+        return back.get(id(out), out)
+    if isinstance(out, (tuple, list)):
+        return type(out)(back.get(id(o), o) for o in out)
+    return out
+
+
+def realized_as_constants(
+    args: tuple, kwargs: dict, real: dict[int, torch.Tensor], written: set[int]
+) -> tuple[tuple, dict]:
+    """The arguments of an op mixing views of real memory with other deferred inputs: each
+    view the op writes becomes that memory (the op then runs now, as one writing a real tensor
+    does); each one it only reads, a deferred constant of its values now (a copy: later edits
+    of the memory do not change what eager code computed), requiring grad as the view does."""
+    kept: dict[int, torch.Tensor] = {}
+
+    def replace(x: Any) -> Any:
+        if not isinstance(x, DeferredTensor) or id(x) not in real:
+            return x
+        if id(x) in written:
+            return real[id(x)]
+        made = kept.get(id(x))
+        if made is None:
+            view = real[id(x)]
+            with plain(), _as_eager():  # resolves the lazy conjugate/negative bits too
+                copy = torch.empty_like(view, device="cpu").copy_(view)
+            made = kept[id(x)] = wrap_constant(copy, x.device)
+            made._rg, made._derived = x._rg, True  # not a leaf: no link to the real tensor
+        return made
+
+    return map_args(replace, args, kwargs)

@@ -24,6 +24,10 @@ from jupyter_metainit.core.record.dispatch.fills import record_fill
 from jupyter_metainit.core.record.dispatch.inputs import call_site, output_device, wrap_constant
 from jupyter_metainit.core.record.dispatch.metadata import METADATA_QUERIES, OVERWRITES_SELF
 from jupyter_metainit.core.record.dispatch.reads import (
+    own_grad_leaf,
+    realized_as_constants,
+    realized_inputs,
+    run_on_real_memory,
     run_on_values,
     run_on_values_and_record_writes,
 )
@@ -67,6 +71,8 @@ def _handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
       records and meta tensors (``metadata.METADATA_QUERIES``), never by computing values.
     * **Values needed**: an op that returns no tensor (``.item()``, ``equal``) or writes a real
       tensor from deferred ones gets the deferred inputs' exact values by replay, and runs.
+    * **Memory made real**: a deferred input over a storage an earlier ``materialize`` made
+      real, with nothing recorded on it since, stands for that memory (``_on_real_memory``).
     * **Views** are not recorded: the output is a new ``TensorRecord`` (geometry, dtype) over
       the input's ``StorageRecord``, so everything done through any view lands on the storage.
     * **In-place view ops** (``t_``, ``squeeze_``, ``as_strided_``, ``set_``) change the
@@ -84,6 +90,13 @@ def _handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
     query = METADATA_QUERIES.get(func)
     if query is not None:  # ``is_pinned()``: metadata only, never values
         return query(*args, **kwargs)
+    flat = iter_args(args, kwargs)
+    real = realized_inputs(flat)
+    if real is not None:  # views of memory made real: see ``_on_real_memory``
+        done, args, kwargs = _on_real_memory(func, args, kwargs, flat, real)
+        if done is not _RECORD:
+            return done
+        flat = iter_args(args, kwargs)
     if func in OVERWRITES_SELF and type(args[0]) is DeferredTensor:
         made = record_fill(func, args, kwargs)
         if made is not None:
@@ -92,7 +105,6 @@ def _handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
         made = record_from_recipe(func, args, kwargs)
         if made is not None:
             return made
-    flat = iter_args(args, kwargs)
     has_deferred = DeferredTensor in [type(x) for x in flat] or any(
         isinstance(x, DeferredTensor) for x in flat
     )
@@ -142,6 +154,46 @@ def _handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
     if info.is_inplace_view:
         return inplace_view(func, info, bound, args, kwargs)
     return record_op(func, info, bound, flat, args, kwargs)
+
+
+_RECORD = object()  # ``_on_real_memory``'s answer when the op goes on to be recorded
+
+
+def _on_real_memory(
+    func: Any, args: tuple, kwargs: dict, flat: list, real: dict[int, torch.Tensor]
+) -> tuple[Any, tuple, dict]:
+    """An op with deferred inputs over memory an earlier ``materialize`` made real (``real``:
+    the real view each stands for, by ``id``), as eager code runs it on that memory.
+
+    If its other tensor inputs are all real, it runs now (a random one from the real
+    generator, where eager code has it) and its result is returned, with ``args`` and
+    ``kwargs``; inside ``meta_init`` the views become the real tensors they stand for, and
+    the block's rules for real inputs apply (a write or a read of values runs now, a new
+    tensor is recorded). Else (other deferred inputs, or a device change being recorded) it
+    is ``_RECORD`` with the arguments to record the op with (``reads.realized_as_constants``).
+    """
+    info = op_info(func)
+    if info.is_inplace_view:  # ``t_()``, ``set_()``: the deferred tensor's own geometry
+        return _RECORD, args, kwargs
+    bound = bind_arguments(func, args, kwargs)
+    others = any(
+        isinstance(x, DeferredTensor) and (id(x) not in real or own_grad_leaf(x)) for x in flat
+    )
+    if not others and tls.depth > 0:  # the real tensors they stand for, under meta_init's rules
+        args, kwargs = realized_as_constants(args, kwargs, real, set(real))
+        return _RECORD, args, kwargs
+    if not others and tls.pending_device is None:
+        if info.is_random:
+            before_real_draw(_generator_argument(info, bound))
+        return run_on_real_memory(func, args, kwargs, real), args, kwargs
+    written = {
+        id(t)
+        for i in info.written(bound)
+        for t in (bound[i] if isinstance(bound[i], (list, tuple)) else [bound[i]])
+        if isinstance(t, DeferredTensor)
+    }
+    args, kwargs = realized_as_constants(args, kwargs, real, written)
+    return _RECORD, args, kwargs
 
 
 _QUANTIZED_DTYPES = frozenset(

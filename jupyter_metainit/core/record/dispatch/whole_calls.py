@@ -20,6 +20,12 @@ from jupyter_metainit.core.record.dispatch.inputs import (
     storage_nbytes,
     to_meta_or_same,
 )
+from jupyter_metainit.core.record.dispatch.reads import (
+    own_grad_leaf,
+    realized_as_constants,
+    realized_inputs,
+    run_on_real_memory,
+)
 from jupyter_metainit.core.record.graph import OpRecord, StorageRecord, TensorRecord, next_seq
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.runtime.plain import iter_args, map_args, plain
@@ -39,6 +45,14 @@ def record_call(func: Any, args: tuple, kwargs: dict) -> Any:
     """Record a whole torch-level call as one op (see ``SUBCLASS_SENSITIVE``)."""
     where = call_site()
     flat = iter_args(args, kwargs)
+    real = realized_inputs(flat)
+    if real is not None:  # views of memory made real: as ``triage._on_real_memory``
+        if all(
+            id(x) in real and not own_grad_leaf(x) for x in flat if isinstance(x, DeferredTensor)
+        ):
+            return run_on_real_memory(func, args, kwargs, real)
+        args, kwargs = realized_as_constants(args, kwargs, real, set())
+        flat = iter_args(args, kwargs)
     device = output_device(kwargs, flat)
     with plain():
         out = func(*map_args(to_meta_or_same, args, kwargs)[0],
