@@ -121,6 +121,30 @@ def test_a_directory_where_a_checkpoint_file_goes_stops_the_save_before_anything
     assert sorted(os.listdir(tmp_path)) == before
 
 
+_CUT_SHORT = [PermissionError(1, "Operation not permitted"), KeyboardInterrupt()]
+
+
+@pytest.mark.parametrize("failure", _CUT_SHORT, ids=["cannot-move", "ctrl-c"])
+def test_a_publish_cut_short_puts_the_earlier_checkpoint_back_whole(tmp_path, monkeypatch, failure):
+    # a shard that cannot be replaced (immutable, another owner's) or Ctrl-C while files move
+    save(_deferred_llama(seed=1), tmp_path, max_shard_size="100KB")
+    before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
+    real_replace, calls = os.replace, []
+
+    def replace_failing_at_the_fourth(src: str, dst: str) -> None:
+        calls.append(src)
+        if len(calls) == 4:
+            raise failure
+        real_replace(src, dst)
+
+    monkeypatch.setattr(os, "replace", replace_failing_at_the_fourth)
+    with pytest.raises(type(failure)) as caught:
+        save(_deferred_llama(seed=2), tmp_path, max_shard_size="100KB")
+    monkeypatch.undo()
+    assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
+    assert ".saving" not in str(caught.value)
+
+
 def test_a_new_checkpoint_directory_gets_the_permissions_of_the_umask(tmp_path):
     umask = os.umask(0o022)
     try:

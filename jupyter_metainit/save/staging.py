@@ -82,9 +82,11 @@ def staging_directory(
 
 
 def publish_directory(staging: str, destination: str, stale: Callable[[str], bool]) -> None:
-    """Move every file of ``staging`` into ``destination`` (same file system, see the module's
-    docstring), indexes last; then remove the files ``stale`` names that this save did not
-    write (an earlier checkpoint's shards, or its single file where this one is sharded)."""
+    """Put every file of ``staging`` in ``destination`` (same file system, see the module's
+    docstring) in place of the files there it replaces and of those ``stale`` names (an earlier
+    checkpoint's shards, or its single file where this one is sharded), all or nothing: the old
+    files are moved aside first, then the new ones in, indexes last; a failure (a file that
+    cannot be moved, Ctrl-C) puts everything back as it was before it raises."""
     new = sorted(os.listdir(staging), key=lambda name: (is_index(name), name))
     in_the_way = [n for n in new if os.path.isdir(os.path.join(destination, n))]
     if in_the_way:  # before anything moves: a half-replaced checkpoint is worse than none
@@ -92,13 +94,44 @@ def publish_directory(staging: str, destination: str, stale: Callable[[str], boo
             f"{destination} holds a directory named {in_the_way[0]!r} where the checkpoint's "
             "file goes; move or rename it, or save to another directory. Nothing was replaced."
         )
-    for name in new:
-        os.replace(os.path.join(staging, name), os.path.join(destination, name))
     written = set(new)
-    for name in os.listdir(destination):
-        path = os.path.join(destination, name)
-        if name not in written and stale(name) and os.path.isfile(path):
-            os.remove(path)
+    old = [n for n in new if os.path.lexists(os.path.join(destination, n))] + [
+        n
+        for n in sorted(os.listdir(destination))
+        if n not in written and stale(n) and os.path.isfile(os.path.join(destination, n))
+    ]
+    aside = os.path.join(staging, ".replaced")
+    os.mkdir(aside)
+    moved_aside: list[str] = []
+    moved_in: list[str] = []
+    try:
+        for name in old:
+            _move(destination, aside, name, destination)
+            moved_aside.append(name)
+        for name in new:
+            _move(staging, destination, name, destination)
+            moved_in.append(name)
+    except BaseException:
+        for name in reversed(moved_in):
+            with contextlib.suppress(OSError):
+                os.replace(os.path.join(destination, name), os.path.join(staging, name))
+        for name in reversed(moved_aside):
+            with contextlib.suppress(OSError):
+                os.replace(os.path.join(aside, name), os.path.join(destination, name))
+        raise
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def _move(source: str, target: str, name: str, destination: str) -> None:
+    """``os.replace`` of one file, its error said about the user's directory, not ours."""
+    try:
+        os.replace(os.path.join(source, name), os.path.join(target, name))
+    except OSError as exc:
+        raise OSError(
+            exc.errno,
+            f"could not replace {name} in {destination} ({exc.strerror}); the files there "
+            "were left as they were",
+        ) from None
 
 
 def refuse_overwriting_sources(
