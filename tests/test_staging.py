@@ -145,6 +145,50 @@ def test_a_publish_cut_short_puts_the_earlier_checkpoint_back_whole(tmp_path, mo
     assert ".saving" not in str(caught.value)
 
 
+def test_a_failed_save_into_new_nested_directories_removes_every_one_it_made(tmp_path):
+    with pytest.raises(KeyboardInterrupt):
+        save(_deferred_mlp(), tmp_path / "a" / "b" / "c", progress=_cancel_at_first_report)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_link_to_a_missing_directory_is_refused_before_any_work(tmp_path):
+    (tmp_path / "ckpt").symlink_to(tmp_path / "gone")
+    with pytest.raises(FileNotFoundError, match="does not exist"):
+        save(_deferred_mlp(), tmp_path / "ckpt")
+    assert sorted(os.listdir(tmp_path)) == ["ckpt"]
+
+
+def test_a_save_pretrained_leaves_another_variants_shards(tmp_path):
+    model = _deferred_llama(seed=1)
+    model.save_pretrained(tmp_path, max_shard_size="100KB", variant="fp16")
+    variant = sorted(os.listdir(tmp_path))
+    model.save_pretrained(tmp_path, max_shard_size="100KB")
+    assert set(variant) <= set(os.listdir(tmp_path))
+
+
+def test_a_non_floating_dtype_is_refused_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match="not one"):
+        save(_deferred_mlp(), tmp_path / "int8", dtype=torch.int8)
+    assert os.listdir(tmp_path) == []
+
+
+def test_a_dict_holding_something_else_than_tensors_names_the_key(tmp_path):
+    with pytest.raises(TypeError, match="'step' holds NoneType"):
+        save({"w": torch.zeros(2), "step": None}, tmp_path / "d")
+
+
+def test_a_full_disk_is_said_with_the_directory_and_the_size(tmp_path):
+    volume = tmp_path / "small"
+    if not _mount_tmpfs(volume, size="64K"):
+        pytest.skip("mounting a tmpfs needs root and CAP_SYS_ADMIN")
+    try:
+        with pytest.raises(OSError, match=f"no space left on the device of {volume}"):
+            save(_deferred_llama(), volume)
+        assert os.listdir(volume) == []
+    finally:
+        subprocess.run(["umount", "--lazy", str(volume)], check=False)
+
+
 def test_a_new_checkpoint_directory_gets_the_permissions_of_the_umask(tmp_path):
     umask = os.umask(0o022)
     try:
@@ -187,10 +231,10 @@ def test_a_model_materialized_from_its_files_can_be_saved_back_over_them(tmp_pat
     assert all(torch.equal(saved[k], v) for k, v in original.state_dict().items())
 
 
-def _mount_tmpfs(path: os.PathLike) -> bool:
+def _mount_tmpfs(path: os.PathLike, size: str = "64M") -> bool:
     os.makedirs(path, exist_ok=True)
     done = subprocess.run(
-        ["mount", "-t", "tmpfs", "-o", "size=64M", "tmpfs", str(path)], capture_output=True
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)], capture_output=True
     )
     return done.returncode == 0
 

@@ -61,6 +61,11 @@ def save(
     if format not in _FORMATS:
         raise ValueError(f"format must be 'safetensors' or 'dcp', not {format!r}")
     dtype = parse_dtype(dtype)
+    if dtype is not None and not dtype.is_floating_point:
+        raise ValueError(
+            f"dtype= casts floating-point tensors to another floating-point dtype (bfloat16, "
+            f"float16, float32, ...); {dtype} is not one. Nothing was written."
+        )
     destination = checked_destination(os.fspath(path))
     if format == "dcp":
         from jupyter_metainit.save.dcp import save_dcp  # torch.distributed loads only for dcp

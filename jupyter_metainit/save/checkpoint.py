@@ -8,6 +8,7 @@ in place only when all are complete (``save.staging``).
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -16,6 +17,7 @@ from typing import Any
 
 import torch
 
+from jupyter_metainit.core import format_bytes
 from jupyter_metainit.save.layout import (
     INDEX_NAME,
     WEIGHTS_NAME,
@@ -79,6 +81,15 @@ def write_checkpoint(
             if layout.index is not None:
                 _write_index(os.path.join(staging, index_name), layout.index)
             publish_directory(staging, destination, stale=stale)
+    except OSError as exc:
+        if exc.errno != errno.ENOSPC:
+            raise
+        raise OSError(
+            errno.ENOSPC,
+            f"no space left on the device of {destination} for the checkpoint "
+            f"({format_bytes(bar.total)} of weights): free some space or save elsewhere. "
+            "Nothing was saved",
+        ) from None
     finally:
         bar.close()
     return destination

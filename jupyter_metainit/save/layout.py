@@ -67,8 +67,14 @@ def state_dict_of(obj: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Te
         for key in ignore:
             state.pop(key, None)
         return dict(state), {k: named.get(k, v) for k, v in state.items()}
-    if isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values()):
-        return dict(obj), dict(obj)
+    if isinstance(obj, dict):
+        bad = next((k for k, v in obj.items() if not isinstance(v, torch.Tensor)), None)
+        if bad is None:
+            return dict(obj), dict(obj)
+        raise TypeError(
+            f"save() takes a dict of tensors; {bad!r} holds {type(obj[bad]).__name__}: leave it "
+            "out (or save a module). Nothing was written."
+        )
     raise TypeError(
         f"save() takes a module or a dict of tensors (a state dict), not {type(obj).__name__}"
     )

@@ -171,16 +171,14 @@ def _stale_files(directory: str, weights_name: str, index_name: str) -> Callable
     """The files of an earlier save that this one does not rewrite: shards of this weights name
     (``model-0000k-of-0000N.safetensors``), which eager ``save_pretrained`` removes too; and,
     unlike eager, the single weights file or the index (``from_pretrained`` would load that file
-    instead of the new shards; an index would name shards that are gone)."""
+    instead of the new shards; an index would name shards that are gone). Another variant's
+    files (``model.fp16-...``) stay, where eager removes its shards and leaves its index."""
     stem = _strip(weights_name)
 
     def stale(name: str) -> bool:
         return os.path.isfile(os.path.join(directory, name)) and (
             name in (weights_name, index_name)
-            or (
-                name.startswith(stem)
-                and re.fullmatch(r"(.*?)-\d{5}-of-\d{5}", _strip(name)) is not None
-            )
+            or re.fullmatch(re.escape(stem) + r"-\d{5}-of-\d{5}", _strip(name)) is not None
         )
 
     return stale

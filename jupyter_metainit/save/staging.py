@@ -46,6 +46,11 @@ def checked_destination(path: str) -> str:
         raise ValueError("save() needs a directory to write, not an empty path")
     if os.path.exists(path) and not os.path.isdir(path):
         raise NotADirectoryError(f"save() writes a directory; {path} is a file")
+    if os.path.islink(path) and not os.path.exists(path):
+        raise FileNotFoundError(
+            f"{path} is a link to {os.readlink(path)}, which does not exist: make that "
+            "directory, or save to another path. Nothing was written."
+        )
     return path
 
 
@@ -54,13 +59,13 @@ def staging_directory(
     destination: str, *, shared_name: str | None = None, owner: bool = True
 ) -> Iterator[str]:
     """A new hidden directory inside ``destination`` (made if missing), removed with
-    everything in it at the end; a ``destination`` this made is removed too if the block
-    fails and it is still empty.
+    everything in it at the end; the directories this made for ``destination`` are removed too
+    if the block fails and they are still empty.
 
     ``shared_name``: a fixed name instead of a unique one, for processes that write into one
     staging directory (ranks of a ``torch.distributed`` save); only the ``owner`` makes and
     removes it (the others must wait for it, e.g. at a barrier)."""
-    made = owner and not os.path.isdir(destination)
+    made = _first_missing(destination) if owner else None
     if owner:
         os.makedirs(destination, exist_ok=True)
     if shared_name is None:
@@ -77,8 +82,8 @@ def staging_directory(
     finally:
         if owner:
             shutil.rmtree(staging, ignore_errors=True)
-            if made and not finished:
-                _remove_if_empty(destination)
+            if made is not None and not finished:
+                _remove_empty_up_to(destination, made)
 
 
 def publish_directory(staging: str, destination: str, stale: Callable[[str], bool]) -> None:
@@ -174,6 +179,26 @@ def is_index(name: str) -> bool:
     return name.endswith(".index.json") or name == ".metadata"
 
 
-def _remove_if_empty(directory: str) -> None:
-    with contextlib.suppress(OSError):  # not empty (or gone): leave it
-        os.rmdir(directory)
+def _first_missing(path: str) -> str | None:
+    """The outermost directory of ``path`` that does not exist yet (what ``makedirs`` makes)."""
+    missing = None
+    path = os.path.abspath(path)
+    while not os.path.isdir(path):
+        missing, parent = path, os.path.dirname(path)
+        if parent == path:
+            break
+        path = parent
+    return missing
+
+
+def _remove_empty_up_to(directory: str, top: str) -> None:
+    """Remove ``directory`` and its parents up to ``top`` while they are empty."""
+    path = os.path.abspath(directory)
+    while True:
+        try:
+            os.rmdir(path)
+        except OSError:  # not empty (or gone): leave it and what holds it
+            return
+        if path == top or len(path) <= len(top):
+            return
+        path = os.path.dirname(path)

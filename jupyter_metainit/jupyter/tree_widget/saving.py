@@ -86,7 +86,7 @@ def _fast_note(obj: Any) -> str:
 def _confirm_replacing(widget: Any, destination: str, fmt: str) -> None:
     """A save that would replace a checkpoint already there asks first: refused once with what
     is there; the same save asked again goes ahead (a page click cannot be undone)."""
-    there = _checkpoint_files(destination)
+    there = _checkpoint_files(destination, fmt)
     asked = (destination, fmt)
     if not there or getattr(widget, "_replace_confirmed", None) == asked:
         widget._replace_confirmed = None
@@ -99,15 +99,18 @@ def _confirm_replacing(widget: Any, destination: str, fmt: str) -> None:
     )
 
 
-def _checkpoint_files(directory: str) -> list[str]:
-    """The files of a checkpoint in ``directory`` that a save there would replace."""
+def _checkpoint_files(directory: str, fmt: str) -> list[str]:
+    """The files of a checkpoint of this format in ``directory``: what a save there replaces
+    (a checkpoint of the other format stays beside it)."""
     if not os.path.isdir(directory):
         return []
+    if fmt == "dcp":
+        return sorted(n for n in os.listdir(directory) if n == ".metadata" or n.endswith(".distcp"))
     return sorted(
         name
         for name in os.listdir(directory)
-        if name in ("config.json", "generation_config.json", ".metadata")
-        or name.endswith((".safetensors", ".safetensors.index.json", ".distcp"))
+        if name in ("config.json", "generation_config.json")
+        or name.endswith((".safetensors", ".safetensors.index.json"))
     )
 
 
