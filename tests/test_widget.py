@@ -474,6 +474,29 @@ def test_a_widget_turns_its_actions_off_as_soon_as_its_model_is_freed():
     assert w.model_gone and "is gone" in w.error
 
 
+@pytest.mark.parametrize("change", ["delete", "replace", "add"])
+def test_a_module_changed_under_the_tree_turns_the_actions_off_and_says_which(change):
+    with meta_init():
+        model = Net()
+    w = explore(model)
+    if change == "delete":
+        del model.layers[0]
+    elif change == "replace":
+        model.norm = nn.LayerNorm(16)
+    else:
+        model.extra = nn.Linear(2, 2)
+    w.materialize("cpu")  # whole model: never "busy" for good
+    assert w.busy == "" and w.model_gone and "changed since this tree was drawn" in w.error
+    assert is_deferred(model.embed.weight) and is_deferred(model.layers[-1])  # nothing was done
+
+
+def test_an_action_that_fails_unexpectedly_leaves_the_widget_idle_and_says_so(net):
+    w = explore(net)
+    w._launch("save", lambda: 1 / 0, ())
+    assert w.wait(10)
+    assert w.busy == "" and "ZeroDivisionError" in w.error
+
+
 # ---------------------------------------------------------------------------- fast values
 
 

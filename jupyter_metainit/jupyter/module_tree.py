@@ -119,6 +119,20 @@ class ModuleTree:
     def __len__(self) -> int:
         return len(self.names)
 
+    def first_difference(self) -> str | None:
+        """The qualified name of the first module added, removed or replaced since the tree
+        was built (``del model.layers[0]``, ``model.head = nn.Linear(...)``), or None."""
+        root = self.module_refs[0]()
+        if root is None:
+            return None  # gone as a whole: see ``alive``
+        now = list(root.named_modules())
+        for node, (name, module) in enumerate(now):
+            if node >= len(self.names) or self.names[node] != name:
+                return name
+            if self.module_refs[node]() is not module:
+                return name
+        return self.names[len(now)] if len(now) < len(self.names) else None
+
     def module(self, node: int) -> nn.Module:
         """The module of ``node``; :class:`ModelGoneError` once the model was collected."""
         module = self.module_refs[node]()

@@ -25,6 +25,7 @@ from jupyter_metainit.core import (
     unique_tensors,
 )
 from jupyter_metainit.jupyter.cell_watch import cells as _cells
+from jupyter_metainit.jupyter.module_tree import ModelGoneError
 from jupyter_metainit.jupyter.tree_widget.wording import (
     failure_in_words,
     materialized_in_words,
@@ -146,8 +147,8 @@ class TreeActions:
         if action not in _CHANGING_ACTIONS:
             self._notify(f"Unknown action {action!r}; nothing was done.")
             return
-        if not self._tree.alive:
-            self.mark_model_gone()
+        if not self._tree.alive or self._tree.first_difference() is not None:
+            self.refresh()  # turns the actions off, saying how the model changed
             return
         if action not in ("materialize", "free"):  # plan, pin, save...: tree_widget/planning.py
             try:
@@ -178,9 +179,22 @@ class TreeActions:
         self._cancel.clear()
         self.progress = [0, 0]
         self._worker = threading.Thread(
-            target=target, args=args, name="jupyter_metainit-widget", daemon=True
+            target=self._guarded, args=(target, args), name="jupyter_metainit-widget", daemon=True
         )
         self._worker.start()
+
+    def _guarded(self, target: Any, args: tuple) -> None:
+        """The worker thread: ``target(*args)``, and whatever it raises, the widget is left
+        idle (never "busy" for good) and says why."""
+        try:
+            target(*args)
+        except ModelGoneError:
+            self.refresh()  # says how it changed
+        except Exception as exc:  # a bug of ours: said, not swallowed
+            self.error = f"The action failed unexpectedly ({type(exc).__name__}: {exc})."
+        finally:
+            self.phase = ""
+            self.busy = ""
 
     def _check_names(self, names: Any) -> list[str]:
         if not isinstance(names, list) or not names:

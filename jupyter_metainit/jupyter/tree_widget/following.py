@@ -16,7 +16,7 @@ import torch
 from jupyter_metainit.core import local_tensor, unique_tensors
 from jupyter_metainit.jupyter.module_tree import NodeStats
 from jupyter_metainit.jupyter.row_schema import ROW, STATS_FIELDS
-from jupyter_metainit.jupyter.tree_widget.wording import MODEL_GONE
+from jupyter_metainit.jupyter.tree_widget.wording import MODEL_GONE, model_changed_in_words
 
 __all__ = ["FollowsModel"]
 
@@ -75,17 +75,21 @@ class FollowsModel:
                     self.status = ""
                     self.error = ""
 
-    def mark_model_gone(self) -> None:
-        """The model was freed: say so, and turn every action off for good (the page greys its
-        buttons, as when the kernel is gone)."""
+    def mark_model_gone(self, why: str = MODEL_GONE) -> None:
+        """The model was freed, or changed under the tree (``why``): say so, and turn every
+        action off for good (the page greys its buttons, as when the kernel is gone)."""
         self.model_gone = True
-        self.error = MODEL_GONE
+        self.error = why
 
     def refresh(self) -> bool:
         """Recompute every node's totals and state; send the page only the rows that changed.
         True if any row changed."""
         if not self._tree.alive:
             self.mark_model_gone()
+            return False
+        changed = self._tree.first_difference()
+        if changed is not None:
+            self.mark_model_gone(model_changed_in_words(changed))
             return False
         with self._refresh_lock:
             stats = self._tree.stats()

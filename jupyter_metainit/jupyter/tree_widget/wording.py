@@ -16,6 +16,7 @@ __all__ = [
     "code_path",
     "failure_in_words",
     "materialized_in_words",
+    "model_changed_in_words",
     "modules_in_words",
 ]
 
@@ -24,6 +25,16 @@ MODEL_GONE = (
     "was freed. Nothing was done. Show the model you have now with "
     "jupyter_metainit.explore(model)."
 )
+
+
+def model_changed_in_words(name: str) -> str:
+    """Why a tree no longer shows its model: a module was added, removed or replaced."""
+    where = f"`{name}`" if name else "its root"
+    return (
+        f"The model changed since this tree was drawn ({where} was added, removed or replaced), "
+        "so the tree no longer shows it. Nothing was done. Show it again with "
+        "jupyter_metainit.explore(model)."
+    )
 
 
 SAVED_ADVICE = (
