@@ -70,12 +70,13 @@ class FileRef:
         except FileNotFoundError:
             raise MaterializationError(
                 f"the checkpoint file {self.path} no longer exists; its tensors cannot be "
-                "materialized. Nothing was materialized."
+                "read. Put it back where it was, or open the model again from where it is now "
+                "(e.g. re-run from_pretrained under meta_init). Nothing was changed."
             ) from None
         except PermissionError:
             raise MaterializationError(
-                f"the checkpoint file {self.path} cannot be read (permission denied). Nothing "
-                "was materialized."
+                f"the checkpoint file {self.path} cannot be read (permission denied): give "
+                "this process read access to it. Nothing was changed."
             ) from None
         identity = (st.st_size, st.st_mtime_ns, st.st_ctime_ns, st.st_ino)
         if identity != (self.size, self.mtime_ns, self.ctime_ns, self.inode):
@@ -89,7 +90,7 @@ class FileRef:
         return MaterializationError(
             f"the checkpoint file {self.path} changed since the model was opened from it "
             f"({how}); open it again (e.g. re-run from_pretrained under meta_init). Nothing "
-            "was materialized."
+            "was changed."
         )
 
 
