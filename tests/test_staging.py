@@ -189,6 +189,22 @@ def test_a_full_disk_is_said_with_the_directory_and_the_size(tmp_path):
         subprocess.run(["umount", "--lazy", str(volume)], check=False)
 
 
+def test_a_recording_that_reads_a_meta_tensor_is_refused_with_its_line_and_nothing_written(
+    tmp_path,
+):
+    class CopiedFromMeta(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.register_buffer("b", torch.zeros(3))
+            self.b.copy_(torch.empty(3, device="meta"))
+
+    with meta_init():
+        model = CopiedFromMeta()
+    with pytest.raises(MetaInitError, match=r"meta device \(aten\.copy_.*test_staging\.py"):
+        save(model, tmp_path / "ckpt")
+    assert os.listdir(tmp_path) == []
+
+
 def test_a_new_checkpoint_directory_gets_the_permissions_of_the_umask(tmp_path):
     umask = os.umask(0o022)
     try:

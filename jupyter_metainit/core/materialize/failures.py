@@ -21,7 +21,6 @@ from jupyter_metainit.core.errors import MaterializationError, MetaInitError, No
 from jupyter_metainit.core.materialize.progress import storage_sizes
 from jupyter_metainit.core.materialize.queries import is_uninitialized
 from jupyter_metainit.core.materialize.walk import named_tensors
-from jupyter_metainit.core.record.graph import External
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.replay import Plan, plan
 from jupyter_metainit.core.runtime.arguments import (
@@ -186,11 +185,7 @@ def refuse_meta_inputs(replay: Plan, group: list[DeferredTensor], obj: Any) -> I
     try:
         yield
     except Exception:
-        bad = next(
-            (op for op in replay.ops for x in (*op.args, *op.kwargs.values())
-             if isinstance(x, External) and x.tensor.is_meta),
-            None,
-        )  # fmt: skip
+        bad = replay.meta_input_op()
         if bad is None:
             raise
         needing = [t for t in group if bad in plan([t._rec]).ops]

@@ -14,7 +14,7 @@ from collections.abc import Iterable
 import torch
 
 from jupyter_metainit.core.errors import DeferredDataError
-from jupyter_metainit.core.record.graph import OpRecord, StorageRecord, TensorRecord
+from jupyter_metainit.core.record.graph import External, OpRecord, StorageRecord, TensorRecord
 from jupyter_metainit.core.replay.values import ValueCache
 
 __all__ = ["Plan", "last_writes", "plan"]
@@ -42,6 +42,16 @@ class Plan:
 
     def __len__(self) -> int:
         return len(self.ops)
+
+    def meta_input_op(self) -> OpRecord | None:
+        """The first op recorded on a plain tensor of PyTorch's meta device (no data:
+        ``deferred.copy_(torch.empty(3, device="meta"))``): why a replay that failed could not
+        run, for an error that says so instead of PyTorch's "Cannot copy out of meta tensor"."""
+        return next(
+            (op for op in self.ops for x in (*op.args, *op.kwargs.values())
+             if isinstance(x, External) and x.tensor.is_meta),
+            None,
+        )  # fmt: skip
 
 
 def _writes_before(storage: StorageRecord, seq: int) -> int:

@@ -12,9 +12,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 
+from jupyter_metainit.core.errors import MaterializationError
 from jupyter_metainit.core.record.graph import StorageRecord, TensorRecord, constant_op
 from jupyter_metainit.core.record.tensor import DeferredTensor
-from jupyter_metainit.core.replay.planning import plan
+from jupyter_metainit.core.replay.planning import Plan, plan
 from jupyter_metainit.core.replay.realized import any_realized, current_values, realized_view
 from jupyter_metainit.core.replay.run import execute, real_view
 from jupyter_metainit.core.replay.values import value_cache
@@ -89,8 +90,13 @@ def values_to_write(
         if rest:
             replayed = [records[k] for k in rest]
             on_filled = None if on_part is None else _parts_of(replayed, on_part, rest)
-            env = execute(plan(replayed), torch.device("cpu"), "exact", one_stream=True,
-                          memory=memory, on_filled=on_filled)  # fmt: skip
+            replay = plan(replayed)
+            try:
+                env = execute(replay, torch.device("cpu"), "exact", one_stream=True,
+                              memory=memory, on_filled=on_filled)  # fmt: skip
+            except Exception:
+                _refuse_meta_inputs(replay)
+                raise
             bases = [env[id(r.storage)] for r in replayed]
             del env
             with plain():
@@ -98,6 +104,18 @@ def values_to_write(
                     out[k] = _compact(base, r)
     values = [out[k] for k in range(len(records))]
     return values[0] if one else values
+
+
+def _refuse_meta_inputs(replay: Plan) -> None:
+    """After a failed replay: if it failed for lack of data in a meta tensor, say so."""
+    bad = replay.meta_input_op()
+    if bad is not None:
+        raise MaterializationError(
+            f"a tensor being written cannot be computed: its recording uses a plain tensor of "
+            f"PyTorch's meta device ({bad.func} at {bad.where}), which holds no data. Give that "
+            "tensor values, or make it inside `jupyter_metainit.meta_init()` without "
+            "device='meta' (it is then recorded). Nothing was written."
+        ) from None
 
 
 def _parts_of(
