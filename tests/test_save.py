@@ -163,6 +163,28 @@ def test_a_plain_module_with_a_shared_parameter_saves_it_once_under_its_first_na
     assert sorted(load_file(tmp_path / "ours" / "model.safetensors")) == ["0.weight"]
 
 
+def test_a_dropped_duplicate_name_is_kept_in_the_metadata_as_save_model_keeps_it(tmp_path):
+    from safetensors import safe_open
+    from safetensors.torch import save_model
+
+    torch.manual_seed(0)
+    eager = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+    eager[1].weight = eager[0].weight
+    save_model(eager, str(tmp_path / "theirs.safetensors"))
+    with meta_init():
+        model = nn.Sequential(nn.Embedding(10, 4), nn.Linear(4, 10, bias=False))
+        model[1].weight = model[0].weight
+    save(model, tmp_path / "ours")
+    with safe_open(tmp_path / "theirs.safetensors", "pt") as theirs:
+        expected = theirs.metadata()
+    with safe_open(tmp_path / "ours" / "model.safetensors", "pt") as ours:
+        assert (
+            ours.metadata()
+            == {"format": "pt", **expected}
+            == {"format": "pt", "1.weight": "0.weight"}
+        )
+
+
 def test_the_package_stays_callable_after_importing_its_save_module(tmp_path):
     code = (
         "import torch, jupyter_metainit.save, jupyter_metainit; "

@@ -63,7 +63,9 @@ def write_checkpoint(
     """
     weights_name, index_name = names
     check_savable(state, sharded_ok=False)
-    state = untie(state, origin, obj)
+    state, aliases = untie(state, origin, obj)
+    if is_transformers_model(obj):  # transformers names its ties in code, not in the file
+        aliases = {}
     if original_format:
         state = _original_format(obj, state)
     layout = plan_layout(
@@ -77,7 +79,9 @@ def write_checkpoint(
             if code_files is not None:
                 code_files(staging)
             _write_transformers_files(obj, staging, dtype)
-            write_safetensors_files(staging, layout.files, layout.tensors, dtype, bar)
+            write_safetensors_files(
+                staging, layout.files, layout.tensors, dtype, bar, aliases=aliases
+            )
             if layout.index is not None:
                 _write_index(os.path.join(staging, index_name), layout.index)
             publish_directory(staging, destination, stale=stale)

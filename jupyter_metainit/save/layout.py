@@ -108,16 +108,17 @@ def _same_region(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 def untie(
     state: dict[str, torch.Tensor], origin: dict[str, torch.Tensor], obj: Any
-) -> dict[str, torch.Tensor]:
+) -> tuple[dict[str, torch.Tensor], dict[str, str]]:
     """Drop the duplicate names of tensors that are the same memory, keeping the name
     transformers keeps (the name its ``_tied_weights_keys`` does not claim), else the first
-    in sorted order (safetensors' ``save_model``). Different regions of one memory (views)
+    in sorted order (safetensors' ``save_model``); and each dropped name -> the name kept
+    (``save_model`` writes it in the file's metadata). Different regions of one memory (views)
     are written separately, as transformers clones them."""
     groups: dict[Any, list[str]] = defaultdict(list)
     for name, t in origin.items():
         groups[storage_of(t)[0]].append(name)
     tied_patterns = _tied_patterns(obj)
-    drop: set[str] = set()
+    drop: dict[str, str] = {}
     for names in groups.values():
         if len(names) < 2:
             continue
@@ -128,8 +129,8 @@ def untie(
             group = sorted([first, *same])
             claimed = [n for n in group if any(re.search(p, n) for p in tied_patterns)]
             keep = next((n for n in group if n not in claimed), group[0])
-            drop.update(n for n in group if n != keep)
-    return {k: v for k, v in state.items() if k not in drop}
+            drop.update({n: keep for n in group if n != keep})
+    return {k: v for k, v in state.items() if k not in drop}, drop
 
 
 def _tied_patterns(obj: Any) -> list[str]:

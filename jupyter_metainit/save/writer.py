@@ -109,7 +109,7 @@ def _write_at(fd: int, offset: int, payload: Any) -> int:
 
 def write_safetensors_files(
     directory: str, files: dict[str, list[FileEntry]], tensors: dict[str, torch.Tensor],
-    dtype: torch.dtype | None, progress: Progress,
+    dtype: torch.dtype | None, progress: Progress, aliases: dict[str, str] | None = None,
 ) -> None:  # fmt: skip
     """Write each file's header, then every tensor's bytes at its place in its file. Tensors
     are computed in the order of ``tensors`` (the model's order, close to the order they were
@@ -118,10 +118,12 @@ def write_safetensors_files(
     where it ended, instead of jumping around the stream as the file order (by dtype, then
     name) would make them. The first way the file system allows (module docstring):
     ``O_DIRECT`` (``_write_direct``), the mapped files (``save.mapped``), ``pwrite``
-    (``_write_with_writer``)."""
+    (``_write_with_writer``). ``aliases`` (a dropped duplicate name -> the name written) go
+    into the metadata of the file holding that name, as safetensors' ``save_model`` has them."""
     layout = {os.path.join(directory, name): file_order(entries)
               for name, entries in files.items()}  # fmt: skip
-    headers = {path: header_bytes(ordered, {"format": "pt"}) for path, ordered in layout.items()}
+    headers = {path: header_bytes(ordered, _metadata(ordered, aliases or {}))
+               for path, ordered in layout.items()}  # fmt: skip
     sizes = {path: len(headers[path]) + sum(entry.nbytes for entry in ordered)
              for path, ordered in layout.items()}  # fmt: skip
     # (file path, offset, entry) of each tensor to write, in the order of ``tensors``
@@ -333,6 +335,11 @@ def _batches(placed: list[Any]) -> list[list[Any]]:
         batches[-1].append(item)
         size += item[2].nbytes
     return batches
+
+
+def _metadata(ordered: list[FileEntry], aliases: dict[str, str]) -> dict[str, str]:
+    names = {entry.name for entry in ordered}
+    return {"format": "pt", **{k: v for k, v in aliases.items() if v in names}}
 
 
 def _wait_for_slot(slots: threading.Semaphore, writer: _Writer, progress: Progress) -> None:
