@@ -205,6 +205,20 @@ def test_a_recording_that_reads_a_meta_tensor_is_refused_with_its_line_and_nothi
     assert os.listdir(tmp_path) == []
 
 
+def test_a_dcp_save_on_a_full_disk_says_so_with_the_sizes(tmp_path):
+    volume = tmp_path / "small"
+    if not _mount_tmpfs(volume, size="1M"):
+        pytest.skip("mounting a tmpfs needs root and CAP_SYS_ADMIN")
+    try:
+        with meta_init():
+            model = nn.Linear(1024, 1024)  # 4 MiB
+        with pytest.raises(OSError, match=r"no space left .*4\.00 MiB of tensors"):
+            save(model, volume / "ckpt", format="dcp")
+        assert os.listdir(volume) == []
+    finally:
+        subprocess.run(["umount", "--lazy", str(volume)], check=False)
+
+
 def test_a_new_checkpoint_directory_gets_the_permissions_of_the_umask(tmp_path):
     umask = os.umask(0o022)
     try:

@@ -10,6 +10,9 @@ checkpoint made without ever holding the model.
 
 from __future__ import annotations
 
+import errno
+import os
+import shutil
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -21,7 +24,7 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from jupyter_metainit.core import is_deferred
+from jupyter_metainit.core import format_bytes, is_deferred
 from jupyter_metainit.save.layout import check_savable, state_dict_of
 from jupyter_metainit.save.staging import (
     checked_destination,
@@ -137,7 +140,9 @@ def save_dcp(obj: Any, destination: str, *, dtype: torch.dtype | None, progress:
             if grouped:
                 dist.barrier()
     except CheckpointException as exc:
-        raise _original(exc) from None
+        raise _disk_full(destination, state) or _original(exc) from None
+    except RuntimeError as exc:  # torch's writer on a full disk: "enforce fail ... unexpected pos"
+        raise _disk_full(destination, state) or exc from None
     finally:
         planner.close()
         bar.close()
@@ -148,6 +153,27 @@ def _is_dcp_file(name: str) -> bool:
     """A file of an earlier DCP checkpoint: replaced or removed by this one (nothing else in the
     directory is touched)."""
     return name == ".metadata" or name.endswith(".distcp")
+
+
+def _disk_full(destination: str, state: dict[str, Any]) -> OSError | None:
+    """The error to raise when a failed save had no room left on the destination's device
+    (torch's own message then reads "enforce fail ... unexpected pos"), else None."""
+    needed = _local_bytes(state)
+    place = os.path.abspath(destination)
+    while not os.path.isdir(place):  # a directory the failed save made is gone again
+        place = os.path.dirname(place)
+    try:
+        free = shutil.disk_usage(place).free
+    except OSError:
+        return None
+    if free >= needed:
+        return None
+    return OSError(
+        errno.ENOSPC,
+        f"no space left on the device of {destination} for the checkpoint ({format_bytes(needed)} "
+        f"of tensors, {format_bytes(free)} free): free some space or save elsewhere. Nothing was "
+        "saved",
+    )
 
 
 def _original(exc: CheckpointException) -> BaseException:
