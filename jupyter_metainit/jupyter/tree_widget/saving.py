@@ -8,7 +8,6 @@ tensor at a time as they are written. A cancelled or failed save leaves nothing 
 from __future__ import annotations
 
 import os
-import time
 from collections.abc import Callable
 from typing import Any
 
@@ -54,8 +53,7 @@ def prepare_save(widget: Any, content: dict) -> tuple[str, Callable[[], str]]:
         def progress(done: int, total: int) -> None:
             widget._progress(done, total, f"writing {fmt} to {destination}")
 
-        # (file times come from a coarse clock, a few ms behind this one: a second's margin)
-        started = time.time_ns() - 1_000_000_000
+        before = _file_ids(destination)
         try:
             save(obj, destination, format=fmt, dtype=dtype, progress=progress)
         except ActionCancelled:
@@ -65,7 +63,7 @@ def prepare_save(widget: Any, content: dict) -> tuple[str, Callable[[], str]]:
                 f"cannot write to {destination} ({exc.strerror or exc}); choose a directory "
                 "you can write to. Nothing was saved"
             ) from None
-        wrote = written_in_words(destination, since_ns=started)
+        wrote = written_in_words(destination, before)
         return f"Saved {what} to {destination} ({fmt}) in {{took}}: {wrote}." + _fast_note(obj)
 
     return "save", job
@@ -114,17 +112,22 @@ def _checkpoint_files(directory: str, fmt: str) -> list[str]:
     )
 
 
-def written_in_words(directory: str, since_ns: int = 0) -> str:
-    """``model.safetensors (1.2 MiB), config.json (700 B)``: the files a save wrote (those
-    changed since ``since_ns``: not the other files the directory holds)."""
-    files = []
-    for root, dirs, names in os.walk(directory):
-        dirs[:] = [d for d in dirs if not d.startswith(".saving-")]
-        for name in sorted(names):
-            path = os.path.join(root, name)
-            info = os.stat(path)
-            if info.st_mtime_ns >= since_ns:
-                files.append((os.path.relpath(path, directory), info.st_size))
+def _file_ids(directory: str) -> dict[str, int]:
+    """Each file's inode: a save puts new files in place (a new inode for each)."""
+    if not os.path.isdir(directory):
+        return {}
+    return {e.name: e.inode() for e in os.scandir(directory) if e.is_file()}
+
+
+def written_in_words(directory: str, before: dict[str, int] | None = None) -> str:
+    """``model.safetensors (1.2 MiB), config.json (700 B)``: the files a save wrote (those new
+    since ``before``, from :func:`_file_ids`: not the other files the directory holds)."""
+    before = before or {}
+    files = [
+        (e.name, e.stat().st_size)
+        for e in sorted(os.scandir(directory), key=lambda e: e.name)
+        if e.is_file() and before.get(e.name) != e.inode()
+    ]
     total = format_bytes(sum(size for _, size in files))
     shown = ", ".join(f"{name} ({format_bytes(size)})" for name, size in files[:4])
     more = f" and {len(files) - 4} more" if len(files) > 4 else ""
