@@ -123,7 +123,7 @@ def test_materialize_message_materializes_only_the_selection(net):
     assert r["layers.0"][ROW["state"]] == "deferred"
     assert w.busy == ""
     assert w.progress[0] == w.progress[1] > 0
-    assert "layers.1" in w.status
+    assert "model.layers[1]" in w.status
 
 
 def test_patch_holds_only_changed_rows(net):
@@ -293,7 +293,7 @@ def test_a_refused_click_is_a_notice_and_the_action_message_stays(net):
     w.handle_action({"action": "free", "names": ["layers"]})  # a second click while busy
     w.wait(60)
     assert "Still busy" in w.notice["text"]
-    assert w.error == "" and w.status.startswith("Materialized layers on cpu")
+    assert w.error == "" and w.status.startswith("Materialized model.layers on cpu")
 
 
 def test_materializing_again_as_another_dtype_casts_in_place(net):
@@ -521,9 +521,9 @@ def test_the_message_names_the_tied_modules_an_action_changed_too(net):
     w = explore(net)
     w.selected = ["embed"]
     w.materialize("cpu")
-    assert "Tied to it, so changed too: head." in w.status
+    assert "Tied to it, so changed too: model.head." in w.status
     w.free()
-    assert "Tied to it, so changed too: head." in w.status
+    assert "Tied to it, so changed too: model.head." in w.status
 
 
 def test_an_exact_materialize_regenerates_fast_values_exactly_and_says_so():
@@ -656,7 +656,7 @@ def test_a_click_that_frees_waits_for_the_running_cell_to_end(shell):
     assert "running cell" in shell.user_ns["phase"]
     assert w.wait(60)
     assert {tensor_state(p) for p in net.norm.parameters()} == {"deferred"}
-    assert w.busy == "" and "Freed norm" in w.status
+    assert w.busy == "" and "Freed model.norm" in w.status
 
 
 @pytest.mark.usefixtures("watching")

@@ -236,10 +236,12 @@ class TreeActions:
     def _run(self, action: str, names: list[str], device: str) -> None:
         """The worker thread's job: carry out one action, then say what happened."""
         modules = [self.module.get_submodule(n) for n in names]
-        what = modules_in_words(names)
+        what = modules_in_words(names, self.var_name)
         # modules sharing a tensor with the selection change with it: the message names them
         also = list(self.selection.get("also") or []) if names == list(self.selected) else []
-        tied_too = f" Tied to it, so changed too: {modules_in_words(also)}." if also else ""
+        tied_too = (
+            f" Tied to it, so changed too: {modules_in_words(also, self.var_name)}." if also else ""
+        )
         # Measured now, not taken from the last refresh: a change made in code just before
         # (its refresh still pending) is not this action's doing.
         before = [s.row() for s in self._tree.stats()]

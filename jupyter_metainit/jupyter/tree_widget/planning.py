@@ -306,7 +306,9 @@ class TreePlanning:
         )
         verdict = "It fits" if placement.fits else "It does NOT fit"
         pinned = (
-            f" Pinned: {modules_in_words(list(pin))} → {next(iter(pin.values()))}." if pin else ""
+            f" Pinned: {modules_in_words(list(pin), self.var_name)} → {next(iter(pin.values()))}."
+            if pin
+            else ""
         )
         advice = "" if placement.fits else " What would make it fit is under the plan bar."
         return f"Planned in {{took}}. {verdict}: {peaks}.{pinned}{advice}", not placement.fits

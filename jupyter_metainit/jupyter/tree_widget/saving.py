@@ -13,7 +13,7 @@ from typing import Any
 
 from jupyter_metainit.core import format_bytes, parse_dtype, tensor_values, unique_tensors
 from jupyter_metainit.jupyter.tree_widget.actions import ActionCancelled
-from jupyter_metainit.jupyter.tree_widget.wording import code_path
+from jupyter_metainit.jupyter.tree_widget.wording import modules_in_words
 from jupyter_metainit.save import save
 
 __all__ = ["FORMATS", "prepare_save", "written_in_words"]
@@ -43,7 +43,7 @@ def prepare_save(widget: Any, content: dict) -> tuple[str, Callable[[], str]]:
         )
     destination = os.path.abspath(os.path.expanduser(path.strip()))
     _confirm_replacing(widget, destination, fmt)
-    what = code_path(widget.var_name, names[0]) if names else f"{widget.var_name} (whole model)"
+    what = modules_in_words(names or [""], widget.var_name)
     dtype = parse_dtype(widget.dtype or None)
 
     def job() -> str:

@@ -56,10 +56,16 @@ def code_path(var_name: str, qname: str) -> str:
     return path
 
 
-def modules_in_words(names: Sequence[str]) -> str:
-    """``layers.0, layers.1, norm and 2 more``: the modules an action concerns, for a sentence."""
-    shown = ", ".join(n or "the whole model" for n in names[:3])
+def modules_in_words(names: Sequence[str], var_name: str = "model") -> str:
+    """``model.layers[0], model.norm and 2 more``: the modules an action concerns, for a
+    sentence, each as the Python that reaches it (as the magics take it and *Copy* gives it);
+    the root as ``model (the whole model)``."""
+    shown = ", ".join(_module_in_words(n, var_name) for n in names[:3])
     return shown + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _module_in_words(name: str, var_name: str) -> str:
+    return code_path(var_name, name) if name else f"{var_name} (the whole model)"
 
 
 def failure_in_words(exc: Exception, action: str, device: str, what: str, nbytes: int) -> str:
