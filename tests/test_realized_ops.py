@@ -185,3 +185,21 @@ def test_op_on_a_deferred_parameter_over_real_memory_keeps_its_values_and_grad()
     materialize(y)
     assert torch.equal(y.detach(), y_eager.detach())
     assert deferred.w.grad is None  # nothing of ``p``'s graph reaches ``w``
+
+
+def _two_linears() -> nn.Module:
+    return nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+
+
+def test_a_fast_block_cast_then_freed_comes_back_with_eagers_values_when_exact() -> None:
+    # freeing keeps a record of the cast: of the recording, not of the fast values in memory
+    from jupyter_metainit import dematerialize
+    from jupyter_metainit.core import tensor_values
+
+    eager, deferred = eager_and_deferred(_two_linears, seed=0)
+    materialize(deferred[0], rng="fast", keep_cache=True)
+    materialize(deferred, rng="fast", dtype=torch.bfloat16, keep_cache=True)
+    dematerialize(deferred)
+    materialize(deferred, rng="exact", keep_cache=True)
+    for got, want in zip(deferred.parameters(), eager.parameters(), strict=True):
+        assert tensor_values(got) == "exact" and torch.equal(got, want.to(torch.bfloat16))

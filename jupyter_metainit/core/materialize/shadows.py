@@ -22,7 +22,11 @@ from jupyter_metainit.core.record.files import comparing_with_file, read_file_by
 from jupyter_metainit.core.record.graph import External, TensorRecord
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.replay import compute_values, plan
-from jupyter_metainit.core.replay.realized import realized_memory, remember_realized
+from jupyter_metainit.core.replay.realized import (
+    realized_memory,
+    recording_only,
+    remember_realized,
+)
 from jupyter_metainit.core.replay.values import value_cache
 from jupyter_metainit.core.rng import streams as _rng
 from jupyter_metainit.core.runtime.digest import digest
@@ -187,7 +191,7 @@ def shadow_for(
     if real.dtype != recording.dtype or real.device != recording.device:
         # Cast (dtype=) or placed (device=) on the way: keep a recording of that too, so that
         # materializing again gives these values, not the uncast ones.
-        with torch.no_grad():
+        with torch.no_grad(), recording_only():
             converted = recording.to(device=real.device, dtype=real.dtype)
     if file_read is not None:
         return (file_read if converted is None else converted), None
@@ -201,7 +205,7 @@ def restamp(t: torch.Tensor, data: torch.Tensor) -> Shadow | None:
     holder = kept.get(t)
     if holder is None or why_not_reproducible(t, holder) is not None:
         return None
-    with torch.no_grad():
+    with torch.no_grad(), recording_only():  # the recording's cast, not the memory's values
         converted = holder.deferred.to(device=data.device, dtype=data.dtype)
     return Shadow(converted, -1, data.data_ptr(), None if holder.digest is None else digest(data))
 

@@ -16,7 +16,10 @@ otherwise the recording is replayed.
 
 from __future__ import annotations
 
+import contextlib
+import threading
 import weakref
+from collections.abc import Iterator
 
 import torch
 
@@ -27,6 +30,7 @@ from jupyter_metainit.core.runtime.plain import plain
 
 __all__ = [
     "any_realized",
+    "recording_only",
     "current_values",
     "realized_memory",
     "realized_view",
@@ -90,6 +94,21 @@ def realized_memory(storage: StorageRecord) -> torch.Tensor | None:
     return base
 
 
+_recipes = threading.local()  # ``recording_only`` blocks open on this thread
+
+
+@contextlib.contextmanager
+def recording_only() -> Iterator[None]:
+    """Inside: a deferred tensor over memory made real is its recording, not that memory.
+    For ops that build a recipe from a recording (``dematerialize``'s record of a cast: a
+    cast of the *values the memory holds* would keep e.g. rng="fast" values as the recipe)."""
+    _recipes.depth = getattr(_recipes, "depth", 0) + 1
+    try:
+        yield
+    finally:
+        _recipes.depth -= 1
+
+
 def realized_view(rec: TensorRecord, grad: bool) -> torch.Tensor | None:
     """``rec``'s view of the real memory an earlier ``materialize`` made of its storage, while
     the rule above holds; else ``None``. With ``grad`` (the deferred view requires grad, in
@@ -97,7 +116,7 @@ def realized_view(rec: TensorRecord, grad: bool) -> torch.Tensor | None:
     lets autograd record); else of a detached alias (same memory and version counter, so a
     write through it is seen as a write of the real tensor). One look-up; none when nothing
     was made real (the common case)."""
-    if not _realized:
+    if not _realized or getattr(_recipes, "depth", 0):
         return None
     real = _realized_tensor(rec.storage)
     if real is None:
