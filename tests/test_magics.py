@@ -612,6 +612,29 @@ def test_save_magic_with_an_unknown_format_is_a_usage_error(ip, tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.parametrize(
+    ("expr", "words"),
+    [
+        ("nope", "cannot evaluate 'nope': name 'nope' is not defined"),
+        ("m.weight", "is a tensor, not a module"),
+    ],
+)
+def test_save_magic_of_a_mistyped_name_or_a_tensor_is_our_usage_error_not_ipythons(
+    ip, tmp_path, expr, words
+):
+    ok(ip, "%%meta_init\nm = nn.Linear(4, 3)")
+    message = usage_error(ip, f"%save {expr} {tmp_path / 'x'}")
+    assert words in message and "IPython's own" in message
+    assert not (tmp_path / "x").exists()
+
+
+def test_save_magic_to_a_path_it_cannot_write_says_what_to_do(ip, tmp_path):
+    ok(ip, "%%meta_init\nm = nn.Linear(4, 3)")
+    (tmp_path / "a_file").write_text("")
+    message = usage_error(ip, f"%save m {tmp_path / 'a_file' / 'ckpt'}")
+    assert "choose a directory you can write to" in message and "Errno" not in message
+
+
 def test_ipythons_own_save_of_code_still_works_with_the_extension_loaded(ip, tmp_path):
     ok(ip, "x = 1")
     ok(ip, f"%save -f {tmp_path / 'code.py'} 1-2")

@@ -55,3 +55,24 @@ def test_place_magic_table_option_returns_the_table(ip):
 )
 def test_place_magic_mistakes_are_one_line_usage_errors(ip, line, words):
     assert words in usage_error(ip, line)
+
+
+def test_place_magic_plans_a_model_that_takes_images_from_its_input_shapes(ip):
+    ip.run_cell(
+        "from torch import nn\n"
+        "with meta_init():\n"
+        "    conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 8 * 8, 4))"
+    )
+    result, out = run(ip, "plan = %place conv --devices cpu=1GiB --inputs '(2, 3, 10, 10)'")
+    assert result.success, out.stdout
+    assert ip.user_ns["plan"].fits
+
+
+def test_place_magic_says_to_pass_inputs_in_its_own_words(ip):
+    ip.run_cell(
+        "from torch import nn\n"
+        "with meta_init():\n"
+        "    conv = nn.Sequential(nn.Conv2d(3, 8, 3), nn.Flatten(), nn.Linear(8 * 8 * 8, 4))"
+    )
+    message = usage_error(ip, "%place conv --devices cpu=1GiB --seq-len 8")
+    assert "--inputs '[(8, 3, 224, 224)]'" in message and "seq_len=" not in message

@@ -838,7 +838,7 @@ def test_save_to_a_path_it_cannot_write_says_so_in_the_users_words(tmp_path):
     w.save(str(tmp_path / "a_file" / "ckpt"))
     assert w.error.startswith(f"Could not save: cannot write to {tmp_path / 'a_file' / 'ckpt'}")
     assert ".saving" not in w.error
-    assert "Nothing was saved. The model was left as it was." in w.error
+    assert "Nothing was written. The model was left as it was." in w.error
 
 
 def test_save_refuses_an_empty_path_with_a_notice():

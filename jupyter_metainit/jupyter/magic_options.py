@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import ast
 import io
 import re
 import tokenize
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import torch
 from IPython.core.error import UsageError
@@ -13,14 +15,22 @@ from IPython.core.error import UsageError
 from jupyter_metainit.core import missing_device_reason
 from jupyter_metainit.core import parse_device as device_from_text
 from jupyter_metainit.core import parse_dtype as dtype_from_name
+from jupyter_metainit.core.errors import MetaInitError
 
 __all__ = [
+    "MAX_DIMENSION",
+    "as_options",
+    "input_shapes",
+    "one_line_errors",
     "parse_depth",
     "parse_device",
     "parse_dtype",
     "split_expression",
     "strip_comment",
 ]
+
+#: the largest batch, sequence length or input dimension a plan is asked for
+MAX_DIMENSION = 1 << 20
 
 #: dtypes ``meta_init`` can use as the default floating dtype of a block.
 DEFAULT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
@@ -174,3 +184,64 @@ def _split_trailing(line: str) -> tuple[str, str]:
         ):
             return line[:i].strip(), line[i:].strip()
     return line.strip(), ""
+
+
+def input_shapes(text: Any) -> list[tuple[int, ...]] | None:
+    """A workload's input shapes as typed (the plan bar's Inputs, ``%place --inputs``): one
+    shape ``(8, 3, 224, 224)`` or several, batch included, for ``place(inputs=...)``; None when
+    empty. Anything else is a ValueError with an example."""
+    if text is None or (isinstance(text, str) and not text.strip()):
+        return None
+    if isinstance(text, str):  # a magic's argument keeps its quotes: '(8, 3, 224, 224)'
+        text = text.strip()
+        if len(text) > 1 and text[0] == text[-1] and text[0] in "'\"":
+            text = text[1:-1]
+    try:
+        value = ast.literal_eval(text) if isinstance(text, str) else None
+    except (ValueError, SyntaxError):
+        value = None
+    shapes = [value] if _is_shape(value) else value
+    if not isinstance(shapes, (list, tuple)) or not shapes or not all(map(_is_shape, shapes)):
+        raise ValueError(
+            "Refused: Inputs must be shapes of whole numbers, e.g. (8, 3, 224, 224), or "
+            f"(8, 3, 224, 224), (8,) for two inputs; not {text!r}."
+        )
+    return [tuple(shape) for shape in shapes]
+
+
+def _is_shape(value: Any) -> bool:
+    return (
+        isinstance(value, (list, tuple))
+        and len(value) > 0
+        and all(type(d) is int and 1 <= d <= MAX_DIMENSION for d in value)
+    )
+
+
+def as_options(text: str) -> str:
+    """A core message in the magic's words: ``seq_len=`` is ``--seq-len N``, ``inputs=`` is
+    ``--inputs``."""
+    text = text.replace("place(..., seq_len=)", "--seq-len").replace("seq_len=", "--seq-len ")
+    return re.sub(r"inputs=(\[\(.*?\)\])", r"--inputs '\1'", text).replace("inputs=", "--inputs ")
+
+
+def one_line_errors(magic: str, action: Any, hints: dict[str, str] | None = None) -> None:
+    """Run ``action``; a refusal or failure of the core is one ``UsageError`` line, raised
+    outside the handler so that nothing of the failed work stays reachable from it.
+
+    ``hints``: when the core's message names an argument (``force=True``), the magic's
+    spelling of it is added."""
+    __tracebackhide__ = True
+    message = None
+    try:
+        action()
+    except (MetaInitError, ValueError, TypeError, OSError) as exc:
+        if isinstance(exc, OSError) and exc.filename is None and exc.strerror:
+            text = exc.strerror  # already in the user's words: no "[Errno n]"
+        else:
+            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+        for argument, hint in (hints or {}).items():
+            if argument in text:
+                text += hint
+        message = f"%{magic}: {text}"
+    if message is not None:
+        raise UsageError(message)

@@ -37,6 +37,9 @@ from jupyter_metainit.jupyter.cell_runner import (
 )
 from jupyter_metainit.jupyter.cell_watch import watch_cells
 from jupyter_metainit.jupyter.magic_options import (
+    as_options,
+    input_shapes,
+    one_line_errors,
     parse_depth,
     parse_device,
     parse_dtype,
@@ -177,7 +180,7 @@ class MetaInitMagics(Magics):
         dtype = parse_dtype(args.dtype)
         start = time.perf_counter()
         # keep_cache: so that %dematerialize can make it deferred again later.
-        _one_line_errors(
+        one_line_errors(
             "materialize", lambda: materialize(obj, device, dtype=dtype, rng=args.rng,
                                                keep_cache=True),
             {"device='cpu'": f" With the magic: %materialize {expr} --device cpu"},
@@ -201,7 +204,7 @@ class MetaInitMagics(Magics):
         """
         __tracebackhide__ = True
         expr, obj, args = self._target("dematerialize", line)
-        _one_line_errors(
+        one_line_errors(
             "dematerialize",
             lambda: dematerialize(obj, force=args.force),
             {"force=True": f" With the magic: %dematerialize {expr} --force"},
@@ -229,23 +232,42 @@ class MetaInitMagics(Magics):
         if not expr and self._model_or_none(path) is not None:
             raise UsageError(f"%save: missing PATH (e.g. %save {path} ./checkpoint)")
         obj = self._model_or_none(expr)
-        if obj is None and self.ipython_save is not None:
+        if obj is None and self.ipython_save is not None and self._history_save(line):
             return self.ipython_save(line)
         if obj is None:
             raise UsageError(
-                "%save: usage: %save EXPR PATH [--format dcp] (EXPR a module or a dict of "
-                "tensors, PATH the directory to write)"
+                f"%save: {self._not_a_model(expr)}; usage: %save EXPR PATH [--format dcp] (EXPR "
+                "a module or a dict of tensors, PATH the directory to write; IPython's own "
+                "%save FILENAME RANGES saves input history)"
             )
         args = parse_argstring(self.save, options)
         if args.expr:
             raise UsageError(f"%save: unexpected argument(s) {' '.join(args.expr)!r}")
         dtype = parse_dtype(args.dtype)
         start = time.perf_counter()
-        _one_line_errors("save", lambda: save_checkpoint(obj, path.strip("'\""), format=args.format,
+        one_line_errors("save", lambda: save_checkpoint(obj, path.strip("'\""), format=args.format,
                                               max_shard_size=args.max_shard_size, dtype=dtype,
                                               progress=True))  # fmt: skip
         elapsed = time.perf_counter() - start
         print(f"saved {expr} to {path} ({args.format}) in {format_duration(elapsed)}")
+
+    def _history_save(self, line: str) -> bool:
+        """Is ``line`` one for IPython's own ``%save`` (history ranges it can find)?"""
+        opts, args = self.parse_options(line, "fra", mode="list")
+        try:
+            self.shell.find_user_code(" ".join(args[1:]), raw="r" in opts, py_only=True)
+        except (TypeError, ValueError, IndexError):
+            return False
+        return True
+
+    def _not_a_model(self, expr: str) -> str:
+        try:
+            value = self.shell.ev(expr)
+        except Exception as exc:
+            return f"cannot evaluate {expr!r}: {exc} ({type(exc).__name__})"
+        if isinstance(value, torch.Tensor):
+            return f"{expr} is a tensor, not a module: save a dict, %save {{'w': {expr}}} PATH"
+        return f"{expr} is a {type(value).__name__}, not a module"
 
     def _model_or_none(self, expr: str) -> Any:
         """EXPR's value if it is a module or a dict of tensors (what %save writes), else None."""
@@ -297,6 +319,7 @@ class MetaInitMagics(Magics):
     )
     @argument("--batch", metavar="N", type=int, default=1, help="Samples per step (default 1).")
     @argument("--seq-len", metavar="N", type=int, help="Tokens per sample (prompt + generated).")
+    @argument("--inputs", metavar="SHAPES", help="Or the inputs' shapes: '(8, 3, 224, 224)'.")
     @argument(
         "--training", action="store_true", help="Plan one training step (default: inference)."
     )
@@ -332,35 +355,16 @@ class MetaInitMagics(Magics):
             )
             pins = name_value_pairs(args.pin or "", option="--pin", example="lm_head=cuda:0")
             plan = place(obj, devices, batch=args.batch, seq_len=args.seq_len,
+                         inputs=input_shapes(args.inputs),
                          training=args.training, optimizer=args.optimizer,
                          precision=args.precision, pin=pins or None,
                          strategy=args.strategy, world_size=args.world_size)  # fmt: skip
         except (MetaInitError, ValueError, TypeError) as exc:
             text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            message = f"%place: {text.replace('seq_len=', '--seq-len ')}"
+            message = "%place: " + as_options(text)
         if message is not None:
             raise UsageError(message)
         return plan.table if args.table else plan
-
-
-def _one_line_errors(magic: str, action: Any, hints: dict[str, str] | None = None) -> None:
-    """Run ``action``; a refusal or failure of the core is one ``UsageError`` line, raised
-    outside the handler so that nothing of the failed work stays reachable from it.
-
-    ``hints``: when the core's message names an argument (``force=True``), the magic's
-    spelling of it is added."""
-    __tracebackhide__ = True
-    message = None
-    try:
-        action()
-    except (MetaInitError, ValueError, TypeError, OSError) as exc:
-        text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-        for argument, hint in (hints or {}).items():
-            if argument in text:
-                text += hint
-        message = f"%{magic}: {text}"
-    if message is not None:
-        raise UsageError(message)
 
 
 def _magic_names() -> Iterable[tuple[str, str]]:

@@ -73,9 +73,11 @@ def write_checkpoint(
     )
     stale = stale or _is_shard_file
     refuse_overwriting_sources(state, destination, written=layout.files, stale=stale)
-    bar = Progress(progress, sum(e.nbytes for es in layout.files.values() for e in es))
+    total = sum(e.nbytes for es in layout.files.values() for e in es)
+    bar: Progress | None = None
     try:
         with staging_directory(destination) as staging:
+            bar = Progress(progress, total)  # once there is somewhere to write
             if code_files is not None:
                 code_files(staging)
             _write_transformers_files(obj, staging, dtype)
@@ -91,11 +93,12 @@ def write_checkpoint(
         raise OSError(
             errno.ENOSPC,
             f"no space left on the device of {destination} for the checkpoint "
-            f"({format_bytes(bar.total)} of weights): free some space or save elsewhere. "
+            f"({format_bytes(total)} of weights): free some space or save elsewhere. "
             "Nothing was saved",
         ) from None
     finally:
-        bar.close()
+        if bar is not None:
+            bar.close()
     return destination
 
 

@@ -66,15 +66,24 @@ def staging_directory(
     staging directory (ranks of a ``torch.distributed`` save); only the ``owner`` makes and
     removes it (the others must wait for it, e.g. at a barrier)."""
     made = _first_missing(destination) if owner else None
-    if owner:
-        os.makedirs(destination, exist_ok=True)
-    if shared_name is None:
-        staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=destination)
-    else:
-        staging = os.path.join(destination, STAGING_PREFIX + shared_name)
+    try:
         if owner:
-            shutil.rmtree(staging, ignore_errors=True)  # what a killed save of ours left
-            os.makedirs(staging)
+            os.makedirs(destination, exist_ok=True)
+        if shared_name is None:
+            staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=destination)
+        else:
+            staging = os.path.join(destination, STAGING_PREFIX + shared_name)
+            if owner:
+                shutil.rmtree(staging, ignore_errors=True)  # what a killed save of ours left
+                os.makedirs(staging)
+    except OSError as exc:  # said about the path the user gave, with what to do
+        if made is not None:
+            _remove_empty_up_to(destination, made)
+        raise OSError(
+            exc.errno,
+            f"cannot write to {destination} ({exc.strerror}): choose a directory you can "
+            "write to. Nothing was written",
+        ) from None
     finished = False
     try:
         yield staging

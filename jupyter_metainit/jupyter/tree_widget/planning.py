@@ -11,7 +11,6 @@ the pinned parts; ``unpin`` drops every pin.
 
 from __future__ import annotations
 
-import ast
 import time
 from collections.abc import Callable
 from typing import Any
@@ -25,6 +24,7 @@ from jupyter_metainit.core import (
     parse_dtype,
 )
 from jupyter_metainit.estimates.fit import device_budget
+from jupyter_metainit.jupyter.magic_options import MAX_DIMENSION, input_shapes
 from jupyter_metainit.jupyter.tree_widget.actions import ActionCancelled
 from jupyter_metainit.jupyter.tree_widget.saving import prepare_save
 from jupyter_metainit.jupyter.tree_widget.wording import modules_in_words
@@ -34,7 +34,7 @@ from jupyter_metainit.plan.devices import name_value_pairs
 __all__ = ["TreePlanning", "parse_device_text", "plan_payload"]
 
 Job = Callable[[], str]
-_MAX_BATCH = 1 << 20
+_MAX_BATCH = MAX_DIMENSION
 
 
 def parse_device_text(text: Any) -> dict[str, Any] | str:
@@ -76,32 +76,6 @@ def _check_count(value: Any, what: str, *, optional: bool = False) -> int | None
             f"Refused: {what} must be a whole number from 1 to {_MAX_BATCH:,}, not {value!r}."
         )
     return value
-
-
-def _input_shapes(text: Any) -> list[tuple[int, ...]] | None:
-    """The plan bar's Inputs: one shape ``(8, 3, 224, 224)`` or several, batch included, for
-    ``place(inputs=...)``; None when empty."""
-    if text is None or (isinstance(text, str) and not text.strip()):
-        return None
-    try:
-        value = ast.literal_eval(text) if isinstance(text, str) else None
-    except (ValueError, SyntaxError):
-        value = None
-    shapes = [value] if _is_shape(value) else value
-    if not isinstance(shapes, (list, tuple)) or not shapes or not all(map(_is_shape, shapes)):
-        raise ValueError(
-            "Refused: Inputs must be shapes of whole numbers, e.g. (8, 3, 224, 224), or "
-            f"(8, 3, 224, 224), (8,) for two inputs; not {text!r}."
-        )
-    return [tuple(shape) for shape in shapes]
-
-
-def _is_shape(value: Any) -> bool:
-    return (
-        isinstance(value, (list, tuple))
-        and len(value) > 0
-        and all(type(d) is int and 1 <= d <= _MAX_BATCH for d in value)
-    )
 
 
 def _node_devices(
@@ -219,7 +193,7 @@ class TreePlanning:
                 "batch": _check_count(content.get("batch", 1), "batch"),
                 "seq_len": _check_count(content.get("seq_len"), "seq len", optional=True),
                 "training": bool(content.get("training", False)),
-                "inputs": _input_shapes(content.get("inputs")),
+                "inputs": input_shapes(content.get("inputs")),
             }
             if request["seq_len"] is None and request["inputs"] is None:
                 raise ValueError(

@@ -59,6 +59,8 @@ def prepare_save(widget: Any, content: dict) -> tuple[str, Callable[[], str]]:
         except ActionCancelled:
             raise ActionCancelled(f"nothing was written to {destination}.") from None
         except OSError as exc:  # the file system's answer, about the path the user typed
+            if exc.filename is None:  # save said it already, in the user's words
+                raise OSError(exc.strerror or str(exc)) from None
             raise OSError(
                 f"cannot write to {destination} ({exc.strerror or exc}); choose a directory "
                 "you can write to. Nothing was saved"
