@@ -111,6 +111,11 @@ def test_dtype_whatif_keeps_integer_buffers():
     assert table.loc["", "nonpersistent_bytes"] == 48  # int64 buffer untouched
 
 
+@pytest.mark.parametrize(("dtype", "nbytes"), [("int2", 16), ("uint4", 32), ("int3", 24)])
+def test_dtype_whatif_counts_torchs_sub_byte_dtypes_at_their_bits(dtype, nbytes):
+    assert memory_table(nn.Linear(8, 8, bias=False), dtype=dtype).loc["", "total_bytes"] == nbytes
+
+
 def test_dtype_whatif_int4_is_half_a_byte():
     assert memory_table(nn.Linear(8, 8, bias=False), dtype="int4").loc["", "total_bytes"] == 32
 

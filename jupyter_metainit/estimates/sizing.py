@@ -7,6 +7,8 @@ Use these to read ``memory_table(dtype=..., optimizer=...)``: they turn the user
 
 from __future__ import annotations
 
+import re
+
 import torch
 
 from jupyter_metainit.core import dtype_name, parse_dtype
@@ -40,7 +42,10 @@ def whatif_bits(dtype: torch.dtype | str | None) -> tuple[int | None, str | None
     if dtype is None:
         return None, None
     if isinstance(dtype, torch.dtype):
-        return dtype.itemsize * 8, dtype_name(dtype)
+        name = dtype_name(dtype)
+        # torch's sub-byte dtypes (int1..int7, uint1..uint7) report one byte per element
+        sub_byte = re.fullmatch(r"u?int([1-7])", name)
+        return (int(sub_byte.group(1)) if sub_byte else dtype.itemsize * 8), name
     key = str(dtype).lower().removeprefix("torch.")
     if key in _WHATIF_ONLY_BITS:
         return _WHATIF_ONLY_BITS[key], _WHATIF_CANONICAL.get(key, key)
