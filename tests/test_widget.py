@@ -489,6 +489,16 @@ def test_a_module_changed_under_the_tree_turns_the_actions_off_and_says_which(ch
     assert is_deferred(model.embed.weight) and is_deferred(model.layers[-1])  # nothing was done
 
 
+@pytest.mark.usefixtures("watching")
+def test_a_cell_that_deletes_a_module_turns_the_actions_off_when_it_ends(shell):
+    with meta_init():
+        model = Net()
+    shell.user_ns["model"] = model
+    w = explore(model)
+    assert shell.run_cell("del model.layers[1]").success
+    assert w.model_gone and "(`model.layers[1]` was added, removed or replaced)" in w.error
+
+
 def test_an_action_that_fails_unexpectedly_leaves_the_widget_idle_and_says_so(net):
     w = explore(net)
     w._launch("save", lambda: 1 / 0, ())

@@ -23,6 +23,8 @@ class _CellWatch:
         self.shell: Any = None
         self.running = False
         self.waiting: weakref.WeakSet[Any] = weakref.WeakSet()  # widgets with a queued action
+        # widgets told after each cell, which may have changed their model's modules
+        self.followers: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def watch(self, shell: Any) -> None:
         if shell is None or shell is self.shell or not hasattr(shell, "events"):
@@ -42,6 +44,8 @@ class _CellWatch:
         for widget in list(self.waiting):
             self.waiting.discard(widget)
             widget._run_queued()
+        for widget in list(self.followers):
+            widget.after_cell()
 
 
 cells = _CellWatch()

@@ -28,7 +28,7 @@ from torch import nn
 
 from jupyter_metainit.core import events, format_bytes, format_count, parse_dtype
 from jupyter_metainit.estimates import memory_table
-from jupyter_metainit.jupyter.cell_watch import watch_cells
+from jupyter_metainit.jupyter.cell_watch import cells, watch_cells
 from jupyter_metainit.jupyter.module_tree import ModelGoneError, ModuleTree
 from jupyter_metainit.jupyter.tree_widget.actions import TreeActions
 from jupyter_metainit.jupyter.tree_widget.calls import PlanningCalls
@@ -168,6 +168,7 @@ class ModuleTreeWidget(
         self.selection = self._selection_summary()
         self.on_msg(self._on_msg)
         watch_cells()
+        cells.followers.add(self)
         events.subscribe(self._on_core_change)
         _live_widgets.add(self)
 

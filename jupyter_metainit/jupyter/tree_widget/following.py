@@ -75,6 +75,15 @@ class FollowsModel:
                     self.status = ""
                     self.error = ""
 
+    def after_cell(self) -> None:
+        """After each cell (``cell_watch``): a cell that deleted, replaced or added a module
+        (``del model.layers[0]``) turns the actions off now, not at the next click."""
+        if self.model_gone:
+            return
+        with contextlib.suppress(Exception):  # never in the way of the user's cells
+            if not self._tree.alive or self._tree.first_difference() is not None:
+                self.refresh()
+
     def mark_model_gone(self, why: str = MODEL_GONE) -> None:
         """The model was freed, or changed under the tree (``why``): say so, and turn every
         action off for good (the page greys its buttons, as when the kernel is gone)."""
@@ -89,7 +98,7 @@ class FollowsModel:
             return False
         changed = self._tree.first_difference()
         if changed is not None:
-            self.mark_model_gone(model_changed_in_words(changed))
+            self.mark_model_gone(model_changed_in_words(changed, self.var_name))
             return False
         with self._refresh_lock:
             stats = self._tree.stats()

@@ -27,9 +27,9 @@ MODEL_GONE = (
 )
 
 
-def model_changed_in_words(name: str) -> str:
+def model_changed_in_words(name: str, var_name: str = "model") -> str:
     """Why a tree no longer shows its model: a module was added, removed or replaced."""
-    where = f"`{name}`" if name else "its root"
+    where = f"`{code_path(var_name, name)}`" if name else "its root"
     return (
         f"The model changed since this tree was drawn ({where} was added, removed or replaced), "
         "so the tree no longer shows it. Nothing was done. Show it again with "
