@@ -17,7 +17,6 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core import format_bytes
 from jupyter_metainit.save.layout import (
     INDEX_NAME,
     WEIGHTS_NAME,
@@ -27,6 +26,7 @@ from jupyter_metainit.save.layout import (
     untie,
 )
 from jupyter_metainit.save.staging import (
+    no_space_error,
     publish_directory,
     refuse_overwriting_sources,
     staging_directory,
@@ -90,12 +90,7 @@ def write_checkpoint(
     except OSError as exc:
         if exc.errno != errno.ENOSPC:
             raise
-        raise OSError(
-            errno.ENOSPC,
-            f"no space left on the device of {destination} for the checkpoint "
-            f"({format_bytes(total)} of weights): free some space or save elsewhere. "
-            "Nothing was saved",
-        ) from None
+        raise no_space_error(destination, total) from None
     finally:
         if bar is not None:
             bar.close()

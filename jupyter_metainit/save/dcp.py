@@ -10,9 +10,6 @@ checkpoint made without ever holding the model.
 
 from __future__ import annotations
 
-import errno
-import os
-import shutil
 import warnings
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import Any
@@ -24,10 +21,11 @@ from torch.distributed.checkpoint import DefaultSavePlanner, FileSystemWriter
 from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.planner import SavePlan, WriteItem, WriteItemType
 
-from jupyter_metainit.core import format_bytes, is_deferred
+from jupyter_metainit.core import is_deferred
 from jupyter_metainit.save.layout import check_savable, state_dict_of
 from jupyter_metainit.save.staging import (
-    checked_destination,
+    disk_full_error,
+    is_dcp_file,
     publish_directory,
     staging_directory,
 )
@@ -121,8 +119,6 @@ def save_dcp(obj: Any, destination: str, *, dtype: torch.dtype | None, progress:
     state = _with_dtype(state, dtype)
     grouped = dist.is_available() and dist.is_initialized()
     coordinator = not grouped or dist.get_rank() == 0
-    if coordinator:
-        checked_destination(destination)
     bar = Progress(progress, _local_bytes(state))
     planner = ValuesOnDemandPlanner(bar)
     try:
@@ -136,44 +132,17 @@ def save_dcp(obj: Any, destination: str, *, dtype: torch.dtype | None, progress:
                 dcp.save(state, storage_writer=writer, planner=planner, no_dist=not grouped)
             bar.report(planner.done)
             if coordinator:
-                publish_directory(staging, destination, stale=_is_dcp_file)
+                publish_directory(staging, destination, stale=is_dcp_file)
             if grouped:
                 dist.barrier()
     except CheckpointException as exc:
-        raise _disk_full(destination, state) or _original(exc) from None
+        raise disk_full_error(destination, _local_bytes(state)) or _original(exc) from None
     except RuntimeError as exc:  # torch's writer on a full disk: "enforce fail ... unexpected pos"
-        raise _disk_full(destination, state) or exc from None
+        raise disk_full_error(destination, _local_bytes(state)) or exc from None
     finally:
         planner.close()
         bar.close()
     return destination
-
-
-def _is_dcp_file(name: str) -> bool:
-    """A file of an earlier DCP checkpoint: replaced or removed by this one (nothing else in the
-    directory is touched)."""
-    return name == ".metadata" or name.endswith(".distcp")
-
-
-def _disk_full(destination: str, state: dict[str, Any]) -> OSError | None:
-    """The error to raise when a failed save had no room left on the destination's device
-    (torch's own message then reads "enforce fail ... unexpected pos"), else None."""
-    needed = _local_bytes(state)
-    place = os.path.abspath(destination)
-    while not os.path.isdir(place):  # a directory the failed save made is gone again
-        place = os.path.dirname(place)
-    try:
-        free = shutil.disk_usage(place).free
-    except OSError:
-        return None
-    if free >= needed:
-        return None
-    return OSError(
-        errno.ENOSPC,
-        f"no space left on the device of {destination} for the checkpoint ({format_bytes(needed)} "
-        f"of tensors, {format_bytes(free)} free): free some space or save elsewhere. Nothing was "
-        "saved",
-    )
 
 
 def _original(exc: CheckpointException) -> BaseException:

@@ -7,10 +7,11 @@ be, and a save that succeeds touch nothing in the destination but its own files.
 The staging directory is a hidden directory *inside* the destination (made first if missing,
 with the permissions ``os.makedirs`` gives, as eager ``save_pretrained`` does): the final files
 are then on its file system whatever is mounted where (a volume mounted at the destination), and
-an existing destination needs no write permission on its parent. Publishing moves each finished
-file into place (``os.replace``; an index last, so that a reader never finds an index naming a
-shard that is not there yet), then removes the files of an earlier checkpoint that this one
-replaces (``stale``); the user's other files stay. :func:`refuse_overwriting_sources` refuses,
+an existing destination needs no write permission on its parent. Publishing is all or nothing:
+the files it replaces and those of an earlier checkpoint that this one makes stale (``stale``)
+are moved aside first, then each finished file moved into place (``os.replace``; an index last,
+so that a reader never finds an index naming a shard that is not there yet); any failure puts
+everything back. The user's other files stay. :func:`refuse_overwriting_sources` refuses,
 before anything is written, a save that would replace files its own deferred tensors are still
 read from (a model opened with ``from_pretrained`` inside ``meta_init``, saved back into its
 directory): they could never be materialized afterwards.
@@ -19,6 +20,7 @@ directory): they could never be materialized afterwards.
 from __future__ import annotations
 
 import contextlib
+import errno
 import os
 import shutil
 import tempfile
@@ -27,11 +29,14 @@ from contextlib import contextmanager
 
 import torch
 
-from jupyter_metainit.core import source_files
+from jupyter_metainit.core import format_bytes, source_files
 from jupyter_metainit.core.errors import MetaInitError
 
 __all__ = [
     "checked_destination",
+    "disk_full_error",
+    "is_dcp_file",
+    "no_space_error",
     "publish_directory",
     "refuse_overwriting_sources",
     "staging_directory",
@@ -188,16 +193,51 @@ def is_index(name: str) -> bool:
     return name.endswith(".index.json") or name == ".metadata"
 
 
+def is_dcp_file(name: str) -> bool:
+    """A file of a DCP checkpoint: what a DCP save there replaces or removes."""
+    return name == ".metadata" or name.endswith(".distcp")
+
+
+def no_space_error(destination: str, needed: int) -> OSError:
+    """What a save that ran out of room on the device of ``destination`` says: what it
+    needed, what is free there (on the directory that holds it, if it is gone again)."""
+    try:
+        free = f", {format_bytes(shutil.disk_usage(_existing_ancestor(destination)).free)} free"
+    except OSError:
+        free = ""
+    return OSError(
+        errno.ENOSPC,
+        f"no space left on the device of {destination} for the checkpoint ({format_bytes(needed)} "
+        f"of tensors{free}): free some space or save elsewhere. Nothing was saved",
+    )
+
+
+def disk_full_error(destination: str, needed: int) -> OSError | None:
+    """:func:`no_space_error` when a failure did not say why but the device lacks the room
+    (torch's DCP writer says "enforce fail ... unexpected pos"), else None."""
+    try:
+        free = shutil.disk_usage(_existing_ancestor(destination)).free
+    except OSError:
+        return None
+    return no_space_error(destination, needed) if free < needed else None
+
+
+def _existing_ancestor(path: str) -> str:
+    """``path`` if it is a directory, else the nearest directory above it."""
+    path = os.path.abspath(path)
+    while not os.path.isdir(path) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
 def _first_missing(path: str) -> str | None:
     """The outermost directory of ``path`` that does not exist yet (what ``makedirs`` makes)."""
-    missing = None
     path = os.path.abspath(path)
-    while not os.path.isdir(path):
-        missing, parent = path, os.path.dirname(path)
-        if parent == path:
-            break
-        path = parent
-    return missing
+    existing = _existing_ancestor(path)
+    if existing == path:
+        return None
+    relative = os.path.relpath(path, existing).split(os.sep)
+    return os.path.join(existing, relative[0])
 
 
 def _remove_empty_up_to(directory: str, top: str) -> None:

@@ -15,6 +15,7 @@ from jupyter_metainit.core import format_bytes, parse_dtype, tensor_values, uniq
 from jupyter_metainit.jupyter.tree_widget.actions import ActionCancelled
 from jupyter_metainit.jupyter.tree_widget.wording import modules_in_words
 from jupyter_metainit.save import save
+from jupyter_metainit.save.staging import is_dcp_file
 
 __all__ = ["FORMATS", "prepare_save", "written_in_words"]
 
@@ -105,7 +106,7 @@ def _checkpoint_files(directory: str, fmt: str) -> list[str]:
     if not os.path.isdir(directory):
         return []
     if fmt == "dcp":
-        return sorted(n for n in os.listdir(directory) if n == ".metadata" or n.endswith(".distcp"))
+        return sorted(filter(is_dcp_file, os.listdir(directory)))
     return sorted(
         name
         for name in os.listdir(directory)
