@@ -147,8 +147,7 @@ class TreeActions:
         if action not in _CHANGING_ACTIONS:
             self._notify(f"Unknown action {action!r}; nothing was done.")
             return
-        if not self._tree.alive or self._tree.first_difference() is not None:
-            self.refresh()  # turns the actions off, saying how the model changed
+        if self.model_changed():  # actions off, saying how it changed
             return
         if action not in ("materialize", "free"):  # plan, pin, save...: tree_widget/planning.py
             try:

@@ -81,8 +81,19 @@ class FollowsModel:
         if self.model_gone:
             return
         with contextlib.suppress(Exception):  # never in the way of the user's cells
-            if not self._tree.alive or self._tree.first_difference() is not None:
-                self.refresh()
+            self.model_changed()
+
+    def model_changed(self) -> bool:
+        """Whether the model was freed, or a module of it added, removed or replaced since the
+        tree was drawn; if so the actions are turned off, saying which."""
+        if not self._tree.alive:
+            self.mark_model_gone()
+            return True
+        changed = self._tree.first_difference()
+        if changed is not None:
+            self.mark_model_gone(model_changed_in_words(changed, self.var_name))
+            return True
+        return False
 
     def mark_model_gone(self, why: str = MODEL_GONE) -> None:
         """The model was freed, or changed under the tree (``why``): say so, and turn every
@@ -93,12 +104,7 @@ class FollowsModel:
     def refresh(self) -> bool:
         """Recompute every node's totals and state; send the page only the rows that changed.
         True if any row changed."""
-        if not self._tree.alive:
-            self.mark_model_gone()
-            return False
-        changed = self._tree.first_difference()
-        if changed is not None:
-            self.mark_model_gone(model_changed_in_words(changed, self.var_name))
+        if self.model_changed():
             return False
         with self._refresh_lock:
             stats = self._tree.stats()

@@ -34,7 +34,6 @@ from jupyter_metainit.plan.devices import name_value_pairs
 __all__ = ["TreePlanning", "parse_device_text", "plan_payload"]
 
 Job = Callable[[], str]
-_MAX_BATCH = MAX_DIMENSION
 
 
 def parse_device_text(text: Any) -> dict[str, Any] | str:
@@ -71,9 +70,9 @@ def _check_count(value: Any, what: str, *, optional: bool = False) -> int | None
         return None
     if isinstance(value, str) and value.strip().isdigit():
         value = int(value)
-    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= _MAX_BATCH:
+    if isinstance(value, bool) or not isinstance(value, int) or not 1 <= value <= MAX_DIMENSION:
         raise ValueError(
-            f"Refused: {what} must be a whole number from 1 to {_MAX_BATCH:,}, not {value!r}."
+            f"Refused: {what} must be a whole number from 1 to {MAX_DIMENSION:,}, not {value!r}."
         )
     return value
 
