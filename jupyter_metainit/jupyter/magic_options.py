@@ -224,16 +224,22 @@ def as_options(text: str) -> str:
     return re.sub(r"inputs=(\[\(.*?\)\])", r"--inputs '\1'", text).replace("inputs=", "--inputs ")
 
 
-def one_line_errors(magic: str, action: Any, hints: dict[str, str] | None = None) -> None:
-    """Run ``action``; a refusal or failure of the core is one ``UsageError`` line, raised
-    outside the handler so that nothing of the failed work stays reachable from it.
+def one_line_errors(
+    magic: str,
+    action: Any,
+    hints: dict[str, str] | None = None,
+    reword: Callable[[str], str] | None = None,
+) -> Any:
+    """Run ``action`` and return what it returns; a refusal or failure of the core is one
+    ``UsageError`` line, raised outside the handler so that nothing of the failed work stays
+    reachable from it.
 
     ``hints``: when the core's message names an argument (``force=True``), the magic's
-    spelling of it is added."""
+    spelling of it is added; ``reword``: the message in the magic's words (:func:`as_options`)."""
     __tracebackhide__ = True
     message = None
     try:
-        action()
+        return action()
     except (MetaInitError, ValueError, TypeError, OSError) as exc:
         if isinstance(exc, OSError) and exc.filename is None and exc.strerror:
             text = exc.strerror  # already in the user's words: no "[Errno n]"
@@ -242,6 +248,8 @@ def one_line_errors(magic: str, action: Any, hints: dict[str, str] | None = None
         for argument, hint in (hints or {}).items():
             if argument in text:
                 text += hint
+        if reword is not None:
+            text = reword(text)
         message = f"%{magic}: {text}"
     if message is not None:
         raise UsageError(message)

@@ -22,7 +22,6 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from torch import nn
 
 from jupyter_metainit.core import dematerialize, format_duration, materialize, meta_init
-from jupyter_metainit.core.errors import MetaInitError
 from jupyter_metainit.jupyter.cell_models import (
     is_set_up,
     new_bindings,
@@ -344,8 +343,8 @@ class MetaInitMagics(Magics):
         expr, obj, args = self._target("place", line)
         if not isinstance(obj, nn.Module):
             raise UsageError(f"%place: {expr} is a {type(obj).__name__}, not a torch.nn.Module")
-        message = None
-        try:
+
+        def plan_it() -> Any:
             devices = (
                 args.devices
                 if args.devices == "auto"
@@ -354,16 +353,13 @@ class MetaInitMagics(Magics):
                 )
             )
             pins = name_value_pairs(args.pin or "", option="--pin", example="lm_head=cuda:0")
-            plan = place(obj, devices, batch=args.batch, seq_len=args.seq_len,
+            return place(obj, devices, batch=args.batch, seq_len=args.seq_len,
                          inputs=input_shapes(args.inputs),
                          training=args.training, optimizer=args.optimizer,
                          precision=args.precision, pin=pins or None,
                          strategy=args.strategy, world_size=args.world_size)  # fmt: skip
-        except (MetaInitError, ValueError, TypeError) as exc:
-            text = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-            message = "%place: " + as_options(text)
-        if message is not None:
-            raise UsageError(message)
+
+        plan = one_line_errors("place", plan_it, reword=as_options)
         return plan.table if args.table else plan
 
 
