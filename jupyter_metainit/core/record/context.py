@@ -32,6 +32,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 from jupyter_metainit.core.record.devices import (
     DATA_FACTORIES,
     FACTORIES,
+    LIKE_FACTORIES,
     data_factory,
     handle_function,
     pending,
@@ -159,11 +160,10 @@ class _FunctionMode(TorchFunctionMode):
 _TO = torch.Tensor.to
 
 # Factories that read only the metadata of their tensor argument (shape, strides, dtype).
-_METADATA_INPUT = frozenset({
-    torch.empty_like, torch.zeros_like, torch.ones_like, torch.full_like, torch.rand_like,
-    torch.randn_like, torch.randint_like, torch.Tensor.new_empty, torch.Tensor.new_zeros,
-    torch.Tensor.new_ones, torch.Tensor.new_full, torch.Tensor.new_empty_strided,
-})  # fmt: skip
+_METADATA_INPUT = LIKE_FACTORIES | {
+    torch.Tensor.new_empty, torch.Tensor.new_zeros, torch.Tensor.new_ones, torch.Tensor.new_full,
+    torch.Tensor.new_empty_strided,
+}  # fmt: skip
 
 
 def _stand_in_for_meta_input(func: Any, args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -29,6 +29,7 @@ from jupyter_metainit.core.runtime.plain import plain, subclass_functions_off
 __all__ = [
     "DATA_FACTORIES",
     "FACTORIES",
+    "LIKE_FACTORIES",
     "TO_METHODS",
     "data_factory",
     "handle_function",
@@ -51,10 +52,11 @@ FACTORIES = {
     torch.normal, torch.empty_permuted, torch.zeros_like, torch.ones_like, torch.empty_like,
     torch.full_like, torch.rand_like, torch.randn_like, torch.randint_like,
 }  # fmt: skip
-_LIKE = {
+# Factories shaped after their tensor argument (its metadata only, never its values).
+LIKE_FACTORIES = frozenset({
     torch.zeros_like, torch.ones_like, torch.empty_like, torch.full_like, torch.rand_like,
     torch.randn_like, torch.randint_like,
-}  # fmt: skip
+})  # fmt: skip
 TO_METHODS = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.type}
 # Autograd entry points: deferred tensors keep ``requires_grad`` in Python and have no graph.
 _AUTOGRAD_CALLS = {
@@ -100,7 +102,7 @@ def rewrite_device(func: Any, args: tuple, kwargs: dict, in_context: bool) -> An
     """
     device = kwargs.get("device")
     implicit = device is None
-    if implicit and not (in_context and func in FACTORIES and func not in _LIKE):
+    if implicit and not (in_context and func in FACTORIES and func not in LIKE_FACTORIES):
         with subclass_functions_off():
             return func(*args, **kwargs)
     if implicit and _has_tensor_argument(args, kwargs):
