@@ -36,10 +36,9 @@ def state_bytes_per_parameter(optimizer: str | float | None, state_itemsize: int
 
 
 def _tensors(part: Part) -> dict[int, tuple]:
-    """id -> (tensor, is_parameter) for every parameter and buffer of the part, once: its
-    module's subtree, or for an ``own_only`` part the module's own tensors."""
+    """id -> (tensor, is_parameter) for every parameter and buffer of the part, once."""
     found: dict[int, tuple] = {}
-    for m in [part.module] if part.own_only else part.module.modules():
+    for m in part.modules():
         for slots, is_param in ((m._parameters, True), (m._buffers, False)):
             for t in slots.values():
                 if t is not None:

@@ -41,11 +41,14 @@ class Part:
     # Such a part runs no forward of its own and is named after its module.
     own_only: bool = False
 
+    def modules(self) -> list[nn.Module]:
+        """The modules whose own parameters and buffers this part holds: its module's subtree,
+        or for an ``own_only`` part the module alone."""
+        return [self.module] if self.own_only else list(self.module.modules())
+
     def tensors(self) -> list[torch.Tensor]:
         """The parameters and buffers this part holds (a tied one once per holder)."""
-        if self.own_only:
-            return own_tensors(self.module)
-        return [t for m in self.module.modules() for t in own_tensors(m)]
+        return [t for m in self.modules() for t in own_tensors(m)]
 
     def tensor_names(self) -> list[str]:
         """Qualified names of an ``own_only`` part's tensors, as a device map names them."""
