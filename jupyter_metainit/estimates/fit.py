@@ -2,38 +2,23 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 
 import pandas as pd
 import torch
 from torch import nn
 
-from jupyter_metainit.core import available_memory, meta_init
+from jupyter_metainit.core import available_memory, meta_init, parse_size
 from jupyter_metainit.estimates._arguments import check_budget, check_device, require_module
 from jupyter_metainit.estimates.memory import memory_table
 
 __all__ = ["fits"]
 
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?i?b?)\s*$", re.IGNORECASE)
-_FACTORS = {"": 1, "b": 1}
-for _i, _p in enumerate("kmgtp", start=1):
-    _FACTORS[_p] = _FACTORS[_p + "b"] = 1000**_i
-    _FACTORS[_p + "i"] = _FACTORS[_p + "ib"] = 1024**_i
-
 
 def parse_bytes(budget: int | float | str) -> int:
-    """``"24GiB"`` -> 25769803776, ``"80GB"`` -> 80000000000, numbers are bytes."""
-    if isinstance(budget, (int, float)):
-        if budget != budget or budget in (float("inf"), float("-inf")):
-            raise ValueError(f"budget must be a finite number of bytes, not {budget!r}")
-        return int(budget)
-    if not isinstance(budget, str):
-        raise TypeError(f"budget must be bytes or a size such as '24GiB', not {budget!r}")
-    match = _SIZE.match(budget)
-    if not match:
-        raise ValueError(f"cannot read a memory size from {budget!r} (e.g. '24GiB', '80GB')")
-    return int(float(match.group(1)) * _FACTORS[match.group(2).lower()])
+    """``"24GiB"`` -> 25769803776, ``"80GB"`` -> 80000000000, numbers are bytes (the core's
+    one size grammar, ``parse_size``)."""
+    return parse_size(budget, "budget")
 
 
 def device_budget(device: str | torch.device) -> int:

@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from jupyter_metainit.core import parse_size as core_parse_size
 from jupyter_metainit.core import storage_of, tensor_state
 from jupyter_metainit.save.safetensors_file import FileEntry
 
@@ -25,8 +26,6 @@ __all__ = [
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
 
 
 @dataclass
@@ -48,13 +47,9 @@ def file_names(variant: str | None = None) -> tuple[str, str]:
 
 
 def parse_size(size: int | str) -> int:
-    """``"5GB"`` (decimal, as huggingface_hub reads it), ``"4GiB"`` or a number of bytes."""
-    if isinstance(size, int):
-        return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", str(size).upper())
-    if match is None:
-        raise ValueError(f"max_shard_size must be bytes or like '5GB' / '500MB', not {size!r}")
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
+    """``"5GB"`` (decimal, as transformers reads it), ``"4GiB"`` or a number of bytes: the core's
+    one size grammar."""
+    return core_parse_size(size, "max_shard_size")
 
 
 def state_dict_of(obj: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

@@ -53,14 +53,11 @@ from jupyter_metainit.core.record.dispatch.views import (
 from jupyter_metainit.core.record.lazy import lazy_module_support
 from jupyter_metainit.core.record.ops import user_frame
 from jupyter_metainit.core.record.process_wrappers import process_wrappers
-from jupyter_metainit.core.record.state import (
-    canonical_device,
-    tls,
-)
+from jupyter_metainit.core.record.state import tls
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.record.value_reader import value_reader
 from jupyter_metainit.core.rng.streams import flush_all
-from jupyter_metainit.core.runtime.arguments import check_floating_dtype
+from jupyter_metainit.core.runtime.arguments import check_floating_dtype, indexed_device
 from jupyter_metainit.core.runtime.interrupts import (
     check as check_interrupts,
 )
@@ -177,7 +174,7 @@ def _stand_in_for_meta_input(func: Any, args: tuple, kwargs: dict) -> tuple[tupl
     x = args[0] if args else kwargs.get("input")
     if not isinstance(x, torch.Tensor) or isinstance(x, DeferredTensor) or not x.is_meta:
         return args, kwargs
-    target = canonical_device(kwargs["device"])
+    target = indexed_device(kwargs["device"])
     if target.type == "meta":
         return args, kwargs
     with pending(target):
@@ -259,7 +256,7 @@ class meta_init(contextlib.ContextDecorator):
     """
 
     def __init__(self, device: Any = None, dtype: torch.dtype | None = None) -> None:
-        self.device = canonical_device(device) if device is not None else None
+        self.device = indexed_device(device) if device is not None else None
         self.dtype = check_floating_dtype(
             dtype, arg="meta_init(dtype=...)", not_floating=TypeError,
             use="it is the block's default floating dtype (use torch.bfloat16, torch.float16, "

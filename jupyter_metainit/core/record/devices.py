@@ -21,8 +21,9 @@ from jupyter_metainit.core.record.dispatch.reads import read_value
 from jupyter_metainit.core.record.dispatch.views import meta_factory
 from jupyter_metainit.core.record.dispatch.whole_calls import SUBCLASS_SENSITIVE, record_call
 from jupyter_metainit.core.record.ops import user_frame
-from jupyter_metainit.core.record.state import canonical_device, default_device, dtype_override, tls
+from jupyter_metainit.core.record.state import default_device, dtype_override, tls
 from jupyter_metainit.core.record.tensor import SAVE_INSTEAD, SHARE_MEMORY_ATTR, DeferredTensor
+from jupyter_metainit.core.runtime.arguments import indexed_device
 from jupyter_metainit.core.runtime.interrupts import critical, handling_interrupts
 from jupyter_metainit.core.runtime.plain import plain, subclass_functions_off
 
@@ -108,7 +109,7 @@ def rewrite_device(func: Any, args: tuple, kwargs: dict, in_context: bool) -> An
     if implicit and _has_tensor_argument(args, kwargs):
         with subclass_functions_off():
             return func(*args, **kwargs)
-    target = canonical_device(device) if device is not None else default_device()
+    target = indexed_device(device) if device is not None else default_device()
     if target.type == "meta":
         with subclass_functions_off():
             if func in FACTORIES and not _has_tensor_argument(args, kwargs):
@@ -135,7 +136,7 @@ def data_factory(func: Any, args: tuple, kwargs: dict) -> DeferredTensor:
         kwargs.setdefault("device", self.device)
         func, args = torch.tensor, (data,)
     device = kwargs.pop("device", None)
-    target = canonical_device(device) if device is not None else default_device()
+    target = indexed_device(device) if device is not None else default_device()
     data = args[0] if args else kwargs.get("obj", kwargs.get("data"))
     region = (
         storage_region(data) if isinstance(data, (torch.UntypedStorage, torch.Tensor)) else None
@@ -189,7 +190,7 @@ def retarget(func: Any, self: DeferredTensor, args: tuple, kwargs: dict) -> Any:
     elif func is torch.Tensor.cuda:
         device = args[0] if args else kwargs.get("device")
         device, dtype, copy = (
-            canonical_device(device if device is not None else "cuda"),
+            indexed_device(device if device is not None else "cuda"),
             None,
             False,
         )
@@ -209,7 +210,7 @@ def retarget(func: Any, self: DeferredTensor, args: tuple, kwargs: dict) -> Any:
                     self, dtype=dtype or self.dtype, memory_format=memory_format
                 )
         if device is not None:
-            device = canonical_device(device)
+            device = indexed_device(device)
     device = device or self.device
     dtype = dtype or self.dtype
     if device == self.device and dtype == self.dtype and not copy:

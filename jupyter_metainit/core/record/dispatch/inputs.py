@@ -27,8 +27,9 @@ from jupyter_metainit.core.record.graph import (
     next_seq,
 )
 from jupyter_metainit.core.record.ops import Where, user_frame
-from jupyter_metainit.core.record.state import canonical_device, default_device, tls
+from jupyter_metainit.core.record.state import default_device, tls
 from jupyter_metainit.core.record.tensor import DeferredTensor
+from jupyter_metainit.core.runtime.arguments import indexed_device
 from jupyter_metainit.core.runtime.digest import digest
 from jupyter_metainit.core.runtime.plain import iter_args, plain
 
@@ -129,7 +130,7 @@ def output_device(kwargs: dict, flat: list) -> torch.device:
         return tls.pending_device
     dev = kwargs.get("device")
     if dev is not None and torch.device(dev).type != "meta":
-        return canonical_device(dev)
+        return indexed_device(dev)
     for x in flat:
         if isinstance(x, DeferredTensor):
             return x.device
