@@ -8,9 +8,11 @@ pay for neither.
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 from jupyter_metainit.core import (
+    at_meta_init_edges,
     clear_meta_init_cache,
     dematerialize,
     is_deferred,
@@ -19,17 +21,29 @@ from jupyter_metainit.core import (
     meta_init,
     skip_init,
 )
-
-# Installs the save_pretrained hook: a deferred transformers model's save_pretrained writes
-# through jupyter_metainit.save (transformers is not imported here; the hook waits for it).
-from jupyter_metainit.save import hook as _save_pretrained_hook  # noqa: F401
-
-globals().pop("save", None)  # importing it bound the package here: ``save`` stays the function
+from jupyter_metainit.core.errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    BusyError,
+    DeferredDataError,
+    MaterializationError,
+    MetaInitError,
+    NotEnoughMemoryError,
+    UnsupportedOperatorError,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentError",
+    "ArgumentTypeError",
+    "BusyError",
+    "DeferredDataError",
+    "MaterializationError",
+    "MetaInitError",
     "ModuleTreeWidget",
+    "NotEnoughMemoryError",
+    "UnsupportedOperatorError",
     "clear_meta_init_cache",
     "dematerialize",
     "dry_run",
@@ -62,6 +76,22 @@ _LAZY = {
     "unload_ipython_extension": "jupyter_metainit.jupyter.magics",
     "save": "jupyter_metainit.save",
 }
+
+
+def _divert_save_pretrained() -> None:
+    """A deferred transformers model's ``save_pretrained`` writes eager's files through
+    ``save``: installed when deferred models can first exist, never at import (see
+    ``save/hook.py``). Runs at every outermost ``meta_init`` edge, so it stays cheap."""
+    global _diverted
+    if not _diverted and "transformers.modeling_utils" in sys.modules:
+        from jupyter_metainit.save.hook import install_save_pretrained
+
+        _diverted = install_save_pretrained()
+        globals().pop("save", None)  # importing the package bound it here: keep the function
+
+
+_diverted = False
+at_meta_init_edges(_divert_save_pretrained)
 
 
 def __getattr__(name: str) -> Any:

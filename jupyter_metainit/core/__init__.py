@@ -17,6 +17,8 @@ public face; ``errors`` beside it holds the exceptions.
 - the lock and events: ``busy_with`` (what holds the lock), ``events`` (the module
   ``core.runtime.events``: ``events.subscribe(callback)``, ``events.publish(kind, tensors)``);
 - ``plain``: run real tensor code with every interception off;
+- ``at_meta_init_edges(callback)``: run something when a thread enters or leaves its outermost
+  ``meta_init`` block (the save_pretrained diversion installs itself then, not at import);
 - for ``materialize_sharded``: ``iter_deferred``, ``progress_callback``,
   ``noting_whole_intermediates``;
 - one parser per kind of argument (Note [One argument policy] in ``runtime/arguments``):
@@ -52,7 +54,7 @@ from jupyter_metainit.core.materialize.walk import (
     storage_of,
     unique_tensors,
 )
-from jupyter_metainit.core.record.context import is_meta_init, meta_init
+from jupyter_metainit.core.record.context import at_meta_init_edges, is_meta_init, meta_init
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.replay import noting_whole_intermediates, values_to_write
 from jupyter_metainit.core.runtime import events
@@ -85,8 +87,9 @@ __all__ = [
 
 # The upper layers' face (see the docstring): public names of the core, not listed for users.
 UPPER_LAYER_FACE = (
-    available_memory, busy_with, copy_user_attributes, counted_attributes, dtype_name, events,
-    format_bytes, format_count, format_duration, indexed_device, is_out_of_memory, iter_deferred,
+    at_meta_init_edges, available_memory, busy_with, copy_user_attributes, counted_attributes,
+    dtype_name, events, format_bytes, format_count, format_duration, indexed_device,
+    is_out_of_memory, iter_deferred,
     local_tensor, missing_device_reason, named_tensors, noting_whole_intermediates, own_tensors,
     parse_device, parse_dtype, parse_size, plain, progress_callback, source_files, storage_of,
     unique_tensors, values_to_write,

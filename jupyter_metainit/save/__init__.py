@@ -18,7 +18,6 @@ import torch
 
 from jupyter_metainit.core import parse_dtype
 from jupyter_metainit.save.checkpoint import write_checkpoint
-from jupyter_metainit.save.hook import install_save_pretrained
 from jupyter_metainit.save.layout import state_dict_of
 from jupyter_metainit.save.staging import checked_destination
 
@@ -88,6 +87,3 @@ class _CallableModule(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _CallableModule
-# A deferred transformers model's save_pretrained writes through save (from now on, or once
-# transformers is imported). ``import jupyter_metainit`` imports this package for it.
-install_save_pretrained()
