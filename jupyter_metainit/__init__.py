@@ -1,7 +1,8 @@
 """Build PyTorch models of any size without allocating them; materialize exactly the parts you need.
 
-The core (``meta_init``, ``materialize``, ...) imports only ``torch``. The estimates (pandas) and
-the Jupyter layer (IPython, anywidget) load on first use, so scripts and distributed launchers
+The core (``meta_init``, ``materialize``, ...) imports only ``torch`` and ``numpy``. The
+estimates (pandas) and the Jupyter layer (IPython, anywidget) load on first use, so scripts and
+distributed launchers
 pay for neither.
 """
 

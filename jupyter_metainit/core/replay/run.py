@@ -374,7 +374,7 @@ def execute(
         run = Run(p, device, rng, progress, retain)
         run.memory = memory
         workers, done = threads or (available_cores() if one_stream or len(p.ops) > 1 else 1), set()
-        if one_stream and run.random.name == "exact" and workers > 1 and device == _CPU:
+        if one_stream and run.random.fills_as_one_stream and workers > 1 and device == _CPU:
             done = run_stream_fills(run, p.ops, workers, on_filled)  # a lone fill's too
         cores = workers if len(p.ops) > 1 else 1
         split = run.random.parallel_groups(p.ops, cores) if cores > 1 and not done else None
