@@ -2,8 +2,7 @@
 
 The core (``meta_init``, ``materialize``, ...) imports only ``torch`` and ``numpy``. The
 estimates (pandas) and the Jupyter layer (IPython, anywidget) load on first use, so scripts and
-distributed launchers
-pay for neither.
+distributed launchers pay for neither.
 """
 
 from __future__ import annotations
