@@ -63,7 +63,7 @@ from jupyter_metainit.core.record.graph import (
 from jupyter_metainit.core.record.ops import OpInfo, Where, bind_arguments, op_info
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.record.value_reader import value_reader
-from jupyter_metainit.core.runtime.plain import iter_args, map_args
+from jupyter_metainit.core.runtime.plain import iter_args, map_args, plain
 
 aten = torch.ops.aten
 
@@ -132,7 +132,7 @@ def _outputs_metadata(call: _Call) -> tuple[Any, list | None, bool]:
     kernels answered), and whether the first item is already the op's final result (a sparse or
     nested result, computed now)."""
     func, info, where = call.func, call.info, call.where
-    meta_args, meta_kwargs = call.meta_args, call.meta_kwargs
+    meta_args, meta_kwargs = _dense_for_sparse_factor(func, call.meta_args), call.meta_kwargs
     try:
         out = cpu_layout(func, meta_outputs(func, call.bound, meta_args, meta_kwargs, info))
         if not_strided(out):
@@ -151,6 +151,30 @@ def _outputs_metadata(call: _Call) -> tuple[Any, list | None, bool]:
             raise
         return _outputs_from_values(call)
     return out, None, False
+
+
+# Products of a real sparse matrix (the argument at this index) and dense tensors, as a graph
+# model's forward computes ``adj @ h``: the result is dense and contiguous, and its metadata is
+# the dense meta kernel's (sparse meta kernels are missing: other ops on a sparse tensor and
+# deferred ones get their outputs' metadata by computing their values).
+_SPARSE_FACTOR = {
+    aten.mm.default: 0, aten.mv.default: 0, aten.addmm.default: 1, aten._sparse_addmm.default: 1,
+}  # fmt: skip
+
+
+def _dense_for_sparse_factor(func: Any, meta_args: tuple) -> tuple:
+    """``meta_args`` with the sparse factor of a ``_SPARSE_FACTOR`` product as a dense meta
+    tensor of its shape and dtype."""
+    i = _SPARSE_FACTOR.get(func)
+    if i is None or len(meta_args) <= i or meta_args[i].layout is torch.strided:
+        return meta_args
+    others = [x for j, x in enumerate(meta_args) if j != i and isinstance(x, torch.Tensor)]
+    if any(x.layout is not torch.strided for x in others):  # sparse @ sparse: a sparse result
+        return meta_args
+    x = meta_args[i]
+    with plain():
+        dense = torch.empty(x.shape, dtype=x.dtype, device=META)
+    return (*meta_args[:i], dense, *meta_args[i + 1 :])
 
 
 def _outputs_from_values(call: _Call) -> tuple[Any, list | None, bool]:
