@@ -185,16 +185,22 @@ def _outputs_from_values(call: _Call) -> tuple[Any, list | None, bool]:
     return out, values, False
 
 
-def _recorded_arguments(call: _Call) -> tuple[Any, dict, dict[int, StorageRecord], bool]:
+def _recorded_arguments(
+    call: _Call,
+) -> tuple[Any, dict, dict[int, StorageRecord], bool, list[int]]:
     """Arguments as recorded (tensors become records, devices the real one), the storages the
-    op reads, and whether an input requires grad (in grad mode)."""
+    op reads, whether an input requires grad (in grad mode), and the ids of the records of the
+    deferred inputs that require grad."""
     grad = False
     reads: dict[int, StorageRecord] = {}
+    grad_records: list[int] = []
 
     def record_arg(x: Any) -> Any:
         nonlocal grad
         if type(x) is DeferredTensor:
-            grad = grad or x._rg
+            if x._rg:
+                grad = True
+                grad_records.append(id(x._rec))
             reads[id(x._rec.storage)] = x._rec.storage
             return x._rec
         if isinstance(x, torch.Tensor):
@@ -207,12 +213,12 @@ def _recorded_arguments(call: _Call) -> tuple[Any, dict, dict[int, StorageRecord
     rec_args, rec_kwargs = map_args(record_arg, call.args, call.kwargs)
     if "device" in rec_kwargs:
         rec_kwargs["device"] = call.device
-    return rec_args, rec_kwargs, reads, grad and torch.is_grad_enabled()
+    return rec_args, rec_kwargs, reads, grad and torch.is_grad_enabled(), grad_records
 
 
 def _record_outputs(call: _Call, out: Any, values: list | None, default_dtype: Any) -> Any:
     """Steps 3 to 5 of :func:`record_op`: the deferred outputs, and the record they come from."""
-    rec_args, rec_kwargs, reads, grad = _recorded_arguments(call)
+    rec_args, rec_kwargs, reads, grad, grad_records = _recorded_arguments(call)
     # Per output: does eager autograd make it require grad? (``ones_like(param)`` does not.)
     out_grads = output_requires_grad(call.called_func, *call.called_with, out) if grad else None
     overwrites = full_overwrite(call.func, call.bound)
@@ -232,6 +238,8 @@ def _record_outputs(call: _Call, out: Any, values: list | None, default_dtype: A
             tuple(new_records), rng, call.where, default_dtype, tuple(mutates),
             () if overwrites is None else (overwrites,),
         )  # fmt: skip
+        if grad:  # a node of eager's autograd graph (a gradient taken later replays it so)
+            op.grad_args = frozenset(grad_records)
         for s in (*created, *mutates):
             s.writes.append(op)
         if worth_a_recipe(call.func, call.info, call.device, out, new_records, mutates,
