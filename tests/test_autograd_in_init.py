@@ -190,9 +190,9 @@ def test_a_gradient_with_respect_to_an_intermediate_and_a_parameter_is_eager_tot
     assert all(torch.equal(g, e) for g, e in zip(got, grads(False), strict=True))
 
 
-def test_gradients_left_in_grad_by_backward_in_init_materialize_to_eager_gradients():
+def test_the_deferred_gradients_backward_leaves_in_grad_materialize_to_eager_gradients():
     eager, model = _eager_and_deferred(lambda: BackwardNet(clear=False))
-    grads = [p.grad for p in model.parameters()]
+    grads = [p.grad for p in model.parameters()]  # the objects: materialize does not carry .grad
     assert all(is_deferred(g) for g in grads)
     materialize(grads)
     for g, p in zip(grads, eager.parameters(), strict=True):
@@ -237,3 +237,12 @@ def test_backward_on_a_deferred_model_after_meta_init_fills_grad_with_eager_valu
     got = grads(True)
     materialize(got)
     assert all(torch.equal(g, e) for g, e in zip(got, grads(False), strict=True))
+
+
+def test_a_gradient_through_a_sparse_embedding_says_to_build_it_dense_or_materialize_first():
+    with meta_init():
+        embedding = nn.Embedding(10, 3, sparse=True)
+        loss = embedding(torch.tensor([1, 2, 2])).sum()
+        with pytest.raises(UnsupportedOperatorError, match=r"sparse=True.*sparse=False"):
+            loss.backward()
+    assert embedding.weight.grad is None

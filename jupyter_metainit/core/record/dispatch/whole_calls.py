@@ -134,6 +134,14 @@ def record_grad(args: tuple, kwargs: dict) -> tuple[DeferredTensor | None, ...]:
     _check_tensors(outputs, inputs, grad_outputs)
     leaves = {id(t._rec.storage) for t in inputs}
     span, reached = _span([t._rec for t in outputs], lambda s: id(s) in leaves)
+    sparse = next((op for op in span if _sparse_gradient(op)), None)
+    if sparse is not None:
+        raise UnsupportedOperatorError(
+            f"the gradient taken at {call_site()} goes through {sparse.func} with sparse=True "
+            f"(at {sparse.where}; nn.Embedding(sparse=True)), whose gradient is a sparse tensor, "
+            "which cannot be deferred: build the module with sparse=False, or take the "
+            "gradient after materializing"
+        )
     allow_unused = a["materialize_grads"] if a["allow_unused"] is None else a["allow_unused"]
     kept = [id(t._rec.storage) in reached or a["materialize_grads"] for t in inputs]
     if not all(kept) and not allow_unused:
@@ -261,6 +269,18 @@ def _check_tensors(outputs: list, inputs: list, grad_outputs: list | None) -> No
                 f"{call_site()}) cannot be replayed: take the gradient with respect to the "
                 "tensor it views and slice it, or take it after materializing"
             )
+
+
+def _sparse_gradient(op: OpRecord) -> bool:
+    """Whether ``op`` makes sparse gradients (``embedding(..., sparse=True)``)."""
+    schema = getattr(op.func, "_schema", None)
+    if schema is None:
+        return False
+    for i, arg in enumerate(schema.arguments):
+        if arg.name == "sparse":
+            value = op.args[i] if i < len(op.args) else op.kwargs.get("sparse", False)
+            return value is True
+    return False
 
 
 def _geometry(r: TensorRecord) -> tuple:
