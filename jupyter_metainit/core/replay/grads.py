@@ -89,9 +89,11 @@ class GradSpans:
         storages' real tensors (the leaves the forward used: inputs are whole storages)."""
         outputs_recs, inputs_recs = call.args
         for r in inputs_recs:
+            run.real(r, device)  # allocated, if nothing made it yet
             self.leaf(run, id(r.storage))  # an unused input (``allow_unused``) requires grad too
         outputs = [run.real(r, device) for r in outputs_recs]
-        inputs = [run.env[id(r.storage)] for r in inputs_recs]
+        # The storage's own tensor: an input covers its whole storage (checked when recorded).
+        inputs = [run.real(r, device) for r in inputs_recs]
         kwargs = dict(call.kwargs)
         if kwargs["grad_outputs"] is not None:
             kwargs["grad_outputs"] = [
