@@ -13,6 +13,7 @@ detached before they leave the replay.
 from __future__ import annotations
 
 import contextlib
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -42,17 +43,14 @@ class GradSpans:
         calls = [op for op in ops if isinstance(op, GradCall)]
         return GradSpans(calls) if calls else None
 
-    def mode(self, op: OpRecord) -> Any:
+    @contextlib.contextmanager
+    def mode(self, op: OpRecord) -> Iterator[None]:
         """How ``op`` runs: the nodes of a gradient's graph in grad mode, and only them (an
         in-place write of a leaf after the gradient is taken runs as eager's, under
         ``no_grad``); autograd's dispatch keys on, as eagerly, even when a value read runs the
         replay from inside a dispatch handler (they are off there)."""
-        guard = as_eager()
-        grad = torch.set_grad_enabled(op.seq in self.span)
-        stack = contextlib.ExitStack()
-        stack.enter_context(guard)
-        stack.enter_context(grad)
-        return stack
+        with as_eager(), torch.set_grad_enabled(op.seq in self.span):
+            yield
 
     def arguments(self, run: Any, op: OpRecord, device: torch.device) -> tuple[tuple, dict]:
         """``op``'s real arguments as eager autograd saw them (``run``: the ``run.Run``)."""
