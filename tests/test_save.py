@@ -387,9 +387,9 @@ def test_direct_writes_assemble_unaligned_pieces_in_any_order(tmp_path):
     jobs: list = []
     for a, b in reversed(pieces):  # unaligned sources: written through aligned copies
         one.add(a, memoryview(expected[a:b].clone().numpy()).cast("B"), jobs)
-    for fd, offset, data in jobs:
+    for target, offset, data in jobs:
         assert offset % direct.ALIGN == 0 and len(data) % direct.ALIGN == 0
-        os.pwrite(fd, data, offset)
+        target.write(offset, data)
     one.finish()
     one.close()
     assert (tmp_path / "f").read_bytes() == expected.numpy().tobytes()
