@@ -430,3 +430,15 @@ def test_tensors_without_elements_anywhere_save_as_save_file_saves_them(
     save_file(eager.state_dict(), tmp_path / "eager.safetensors", metadata={"format": "pt"})
     ours = (tmp_path / "ours" / "model.safetensors").read_bytes()
     assert ours == (tmp_path / "eager.safetensors").read_bytes()
+
+
+def test_a_path_starting_with_a_tilde_is_saved_in_the_home_directory(tmp_path, monkeypatch):
+    # as the widget's Save… and %save do (and fits(path)): never a directory named "~"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    with meta_init():
+        model = nn.Linear(4, 3)
+    written = save(model, "~/ckpt")
+    assert written == str(tmp_path / "home" / "ckpt")
+    assert sorted(os.listdir(tmp_path)) == ["home"]
+    assert (tmp_path / "home" / "ckpt" / "model.safetensors").exists()
