@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import pandas as pd
@@ -37,8 +38,9 @@ def device_budget(device: str | torch.device) -> int:
     raise ValueError(f"cannot measure free memory of {dev}; pass budget=")
 
 
-# What a hub name never looks like: a local path (hub names are "name" or "org/name").
+# What a hub name never looks like: a local path (hub names are "org/name").
 _FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".json", ".gguf", ".h5")
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # huggingface_hub's repo ids
 
 
 def _looks_local(path: str) -> bool:
@@ -64,6 +66,13 @@ def _model_from_path(path: str) -> nn.Module:
             "(with a config.json), a hub name such as 'meta-llama/Llama-3.1-8B', or the model "
             "object"
         )
+    if not local.exists() and not _HUB_NAME.fullmatch(path):  # never asked of the hub
+        raise FileNotFoundError(
+            f"fits({path!r}): no directory {path!r} here, and a hub name is 'org/name'; pass "
+            "an existing model directory (with a config.json), a hub name such as "
+            "'meta-llama/Llama-3.1-8B' (older names are under an org now: 'gpt2' is "
+            "'openai-community/gpt2'), or the model object"
+        )
     import transformers  # optional: only hub names and model folders need it
 
     config = transformers.AutoConfig.from_pretrained(path)
@@ -86,10 +95,11 @@ def fits(
     """Say which subtrees of a model fit a memory budget.
 
     When to use: before materializing, to choose what can go on a GPU (or into host memory).
-    ``module_or_path``: a model (deferred, partial or real) or a local directory / hub name with
-    a transformers config (an empty model is built from it, as ``accelerate estimate-memory``
-    does). ``budget``: bytes, or a size such as ``"24GiB"``/``"80GB"``; ``None`` uses the free
-    memory of ``device`` (CUDA free memory, or available host memory for ``"cpu"``).
+    ``module_or_path``: a model (deferred, partial or real) or a local directory / hub name
+    (``"org/name"``) with a transformers config (an empty model is built from it, as
+    ``accelerate estimate-memory`` does); a word that is neither is refused at once.
+    ``budget``: bytes, or a size such as ``"24GiB"``/``"80GB"``; ``None`` uses the free memory
+    of ``device`` (CUDA free memory, or available host memory for ``"cpu"``).
     ``dtype``: the dtype you will materialize in (``torch.bfloat16``, ``"int8"`` ...); floating
     tensors are counted at that size.
 
