@@ -107,8 +107,9 @@ def test_a_dcp_save_into_one_file_holds_a_few_tensors_not_the_model(tmp_path):
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     growth = int(out.stdout.split()[-1])
     tensor = 5120 * 4096 * 4
-    # One tensor being written, the next one computed: not the file's 640 MiB.
-    assert growth <= 3 * tensor, f"peak grew by {growth >> 20} MiB"
+    # One tensor being written, the next one computed (and the replay's scratch): not the
+    # file's 640 MiB.
+    assert growth <= 3 * tensor + (64 << 20), f"peak grew by {growth >> 20} MiB"
     assert sorted(os.listdir(tmp_path / "seed")) == [".metadata", "__0_0.distcp"]
 
 
