@@ -31,6 +31,7 @@ __version__ = "0.1.0"
 __all__ = [
     "ModuleTreeWidget",
     "clear_meta_init_cache",
+    "compare",
     "dematerialize",
     "dry_run",
     "explore",
@@ -44,6 +45,7 @@ __all__ = [
     "place",
     "save",
     "skip_init",
+    "stats",
     "summary",
     "unload_ipython_extension",
     "widgets_of",
@@ -61,6 +63,8 @@ _LAZY = {
     "load_ipython_extension": "jupyter_metainit.jupyter.magics",
     "unload_ipython_extension": "jupyter_metainit.jupyter.magics",
     "save": "jupyter_metainit.save",
+    "stats": "jupyter_metainit.inspection",
+    "compare": "jupyter_metainit.inspection",
 }
 
 

@@ -1,0 +1,211 @@
+"""What ``stats`` and ``compare`` read: named tensors, each read once, a batch at a time.
+
+A model (its ``state_dict``) or a dict of tensors is read through the core's ``values_to_write``
+for its deferred tensors: the values ``materialize`` would give (exact mode), computed on every
+core, read from the checkpoint files for a model opened with ``from_pretrained`` under
+``meta_init``; nothing in the model changes. Real tensors are read as they are now (a GPU's
+copied to the CPU). A checkpoint path is opened the same way: a safetensors file (or the shards
+of an index) is opened under ``meta_init``, so its tensors are deferred reads of the files; a
+``torch.distributed.checkpoint`` directory is read with ``dcp.load``, a batch of tensors at a
+time. Names that are the same tensor (tied weights) are read once, under the first name.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from collections.abc import Callable, Hashable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from jupyter_metainit.core import (
+    DeferredTensor,
+    local_tensor,
+    meta_init,
+    storage_of,
+    tensor_state,
+    values_to_write,
+)
+
+__all__ = ["Entry", "Source", "open_source"]
+
+Memory = Callable[[int], torch.UntypedStorage]
+
+
+@dataclass(frozen=True)
+class Entry:
+    """One tensor to read: its first name, shape and dtype (its values come later)."""
+
+    name: str
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+
+    @property
+    def numel(self) -> int:
+        count = 1
+        for size in self.shape:
+            count *= size
+        return count
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.dtype.itemsize
+
+
+class Source:
+    """Named tensors and how to read a batch of them.
+
+    ``entries``: one per distinct tensor, under its first name, in reading order; ``names``:
+    every name, in order, -> the entry's name it is read under (itself, or the tensor it is
+    tied to). :meth:`read` gives contiguous CPU values of a batch of entries.
+    """
+
+    def __init__(self, entries: list[Entry], names: dict[str, str]) -> None:
+        self.entries = {e.name: e for e in entries}
+        self.names = names
+
+    def read(self, batch: list[Entry], memory: Memory) -> list[torch.Tensor]:
+        raise NotImplementedError
+
+
+class TensorSource(Source):
+    """A dict of tensors: deferred, real (any device), or a mix."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor], what: str) -> None:
+        first: dict[Hashable, str] = {}
+        names: dict[str, str] = {}
+        entries: list[Entry] = []
+        for name, t in tensors.items():
+            if not isinstance(t, torch.Tensor):
+                raise TypeError(
+                    f"{what} takes a dict of tensors; {name!r} holds {type(t).__name__}: leave "
+                    "it out, or pass the module"
+                )
+            state = tensor_state(t)
+            if state in ("meta", "uninitialized"):
+                raise ValueError(
+                    f"{name} has no values to read: it is {state} (on PyTorch's meta device "
+                    "with no recording, or a lazy module's parameter before its first forward "
+                    "pass); build the model inside jupyter_metainit.meta_init(), or leave it out"
+                )
+            local = local_tensor(t)
+            key = _region(local)
+            names[name] = first.setdefault(key, name)
+            if names[name] == name:
+                entries.append(Entry(name, tuple(local.shape), local.dtype))
+        super().__init__(entries, names)
+        self.tensors = {e.name: local_tensor(tensors[e.name]) for e in entries}
+
+    def read(self, batch: list[Entry], memory: Memory) -> list[torch.Tensor]:
+        tensors = [self.tensors[e.name] for e in batch]
+        deferred = [j for j, t in enumerate(tensors) if isinstance(t, DeferredTensor)]
+        out = [_real_values(t) if not isinstance(t, DeferredTensor) else t for t in tensors]
+        if deferred:
+            values = values_to_write([tensors[j] for j in deferred], memory)
+            for j, v in zip(deferred, values, strict=True):
+                out[j] = v.contiguous()
+        return out
+
+
+def _region(t: torch.Tensor) -> Hashable:
+    """The same memory and the same elements: one tensor under two names (a tied weight)."""
+    return (storage_of(t)[0], t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+
+def _real_values(t: torch.Tensor) -> torch.Tensor:
+    """A real tensor's values as a contiguous CPU tensor (no copy when it already is one)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.to("cpu")
+    return t.contiguous()
+
+
+class DcpSource(Source):
+    """A ``torch.distributed.checkpoint`` directory, read a batch of tensors at a time."""
+
+    def __init__(self, path: str) -> None:
+        from torch.distributed.checkpoint import FileSystemReader
+        from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+        self.path = path
+        metadata = FileSystemReader(path).read_metadata().state_dict_metadata
+        tensors = {k: m for k, m in metadata.items() if isinstance(m, TensorStorageMetadata)}
+        entries = [Entry(k, tuple(m.size), m.properties.dtype) for k, m in tensors.items()]
+        entries.sort(key=lambda e: _natural(e.name))
+        super().__init__(entries, {e.name: e.name for e in entries})
+
+    def read(self, batch: list[Entry], memory: Memory) -> list[torch.Tensor]:
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import FileSystemReader
+
+        state = {}
+        for e in batch:
+            state[e.name] = torch.empty(0, dtype=e.dtype).set_(memory(e.nbytes), 0, e.shape)
+        dcp.load(state, storage_reader=FileSystemReader(self.path), no_dist=True)
+        return [state[e.name] for e in batch]
+
+
+_DIGITS = re.compile(r"(\d+)")
+
+
+def _natural(name: str) -> list[Any]:
+    """``layers.2`` before ``layers.10``: a file's names in the model's order, near enough."""
+    return [int(p) if p.isdigit() else p for p in _DIGITS.split(name)]
+
+
+def _safetensors_files(path: str) -> list[str] | None:
+    """The safetensors files of ``path`` (a file, an index JSON, or a directory holding
+    either); None when it holds none."""
+    if os.path.isfile(path):
+        if path.endswith(".json"):
+            with open(path, encoding="utf-8") as f:
+                weight_map = json.load(f).get("weight_map", {})
+            folder = os.path.dirname(path)
+            return [os.path.join(folder, f) for f in sorted(set(weight_map.values()))]
+        return [path]
+    found = sorted(os.listdir(path))
+    indexes = [f for f in found if f.endswith(".safetensors.index.json")]
+    if indexes:
+        return _safetensors_files(os.path.join(path, indexes[0]))
+    files = [os.path.join(path, f) for f in found if f.endswith(".safetensors")]
+    return files or None
+
+
+def _open_path(path: str, what: str) -> Source:
+    if not os.path.exists(path):
+        raise FileNotFoundError(f"{what}: no such file or directory: {path!r}")
+    if os.path.isdir(path) and os.path.exists(os.path.join(path, ".metadata")):
+        return DcpSource(path)
+    files = _safetensors_files(path)
+    if files is None:
+        raise ValueError(
+            f"{what}: {path!r} holds no checkpoint: give a .safetensors file, a sharded "
+            "checkpoint's index JSON or its directory, or a torch.distributed.checkpoint "
+            "directory"
+        )
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    with meta_init():  # the tensors become deferred reads of the files: nothing is loaded
+        for file in files:
+            tensors.update(load_file(file))
+    ordered = {name: tensors[name] for name in sorted(tensors, key=_natural)}
+    return TensorSource(ordered, what)
+
+
+def open_source(obj: Any, what: str) -> Source:
+    """``obj`` (a module, a dict of tensors, or a checkpoint path) as a :class:`Source`; ``what``
+    names the argument in messages (``"stats()"``, ``"compare(): b"``)."""
+    if isinstance(obj, torch.nn.Module):
+        return TensorSource(dict(obj.state_dict()), what)
+    if isinstance(obj, dict):
+        return TensorSource(dict(obj), what)
+    if isinstance(obj, (str, os.PathLike)):
+        return _open_path(os.fspath(obj), what)
+    raise TypeError(
+        f"{what} takes a module, a dict of tensors (a state dict) or a checkpoint path (a "
+        f"safetensors file or directory, a DCP directory); got {type(obj).__name__}"
+    )
