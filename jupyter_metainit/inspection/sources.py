@@ -15,6 +15,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import warnings
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 from typing import Any
@@ -144,7 +145,9 @@ class DcpSource(Source):
         state = {}
         for e in batch:
             state[e.name] = torch.empty(0, dtype=e.dtype).set_(memory(e.nbytes), 0, e.shape)
-        dcp.load(state, storage_reader=FileSystemReader(self.path), no_dist=True)
+        with warnings.catch_warnings():  # one process reading: what no_dist says
+            warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
+            dcp.load(state, storage_reader=FileSystemReader(self.path), no_dist=True)
         return [state[e.name] for e in batch]
 
 
