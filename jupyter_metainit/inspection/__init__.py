@@ -7,12 +7,14 @@ tensors of two, streamed on every core in bounded memory.
 
 Modules: ``moments`` (one tensor's float64 statistics, chunk by chunk), ``sources`` (what is
 read: models, dicts, checkpoint paths), ``pipeline`` (batches read while the last one is
-measured, progress and cancel), ``statistics`` (``stats``), ``comparison`` (``compare``).
+measured, progress and cancel), ``statistics`` (``stats``), ``comparison`` (``compare``),
+``charts`` (a statistic along the depth, drawn as SVG).
 """
 
 from __future__ import annotations
 
+from jupyter_metainit.inspection.charts import Chart, along_depth, svg_chart
 from jupyter_metainit.inspection.comparison import compare
 from jupyter_metainit.inspection.statistics import STAT_COLUMNS, stats
 
-__all__ = ["STAT_COLUMNS", "compare", "stats"]
+__all__ = ["STAT_COLUMNS", "Chart", "along_depth", "compare", "stats", "svg_chart"]
