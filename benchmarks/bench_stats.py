@@ -13,7 +13,9 @@
    mapping), and against reading both + the same comparison with torch. Target: <= 1.0 x
    reading both.
 
-The files are written once, then read from the page cache by every measurement.
+The files are written once, then read from the page cache by every measurement. Each row is
+the median of ``--repeats`` fresh processes (1 by default); the CPU-time ratios are the steadier
+figures on a busy machine.
 
     .venv/bin/python benchmarks/bench_stats.py                 # 8 B (16 GB, generated only)
                                                                # and 1 B checkpoints
@@ -42,6 +44,7 @@ from _common import (
     fmt_ratio,
     fmt_s,
     llama_config,
+    median_result,
     print_errors,
     print_table,
     run_children,
@@ -236,9 +239,11 @@ def main() -> None:
     try:
         written = run_children(__file__, [("write_checkpoints", {"shape": small, "root": root})])
         print_errors({"writing the checkpoints": written[0]})
-        jobs = _jobs(big, root)
-        results = run_children(__file__, jobs, separate=not args.quick)
-        named = dict(zip([name for name, _ in jobs], results, strict=True))
+        jobs, repeats = _jobs(big, root), 1 if args.quick else args.repeats or 1
+        results = run_children(__file__, [job for job in jobs for _ in range(repeats)],
+                               separate=not args.quick)  # fmt: skip
+        named = {name: median_result(results[k * repeats : (k + 1) * repeats])
+                 for k, (name, _) in enumerate(jobs)}  # fmt: skip
         if "bytes" in named["stats_deferred"]:
             floor = run_children(
                 __file__, [("generation_floor", {"nbytes": named["stats_deferred"]["bytes"]})]
@@ -251,10 +256,24 @@ def main() -> None:
         shutil.rmtree(root, ignore_errors=True)
 
 
-def _ratio(a: dict[str, Any], b: dict[str, Any]) -> float | None:
-    if "seconds" not in a or not b.get("seconds"):
+def _ratio(a: dict[str, Any], b: dict[str, Any], key: str = "seconds") -> float | None:
+    if key not in a or not b.get(key):
         return None
-    return a["seconds"] / b["seconds"]
+    return a[key] / b[key]
+
+
+_FIGURES = ["time", "CPU time", "peak extra RSS", "ratio"]
+
+
+def _figures(one: dict[str, Any], against: dict[str, Any]) -> list[str]:
+    """Time, CPU time, peak, and the ratios of time and CPU time to ``against``'s (the row
+    each ratio is against is named in the table's text)."""
+    if "seconds" not in one:
+        return ["n/a"] * 5
+    return [fmt_s(one["seconds"]), fmt_s(one["cpu_seconds"]),
+            fmt_mb(one.get("peak_extra")) if "peak_extra" in one else "",
+            fmt_ratio(_ratio(one, against)) if against else "",
+            fmt_ratio(_ratio(one, against, "cpu_seconds")) if against else ""]  # fmt: skip
 
 
 def _print_deferred(named: dict[str, dict[str, Any]]) -> None:
@@ -264,18 +283,16 @@ def _print_deferred(named: dict[str, dict[str, Any]]) -> None:
         return
     peak_target = 2 * ours["largest"] + 200 * 10**6
     rows = [
-        ["`meta_init` + `stats`", fmt_s(ours["seconds"]), fmt_s(ours["cpu_seconds"]),
-         fmt_mb(ours["peak_extra"]), fmt_ratio(_ratio(ours, floor))],
+        ["`meta_init` + `stats`", *_figures(ours, floor)],
         [f"generation floor: `normal_` on {floor.get('cores', '?')} cores",
-         fmt_s(floor.get("seconds")), fmt_s(floor.get("cpu_seconds")), "", ""],
+         *_figures(floor, {})],
         ["the values alone (`values_to_write`, as `save` computes them)",
-         fmt_s(values.get("seconds")), fmt_s(values.get("cpu_seconds")),
-         fmt_mb(values.get("peak_extra")), fmt_ratio(_ratio(values, floor))],
+         *_figures(values, floor)],
     ]  # fmt: skip
     print_table(
         f"stats of a {ours['bytes'] / 1e9:.2f} GB bfloat16 model never allocated, largest "
         f"tensor {ours['largest'] / 1e6:.0f} MB",
-        ["step", "time", "CPU time", "peak extra RSS", "time / generation floor"], rows,
+        ["step", *_FIGURES[:3], "time / floor", "CPU / floor's CPU"], rows,
     )  # fmt: skip
     ratio = _ratio(ours, floor)
     print(f"peak RSS <= 2 x largest + 200 MB ({fmt_mb(peak_target)}): "
@@ -289,19 +306,14 @@ def _print_checkpoints(named: dict[str, dict[str, Any]], nbytes: int | None) -> 
     eager_pairs = named["eager_compare"]
     size = f"{nbytes / 1e9:.2f} GB" if nbytes else "?"
     rows = [
-        ["eager `from_pretrained` + the statistics with torch", fmt_s(eager.get("seconds")),
-         fmt_mb(eager.get("peak_extra")), ""],
-        ["`from_pretrained` under `meta_init` + `stats`", fmt_s(opened.get("seconds")),
-         fmt_mb(opened.get("peak_extra")), fmt_ratio(_ratio(opened, eager))],
-        ["reading both checkpoints into memory", fmt_s(both.get("seconds")),
-         fmt_mb(both.get("peak_extra")), ""],
-        ["reading both + the same comparison with torch", fmt_s(eager_pairs.get("seconds")),
-         fmt_mb(eager_pairs.get("peak_extra")), fmt_ratio(_ratio(eager_pairs, both))],
-        ["`compare(dir_a, dir_b)`", fmt_s(ours.get("seconds")), fmt_mb(ours.get("peak_extra")),
-         fmt_ratio(_ratio(ours, both))],
+        ["eager `from_pretrained` + the statistics with torch", *_figures(eager, {})],
+        ["`from_pretrained` under `meta_init` + `stats`", *_figures(opened, eager)],
+        ["reading both checkpoints into memory", *_figures(both, {})],
+        ["reading both + the same comparison with torch", *_figures(eager_pairs, both)],
+        ["`compare(dir_a, dir_b)`", *_figures(ours, both)],
     ]  # fmt: skip
     print_table(f"{size} bfloat16 checkpoints in the page cache",
-                ["method", "time", "peak extra RSS", "ratio"], rows)  # fmt: skip
+                ["method", *_FIGURES, "CPU ratio"], rows)  # fmt: skip
     r1, r2 = _ratio(opened, eager), _ratio(ours, both)
     v1, v2 = verdict(None if r1 is None else r1 <= 1.0), verdict(None if r2 is None else r2 <= 1)
     print(f"stats of a checkpoint <= 1.0 x eager: {v1}; compare <= 1.0 x reading both: {v2}")
