@@ -10,14 +10,12 @@ import pandas as pd
 import torch
 
 from jupyter_metainit.core import dtype_name
-from jupyter_metainit.inspection.moments import scratch
+from jupyter_metainit.inspection.moments import bit_patterns, scratch
 from jupyter_metainit.inspection.pipeline import Chunks, Progress, batches, run_batches
 from jupyter_metainit.inspection.sources import Entry, Source, open_source
 from jupyter_metainit.inspection.statistics import flat_values
 
 __all__ = ["compare"]
-
-_SIGNED = {1: torch.int8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 @dataclass
@@ -43,12 +41,8 @@ def _nan_max(a: float, b: float) -> float:
 
 
 def _bitwise_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if a.dtype != b.dtype:
-        return False
-    signed = _SIGNED.get(a.element_size())
-    if signed is None:
-        return torch.equal(a, b)
-    return torch.equal(a.view(signed), b.view(signed))
+    """Same dtype and the same bits (``-0.0`` is not ``0.0``, a NaN equals the same NaN)."""
+    return a.dtype == b.dtype and torch.equal(bit_patterns(a), bit_patterns(b))
 
 
 def chunk_pair(a: torch.Tensor, b: torch.Tensor) -> PairSums:

@@ -25,12 +25,12 @@ import torch
 __all__ = [
     "CHUNK_ELEMENTS",
     "Moments",
+    "bit_patterns",
     "chunk_histogram",
     "chunk_moments",
     "finite_range",
     "merge_all",
     "scratch",
-    "supported",
 ]
 
 # 1 MiB of float64: a chunk's copy stays in cache for the passes over it.
@@ -108,11 +108,6 @@ def _nan_max(a: float, b: float) -> float:
     return b if math.isnan(a) else a if math.isnan(b) else max(a, b)
 
 
-def supported(dtype: torch.dtype) -> bool:
-    """Real floating, integer and bool tensors have statistics (complex ones do not)."""
-    return not dtype.is_complex and dtype.itemsize in _SIGNED
-
-
 class _Scratch(threading.local):
     """Per-thread buffers: a chunk's float64 copies and an integer buffer per width."""
 
@@ -139,9 +134,13 @@ def _as_float64(flat: torch.Tensor, buffer: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _bits(flat: torch.Tensor) -> np.ndarray:
+def bit_patterns(flat: torch.Tensor) -> torch.Tensor:
     """The values' bit patterns as signed integers of the same width (no copy)."""
-    return flat.view(_SIGNED[flat.element_size()]).numpy()
+    return flat.view(_SIGNED[flat.element_size()])
+
+
+def _bits(flat: torch.Tensor) -> np.ndarray:
+    return bit_patterns(flat).numpy()
 
 
 def _zeros(flat: torch.Tensor) -> int:
