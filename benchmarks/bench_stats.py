@@ -126,6 +126,7 @@ def eager_statistics(directory: str) -> dict[str, Any]:
     """Eager ``from_pretrained`` + the statistics with torch, tensor by tensor."""
     import torch
     import transformers
+    import transformers.models.llama.modeling_llama  # imports are not the load
 
     meter = Meter()
     with meter():
@@ -140,6 +141,7 @@ def stats_opened(directory: str) -> dict[str, Any]:
     """``from_pretrained`` under ``meta_init`` + ``stats``: read from the files."""
     import torch
     import transformers
+    import transformers.models.llama.modeling_llama  # imports are not the load
 
     from jupyter_metainit import meta_init, stats
 
@@ -168,6 +170,8 @@ def _load_all(directory: str) -> dict[str, Any]:
 
 def read_both(directories: list[str]) -> dict[str, Any]:
     """Both checkpoints read into memory, one after the other."""
+    import safetensors.torch  # noqa: F401 - imports are not the read
+
     meter = Meter()
     with meter():
         for directory in directories:
@@ -178,6 +182,7 @@ def read_both(directories: list[str]) -> dict[str, Any]:
 
 def eager_compare(directories: list[str]) -> dict[str, Any]:
     """Both checkpoints read into memory + the same comparison with torch, tensor by tensor."""
+    import safetensors.torch  # noqa: F401 - imports are not the read
     import torch
 
     meter = Meter()
