@@ -149,7 +149,7 @@ def test_a_missing_path_is_a_clear_error(tmp_path):
 
 
 _PEAK_SCRIPT = """
-import resource, torch
+import torch
 from torch import nn
 from jupyter_metainit import compare, meta_init
 def model(seed):
@@ -158,9 +158,12 @@ def model(seed):
         return nn.Sequential(*[nn.Linear(4096, 2048, bias=False) for _ in range(16)])  # 16 x 32 MiB
 a, b = model(0), model(1)
 compare(nn.Linear(2, 2), nn.Linear(2, 2))  # the worker threads started
-before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+def kib(field):  # this process's memory: VmRSS now, VmHWM its peak since the reset
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field))
+before = kib("VmRSS:") * 1024
+open("/proc/self/clear_refs", "w").write("5")  # the peak from here on
 compare(a, b)
-after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+after = kib("VmHWM:") * 1024
 print(after - before)
 """
 
@@ -171,3 +174,34 @@ def test_peak_memory_follows_the_largest_pair_not_the_models():
     growth = int(out.stdout.split()[-1])
     pair = 2 * 4096 * 2048 * 4
     assert growth <= 2 * pair + (200 << 20), f"peak grew by {growth >> 20} MiB"  # models: 1 GiB
+
+
+_PATHS_SCRIPT = """
+import torch
+from jupyter_metainit import compare
+compare({{"w": torch.ones(2)}}, {{"w": torch.ones(2)}})  # the worker threads started
+def kib(field):  # this process's memory: VmRSS now, VmHWM its peak since the reset
+    return next(int(l.split()[1]) for l in open("/proc/self/status") if l.startswith(field))
+before = kib("VmRSS:") * 1024
+open("/proc/self/clear_refs", "w").write("5")  # the peak from here on
+table = compare({a!r}, {b!r})
+after = kib("VmHWM:") * 1024
+assert (table["status"] == "differ").all()
+print(after - before)
+"""
+
+
+def test_comparing_two_checkpoint_directories_follows_the_largest_pair(tmp_path):
+    from safetensors.torch import save_file
+
+    for side, offset in (("a", 0.0), ("b", 0.5)):
+        (tmp_path / side).mkdir()
+        for i in range(16):  # 16 x 32 MiB a side, one file each
+            values = {f"w{i}": torch.full((4096, 2048), i + offset)}
+            save_file(values, str(tmp_path / side / f"part{i:02d}.safetensors"))
+    script = _PATHS_SCRIPT.format(a=str(tmp_path / "a"), b=str(tmp_path / "b"))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                         check=True)  # fmt: skip
+    growth = int(out.stdout.split()[-1])
+    pair = 2 * 4096 * 2048 * 4
+    assert growth <= 2 * pair + (200 << 20), f"peak grew by {growth >> 20} MiB"  # files: 1 GiB

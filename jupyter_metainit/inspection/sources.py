@@ -4,10 +4,10 @@ A model (its ``state_dict``) or a dict of tensors is read through the core's ``v
 for its deferred tensors: the values ``materialize`` would give (exact mode), computed on every
 core, read from the checkpoint files for a model opened with ``from_pretrained`` under
 ``meta_init``; nothing in the model changes. Real tensors are read as they are now (a GPU's
-copied to the CPU). A checkpoint path is opened the same way: a safetensors file (or the shards
-of an index) is opened under ``meta_init``, so its tensors are deferred reads of the files; a
-``torch.distributed.checkpoint`` directory is read with ``dcp.load``, a batch of tensors at a
-time. Names that are the same tensor (tied weights) are read once, under the first name.
+copied to the CPU). A checkpoint path is read directly: a safetensors file (or the shards of an
+index) a batch of tensors at a time from a mapping of the file (no copy), a
+``torch.distributed.checkpoint`` directory with ``dcp.load``. Names that are the same tensor
+(tied weights) are read once, under the first name.
 """
 
 from __future__ import annotations
@@ -25,7 +25,6 @@ import torch
 from jupyter_metainit.core import (
     DeferredTensor,
     local_tensor,
-    meta_init,
     storage_of,
     tensor_state,
     values_to_write,
@@ -189,14 +188,52 @@ def _open_path(path: str, what: str) -> Source:
             "checkpoint's index JSON or its directory, or a torch.distributed.checkpoint "
             "directory"
         )
-    from safetensors.torch import load_file
+    return SafetensorsSource(files)
 
-    tensors: dict[str, torch.Tensor] = {}
-    with meta_init():  # the tensors become deferred reads of the files: nothing is loaded
+
+# safetensors' dtype names -> torch's (the sub-byte and packed ones have no statistics here).
+_SAFETENSORS_DTYPES = {
+    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
+    "U16": torch.uint16, "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64,
+    "U64": torch.uint64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
+    "F64": torch.float64, "C64": torch.complex64, "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3": torch.float8_e4m3fn,
+}  # fmt: skip
+
+
+class SafetensorsSource(Source):
+    """Safetensors files, each batch's tensors taken from a mapping of their file opened for
+    that batch (no copy; the pages are the page cache's, and leave this process's memory with
+    the batch)."""
+
+    def __init__(self, files: list[str]) -> None:
+        from safetensors import safe_open
+
+        self.file_of: dict[str, str] = {}
+        entries = []
         for file in files:
-            tensors.update(load_file(file))
-    ordered = {name: tensors[name] for name in sorted(tensors, key=_natural)}
-    return TensorSource(ordered, what)
+            with safe_open(file, framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
+                    part = f.get_slice(name)
+                    dtype = _SAFETENSORS_DTYPES.get(part.get_dtype())
+                    if dtype is None:
+                        raise TypeError(f"{name} in {file}: no statistics for {part.get_dtype()}")
+                    entries.append(Entry(name, tuple(part.get_shape()), dtype))
+                    self.file_of[name] = file
+        entries.sort(key=lambda e: _natural(e.name))
+        super().__init__(entries, {e.name: e.name for e in entries})
+
+    def read(self, batch: list[Entry], memory: Memory) -> list[torch.Tensor]:
+        from safetensors import safe_open
+
+        by_file: dict[str, list[str]] = {}
+        for e in batch:
+            by_file.setdefault(self.file_of[e.name], []).append(e.name)
+        values: dict[str, torch.Tensor] = {}
+        for file, names in by_file.items():
+            with safe_open(file, framework="pt") as f:
+                values.update((name, f.get_tensor(name)) for name in names)
+        return [values[e.name].contiguous() for e in batch]
 
 
 def open_source(obj: Any, what: str) -> Source:
