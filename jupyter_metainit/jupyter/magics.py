@@ -46,7 +46,7 @@ from jupyter_metainit.jupyter.magic_options import (
     strip_comment,
 )
 from jupyter_metainit.jupyter.model_views import memory_table_usage, show_model
-from jupyter_metainit.jupyter.value_magics import register_value_magics, unregister_value_magics
+from jupyter_metainit.jupyter.value_magics import ValueMagics, unregister_value_magics
 from jupyter_metainit.plan import place
 from jupyter_metainit.plan.devices import name_value_pairs
 from jupyter_metainit.save import save as save_checkpoint
@@ -373,8 +373,7 @@ def _magic_names() -> Iterable[tuple[str, str]]:
 def load_ipython_extension(ipython: InteractiveShell) -> None:
     """Register the magics (``%load_ext jupyter_metainit``); loading twice replaces them."""
     unload_ipython_extension(ipython)
-    ipython.register_magics(MetaInitMagics)
-    register_value_magics(ipython)  # %stats, %compare
+    ipython.register_magics(MetaInitMagics, ValueMagics)  # ValueMagics: %stats, %compare
     install_short_tracebacks(ipython)
     # from the next cell on, widgets know when a cell runs (their clicks wait for it)
     watch_cells(ipython)

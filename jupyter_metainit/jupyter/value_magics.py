@@ -21,7 +21,7 @@ from IPython.core.magic_arguments import argument, magic_arguments, parse_argstr
 from jupyter_metainit.inspection import compare, stats
 from jupyter_metainit.jupyter.magic_options import one_line_errors, split_expression
 
-__all__ = ["ValueMagics", "register_value_magics", "unregister_value_magics"]
+__all__ = ["ValueMagics", "unregister_value_magics"]
 
 
 @magics_class
@@ -138,13 +138,9 @@ def _operand_text(text: str) -> bool:
     return True
 
 
-def register_value_magics(ipython: InteractiveShell) -> None:
-    """Register ``%stats`` and ``%compare`` (``load_ipython_extension`` calls it)."""
-    ipython.register_magics(ValueMagics)
-
-
 def unregister_value_magics(ipython: InteractiveShell) -> None:
-    """Remove them again (``unload_ipython_extension`` calls it)."""
+    """Remove ``%stats`` and ``%compare`` again (``unload_ipython_extension`` calls it;
+    ``load_ipython_extension`` registers :class:`ValueMagics` with the others)."""
     manager = ipython.magics_manager
     for name in ValueMagics.magics["line"]:
         owner = getattr(manager.magics["line"].get(name), "__self__", None)
