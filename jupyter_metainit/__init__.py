@@ -45,6 +45,7 @@ __all__ = [
     "NotEnoughMemoryError",
     "UnsupportedOperatorError",
     "clear_meta_init_cache",
+    "compare",
     "dematerialize",
     "dry_run",
     "explore",
@@ -58,6 +59,7 @@ __all__ = [
     "place",
     "save",
     "skip_init",
+    "stats",
     "summary",
     "unload_ipython_extension",
     "widgets_of",
@@ -75,6 +77,8 @@ _LAZY = {
     "load_ipython_extension": "jupyter_metainit.jupyter.magics",
     "unload_ipython_extension": "jupyter_metainit.jupyter.magics",
     "save": "jupyter_metainit.save",
+    "stats": "jupyter_metainit.inspection",
+    "compare": "jupyter_metainit.inspection",
 }
 
 

@@ -48,6 +48,7 @@ from jupyter_metainit.jupyter.magic_options import (
     strip_comment,
 )
 from jupyter_metainit.jupyter.model_views import memory_table_usage, show_model
+from jupyter_metainit.jupyter.value_magics import ValueMagics, unregister_value_magics
 from jupyter_metainit.plan import place
 from jupyter_metainit.plan.devices import name_value_pairs
 from jupyter_metainit.save import save as save_checkpoint
@@ -377,7 +378,7 @@ def _magic_names() -> Iterable[tuple[str, str]]:
 def load_ipython_extension(ipython: InteractiveShell) -> None:
     """Register the magics (``%load_ext jupyter_metainit``); loading twice replaces them."""
     unload_ipython_extension(ipython)
-    ipython.register_magics(MetaInitMagics)
+    ipython.register_magics(MetaInitMagics, ValueMagics)  # ValueMagics: %stats, %compare
     install_short_tracebacks(ipython)
     # from the next cell on, widgets know when a cell runs (their clicks wait for it)
     watch_cells(ipython)
@@ -395,4 +396,5 @@ def unload_ipython_extension(ipython: InteractiveShell) -> None:
             if kind == "line" and name == "save" and original is not None:
                 manager.magics[kind][name] = original  # IPython's own %save again
     manager.registry.pop(MetaInitMagics.__name__, None)
+    unregister_value_magics(ipython)
     uninstall_short_tracebacks(ipython)
