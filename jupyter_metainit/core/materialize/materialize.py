@@ -43,6 +43,7 @@ from jupyter_metainit.core.record.files import one_header_check, read_file_bytes
 from jupyter_metainit.core.record.tensor import SHARE_MEMORY_ATTR, DeferredTensor, as_parameter
 from jupyter_metainit.core.replay import Plan, execute, plan, real_view
 from jupyter_metainit.core.runtime import events
+from jupyter_metainit.core.runtime.heap import return_freed_memory, return_when_freed
 from jupyter_metainit.core.runtime.interrupts import critical, handling_interrupts
 from jupyter_metainit.core.runtime.lock import exclusive
 
@@ -117,6 +118,7 @@ def materialize(
     device = target_device(device)
     callback, bar = progress_callback(progress)
     what = describe_request(obj)
+    return_freed_memory()  # what earlier models left (a re-run cell's), before allocating anew
     try:
         with handling_interrupts(), exclusive(f"materializing {what}"):
             collected = collect(obj)
@@ -196,6 +198,7 @@ def _materialize_now(
             t.data = data
             shadows.apply_restamp(t, stamp)
     shadows.remember_realized(call.tensors, records)
+    return_when_freed([*call.tensors, *(t for t, _ in converted)])
     return [
         *call.tensors, *(t for t in call.reals if id(t) in loaded), *(t for t, _ in converted)
     ]  # fmt: skip
