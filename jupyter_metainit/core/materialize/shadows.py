@@ -30,7 +30,7 @@ from jupyter_metainit.core.replay.realized import (
 from jupyter_metainit.core.replay.values import value_cache
 from jupyter_metainit.core.rng import streams as _rng
 from jupyter_metainit.core.runtime.digest import digest
-from jupyter_metainit.core.runtime.swap import swap_in_place
+from jupyter_metainit.core.runtime.swap import identity_table, swap_in_place
 
 __all__ = ["clear_meta_init_cache", "realized_base", "remember_realized"]
 
@@ -57,18 +57,19 @@ class Shadow:
 
 
 # The recording each real tensor can be freed to (what ``keep_cache=True`` keeps).
-kept: WeakIdKeyDictionary = WeakIdKeyDictionary()  # real tensor -> Shadow
+kept: WeakIdKeyDictionary = identity_table(WeakIdKeyDictionary())  # real tensor -> Shadow
 sources = materialized_sources  # real tensor -> "checkpoint" / "init"
-fast_values: WeakIdKeyDictionary = WeakIdKeyDictionary()  # real tensors with rng="fast" values
+# Real tensors with rng="fast" values.
+fast_values: WeakIdKeyDictionary = identity_table(WeakIdKeyDictionary())
 # Real tensors materialized with device=: the device their values were computed on.
-made_on: WeakIdKeyDictionary = WeakIdKeyDictionary()
+made_on: WeakIdKeyDictionary = identity_table(WeakIdKeyDictionary())
 # Freed tensors -> (held rng="fast" values, device they were computed on or None): a default
 # materialize replays them so again, so that a free and a materialize change nothing (fast draws
 # depend on the device; a part recorded for a GPU and made on the CPU needs no GPU to return).
-freed_how: WeakIdKeyDictionary = WeakIdKeyDictionary()
-freed_state: WeakIdKeyDictionary = WeakIdKeyDictionary()  # freed tensor -> UserState
+freed_how: WeakIdKeyDictionary = identity_table(WeakIdKeyDictionary())
+freed_state: WeakIdKeyDictionary = identity_table(WeakIdKeyDictionary())  # -> UserState
 # Real tensors whose shadow clear_meta_init_cache dropped (only to say so when freeing them).
-cleared: WeakIdKeyDictionary = WeakIdKeyDictionary()
+cleared: WeakIdKeyDictionary = identity_table(WeakIdKeyDictionary())
 
 
 def realized_base(

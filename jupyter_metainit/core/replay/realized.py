@@ -27,6 +27,7 @@ from jupyter_metainit.core.record.graph import StorageRecord, TensorRecord
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.replay.run import real_view
 from jupyter_metainit.core.runtime.plain import plain
+from jupyter_metainit.core.runtime.swap import content_references
 
 __all__ = [
     "any_realized",
@@ -40,7 +41,7 @@ __all__ = [
 # Storages a materialization made real, with the tensor over each, the writes recorded on the
 # storage then, and the memory's address.
 _realized: weakref.WeakKeyDictionary[StorageRecord, tuple[weakref.ref, int, int]] = (
-    weakref.WeakKeyDictionary()
+    content_references(weakref.WeakKeyDictionary())  # torch.utils.swap_tensors moves the tensor
 )
 
 
