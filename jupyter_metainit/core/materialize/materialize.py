@@ -38,7 +38,7 @@ from jupyter_metainit.core.materialize.queries import (
     is_uninitialized,
     tensor_source,
 )
-from jupyter_metainit.core.materialize.user_state import copy_user_attributes
+from jupyter_metainit.core.materialize.user_state import as_inference, copy_user_attributes, made_as
 from jupyter_metainit.core.record.files import one_header_check, read_file_bytes
 from jupyter_metainit.core.record.tensor import SHARE_MEMORY_ATTR, DeferredTensor, as_parameter
 from jupyter_metainit.core.replay import Plan, execute, plan, real_view
@@ -352,10 +352,12 @@ def _build_real(
     if id(real) in used:
         real = real.detach()  # a second object over the same storage (aliases stay aliases)
     used.add(id(real))
-    if getattr(t, "_is_param", False):
-        real = as_parameter(t, real, t.requires_grad)
-    elif t.requires_grad and (real.is_floating_point() or real.is_complex()):
-        real = real.detach().requires_grad_(True)
+    with made_as(t):  # under torch.inference_mode() where ``t`` was made so
+        real = as_inference(t, real)
+        if getattr(t, "_is_param", False):
+            real = as_parameter(t, real, t.requires_grad)
+        elif t.requires_grad and (real.is_floating_point() or real.is_complex()):
+            real = real.detach().requires_grad_(True)
     copy_user_attributes(t, real)
     if t.__dict__.get(SHARE_MEMORY_ATTR) and real.device.type == "cpu":
         real.share_memory_()  # asked for while deferred (``model.share_memory()``)
