@@ -157,3 +157,25 @@ def test_a_deferred_model_converted_under_swap_then_materialized_on_its_own_equa
     model = _model("deferred").double()
     materialize(model.lin.weight)  # a part first: the rest still replays from the recording
     _assert_equals_eager(model, eager)
+
+
+class WithView(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.w = nn.Parameter(torch.randn(3, 4))
+        self.w_t = self.w.detach().t()  # a view of w's memory
+
+
+def test_a_deferred_view_of_memory_swapped_out_stays_a_view_of_that_memory_as_in_eager():
+    torch.manual_seed(0)
+    eager = WithView()
+    torch.manual_seed(0)
+    with meta_init():
+        model = WithView()
+    materialize(model.w)
+    other = nn.Parameter(torch.zeros(3, 4))
+    torch.utils.swap_tensors(model.w, other)
+    torch.utils.swap_tensors(eager.w, nn.Parameter(torch.zeros(3, 4)))
+    materialize(model.w_t)  # the memory it views is `other`'s now
+    assert model.w_t.untyped_storage().data_ptr() == other.untyped_storage().data_ptr()
+    assert torch.equal(model.w_t, eager.w_t) and torch.equal(model.w, eager.w)

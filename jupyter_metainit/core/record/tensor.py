@@ -22,9 +22,7 @@ __all__ = ["SAVE_INSTEAD", "SHARE_MEMORY_ATTR", "DeferredTensor", "as_parameter"
 # Storage -> the deferred leaf that requires grad over it (weakly: a parameter). Materializing a
 # non-leaf computed from it links its autograd graph to that object (``_autograd_links``); the
 # object keeps its identity when it turns real, so the link reaches the model's parameter.
-grad_leaves: weakref.WeakKeyDictionary[Any, weakref.ref] = content_references(
-    weakref.WeakKeyDictionary()
-)  # swapped with torch.utils.swap_tensors: the object holding the leaf's content
+grad_leaves: weakref.WeakKeyDictionary[Any, weakref.ref] = content_references()  # swappable
 
 
 def _note_leaf(t: DeferredTensor) -> None:

@@ -41,7 +41,7 @@ __all__ = [
 # Storages a materialization made real, with the tensor over each, the writes recorded on the
 # storage then, and the memory's address.
 _realized: weakref.WeakKeyDictionary[StorageRecord, tuple[weakref.ref, int, int]] = (
-    content_references(weakref.WeakKeyDictionary())  # torch.utils.swap_tensors moves the tensor
+    content_references()  # a WeakKeyDictionary that torch.utils.swap_tensors can see through
 )
 
 

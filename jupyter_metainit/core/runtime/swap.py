@@ -27,6 +27,7 @@ import torch
 from jupyter_metainit.core.runtime.interrupts import critical
 
 __all__ = [
+    "ContentReferences",
     "cache_by_id",
     "content_references",
     "identity_table",
@@ -77,18 +78,45 @@ def identity_table(table: Table) -> Table:
     return table
 
 
-def content_references(table: Table) -> Table:
-    """Register a table whose values are a weak reference to a tensor, or a tuple starting with
-    one, naming the object that holds some content (the real tensor over a storage, the leaf a
-    storage belongs to): after a swap it names the other object, which holds that content now.
-    Returns ``table``."""
+class ContentReferences(weakref.WeakKeyDictionary):
+    """A table keyed weakly (by a storage's record) whose values are a weak reference to the
+    tensor object holding some content (the real tensor over that storage, the leaf it belongs
+    to), or a tuple starting with one: after ``torch.utils.swap_tensors`` the reference names
+    the other object, which holds that content now. Made by :func:`content_references`; write
+    entries as ``table[key] = value`` (that keeps the index a swap looks them up by)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        # id of the weak reference in a value -> weak reference to its key: a swap finds the
+        # entries naming a tensor among the tensor's weak references, without a scan.
+        self._keys_by_reference: dict[int, weakref.ref] = {}
+
+    def __setitem__(self, key: Any, value: Any) -> None:
+        super().__setitem__(key, value)
+        self._keys_by_reference[id(_reference(value))] = weakref.ref(key)
+        if len(self._keys_by_reference) > 2 * len(self) + 64:  # drop what dead entries left
+            self._keys_by_reference = {id(_reference(v)): weakref.ref(k) for k, v in self.items()}
+
+    def keys_naming(self, t: torch.Tensor) -> list[Any]:
+        """The keys whose value's weak reference is to ``t``."""
+        keys = []
+        for ref in weakref.getweakrefs(t):
+            key_ref = self._keys_by_reference.get(id(ref))
+            key = key_ref() if key_ref is not None else None
+            value = self.get(key) if key is not None else None
+            if value is not None and _reference(value) is ref:
+                keys.append(key)
+        return keys
+
+
+def content_references() -> ContentReferences:
+    """A new :class:`ContentReferences` table, registered: a swap re-points its references."""
+    table = ContentReferences()
 
     def release(t: torch.Tensor, other: torch.Tensor) -> _Putback | None:
-        found = [(k, _without_reference(v)) for k, v in list(table.items()) if _reference(v)() is t]
+        found = [(key, _without_reference(table.pop(key))) for key in table.keys_naming(t)]
         if not found:
             return None
-        for key, _ in found:
-            del table[key]
 
         def put_back(swapped: bool) -> None:
             for key, rest in found:
