@@ -179,3 +179,13 @@ def test_a_deferred_view_of_memory_swapped_out_stays_a_view_of_that_memory_as_in
     materialize(model.w_t)  # the memory it views is `other`'s now
     assert model.w_t.untyped_storage().data_ptr() == other.untyped_storage().data_ptr()
     assert torch.equal(model.w_t, eager.w_t) and torch.equal(model.w, eager.w)
+
+
+def test_a_real_tensor_used_in_a_recording_can_be_swapped_and_is_then_seen_as_changed():
+    data = torch.randn(1 << 19)  # 2 MiB: watched by its digest, not copied (limits.md)
+    with meta_init():
+        doubled = data * 2
+    torch.utils.swap_tensors(data, torch.zeros(1 << 19))
+    with pytest.raises(MaterializationError, match="written after it was recorded"):
+        materialize(doubled)  # as after data.zero_(): the recording read other values
+    assert is_deferred(doubled)

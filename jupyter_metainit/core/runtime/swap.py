@@ -165,7 +165,7 @@ def _with_reference(rest: tuple | None, target: torch.Tensor) -> Any:
 _torch_swap_tensors = getattr(torch.utils.swap_tensors, "_jmi_wraps", torch.utils.swap_tensors)
 
 
-@functools.wraps(_torch_swap_tensors)
+@functools.wraps(_torch_swap_tensors, assigned=("__module__", "__name__", "__qualname__"))
 def swap_tensors(t1: torch.Tensor, t2: torch.Tensor) -> None:
     """``torch.utils.swap_tensors``, also for tensors the package keeps weak references to (see
     the module docstring): ``t1`` gets ``t2``'s contents and the reverse, as PyTorch does it."""
