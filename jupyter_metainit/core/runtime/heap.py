@@ -21,6 +21,7 @@ library has no ``malloc_trim`` (macOS, musl): their allocators return memory the
 
 from __future__ import annotations
 
+import _thread
 import ctypes
 import functools
 import threading
@@ -28,6 +29,8 @@ import weakref
 from collections.abc import Callable, Iterable
 
 import torch
+
+from jupyter_metainit.core.runtime.interrupts import protect
 
 __all__ = ["RETURN_EVERY", "return_freed_memory", "return_when_freed", "unreturned_bytes"]
 
@@ -98,6 +101,10 @@ def _storage_freed(key: int, ref: weakref.ref) -> None:
         return_freed_memory(RETURN_EVERY)
         with _lock:
             _freed += entry[1]
+    except KeyboardInterrupt:
+        # A weak reference's callback cannot raise: Python would print the Ctrl-C and drop it.
+        # Delivered again, it lands in the code that freed the storage, once this returns.
+        _thread.interrupt_main()
     except Exception:  # a failed trim must never break the free that called it
         pass
 
@@ -125,3 +132,7 @@ def return_when_freed(tensors: Iterable[torch.Tensor]) -> None:
                 continue
             ref = weakref.ref(storage, functools.partial(_storage_freed, key))
             _watched[key] = (ref, nbytes)
+
+
+# While a materialization routes Ctrl-C (``interrupts``), it waits until these return.
+protect(_storage_freed, return_freed_memory)
