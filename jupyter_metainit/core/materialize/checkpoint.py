@@ -294,5 +294,5 @@ def load_reals_in_place(
                 shadows.sources[t] = "checkpoint"
                 if id(t) in file_reads:  # freeing it gives the checkpoint's values again
                     shadows.kept[t] = shadows.Shadow(
-                        file_reads[id(t)], t._version, t.data_ptr(), None
+                        file_reads[id(t)], shadows.version_of(t), t.data_ptr(), None
                     )

@@ -38,11 +38,12 @@ from jupyter_metainit.core.materialize.queries import (
     is_uninitialized,
     tensor_source,
 )
-from jupyter_metainit.core.materialize.user_state import copy_user_attributes
+from jupyter_metainit.core.materialize.user_state import as_inference, copy_user_attributes, made_as
 from jupyter_metainit.core.record.files import one_header_check, read_file_bytes
 from jupyter_metainit.core.record.tensor import SHARE_MEMORY_ATTR, DeferredTensor, as_parameter
 from jupyter_metainit.core.replay import Plan, execute, plan, real_view
 from jupyter_metainit.core.runtime import events
+from jupyter_metainit.core.runtime.heap import return_freed_memory, return_when_freed
 from jupyter_metainit.core.runtime.interrupts import critical, handling_interrupts
 from jupyter_metainit.core.runtime.lock import exclusive
 
@@ -117,6 +118,7 @@ def materialize(
     device = target_device(device)
     callback, bar = progress_callback(progress)
     what = describe_request(obj)
+    return_freed_memory()  # what earlier models left (a re-run cell's), before allocating anew
     try:
         with handling_interrupts(), exclusive(f"materializing {what}"):
             collected = collect(obj)
@@ -196,6 +198,7 @@ def _materialize_now(
             t.data = data
             shadows.apply_restamp(t, stamp)
     shadows.remember_realized(call.tensors, records)
+    return_when_freed([*call.tensors, *(t for t, _ in converted)])
     return [
         *call.tensors, *(t for t in call.reals if id(t) in loaded), *(t for t, _ in converted)
     ]  # fmt: skip
@@ -349,10 +352,12 @@ def _build_real(
     if id(real) in used:
         real = real.detach()  # a second object over the same storage (aliases stay aliases)
     used.add(id(real))
-    if getattr(t, "_is_param", False):
-        real = as_parameter(t, real, t.requires_grad)
-    elif t.requires_grad and (real.is_floating_point() or real.is_complex()):
-        real = real.detach().requires_grad_(True)
+    with made_as(t):  # under torch.inference_mode() where ``t`` was made so
+        real = as_inference(t, real)
+        if getattr(t, "_is_param", False):
+            real = as_parameter(t, real, t.requires_grad)
+        elif t.requires_grad and (real.is_floating_point() or real.is_complex()):
+            real = real.detach().requires_grad_(True)
     copy_user_attributes(t, real)
     if t.__dict__.get(SHARE_MEMORY_ATTR) and real.device.type == "cpu":
         real.share_memory_()  # asked for while deferred (``model.share_memory()``)

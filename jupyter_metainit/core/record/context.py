@@ -71,6 +71,7 @@ from jupyter_metainit.core.runtime.interrupts import (
     release_interrupts,
 )
 from jupyter_metainit.core.runtime.plain import subclass_functions_off
+from jupyter_metainit.core.runtime.swap import install_swap_tensors
 
 __all__ = ["at_meta_init_edges", "is_meta_init", "meta_init"]
 
@@ -346,3 +347,6 @@ def at_meta_init_edges(callback: Callable[[], None]) -> None:
 def _run_edge_callbacks() -> None:
     for callback in tuple(_block_edge_callbacks):
         callback()
+
+
+at_meta_init_edges(install_swap_tensors)

@@ -28,6 +28,7 @@ import torch
 from jupyter_metainit.core.record.graph import StorageRecord, TensorRecord
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.runtime.plain import plain
+from jupyter_metainit.core.runtime.swap import content_references
 
 __all__ = [
     "any_realized",
@@ -73,7 +74,7 @@ def real_view(base: torch.Tensor, r: TensorRecord) -> torch.Tensor:
 # Storages a materialization made real, with the tensor over each, the writes recorded on the
 # storage then, and the memory's address.
 _realized: weakref.WeakKeyDictionary[StorageRecord, tuple[weakref.ref, int, int]] = (
-    weakref.WeakKeyDictionary()
+    content_references()  # a WeakKeyDictionary that torch.utils.swap_tensors can see through
 )
 
 

@@ -32,6 +32,7 @@ from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.runtime.arguments import indexed_device
 from jupyter_metainit.core.runtime.digest import digest
 from jupyter_metainit.core.runtime.plain import iter_args, plain
+from jupyter_metainit.core.runtime.swap import cache_by_id
 
 META = torch.device("meta")
 
@@ -45,7 +46,7 @@ _COPY_EXTERNALS_BELOW = 1 << 20
 
 
 # Digests of large real inputs, per tensor object and version (one model uses a tensor often).
-_external_digests: dict[int, tuple[Any, int, tuple]] = {}
+_external_digests: dict[int, tuple[Any, int, tuple]] = cache_by_id({})  # swaps drop entries
 
 
 def external(x: torch.Tensor, where: Where) -> External | Constant:
