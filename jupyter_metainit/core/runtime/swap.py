@@ -1,19 +1,18 @@
 """Exchange the contents of two tensor objects, so that every reference sees the new one.
 
 :func:`swap_in_place` is the package's own exchange (materialize, dematerialize).
-:func:`swap_tensors` is ``torch.utils.swap_tensors`` for tensors the package keeps weak
-references to, put in its place when a thread first enters a ``meta_init`` block
-(:func:`install_swap_tensors`; importing the package changes nothing in torch): PyTorch refuses to swap a tensor
-that any weak reference points at, and the package's side tables (where a materialized tensor's
-values came from, what dematerialize needs, the deferred leaf over a storage) hold exactly such
-references. So ``torch.utils.swap_tensors`` on a materialized parameter, and everything that
-calls it (``model.double()`` or ``.to()`` under
-``torch.__future__.set_swap_module_params_on_conversion(True)``, ``load_state_dict`` then,
-FSDP2) failed where it works on eager tensors. Each table registers here, saying what its
-entries mean (:func:`identity_table`, :func:`content_references`, :func:`cache_by_id`); for the
-swap its references to the two tensors are taken out, PyTorch's own function runs with all its
-other checks (references the package does not hold still make it refuse), and they are put back.
-"""
+:func:`swap_tensors` is ``torch.utils.swap_tensors`` for tensors the package keeps weak references
+to, put in its place when a thread first enters a ``meta_init`` block
+(:func:`install_swap_tensors`; importing the package changes nothing in torch): PyTorch refuses to
+swap a tensor that any weak reference points at, and the package's side tables (where a
+materialized tensor's values came from, what dematerialize needs, the deferred leaf over a storage)
+hold exactly such references. So ``torch.utils.swap_tensors`` on a materialized parameter, and
+everything that calls it (``model.double()`` or ``.to()`` under
+``torch.__future__.set_swap_module_params_on_conversion(True)``, ``load_state_dict`` then, FSDP2)
+failed where it works on eager tensors. Each table registers here, saying what its entries mean
+(:func:`identity_table`, :func:`content_references`, :func:`cache_by_id`); for the swap its
+references to the two tensors are taken out, PyTorch's own function runs with all its other checks
+(references the package does not hold still make it refuse), and they are put back."""
 
 from __future__ import annotations
 
