@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from safetensors.torch import save_file
 from torch import nn
 
 from jupyter_metainit import is_deferred, materialize, meta_init
@@ -180,5 +181,68 @@ def test_cancel_stops_save_inside_a_large_tensor_leaving_nothing(tmp_path, dtype
     )
     assert isinstance(raised, Cancelled)
     assert took < 1.0
+    assert not destination.exists() or not any(destination.iterdir())
+    assert is_deferred(module.w)
+
+
+def _checkpoint_of_a_large_tensor(tmp_path) -> tuple[str, nn.Module]:
+    path = str(tmp_path / "model.safetensors")
+    save_file({"w": torch.full((N,), 0.5)}, path)
+    with meta_init():
+        module = nn.Module()
+        module.w = nn.Parameter(torch.empty(N))
+    return path, module
+
+
+def test_materialize_from_a_checkpoint_reports_progress_inside_a_large_tensor(tmp_path):
+    path, module = _checkpoint_of_a_large_tensor(tmp_path)
+    progress = Recorder()
+    materialize(module, checkpoint=path, progress=progress)
+    done = [d for d, _ in progress.events]
+    assert done == sorted(done) and done[-1] == N * 4
+    assert len(progress.inside_values()) >= 4, progress.events
+    assert torch.equal(module.w, torch.full((N,), 0.5))
+
+
+def test_cancel_stops_a_checkpoint_read_inside_a_large_tensor(tmp_path):
+    path, module = _checkpoint_of_a_large_tensor(tmp_path)
+    progress = Recorder()
+    raised, took = _cancel_once_inside(
+        lambda: materialize(module, checkpoint=path, progress=progress), progress
+    )
+    assert isinstance(raised, Cancelled)
+    assert took < 1.0
+    assert is_deferred(module.w) and max(d for d, _ in progress.events) < N * 4
+
+
+def test_a_large_copy_or_cast_in_steps_is_told_and_stops_part_way():
+    # save's casts and aligned copies, checkpoint reads: ``copy_in_steps`` under ``telling``
+    src = torch.full((N,), 1.5)
+    dst = torch.zeros(N, dtype=torch.bfloat16)
+    told: list[int] = []
+
+    def tell(nbytes: int) -> None:
+        told.append(nbytes)
+        if len(told) == 3:
+            raise Cancelled
+
+    with pytest.raises(Cancelled), interrupts.telling(tell):
+        interrupts.copy_in_steps(dst, src)
+    assert told == sorted(told) and 0 < told[-1] < N * 2
+    assert dst[0] == 1.5 and dst[-1] == 0  # stopped part-way
+
+
+def test_a_dcp_save_reports_progress_inside_a_large_tensor_and_cancels_there(tmp_path):
+    pytest.importorskip("torch.distributed.checkpoint")
+    module = _weight()
+    progress = Recorder()
+    save(module, tmp_path / "whole", format="dcp", progress=progress)
+    assert len(progress.inside_values()) >= 4, progress.events
+    progress = Recorder()
+    destination = tmp_path / "cancelled"
+    raised, took = _cancel_once_inside(
+        lambda: save(module, destination, format="dcp", progress=progress), progress
+    )
+    assert isinstance(raised, Cancelled) and took < 1.0
     assert not destination.exists() or not any(destination.iterdir())
     assert is_deferred(module.w)

@@ -23,8 +23,9 @@ public face; ``errors`` beside it holds the exceptions.
   ``dtype_name``, ``available_memory``, ``is_out_of_memory``, ``local_tensor`` (a DTensor's
   local shard), ``copy_user_attributes`` (the user's attributes onto a real tensor);
 - for ``save``: ``values_to_write`` (exact values of a deferred tensor or of a batch of them,
-  nothing kept or swapped), ``source_files`` (the checkpoint files a deferred tensor reads) and
-  ``telling`` (progress, and Cancel, from inside a batch being generated).
+  nothing kept or swapped), ``source_files`` (the checkpoint files a deferred tensor reads),
+  ``telling`` and ``copy_in_steps`` (progress, and Cancel, from inside a batch being generated
+  or copied).
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ from jupyter_metainit.core.runtime.arguments import (
     parse_dtype,
 )
 from jupyter_metainit.core.runtime.format import format_bytes, format_count, format_duration
-from jupyter_metainit.core.runtime.interrupts import telling
+from jupyter_metainit.core.runtime.interrupts import copy_in_steps, telling
 from jupyter_metainit.core.runtime.lock import busy_with
 from jupyter_metainit.core.runtime.memory import available_memory, is_out_of_memory
 from jupyter_metainit.core.runtime.plain import plain
@@ -83,7 +84,8 @@ __all__ = [
 
 # The upper layers' face (see the docstring): public names of the core, not listed for users.
 UPPER_LAYER_FACE = (
-    available_memory, busy_with, copy_user_attributes, counted_attributes, dtype_name, events,
+    available_memory, busy_with, copy_in_steps, copy_user_attributes, counted_attributes,
+    dtype_name, events,
     format_bytes, format_count, format_duration, is_out_of_memory, iter_deferred, local_tensor,
     missing_device_reason, named_tensors, noting_whole_intermediates, own_tensors, parse_device,
     parse_dtype, plain, progress_callback, source_files, storage_of, telling, unique_tensors,

@@ -20,8 +20,9 @@ import torch
 from jupyter_metainit.core.record.graph import StorageRecord
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.replay import Progress
+from jupyter_metainit.core.runtime.interrupts import Steps, counting
 
-__all__ = ["MemoryProgress", "progress_callback", "storage_sizes"]
+__all__ = ["MemoryProgress", "inside_steps", "progress_callback", "storage_sizes"]
 
 
 ProgressCallback = Callable[..., None]
@@ -110,6 +111,15 @@ class MemoryProgress(Progress):
             for t in tensors:
                 self.done += self.sizes.pop(id(t._rec.storage), 0)
         self._tell(self.done)
+
+
+def inside_steps(tracker: MemoryProgress | None) -> counting:
+    """Long copies within the block (a checkpoint's tensors read from their files, in steps)
+    told to ``tracker`` as the bytes copied so far (taken back at the end: ``loaded`` counts
+    them whole), where a callback raising stops them; without a tracker, only Ctrl-C does."""
+    if tracker is None:
+        return counting(Steps())
+    return counting(Steps(tracker.inside), take_back=True)
 
 
 def storage_sizes(tensors: list[DeferredTensor], dtype: torch.dtype | None) -> dict[int, int]:

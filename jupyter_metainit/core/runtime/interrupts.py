@@ -30,6 +30,7 @@ __all__ = [
     "Steps",
     "Stopped",
     "check",
+    "copy_in_steps",
     "counting",
     "critical",
     "current_meter",
@@ -300,6 +301,33 @@ class counting:
 
 
 protect(counting.__enter__, counting.__exit__)
+
+
+# A copy of more than this many bytes goes in steps of this many (a few milliseconds each).
+STEP_BYTES = 16 << 20
+
+
+def copy_in_steps(dst: Any, src: Any, counted: bool = True) -> None:
+    """``dst.copy_(src)`` (a cast, or a move between devices, too) in steps of
+    :data:`STEP_BYTES` of ``dst``: between two the caller's progress is told (the bytes copied,
+    if ``counted``) and may stop it. For copies of gigabytes: a checkpoint's bytes read from
+    its file (the copy is what reads them), a cast. Both contiguous, else one copy."""
+    n = dst.numel()
+    if (
+        dst.nbytes <= STEP_BYTES
+        or src.numel() != n
+        or not (dst.is_contiguous() and src.is_contiguous())
+    ):
+        dst.copy_(src)
+        return
+    flat_dst, flat_src = dst.view(-1), src.view(-1)
+    meter = current_meter()
+    step = STEP_BYTES // dst.element_size()
+    for a in range(0, n, step):
+        meter.step()
+        flat_dst[a : a + step].copy_(flat_src[a : a + step])
+        if counted:
+            meter.step((min(n, a + step) - a) * dst.element_size())
 
 
 def telling(tell: Callable[[int], None]) -> counting:
