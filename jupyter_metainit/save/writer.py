@@ -239,14 +239,14 @@ def _stream_batch(
         streamed.add(j)
         put(j, a * flat.element_size(), flat[a:b])
 
-    with _telling_generation(progress, batch, tensors, written):
+    with _telling_generation(progress, batch, tensors, written):  # (casts, copies: in steps)
         values = cpu_values_of_batch([tensors[e.name] for *_, e in batch], dtype, memory, on_part)
-    for (*_, entry), value in zip(batch, values, strict=True):
-        _check_geometry(entry, value)
-    for j, value in enumerate(values):
-        if j not in streamed:
-            put(j, 0, value)
-        progress.report(written(), "generating")
+        for (*_, entry), value in zip(batch, values, strict=True):
+            _check_geometry(entry, value)
+        for j, value in enumerate(values):
+            if j not in streamed:
+                put(j, 0, value)
+            progress.report(written(), "generating")
     return values
 
 
