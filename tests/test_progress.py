@@ -246,3 +246,25 @@ def test_a_dcp_save_reports_progress_inside_a_large_tensor_and_cancels_there(tmp
     assert isinstance(raised, Cancelled) and took < 1.0
     assert not destination.exists() or not any(destination.iterdir())
     assert is_deferred(module.w)
+
+
+@pytest.mark.parametrize("rng", ["exact", "fast"])
+def test_the_widgets_bar_moves_inside_a_large_tensor_and_cancel_stops_it(rng):
+    from jupyter_metainit.jupyter.widget import explore
+
+    torch.manual_seed(0)
+    with meta_init():
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8192, 8192))  # a 256 MiB weight
+    w = explore(model)
+    w.rng = rng
+    seen: set[int] = set()
+    w.observe(lambda change: seen.add(change["new"][0]), names="progress")
+    w.handle_action({"action": "materialize", "device": "cpu", "names": ["1"]})
+    while w.busy and not any(1 << 20 <= d < N * 4 for d in seen):
+        time.sleep(0.001)
+    w.handle_action({"action": "cancel"})
+    start = time.monotonic()
+    assert w.wait(30)
+    assert time.monotonic() - start < 1.0
+    assert w.status.startswith("Cancelled"), (w.status, w.error, sorted(seen))
+    assert is_deferred(model[1].weight)
