@@ -185,7 +185,9 @@ def test_cancel_stops_save_inside_a_large_tensor_leaving_nothing(tmp_path, dtype
     assert is_deferred(module.w)
 
 
-def _checkpoint_of_a_large_tensor(tmp_path) -> tuple[str, nn.Module]:
+def _checkpoint_of_a_large_tensor(tmp_path, monkeypatch) -> tuple[str, nn.Module]:
+    # a read from the page cache can take only tens of milliseconds: told after every step
+    monkeypatch.setattr(interrupts, "TELL_S", 0.0)
     path = str(tmp_path / "model.safetensors")
     save_file({"w": torch.full((N,), 0.5)}, path)
     with meta_init():
@@ -194,8 +196,10 @@ def _checkpoint_of_a_large_tensor(tmp_path) -> tuple[str, nn.Module]:
     return path, module
 
 
-def test_materialize_from_a_checkpoint_reports_progress_inside_a_large_tensor(tmp_path):
-    path, module = _checkpoint_of_a_large_tensor(tmp_path)
+def test_materialize_from_a_checkpoint_reports_progress_inside_a_large_tensor(
+    tmp_path, monkeypatch
+):
+    path, module = _checkpoint_of_a_large_tensor(tmp_path, monkeypatch)
     progress = Recorder()
     materialize(module, checkpoint=path, progress=progress)
     done = [d for d, _ in progress.events]
@@ -204,8 +208,8 @@ def test_materialize_from_a_checkpoint_reports_progress_inside_a_large_tensor(tm
     assert torch.equal(module.w, torch.full((N,), 0.5))
 
 
-def test_cancel_stops_a_checkpoint_read_inside_a_large_tensor(tmp_path):
-    path, module = _checkpoint_of_a_large_tensor(tmp_path)
+def test_cancel_stops_a_checkpoint_read_inside_a_large_tensor(tmp_path, monkeypatch):
+    path, module = _checkpoint_of_a_large_tensor(tmp_path, monkeypatch)
     progress = Recorder()
     raised, took = _cancel_once_inside(
         lambda: materialize(module, checkpoint=path, progress=progress), progress
@@ -215,8 +219,9 @@ def test_cancel_stops_a_checkpoint_read_inside_a_large_tensor(tmp_path):
     assert is_deferred(module.w) and max(d for d, _ in progress.events) < N * 4
 
 
-def test_a_large_copy_or_cast_in_steps_is_told_and_stops_part_way():
+def test_a_large_copy_or_cast_in_steps_is_told_and_stops_part_way(monkeypatch):
     # save's casts and aligned copies, checkpoint reads: ``copy_in_steps`` under ``telling``
+    monkeypatch.setattr(interrupts, "TELL_S", 0.0)  # told after every step
     src = torch.full((N,), 1.5)
     dst = torch.zeros(N, dtype=torch.bfloat16)
     told: list[int] = []

@@ -123,24 +123,22 @@ def _fill_in_chunks(
     threads if ``parallel``), each in :func:`steps` counted by ``meter``."""
     flat = target.view(-1)
     state = generator.get_state()
-    jobs = []
-    for k, (a, b) in enumerate(bounds):
-        gen = torch.Generator()
-        gen.set_state(state)
-        jobs.append((steps(flat.numel(), a, b, align, STEP_ELEMENTS), gen))
-        if k + 1 < len(bounds):  # a jump costs up to about 10 ms: none after the last chunk
-            state = jump_state(state, (b - a) * per_element)
+    gens = [torch.Generator() for _ in bounds]
 
-    def run(job: tuple[list[tuple[int, int]], torch.Generator]) -> None:
-        _fill_in_steps(fill, flat, job[1], job[0], meter)
+    def run(k: int) -> None:
+        a, b = bounds[k]
+        # Each chunk's thread jumps to its start itself (a jump takes 10 ms to a second, the
+        # first in a process the longest): the first chunk fills meanwhile, progress is told.
+        gens[k].set_state(jump_state(state, a * per_element) if a else state)
+        _fill_in_steps(fill, flat, gens[k], steps(flat.numel(), a, b, align, STEP_ELEMENTS), meter)
 
     if parallel:
         meter = meter or current_meter()
-        meter.wait([core_pool(len(jobs)).submit(run, job) for job in jobs])
+        meter.wait([core_pool(len(bounds)).submit(run, k) for k in range(len(bounds))])
     else:
-        for job in jobs:
-            run(job)
-    generator.set_state(jobs[-1][1].get_state())  # the last chunk ends where the stream ends
+        for k in range(len(bounds)):
+            run(k)
+    generator.set_state(gens[-1].get_state())  # the last chunk ends where the stream ends
 
 
 def split_is_exact(func: Any, dtype: torch.dtype, fill: Callable) -> bool:
@@ -302,19 +300,13 @@ def fill_region_into(
     parts = max(1, min(workers, (end - start) // MIN_CHUNK))
     spans = [(start + a, start + b) for a, b in _chunks(end - start, parts, align)]
     out = dst.view(-1)
-    state = jump_state(generator.get_state(), start * per)
-    jobs = []
-    for k, (a, b) in enumerate(spans):
-        gen = torch.Generator()
-        gen.set_state(state)
-        jobs.append((a, b, gen))
-        if k + 1 < len(spans):
-            state = jump_state(state, (b - a) * per)
-
+    state = generator.get_state()
+    jobs = [(a, b, torch.Generator()) for a, b in spans]
     meter = current_meter()
 
     def run_span(job: tuple[int, int, torch.Generator]) -> None:
         a, b, gen = job
+        gen.set_state(jump_state(state, a * per) if a else state)  # on its thread (see above)
         step = max(align, SCRATCH_ELEMENTS // align * align)
         scratch = torch.empty(step + 32 * align, dtype=dst.dtype)
         pos = a

@@ -223,7 +223,7 @@ class Steps:
             pending = set(futures)
             while pending:
                 done, pending = concurrent.futures.wait(
-                    pending, timeout=TELL_S / 2, return_when=concurrent.futures.FIRST_EXCEPTION
+                    pending, max(TELL_S / 2, 0.005), concurrent.futures.FIRST_EXCEPTION
                 )
                 self.step()
                 for f in done:
