@@ -57,7 +57,7 @@ def cpu_values_of_batch(
     for j, values in zip(which, computed, strict=True):
         if dtype is not None and values.is_floating_point() and values.dtype != dtype:
             cast = torch.empty(values.shape, dtype=dtype)  # ``.to(dtype)``, a Cancel between steps
-            copy_in_steps(cast, values, counted=False)
+            copy_in_steps(cast, values)
             values = cast
         out[j] = values.contiguous()
     return out

@@ -255,11 +255,14 @@ def _telling_generation(
     written: Callable[[], int] | None = None,
 ) -> Any:  # fmt: skip
     """While ``batch`` is generated (one large tensor takes seconds), progress told about every
-    0.2 s (``telling``): the bytes its fills have made, as bytes of the batch (a cast to
-    ``dtype`` scales them), after the batches begun before it, or ``written()`` once that is
-    more. A Cancel raised from it stops the fills within a step."""
+    0.2 s (``telling``): the bytes its fills, then its casts to ``dtype``, have made, as a
+    share of the batch's bytes, after the batches begun before it, or ``written()`` once that
+    is more. A Cancel raised from it stops the fills (or casts) within a step."""
     size = sum(entry.nbytes for *_, entry in batch)
-    made = sum(t.numel() * t.element_size() for t in (tensors[e.name] for *_, e in batch))
+    made = 0  # the bytes its fills make, and its casts
+    for *_, entry in batch:
+        t = tensors[entry.name]
+        made += t.numel() * t.element_size() + (entry.nbytes if entry.dtype != t.dtype else 0)
     start, progress.begun = progress.begun, progress.begun + size
 
     def tell(n: int) -> None:
