@@ -19,6 +19,7 @@ SCRIPTS = {
     "bench_construction.py": ["### Construction", "jupyter_metainit.meta_init()"],
     "bench_layer.py": ["### Decoder layer", "exact layer equals eager construction"],
     "bench_materialize.py": ["### Whole model", "meta_init + materialize", "torch.equal"],
+    "bench_progress.py": ["### Progress events and cancel latency", "### Cost of the steps"],
     "bench_rng.py": ["### Jump ahead", "draws skipped"],
     "bench_save.py": [
         "bfloat16 model, largest tensor",
