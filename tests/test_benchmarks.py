@@ -27,6 +27,7 @@ SCRIPTS = {
         "eager build + `save_file`",
     ],
     "bench_selective.py": ["### (a)", "### (b)", "### (c)", "### (d)"],
+    "bench_stats.py": ["never allocated", "generation floor", "`compare(dir_a, dir_b)`"],
 }
 
 

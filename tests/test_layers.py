@@ -29,7 +29,8 @@ ALLOWED = {
     "distributed": {"core", "distributed"},
     "plan": {"core", "estimates", "plan"},
     "save": {"core", "save"},
-    "jupyter": {"core", "estimates", "plan", "save", "jupyter"},
+    "inspection": {"core", "inspection"},
+    "jupyter": {"core", "estimates", "plan", "save", "inspection", "jupyter"},
 }
 
 

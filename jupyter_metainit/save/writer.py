@@ -355,9 +355,9 @@ def _batches(placed: list[Any]) -> list[list[Any]]:
     """Consecutive tensors grouped into batches of at most ``max(largest, BATCH_BYTES)``."""
     budget = max([BATCH_BYTES] + [entry.nbytes for _, _, entry in placed])
     batches: list[list[tuple[int, int, FileEntry]]] = []
-    size = budget
+    size = 0
     for item in placed:
-        if size + item[2].nbytes > budget:
+        if not batches or size + item[2].nbytes > budget:  # a first tensor may have no bytes
             batches.append([])
             size = 0
         batches[-1].append(item)

@@ -57,7 +57,7 @@ def materialize(
     obj: Any,
     device: Any = None,
     *,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     rng: str | None = None,
     keep_cache: bool = False,
     progress: Any = None,
@@ -79,8 +79,8 @@ def materialize(
         device: where the real tensors go; ``None`` keeps each tensor's recorded device.
             Parts of ``obj`` that are real already are moved there in place, as
             ``nn.Module.to`` does (same tensor objects, ties kept).
-        dtype: cast floating-point tensors to this dtype after replay; real parts are cast in
-            place too.
+        dtype: cast floating-point tensors to this dtype (or its name: ``"bf16"``,
+            ``"bfloat16"``) after replay; real parts are cast in place too.
         rng: ``"exact"``: bit-identical to eager construction, whatever was materialized
             before and in whatever grouping. ``"fast"``: every random op draws from its own
             stream seeded from the recorded seed and the op's position; deterministic,
@@ -117,7 +117,7 @@ def materialize(
         options = dict(dtype=dtype, rng=rng, keep_cache=keep_cache, checkpoint=checkpoint)
         return placed(placement)(obj, progress=progress, missing=missing, root=root, **options)
     obj = as_list_if_iterator(obj)
-    check_arguments(rng, missing, dtype, placement)
+    dtype = check_arguments(rng, missing, dtype, placement)
     device = target_device(device)
     callback, bar = progress_callback(progress)
     what = describe_request(obj)

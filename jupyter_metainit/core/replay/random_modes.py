@@ -51,6 +51,9 @@ class RandomMode:
     """The interface the run engine calls; :class:`ExactRandom` and :class:`FastRandom`."""
 
     name = ""
+    # Whether a batch of whole-tensor fills may run as one generator stream cut across the
+    # cores (``stream_fills``): exact mode's values are one stream, so cutting it is exact.
+    fills_as_one_stream = False
 
     def run_random(
         self, run: RandomRun, op: OpRecord, args: tuple, kwargs: dict, device: torch.device
@@ -114,6 +117,7 @@ class ExactRandom(RandomMode):
     """Eager's values: each generator's stream replayed in order, from exact positions."""
 
     name = "exact"
+    fills_as_one_stream = True
 
     def run_random(
         self, run: RandomRun, op: OpRecord, args: tuple, kwargs: dict, device: torch.device

@@ -21,15 +21,18 @@ from jupyter_metainit.core.record.dispatch.metadata import made_pinned
 from jupyter_metainit.core.record.graph import (
     Constant,
     External,
+    GradCall,
     OpRecord,
     StorageRecord,
     TensorRecord,
     constant_op,
 )
 from jupyter_metainit.core.record.state import default_dtype_as
+from jupyter_metainit.core.replay.grads import GradSpans, detached
 from jupyter_metainit.core.replay.parallel import run_parallel
 from jupyter_metainit.core.replay.planning import Plan, last_writes
 from jupyter_metainit.core.replay.random_modes import random_mode
+from jupyter_metainit.core.replay.realized import geometry_matches, real_view
 from jupyter_metainit.core.replay.shards import (
     copied_once,
     copy_from_pending_fill,
@@ -49,34 +52,6 @@ __all__ = ["Progress", "Run", "execute", "real_view"]
 
 aten = torch.ops.aten
 _CPU = torch.device("cpu")
-
-
-def _geometry_matches(t: torch.Tensor, r: TensorRecord) -> bool:
-    return (
-        t.dtype == r.dtype
-        and tuple(t.shape) == r.size
-        and tuple(t.stride()) == r.stride
-        and t.storage_offset() == r.offset
-        and not r.conj
-        and not r.neg
-    )
-
-
-def real_view(base: torch.Tensor, r: TensorRecord) -> torch.Tensor:
-    """``r``'s view of the real storage ``base``: any geometry, any dtype (dtype views are views
-    too), with the lazy conjugate/negative bits the deferred view had."""
-    if _geometry_matches(base, r):
-        return base
-    if base.dtype == r.dtype:
-        view = base.as_strided(r.size, r.stride, r.offset)
-    else:
-        view = torch.empty(0, dtype=r.dtype, device=base.device)
-        view.set_(base.untyped_storage(), r.offset, r.size, r.stride)
-    if r.conj:
-        view = view.conj()
-    if r.neg:
-        view = view._neg_view()
-    return view
 
 
 class _ShapeMismatch:
@@ -151,6 +126,7 @@ class Run:
         self.pending_fills: dict[int, tuple[OpRecord, tuple, dict, torch.Generator]] = {}
         # nbytes -> an untyped CPU storage to allocate into (``execute(memory=...)``)
         self.memory: Callable[[int], torch.UntypedStorage] | None = None
+        self.grads = GradSpans.of(p.ops)  # gradients taken while recording (None: none)
 
     @property
     def generators(self) -> dict[int, tuple[torch.Generator, int]]:
@@ -255,8 +231,29 @@ class Run:
         if op.func is aten.copy_.default and self._copy_from_pending_fill(op, device):
             self.finished(index)
             return
-        # ATen arguments nest one list deep at most: map_args, not pytree (per op, it shows)
-        args, kwargs = map_args(lambda x: self.arg(x, device), op.args, op.kwargs)
+        if self.grads is None:
+            partial = self._run_op(index, op, device, None)
+        else:  # a gradient taken later: the nodes of its graph in grad mode (``grads``)
+            with self.grads.mode(op):
+                in_span = op.seq in self.grads.span
+                partial = self._run_op(index, op, device, self.grads if in_span else None)
+        if self._noted is not None and not partial:
+            self._note_whole(op)
+        self.finished(index)
+
+    def _run_op(
+        self, index: int, op: OpRecord, device: torch.device, grads: GradSpans | None
+    ) -> bool:
+        """Run op number ``index`` (an ATen op, or a gradient call), store its outputs; whether
+        only part of them was generated (``random_modes``)."""
+        if isinstance(op, GradCall) and grads is not None:
+            self._store(op, grads.gradients(self, op, device))
+            return False
+        if grads is None:
+            # ATen arguments nest one list deep at most: map_args, not pytree (per op, it shows)
+            args, kwargs = map_args(lambda x: self.arg(x, device), op.args, op.kwargs)
+        else:
+            args, kwargs = grads.arguments(self, op, device)
         if "device" in kwargs:
             kwargs["device"] = device
         partial = False
@@ -268,11 +265,8 @@ class Run:
             else:
                 self.phase("computing")
                 out = op.func(*args, **kwargs)
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        self._store(op, outs)
-        if self._noted is not None and not partial:
-            self._note_whole(op)
-        self.finished(index)
+        self._store(op, out if isinstance(out, (tuple, list)) else (out,))
+        return partial
 
     def _store(self, op: OpRecord, outs: Any) -> None:
         for rec, o in zip(op.outputs, outs, strict=False):
@@ -285,7 +279,7 @@ class Run:
                 # (an unused statistic of batch_norm in eval mode): fine unless it is needed.
                 self.env[id(rec.storage)] = _ShapeMismatch(op, tuple(o.shape), rec.size)
                 continue
-            if not _geometry_matches(o, rec):
+            if not geometry_matches(o, rec):
                 # Keep the layout the deferred tensor reported, so views over it stay right.
                 fixed = torch.empty_strided(rec.size, rec.stride, dtype=rec.dtype, device=o.device)
                 fixed.copy_(o)
@@ -374,7 +368,8 @@ def _run_plan(
 ) -> None:
     """``execute``'s work: the fills as one stream, the parallel groups, or op after op."""
     workers, done = threads or (available_cores() if one_stream or len(p.ops) > 1 else 1), set()
-    if one_stream and run.random.name == "exact" and workers > 1 and run.device == _CPU:
+    workers = workers if run.grads is None else 1  # a graph is built in order, on one thread
+    if one_stream and run.random.fills_as_one_stream and workers > 1 and run.device == _CPU:
         done = run_stream_fills(run, p.ops, workers, on_filled)  # a lone fill's too
     cores = workers if len(p.ops) > 1 else 1
     split = run.random.parallel_groups(p.ops, cores) if cores > 1 and not done else None
@@ -396,4 +391,4 @@ def _results(run: Run, p: Plan) -> dict[int, torch.Tensor]:
     for sid in run.last_use:
         if sid in run.env and run.last_use[sid] == len(p.ops):
             out.setdefault(sid, run.env[sid])
-    return out
+    return out if run.grads is None else detached(out)
