@@ -27,7 +27,9 @@ public face; ``errors`` beside it holds the exceptions.
   ``is_out_of_memory``, ``local_tensor`` (a DTensor's
   local shard), ``copy_user_attributes`` (the user's attributes onto a real tensor);
 - for ``save``: ``values_to_write`` (exact values of a deferred tensor or of a batch of them,
-  nothing kept or swapped) and ``source_files`` (the checkpoint files a deferred tensor reads).
+  nothing kept or swapped), ``source_files`` (the checkpoint files a deferred tensor reads),
+  ``telling`` and ``copy_in_steps`` (progress, and Cancel, from inside a batch being generated
+  or copied).
 """
 
 from __future__ import annotations
@@ -67,6 +69,7 @@ from jupyter_metainit.core.runtime.arguments import (
     parse_size,
 )
 from jupyter_metainit.core.runtime.format import format_bytes, format_count, format_duration
+from jupyter_metainit.core.runtime.interrupts import copy_in_steps, telling
 from jupyter_metainit.core.runtime.lock import busy_with
 from jupyter_metainit.core.runtime.memory import available_memory, is_out_of_memory
 from jupyter_metainit.core.runtime.plain import plain
@@ -87,10 +90,11 @@ __all__ = [
 
 # The upper layers' face (see the docstring): public names of the core, not listed for users.
 UPPER_LAYER_FACE = (
-    at_meta_init_edges, available_memory, busy_with, copy_user_attributes, counted_attributes,
-    dtype_name, events, format_bytes, format_count, format_duration, indexed_device,
+    at_meta_init_edges, available_memory, busy_with, copy_in_steps, copy_user_attributes,
+    counted_attributes, dtype_name, events, format_bytes, format_count, format_duration,
+    indexed_device,
     is_out_of_memory, iter_deferred,
     local_tensor, missing_device_reason, named_tensors, noting_whole_intermediates, own_tensors,
     parse_device, parse_dtype, parse_size, plain, progress_callback, source_files, storage_of,
-    unique_tensors, values_to_write,
+    telling, unique_tensors, values_to_write,
 )  # fmt: skip

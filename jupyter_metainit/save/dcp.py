@@ -31,7 +31,7 @@ from torch.distributed.checkpoint.filesystem import _StorageInfo
 from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteItem, WriteItemType
 from torch.distributed.checkpoint.storage import WriteResult
 
-from jupyter_metainit.core import is_deferred
+from jupyter_metainit.core import is_deferred, telling
 from jupyter_metainit.save.layout import (
     check_savable,
     file_size_errors,
@@ -56,7 +56,8 @@ class ValuesOnDemandPlanner(DefaultSavePlanner):
     asks for them (exact mode, on the CPU; deferred tensors stay deferred) and already computes
     the next tensor's on a helper thread while the writer writes: generation and writing
     overlap, two tensors alive at most. Progress (and a cancel raised from it) runs on the
-    writing thread, the caller's."""
+    writing thread, the caller's, also about every 0.2 s while one large tensor is generated;
+    a cancel stops that generation within a step (``telling``)."""
 
     def __init__(self, progress: Progress) -> None:
         super().__init__(dedup_save_to_lowest_rank=False)
@@ -65,6 +66,8 @@ class ValuesOnDemandPlanner(DefaultSavePlanner):
         self.order: list[WriteItem] = []
         self.prefetch = ThreadPoolExecutor(1, thread_name_prefix="jupyter_metainit.save")
         self.next: tuple[Any, Future] | None = None
+        self.generated = 0  # bytes of the tensor being generated so far
+        self.stopping = False  # the writing thread was cancelled: the prefetch stops
 
     def finish_plan(self, new_plan: SavePlan) -> SavePlan:
         plan = super().finish_plan(new_plan)
@@ -76,9 +79,9 @@ class ValuesOnDemandPlanner(DefaultSavePlanner):
             return super().resolve_data(write_item)
         self.progress.report(self.done, "generating")
         if self.next is not None and self.next[0] == write_item.index:
-            values = self.next[1].result()
+            values = self._waited(self.next[1])
         else:  # not the order planned: compute it here
-            values = self._values(write_item)
+            values = self._values(write_item, here=True)
         self.next = None
         position = next(
             (k for k, item in enumerate(self.order) if item.index == write_item.index), None
@@ -89,14 +92,46 @@ class ValuesOnDemandPlanner(DefaultSavePlanner):
         self.done += values.nbytes
         return values
 
-    def _values(self, write_item: WriteItem) -> torch.Tensor:
-        return cpu_values(self.lookup_object(write_item.index))
+    def _waited(self, future: Future) -> torch.Tensor:
+        """The prefetched values, telling progress while they are made (a cancel raised from
+        it stops the prefetch at its next step)."""
+        while True:
+            try:
+                return future.result(timeout=0.2)
+            except TimeoutError:
+                pass
+            try:
+                self.progress.report(self.done + self.generated, "generating")
+            except BaseException:
+                self.stopping = True
+                raise
+
+    def _values(self, write_item: WriteItem, here: bool = False) -> torch.Tensor:
+        t = self.lookup_object(write_item.index)
+        local = t.to_local() if hasattr(t, "to_local") else t
+        size = local.numel() * local.element_size()
+        self.generated = 0
+
+        def tell(nbytes: int) -> None:
+            self.generated = nbytes = min(nbytes, size)  # (its fills' bytes: a cast halves them)
+            if here:  # on the writing thread: told from here
+                self.progress.report(self.done + nbytes, "generating")
+            elif self.stopping:
+                raise _Stopped
+
+        with telling(tell):
+            return cpu_values(t)
 
     def close(self) -> None:
+        self.stopping = True  # a prefetch still running stops at its next step
         if self.next is not None:
             self.next[1].cancel()
         self.next = None
         self.prefetch.shutdown(wait=True)
+
+
+class _Stopped(Exception):
+    """Ends a prefetch whose save was cancelled (the writing thread raises the reason)."""
 
 
 # What ``torch.save`` adds around a tensor's bytes (its zip records: about 1.6 KB), at most.

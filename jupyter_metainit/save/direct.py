@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import numpy
 import torch
 
+from jupyter_metainit.core import copy_in_steps
 from jupyter_metainit.save.safetensors_file import FileEntry
 
 __all__ = ["ALIGN", "DirectFile", "DirectWriter", "Regions", "arena_bytes", "can_write_direct"]
@@ -111,7 +112,7 @@ class DirectFile:
             inner = data[first - offset : last - offset]
             if _address_of(inner) % ALIGN:
                 copy = _aligned(len(inner))
-                copy[:] = inner
+                _copy_into(copy, inner)
                 inner = memoryview(copy)
             jobs.append((self, first, inner))
         for a, b in ((offset, first), (last, end)):
@@ -152,6 +153,16 @@ class DirectFile:
         os.close(self.fd)
         if self._buffered is not None:
             os.close(self._buffered)
+
+
+def _copy_into(buffer: mmap.mmap, data: memoryview) -> None:
+    """``buffer[:] = data``; a large one by torch, in steps: without holding the GIL for a
+    second, and a Cancel may stop it between two (``copy_in_steps``)."""
+    if data.readonly or len(data) <= ALIGN:
+        buffer[:] = data
+        return
+    into = torch.frombuffer(buffer, dtype=torch.uint8)
+    copy_in_steps(into, torch.frombuffer(data, dtype=torch.uint8), counted=False)
 
 
 def _address_of(view: memoryview) -> int:

@@ -30,7 +30,11 @@ from jupyter_metainit.core.materialize.failures import (
     released,
     target_device,
 )
-from jupyter_metainit.core.materialize.progress import MemoryProgress, progress_callback
+from jupyter_metainit.core.materialize.progress import (
+    MemoryProgress,
+    inside_steps,
+    progress_callback,
+)
 from jupyter_metainit.core.materialize.queries import (
     as_list_if_iterator,
     collect,
@@ -213,10 +217,9 @@ def _read_checkpoint(
         return {}
     if call.tracker is not None:
         call.tracker.phase("reading checkpoint files")
-    loaded = load_for(
-        call.obj, [*call.tensors, *call.reals], checkpoint, call.device, missing, call.dtype,
-        root, file_reads,
-    )  # fmt: skip
+    with inside_steps(call.tracker):  # each tensor's read told as it goes, in steps
+        loaded = load_for(call.obj, [*call.tensors, *call.reals], checkpoint, call.device,
+                          missing, call.dtype, root, file_reads)  # fmt: skip
     if call.tracker is not None:
         call.tracker.loaded([t for t in call.tensors if id(t) in loaded])
     return loaded

@@ -105,8 +105,7 @@ class FastRandom(RandomMode):
             out = run_from(op, args, kwargs, gen, has_gen, region)
             if out is not None:
                 return out, True
-        call = lambda g: call_with_generator(op, args, kwargs, g)  # noqa: E731
-        return run_random(call, gen, has_gen), False
+        return run_from(op, args, kwargs, gen, has_gen, None), False  # a large CPU fill in steps
 
     def parallel_groups(self, ops: list[OpRecord], cores: int) -> tuple[Groups, int] | None:
         groups = components(ops)

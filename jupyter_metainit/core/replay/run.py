@@ -40,10 +40,11 @@ from jupyter_metainit.core.replay.shards import (
     noted_whole,
     read_extents,
 )
+from jupyter_metainit.core.replay.steps import Progress, bytes_written, counting_ops
 from jupyter_metainit.core.replay.stream_fills import Filled, run_stream_fills
 from jupyter_metainit.core.rng.split_fill import MIN_SKIP
 from jupyter_metainit.core.runtime.digest import digest
-from jupyter_metainit.core.runtime.interrupts import check
+from jupyter_metainit.core.runtime.interrupts import Steps, counting, current_meter
 from jupyter_metainit.core.runtime.plain import map_args, plain
 from jupyter_metainit.core.runtime.pool import available_cores
 
@@ -51,20 +52,6 @@ __all__ = ["Progress", "Run", "execute", "real_view"]
 
 aten = torch.ops.aten
 _CPU = torch.device("cpu")
-
-
-class Progress:
-    """What a replay tells about its progress (``materialize`` turns it into bytes of memory).
-
-    ``storage_done`` is called once per requested storage, when its last write has run: its
-    memory is final. ``phase`` describes work that is not memory, in words.
-    """
-
-    def storage_done(self, storage: StorageRecord) -> None:  # pragma: no cover - interface
-        pass
-
-    def phase(self, text: str) -> None:  # pragma: no cover - interface
-        pass
 
 
 class _ShapeMismatch:
@@ -92,6 +79,8 @@ class Run:
         self.random = random_mode(rng)  # exact or fast, chosen once
         self.env: dict[int, torch.Tensor] = {}
         self.progress = progress
+        # progress inside ops and their stop: this call's, or its caller's (``save``'s)
+        self.steps = Steps(progress.inside) if progress is not None else current_meter().steps
         self.last_phase = ""
         # op index -> targets whose memory is final once that op has run
         self.finishing: dict[int, list[StorageRecord]] = {}
@@ -243,18 +232,20 @@ class Run:
             self.finished(index)
             return
         if self.grads is None:
-            partial = self._run_op(op, device, None)
+            partial = self._run_op(index, op, device, None)
         else:  # a gradient taken later: the nodes of its graph in grad mode (``grads``)
             with self.grads.mode(op):
                 in_span = op.seq in self.grads.span
-                partial = self._run_op(op, device, self.grads if in_span else None)
+                partial = self._run_op(index, op, device, self.grads if in_span else None)
         if self._noted is not None and not partial:
             self._note_whole(op)
         self.finished(index)
 
-    def _run_op(self, op: OpRecord, device: torch.device, grads: GradSpans | None) -> bool:
-        """Run an ATen op (or a gradient call), store its outputs; whether only part of them
-        was generated (``random_modes``)."""
+    def _run_op(
+        self, index: int, op: OpRecord, device: torch.device, grads: GradSpans | None
+    ) -> bool:
+        """Run op number ``index`` (an ATen op, or a gradient call), store its outputs; whether
+        only part of them was generated (``random_modes``)."""
         if isinstance(op, GradCall) and grads is not None:
             self._store(op, grads.gradients(self, op, device))
             return False
@@ -269,7 +260,8 @@ class Run:
         with default_dtype_as(op.default_dtype):
             if op.rng is not None:
                 self.phase("generating random values")
-                out, partial = self.random.run_random(self, op, args, kwargs, device)
+                with counting_ops(self, [index], bytes_written(op, args)):
+                    out, partial = self.random.run_random(self, op, args, kwargs, device)
             else:
                 self.phase("computing")
                 out = op.func(*args, **kwargs)
@@ -365,21 +357,30 @@ def execute(
     with plain(), torch.inference_mode(False):
         run = Run(p, device, rng, progress, retain)
         run.memory = memory
-        workers, done = threads or (available_cores() if one_stream or len(p.ops) > 1 else 1), set()
-        workers = workers if run.grads is None else 1  # a graph is built in order, on one thread
-        if one_stream and run.random.fills_as_one_stream and workers > 1 and device == _CPU:
-            done = run_stream_fills(run, p.ops, workers, on_filled)  # a lone fill's too
-        cores = workers if len(p.ops) > 1 else 1
-        split = run.random.parallel_groups(p.ops, cores) if cores > 1 and not done else None
-        if split is not None:
-            groups, workers = split
-            run_parallel(run.run_and_release, groups, workers)
-            return _results(run, p)
-        for i, op in enumerate(p.ops):
-            check()  # a held-back Ctrl-C stops here, between two ops
-            if i not in done:
-                run.run_and_release(i, op)
+        # work outside any op's own count: only a caller without progress counts its bytes
+        with counting(run.steps, 0.0 if progress is not None else 1.0):
+            _run_plan(run, p, threads, one_stream, on_filled)
     return _results(run, p)
+
+
+def _run_plan(
+    run: Run, p: Plan, threads: int | None, one_stream: bool, on_filled: Filled | None
+) -> None:
+    """``execute``'s work: the fills as one stream, the parallel groups, or op after op."""
+    workers, done = threads or (available_cores() if one_stream or len(p.ops) > 1 else 1), set()
+    workers = workers if run.grads is None else 1  # a graph is built in order, on one thread
+    if one_stream and run.random.fills_as_one_stream and workers > 1 and run.device == _CPU:
+        done = run_stream_fills(run, p.ops, workers, on_filled)  # a lone fill's too
+    cores = workers if len(p.ops) > 1 else 1
+    split = run.random.parallel_groups(p.ops, cores) if cores > 1 and not done else None
+    if split is not None:
+        groups, workers = split
+        run_parallel(run.run_and_release, groups, workers)
+        return
+    for i, op in enumerate(p.ops):
+        run.steps.step()  # a Cancel or a held-back Ctrl-C stops here, between two ops
+        if i not in done:
+            run.run_and_release(i, op)
 
 
 def _results(run: Run, p: Plan) -> dict[int, torch.Tensor]:
