@@ -10,6 +10,7 @@ Refusals change nothing.
 from __future__ import annotations
 
 import os
+from collections.abc import Iterable
 from typing import Any
 
 import torch
@@ -34,20 +35,57 @@ from jupyter_metainit.core.runtime.swap import swap_in_place
 __all__ = ["dematerialize"]
 
 
-def dematerialize(obj: Any, *, force: bool = False, root: torch.nn.Module | None = None) -> Any:
+def dematerialize(
+    obj: torch.Tensor | torch.nn.Module | Iterable[torch.Tensor | torch.nn.Module],
+    *,
+    force: bool = False,
+    root: torch.nn.Module | None = None,
+) -> torch.Tensor | torch.nn.Module | Iterable[torch.Tensor | torch.nn.Module]:
     """Make materialized tensors deferred again and free their memory.
 
-    Works on tensors materialized with ``keep_cache=True`` (the widget and magics do that), read
-    from a file (``from_pretrained`` under ``meta_init``) or loaded with ``checkpoint=``.
-    Materializing them again gives the values they have now, bit for bit (``fast`` values
-    too: a tensor freed with them gets them again from ``materialize``'s default, eager's from
-    an explicit ``rng="exact"``): that is checked here, whatever happened since (training,
-    loads, casts, moves, a changed source tensor or file). A tensor that fails the check is
-    refused, by name, unless ``force=True`` (which drops its current values); so is a tensor
-    holding a gradient (``.grad``: clear it with ``zero_grad(set_to_none=True)``, or
-    ``force=True`` drops it). Refusals change nothing. What the user set on the tensor objects
-    (``requires_grad``, attributes, hooks, a Parameter subclass) is kept. ``root`` (the whole
-    model, when ``obj`` is a part or a list of parts) only names tensors in errors.
+    Use it to give back the memory of a part you are done with (a layer you inspected, a model
+    you will materialize elsewhere) while keeping it usable: materializing it again later gives
+    the values it has now, bit for bit. Works on tensors materialized with ``keep_cache=True``
+    (the widget and magics do that), read from a file (``from_pretrained`` under
+    ``meta_init``) or loaded with ``checkpoint=``. That the values would come back is checked
+    here, whatever happened since (training, loads, casts, moves, a changed source tensor or
+    file; ``fast`` values too: a tensor freed with them gets them again from
+    ``materialize``'s default, eager's from an explicit ``rng="exact"``). What the user set on
+    the tensor objects (``requires_grad``, attributes, hooks, a Parameter subclass) is kept.
+
+    Args:
+        obj: a tensor, a module (all its tensors), or a list or other iterable of them
+            (``model.parameters()``; an iterator is returned as a list).
+        force: free tensors whose current values a replay would not give again (their values
+            are dropped) and tensors holding a gradient (``.grad`` is dropped).
+        root: the whole model, when ``obj`` is a part or a list of parts: it only names the
+            tensors in errors (``model.layers.3.mlp.weight``).
+
+    Returns:
+        ``obj`` itself, its tensors deferred again (an iterator's items as a list).
+
+    Raises:
+        MaterializationError: a tensor cannot be made deferred again: it was never deferred,
+            was materialized without ``keep_cache=True``, holds a gradient (clear it with
+            ``zero_grad(set_to_none=True)``), or holds values a replay would not give again
+            (without ``force=True``). It names the tensors; nothing was changed.
+        ArgumentTypeError: ``obj`` is not a tensor, a module or an iterable of them.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from jupyter_metainit import dematerialize, is_deferred, materialize, meta_init
+        >>> with meta_init():
+        ...     layer = nn.Linear(256, 256)
+        >>> _ = materialize(layer, keep_cache=True)  # keep what a free needs
+        >>> before = layer.weight.clone()
+        >>> dematerialize(layer)
+        Linear(in_features=256, out_features=256, bias=True)
+        >>> is_deferred(layer)
+        True
+        >>> _ = materialize(layer)
+        >>> torch.equal(layer.weight, before)  # the same values again
+        True
     """
     obj = as_list_if_iterator(obj)
     with handling_interrupts(), exclusive(f"freeing {describe_request(obj)}"):

@@ -12,9 +12,11 @@ cannot cut, keeping what a later ``dematerialize`` needs (``shadows``); tell who
 
 from __future__ import annotations
 
+import os
 import warnings
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -55,31 +57,34 @@ __all__ = ["materialize"]
 
 
 def materialize(
-    obj: Any,
-    device: Any = None,
+    obj: torch.Tensor | torch.nn.Module | Iterable[torch.Tensor | torch.nn.Module],
+    device: str | torch.device | int | None = None,
     *,
     dtype: torch.dtype | str | None = None,
-    rng: str | None = None,
+    rng: Literal["exact", "fast"] | None = None,
     keep_cache: bool = False,
-    progress: Any = None,
-    checkpoint: Any = None,
-    missing: str = "error",
+    progress: bool | Callable[[int, int], None] | Callable[[int, int, str], None] | None = None,
+    checkpoint: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None = None,
+    missing: Literal["error", "init"] = "error",
     root: torch.nn.Module | None = None,
     placement: Any = None,
-) -> Any:
+) -> torch.Tensor | torch.nn.Module | Iterable[torch.Tensor | torch.nn.Module]:
     """Turn deferred tensors real, in place, with the values eager construction gives.
 
-    Every reference to a tensor (module attributes, variables, optimizer lists, tied weights)
-    sees the real tensor afterwards: the tensor object itself changes. Only the recorded ops the
-    requested tensors depend on are replayed; everything else stays deferred.
+    Use it on the parts of a model built under :func:`meta_init` that you need now (a layer to
+    inspect or fine-tune, the whole model on its device): only the recorded ops the requested
+    tensors depend on are replayed, everything else stays deferred. Every reference to a tensor
+    (module attributes, variables, optimizer lists, tied weights) sees the real tensor
+    afterwards: the tensor object itself changes. Parts are independent: any subtree, in any
+    order, gets the same values.
 
     Args:
         obj: a tensor, a module (all its parameters, buffers and tensor attributes, also in dicts,
             lists and tuples, recursively), or a list, tuple or other iterable of them
             (``model.parameters()``; an iterator is returned as a list).
-        device: where the real tensors go; ``None`` keeps each tensor's recorded device.
-            Parts of ``obj`` that are real already are moved there in place, as
-            ``nn.Module.to`` does (same tensor objects, ties kept).
+        device: where the real tensors go (a device, its name, or a GPU index); ``None`` keeps
+            each tensor's recorded device. Parts of ``obj`` that are real already are moved
+            there in place, as ``nn.Module.to`` does (same tensor objects, ties kept).
         dtype: cast floating-point tensors to this dtype (or its name: ``"bf16"``,
             ``"bfloat16"``) after replay; real parts are cast in place too.
         rng: ``"exact"``: bit-identical to eager construction, whatever was materialized
@@ -105,14 +110,52 @@ def materialize(
             or ``"init"`` to replay its recorded initialisation.
         root: with ``checkpoint``, when ``obj`` is a part of a model: the whole model, whose
             qualified names the checkpoint uses (``model.layers.3...``).
-        placement: a plan from ``jupyter_metainit.place`` for the model ``obj``: each part
-            onto its planned device, with one progress total (the plan does it).
+        placement: a plan from :func:`~jupyter_metainit.place` for the model ``obj``: each
+            part onto its planned device, with one progress total (the plan does it).
 
     Returns:
-        ``obj`` (an iterator's items as a list). A failed or interrupted call leaves every
-        tensor as it was (deferred ones deferred and materializable) and keeps nothing it
-        allocated. Calls from several threads on the same model are serialized (one lock:
-        ``runtime/lock``).
+        ``obj`` itself, its tensors now real (an iterator's items as a list). Calls from several
+        threads on the same model are serialized (one lock): a second call waits for the
+        first.
+
+    Raises:
+        ArgumentError: an argument has a value it cannot use (``dtype="bf17"``,
+            ``rng="slow"``, ``device="meta"``).
+        ArgumentTypeError: an argument has a type it does not take (``dtype=3``).
+        MaterializationError: the values cannot be made: a lazy module before its forward
+            pass, a plain PyTorch meta tensor (no recording), a real input changed since it
+            was recorded, a tensor missing from ``checkpoint``, a device that is not here.
+        NotEnoughMemoryError: the device ran out of memory.
+        KeyboardInterrupt: Ctrl-C, or the exception a ``progress`` callable raised to cancel.
+            Whatever fails or is interrupted leaves every tensor as it was (deferred ones
+            deferred and materializable) and keeps nothing it allocated.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from jupyter_metainit import is_deferred, materialize, meta_init
+        >>> def build():
+        ...     return nn.Sequential(nn.Linear(64, 64), nn.ReLU(), nn.Linear(64, 8))
+        >>> _ = torch.manual_seed(0)
+        >>> with meta_init():
+        ...     model = build()
+        >>> materialize(model[2])  # the last layer only: the first stays deferred
+        Linear(in_features=64, out_features=8, bias=True)
+        >>> is_deferred(model[0]), is_deferred(model[2])
+        (True, False)
+        >>> _ = torch.manual_seed(0)
+        >>> eager = build()
+        >>> torch.equal(model[2].weight, eager[2].weight)  # bit for bit eager's values
+        True
+
+        A progress callable sees the bytes made; ``dtype`` casts as it goes:
+
+        >>> seen = []
+        >>> _ = materialize(model, dtype="bf16", progress=lambda done, total: seen.append(done))
+        >>> model[0].weight.dtype, seen[-1]  # (64 x 64 + 64) x 2 bytes made; model[2] is cast
+        (torch.bfloat16, 8320)
+        >>> torch.equal(model[0].weight, eager[0].weight.to(torch.bfloat16))
+        True
     """
     if placement is not None and device is None:  # the plan puts each part where it goes
         options = dict(dtype=dtype, rng=rng, keep_cache=keep_cache, checkpoint=checkpoint)

@@ -30,9 +30,34 @@ __all__ = [
 ]
 
 
-def is_deferred(obj: Any) -> bool:
-    """True for a deferred tensor, or a module with at least one deferred parameter, buffer or
-    tensor attribute (also one kept in a dict, list or tuple attribute)."""
+def is_deferred(obj: object) -> bool:
+    """Whether a tensor or module still has deferred tensors (no memory, values recorded).
+
+    Use it to check what a materialization left to do, or to branch in code that must treat
+    deferred models apart. A module is deferred while at least one of its parameters, buffers
+    or tensor attributes (also one kept in a dict, list or tuple attribute) is; a list or tuple
+    while one of its items is.
+
+    Args:
+        obj: a tensor, a module, or a list, tuple, set or iterator of them; anything else is
+            not deferred.
+
+    Returns:
+        ``True`` for a deferred tensor (also a lazy module's parameter before its first
+        forward), a module or collection holding one; ``False`` otherwise.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from jupyter_metainit import is_deferred, materialize, meta_init
+        >>> with meta_init():
+        ...     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+        >>> is_deferred(model), is_deferred(model[1].weight), is_deferred(torch.ones(2))
+        (True, True, False)
+        >>> _ = materialize(model[0])
+        >>> is_deferred(model[0]), is_deferred(model)  # model[1] is still deferred
+        (False, True)
+    """
     if isinstance(obj, torch.Tensor):
         return isinstance(_deferred_local(obj), DeferredTensor) or is_uninitialized(obj)
     if isinstance(obj, torch.nn.Module):

@@ -285,10 +285,22 @@ def clear_meta_init_cache() -> None:
     """Release what is kept for later calls: dematerialization shadows, RNG checkpoints and
     values computed for reads.
 
-    Deferred tensors stay materializable (their recording lives with them); tensors materialized
-    with ``keep_cache=True`` can no longer be dematerialized, and exact-mode calls may have to
-    regenerate random streams again. A model that is deleted needs none of this: its recording,
-    RNG checkpoints and shadows go with it.
+    Use it when memory is tight and you will not free tensors again: deferred tensors stay
+    materializable (their recording lives with them); tensors materialized with
+    ``keep_cache=True`` can no longer be dematerialized, and exact-mode calls may have to
+    regenerate random streams again. A model that is deleted needs none of this: its
+    recording, RNG checkpoints and shadows go with it.
+
+    Example:
+        >>> from torch import nn
+        >>> from jupyter_metainit import clear_meta_init_cache, is_deferred, materialize, meta_init
+        >>> with meta_init():
+        ...     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))
+        >>> _ = materialize(model[0], keep_cache=True)
+        >>> clear_meta_init_cache()  # model[0] can no longer be freed
+        >>> _ = materialize(model[1])  # deferred tensors are still materializable
+        >>> is_deferred(model)
+        False
     """
     for t in list(kept.keys()):
         cleared[t] = True

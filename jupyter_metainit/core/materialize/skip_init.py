@@ -18,12 +18,32 @@ def skip_init(module_cls: type[torch.nn.Module], *args: Any, **kwargs: Any) -> t
     """Instantiate ``module_cls(*args, **kwargs)`` without initialising parameters or buffers.
 
     Use it when you will overwrite every value anyway (loading weights, a custom init): the
-    constructor's initialisation is recorded and dropped instead of computed. Unlike
-    ``torch.nn.utils.skip_init`` the module needs no ``device`` argument.
+    constructor's initialisation is recorded and dropped instead of computed, so the module
+    costs its memory and nothing more. Unlike ``torch.nn.utils.skip_init`` the module needs no
+    ``device`` argument.
 
     Args:
         module_cls: a ``torch.nn.Module`` subclass.
-        device: (keyword) where the empty tensors are allocated, default CPU.
+        *args: the constructor's positional arguments.
+        **kwargs: the constructor's keyword arguments, and ``device=``: where the empty
+            tensors are allocated (default ``"cpu"``).
+
+    Returns:
+        The module, real, its parameters and buffers allocated with ``torch.empty`` (arbitrary
+        values) on ``device``.
+
+    Raises:
+        ArgumentTypeError: ``module_cls`` is not an ``nn.Module`` subclass.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from jupyter_metainit import is_deferred, skip_init
+        >>> layer = skip_init(nn.Linear, 1024, 1024)  # no kaiming_uniform_ computed
+        >>> layer.weight.shape, is_deferred(layer)
+        (torch.Size([1024, 1024]), False)
+        >>> with torch.no_grad():
+        ...     _ = layer.weight.copy_(torch.eye(1024))  # your values
     """
     if not (isinstance(module_cls, type) and issubclass(module_cls, torch.nn.Module)):
         raise TypeError(f"skip_init expects a torch.nn.Module subclass; got {module_cls!r}")

@@ -77,10 +77,22 @@ __all__ = ["at_meta_init_edges", "is_meta_init", "meta_init"]
 
 
 def is_meta_init() -> bool:
-    """True inside a :func:`meta_init` block on this thread.
+    """Whether this thread runs inside a :func:`meta_init` block.
 
-    Module authors can use it to take another path while their module is being deferred, e.g. to
-    skip loading data from disk in ``__init__``.
+    Module authors can use it to take another path while their module is being deferred, e.g.
+    to skip loading data from disk in ``__init__`` (the block records tensors, not files).
+    Other threads are not inside the block, whatever this one does.
+
+    Returns:
+        ``True`` inside a ``meta_init`` block (nested ones too) on this thread.
+
+    Example:
+        >>> from jupyter_metainit import is_meta_init, meta_init
+        >>> is_meta_init()
+        False
+        >>> with meta_init():
+        ...     is_meta_init()
+        True
     """
     return tls.depth > 0
 
@@ -240,13 +252,20 @@ class _DispatchMode(TorchDispatchMode):
 class meta_init(contextlib.ContextDecorator):
     """Defer every tensor created in the block: no memory, every operation recorded.
 
-    Use it to build a model of any size for inspection, sharding or partial use, then
+    Use it to build a model of any size for inspection, planning, saving or sharding, then
     :func:`materialize` the parts you need with exactly the values eager construction gives.
     Tensors report the shape, dtype, stride, ``requires_grad`` and device they would really have
-    (an explicit ``device="cuda:1"`` is honoured even without a GPU).
+    (an explicit ``device="cuda:1"`` is honoured even without a GPU), so code that reads them
+    takes its eager path. Operations on deferred tensors after the block (``model.half()``,
+    tying weights, ``model.apply(init)``) are recorded too.
+
+    Re-entrant and thread-local: other threads are unaffected. After the outermost block, the
+    random number generators are where eager construction would have left them. Usable as a
+    decorator too.
 
     Args:
-        device: device reported by tensors whose code names none (default: PyTorch's default).
+        device: device reported by tensors whose code names none (a device, its name, or a GPU
+            index; default: PyTorch's default).
         dtype: default floating dtype inside the block (a ``torch.dtype`` or its name,
             ``"bf16"``), for this thread only: factories,
             ``torch.tensor`` data and ``torch.get_default_dtype()`` see it, other threads keep
@@ -254,12 +273,29 @@ class meta_init(contextlib.ContextDecorator):
             for the duration of a single op whose result dtype comes from it, such as an
             integer tensor divided by an int, under a lock.)
 
-    Re-entrant and thread-local: other threads are unaffected. After the outermost block, the
-    random number generators are where eager construction would have left them. Usable as a
-    decorator too.
+    Raises:
+        ArgumentError: ``device`` or ``dtype`` names no device or dtype (``dtype="bf17"``).
+        ArgumentTypeError: ``dtype`` is not a floating dtype, or not a dtype at all.
+        UnsupportedOperatorError: code in the block calls an operator that cannot be
+            deferred (quantizing); the message names the line.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from jupyter_metainit import is_deferred, materialize, meta_init
+        >>> with meta_init():
+        ...     model = nn.Sequential(nn.Linear(4096, 4096), nn.Linear(4096, 4096))
+        >>> model[0].weight.shape, model[0].weight.dtype, is_deferred(model)  # 128 MiB, unmade
+        (torch.Size([4096, 4096]), torch.float32, True)
+        >>> with meta_init(device="cuda:1", dtype="bf16"):  # a GPU is not needed to record
+        ...     layer = nn.Linear(8, 8)
+        >>> layer.weight.device, layer.weight.dtype
+        (device(type='cuda', index=1), torch.bfloat16)
     """
 
-    def __init__(self, device: Any = None, dtype: torch.dtype | str | None = None) -> None:
+    def __init__(
+        self, device: str | torch.device | int | None = None, dtype: torch.dtype | str | None = None
+    ) -> None:
         self.device = indexed_device(device) if device is not None else None
         self.dtype = check_floating_dtype(
             dtype, arg="meta_init(dtype=...)", not_floating=ArgumentTypeError,
