@@ -104,34 +104,60 @@ def dry_run(
 ) -> MemoryTable:
     """Run ``module(*example_inputs, **kwargs)`` on deferred tensors and record what it costs.
 
-    When to use: to learn output shapes, activation sizes, FLOPs and peak forward memory of a
-    model (deferred, partially materialized or real) without allocating activations, and to
-    infer the shapes of lazy modules on a deferred model. Lazy modules built inside
-    ``meta_init`` keep their inferred shapes and their initialization is recorded, so
-    materializing them afterwards equals an eager forward with the same seed; any other model,
-    lazy modules included, is left exactly as it was.
-
-    Inputs may be real tensors (converted with ``torch.empty_like`` inside ``meta_init``, dtype
-    kept), deferred tensors, or shapes (``(1, 4096)`` or ``torch.Size``), which become deferred
-    tensors of ``input_dtype`` (a ``torch.dtype`` or its name, ``"float16"``; default:
-    ``torch.long`` when the model starts with an ``nn.Embedding``, else the default float
-    dtype). Keyword arguments go to ``forward`` (tensors in them are converted the same way).
+    Use it to learn output shapes, activation sizes, FLOPs and peak forward memory of a model
+    (deferred, partially materialized or real) without allocating activations, and to infer
+    the shapes of lazy modules on a deferred model. Lazy modules built inside ``meta_init``
+    keep their inferred shapes and their initialization is recorded, so materializing them
+    afterwards equals an eager forward with the same seed; any other model, lazy modules
+    included, is left exactly as it was.
 
     The forward runs under ``torch.no_grad()`` with forward hooks (output shapes and bytes per
     module) and ``torch.utils.flop_counter.FlopCounterMode`` (FLOPs per module, subtree
     inclusive). Live activation bytes are followed op by op; a module's peak is the largest
     live activation total seen while it runs (including what its callers keep alive, e.g. the
     KV cache and residual stream). Results are stored on ``module`` keyed by qualified name and
-    appear as columns ``output_shape``, ``activation_bytes``, ``flops``, ``peak_forward_bytes``
-    (= the subtree's weights + that peak) in later :func:`memory_table` calls.
-    ``flops=False`` skips the FLOP counter (about a third of the run's time on a large model):
-    the ``flops`` column is then empty; every other figure is the same.
+    appear in later :func:`memory_table` calls too. The model's own forward hooks run as in
+    eager, and see the run's tensors: deferred tensors (meta tensors for a model on the meta
+    device) standing in for its weights and activations, never real values.
 
-    The model's own forward hooks run as in eager, and see the run's tensors: deferred tensors
-    (meta tensors for a model on the meta device) standing in for its weights and activations,
-    never real values.
+    Args:
+        module: the model: deferred, partly materialized or real.
+        *example_inputs: the forward's positional inputs: real tensors (converted with
+            ``torch.empty_like`` inside ``meta_init``, dtype kept), deferred tensors, or
+            shapes (``(1, 4096)`` or ``torch.Size``), which become deferred tensors of
+            ``input_dtype``.
+        input_dtype: the dtype of inputs given as shapes (a ``torch.dtype`` or its name,
+            ``"float16"``; default: ``torch.long`` when the model starts with an
+            ``nn.Embedding``, else the default float dtype).
+        flops: ``False`` skips the FLOP counter (about a third of the run's time on a large
+            model): the ``flops`` column is then empty; every other figure is the same.
+        **kwargs: keyword arguments of ``forward`` (tensors in them are converted as the
+            inputs are).
 
-    Returns ``memory_table(module)`` with those columns.
+    Returns:
+        ``memory_table(module)`` with the columns ``output_shape``, ``activation_bytes``,
+        ``flops`` and ``peak_forward_bytes`` (the subtree's weights + its peak of live
+        activations).
+
+    Raises:
+        ArgumentTypeError: ``module`` is not an ``nn.Module``.
+        ArgumentError: an unknown ``input_dtype``.
+        Exception: what the model's forward raises for these inputs (a shape mismatch), as
+            in eager; the model is left as it was.
+
+    Example:
+        >>> from torch import nn
+        >>> from jupyter_metainit import dry_run, meta_init
+        >>> with meta_init():
+        ...     model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024))
+        >>> table = dry_run(model, (8, 1024))  # a batch of 8, as a shape: nothing allocated
+        >>> table[["output_shape", "activation_bytes", "flops"]]
+               output_shape  activation_bytes      flops
+        module
+                  (8, 1024)             32768  134217728
+        0         (8, 4096)            131072   67108864
+        1         (8, 4096)            131072          0
+        2         (8, 1024)             32768   67108864
     """
     require_module(module, "dry_run")
     run_forward(module, *example_inputs, input_dtype=input_dtype, flops=flops, **kwargs)

@@ -94,20 +94,49 @@ def fits(
 ) -> pd.DataFrame:
     """Say which subtrees of a model fit a memory budget.
 
-    When to use: before materializing, to choose what can go on a GPU (or into host memory).
-    ``module_or_path``: a model (deferred, partial or real) or a local directory / hub name
-    (``"org/name"``) with a transformers config (an empty model is built from it, as
-    ``accelerate estimate-memory`` does); a word that is neither is refused at once.
-    ``budget``: bytes, or a size such as ``"24GiB"``/``"80GB"``; ``None`` uses the free memory
-    of ``device`` (CUDA free memory, or available host memory for ``"cpu"``).
-    ``dtype``: the dtype you will materialize in (``torch.bfloat16``, ``"int8"`` ...); floating
-    tensors are counted at that size.
+    Use it before materializing, to choose what can go on a GPU (or into host memory): one
+    row per module says whether its weights and buffers fit and by how much. Weights only:
+    add activations from :func:`dry_run` (``peak_forward_bytes``) when the module will also
+    run there, or plan a whole workload over several devices with
+    :func:`~jupyter_metainit.place`.
 
-    Returns one row per module (tree order, ``depth=`` limits rows) with ``type``, ``depth``,
-    ``children``, ``total_bytes`` (weights + buffers at ``dtype``), ``fits`` (bool) and
-    ``headroom_bytes`` (budget - size, negative when it does not fit). ``attrs`` hold the
-    budget and device. Weights only: add activations from :func:`dry_run`
-    (``peak_forward_bytes``) when the module will also run there.
+    Args:
+        module_or_path: a model (deferred, partial or real) or a local directory / hub name
+            (``"org/name"``) with a transformers config (an empty model is built from it, as
+            ``accelerate estimate-memory`` does).
+        device: the device whose free memory is the budget when ``budget`` is ``None``
+            (CUDA free memory, or available host memory for ``"cpu"``).
+        budget: bytes, or a size such as ``"24GiB"`` (2**30 bytes a GiB) or ``"80GB"``
+            (10**9); ``None`` measures ``device``.
+        dtype: the dtype you will materialize in (``torch.bfloat16``, ``"int8"`` ...);
+            floating tensors are counted at that size.
+        depth: keep only rows down to this depth.
+
+    Returns:
+        A pandas DataFrame, one row per module (tree order): ``type``, ``depth``,
+        ``children``, ``total_bytes`` (weights + buffers at ``dtype``), ``fits`` (bool) and
+        ``headroom_bytes`` (budget - size, negative when it does not fit). ``attrs`` hold the
+        budget, device and dtype.
+
+    Raises:
+        ArgumentError: ``budget`` is not a size, ``device`` is not a device, or no budget
+            was given for a device that is not here to measure.
+        ArgumentTypeError: ``module_or_path`` is neither a module nor a string.
+        FileNotFoundError: ``module_or_path`` is a word that is neither a directory here nor
+            a hub name (refused at once, before any download).
+
+    Example:
+        >>> from torch import nn
+        >>> from jupyter_metainit import fits, meta_init
+        >>> with meta_init():
+        ...     model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024))
+        >>> fits(model, "cuda:0", "20MiB")  # each Linear fits 20 MiB, the whole does not
+                      type  depth  children  total_bytes   fits  headroom_bytes
+        module
+                Sequential      0         3     33574912  False       -12603392
+        0           Linear      1         0     16793600   True         4177920
+        1             ReLU      1         0            0   True        20971520
+        2           Linear      1         0     16781312   True         4190208
     """
     module = _model_from_path(module_or_path) if isinstance(module_or_path, str) else module_or_path
     require_module(module, "fits", also=" or a model directory / hub name")

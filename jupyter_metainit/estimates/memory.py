@@ -214,50 +214,18 @@ def memory_table(
     dtype: torch.dtype | str | None = None,
     optimizer: str | float | None = "adamw",
 ) -> MemoryTable:
-    """Return one row per module (tree order, root first) with what each part costs.
+    """One row per module (tree order, root first) with what each part costs: counts, bytes,
+    training memory.
 
-    When to use: before materializing, to see parameter counts, bytes, where tensors live and
-    what training would need; after :func:`dry_run`, also output shapes, activations and FLOPs.
-    It reads only shapes/dtypes, never data, so deferred models cost nothing to inspect.
-
-    The index is the module's qualified name (``""`` for the root, as in
-    ``accelerate.utils.compute_module_sizes``); a submodule reachable by two paths gets a row
-    for each. Columns hold raw numbers (counts, bytes):
-
-    - ``type``, ``depth`` (root 0), ``children`` (number of direct submodules);
-    - ``params_own`` (the module's own parameters), ``params`` (its subtree),
-      ``params_trainable`` (subtree, ``requires_grad``);
-    - ``param_bytes``, ``buffer_bytes`` (persistent buffers), ``nonpersistent_bytes``
-      (non-persistent buffers), ``attribute_bytes`` (tensors kept as plain attributes, also in
-      dicts/lists/tuples: each storage once, nothing for a view of a parameter or buffer),
-      ``total_bytes`` (their sum);
-    - ``shared_bytes``: bytes of this subtree's tensors that modules outside the subtree hold too
-      (tied weights). Every shared tensor is counted once in every total, so the root's
-      ``total_bytes`` is the real unique size;
-    - ``source`` (``checkpoint``: read from a file; ``init``: computed by the model's code;
-      ``mixed``), and
-    - ``dtypes`` (comma-separated dtypes present), ``state`` (``deferred``, ``cpu``,
-      ``cuda:0`` ... or ``mixed``; ``uninitialized`` for lazy modules before their first
-      (dry) forward, which count as 0 parameters; ``""`` for a subtree without tensors);
-    - training estimates for the subtree, with N its parameters, T the trainable ones, B its buffer
-      (and tensor attribute) bytes and S the optimizer's state bytes per trainable parameter
-      (Adam/AdamW: 8, two fp32 moments; SGD: 0; SGD with momentum: 4; or ``optimizer=<number>``):
-
-      ``grad_fp32_bytes = 4·T``, ``optim_fp32_bytes = S·T``,
-      ``train_fp32_bytes = 4·N + B + 4·T + S·T``  (Adam, all trainable: 16 B/param, the
-      "4x fp32 size" that ``accelerate estimate-memory`` prints for float32);
-
-      mixed precision with fp32 master weights (``accelerate``'s rule for fp16/bf16):
-      ``grad_mixed_bytes = (2 + 4)·T`` (half-precision gradient + its fp32 copy, accelerate's
-      "1.5x fp32 size"), ``optim_mixed_bytes = S·T`` (accelerate's "2x fp32 size" for Adam,
-      which is the largest component and the figure accelerate prints for fp16/bf16),
-      ``train_mixed_bytes = 2·N + 4·T + B + (2 + 4)·T + S·T`` (half-precision copy of every
-      weight, fp32 master of the trainable ones, gradients, optimizer states: 20 B/param for
-      Adam, the sum of the components rather than accelerate's largest component).
-
-    Activations are not in the training figures; use :func:`dry_run` for them.
+    Use it before materializing, to see parameter counts, bytes, where tensors live and what
+    training would need; after :func:`dry_run`, also output shapes, activations and FLOPs. It
+    reads only shapes and dtypes, never data, so deferred models cost nothing to inspect.
+    Totals agree with ``accelerate.utils.compute_module_sizes(model)[""]`` and parameter
+    counts with ``sum(p.numel() for p in model.parameters())``. In Jupyter the table shows
+    units and a tree.
 
     Args:
+        module: the model or a part of it: deferred, partly materialized or real.
         depth: keep only rows down to this depth; totals still cover the whole subtree.
         dtype: "what if" every floating-point tensor were this dtype (``torch.bfloat16``,
             ``"fp16"``, ``"int8"``, ``"int4"`` ...); integer and bool tensors keep their size.
@@ -265,8 +233,64 @@ def memory_table(
         optimizer: ``"adamw"`` (default, as ``place``), ``"adam"``, ``"sgd"``, ``"sgd_momentum"``,
             ``"adafactor"``, ``None``, or bytes of optimizer state per trainable parameter.
 
-    Totals agree with ``accelerate.utils.compute_module_sizes(model)[""]`` and parameter
-    counts with ``sum(p.numel() for p in model.parameters())``.
+    Returns:
+        A pandas DataFrame indexed by the module's qualified name (``""`` for the root, as in
+        ``accelerate.utils.compute_module_sizes``; a submodule reachable by two paths gets a
+        row for each). Columns hold raw numbers (counts, bytes):
+
+        - ``type``, ``depth`` (root 0), ``children`` (number of direct submodules);
+        - ``params_own`` (the module's own parameters), ``params`` (its subtree),
+          ``params_trainable`` (subtree, ``requires_grad``);
+        - ``param_bytes``, ``buffer_bytes`` (persistent buffers), ``nonpersistent_bytes``
+          (non-persistent buffers), ``attribute_bytes`` (tensors kept as plain attributes,
+          also in dicts/lists/tuples: each storage once, nothing for a view of a parameter or
+          buffer), ``total_bytes`` (their sum);
+        - ``shared_bytes``: bytes of this subtree's tensors that modules outside the subtree
+          hold too (tied weights). Every shared tensor is counted once in every total, so the
+          root's ``total_bytes`` is the real unique size;
+        - ``source`` (``checkpoint``: read from a file; ``init``: computed by the model's
+          code; ``mixed``), and
+        - ``dtypes`` (comma-separated dtypes present), ``state`` (``deferred``, ``cpu``,
+          ``cuda:0`` ... or ``mixed``; ``uninitialized`` for lazy modules before their first
+          (dry) forward, which count as 0 parameters; ``""`` for a subtree without tensors);
+        - training estimates for the subtree, with N its parameters, T the trainable ones, B
+          its buffer (and tensor attribute) bytes and S the optimizer's state bytes per
+          trainable parameter (Adam/AdamW: 8, two fp32 moments; SGD: 0; SGD with momentum: 4;
+          or ``optimizer=<number>``):
+          ``grad_fp32_bytes = 4·T``, ``optim_fp32_bytes = S·T``,
+          ``train_fp32_bytes = 4·N + B + 4·T + S·T`` (Adam, all trainable: 16 B/param, the
+          "4x fp32 size" that ``accelerate estimate-memory`` prints for float32); mixed
+          precision with fp32 master weights (``accelerate``'s rule for fp16/bf16):
+          ``grad_mixed_bytes = (2 + 4)·T`` (half-precision gradient + its fp32 copy,
+          accelerate's "1.5x fp32 size"), ``optim_mixed_bytes = S·T`` (accelerate's "2x fp32
+          size" for Adam, which is the largest component and the figure accelerate prints for
+          fp16/bf16), ``train_mixed_bytes = 2·N + 4·T + B + (2 + 4)·T + S·T``
+          (half-precision copy of every weight, fp32 master of the trainable ones, gradients,
+          optimizer states: 20 B/param for Adam, the sum of the components rather than
+          accelerate's largest component). Activations are not in the training figures; use
+          :func:`dry_run` for them;
+        - after a :func:`dry_run`: ``output_shape``, ``activation_bytes``, ``flops``,
+          ``peak_forward_bytes``.
+
+    Raises:
+        ArgumentTypeError: ``module`` is not an ``nn.Module``.
+        ArgumentError: an unknown ``dtype`` or ``optimizer``, or a negative ``depth``.
+
+    Example:
+        >>> from torch import nn
+        >>> from jupyter_metainit import memory_table, meta_init
+        >>> with meta_init():
+        ...     model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024))
+        >>> table = memory_table(model)
+        >>> table[["type", "params", "total_bytes"]]
+                      type   params  total_bytes
+        module
+                Sequential  8393728     33574912
+        0           Linear  4198400     16793600
+        1             ReLU        0            0
+        2           Linear  4195328     16781312
+        >>> int(memory_table(model, dtype="bf16").loc["", "total_bytes"])  # what if it were bf16?
+        16787456
     """
     require_module(module, "memory_table")
     depth = check_depth(depth)

@@ -19,13 +19,37 @@ def summary(
     dtype: torch.dtype | str | None = None,
     optimizer: str | float | None = "adamw",
 ) -> str:
-    """Return a one-line summary like the figures ``accelerate estimate-memory`` prints.
+    """A one-line summary of a model's size and training memory, like the figures
+    ``accelerate estimate-memory`` prints.
 
-    When to use: a quick answer to "how big is this model and what would training need",
-    for any model object (deferred, partially materialized or real), not only hub names.
-    Accepts a module or a table from :func:`memory_table` (the table's ``dtype``/``optimizer``
-    then apply). Training figures are the ``train_fp32_bytes``/``train_mixed_bytes`` of the
-    root (see :func:`memory_table` for the formulas).
+    Use it for a quick answer to "how big is this model and what would training need", for
+    any model object (deferred, partially materialized or real), not only hub names.
+
+    Args:
+        module_or_table: a module, or a table from :func:`memory_table` (the table's
+            ``dtype`` and ``optimizer`` then apply).
+        dtype: "what if" every floating-point tensor were this dtype (as in
+            :func:`memory_table`).
+        optimizer: the optimizer whose states the training figures count (as in
+            :func:`memory_table`).
+
+    Returns:
+        One line: parameters, bytes per dtype, the largest leaf, and the root's
+        ``train_fp32_bytes``/``train_mixed_bytes`` (see :func:`memory_table` for the formulas);
+        after a :func:`dry_run`, the forward's FLOPs too.
+
+    Raises:
+        ArgumentTypeError: ``module_or_table`` is neither a module nor a table.
+        ArgumentError: an unknown ``dtype`` or ``optimizer``.
+
+    Example:
+        >>> from torch import nn
+        >>> from jupyter_metainit import meta_init, summary
+        >>> with meta_init():
+        ...     model = nn.Sequential(nn.Linear(1024, 4096), nn.ReLU(), nn.Linear(4096, 1024))
+        >>> print(summary(model))
+        Sequential: 8,393,728 params · 32.0 MiB float32 · largest leaf 0 (Linear, 16.0 MiB)
+        · training (AdamW): fp32 128 MiB, mixed 160 MiB
     """
     if isinstance(module_or_table, pd.DataFrame) and "" in module_or_table.index:
         table = module_or_table
