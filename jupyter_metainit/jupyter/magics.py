@@ -376,7 +376,23 @@ def _magic_names() -> Iterable[tuple[str, str]]:
 
 
 def load_ipython_extension(ipython: InteractiveShell) -> None:
-    """Register the magics (``%load_ext jupyter_metainit``); loading twice replaces them."""
+    """Register the magics: what ``%load_ext jupyter_metainit`` calls.
+
+    Use ``%load_ext jupyter_metainit`` in a notebook (IPython calls this) for ``%%meta_init``,
+    ``%materialize``, ``%dematerialize``, ``%meta_table``, ``%place``, ``%save``, ``%stats``
+    and ``%compare``. Loading twice replaces them.
+
+    Args:
+        ipython: the running IPython shell.
+
+    Example:
+        >>> from IPython.core.interactiveshell import InteractiveShell
+        >>> shell = InteractiveShell.instance()
+        >>> shell.run_line_magic("load_ext", "jupyter_metainit")
+        >>> "meta_init" in shell.magics_manager.magics["cell"]
+        True
+        >>> shell.run_line_magic("unload_ext", "jupyter_metainit")
+    """
     unload_ipython_extension(ipython)
     ipython.register_magics(MetaInitMagics, ValueMagics)  # ValueMagics: %stats, %compare
     install_short_tracebacks(ipython)
@@ -385,7 +401,22 @@ def load_ipython_extension(ipython: InteractiveShell) -> None:
 
 
 def unload_ipython_extension(ipython: InteractiveShell) -> None:
-    """Remove the magics again (``%unload_ext``); nothing else is left registered."""
+    """Remove the magics again: what ``%unload_ext jupyter_metainit`` calls.
+
+    Nothing of the extension is left registered (IPython's own ``%save`` comes back); models
+    and widgets already made stay as they are.
+
+    Args:
+        ipython: the running IPython shell.
+
+    Example:
+        >>> from IPython.core.interactiveshell import InteractiveShell
+        >>> shell = InteractiveShell.instance()
+        >>> shell.run_line_magic("load_ext", "jupyter_metainit")
+        >>> shell.run_line_magic("unload_ext", "jupyter_metainit")
+        >>> "meta_init" in shell.magics_manager.magics["cell"]
+        False
+    """
     manager = ipython.magics_manager
     for kind, name in _magic_names():
         bound = manager.magics[kind].get(name)

@@ -56,10 +56,24 @@ def _static_text(name: str) -> str:
 def widgets_of(module: nn.Module) -> list[ModuleTreeWidget]:
     """The open widgets showing ``module`` (as their model or a part of it).
 
-    ``%%meta_init`` displays a widget without binding it to a name; this finds it again::
+    ``%%meta_init`` displays a widget without binding it to a name; use this to find it again
+    and drive it from code (set its selection, materialize, plan, save).
 
-        (w,) = jupyter_metainit.widgets_of(model)
-        w.selected = ["model.layers.0"]
+    Args:
+        module: a model, or a part of one, that widgets show.
+
+    Returns:
+        The open widgets whose model is ``module`` or contains it, oldest first (empty when
+        none shows it).
+
+    Example:
+        >>> from torch import nn
+        >>> from jupyter_metainit import explore, meta_init, widgets_of
+        >>> with meta_init():
+        ...     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+        >>> w = explore(model)  # what %%meta_init displays under the cell
+        >>> widgets_of(model) == [w], widgets_of(model[1]) == [w]
+        (True, True)
     """
     return [w for w in list(_live_widgets) if w.comm is not None and w._tree.holds(module)]
 
@@ -82,13 +96,43 @@ class ModuleTreeWidget(
 ):
     """Interactive tree of a model: explore it, select subtrees, materialize or free them.
 
-    Read or set the selection from Python with ``w.selected`` (qualified module names,
-    ``""`` is the whole model).  ``w.materialize("cpu")`` and ``w.free()`` do what the buttons
-    do, for the current selection; ``w.place("cuda:0=80GiB, cuda:1=80GiB", seq_len=4096)``,
-    ``w.pin("cuda:1")``, ``w.materialize_plan()`` and ``w.save(path)`` what the plan and save
-    bars do.  The widget follows the model by itself: whatever
-    materializes or frees a part of it (code, a magic, another widget) shows here within a
-    fraction of a second.
+    What ``%%meta_init`` and :func:`explore` display: one row per module with its parameter
+    count, size and state (deferred, or the device it is on). Use it in a notebook to decide
+    what to materialize, plan or save, by clicking or from code. Read or set the selection
+    with ``w.selected`` (qualified module names, ``""`` is the whole model).
+    ``w.materialize("cpu")`` and ``w.free()`` do what the buttons do, for the current
+    selection; ``w.place("cuda:0=80GiB, cuda:1=80GiB", seq_len=4096)``, ``w.pin("cuda:1")``,
+    ``w.materialize_plan()`` and ``w.save(path)`` what the plan and save bars do. The widget
+    follows the model by itself: whatever materializes or frees a part of it (code, a magic,
+    another widget) shows here within a fraction of a second.
+
+    Args:
+        module: the model to show: deferred, partly materialized or real.
+        depth: how many levels of the tree are open at first.
+        name: the model's name in the notebook, used to offer each row's path as code
+            (``model.model.layers[5]``).
+        **kwargs: traits of the widget (``anywidget.AnyWidget``'s).
+
+    Raises:
+        ArgumentTypeError: ``module`` is not an ``nn.Module``.
+
+    Example:
+        >>> from torch import nn
+        >>> from jupyter_metainit import ModuleTreeWidget, is_deferred, meta_init
+        >>> with meta_init():
+        ...     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+        >>> w = ModuleTreeWidget(model, name="model")
+        >>> w.selected = ["0"]  # tick model[0]
+        >>> w.selection["params"]
+        72
+        >>> w.materialize("cpu")  # as the button does, waiting for it to finish
+        >>> w.status
+        'Materialized model[0] on cpu in ... ms.'
+        >>> is_deferred(model[0]), is_deferred(model[1])
+        (False, True)
+        >>> w.free()  # deferred again
+        >>> is_deferred(model[0])
+        True
     """
 
     _esm = _static_text("widget.js")
@@ -295,9 +339,32 @@ class ModuleTreeWidget(
 def explore(module: nn.Module, *, depth: int = 2, name: str = "model") -> ModuleTreeWidget:
     """Show ``module`` as an interactive tree (what ``%%meta_init`` displays under the cell).
 
-    ``depth`` is how many levels are open at first; ``name`` is the model's name in the notebook,
-    used to offer each row's path as code (``model.model.layers[5]``). Works on deferred, real
-    and partly materialized models alike; the returned widget's ``selected`` lists the ticked
-    subtrees.
+    Use it for a model built elsewhere (a script, ``from_pretrained``, a plain ``with
+    meta_init():`` block) to browse its parts, see what each costs, and materialize, free,
+    plan or save them by clicking. Works on deferred, real and partly materialized models
+    alike.
+
+    Args:
+        module: the model to show.
+        depth: how many levels of the tree are open at first.
+        name: the model's name in the notebook, used to offer each row's path as code
+            (``model.model.layers[5]``).
+
+    Returns:
+        The widget (the last expression of a cell displays it); its ``selected`` lists the
+        ticked subtrees.
+
+    Raises:
+        ArgumentTypeError: ``module`` is not an ``nn.Module``.
+
+    Example:
+        >>> from torch import nn
+        >>> from jupyter_metainit import explore, meta_init
+        >>> with meta_init():
+        ...     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+        >>> w = explore(model, depth=1)
+        >>> w.selected = ["", "1"]  # the whole model, and model[1]
+        >>> w.selection["modules"], w.selection["params"]  # model[1] is inside the model
+        (1, 90)
     """
     return ModuleTreeWidget(module, depth=depth, name=name)
