@@ -195,34 +195,22 @@ def place(
 ) -> Placement:
     """Plan which device each part of ``model`` goes to for a workload, allocating nothing.
 
-    When to use: before materializing (or loading) a model that needs several devices, to
-    know where each part goes and whether it fits at this batch and sequence length. Works
-    on deferred, partly real and real models; nothing is allocated or changed.
-
-    ``devices``: ``{"cuda:0": "80GiB", "cuda:1": "80GiB", "cpu": "256GiB"}`` (bytes, or sizes
-    1024-based ``GiB`` or 1000-based ``GB``), in pipeline order, or ``"auto"`` (the visible
-    GPUs' free memory, then the host's available memory). The workload is one forward of
-    ``batch`` x ``seq_len`` token ids (or ``inputs=``, shapes or tensors, for other models;
-    a dict gives keyword inputs, a shape there being token ids: ``{"input_ids": (8, 512),
-    "decoder_input_ids": (8, 128)}``):
-    inference with the model's cache when its forward takes ``use_cache``; with
-    ``training=True`` one step with ``labels`` (when taken), gradients and ``optimizer``
-    states (``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd_momentum"``, ``"adafactor"``, None,
-    or bytes per parameter) stored as ``precision`` says (see ``plan.precision``).
+    Use it before materializing (or loading) a model that needs several devices, to know where
+    each part goes and whether it fits at this batch and sequence length, then
+    ``materialize(model, placement=plan)`` or hand ``plan.device_map`` to accelerate. Works on
+    deferred, partly real and real models; nothing is allocated or changed.
 
     What it models, per part: weights and buffers at ``precision`` (tied tensors once); the
     live activations while it runs, measured by a :func:`dry_run` of the workload; the
     model's own cache (the tensors of the cache object its forward returns); for training,
     what autograd saves for backward (each distinct part run once on meta tensors), the
     gradients, the optimizer states and the optimizer step's temporaries. Parts are repeated
-    blocks (never split; ``no_split=`` names the modules to keep whole instead), leaves, and
-    the tensors a module holds itself next to its children (placed before them, named one by one
-    in the device map); tied parts share a device. The parts, in the order the
-    forward runs them, are cut into one contiguous range per device, minimising the most
-    loaded device relative to its capacity (exactly, not first-fit). Host memory (``"cpu"``)
-    is an offload: used only for what the accelerators cannot hold. ``pin={"lm_head":
-    "cuda:0"}`` puts parts on a device and plans the rest around them. The same model and
-    workload is measured once: re-planning with other devices or pins reuses it.
+    blocks, leaves, and the tensors a module holds itself next to its children (placed before
+    them, named one by one in the device map); tied parts share a device. The parts, in the
+    order the forward runs them, are cut into one contiguous range per device, minimising the
+    most loaded device relative to its capacity (exactly, not first-fit). Host memory
+    (``"cpu"``) is an offload: used only for what the accelerators cannot hold. The same model
+    and workload is measured once: re-planning with other devices or pins reuses it.
 
     Not modelled: the allocator's caching and fragmentation, CUDA context and kernels'
     workspaces, communication buffers, activation checkpointing, the generation loop's own
@@ -230,7 +218,65 @@ def place(
     tokens), and for ``precision`` other than the model's own dtype the activations are
     scaled by the dtypes' sizes (autocast keeps some in fp32).
 
-    ``strategy="fsdp"``: see :func:`jupyter_metainit.plan.fsdp.plan_fsdp`.
+    Args:
+        model: the model to place: deferred, partly real or real.
+        devices: ``{"cuda:0": "80GiB", "cuda:1": "80GiB", "cpu": "256GiB"}`` (bytes, or sizes
+            1024-based ``GiB`` or 1000-based ``GB``), in pipeline order, or ``"auto"`` (the
+            visible GPUs' free memory, then the host's available memory).
+        batch: samples per step.
+        seq_len: tokens per sample: the workload is one forward of ``batch`` x ``seq_len``
+            token ids, inference with the model's cache when its forward takes
+            ``use_cache``.
+        training: plan one training step instead: ``labels`` (when the forward takes them),
+            gradients and ``optimizer`` states.
+        optimizer: with ``training``: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd_momentum"``,
+            ``"adafactor"``, ``None``, or bytes of state per parameter.
+        precision: how weights, gradients, states and activations are stored: ``None`` (as
+            the model holds them), ``"fp32"``, ``"bf16"``/``"fp16"`` (the model cast),
+            ``"bf16-mixed"``/``"fp16-mixed"`` (autocast), ``"bf16-master"``/``"fp16-master"``
+            (half weights with an fp32 master copy).
+        pin: ``{"lm_head": "cuda:0"}``: put these parts on these devices and plan the rest
+            around them.
+        no_split: names of modules to keep whole as one part (repeated blocks are never
+            split).
+        strategy: ``"pipeline"`` (each part on one device) or ``"fsdp"`` (every repeated block
+            a ``fully_shard`` unit, each rank's peak; ``devices`` then gives one rank's device
+            and capacity, ``{"cuda": "80GiB"}``).
+        world_size: with ``strategy="fsdp"``: the number of ranks (default: one per device
+            given).
+        inputs: the workload of a model that does not take token ids: the forward's inputs as
+            shapes or tensors (``[(8, 3, 224, 224)]``); a dict gives keyword inputs, a shape
+            there being token ids (``{"input_ids": (8, 512), "decoder_input_ids": (8, 128)}``).
+
+    Returns:
+        A :class:`~jupyter_metainit.plan.Placement`: ``device_map``, the predicted ``peak``
+        per device against its ``capacity``, ``fits``, and when it does not fit ``over`` and
+        ``advice`` (what would make it fit: a precision, more devices, offloading, FSDP).
+
+    Raises:
+        ArgumentTypeError: an argument has a type it does not take (``pin=3``).
+        ArgumentError: a capacity that is not a size, a device named twice, ``batch=0``, a
+            workload missing (neither ``seq_len`` nor ``inputs``), an unknown ``precision`` or
+            ``optimizer``, a pinned name that is not a part of the model.
+        Exception: what the model's forward raises for the workload (measured by a dry run),
+            as in eager.
+
+    Example:
+        >>> from torch import nn
+        >>> from jupyter_metainit import meta_init, place
+        >>> with meta_init():
+        ...     model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024))
+        >>> plan = place(model, {"cuda:0": "6MiB", "cuda:1": "6MiB"}, inputs=[(8, 1024)])
+        >>> plan  # no GPU is needed to plan for two
+        Placement (pipeline, inference, inputs (8, 1024), precision as built): fits
+            cuda:0 [...] 4.10 MiB of 6.00 MiB ( 68%), 2 parts
+            cuda:1 [...] 4.10 MiB of 6.00 MiB ( 68%), 1 parts
+          first part per device: cuda:0: 0, cuda:1: 2
+        >>> plan.device_map
+        {'0': 'cuda:0', '1': 'cuda:0', '2': 'cuda:1'}
+        >>> place(model, {"cuda:0": "6MiB", "cuda:1": "6MiB"}, inputs=[(8, 1024)],
+        ...       training=True).fits  # AdamW states and gradients too: 20 MiB a device
+        False
     """
     started = time.perf_counter()
     require_module(model, "place")

@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import html
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
 import pandas as pd
+import torch
 from torch import nn
 
 from jupyter_metainit.core import format_bytes
@@ -20,13 +22,45 @@ _COST_COLUMNS = ("weights", "cache", "transient", "saved", "grads", "states")
 
 @dataclass
 class Placement:
-    """A plan: ``device_map`` (module name -> device, for ``accelerate.dispatch_model`` and
-    ``from_pretrained(device_map=...)``), ``peak`` (predicted peak bytes per device),
-    ``capacity``, ``fits``; when it does not fit, ``over`` (bytes beyond capacity per device)
-    and ``advice`` (what would make it fit); ``table`` per device and per part.
+    """Where each part of a model goes and what every device will hold: what
+    :func:`~jupyter_metainit.place` returns.
 
-    With ``strategy="fsdp"``: ``units`` (the modules to ``fully_shard``, innermost first, the
-    root last) and ``peak`` per rank (every rank alike).
+    Use ``device_map`` with ``accelerate.dispatch_model`` or ``from_pretrained(device_map=...)``,
+    or the plan itself with ``materialize(model, placement=plan)``; read ``fits``, ``over``,
+    ``advice`` and ``table`` to see whether it fits and why. In a notebook it shows a bar per
+    device.
+
+    Attributes:
+        device_map: module name -> device, in pipeline order (a module's own tensors beside
+            its children by their names).
+        peak: the predicted peak bytes per device (per rank with ``strategy="fsdp"``, every
+            rank alike).
+        capacity: the bytes each device was given.
+        parts: ``(name, type, device, costs)`` of every part, in the order the forward runs
+            them.
+        strategy: ``"pipeline"``, ``"fsdp"``, or ``"given"`` (from :meth:`from_device_map`).
+        training: whether a training step was planned.
+        workload: the workload in words (``"batch 8, seq_len 4096"``).
+        precision: the precision in words.
+        advice: what would make it fit, when it does not.
+        notes: what the plan could not model, in words.
+        units: with ``strategy="fsdp"``: the modules to ``fully_shard``, innermost first, the
+            root last.
+        world_size: with ``strategy="fsdp"``: the number of ranks.
+        seconds: the planning time, the measurement included.
+        measure_seconds: the time of the dry run (and meta forwards), 0 when reused.
+
+    Example:
+        >>> from torch import nn
+        >>> from jupyter_metainit import meta_init, place
+        >>> with meta_init():
+        ...     model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024))
+        >>> plan = place(model, {"cuda:0": "2MiB", "cuda:1": "2MiB"}, inputs=[(8, 1024)])
+        >>> plan.fits, sorted(plan.over)  # each device would need 2.10 MiB more
+        (False, ['cuda:0', 'cuda:1'])
+        >>> plan.advice[0]
+        "no number of 2.00 MiB devices holds it as a pipeline (part '...' alone is too large):
+        use strategy='fsdp'"
     """
 
     device_map: dict[str, str]
@@ -47,14 +81,70 @@ class Placement:
     measure_seconds: float = 0.0  # the dry run (and meta forwards), 0 when reused
 
     @classmethod
-    def from_device_map(cls, device_map: dict[str, Any]) -> Placement:
+    def from_device_map(cls, device_map: Mapping[str, str | int | torch.device]) -> Placement:
         """A placement of an existing device map (accelerate's, a hand-written one), to
-        materialize with ``materialize(model, placement=...)``; it predicts nothing."""
+        materialize with ``materialize(model, placement=...)``; it predicts nothing.
+
+        Use it when the device map comes from elsewhere (``infer_auto_device_map``, a
+        checkpoint's ``hf_device_map``, your own) and you want each part materialized onto its
+        device in one call, with one progress total.
+
+        Args:
+            device_map: module name -> device (``""`` for the whole model).
+
+        Returns:
+            A placement with that device map and no predictions (``strategy="given"``).
+
+        Example:
+            >>> from torch import nn
+            >>> from jupyter_metainit import is_deferred, materialize, meta_init
+            >>> from jupyter_metainit.plan import Placement
+            >>> with meta_init():
+            ...     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+            >>> plan = Placement.from_device_map({"0": "cpu", "1": "cpu"})
+            >>> _ = materialize(model, placement=plan)
+            >>> is_deferred(model)
+            False
+        """
         return cls(device_map=dict(device_map), peak={}, capacity={}, parts=[],
                    strategy="given")  # fmt: skip
 
     def materialize_parts(self, model: nn.Module, **options: Any) -> nn.Module:
-        """What ``materialize(model, placement=self)`` runs: each part onto its device."""
+        """Materialize each part of ``model`` onto its device: what
+        ``materialize(model, placement=self)`` runs.
+
+        Prefer ``materialize(model, placement=plan, ...)``; this is the plan's side of it.
+
+        Args:
+            model: the model the plan was made for.
+            **options: ``materialize``'s keyword arguments (``dtype``, ``rng``,
+                ``keep_cache``, ``progress``, ``checkpoint``, ``missing``, ``root``).
+
+        Returns:
+            ``model``, each planned part real on its device.
+
+        Raises:
+            ArgumentError: the plan is an FSDP plan (use
+                ``jupyter_metainit.distributed.materialize_sharded`` on every rank), or its
+                device map names modules ``model`` does not have.
+            MaterializationError: as ``materialize`` raises; nothing changed.
+
+        Example:
+            >>> import torch
+            >>> from torch import nn
+            >>> from jupyter_metainit import is_deferred, meta_init
+            >>> from jupyter_metainit.plan import Placement
+            >>> with meta_init():
+            ...     model = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4))
+            >>> plan = Placement.from_device_map({"": "cpu"})
+            >>> plan.materialize_parts(model, dtype=torch.bfloat16)
+            Sequential(
+              (0): Linear(in_features=4, out_features=4, bias=True)
+              (1): Linear(in_features=4, out_features=4, bias=True)
+            )
+            >>> model[1].weight.dtype, is_deferred(model)
+            (torch.bfloat16, False)
+        """
         if self.strategy == "fsdp":
             raise ValueError(
                 "an FSDP plan shards every part over the ranks: on every rank, "
