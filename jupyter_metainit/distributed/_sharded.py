@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any, Literal
 
 import torch
 
@@ -37,6 +37,9 @@ from jupyter_metainit.core import (
     progress_callback,
 )
 from jupyter_metainit.core.errors import ArgumentError, MaterializationError
+
+if TYPE_CHECKING:
+    from torch.distributed.device_mesh import DeviceMesh
 
 __all__ = ["WholeTensorWarning", "materialize_sharded"]
 
@@ -184,10 +187,10 @@ def _tensors_to_make(module: torch.nn.Module) -> tuple[dict[int, DeferredTensor]
 
 def materialize_sharded(
     module: torch.nn.Module,
-    mesh: Any = None,
+    mesh: DeviceMesh | None = None,
     *,
     placement: Any = None,
-    rng: str | None = None,
+    rng: Literal["exact", "fast"] | None = None,
     progress: bool | Callable[[int, int], None] | None = None,
 ) -> torch.nn.Module:
     """Materialize a deferred model after sharding it: each rank makes only its own shards.
@@ -224,6 +227,43 @@ def materialize_sharded(
     Returns:
         ``module``, with every parameter's shard real. If it fails part-way, the shards made so
         far stay real and the rest stay deferred; calling it again finishes the job.
+
+    Raises:
+        ArgumentError: an unknown ``rng``, ``mesh`` without ``placement``, a plan that is not
+            an FSDP plan or does not match the model, a model sharded otherwise than its plan.
+        ArgumentTypeError: ``module`` is not an ``nn.Module``.
+        MaterializationError: a shard has no values to replay (a tensor distributed from
+            rank 0's data: use ``src_data_rank=None``), or a replay failed; nothing of that
+            group changed.
+
+    Example:
+        In every rank of a ``torchrun`` job; here one rank alone, on the CPU:
+
+        >>> import os, tempfile
+        >>> import torch
+        >>> import torch.distributed as dist
+        >>> from torch import nn
+        >>> from torch.distributed.device_mesh import init_device_mesh
+        >>> from torch.distributed.fsdp import fully_shard
+        >>> from jupyter_metainit import is_deferred, meta_init
+        >>> from jupyter_metainit.distributed import materialize_sharded
+        >>> store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+        >>> dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+        >>> mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+        >>> _ = torch.manual_seed(0)  # the same seed on every rank
+        >>> with meta_init():
+        ...     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+        >>> for layer in model:
+        ...     _ = fully_shard(layer, mesh=mesh)
+        >>> _ = fully_shard(model, mesh=mesh)
+        >>> _ = materialize_sharded(model)  # this rank's shards only
+        >>> is_deferred(model), type(model[0].weight).__name__
+        (False, 'DTensor')
+        >>> _ = torch.manual_seed(0)
+        >>> eager = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+        >>> torch.equal(model[0].weight.full_tensor(), eager[0].weight)
+        True
+        >>> dist.destroy_process_group()
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(

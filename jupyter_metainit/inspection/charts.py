@@ -21,12 +21,13 @@ _PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#8c564b", "#e377c2")
 
 
 def along_depth(table: pd.DataFrame, name: str, column: str = "std") -> pd.Series:
-    """``column`` of the rows named ``<blocks>.<layer>.[...].<name>``, by layer number (the
-    last number before ``name``).
+    """One statistic of one tensor of every repeated block, by layer number: ``column`` of the
+    rows named ``<blocks>.<layer>.[...].<name>`` (the layer is the last number before
+    ``name``).
 
     Use it to follow one tensor through the repeated blocks of a model: the std of
-    ``attn.c_proj.weight`` in every GPT-2 block, the ``rel_l2`` of ``mlp.down_proj.weight``
-    in every fine-tuned Llama layer.
+    ``attn.c_proj.weight`` in every GPT-2 block (is the depth-scaled init there?), the
+    ``rel_l2`` of ``mlp.down_proj.weight`` in every fine-tuned Llama layer.
 
     Args:
         table: a table of :func:`~jupyter_metainit.stats` or :func:`~jupyter_metainit.compare`.
@@ -39,7 +40,21 @@ def along_depth(table: pd.DataFrame, name: str, column: str = "std") -> pd.Serie
         as in a model of two stacks, give their mean).
 
     Example:
-        >>> along_depth(stats(model), "mlp.c_proj.weight")
+        >>> import torch
+        >>> from torch import nn
+        >>> from jupyter_metainit import meta_init, stats
+        >>> from jupyter_metainit.inspection import along_depth
+        >>> _ = torch.manual_seed(0)
+        >>> with meta_init():
+        ...     layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+        ...     model = nn.ModuleDict({"layers": layers})
+        >>> along_depth(stats(model), "weight").round(3)  # U(-1/8, 1/8): std 0.072
+        layer
+        0    0.072
+        1    0.072
+        2    0.073
+        3    0.073
+        Name: std, dtype: float64
     """
     pattern = re.compile(rf"(?:.*\.)?(\d+)\.(?:.*\.)?{re.escape(name)}")
     layers, values = [], []
@@ -80,7 +95,11 @@ def svg_chart(
     width: int = 640,
     height: int = 300,
 ) -> Chart:
-    """Lines (or grouped bars) of ``{label: values by layer}`` from 0 up, with a legend.
+    """Draw ``{label: values by layer}`` as lines (or grouped bars) from 0 up, with a legend.
+
+    Use it to see a statistic along the depth in a notebook without a plotting library:
+    the result is a self-contained SVG image, on a white background readable in light and
+    dark pages.
 
     Args:
         series: each label's values, the i-th value drawn at x = i (layer i).
@@ -96,7 +115,18 @@ def svg_chart(
         A :class:`Chart`, shown as an image by Jupyter.
 
     Example:
-        >>> svg_chart({"attn.c_proj": along_depth(table, "attn.c_proj.weight")}, ylabel="std")
+        >>> from torch import nn
+        >>> from jupyter_metainit import meta_init, stats
+        >>> from jupyter_metainit.inspection import along_depth, svg_chart
+        >>> with meta_init():
+        ...     layers = nn.ModuleList(nn.Linear(64, 64) for _ in range(4))
+        ...     model = nn.ModuleDict({"layers": layers})
+        >>> table = stats(model)
+        >>> chart = svg_chart({"weight": along_depth(table, "weight")}, ylabel="std")
+        >>> chart  # a notebook shows the image
+        <chart>
+        >>> str(chart)[:40]
+        '<svg xmlns="http://www.w3.org/2000/svg" '
     """
     left, right, top, bottom = 70, 170, 30, 40
     count = max([len(v) for v in series.values()] + [1])

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import math
+import os
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -64,7 +66,12 @@ _COLUMNS = ["status", "equal", "max_abs_diff", "rel_l2", "cosine", "shape_a", "s
             "dtype_a", "dtype_b", "numel"]  # fmt: skip
 
 
-def compare(a: Any, b: Any, *, progress: Any = None) -> pd.DataFrame:
+def compare(
+    a: torch.nn.Module | Mapping[str, torch.Tensor] | str | os.PathLike[str],
+    b: torch.nn.Module | Mapping[str, torch.Tensor] | str | os.PathLike[str],
+    *,
+    progress: bool | Callable[[int, int], None] | Callable[[int, int, str], None] | None = None,
+) -> pd.DataFrame:
     """Compare two models, state dicts or checkpoints tensor by tensor, in bounded memory.
 
     Use it to see which layers fine-tuning moved and how far, whether a converted checkpoint is
@@ -79,8 +86,8 @@ def compare(a: Any, b: Any, *, progress: Any = None) -> pd.DataFrame:
             tensors, or a checkpoint path (a safetensors file, a sharded checkpoint's index or
             directory, a ``torch.distributed.checkpoint`` directory).
         b: the same kinds, compared with ``a``.
-        progress: ``True`` for a progress bar, or ``callable(done_bytes, total_bytes)``;
-            raising from it cancels.
+        progress: ``True`` for a progress bar, or ``callable(done_bytes, total_bytes)`` (or
+            ``callable(done, total, phase)``); raising from it cancels.
 
     Returns:
         A pandas DataFrame indexed by tensor name (``a``'s names in order, then those only in
@@ -91,9 +98,36 @@ def compare(a: Any, b: Any, *, progress: Any = None) -> pd.DataFrame:
         source; NaN where the shapes differ or one side is missing), and each side's shape and
         dtype.
 
+    Raises:
+        ArgumentError: a path that is no checkpoint.
+        ArgumentTypeError: ``a`` or ``b`` is not a module, a dict of tensors or a path.
+        KeyboardInterrupt: Ctrl-C, or the exception a ``progress`` callable raised to cancel;
+            nothing changed.
+
     Example:
-        >>> table = compare("base/", "finetuned/")
-        >>> table[table.status != "equal"].sort_values("rel_l2", ascending=False)
+        Is a bfloat16 copy of a model (never allocated) its values, rounded?
+
+        >>> import os, tempfile
+        >>> from torch import nn
+        >>> from jupyter_metainit import compare, meta_init, save
+        >>> with meta_init():
+        ...     model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+        >>> with tempfile.TemporaryDirectory() as directory:
+        ...     _ = save(model, directory, dtype="bf16")
+        ...     diff = compare(model, directory)  # the model against the files
+        >>> diff[["status", "dtype_a", "dtype_b"]]
+                         status  dtype_a   dtype_b
+        tensor
+        0.weight  dtype differs  float32  bfloat16
+        0.bias    dtype differs  float32  bfloat16
+        2.weight  dtype differs  float32  bfloat16
+        2.bias    dtype differs  float32  bfloat16
+        >>> bool((diff["rel_l2"] < 2**-8).all())  # within bfloat16's rounding
+        True
+
+        Which layers did fine-tuning move, and how far:
+        ``diff = compare("base/", "finetuned/")``, then
+        ``diff[diff.status != "equal"].sort_values("rel_l2", ascending=False)``.
     """
     left, right = open_source(a, "compare(): a"), open_source(b, "compare(): b")
     pairs = [(left.entries[left.names[n]], right.entries[right.names[n]])

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import math
-from typing import Any
+import os
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 import numpy as np
 import pandas as pd
@@ -29,12 +31,12 @@ _MAX_BINS = 1 << 16
 
 
 def stats(
-    obj: Any,
+    obj: torch.nn.Module | Mapping[str, torch.Tensor] | str | os.PathLike[str],
     *,
-    per: str = "tensor",
+    per: Literal["tensor", "module"] = "tensor",
     bins: int | None = None,
     depth: int | None = None,
-    progress: Any = None,
+    progress: bool | Callable[[int, int], None] | Callable[[int, int, str], None] | None = None,
 ) -> pd.DataFrame:
     """Statistics of every tensor's values (or every module's), exact, in bounded memory.
 
@@ -78,12 +80,38 @@ def stats(
         nan, inf`` (per tensor also ``shape`` and ``tied``; per module ``depth`` and
         ``tensors``).
 
+    Raises:
+        ArgumentError: an unknown ``per``, ``bins`` out of range or without ``per="tensor"``,
+            ``depth`` negative or without ``per="module"``, a path that is no checkpoint.
+        ArgumentTypeError: ``obj`` is not a module, a dict of tensors or a path.
+        KeyboardInterrupt: Ctrl-C, or the exception a ``progress`` callable raised to cancel;
+            nothing changed.
+
     Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from jupyter_metainit import is_deferred, meta_init, stats
+        >>> _ = torch.manual_seed(0)
         >>> with meta_init():
-        ...     model = AutoModelForCausalLM.from_config(config)
-        >>> table = stats(model, progress=True)  # the model stays deferred
-        >>> table.loc[table.index.str.endswith("c_proj.weight"), "std"]
-        >>> stats(model, per="module", depth=2)
+        ...     model = nn.Sequential(nn.Linear(256, 256), nn.ReLU(), nn.Linear(256, 10))
+        >>> table = stats(model)  # the values materialize would give; nothing kept
+        >>> table[["shape", "numel", "nan"]]
+                       shape  numel  nan
+        tensor
+        0.weight  (256, 256)  65536    0
+        0.bias        (256,)    256    0
+        2.weight   (10, 256)   2560    0
+        2.bias         (10,)     10    0
+        >>> round(float(table.loc["0.weight", "std"]), 3)  # U(-1/16, 1/16): 1/16/sqrt(3)
+        0.036
+        >>> stats(model, per="module")[["numel", "tensors"]]
+                numel  tensors
+        module
+                68362        4
+        0       65792        2
+        2        2570        2
+        >>> is_deferred(model)
+        True
     """
     if per not in _PER:
         raise ValueError(f"per= takes 'tensor' or 'module', not {per!r}")

@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 import sys
 import types
-from typing import Any
+from collections.abc import Callable, Mapping
+from typing import Any, Literal
 
 import torch
 
@@ -27,46 +28,79 @@ _FORMATS = ("safetensors", "dcp")
 
 
 def save(
-    obj: Any,
-    path: str | os.PathLike,
+    obj: torch.nn.Module | Mapping[str, torch.Tensor],
+    path: str | os.PathLike[str],
     *,
-    format: str = "safetensors",  # the word transformers and torch use
+    format: Literal["safetensors", "dcp"] = "safetensors",  # the word transformers and torch use
     max_shard_size: int | str | None = None,
     dtype: torch.dtype | str | None = None,
-    progress: Any = None,
+    progress: bool | Callable[[int, int], None] | None = None,
 ) -> str:
     """Write ``obj``'s values, exactly as ``materialize`` would give them, into directory ``path``.
 
-    Deferred, partly materialized and real tensors alike: deferred ones are computed one at a
-    time (only what each depends on, on every core, on the CPU: a tensor recorded for a GPU gets
-    what ``materialize(device="cpu")`` gives it) and freed once written; real ones are written
-    as they are now. Nothing in ``obj`` changes: deferred tensors stay deferred.
+    Use it to make the checkpoint nobody can allocate (a seed checkpoint of a 70 B model from
+    one machine), or to save a partly materialized model without materializing the rest.
+    Deferred, partly materialized and real tensors alike: deferred ones are computed a batch
+    at a time (only what each depends on, on every core, on the CPU: a tensor recorded for a
+    GPU gets what ``materialize(device="cpu")`` gives it) and freed once written, so memory
+    follows the largest tensor, not the model; real ones are written as they are now. Nothing
+    in ``obj`` changes: deferred tensors stay deferred. Everything is written into a hidden
+    directory inside ``path`` and moved into place at the end: a failed or cancelled save
+    leaves no checkpoint behind, and an earlier checkpoint's files there are replaced, your
+    other files kept.
 
     Args:
         obj: a module (its ``state_dict()``) or a dict of tensors.
         path: the directory to write (``~`` is your home directory, as in the widget's Save…
-            and ``%save``). ``format="safetensors"``: ``model.safetensors``, or shards and
-            ``model.safetensors.index.json`` (transformers' ``save_pretrained`` layout; for a
-            transformers model also its ``config.json`` and ``generation_config.json``).
-            ``format="dcp"``: a ``torch.distributed.checkpoint``, one file per rank.
+            and ``%save``).
+        format: ``"safetensors"``: ``model.safetensors``, or shards and
+            ``model.safetensors.index.json`` (transformers' ``save_pretrained`` layout, tied
+            weights once; for a transformers model also its ``config.json`` and
+            ``generation_config.json``, so ``from_pretrained`` loads it). ``"dcp"``: a
+            ``torch.distributed.checkpoint``, one file per rank (``dcp.load`` reads it into
+            any sharding).
         max_shard_size: the most tensor bytes in one file: ``"5GB"`` (decimal units, as
             transformers reads them), ``"4GiB"`` or bytes. Default: 5GB shards for
             safetensors (transformers' default), one file per rank for dcp (torch's default).
             A file system (or ``ulimit -f``) that takes smaller files is said as such, with
             the size to use.
-        dtype: cast floating-point tensors to this dtype (or its name, 'bf16') as they are
-            written.
+        dtype: cast floating-point tensors to this dtype (or its name, ``"bf16"``) as they
+            are written.
         progress: ``True`` for a progress bar, or ``callable(done_bytes, total_bytes)``; if it
             raises (to cancel), nothing is left at ``path`` and the exception propagates.
 
     Returns:
         ``path`` as a string, ``~`` expanded.
 
-    Example::
+    Raises:
+        ArgumentError: an unknown ``format``, a ``dtype`` that is not floating, a
+            ``max_shard_size`` that is not a size, an empty ``path``.
+        ArgumentTypeError: ``obj`` is neither a module nor a dict of tensors.
+        MetaInitError: the save would replace the files deferred tensors being saved are
+            still read from (a model opened with ``from_pretrained`` from ``path``); nothing
+            was written.
+        OSError: the disk is full or a file is too large for the file system (said with the
+            ``max_shard_size`` to use); nothing is left behind.
 
-        with meta_init():
-            model = AutoModelForCausalLM.from_config(config)
-        save(model, "~/checkpoints/seed", max_shard_size="4GB")  # 4GB: a FAT32 drive takes it
+    Example:
+        >>> import os, tempfile
+        >>> import torch
+        >>> from torch import nn
+        >>> from safetensors.torch import load_file
+        >>> from jupyter_metainit import is_deferred, materialize, meta_init, save
+        >>> with meta_init():
+        ...     model = nn.Sequential(nn.Linear(256, 256), nn.Linear(256, 8))
+        >>> with tempfile.TemporaryDirectory() as directory:
+        ...     _ = save(model, directory)  # computed a batch at a time, never all in memory
+        ...     files = sorted(os.listdir(directory))
+        ...     saved = load_file(os.path.join(directory, "model.safetensors"))
+        >>> files
+        ['model.safetensors']
+        >>> is_deferred(model)  # saving changed nothing
+        True
+        >>> _ = materialize(model)
+        >>> torch.equal(saved["0.weight"], model[0].weight)  # what materialize gives
+        True
     """
     if format not in _FORMATS:
         raise ValueError(f"format must be 'safetensors' or 'dcp', not {format!r}")
