@@ -29,7 +29,7 @@ class MetaInitError(RuntimeError):
     ``TypeError``. Whatever raised it left the model as it was: deferred tensors stay deferred
     and materializable.
 
-    Example:
+    Examples:
         >>> import jupyter_metainit
         >>> from torch import nn
         >>> with jupyter_metainit.meta_init():
@@ -50,7 +50,7 @@ class ArgumentError(MetaInitError, ValueError):
     The message names the argument as you wrote it and what it accepts. It is a ``ValueError``
     too, so code that catches ``ValueError`` keeps working.
 
-    Example:
+    Examples:
         >>> import jupyter_metainit
         >>> from torch import nn
         >>> with jupyter_metainit.meta_init():
@@ -69,7 +69,7 @@ class ArgumentTypeError(MetaInitError, TypeError):
     The message names the argument and the types it accepts. It is a ``TypeError`` too, so code
     that catches ``TypeError`` keeps working.
 
-    Example:
+    Examples:
         >>> import jupyter_metainit
         >>> from torch import nn
         >>> with jupyter_metainit.meta_init():
@@ -89,7 +89,7 @@ class UnsupportedOperatorError(MetaInitError):
     it), naming your line and what to do instead, usually: materialize first, then call it.
     Quantizing and reading a deferred tensor's storage bytes are the common cases.
 
-    Example:
+    Examples:
         >>> import torch
         >>> import jupyter_metainit
         >>> with jupyter_metainit.meta_init():
@@ -110,7 +110,7 @@ class DeferredDataError(MetaInitError):
     Raised when a deferred tensor has no recorded origin to replay. The model is left as it
     was.
 
-    Example:
+    Examples:
         >>> import jupyter_metainit
         >>> issubclass(jupyter_metainit.DeferredDataError, jupyter_metainit.MetaInitError)
         True
@@ -125,7 +125,7 @@ class MaterializationError(MetaInitError):
     recorded, a tensor ``dematerialize`` cannot make deferred again. Nothing was allocated or
     changed, so fix the cause and call again.
 
-    Example:
+    Examples:
         >>> import jupyter_metainit
         >>> from torch import nn
         >>> with jupyter_metainit.meta_init():
@@ -147,7 +147,7 @@ class BusyError(MetaInitError):
     serializes ``materialize``, ``dematerialize`` and value reads across threads); it is the
     error of a caller that asks not to wait.
 
-    Example:
+    Examples:
         >>> import jupyter_metainit
         >>> issubclass(jupyter_metainit.BusyError, jupyter_metainit.MetaInitError)
         True
@@ -161,7 +161,7 @@ class NotEnoughMemoryError(MaterializationError, MemoryError):
     a smaller dtype, or check first with ``jupyter_metainit.fits``. It is a ``MemoryError`` and
     a ``MaterializationError`` too.
 
-    Example:
+    Examples:
         >>> import torch
         >>> import jupyter_metainit
         >>> with jupyter_metainit.meta_init():

@@ -236,7 +236,7 @@ def materialize_sharded(
             rank 0's data: use ``src_data_rank=None``), or a replay failed; nothing of that
             group changed.
 
-    Example:
+    Examples:
         In every rank of a ``torchrun`` job; here one rank alone, on the CPU:
 
         >>> import os, tempfile

@@ -145,7 +145,7 @@ def dry_run(
         Exception: what the model's forward raises for these inputs (a shape mismatch), as
             in eager; the model is left as it was.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> from jupyter_metainit import dry_run, meta_init
         >>> with meta_init():

@@ -125,7 +125,7 @@ def fits(
         FileNotFoundError: ``module_or_path`` is a word that is neither a directory here nor
             a hub name (refused at once, before any download).
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> from jupyter_metainit import fits, meta_init
         >>> with meta_init():

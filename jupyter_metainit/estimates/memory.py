@@ -224,6 +224,44 @@ def memory_table(
     counts with ``sum(p.numel() for p in model.parameters())``. In Jupyter the table shows
     units and a tree.
 
+    The table is indexed by the module's qualified name (``""`` for the root, as in
+    ``accelerate.utils.compute_module_sizes``; a submodule reachable by two paths gets a
+    row for each). Columns hold raw numbers (counts, bytes):
+
+    - ``type``, ``depth`` (root 0), ``children`` (number of direct submodules);
+    - ``params_own`` (the module's own parameters), ``params`` (its subtree),
+      ``params_trainable`` (subtree, ``requires_grad``);
+    - ``param_bytes``, ``buffer_bytes`` (persistent buffers), ``nonpersistent_bytes``
+      (non-persistent buffers), ``attribute_bytes`` (tensors kept as plain attributes,
+      also in dicts/lists/tuples: each storage once, nothing for a view of a parameter or
+      buffer), ``total_bytes`` (their sum);
+    - ``shared_bytes``: bytes of this subtree's tensors that modules outside the subtree
+      hold too (tied weights). Every shared tensor is counted once in every total, so the
+      root's ``total_bytes`` is the real unique size;
+    - ``source`` (``checkpoint``: read from a file; ``init``: computed by the model's
+      code; ``mixed``), and
+    - ``dtypes`` (comma-separated dtypes present), ``state`` (``deferred``, ``cpu``,
+      ``cuda:0`` ... or ``mixed``; ``uninitialized`` for lazy modules before their first
+      (dry) forward, which count as 0 parameters; ``""`` for a subtree without tensors);
+    - training estimates for the subtree, with N its parameters, T the trainable ones, B
+      its buffer (and tensor attribute) bytes and S the optimizer's state bytes per
+      trainable parameter (Adam/AdamW: 8, two fp32 moments; SGD: 0; SGD with momentum: 4;
+      or ``optimizer=<number>``):
+      ``grad_fp32_bytes = 4·T``, ``optim_fp32_bytes = S·T``,
+      ``train_fp32_bytes = 4·N + B + 4·T + S·T`` (Adam, all trainable: 16 B/param, the
+      "4x fp32 size" that ``accelerate estimate-memory`` prints for float32); mixed
+      precision with fp32 master weights (``accelerate``'s rule for fp16/bf16):
+      ``grad_mixed_bytes = (2 + 4)·T`` (half-precision gradient + its fp32 copy,
+      accelerate's "1.5x fp32 size"), ``optim_mixed_bytes = S·T`` (accelerate's "2x fp32
+      size" for Adam, which is the largest component and the figure accelerate prints for
+      fp16/bf16), ``train_mixed_bytes = 2·N + 4·T + B + (2 + 4)·T + S·T``
+      (half-precision copy of every weight, fp32 master of the trainable ones, gradients,
+      optimizer states: 20 B/param for Adam, the sum of the components rather than
+      accelerate's largest component). Activations are not in the training figures; use
+      :func:`dry_run` for them;
+    - after a :func:`dry_run`: ``output_shape``, ``activation_bytes``, ``flops``,
+      ``peak_forward_bytes``.
+
     Args:
         module: the model or a part of it: deferred, partly materialized or real.
         depth: keep only rows down to this depth; totals still cover the whole subtree.
@@ -234,49 +272,13 @@ def memory_table(
             ``"adafactor"``, ``None``, or bytes of optimizer state per trainable parameter.
 
     Returns:
-        A pandas DataFrame indexed by the module's qualified name (``""`` for the root, as in
-        ``accelerate.utils.compute_module_sizes``; a submodule reachable by two paths gets a
-        row for each). Columns hold raw numbers (counts, bytes):
-
-        - ``type``, ``depth`` (root 0), ``children`` (number of direct submodules);
-        - ``params_own`` (the module's own parameters), ``params`` (its subtree),
-          ``params_trainable`` (subtree, ``requires_grad``);
-        - ``param_bytes``, ``buffer_bytes`` (persistent buffers), ``nonpersistent_bytes``
-          (non-persistent buffers), ``attribute_bytes`` (tensors kept as plain attributes,
-          also in dicts/lists/tuples: each storage once, nothing for a view of a parameter or
-          buffer), ``total_bytes`` (their sum);
-        - ``shared_bytes``: bytes of this subtree's tensors that modules outside the subtree
-          hold too (tied weights). Every shared tensor is counted once in every total, so the
-          root's ``total_bytes`` is the real unique size;
-        - ``source`` (``checkpoint``: read from a file; ``init``: computed by the model's
-          code; ``mixed``), and
-        - ``dtypes`` (comma-separated dtypes present), ``state`` (``deferred``, ``cpu``,
-          ``cuda:0`` ... or ``mixed``; ``uninitialized`` for lazy modules before their first
-          (dry) forward, which count as 0 parameters; ``""`` for a subtree without tensors);
-        - training estimates for the subtree, with N its parameters, T the trainable ones, B
-          its buffer (and tensor attribute) bytes and S the optimizer's state bytes per
-          trainable parameter (Adam/AdamW: 8, two fp32 moments; SGD: 0; SGD with momentum: 4;
-          or ``optimizer=<number>``):
-          ``grad_fp32_bytes = 4·T``, ``optim_fp32_bytes = S·T``,
-          ``train_fp32_bytes = 4·N + B + 4·T + S·T`` (Adam, all trainable: 16 B/param, the
-          "4x fp32 size" that ``accelerate estimate-memory`` prints for float32); mixed
-          precision with fp32 master weights (``accelerate``'s rule for fp16/bf16):
-          ``grad_mixed_bytes = (2 + 4)·T`` (half-precision gradient + its fp32 copy,
-          accelerate's "1.5x fp32 size"), ``optim_mixed_bytes = S·T`` (accelerate's "2x fp32
-          size" for Adam, which is the largest component and the figure accelerate prints for
-          fp16/bf16), ``train_mixed_bytes = 2·N + 4·T + B + (2 + 4)·T + S·T``
-          (half-precision copy of every weight, fp32 master of the trainable ones, gradients,
-          optimizer states: 20 B/param for Adam, the sum of the components rather than
-          accelerate's largest component). Activations are not in the training figures; use
-          :func:`dry_run` for them;
-        - after a :func:`dry_run`: ``output_shape``, ``activation_bytes``, ``flops``,
-          ``peak_forward_bytes``.
+        A pandas DataFrame with those rows and columns (its Jupyter display humanizes them).
 
     Raises:
         ArgumentTypeError: ``module`` is not an ``nn.Module``.
         ArgumentError: an unknown ``dtype`` or ``optimizer``, or a negative ``depth``.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> from jupyter_metainit import memory_table, meta_init
         >>> with meta_init():

@@ -42,7 +42,7 @@ def summary(
         ArgumentTypeError: ``module_or_table`` is neither a module nor a table.
         ArgumentError: an unknown ``dtype`` or ``optimizer``.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> from jupyter_metainit import meta_init, summary
         >>> with meta_init():

@@ -39,7 +39,7 @@ def along_depth(table: pd.DataFrame, name: str, column: str = "std") -> pd.Serie
         A pandas Series, layer number -> value, in layer order (several rows of one layer,
         as in a model of two stacks, give their mean).
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from jupyter_metainit import meta_init, stats
@@ -114,7 +114,7 @@ def svg_chart(
     Returns:
         A :class:`Chart`, shown as an image by Jupyter.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> from jupyter_metainit import meta_init, stats
         >>> from jupyter_metainit.inspection import along_depth, svg_chart

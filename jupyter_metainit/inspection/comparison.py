@@ -104,7 +104,7 @@ def compare(
         KeyboardInterrupt: Ctrl-C, or the exception a ``progress`` callable raised to cancel;
             nothing changed.
 
-    Example:
+    Examples:
         Is a bfloat16 copy of a model (never allocated) its values, rounded?
 
         >>> import os, tempfile

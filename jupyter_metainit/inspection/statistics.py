@@ -87,7 +87,7 @@ def stats(
         KeyboardInterrupt: Ctrl-C, or the exception a ``progress`` callable raised to cancel;
             nothing changed.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from jupyter_metainit import is_deferred, meta_init, stats

@@ -385,7 +385,7 @@ def load_ipython_extension(ipython: InteractiveShell) -> None:
     Args:
         ipython: the running IPython shell.
 
-    Example:
+    Examples:
         >>> from IPython.core.interactiveshell import InteractiveShell
         >>> shell = InteractiveShell.instance()
         >>> shell.run_line_magic("load_ext", "jupyter_metainit")
@@ -409,7 +409,7 @@ def unload_ipython_extension(ipython: InteractiveShell) -> None:
     Args:
         ipython: the running IPython shell.
 
-    Example:
+    Examples:
         >>> from IPython.core.interactiveshell import InteractiveShell
         >>> shell = InteractiveShell.instance()
         >>> shell.run_line_magic("load_ext", "jupyter_metainit")

@@ -66,7 +66,7 @@ def widgets_of(module: nn.Module) -> list[ModuleTreeWidget]:
         The open widgets whose model is ``module`` or contains it, oldest first (empty when
         none shows it).
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> from jupyter_metainit import explore, meta_init, widgets_of
         >>> with meta_init():
@@ -116,7 +116,7 @@ class ModuleTreeWidget(
     Raises:
         ArgumentTypeError: ``module`` is not an ``nn.Module``.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> from jupyter_metainit import ModuleTreeWidget, is_deferred, meta_init
         >>> with meta_init():
@@ -357,7 +357,7 @@ def explore(module: nn.Module, *, depth: int = 2, name: str = "model") -> Module
     Raises:
         ArgumentTypeError: ``module`` is not an ``nn.Module``.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> from jupyter_metainit import explore, meta_init
         >>> with meta_init():

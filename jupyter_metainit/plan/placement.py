@@ -261,7 +261,7 @@ def place(
         Exception: what the model's forward raises for the workload (measured by a dry run),
             as in eager.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> from jupyter_metainit import meta_init, place
         >>> with meta_init():

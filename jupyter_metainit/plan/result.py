@@ -50,7 +50,7 @@ class Placement:
         seconds: the planning time, the measurement included.
         measure_seconds: the time of the dry run (and meta forwards), 0 when reused.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> from jupyter_metainit import meta_init, place
         >>> with meta_init():
@@ -95,7 +95,7 @@ class Placement:
         Returns:
             A placement with that device map and no predictions (``strategy="given"``).
 
-        Example:
+        Examples:
             >>> from torch import nn
             >>> from jupyter_metainit import is_deferred, materialize, meta_init
             >>> from jupyter_metainit.plan import Placement
@@ -129,7 +129,7 @@ class Placement:
                 device map names modules ``model`` does not have.
             MaterializationError: as ``materialize`` raises; nothing changed.
 
-        Example:
+        Examples:
             >>> import torch
             >>> from torch import nn
             >>> from jupyter_metainit import is_deferred, meta_init

@@ -82,7 +82,7 @@ def save(
         OSError: the disk is full or a file is too large for the file system (said with the
             ``max_shard_size`` to use); nothing is left behind.
 
-    Example:
+    Examples:
         >>> import os, tempfile
         >>> import torch
         >>> from torch import nn

@@ -71,7 +71,7 @@ def dematerialize(
             (without ``force=True``). It names the tensors; nothing was changed.
         ArgumentTypeError: ``obj`` is not a tensor, a module or an iterable of them.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from jupyter_metainit import dematerialize, is_deferred, materialize, meta_init

@@ -130,7 +130,7 @@ def materialize(
             Whatever fails or is interrupted leaves every tensor as it was (deferred ones
             deferred and materializable) and keeps nothing it allocated.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from jupyter_metainit import is_deferred, materialize, meta_init

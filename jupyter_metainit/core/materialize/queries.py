@@ -46,7 +46,7 @@ def is_deferred(obj: object) -> bool:
         ``True`` for a deferred tensor (also a lazy module's parameter before its first
         forward), a module or collection holding one; ``False`` otherwise.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from jupyter_metainit import is_deferred, materialize, meta_init

@@ -291,7 +291,7 @@ def clear_meta_init_cache() -> None:
     regenerate random streams again. A model that is deleted needs none of this: its
     recording, RNG checkpoints and shadows go with it.
 
-    Example:
+    Examples:
         >>> from torch import nn
         >>> from jupyter_metainit import clear_meta_init_cache, is_deferred, materialize, meta_init
         >>> with meta_init():

@@ -35,7 +35,7 @@ def skip_init(module_cls: type[torch.nn.Module], *args: Any, **kwargs: Any) -> t
     Raises:
         ArgumentTypeError: ``module_cls`` is not an ``nn.Module`` subclass.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from jupyter_metainit import is_deferred, skip_init

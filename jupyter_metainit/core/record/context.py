@@ -86,7 +86,7 @@ def is_meta_init() -> bool:
     Returns:
         ``True`` inside a ``meta_init`` block (nested ones too) on this thread.
 
-    Example:
+    Examples:
         >>> from jupyter_metainit import is_meta_init, meta_init
         >>> is_meta_init()
         False
@@ -279,7 +279,7 @@ class meta_init(contextlib.ContextDecorator):
         UnsupportedOperatorError: code in the block calls an operator that cannot be
             deferred (quantizing); the message names the line.
 
-    Example:
+    Examples:
         >>> import torch
         >>> from torch import nn
         >>> from jupyter_metainit import is_deferred, materialize, meta_init

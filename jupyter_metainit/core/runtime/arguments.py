@@ -75,7 +75,7 @@ def parse_dtype(value: Any, arg: str = "dtype") -> torch.dtype | None:
     anything else that is not a dtype an ``ArgumentTypeError`` (a ``TypeError``); both name
     ``arg`` (the argument the user gave it as).
 
-    Example:
+    Examples:
         >>> parse_dtype("bf16"), parse_dtype("torch.float16"), parse_dtype(torch.float32)
         (torch.bfloat16, torch.float16, torch.float32)
     """
@@ -123,7 +123,7 @@ def parse_device(device: Any, arg: str = "device") -> torch.device | None:
     :func:`missing_device_reason`'s question (recording for a GPU needs none), and which GPU a
     bare ``"cuda"`` is, :func:`indexed_device`'s.
 
-    Example:
+    Examples:
         >>> parse_device("cuda:1"), parse_device(0), parse_device(" cpu ")
         (device(type='cuda', index=1), device(type='cuda', index=0), device(type='cpu'))
     """
@@ -154,7 +154,7 @@ def indexed_device(device: Any, arg: str = "device") -> torch.device:
     """:func:`parse_device`, with the index an eager tensor would get: a bare ``"cuda"`` (or
     ``"xpu"``) is the current device of that kind, ``cuda:0`` unless the program changed it.
 
-    Example:
+    Examples:
         >>> indexed_device("cuda")  # without CUDA, or before any torch.cuda.set_device
         device(type='cuda', index=0)
     """
@@ -181,7 +181,7 @@ def parse_size(size: Any, arg: str = "size") -> int:
     decimal) likewise. A lowercase final ``b`` (``"5Gb"``, ``"5gb"``) is refused: transformers
     reads it as bits, people mean bytes.
 
-    Example:
+    Examples:
         >>> parse_size("80GiB"), parse_size("5GB"), parse_size(1024)
         (85899345920, 5000000000, 1024)
     """
