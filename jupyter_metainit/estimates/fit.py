@@ -86,7 +86,7 @@ def _model_from_path(path: str) -> nn.Module:
 
 def fits(
     module_or_path: nn.Module | str,
-    device: str | torch.device = "cuda:0",
+    device: str | torch.device | int = "cuda:0",
     budget: int | float | str | None = None,
     *,
     dtype: torch.dtype | str | None = None,
@@ -105,7 +105,8 @@ def fits(
             (``"org/name"``) with a transformers config (an empty model is built from it, as
             ``accelerate estimate-memory`` does).
         device: the device whose free memory is the budget when ``budget`` is ``None``
-            (CUDA free memory, or available host memory for ``"cpu"``).
+            (CUDA free memory, or available host memory for ``"cpu"``): a device, its name,
+            or a GPU index.
         budget: bytes, or a size such as ``"24GiB"`` (2**30 bytes a GiB) or ``"80GB"``
             (10**9); ``None`` measures ``device``.
         dtype: the dtype you will materialize in (``torch.bfloat16``, ``"int8"`` ...);
