@@ -38,6 +38,7 @@ from jupyter_metainit.jupyter.cell_watch import watch_cells
 from jupyter_metainit.jupyter.magic_options import (
     as_options,
     input_shapes,
+    name_usage_errors,
     one_line_errors,
     parse_depth,
     parse_device,
@@ -53,6 +54,7 @@ from jupyter_metainit.save import save as save_checkpoint
 __all__ = ["MetaInitMagics", "load_ipython_extension", "unload_ipython_extension"]
 
 
+@name_usage_errors  # option mistakes name the magic and the closest option
 @magics_class
 class MetaInitMagics(Magics):
     """The magics of ``jupyter_metainit``; registered by ``%load_ext jupyter_metainit``."""
