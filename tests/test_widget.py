@@ -585,6 +585,32 @@ def test_selection_summary_says_whether_it_fits_the_cpu():
     assert abs(fit["free"] - device_budget("cpu")) < 2**30
 
 
+def test_the_kernel_refuses_a_materialize_from_code_that_cannot_fit_in_the_pages_words():
+    with meta_init():
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(1_000_000, 1_000_000, bias=False))
+    w = explore(model)
+    w.selected = ["1"]  # 4 TB in float32
+    page_says = w.selection["fit"]["cpu"]["why"]
+    w.materialize("cpu")
+    assert is_deferred(model[1]) and w.busy == "" and w.error == "" and w.status == ""
+    assert w.notice["text"] == page_says
+    assert page_says.startswith("Does not fit: the selection needs 3.64 TiB, ")
+    assert page_says.endswith(" on cpu. Select less, pick a smaller dtype or free something first.")
+
+
+def test_the_kernel_refuses_a_page_message_for_a_part_too_big_even_when_it_is_not_ticked():
+    with meta_init():
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(1_000_000, 1_000_000, bias=False))
+    w = explore(model)
+    w.handle_action({"action": "materialize", "device": "cpu", "names": ["1"]})
+    assert is_deferred(model[1]) and w.busy == ""
+    assert w.notice["text"].startswith("Does not fit: the selection needs 3.64 TiB")
+    w.selected = ["1"]
+    w.notice = {"id": 0, "text": ""}
+    w.materialize()  # each tensor's recorded device (the CPU here): refused the same way
+    assert is_deferred(model[1]) and w.notice["text"].startswith("Does not fit")
+
+
 def test_the_fit_counts_the_chosen_dtype_and_what_is_already_there():
     with meta_init():
         model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 8))

@@ -18,6 +18,7 @@ __all__ = [
     "materialized_in_words",
     "model_changed_in_words",
     "modules_in_words",
+    "no_room_in_words",
 ]
 
 MODEL_GONE = (
@@ -66,6 +67,15 @@ def modules_in_words(names: Sequence[str], var_name: str = "model") -> str:
 
 def _module_in_words(name: str, var_name: str) -> str:
     return code_path(var_name, name) if name else f"{var_name} (the whole model)"
+
+
+def no_room_in_words(device: str, need: int, free: int) -> str:
+    """Why a selection cannot be materialized on ``device``: the words of the page's unavailable
+    button and of the kernel's refusal, whichever side asked."""
+    return (
+        f"Does not fit: the selection needs {format_bytes(need)}, {format_bytes(free)} free on "
+        f"{device}. Select less, pick a smaller dtype or free something first."
+    )
 
 
 def failure_in_words(exc: Exception, action: str, device: str, what: str, nbytes: int) -> str:
