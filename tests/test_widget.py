@@ -810,6 +810,64 @@ def test_materialize_plan_puts_every_part_on_its_device_with_eagers_values():
         assert tensor_state(got) == "cpu" and torch.equal(got, value), name
 
 
+def test_the_plans_precision_is_its_own_control_and_materialize_plan_follows_it():
+    torch.manual_seed(0)
+    eager = LM().to(torch.bfloat16)
+    model = _lm()  # float32
+    w = explore(model)
+    w.place("cpu=1GiB", batch=2, seq_len=8)
+    as_built = w.plan["devices"][0]["peak"]
+    w.place("cpu=1GiB", batch=2, seq_len=8, precision="bf16")
+    assert w.error == "" and w.plan["request"]["precision"] == "bf16"
+    assert w.plan["devices"][0]["peak"] < as_built  # two bytes a weight, not four
+    w.materialize_plan()
+    assert "as bfloat16 (the plan's precision)" in w.status, w.status
+    for name, value in eager.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_a_precision_the_plan_bar_does_not_offer_is_refused_with_the_choices():
+    model = _lm()
+    w = explore(model)
+    w.place("cpu=1GiB", seq_len=8, precision="int3")
+    assert w.notice["text"] == (
+        "Refused: Precision must be as built, bf16, fp32 or bf16-mixed, not 'int3'."
+    )
+    assert w.plan == {}
+
+
+class Bf16OnlyKernel(nn.Module):
+    """A layer whose kernel takes bfloat16 only, as torch._grouped_mm's meta kernel (MoE
+    experts) does: its error words are that kernel's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._check(
+            x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16,
+            lambda: (
+                f"Expected inputs of BF16 type but got mat_a.dtype={x.dtype} and "
+                f"mat_b.dtype={self.weight.dtype}."
+            ),
+        )
+        return x @ self.weight
+
+
+def test_a_plan_stopped_by_a_bf16_only_kernel_says_why_and_what_to_do_in_words():
+    with meta_init():
+        model = nn.Sequential(Bf16OnlyKernel())
+    w = explore(model)
+    w.place("cpu=1GiB", inputs="(2, 8)", training=True)
+    assert w.error.startswith(
+        "Could not plan: the dry run of the workload reached a kernel of this model that takes "
+        "only bfloat16 inputs (MoE experts' grouped matmul is one), and the model is float32"
+    ), w.error
+    assert "Build the model in bfloat16 (%%meta_init --dtype bfloat16)" in w.error
+    assert "(the kernel said: Expected inputs of BF16 type but got mat_a.dtype" in w.error
+
+
 def test_materialize_plan_refuses_a_device_this_kernel_lacks_and_changes_nothing():
     if torch.cuda.device_count() >= 2:
         pytest.skip("this kernel has the planned devices")
