@@ -15,7 +15,12 @@ from torch import nn
 from jupyter_metainit import is_deferred, materialize, meta_init
 from jupyter_metainit.core import tensor_state
 from jupyter_metainit.jupyter.row_schema import ROW
-from jupyter_metainit.jupyter.widget import ModuleTreeWidget, explore, widgets_of
+from jupyter_metainit.jupyter.widget import (
+    SAVED_NOTE_STYLE,
+    ModuleTreeWidget,
+    explore,
+    widgets_of,
+)
 
 
 class Block(nn.Module):
@@ -1026,6 +1031,8 @@ def test_displaying_the_widget_puts_a_note_in_words_before_the_live_tree(net, sh
     assert "Net: 3.28 K params" in note["text/html"] and "Run the cell again" in note["text/html"]
     assert "application/vnd.jupyter.widget-view+json" not in note
     assert tree["application/vnd.jupyter.widget-view+json"]["model_id"] == w.model_id
+    # its own rules: the note or the tree, never "model not found" (tests/test_widget_browser.py)
+    assert note["text/html"].startswith(f"<style>{SAVED_NOTE_STYLE}</style>")
 
 
 def test_a_cancelled_save_leaves_nothing_at_the_path(tmp_path):
