@@ -17,6 +17,13 @@ export const SILENT_KERNEL =
 /** What the page says when the kernel restarted or stopped: the model went with it. */
 export const GONE_KERNEL =
   "The kernel was restarted or stopped, and the model went with it. Run the cells that build the model again to get a live tree.";
+/** What the page says when an idle kernel does not know this widget: a saved copy of the tree
+ *  (a notebook reopened with its widget state saved), or a kernel that restarted since. */
+export const NOT_CONNECTED =
+  "This tree is not connected to a kernel: it is a saved copy, or the kernel that made it was restarted. Run the cells that build the model again to get a live tree.";
+/** Kernel statuses after which the widget's comm is gone with the kernel. */
+const GONE_STATUSES = new Set(["dead", "terminating", "restarting", "autorestarting"]);
+
 /** What the page says when the widget was closed while the kernel lives on. */
 export const GONE_WIDGET =
   "This widget was closed in the kernel. The model is still there if a name holds it: show it again with jupyter_metainit.explore(model), no need to rebuild it.";
@@ -43,12 +50,16 @@ export class KernelLink {
   /** What the unanswered action is, in words ("Free", "Materialize → cpu"). */
   private queuedLabel = "";
   private silenceTimer = 0;
+  /** The notebook kernel's status ("idle", "busy"...), "" when the page does not say. */
+  private kernelStatus: () => string = () => "";
+  private unwatch: () => void = () => undefined;
 
   constructor(
     private readonly send: (content: unknown) => void,
     private readonly events: LinkEvents,
   ) {
     this.disconnectedEl.setAttribute("role", "alert");
+    this.disconnectedEl.tabIndex = -1; // holds the focus of a widget that went dead
     this.disconnectedEl.hidden = true;
     this.waitingEl.setAttribute("role", "status");
     this.waitingEl.hidden = true;
@@ -65,7 +76,7 @@ export class KernelLink {
     const id = this.nextId++;
     this.pending.set(
       id,
-      window.setTimeout(() => this.setWaiting(true), ACK_TIMEOUT_MS),
+      window.setTimeout(() => this.unanswered(id), ACK_TIMEOUT_MS),
     );
     if (content.action !== "ping") {
       this.blocking.add(id);
@@ -90,6 +101,52 @@ export class KernelLink {
     this.events.changed(back);
   }
 
+  /** Follow the notebook's kernel through the widget manager (JupyterLab 4, Notebook 7): its
+   *  shutdown, restart or replacement ends this widget at once, and a kernel that is idle yet
+   *  does not answer a first ping does not know this widget (a saved copy). Anything missing
+   *  (another front end, a test page) leaves the link as it was. */
+  watchKernel(manager: any): void {
+    const session = manager?.context?.sessionContext;
+    const kernel = (): any => {
+      try {
+        return manager?.kernel ?? session?.session?.kernel ?? null;
+      } catch {
+        return null;
+      }
+    };
+    this.kernelStatus = () => String(kernel()?.status ?? "");
+    const onStatus = (_: unknown, status: string) => {
+      if (GONE_STATUSES.has(status)) this.setDisconnected(GONE_KERNEL);
+    };
+    const onKernel = () => this.setDisconnected(GONE_KERNEL);
+    const signals: Array<[any, (...a: any[]) => void]> = [];
+    if (session?.statusChanged?.connect && session?.kernelChanged?.connect) {
+      signals.push([session.statusChanged, onStatus], [session.kernelChanged, onKernel]);
+    } else if (kernel()?.statusChanged?.connect) {
+      signals.push([kernel().statusChanged, onStatus]);
+    }
+    for (const [signal, slot] of signals) signal.connect(slot, this);
+    this.unwatch = () => {
+      for (const [signal, slot] of signals) signal.disconnect(slot, this);
+    };
+    const status = this.kernelStatus();
+    if (GONE_STATUSES.has(status)) this.setDisconnected(GONE_KERNEL);
+    else if (status) this.request({ action: "ping" }); // does the kernel know this widget?
+  }
+
+  /** A message not acknowledged in time: the kernel is busy (a cell runs), or, when it is idle
+   *  and still silent a moment later, it does not know this widget. */
+  private unanswered(id: number): void {
+    this.setWaiting(true);
+    if (this.kernelStatus() !== "idle") return;
+    this.pending.set(
+      id,
+      window.setTimeout(() => {
+        if (this.pending.has(id) && this.kernelStatus() === "idle") this.setDisconnected(NOT_CONNECTED);
+      }, ACK_TIMEOUT_MS),
+    );
+  }
+
   setDisconnected(why = GONE_KERNEL): void {
     if (this.disconnected) return;
     this.disconnected = true;
@@ -103,6 +160,7 @@ export class KernelLink {
   }
 
   dispose(): void {
+    this.unwatch();
     clearTimeout(this.silenceTimer);
     for (const timer of this.pending.values()) clearTimeout(timer);
   }
