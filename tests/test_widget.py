@@ -467,6 +467,27 @@ def test_a_widget_whose_model_is_gone_says_so_and_does_nothing():
     assert "is gone" in w.error
 
 
+def test_a_kernel_that_exits_does_not_tell_its_widgets_their_model_was_freed():
+    # IPython empties the namespace at exit, freeing every model: that is the kernel going,
+    # which the page says itself, not "no name refers to it any more".
+    script = """
+import atexit, builtins
+atexit.register(lambda: print("model_gone", builtins.w.model_gone))  # runs last
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+shell.run_cell("import builtins\\nfrom torch import nn\\n"
+               "from jupyter_metainit.jupyter.widget import explore\\n"
+               "m = nn.Linear(2, 2)\\nbuiltins.w = explore(m)")
+"""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert "model_gone False" in out.stdout, out.stdout + out.stderr
+
+
 def test_a_widget_turns_its_actions_off_as_soon_as_its_model_is_freed():
     # the page greys every action on `model_gone` (as when the kernel is gone): a second click
     # must not clear the message and do nothing

@@ -14,6 +14,7 @@ magics, another widget, ``materialize_sharded``): the core publishes what it cha
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import pathlib
 import threading
@@ -73,13 +74,23 @@ def widgets_of(module: nn.Module) -> list[ModuleTreeWidget]:
     return [w for w in list(_live_widgets) if w.comm is not None and w._tree.holds(module)]
 
 
+_exiting = False
+
+
+@atexit.register  # runs before IPython's own exit handler, which empties the namespace
+def _note_exit() -> None:
+    global _exiting
+    _exiting = True
+
+
 def _on_model_freed(widget_ref: weakref.ref) -> Any:
     """A callback for the model's weak reference: the widget (held weakly: a widget must not
-    keep itself alive) shows that the model is gone at once, not at the next click."""
+    keep itself alive) shows that the model is gone at once, not at the next click. Not while
+    the kernel exits: its models go with it, and the page says the kernel is gone."""
 
     def freed(_ref: weakref.ref) -> None:
         widget = widget_ref()
-        if widget is not None:
+        if widget is not None and not _exiting:
             with contextlib.suppress(Exception):  # runs where the model was freed: never raise
                 widget.mark_model_gone()
 
