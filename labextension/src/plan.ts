@@ -236,7 +236,7 @@ export class PlanBar {
       { id: "mat-plan", label: "Materialize plan", shortcut: "Shift+M", button: this.matBtn, blocked: () => this.blocked.mat, run: run({ action: "materialize_plan" }) },
       {
         id: "pin",
-        label: "Pin to the plan bar's device",
+        label: "Pin selection",
         shortcut: "Shift+P",
         button: this.pinBtn,
         blocked: (t: Target) => this.blocked.plan || (this.pinSel.options.length ? "" : "Plan first (Plan…), then pin parts to its devices") || (t.names.length ? "" : "Select parts first (tick their checkboxes)"),
