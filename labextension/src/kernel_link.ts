@@ -17,8 +17,8 @@ export const SILENT_KERNEL =
 /** What the page says when the kernel restarted or stopped: the model went with it. */
 export const GONE_KERNEL =
   "The kernel was restarted or stopped, and the model went with it. Run the cells that build the model again to get a live tree.";
-/** What the page says when an idle kernel does not know this widget: a saved copy of the tree
- *  (a notebook reopened with its widget state saved), or a kernel that restarted since. */
+/** What the page says when a kernel that answers does not know this widget: a saved copy of
+ *  the tree (a notebook reopened with its widget state saved), or a kernel restarted since. */
 export const NOT_CONNECTED =
   "This tree is not connected to a kernel: it is a saved copy, or the kernel that made it was restarted. Run the cells that build the model again to get a live tree.";
 /** Kernel statuses after which the widget's comm is gone with the kernel. */
@@ -50,8 +50,6 @@ export class KernelLink {
   /** What the unanswered action is, in words ("Free", "Materialize → cpu"). */
   private queuedLabel = "";
   private silenceTimer = 0;
-  /** The notebook kernel's status ("idle", "busy"...), "" when the page does not say. */
-  private kernelStatus: () => string = () => "";
   private unwatch: () => void = () => undefined;
 
   constructor(
@@ -70,13 +68,14 @@ export class KernelLink {
     return this.blocking.size > 0;
   }
 
-  /** Send a message; a ping only asks whether the kernel is there and holds back nothing. */
-  request(content: Record<string, unknown>): void {
-    if (this.disconnected) return;
+  /** Send a message (its id, 0 if none was sent); a ping only asks whether the kernel is
+   *  there and holds back nothing. */
+  request(content: Record<string, unknown>): number {
+    if (this.disconnected) return 0;
     const id = this.nextId++;
     this.pending.set(
       id,
-      window.setTimeout(() => this.unanswered(id), ACK_TIMEOUT_MS),
+      window.setTimeout(() => this.setWaiting(true), ACK_TIMEOUT_MS),
     );
     if (content.action !== "ping") {
       this.blocking.add(id);
@@ -85,6 +84,7 @@ export class KernelLink {
     }
     this.send({ ...content, id });
     this.events.changed(false);
+    return id;
   }
 
   acknowledged(id: number): void {
@@ -102,19 +102,20 @@ export class KernelLink {
   }
 
   /** Follow the notebook's kernel through the widget manager (JupyterLab 4, Notebook 7): its
-   *  shutdown, restart or replacement ends this widget at once, and a kernel that is idle yet
-   *  does not answer a first ping does not know this widget (a saved copy). Anything missing
+   *  shutdown, restart or replacement ends this widget at once. And a first ping tells whether
+   *  the kernel knows this widget: the kernel answers the messages of its shell channel in
+   *  order, so once it has answered a `kernel_info` request sent after the ping, a ping still
+   *  unanswered a moment later went nowhere (a saved copy of the tree, no comm behind it); a
+   *  kernel busy with a cell answers neither, and the widget only waits. Anything missing
    *  (another front end, a test page) leaves the link as it was. */
   watchKernel(manager: any): void {
     const session = manager?.context?.sessionContext;
-    const kernel = (): any => {
-      try {
-        return manager?.kernel ?? session?.session?.kernel ?? null;
-      } catch {
-        return null;
-      }
-    };
-    this.kernelStatus = () => String(kernel()?.status ?? "");
+    let kernel: any = null;
+    try {
+      kernel = manager?.kernel ?? session?.session?.kernel ?? null;
+    } catch {
+      kernel = null;
+    }
     const onStatus = (_: unknown, status: string) => {
       if (GONE_STATUSES.has(status)) this.setDisconnected(GONE_KERNEL);
     };
@@ -122,28 +123,27 @@ export class KernelLink {
     const signals: Array<[any, (...a: any[]) => void]> = [];
     if (session?.statusChanged?.connect && session?.kernelChanged?.connect) {
       signals.push([session.statusChanged, onStatus], [session.kernelChanged, onKernel]);
-    } else if (kernel()?.statusChanged?.connect) {
-      signals.push([kernel().statusChanged, onStatus]);
+    } else if (kernel?.statusChanged?.connect) {
+      signals.push([kernel.statusChanged, onStatus]);
     }
     for (const [signal, slot] of signals) signal.connect(slot, this);
     this.unwatch = () => {
       for (const [signal, slot] of signals) signal.disconnect(slot, this);
     };
-    const status = this.kernelStatus();
-    if (GONE_STATUSES.has(status)) this.setDisconnected(GONE_KERNEL);
-    else if (status) this.request({ action: "ping" }); // does the kernel know this widget?
-  }
-
-  /** A message not acknowledged in time: the kernel is busy (a cell runs), or, when it is idle
-   *  and still silent a moment later, it does not know this widget. */
-  private unanswered(id: number): void {
-    this.setWaiting(true);
-    if (this.kernelStatus() !== "idle") return;
-    this.pending.set(
-      id,
-      window.setTimeout(() => {
-        if (this.pending.has(id) && this.kernelStatus() === "idle") this.setDisconnected(NOT_CONNECTED);
-      }, ACK_TIMEOUT_MS),
+    if (!kernel) return;
+    if (GONE_STATUSES.has(String(kernel.status))) {
+      this.setDisconnected(GONE_KERNEL);
+      return;
+    }
+    if (typeof kernel.requestKernelInfo !== "function") return;
+    const ping = this.request({ action: "ping" });
+    Promise.resolve(kernel.requestKernelInfo()).then(
+      () => {
+        window.setTimeout(() => {
+          if (this.pending.has(ping)) this.setDisconnected(NOT_CONNECTED);
+        }, ACK_TIMEOUT_MS);
+      },
+      () => undefined,
     );
   }
 

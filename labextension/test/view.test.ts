@@ -749,18 +749,23 @@ describe("a widget that lost its kernel", () => {
     expect(root.querySelector(".jmi-disconnected")!.textContent).toContain("The kernel was restarted or stopped");
   });
 
-  it("says a tree an idle kernel does not know is not connected, and a busy one only waits", () => {
+  it("says a tree its kernel does not know is not connected, and only waits for a busy kernel", async () => {
     vi.useFakeTimers();
-    const idle = fakeSession("idle");
-    const a = mount(smallTree(), {}, { context: { sessionContext: idle }, kernel: idle.session.kernel });
-    expect(a.model.sent.map((m) => m.action)).toEqual(["ping"]);
-    vi.advanceTimersByTime(3500);
+    const answering = fakeSession("idle", true);
+    const a = mount(smallTree(), {}, { context: { sessionContext: answering }, kernel: answering.session.kernel });
+    expect(a.model.sent.map((m) => m.action)).toEqual(["ping"]); // the ping goes nowhere
+    await vi.advanceTimersByTimeAsync(2000);
     expect(a.root.querySelector(".jmi-disconnected")!.textContent).toContain("not connected to a kernel");
-    const busy = fakeSession("busy");
+    const busy = fakeSession("idle", false); // a cell holds the kernel: no answer at all yet
     const b = mount(smallTree(), {}, { context: { sessionContext: busy }, kernel: busy.session.kernel });
-    vi.advanceTimersByTime(3500);
+    await vi.advanceTimersByTimeAsync(20000);
     expect(b.root.querySelector<HTMLElement>(".jmi-disconnected")!.hidden).toBe(true);
     expect(b.root.querySelector<HTMLElement>(".jmi-waiting")!.hidden).toBe(false);
+    const live = fakeSession("idle", true); // a kernel that knows the widget acknowledges it
+    const c = mount(smallTree(), {}, { context: { sessionContext: live }, kernel: live.session.kernel });
+    c.model.emit("msg:custom", { kind: "ack", id: c.model.sent[0].id });
+    await vi.advanceTimersByTimeAsync(5000);
+    expect(c.root.querySelector<HTMLElement>(".jmi-disconnected")!.hidden).toBe(true);
   });
 });
 
@@ -794,8 +799,9 @@ class Signal {
   disconnect(slot: (sender: unknown, value: unknown) => void) { this.slots = this.slots.filter((s) => s !== slot); return true; }
   emit(value: unknown) { for (const s of this.slots) s(this, value); }
 }
-function fakeSession(status: string) {
-  return { statusChanged: new Signal(), kernelChanged: new Signal(), session: { kernel: { status } } };
+function fakeSession(status: string, answers = true) {
+  const requestKernelInfo = () => (answers ? Promise.resolve({}) : new Promise(() => undefined));
+  return { statusChanged: new Signal(), kernelChanged: new Signal(), session: { kernel: { status, requestKernelInfo } } };
 }
 
 afterEach(() => {
