@@ -913,7 +913,9 @@ def test_busy_kernel_fast_values_fits_and_focus(browser, frontend):
     assert widget.locator(".jmi-disconnected").is_hidden()
 
     # 6: focus stays on the button after Enter, with a visible 2px ring
-    assert page.evaluate("() => document.activeElement.classList.contains('jmi-mat-cpu')")
+    assert page.evaluate("() => document.activeElement.classList.contains('jmi-mat-cpu')"), _focus(
+        page
+    )
     ring = page.evaluate(
         "() => { const s = getComputedStyle(document.activeElement);"
         " const root = getComputedStyle(document.activeElement.closest('.jmi-root'));"
@@ -969,10 +971,30 @@ def test_a_plan_made_in_the_widget_shows_each_parts_device_in_jupyterlab(browser
     _doc_shot(widget, "widget-plan-700.png")
     assert _cut_tags(widget) == []
 
+    # a part pinned from its row's key (Shift+P, to the plan bar's device) shows a pin
+    page.set_viewport_size({"width": 1400, "height": 1000})
+    _row(widget, "model.layers.3").locator(".jmi-c-type").click()
+    page.keyboard.press("Shift+P")
+    pin = _row(widget, "model.layers.3").locator(".jmi-pin-mark")
+    pin.wait_for(timeout=60_000)
+    assert pin.inner_text() == "pinned to cuda:0" and pin.locator("svg").is_visible()
+    assert _row(widget, "model.layers.3").locator(".jmi-c-device").inner_text().endswith("cuda:0")
+    assert _row(widget, "model.layers.2").locator(".jmi-pin-mark").count() == 0
+    _on_row(page, "model.layers.3")
+    widget.screenshot(path=str(ARTIFACTS / "widget-plan-pinned-1400.png"))
+    page.keyboard.press("u")  # Clear pins, from the row
+    pin.wait_for(state="detached", timeout=60_000)
+    _on_row(page, "model.layers.3")
+    page.set_viewport_size({"width": 700, "height": 1000})
+    page.wait_for_timeout(300)
+
     # a plan that does not fit: said in red, each device's "over" whole in its narrow column
     widget.locator(".jmi-plan-devices").fill("cuda:0=100KiB, cuda:1=100KiB")
     widget.locator(".jmi-plan-devices").press("Enter")
-    widget.locator(".jmi-message.jmi-error", has_text="does NOT fit").wait_for(timeout=60_000)
+    try:
+        widget.locator(".jmi-message.jmi-error", has_text="does NOT fit").wait_for(timeout=60_000)
+    except Exception:
+        raise AssertionError(widget.locator(".jmi-message").inner_text()) from None
     clipped = widget.evaluate(
         """(root) => [...root.querySelectorAll('.jmi-dev-overtag')].filter((tag) => {
           const cell = tag.closest('.jmi-c-device').getBoundingClientRect();
@@ -998,11 +1020,20 @@ def _cut_tags(widget) -> list[str]:
     )
 
 
-def test_a_reopened_notebook_with_a_new_kernel_says_how_to_get_the_tree_back(browser, frontend):
-    """The note a widget output carries is hidden while the tree lives; reopened in a new tab
-    after the kernel restarted (ipywidgets saved no widget state: "model not found") it says
-    what it was and what to do, and ipywidgets' error never shows."""
+@pytest.mark.parametrize("widget_state", ["not saved", "saved"])
+def test_a_reopened_notebook_with_a_new_kernel_says_how_to_get_the_tree_back(
+    browser, frontend, widget_state
+):
+    """Reopened in a new tab after the kernel restarted. ipywidgets saves no widget state by
+    default ("model not found"): the note says what the output was and what to do, and
+    ipywidgets' error never shows. With *Save Widget State Automatically* on, the saved tree is
+    drawn again from the notebook: it says it is not connected, and nothing in it is a control."""
     app = "jupyterlab4" if frontend["app"] == "jupyterlab" else "notebook7"
+    saved = widget_state == "saved"
+    if saved:
+        d = frontend["settings"] / "@jupyter-widgets" / "jupyterlab-manager"
+        d.mkdir(parents=True, exist_ok=True)
+        (d / "plugin.jupyterlab-settings").write_text(json.dumps({"saveState": True}))
     page = _open_and_build(browser, frontend, "reopen.ipynb", _FLOW_CELLS[:2])
     note = page.locator(".jmi-saved-note")
     assert note.count() == 1 and note.is_hidden()
@@ -1012,11 +1043,20 @@ def test_a_reopened_notebook_with_a_new_kernel_says_how_to_get_the_tree_back(bro
     page.wait_for_timeout(1_500)
     tab = browser.new_page(viewport={"width": 1400, "height": 900})
     _open(tab, frontend, "reopen.ipynb")
-    note = tab.locator(".jmi-saved-note")
-    note.wait_for(state="visible", timeout=30_000)
-    tab.wait_for_timeout(3_000)  # time for the widget manager to give up on the model
-    assert "LlamaForCausalLM" in note.inner_text() and "Run the cell again" in note.inner_text()
+    if saved:
+        widget = tab.locator(".jmi-root")
+        widget.locator(".jmi-disconnected", has_text="not connected to a kernel").wait_for(
+            timeout=30_000
+        )
+        _nothing_clickable(widget)
+        assert tab.locator(".jmi-saved-note").is_hidden()
+    else:
+        note = tab.locator(".jmi-saved-note")
+        note.wait_for(state="visible", timeout=30_000)
+        tab.wait_for_timeout(3_000)  # time for the widget manager to give up on the model
+        assert "LlamaForCausalLM" in note.inner_text() and "Run the cell again" in note.inner_text()
+        assert tab.locator(".jmi-root").count() == 0
     errors = tab.get_by_text("Error displaying widget")
     assert all(not errors.nth(i).is_visible() for i in range(errors.count())), app
-    assert tab.locator(".jmi-root").count() == 0
-    tab.screenshot(path=str(ARTIFACTS / f"widget-{app}-reopened.png"))
+    shot = f"widget-{app}-reopened-{widget_state.replace(' ', '-')}.png"
+    tab.screenshot(path=str(ARTIFACTS / shot))
