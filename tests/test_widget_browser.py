@@ -601,7 +601,7 @@ def test_notebook_shortcuts_never_fire_while_focus_is_in_the_widget(browser, fro
 
 _BIG_CELL = """%%meta_init
 import torch.nn as nn
-big = nn.Sequential(*[nn.Linear(4096, 4096, bias=False) for _ in range(8)])  # 512 MiB"""
+big = nn.Sequential(*[nn.Linear(4096, 4096, bias=False) for _ in range(16)])  # 1 GiB"""
 
 
 def _focus(page) -> dict:
