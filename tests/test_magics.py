@@ -237,6 +237,7 @@ def test_bad_option_is_one_line_usage_error(ip, options, expected):
         ("%meta_table m --depht 2", "%meta_table", "--depht", "--depth"),
         ("%place m --trainig --seq-len 8", "%place", "--trainig", "--training"),
         ("%save m ./ckpt --formt dcp", "%save", "--formt", "--format"),
+        ("%stats m --dpeth 1", "%stats", "--dpeth", "--depth"),
     ],
 )
 def test_a_mistyped_option_names_the_magic_and_suggests_the_closest_one(
@@ -256,6 +257,11 @@ def test_a_mistyped_choice_names_the_magic_and_suggests_the_closest_one(ip):
         "%materialize: argument --rng: invalid choice: 'fastt' (choose from 'exact', 'fast'); "
         "did you mean 'fast'?"
     )
+
+
+def test_a_magic_without_options_says_an_option_is_unknown(ip):
+    ok(ip, "%%meta_init\nm = nn.Linear(4, 3)")
+    assert usage_error(ip, "%compare m m --quick") == "%compare: unknown option --quick"
 
 
 def test_an_unknown_option_with_nothing_close_lists_the_magics_options(ip):

@@ -304,15 +304,18 @@ def option_mistake_in_words(magic: str, message: str, parser: Any) -> str:
     return f"{magic}: {message}"
 
 
-def name_usage_errors(magics: MagicsClass) -> MagicsClass:
-    """Class decorator for a ``@magics_class``: every magic's option mistakes (unknown option,
-    bad value, missing value) become one ``UsageError`` line that names the magic and suggests
-    the closest option, in one place for all the magics."""
-    for kind, names in magics.magics.items():  # type: ignore[attr-defined]
-        prefix = "%%" if kind == "cell" else "%"
-        for name, method in names.items():
-            parser = getattr(getattr(magics, method, None), "parser", None)
-            if isinstance(parser, MagicArgumentParser):
-                parser.__class__ = _NamedMagicParser
-                parser.magic = f"{prefix}{name}"
-    return magics
+def name_usage_errors(*classes: MagicsClass) -> tuple[MagicsClass, ...]:
+    """The ``@magics_class`` classes given, each magic's option mistakes (unknown option, bad
+    value, missing value) now one ``UsageError`` line that names the magic and suggests the
+    closest option: one place for all the extension's magics, applied as they are registered
+    (``ipython.register_magics(*name_usage_errors(A, B))``; applying it again changes nothing).
+    """
+    for magics in classes:
+        for kind, names in magics.magics.items():  # type: ignore[attr-defined]
+            prefix = "%%" if kind == "cell" else "%"
+            for name, method in names.items():
+                parser = getattr(getattr(magics, method, None), "parser", None)
+                if isinstance(parser, MagicArgumentParser):
+                    parser.__class__ = _NamedMagicParser
+                    parser.magic = f"{prefix}{name}"
+    return classes

@@ -1,11 +1,10 @@
 """IPython magics: ``%%meta_init``, ``%materialize``/``%dematerialize``, ``%meta_table``,
-``%place``, ``%save``
+``%place``, ``%save``. Load them with ``%load_ext jupyter_metainit``.
 
-Load them with ``%load_ext jupyter_metainit``. Each magic is a thin layer over the core API:
-``%%meta_init`` runs its cell under :func:`meta_init` (with normal cell semantics) and then shows
-every ``torch.nn.Module`` the cell bound to a new top-level name; the line magics evaluate an
-expression in the user namespace and call :func:`materialize`, :func:`dematerialize` or
-``memory_table`` on it.
+Each magic is a thin layer over the core API: ``%%meta_init`` runs its cell under
+:func:`meta_init` (with normal cell semantics) and then shows every ``torch.nn.Module`` the cell
+bound to a new top-level name; the line magics evaluate an expression in the user namespace and
+call :func:`materialize`, :func:`dematerialize` or ``memory_table`` on it.
 """
 
 from __future__ import annotations
@@ -59,7 +58,6 @@ __all__ = ["MetaInitMagics", "load_ipython_extension", "unload_ipython_extension
 _PATH_AT_THE_END = re.compile(r"""(.*?)\s*(?:"([^"]*)"|'([^']*)'|(\S*))""", re.DOTALL)
 
 
-@name_usage_errors  # option mistakes name the magic and the closest option
 @magics_class
 class MetaInitMagics(Magics):
     """The magics of ``jupyter_metainit``; registered by ``%load_ext jupyter_metainit``."""
@@ -380,7 +378,7 @@ def _magic_names() -> Iterable[tuple[str, str]]:
 def load_ipython_extension(ipython: InteractiveShell) -> None:
     """Register the magics (``%load_ext jupyter_metainit``); loading twice replaces them."""
     unload_ipython_extension(ipython)
-    ipython.register_magics(MetaInitMagics, ValueMagics)  # ValueMagics: %stats, %compare
+    ipython.register_magics(*name_usage_errors(MetaInitMagics, ValueMagics))  # + %stats, %compare
     install_short_tracebacks(ipython)
     # from the next cell on, widgets know when a cell runs (their clicks wait for it)
     watch_cells(ipython)
