@@ -122,9 +122,8 @@ def test_meta_init_dtype_must_be_floating():
 @pytest.mark.parametrize("device", ["meta", torch.device("meta")])
 def test_meta_init_device_meta_is_refused_with_what_to_use_and_allocates_nothing(device):
     # A deferred tensor has values to come; PyTorch's meta tensors never have any.
-    with pytest.raises(ArgumentError, match=r"torch\.device\('meta'\)"):
-        with meta_init(device=device):
-            nn.Linear(1024, 1024)
+    with pytest.raises(ArgumentError, match=r"torch\.device\('meta'\)"), meta_init(device=device):
+        nn.Linear(1024, 1024)
     assert not is_meta_init()  # no block was entered
 
 
