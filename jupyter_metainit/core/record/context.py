@@ -30,7 +30,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from jupyter_metainit.core.errors import ArgumentTypeError
+from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError
 from jupyter_metainit.core.record.devices import (
     DATA_FACTORIES,
     FACTORIES,
@@ -247,6 +247,8 @@ class meta_init(contextlib.ContextDecorator):
 
     Args:
         device: device reported by tensors whose code names none (default: PyTorch's default).
+            ``"meta"`` is refused (``ArgumentError``): the block allocates nothing anyway, and
+            PyTorch's meta tensors (``with torch.device("meta")``) never hold values.
         dtype: default floating dtype inside the block (a ``torch.dtype`` or its name,
             ``"bf16"``), for this thread only: factories,
             ``torch.tensor`` data and ``torch.get_default_dtype()`` see it, other threads keep
@@ -260,7 +262,17 @@ class meta_init(contextlib.ContextDecorator):
     """
 
     def __init__(self, device: Any = None, dtype: torch.dtype | str | None = None) -> None:
-        self.device = indexed_device(device) if device is not None else None
+        self.device = (
+            indexed_device(device, "meta_init(device=...)") if device is not None else None
+        )
+        if self.device is not None and self.device.type == "meta":
+            # A deferred tensor will have values; a PyTorch meta tensor never has any.
+            raise ArgumentError(
+                "meta_init(device='meta'): meta_init() allocates nothing already, and device= "
+                "is the real device its tensors report and are materialized on (omit it, or "
+                "use 'cpu', 'cuda:0'). For PyTorch's own meta tensors, which never hold values, "
+                "use `with torch.device('meta'):` instead of meta_init"
+            )
         self.dtype = check_floating_dtype(
             dtype, arg="meta_init(dtype=...)", not_floating=ArgumentTypeError,
             use="it is the block's default floating dtype (use torch.bfloat16, torch.float16, "
