@@ -192,11 +192,29 @@ def test_a_gradient_with_respect_to_an_intermediate_and_a_parameter_is_eager_tot
 
 def test_the_deferred_gradients_backward_leaves_in_grad_materialize_to_eager_gradients():
     eager, model = _eager_and_deferred(lambda: BackwardNet(clear=False))
-    grads = [p.grad for p in model.parameters()]  # the objects: materialize does not carry .grad
+    grads = [p.grad for p in model.parameters()]  # the objects themselves
     assert all(is_deferred(g) for g in grads)
     materialize(grads)
     for g, p in zip(grads, eager.parameters(), strict=True):
         assert torch.equal(g, p.grad)
+
+
+def test_materializing_a_model_gives_each_parameter_the_grad_backward_left_in_init():
+    eager, model = _eager_and_deferred(lambda: BackwardNet(clear=False))
+    grads = [p.grad for p in model.parameters()]
+    materialize(model)
+    _assert_state_equal(model, eager)
+    for (name, p), e, g in zip(model.named_parameters(), eager.parameters(), grads, strict=True):
+        assert p.grad is g and not is_deferred(g), name  # the same object, made real
+        assert torch.equal(p.grad, e.grad), name
+
+
+def test_materializing_one_parameter_gives_it_its_grad_cast_as_asked():
+    eager, model = _eager_and_deferred(lambda: BackwardNet(clear=False))
+    materialize(model.fc.weight, dtype=torch.bfloat16)
+    assert model.fc.weight.grad.dtype == torch.bfloat16
+    assert torch.equal(model.fc.weight.grad, eager.fc.weight.grad.bfloat16())
+    assert is_deferred(model.conv.weight.grad)  # not asked for: still deferred with its tensor
 
 
 def test_an_input_used_only_through_detach_gets_no_gradient_as_eagerly():

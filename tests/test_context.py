@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from jupyter_metainit import is_deferred, materialize, meta_init
+from jupyter_metainit import ArgumentError, is_deferred, is_meta_init, materialize, meta_init
 
 
 class Positional(nn.Module):
@@ -117,6 +117,14 @@ def test_set_default_dtype_inside_a_dtype_block_stays_in_the_block():
 def test_meta_init_dtype_must_be_floating():
     with pytest.raises(TypeError, match="floating"), meta_init(dtype=torch.int8):
         pass
+
+
+@pytest.mark.parametrize("device", ["meta", torch.device("meta")])
+def test_meta_init_device_meta_is_refused_with_what_to_use_and_allocates_nothing(device):
+    # A deferred tensor has values to come; PyTorch's meta tensors never have any.
+    with pytest.raises(ArgumentError, match=r"torch\.device\('meta'\)"), meta_init(device=device):
+        nn.Linear(1024, 1024)
+    assert not is_meta_init()  # no block was entered
 
 
 def test_collections_are_rarer_inside_and_the_threshold_is_restored_after():

@@ -211,21 +211,64 @@ def test_help_lists_every_option(ip):
 @pytest.mark.parametrize(
     ("options", "expected"),
     [
-        ("--bogus", "unrecognized arguments: --bogus"),
+        ("--bogus", "%%meta_init: unknown option --bogus (its options: --depth, --device"),
         ("--dtype int8", "--dtype: 'int8' is not a usable floating dtype"),
         ("--dtype float8_e4m3fn", "--dtype: 'float8_e4m3fn' is not a usable floating dtype"),
         ("--dtype nonsense", "--dtype: 'nonsense' is not a usable floating dtype"),
         ("--device gpu7", "--device: 'gpu7' is not a device"),
         ("--device meta", "--device: 'meta' is not a real device"),
-        ("--depth two", "argument --depth: invalid int value: 'two'"),
+        ("--depth two", "%%meta_init: argument --depth: invalid int value: 'two'"),
         ("--depth -1", "--depth: must be 0 or more, got -1"),
-        ("--device", "argument --device: expected one argument"),
+        ("--device", "%%meta_init: argument --device: expected one argument"),
     ],
 )
 def test_bad_option_is_one_line_usage_error(ip, options, expected):
     message = usage_error(ip, f"%%meta_init {options}\nran = True")
     assert message.startswith(expected)
     assert "ran" not in ip.user_ns
+
+
+@pytest.mark.parametrize(
+    ("line", "magic", "typed", "closest"),
+    [
+        ("%%meta_init --depht 2\nran = True", "%%meta_init", "--depht", "--depth"),
+        ("%materialize m --devcie cpu", "%materialize", "--devcie", "--device"),
+        ("%dematerialize m --forse", "%dematerialize", "--forse", "--force"),
+        ("%meta_table m --depht 2", "%meta_table", "--depht", "--depth"),
+        ("%place m --trainig --seq-len 8", "%place", "--trainig", "--training"),
+        ("%save m ./ckpt --formt dcp", "%save", "--formt", "--format"),
+        ("%stats m --dpeth 1", "%stats", "--dpeth", "--depth"),
+    ],
+)
+def test_a_mistyped_option_names_the_magic_and_suggests_the_closest_one(
+    ip, line, magic, typed, closest
+):
+    ok(ip, "%%meta_init\nm = nn.Sequential(nn.Linear(4, 3))")
+    message = usage_error(ip, line)
+    assert message.startswith(f"{magic}: unknown option {typed}; did you mean {closest}? ("), (
+        message
+    )
+    assert "ran" not in ip.user_ns
+
+
+def test_a_mistyped_choice_names_the_magic_and_suggests_the_closest_one(ip):
+    ok(ip, "%%meta_init\nm = nn.Linear(4, 3)")
+    assert usage_error(ip, "%materialize m --rng fastt") == (
+        "%materialize: argument --rng: invalid choice: 'fastt' (choose from 'exact', 'fast'); "
+        "did you mean 'fast'?"
+    )
+
+
+def test_a_magic_without_options_says_an_option_is_unknown(ip):
+    ok(ip, "%%meta_init\nm = nn.Linear(4, 3)")
+    assert usage_error(ip, "%compare m m --quick") == "%compare: unknown option --quick"
+
+
+def test_an_unknown_option_with_nothing_close_lists_the_magics_options(ip):
+    ok(ip, "%%meta_init\nm = nn.Linear(4, 3)")
+    assert usage_error(ip, "%meta_table m --zzz") == (
+        "%meta_table: unknown option --zzz (its options: --depth, --dtype, --full)"
+    )
 
 
 # --------------------------------------------------------------------------- errors in the cell
@@ -357,12 +400,12 @@ def test_materialize_rng_fast(ip, model):
         ("%materialize m[7]", "%materialize: cannot evaluate 'm[7]'"),
         ("%materialize", "%materialize: missing EXPR"),
         ("%materialize m.training", "%materialize: m.training is a bool, not a torch.nn.Module"),
-        ("%materialize m --rng slow", "argument --rng: invalid choice: 'slow'"),
+        ("%materialize m --rng slow", "%materialize: argument --rng: invalid choice: 'slow'"),
         ("%materialize m --dtype int4", "--dtype: 'int4' is not a usable floating dtype"),
         ("%materialize m --device nowhere", "--device: 'nowhere' is not a device"),
         ("%materialize m --device mps", "--device: 'mps' is not available here"),
         ("%materialize m --dtype bf16 --rng fast --device cpu extra", "%materialize: unexp"),
-        ("%materialize m --bogus", "unrecognized arguments: --bogus"),
+        ("%materialize m --bogus", "%materialize: unknown option --bogus"),
         ("%materialize m --rng fast extra", "%materialize: unexpected argument(s) 'extra'"),
         ("%dematerialize nothere", "%dematerialize: cannot evaluate 'nothere'"),
         ("%meta_table nothere", "%meta_table: cannot evaluate 'nothere'"),
@@ -370,7 +413,7 @@ def test_materialize_rng_fast(ip, model):
         ("%dematerialize int('x')", "%dematerialize: cannot evaluate \"int('x')\": invalid"),
         ("%meta_table m(1)", "%meta_table: cannot evaluate 'm(1)': "),
         ("%meta_table m[0].weight", "%meta_table: m[0].weight is a tensor, not a torch.nn.Module"),
-        ("%meta_table m --depth x", "argument --depth: invalid int value: 'x'"),
+        ("%meta_table m --depth x", "%meta_table: argument --depth: invalid int value: 'x'"),
         ("%meta_table m --dtype int33", "--dtype: unknown dtype 'int33'"),
     ],
 )

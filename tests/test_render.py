@@ -61,9 +61,16 @@ def test_html_caption_is_the_summary():
 
 def test_html_table_scrolls_sideways_in_a_narrow_output_instead_of_being_cut():
     html = render_html(memory_table(model()), columns="all")
-    box = re.match(r'<div [^>]*style="([^"]*)"[^>]*>', html)
+    box = re.search(r'<div class="jmi-table-scroll" style="([^"]*)"[^>]*>', html)
     assert box is not None and "overflow-x: auto" in box.group(1)
     assert html.rstrip().endswith("</div>") and html.count("<table") == 1
+
+
+def test_html_summary_line_sits_above_the_scrolling_box_so_a_narrow_output_wraps_it():
+    html = render_html(memory_table(model()), columns="all")
+    summary, box = html.index("largest leaf 0 (Embedding"), html.index('"jmi-table-scroll"')
+    assert summary < box and "<caption" not in html
+    assert "white-space: normal" in html[html.rindex("<p", 0, summary) : summary]
 
 
 def test_large_table_shows_shallow_levels_within_max_rows():

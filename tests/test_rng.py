@@ -127,6 +127,33 @@ def test_fast_mode_depends_on_the_seed():
     assert not torch.equal(a[0].weight, b[0].weight)
 
 
+class _RandomSubset(nn.Module):
+    """A random subset of indices (a data-dependent shape from random values) and tensors
+    shaped after it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lin = nn.Linear(6, 6)
+        self.register_buffer("keep", torch.nonzero(torch.rand(6) > 0.5).flatten())
+        self.picked = nn.Parameter(torch.randn(6, 4)[self.keep])
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2, 3])
+def test_fast_mode_gives_a_shape_computed_from_random_values_its_recorded_values(seed):
+    # the subset's shape was recorded from the exact stream: its random inputs replay exact
+    torch.manual_seed(seed)
+    eager = _RandomSubset()
+    torch.manual_seed(seed)
+    with meta_init():
+        m = _RandomSubset()
+    materialize(m, rng="fast")
+    assert torch.equal(m.keep, eager.keep)
+    assert m.picked.shape == eager.picked.shape
+    # the rest stays fast: not eager's values
+    assert not torch.equal(m.lin.weight, eager.lin.weight)
+    assert not torch.equal(m.picked, eager.picked)
+
+
 def test_fast_generators_differ_per_op():
     seg = _seg.RngSegment(torch.get_rng_state(), torch.device("cpu"))
     g0 = _positions.fast_generator(seg, 0, torch.device("cpu"))

@@ -82,7 +82,7 @@ def test_compare_magic_reads_a_checkpoint_path(ip, tmp_path):
     [
         ("%stats", "%stats: missing EXPR"),
         ("%stats nothere", "%stats: cannot evaluate 'nothere': name 'nothere' is not defined"),
-        ("%stats m --per layer", "argument --per: invalid choice: 'layer'"),
+        ("%stats m --per layer", "%stats: argument --per: invalid choice: 'layer'"),
         ("%stats m --per tensor --depth 1", "%stats: --depth chooses module rows"),
         ("%stats m --per module --bins 4", "%stats: --bins gives a histogram per tensor"),
         ("%stats m --bins 0", "%stats: --bins takes a whole number from 1"),

@@ -15,7 +15,12 @@ from torch import nn
 from jupyter_metainit import is_deferred, materialize, meta_init
 from jupyter_metainit.core import tensor_state
 from jupyter_metainit.jupyter.row_schema import ROW
-from jupyter_metainit.jupyter.widget import ModuleTreeWidget, explore, widgets_of
+from jupyter_metainit.jupyter.widget import (
+    SAVED_NOTE_STYLE,
+    ModuleTreeWidget,
+    explore,
+    widgets_of,
+)
 
 
 class Block(nn.Module):
@@ -462,6 +467,27 @@ def test_a_widget_whose_model_is_gone_says_so_and_does_nothing():
     assert "is gone" in w.error
 
 
+def test_a_kernel_that_exits_does_not_tell_its_widgets_their_model_was_freed():
+    # IPython empties the namespace at exit, freeing every model: that is the kernel going,
+    # which the page says itself, not "no name refers to it any more".
+    script = """
+import atexit, builtins
+atexit.register(lambda: print("model_gone", builtins.w.model_gone))  # runs last
+from IPython.core.interactiveshell import InteractiveShell
+shell = InteractiveShell.instance()
+shell.run_cell("import builtins\\nfrom torch import nn\\n"
+               "from jupyter_metainit.jupyter.widget import explore\\n"
+               "m = nn.Linear(2, 2)\\nbuiltins.w = explore(m)")
+"""
+    import subprocess
+    import sys
+
+    out = subprocess.run(
+        [sys.executable, "-c", script], capture_output=True, text=True, timeout=120, check=True
+    )
+    assert "model_gone False" in out.stdout, out.stdout + out.stderr
+
+
 def test_a_widget_turns_its_actions_off_as_soon_as_its_model_is_freed():
     # the page greys every action on `model_gone` (as when the kernel is gone): a second click
     # must not clear the message and do nothing
@@ -583,6 +609,32 @@ def test_selection_summary_says_whether_it_fits_the_cpu():
     fit = w.selection["fit"]["cpu"]
     assert fit["fits"] is False and fit["need"] == 4 * 10**12
     assert abs(fit["free"] - device_budget("cpu")) < 2**30
+
+
+def test_the_kernel_refuses_a_materialize_from_code_that_cannot_fit_in_the_pages_words():
+    with meta_init():
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(1_000_000, 1_000_000, bias=False))
+    w = explore(model)
+    w.selected = ["1"]  # 4 TB in float32
+    page_says = w.selection["fit"]["cpu"]["why"]
+    w.materialize("cpu")
+    assert is_deferred(model[1]) and w.busy == "" and w.error == "" and w.status == ""
+    assert w.notice["text"] == page_says
+    assert page_says.startswith("Does not fit: the selection needs 3.64 TiB, ")
+    assert page_says.endswith(" on cpu. Select less, pick a smaller dtype or free something first.")
+
+
+def test_the_kernel_refuses_a_page_message_for_a_part_too_big_even_when_it_is_not_ticked():
+    with meta_init():
+        model = nn.Sequential(nn.Linear(8, 8), nn.Linear(1_000_000, 1_000_000, bias=False))
+    w = explore(model)
+    w.handle_action({"action": "materialize", "device": "cpu", "names": ["1"]})
+    assert is_deferred(model[1]) and w.busy == ""
+    assert w.notice["text"].startswith("Does not fit: the selection needs 3.64 TiB")
+    w.selected = ["1"]
+    w.notice = {"id": 0, "text": ""}
+    w.materialize()  # each tensor's recorded device (the CPU here): refused the same way
+    assert is_deferred(model[1]) and w.notice["text"].startswith("Does not fit")
 
 
 def test_the_fit_counts_the_chosen_dtype_and_what_is_already_there():
@@ -784,6 +836,64 @@ def test_materialize_plan_puts_every_part_on_its_device_with_eagers_values():
         assert tensor_state(got) == "cpu" and torch.equal(got, value), name
 
 
+def test_the_plans_precision_is_its_own_control_and_materialize_plan_follows_it():
+    torch.manual_seed(0)
+    eager = LM().to(torch.bfloat16)
+    model = _lm()  # float32
+    w = explore(model)
+    w.place("cpu=1GiB", batch=2, seq_len=8)
+    as_built = w.plan["devices"][0]["peak"]
+    w.place("cpu=1GiB", batch=2, seq_len=8, precision="bf16")
+    assert w.error == "" and w.plan["request"]["precision"] == "bf16"
+    assert w.plan["devices"][0]["peak"] < as_built  # two bytes a weight, not four
+    w.materialize_plan()
+    assert "as bfloat16 (the plan's precision)" in w.status, w.status
+    for name, value in eager.state_dict().items():
+        assert torch.equal(model.state_dict()[name], value), name
+
+
+def test_a_precision_the_plan_bar_does_not_offer_is_refused_with_the_choices():
+    model = _lm()
+    w = explore(model)
+    w.place("cpu=1GiB", seq_len=8, precision="int3")
+    assert w.notice["text"] == (
+        "Refused: Precision must be as built, bf16, fp32 or bf16-mixed, not 'int3'."
+    )
+    assert w.plan == {}
+
+
+class Bf16OnlyKernel(nn.Module):
+    """A layer whose kernel takes bfloat16 only, as torch._grouped_mm's meta kernel (MoE
+    experts) does: its error words are that kernel's."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(8, 8))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        torch._check(
+            x.dtype == torch.bfloat16 and self.weight.dtype == torch.bfloat16,
+            lambda: (
+                f"Expected inputs of BF16 type but got mat_a.dtype={x.dtype} and "
+                f"mat_b.dtype={self.weight.dtype}."
+            ),
+        )
+        return x @ self.weight
+
+
+def test_a_plan_stopped_by_a_bf16_only_kernel_says_why_and_what_to_do_in_words():
+    with meta_init():
+        model = nn.Sequential(Bf16OnlyKernel())
+    w = explore(model)
+    w.place("cpu=1GiB", inputs="(2, 8)", training=True)
+    assert w.error.startswith(
+        "Could not plan: the dry run of the workload reached a kernel of this model that takes "
+        "only bfloat16 inputs (MoE experts' grouped matmul is one), and the model is float32"
+    ), w.error
+    assert "Build the model in bfloat16 (%%meta_init --dtype bfloat16)" in w.error
+    assert "(the kernel said: Expected inputs of BF16 type but got mat_a.dtype" in w.error
+
+
 def test_materialize_plan_refuses_a_device_this_kernel_lacks_and_changes_nothing():
     if torch.cuda.device_count() >= 2:
         pytest.skip("this kernel has the planned devices")
@@ -942,6 +1052,8 @@ def test_displaying_the_widget_puts_a_note_in_words_before_the_live_tree(net, sh
     assert "Net: 3.28 K params" in note["text/html"] and "Run the cell again" in note["text/html"]
     assert "application/vnd.jupyter.widget-view+json" not in note
     assert tree["application/vnd.jupyter.widget-view+json"]["model_id"] == w.model_id
+    # its own rules: the note or the tree, never "model not found" (tests/test_widget_browser.py)
+    assert note["text/html"].startswith(f"<style>{SAVED_NOTE_STYLE}</style>")
 
 
 def test_a_cancelled_save_leaves_nothing_at_the_path(tmp_path):

@@ -280,7 +280,6 @@ def render_html(
         [
             {"selector": "th.row_heading", "props": "text-align: left; font-family: monospace;"},
             {"selector": "td", "props": "text-align: right; white-space: nowrap;"},
-            {"selector": "caption", "props": "caption-side: top; text-align: left;"},
         ]
     )
     caption = _summary_line(table)
@@ -293,9 +292,15 @@ def render_html(
         caption = f"{caption} — {legend}" if caption else legend
     if note:
         caption = f"{caption} — {note}" if caption else note
-    if caption:
-        styler.set_caption(html.escape(caption))
+    # The summary line above the table, outside the box that scrolls: it wraps at the output's
+    # width (a caption is as wide as the table, so it was cut mid-word in a narrow output).
+    summary = (
+        '<p class="jmi-table-summary" style="margin: 0 0 4px; white-space: normal; '
+        f'overflow-wrap: anywhere; text-align: left;">{html.escape(caption)}</p>'
+        if caption
+        else ""
+    )
     # A wide table scrolls sideways inside its own box instead of being cut off by a narrow
     # output area (700 px): every column stays reachable.
     box = '<div class="jmi-table-scroll" style="overflow-x: auto; max-width: 100%;">'
-    return f"{box}{styler.to_html()}</div>"
+    return f"<div>{summary}{box}{styler.to_html()}</div></div>"

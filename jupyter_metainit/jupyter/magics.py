@@ -1,11 +1,10 @@
 """IPython magics: ``%%meta_init``, ``%materialize``/``%dematerialize``, ``%meta_table``,
-``%place``, ``%save``
+``%place``, ``%save``. Load them with ``%load_ext jupyter_metainit``.
 
-Load them with ``%load_ext jupyter_metainit``. Each magic is a thin layer over the core API:
-``%%meta_init`` runs its cell under :func:`meta_init` (with normal cell semantics) and then shows
-every ``torch.nn.Module`` the cell bound to a new top-level name; the line magics evaluate an
-expression in the user namespace and call :func:`materialize`, :func:`dematerialize` or
-``memory_table`` on it.
+Each magic is a thin layer over the core API: ``%%meta_init`` runs its cell under
+:func:`meta_init` (with normal cell semantics) and then shows every ``torch.nn.Module`` the cell
+bound to a new top-level name; the line magics evaluate an expression in the user namespace and
+call :func:`materialize`, :func:`dematerialize` or ``memory_table`` on it.
 """
 
 from __future__ import annotations
@@ -40,6 +39,7 @@ from jupyter_metainit.jupyter.cell_watch import watch_cells
 from jupyter_metainit.jupyter.magic_options import (
     as_options,
     input_shapes,
+    name_usage_errors,
     one_line_errors,
     parse_depth,
     parse_device,
@@ -394,7 +394,7 @@ def load_ipython_extension(ipython: InteractiveShell) -> None:
         >>> shell.run_line_magic("unload_ext", "jupyter_metainit")
     """
     unload_ipython_extension(ipython)
-    ipython.register_magics(MetaInitMagics, ValueMagics)  # ValueMagics: %stats, %compare
+    ipython.register_magics(*name_usage_errors(MetaInitMagics, ValueMagics))  # + %stats, %compare
     install_short_tracebacks(ipython)
     # from the next cell on, widgets know when a cell runs (their clicks wait for it)
     watch_cells(ipython)

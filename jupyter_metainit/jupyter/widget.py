@@ -14,6 +14,7 @@ magics, another widget, ``materialize_sharded``): the core publishes what it cha
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import pathlib
 import threading
@@ -44,6 +45,15 @@ _STATIC = pathlib.Path(__file__).parent / "static"
 # The dtypes the page offers ("" keeps each tensor's own).
 _DTYPE_CHOICES = ("", "float32", "bfloat16", "float16")
 _live_widgets: weakref.WeakSet[ModuleTreeWidget] = weakref.WeakSet()
+# The note before a widget output, in JupyterLab 4 and Notebook 7 (one output area): hidden
+# while the output after it holds a tree (live, or dead with its banner); that output hidden
+# while it holds none ("Loading widget...", "Error displaying widget: model not found", or its
+# own saved summary where widgets do not render), so a reopened notebook shows the note alone.
+_NOTE = ".jp-OutputArea-child:has(.jmi-saved-note)"
+SAVED_NOTE_STYLE = (
+    f"{_NOTE}:has(+ .jp-OutputArea-child .jmi-root){{display:none}}"
+    f"{_NOTE} + .jp-OutputArea-child:not(:has(.jmi-root)){{display:none}}"
+)
 
 
 def _static_text(name: str) -> str:
@@ -78,13 +88,23 @@ def widgets_of(module: nn.Module) -> list[ModuleTreeWidget]:
     return [w for w in list(_live_widgets) if w.comm is not None and w._tree.holds(module)]
 
 
+_exiting = False
+
+
+@atexit.register  # runs before IPython's own exit handler, which empties the namespace
+def _note_exit() -> None:
+    global _exiting
+    _exiting = True
+
+
 def _on_model_freed(widget_ref: weakref.ref) -> Any:
     """A callback for the model's weak reference: the widget (held weakly: a widget must not
-    keep itself alive) shows that the model is gone at once, not at the next click."""
+    keep itself alive) shows that the model is gone at once, not at the next click. Not while
+    the kernel exits: its models go with it, and the page says the kernel is gone."""
 
     def freed(_ref: weakref.ref) -> None:
         widget = widget_ref()
-        if widget is not None:
+        if widget is not None and not _exiting:
             with contextlib.suppress(Exception):  # runs where the model was freed: never raise
                 widget.mark_model_gone()
 
@@ -258,16 +278,18 @@ class ModuleTreeWidget(
 
     def _ipython_display_(self, **kwargs: Any) -> None:
         """Two outputs: a note in words, then the live tree. JupyterLab and Notebook 7 never
-        show a widget output's own fallback: a reopened notebook with a new kernel gets "Error
-        displaying widget: model not found" instead. The note above it says what the output
-        was and how to get a live tree; while the tree lives, the widget's CSS hides the note
-        (``.jmi-saved-note`` in ``labextension/src/style.css``)."""
+        show a widget output's own fallback: a notebook reopened without this widget's kernel
+        gets "Error displaying widget: model not found" (ipywidgets saves no widget state by
+        default) instead. The note says what the output was and how to get a live tree, and
+        its own style rules (:data:`SAVED_NOTE_STYLE`) show either the note or the tree: the
+        note, and not the output after it, while that output holds no tree."""
         from IPython.display import display
 
         line = escape(self._summary_line())
         display(
             {
-                "text/html": f"<div class='jmi-saved-note'><b>Model tree</b> of {line}. "
+                "text/html": f"<style>{SAVED_NOTE_STYLE}</style>"
+                f"<div class='jmi-saved-note'><b>Model tree</b> of {line}. "
                 f"<small>{escape(SAVED_ADVICE)}</small></div>"
             },
             raw=True,

@@ -1,12 +1,15 @@
-// The action buttons under the toolbar: Materialize → CPU / each GPU, Free, the Plan… and Save…
-// toggles. Each is made once and updated in place, so the one with keyboard focus keeps it
-// through every re-render (after Enter, while busy, when it ends); an unavailable one stays
-// focusable and says why (dom.ts: setEnabled, Reasons).
+// The action bar: Materialize → CPU / each GPU, Free, the Plan… and Save… toggles, then the RNG
+// and dtype options. Each action is an entry of the widget's action table (keys.ts): its key on
+// a tree row, why it cannot run now, what it does. The buttons are made once and updated in
+// place, so the one with keyboard focus keeps it through every re-render; an unavailable one
+// stays focusable and says why (dom.ts: setEnabled, Reasons). The bar is an ARIA toolbar: one
+// Tab stop (the tree is one Shift+Tab away), ←/→ move inside it.
 
 import { fitAmounts } from "./cells";
 import { button, h, type Reasons, setEnabled } from "./dom";
+import { type Action, declareKey, type Target, withKey } from "./keys";
 
-type Fit = Record<string, { fits: boolean; need: number; free: number }>;
+type Fit = Record<string, { fits: boolean; need: number; free: number; why?: string }>;
 
 export interface ActionHost {
   /** The widget model's `get`. */
@@ -15,10 +18,24 @@ export interface ActionHost {
   request(content: Record<string, unknown>): void;
 }
 
+/** The key of the Materialize button of GPU `i`: g for the first, then its number (1–9). */
+export function gpuShortcut(i: number): string | null {
+  return i === 0 ? "G" : i <= 9 ? String(i) : null;
+}
+
+/** Why nothing can run: the kernel is gone, or an action runs or waits for its answer. */
+export function busyWhy(busy: boolean, off: boolean): string {
+  if (off) return "Unavailable: this widget is not connected to its model (see the banner)";
+  return busy ? "Busy: wait for the running action, or Cancel it (key x)" : "";
+}
+
 export class ActionBar {
   readonly el = h("div", "jmi-actions");
   private readonly buttons = new Map<string, HTMLButtonElement>();
   private readonly sep = h("span", "jmi-sep");
+  private table: Action[] = [];
+  /** The toolbar item that Tab reaches (roving tabindex): the last one focused. */
+  private current: HTMLElement | null = null;
 
   constructor(
     private readonly host: ActionHost,
@@ -26,77 +43,176 @@ export class ActionBar {
     /** The bars the Plan… and Save… toggles show, then the controls after the separator. */
     private readonly bars: { plan: HTMLElement; save: HTMLElement },
     private readonly trailing: HTMLElement[],
-  ) {}
+  ) {
+    this.el.setAttribute("role", "toolbar");
+    this.el.setAttribute("aria-label", "Actions on the ticked modules");
+    this.sep.setAttribute("aria-hidden", "true");
+    this.el.addEventListener("focusin", (ev) => {
+      if (this.items().includes(ev.target as HTMLElement)) this.rove(ev.target as HTMLElement);
+    });
+  }
 
-  /** `busy`: an action runs or waits for its answer; `disconnected`: the kernel is gone. */
-  render(busy: boolean, disconnected: boolean): void {
+  /** The bar's actions as of the last render, for keys on tree rows. */
+  get actions(): Action[] {
+    return this.table;
+  }
+
+  /** The ticked rows as an action target (the selection summary describes them). */
+  private ticked(): Target {
+    const states: Record<string, number> = this.host.get("selection")?.states ?? {};
     const names: string[] = this.host.get("selected") ?? [];
-    const s = this.host.get("selection") ?? {};
-    const states: Record<string, number> = s.states ?? {};
-    const anyReal = Object.keys(states).some((k) => k !== "deferred");
-    const none = names.length === 0;
-    const why = none ? "Select modules first (tick their checkboxes)" : "";
-    const fit: Fit = s.fit ?? {};
-    const noRoom = (device: string): string => {
-      const f = fit[device];
-      return f && !f.fits
-        ? `Does not fit: the selection ${fitAmounts(device, f)}. Select less, pick a smaller dtype or free something first.`
-        : "";
-    };
-    const act = (action: string, device?: string) => () =>
-      this.host.request({ action, device, names: this.host.get("selected") ?? [] });
+    return { names, ticked: true, states: Object.keys(states) };
+  }
 
-    const cpu = this.button("cpu", "Materialize → CPU", "jmi-primary jmi-mat-cpu", act("materialize", "cpu"));
-    setEnabled(cpu, !(busy || none || noRoom("cpu")));
-    this.reasons.explain(cpu, why || noRoom("cpu") || "Allocate the selected subtrees on the CPU and compute their values");
-    const shown: HTMLElement[] = [cpu];
-    const devices: Array<{ name: string; label: string }> = this.host.get("devices") ?? [];
-    if (!devices.length) {
-      const b = this.button("nocuda", "Materialize → cuda", "jmi-mat-cuda", () => undefined);
-      setEnabled(b, false); // focusable, so that its reason reaches the keyboard
-      this.reasons.explain(b, this.host.get("no_cuda_reason") || "No CUDA device is visible to this kernel.");
-      shown.push(b);
+  /** `busy`: an action runs or waits for its answer; `off`: the kernel or the model is gone. */
+  render(busy: boolean, off: boolean): void {
+    this.table = this.build(busy, off);
+    const ticked = this.ticked();
+    for (const action of this.table) {
+      const b = action.button;
+      if (!b) continue;
+      const why = action.blocked(ticked);
+      setEnabled(b, !why, off);
+      declareKey(action);
+      this.reasons.explain(b, withKey(why || action.what || action.label, action.shortcut));
     }
-    for (const d of devices) {
-      const b = this.button(`cuda ${d.name}`, `→ ${d.name}`, "jmi-mat-cuda", act("materialize", d.name));
-      setEnabled(b, !(busy || none || noRoom(d.name)));
-      this.reasons.explain(b, why || noRoom(d.name) || `Materialize on ${d.name} (${d.label})`);
-      shown.push(b);
-    }
-    const free = this.button("free", "Free", "jmi-free", act("free"));
-    setEnabled(free, !(busy || none || !anyReal));
-    this.reasons.explain(free, why || (anyReal ? "Back to deferred: release the memory" : "Nothing selected is materialized"));
-    const plan = this.toggle("plan", "Plan…", this.bars.plan, disconnected, "Plan which device each part goes to for a workload (allocates nothing)");
-    const save = this.toggle("save", "Save…", this.bars.save, disconnected, "Write the model, or the selected subtree, as a checkpoint (safetensors or torch DCP)");
-    shown.push(free, plan, save, this.sep, ...this.trailing);
+    for (const control of this.trailing) (control as HTMLSelectElement).disabled = busy || off;
+    const shown = [...this.table.flatMap((a) => (a.button ? [a.button] : [])), this.sep, ...this.trailing];
     // only touch the DOM when the set of buttons changed, so focus is never lost
     const current = [...this.el.children];
     if (current.length !== shown.length || current.some((el, i) => el !== shown[i])) {
       this.el.replaceChildren(...shown);
     }
+    const items = this.items();
+    this.rove(this.current && items.includes(this.current) ? this.current : items[0]);
   }
 
-  private button(key: string, label: string, cls: string, onClick: () => void): HTMLButtonElement {
+  /** The separator only between items on one line: a wrapped line never starts with it. */
+  placeSeparator(): void {
+    const prev = this.sep.previousElementSibling as HTMLElement | null;
+    const next = this.sep.nextElementSibling as HTMLElement | null;
+    this.sep.hidden = false;
+    if (prev && next && prev.offsetTop !== next.offsetTop) this.sep.hidden = true;
+  }
+
+  /** ←/→/Home/End inside the toolbar; true if the key was the toolbar's. */
+  onKey(ev: KeyboardEvent): boolean {
+    const items = this.items();
+    const at = items.indexOf(ev.target as HTMLElement);
+    if (at < 0 || ev.altKey || ev.ctrlKey || ev.metaKey || ev.shiftKey) return false;
+    const to =
+      ev.key === "ArrowRight" ? (at + 1) % items.length
+      : ev.key === "ArrowLeft" ? (at - 1 + items.length) % items.length
+      : ev.key === "Home" ? 0
+      : ev.key === "End" ? items.length - 1
+      : -1;
+    if (to < 0) return false;
+    ev.preventDefault();
+    this.rove(items[to]);
+    items[to].focus();
+    return true;
+  }
+
+  private items(): HTMLElement[] {
+    return [...this.el.children].filter(
+      (el): el is HTMLElement => el !== this.sep && !(el as HTMLSelectElement).disabled,
+    ) as HTMLElement[];
+  }
+
+  private rove(item: HTMLElement | undefined): void {
+    if (!item) return;
+    this.current = item;
+    for (const el of [...this.el.children] as HTMLElement[]) {
+      if (el !== this.sep) el.tabIndex = el === item ? 0 : -1;
+    }
+  }
+
+  /** The bar's action table for the current devices. */
+  private build(busy: boolean, off: boolean): Action[] {
+    const fit: Fit = this.host.get("selection")?.fit ?? {};
+    const common = (t: Target): string =>
+      busyWhy(busy, off) || (t.names.length ? "" : "Select modules first (tick their checkboxes)");
+    const noRoom = (device: string, t: Target): string => {
+      const f = t.ticked ? fit[device] : undefined; // a focused row's fit: the kernel checks it
+      if (!f || f.fits) return "";
+      return f.why ?? `Does not fit: the selection ${fitAmounts(device, f)}. Select less, pick a smaller dtype or free something first.`;
+    };
+    const materialize = (id: string, label: string, device: string, cls: string, shortcut: string, what: string): Action => ({
+      id,
+      label: device === "cpu" ? "Materialize → CPU" : `Materialize → ${device}`,
+      shortcut,
+      what,
+      button: this.button(id, label, cls),
+      blocked: (t) => common(t) || noRoom(device, t),
+      run: (t) => this.host.request({ action: "materialize", device, names: t.names }),
+    });
+    const table: Action[] = [
+      materialize("cpu", "Materialize → CPU", "cpu", "jmi-primary jmi-mat-cpu", "M", "Allocate the selected subtrees on the CPU and compute their values"),
+    ];
+    const devices: Array<{ name: string; label: string }> = this.host.get("devices") ?? [];
+    if (!devices.length) {
+      const why = this.host.get("no_cuda_reason") || "No CUDA device is visible to this kernel.";
+      table.push({ id: "nocuda", label: "Materialize → cuda", shortcut: "G", button: this.button("nocuda", "Materialize → cuda", "jmi-mat-cuda"), blocked: () => why, run: () => undefined });
+    }
+    devices.forEach((d, i) => {
+      const key = gpuShortcut(i);
+      const action = materialize(`cuda ${d.name}`, `→ ${d.name}`, d.name, "jmi-mat-cuda", key ?? "", `Materialize on ${d.name} (${d.label})`);
+      if (!key) action.shortcut = "";
+      table.push(action);
+    });
+    table.push({
+      id: "free",
+      label: "Free",
+      shortcut: "F",
+      what: "Back to deferred: release the memory",
+      button: this.button("free", "Free", "jmi-free"),
+      blocked: (t) => {
+        const why = common(t);
+        if (why) return why;
+        const real = t.states.some((s) => s && s !== "deferred" && s !== "meta");
+        if (real) return "";
+        return t.ticked ? "Nothing selected is materialized" : `Nothing in ${t.names[0] || "the model"} is materialized`;
+      },
+      run: (t) => this.host.request({ action: "free", names: t.names }),
+    });
+    table.push(this.toggle("plan", "Plan…", "P", this.bars.plan, off, "Plan which device each part goes to for a workload (allocates nothing)"));
+    table.push(this.toggle("save", "Save…", "S", this.bars.save, off, "Write the model, or the selected subtree, as a checkpoint (safetensors or torch DCP)"));
+    return table.filter((a) => a.shortcut || a.button);
+  }
+
+  private button(key: string, label: string, cls: string): HTMLButtonElement {
     let b = this.buttons.get(key);
     if (!b) {
-      b = button(label, cls, onClick);
+      b = button(label, cls, () => {
+        const action = this.table.find((a) => a.button === b);
+        const target = this.ticked();
+        if (action && !action.blocked(target)) action.run(target);
+      });
       this.buttons.set(key, b);
     }
     b.textContent = label;
     return b;
   }
 
-  /** A button that shows or hides one of the bars (plan, save), focus moving into it. */
-  private toggle(key: string, label: string, bar: HTMLElement, disconnected: boolean, why: string): HTMLButtonElement {
-    const b = this.button(key, label, `jmi-toggle jmi-${key}-toggle`, () => {
-      bar.hidden = !bar.hidden;
-      b.classList.toggle("jmi-on", !bar.hidden);
-      b.setAttribute("aria-expanded", String(!bar.hidden));
-      if (!bar.hidden) bar.querySelector<HTMLElement>("input, select")?.focus();
-    });
+  /** An action that shows or hides one of the bars (plan, save), focus moving into it. */
+  private toggle(key: string, label: string, shortcut: string, bar: HTMLElement, off: boolean, what: string): Action {
+    const b = this.button(key, label, `jmi-toggle jmi-${key}-toggle`);
     b.setAttribute("aria-expanded", String(!bar.hidden));
-    setEnabled(b, !disconnected);
-    this.reasons.explain(b, why);
-    return b;
+    b.classList.toggle("jmi-on", !bar.hidden);
+    return {
+      id: key,
+      label,
+      shortcut,
+      what,
+      button: b,
+      blocked: () => busyWhy(false, off),
+      run: () => {
+        bar.hidden = !bar.hidden;
+        b.classList.toggle("jmi-on", !bar.hidden);
+        b.setAttribute("aria-expanded", String(!bar.hidden));
+        if (!bar.hidden) bar.querySelector<HTMLElement>("input, select")?.focus();
+      },
+      focusAfter: () => (bar.hidden ? null : bar.querySelector<HTMLElement>("input, select")),
+    };
   }
 }

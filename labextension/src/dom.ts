@@ -24,11 +24,12 @@ export function button(label: string, cls: string, onClick: () => void): HTMLBut
 }
 
 /** Available or not, keeping the button focusable: an unavailable action is `aria-disabled`
- *  rather than `disabled`, so keyboard users reach it and hear why (Reasons). */
-export function setEnabled(b: HTMLButtonElement, enabled: boolean): void {
-  b.disabled = false;
-  b.setAttribute("aria-disabled", String(!enabled));
-  b.classList.toggle("jmi-disabled", !enabled);
+ *  rather than `disabled`, so keyboard users reach it and hear why (Reasons). `dead`: the
+ *  widget is not connected to its model any more, so nothing in it is a control: `disabled`. */
+export function setEnabled(b: HTMLButtonElement, enabled: boolean, dead = false): void {
+  b.disabled = dead;
+  b.setAttribute("aria-disabled", String(!enabled || dead));
+  b.classList.toggle("jmi-disabled", !enabled || dead);
 }
 
 let reasonIds = 0;
@@ -116,4 +117,25 @@ export function keyedChip(cls: string, key: string, rest: string): HTMLElement {
   // ch is the width of "0" in the chip's font: the key, the ellipsis, the padding
   chip.style.setProperty("--jmi-key", `calc(${key.length + 1.5}ch + 12px)`);
   return chip;
+}
+
+/** A push pin, drawn in the text colour: a pinned part of a plan. */
+export function pinIcon(): SVGSVGElement {
+  const svg = document.createElementNS(SVG_NS, "svg");
+  svg.setAttribute("viewBox", "0 0 16 16");
+  svg.setAttribute("width", "11");
+  svg.setAttribute("height", "11");
+  svg.setAttribute("aria-hidden", "true");
+  svg.setAttribute("focusable", "false");
+  svg.classList.add("jmi-icon");
+  const head = document.createElementNS(SVG_NS, "path");
+  head.setAttribute("d", "M5 1.5h6l-1 4.5 2.5 3h-9L6 6z");
+  head.setAttribute("fill", "currentColor");
+  const needle = document.createElementNS(SVG_NS, "path");
+  needle.setAttribute("d", "M8 9v6");
+  needle.setAttribute("stroke", "currentColor");
+  needle.setAttribute("stroke-width", "1.6");
+  needle.setAttribute("stroke-linecap", "round");
+  svg.append(head, needle);
+  return svg;
 }

@@ -17,6 +17,13 @@ export const SILENT_KERNEL =
 /** What the page says when the kernel restarted or stopped: the model went with it. */
 export const GONE_KERNEL =
   "The kernel was restarted or stopped, and the model went with it. Run the cells that build the model again to get a live tree.";
+/** What the page says when a kernel that answers does not know this widget: a saved copy of
+ *  the tree (a notebook reopened with its widget state saved), or a kernel restarted since. */
+export const NOT_CONNECTED =
+  "This tree is not connected to a kernel: it is a saved copy, or the kernel that made it was restarted. Run the cells that build the model again to get a live tree.";
+/** Kernel statuses after which the widget's comm is gone with the kernel. */
+const GONE_STATUSES = new Set(["dead", "terminating", "restarting", "autorestarting"]);
+
 /** What the page says when the widget was closed while the kernel lives on. */
 export const GONE_WIDGET =
   "This widget was closed in the kernel. The model is still there if a name holds it: show it again with jupyter_metainit.explore(model), no need to rebuild it.";
@@ -43,12 +50,14 @@ export class KernelLink {
   /** What the unanswered action is, in words ("Free", "Materialize → cpu"). */
   private queuedLabel = "";
   private silenceTimer = 0;
+  private unwatch: () => void = () => undefined;
 
   constructor(
     private readonly send: (content: unknown) => void,
     private readonly events: LinkEvents,
   ) {
     this.disconnectedEl.setAttribute("role", "alert");
+    this.disconnectedEl.tabIndex = -1; // holds the focus of a widget that went dead
     this.disconnectedEl.hidden = true;
     this.waitingEl.setAttribute("role", "status");
     this.waitingEl.hidden = true;
@@ -59,9 +68,10 @@ export class KernelLink {
     return this.blocking.size > 0;
   }
 
-  /** Send a message; a ping only asks whether the kernel is there and holds back nothing. */
-  request(content: Record<string, unknown>): void {
-    if (this.disconnected) return;
+  /** Send a message (its id, 0 if none was sent); a ping only asks whether the kernel is
+   *  there and holds back nothing. */
+  request(content: Record<string, unknown>): number {
+    if (this.disconnected) return 0;
     const id = this.nextId++;
     this.pending.set(
       id,
@@ -74,6 +84,7 @@ export class KernelLink {
     }
     this.send({ ...content, id });
     this.events.changed(false);
+    return id;
   }
 
   acknowledged(id: number): void {
@@ -90,6 +101,52 @@ export class KernelLink {
     this.events.changed(back);
   }
 
+  /** Follow the notebook's kernel through the widget manager (JupyterLab 4, Notebook 7): its
+   *  shutdown, restart or replacement ends this widget at once. And a first ping tells whether
+   *  the kernel knows this widget: the kernel answers the messages of its shell channel in
+   *  order, so once it has answered a `kernel_info` request sent after the ping, a ping still
+   *  unanswered a moment later went nowhere (a saved copy of the tree, no comm behind it); a
+   *  kernel busy with a cell answers neither, and the widget only waits. Anything missing
+   *  (another front end, a test page) leaves the link as it was. */
+  watchKernel(manager: any): void {
+    const session = manager?.context?.sessionContext;
+    let kernel: any = null;
+    try {
+      kernel = manager?.kernel ?? session?.session?.kernel ?? null;
+    } catch {
+      kernel = null;
+    }
+    const onStatus = (_: unknown, status: string) => {
+      if (GONE_STATUSES.has(status)) this.setDisconnected(GONE_KERNEL);
+    };
+    const onKernel = () => this.setDisconnected(GONE_KERNEL);
+    const signals: Array<[any, (...a: any[]) => void]> = [];
+    if (session?.statusChanged?.connect && session?.kernelChanged?.connect) {
+      signals.push([session.statusChanged, onStatus], [session.kernelChanged, onKernel]);
+    } else if (kernel?.statusChanged?.connect) {
+      signals.push([kernel.statusChanged, onStatus]);
+    }
+    for (const [signal, slot] of signals) signal.connect(slot, this);
+    this.unwatch = () => {
+      for (const [signal, slot] of signals) signal.disconnect(slot, this);
+    };
+    if (!kernel) return;
+    if (GONE_STATUSES.has(String(kernel.status))) {
+      this.setDisconnected(GONE_KERNEL);
+      return;
+    }
+    if (typeof kernel.requestKernelInfo !== "function") return;
+    const ping = this.request({ action: "ping" });
+    Promise.resolve(kernel.requestKernelInfo()).then(
+      () => {
+        window.setTimeout(() => {
+          if (this.pending.has(ping)) this.setDisconnected(NOT_CONNECTED);
+        }, ACK_TIMEOUT_MS);
+      },
+      () => undefined,
+    );
+  }
+
   setDisconnected(why = GONE_KERNEL): void {
     if (this.disconnected) return;
     this.disconnected = true;
@@ -103,6 +160,7 @@ export class KernelLink {
   }
 
   dispose(): void {
+    this.unwatch();
     clearTimeout(this.silenceTimer);
     for (const timer of this.pending.values()) clearTimeout(timer);
   }

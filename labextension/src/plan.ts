@@ -3,8 +3,10 @@
 // *Save…* (path, format). They only send actions: the kernel checks them, runs them on its
 // worker thread and publishes the plan (the `plan` trait) or says why not (a notice).
 
-import { button, h, labelled, setEnabled } from "./dom";
+import { busyWhy } from "./actions";
+import { button, h, labelled, pinIcon, setEnabled } from "./dom";
 import { humanBytes } from "./format";
+import { type Action, declareKey, type Target, withKey } from "./keys";
 
 /** The kernel's plan (tree_widget/planning.py: plan_payload). */
 export interface PlanDevice {
@@ -29,8 +31,17 @@ export interface Plan {
     seq_len?: number | null;
     training?: boolean;
     inputs?: number[][] | null;
+    precision?: string | null;
   };
 }
+
+/** What the plan bar's Precision offers (plan/precision.py): value, label. */
+export const PRECISIONS: Array<[string, string]> = [
+  ["", "as built"],
+  ["bf16", "bf16"],
+  ["fp32", "fp32"],
+  ["bf16-mixed", "bf16-mixed"],
+];
 
 /** One colour per device, told apart by people with the common colour-vision deficiencies
  *  (Okabe and Ito's palette); the device's name is always written beside it. */
@@ -38,6 +49,19 @@ export const DEVICE_COLORS = ["#0072b2", "#e69f00", "#009e73", "#cc79a7", "#56b4
 
 export function deviceColor(i: number): string {
   return DEVICE_COLORS[i % DEVICE_COLORS.length];
+}
+
+/** The device a module is pinned to in the plan, if it is. */
+export function pinnedTo(plan: Plan, qname: string): string | undefined {
+  return plan.pins?.[qname];
+}
+
+/** The pin marker of a pinned row: an icon beside its device, its meaning in words. */
+export function pinMark(device: string): HTMLElement {
+  const mark = h("span", "jmi-pin-mark");
+  mark.append(pinIcon(), h("span", "jmi-sr", `pinned to ${device}`));
+  mark.title = `Pinned to ${device}: the plan keeps it there (Clear pins drops the pins)`;
+  return mark;
 }
 
 /** The device chip of a tree row: its colour, its name in words, "over" when it does not fit. */
@@ -109,9 +133,10 @@ export interface BarHost {
   explain(b: HTMLButtonElement, why: string): void;
 }
 
-/** Available or not (focusable either way), with what it does or why not. */
-function enable(host: BarHost, b: HTMLButtonElement, on: boolean, why: string): void {
-  setEnabled(b, on);
+/** Available or not (focusable either way), with what it does or why not; `dead`: the widget is
+ *  not connected to its model, nothing in it is a control. */
+function enable(host: BarHost, b: HTMLButtonElement, on: boolean, why: string, dead = false): void {
+  setEnabled(b, on, dead);
   host.explain(b, why);
 }
 
@@ -123,6 +148,7 @@ export class PlanBar {
   readonly seqLen = h("input", "jmi-input jmi-num");
   readonly inputs = h("input", "jmi-input jmi-plan-inputs");
   readonly mode = h("select", "jmi-select jmi-plan-mode");
+  readonly precision = h("select", "jmi-select jmi-plan-precision");
   readonly planBtn = h("button", "jmi-btn jmi-primary jmi-plan-go", "Plan");
   readonly pinSel = h("select", "jmi-select jmi-pin-device");
   readonly pinBtn: HTMLButtonElement;
@@ -130,6 +156,8 @@ export class PlanBar {
   readonly matBtn: HTMLButtonElement;
   private readonly after = h("div", "jmi-plan-after");
   private readonly advice = h("ul", "jmi-plan-advice");
+  /** Why each of the plan's actions cannot run now (as of the last render), "" if it can. */
+  private readonly blocked = { plan: "", pin: "", unpin: "", mat: "" };
 
   constructor(private readonly host: BarHost) {
     this.el.hidden = true;
@@ -155,6 +183,9 @@ export class PlanBar {
       this.mode.append(o);
     }
     this.mode.setAttribute("aria-label", "Workload");
+    for (const [v, t] of PRECISIONS) this.precision.append(Object.assign(h("option", "", t), { value: v }));
+    this.precision.title =
+      "How weights, gradients, optimizer states and activations are stored: as built (each tensor's own dtype), bf16, fp32, or bf16-mixed (autocast: fp32 weights, bf16 activations). Materialize plan makes the weights this dtype.";
     this.planBtn.type = "submit";
     // Enter in any field plans, as the button does
     this.el.addEventListener("submit", (ev) => {
@@ -176,6 +207,7 @@ export class PlanBar {
       labelled("Seq len", this.seqLen),
       labelled("or Inputs", this.inputs),
       this.mode,
+      labelled("Precision", this.precision),
       this.planBtn,
     );
     const pinLabel = h("span", "jmi-field-label", "Pin selection to");
@@ -193,14 +225,37 @@ export class PlanBar {
       seq_len: seq ? Number(seq) : null,
       training: this.mode.value === "training",
       inputs: this.inputs.value.trim() || null,
+      precision: this.precision.value || null,
     });
   }
 
-  render(busy: boolean): void {
+  /** The plan's actions for keys on tree rows: Materialize plan, Pin, Clear pins. */
+  actions(): Action[] {
+    const run = (content: Record<string, unknown>) => () => this.host.request(content);
+    const table: Action[] = [
+      { id: "mat-plan", label: "Materialize plan", shortcut: "Shift+M", button: this.matBtn, blocked: () => this.blocked.mat, run: run({ action: "materialize_plan" }) },
+      {
+        id: "pin",
+        label: "Pin selection",
+        shortcut: "Shift+P",
+        button: this.pinBtn,
+        blocked: (t: Target) => this.blocked.plan || (this.pinSel.options.length ? "" : "Plan first (Plan…), then pin parts to its devices") || (t.names.length ? "" : "Select parts first (tick their checkboxes)"),
+        run: (t: Target) => this.host.request({ action: "pin", device: this.pinSel.value, names: t.names }),
+      },
+      { id: "unpin", label: "Clear pins", shortcut: "U", button: this.unpinBtn, blocked: () => this.blocked.unpin, run: run({ action: "unpin" }) },
+    ];
+    for (const a of table) declareKey(a);
+    return table;
+  }
+
+  render(busy: boolean, off = false): void {
+    this.actions(); // declares their keys on the buttons
+    for (const field of [this.devices, this.batch, this.seqLen, this.inputs, this.mode, this.precision]) field.disabled = off;
     const plan: Plan = this.host.get("plan") ?? {};
     const devices = plan.devices ?? [];
     const names: string[] = this.host.get("selected") ?? [];
-    enable(this.host, this.planBtn, !busy, busy ? "Busy: wait for the running action" : "Plan where each part goes (allocates nothing)");
+    this.blocked.plan = busyWhy(busy, off);
+    enable(this.host, this.planBtn, !busy, this.blocked.plan || "Plan where each part goes (allocates nothing)", off);
     this.after.hidden = !devices.length;
     const keep = this.pinSel.value;
     this.pinSel.replaceChildren(
@@ -213,20 +268,22 @@ export class PlanBar {
     if (devices.some((d) => d.name === keep)) this.pinSel.value = keep;
     this.pinSel.disabled = busy;
     const pins = Object.keys(plan.pins ?? {});
-    enable(this.host, this.pinBtn, !busy && names.length > 0, names.length ? "Put the selected parts on this device and re-plan the rest" : "Select parts first (tick their checkboxes)");
-    enable(this.host, this.unpinBtn, !busy && pins.length > 0, pins.length ? `Drop the pins (${pins.join(", ")}) and re-plan` : "Nothing is pinned");
+    const pinWhy = this.blocked.plan || (names.length ? "" : "Select parts first (tick their checkboxes)");
+    enable(this.host, this.pinBtn, !pinWhy, withKey(pinWhy || "Put the selected parts on this device and re-plan the rest", "Shift+P"), off);
+    this.blocked.unpin = this.blocked.plan || (pins.length ? "" : "Nothing is pinned");
+    enable(this.host, this.unpinBtn, !this.blocked.unpin, withKey(this.blocked.unpin || `Drop the pins (${pins.join(", ")}) and re-plan`, "U"), off);
     this.unpinBtn.textContent = pins.length ? `Clear pins (${pins.length})` : "Clear pins";
     // a plan over devices this kernel lacks (planned for another machine) cannot be materialized here
     const usable = new Set(["cpu", ...((this.host.get("devices") ?? []) as Array<{ name: string }>).map((d) => d.name)]);
     const missing = devices.filter((d) => !usable.has(d.name)).map((d) => d.name);
-    enable(
-      this.host,
-      this.matBtn,
-      !busy && devices.length > 0 && !missing.length,
-      missing.length
-        ? `This kernel has no ${missing.join(", ")}: plan over its own devices (auto) to materialize here`
-        : "Materialize every part on its planned device",
-    );
+    this.blocked.mat =
+      this.blocked.plan ||
+      (!devices.length
+        ? "Plan first (Plan…): there is no plan to materialize"
+        : missing.length
+          ? `This kernel has no ${missing.join(", ")}: plan over its own devices (auto) to materialize here`
+          : "");
+    enable(this.host, this.matBtn, !this.blocked.mat, withKey(this.blocked.mat || "Materialize every part on its planned device", "Shift+M"), off);
     this.advice.replaceChildren(
       ...[...(plan.advice ?? []).map((a) => `To fit: ${a}`), ...(plan.notes ?? [])].map((t) => h("li", "", t)),
     );
@@ -272,10 +329,12 @@ export class SaveBar {
     });
   }
 
-  render(busy: boolean): void {
+  render(busy: boolean, off = false): void {
     const names: string[] = this.host.get("selected") ?? [];
+    this.path.disabled = off;
+    this.format.disabled = off;
     this.what.textContent =
       names.length === 0 || (names.length === 1 && !names[0]) ? "the whole model" : names.length === 1 ? `only ${names[0]}` : "select one subtree, or none";
-    enable(this.host, this.saveBtn, !busy && names.length <= 1, busy ? "Busy: wait for the running action" : names.length > 1 ? "Select one subtree, or none for the whole model" : "Write the values materialize would give, tensor by tensor; nothing in the model changes");
+    enable(this.host, this.saveBtn, !busy && names.length <= 1, busyWhy(busy, off) || (names.length > 1 ? "Select one subtree, or none for the whole model" : "Write the values materialize would give, tensor by tensor; nothing in the model changes"), off);
   }
 }

@@ -5,7 +5,7 @@
 import { badge, codePath, dtypeTag, fastTag, sourceTag, stateText } from "./cells";
 import { appendHighlighted, cellWith, copyIcon, h, keyedChip } from "./dom";
 import { humanBytes, humanCount, percent } from "./format";
-import { deviceChip, type Plan } from "./plan";
+import { deviceChip, pinMark, pinnedTo, type Plan } from "./plan";
 import { CHECKED, PARTIAL, type Tree, type VisibleRow } from "./tree";
 
 export const ROW_HEIGHT = 26;
@@ -43,9 +43,11 @@ export function treeRow(ctx: RowContext, row: VisibleRow, i: number): HTMLElemen
   el.setAttribute("aria-selected", String(check === CHECKED));
   if (hasKids) el.setAttribute("aria-expanded", String(open));
   const chip = ctx.planned ? deviceChip(ctx.plan, n) : null;
-  const on = chip && chip.textContent !== "—" ? `, planned on ${chip.textContent}` : "";
+  const pin = ctx.planned ? pinnedTo(ctx.plan, t.qname[n]) : undefined;
+  const on =
+    (chip && chip.textContent !== "—" ? `, planned on ${chip.textContent}` : "") +
+    (pin ? `, pinned to ${pin}` : "");
   el.setAttribute("aria-label", `${t.qname[n] || "the whole model"}, ${t.type[n]}, ${humanBytes(t.bytes[n])}, ${stateText(t.state[n], t.target[n])}${on}`);
-  el.setAttribute("aria-keyshortcuts", "C");
   el.tabIndex = n === ctx.focusNode ? 0 : -1;
   if (n === ctx.focusNode) el.classList.add("jmi-focus");
 
@@ -75,8 +77,9 @@ export function treeRow(ctx: RowContext, row: VisibleRow, i: number): HTMLElemen
   copy.append(copyIcon());
   copy.type = "button";
   copy.tabIndex = -1; // the row is the focus stop
-  copy.title = `Copy ${code} (the path %materialize and the other magics take; key: c)`;
+  copy.title = `Copy ${code} (the path %materialize and the other magics take; key on the row: c)`;
   copy.setAttribute("aria-label", `Copy ${code}`);
+  copy.setAttribute("aria-keyshortcuts", "C");
   copy.dataset.code = code;
   nameCell.append(caret, name, copy);
   // The chips beside the name, most important first (tied, repeated): each shows
@@ -148,6 +151,13 @@ export function treeRow(ctx: RowContext, row: VisibleRow, i: number): HTMLElemen
     cellWith(badge(t.state[n], t.target[n]), "jmi-c-state"),
     share,
   );
-  if (chip) el.append(cellWith(chip, "jmi-c-device"));
+  if (chip) {
+    const cell = cellWith(chip, "jmi-c-device");
+    if (pin) {
+      cell.prepend(pinMark(pin));
+      el.classList.add("jmi-pinned");
+    }
+    el.append(cell);
+  }
   return el;
 }

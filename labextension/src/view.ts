@@ -5,11 +5,13 @@
 // kernel_link.ts (messages and their answers), actions.ts (the action buttons), row.ts (one
 // row), cells.ts (badges and tags), plan.ts (the plan and save bars), dom.ts (DOM helpers).
 
-import { ActionBar } from "./actions";
+import { ActionBar, busyWhy } from "./actions";
 import { badge, codePath, dtypeTag, fitAmounts } from "./cells";
 import { button, h, Reasons } from "./dom";
+import { FocusKeeper } from "./focus";
 import { humanBytes, humanCount } from "./format";
 import { GONE_KERNEL, GONE_WIDGET, KernelLink } from "./kernel_link";
+import { type Action, actionFor, declareKey, keyList, type Target, withKey } from "./keys";
 import { type Plan, PlanBar, planHead, SaveBar } from "./plan";
 import { ROW_HEIGHT, type RowContext, treeRow } from "./row";
 import { type PatchRow, Tree, type TreeJSON, type VisibleRow } from "./tree";
@@ -22,6 +24,8 @@ export interface WidgetModel {
   send(content: unknown): void;
   on(event: string, cb: (...args: any[]) => void): void;
   off(event?: string | null, cb?: ((...args: any[]) => void) | null): void;
+  /** The front end's widget manager (its kernel, its notebook's session), when there is one. */
+  widget_manager?: unknown;
 }
 
 const MAX_VISIBLE_ROWS = 18;
@@ -71,6 +75,11 @@ export class TreeView {
   readonly planBar: PlanBar;
   readonly saveBar: SaveBar;
   private planHeadEl: HTMLElement = h("div", "jmi-planhead");
+  /** The parts a widget that lost its model turns inert (everything but its banners). */
+  private liveParts: HTMLElement[] = [];
+  private readonly focusKeeper: FocusKeeper;
+  /** The widget's own actions beside the action bar's and the plan bar's: keys on tree rows. */
+  private readonly ownActions: Action[];
 
   constructor(
     readonly model: WidgetModel,
@@ -95,16 +104,13 @@ export class TreeView {
       changed: (connection) => {
         this.renderActions();
         if (!connection) return;
-        this.el.classList.toggle("jmi-off", this.off);
+        this.applyOff();
         this.renderRows();
         this.renderTable();
       },
     });
     this.cancelBtn = button("Cancel", "jmi-cancel", () => this.request({ action: "cancel" }));
-    this.tableBtn = button("Table", "jmi-toggle", () => {
-      model.set("show_table", !model.get("show_table"));
-      model.save_changes();
-    });
+    this.tableBtn = button("Table", "jmi-toggle jmi-table-toggle", () => this.toggleTable());
     this.fullBtn = button("All columns", "jmi-toggle jmi-full", () => {
       model.set("table_full", !model.get("table_full"));
       model.save_changes();
@@ -120,7 +126,10 @@ export class TreeView {
       this.rngSel,
       this.dtypeSel,
     ]);
+    this.ownActions = this.widgetActions();
+    this.focusKeeper = new FocusKeeper(this.el, () => this.focusFallback());
     this.build();
+    this.link.watchKernel(model.widget_manager);
     this.listen("change:plan", () => this.renderPlan());
     this.listen("change:selected", () => {
       this.selected = new Set(this.tree.nodesOf(this.model.get("selected") ?? []));
@@ -132,7 +141,7 @@ export class TreeView {
     this.listen("change:progress change:busy", () => this.renderProgress());
     this.listen("change:busy", () => this.renderRows());
     this.listen("change:model_gone", () => {
-      this.el.classList.toggle("jmi-off", this.off);
+      this.applyOff();
       this.renderActions();
       this.renderRows();
       this.renderMessage();
@@ -272,11 +281,17 @@ export class TreeView {
       if (!(ev.target instanceof Node) || !this.el.contains(ev.target)) return;
       ev.stopPropagation();
       if (ev.type !== "keydown") return;
-      if (ev.key === "Escape") {
+      const bar = [this.planBar.el, this.saveBar.el].find((b) => b.contains(ev.target as Node));
+      if (ev.key === "Escape" && bar) {
+        ev.preventDefault(); // closes the bar; the tree row takes the focus back
+        this.closeBar(bar);
+      } else if (ev.key === "Escape") {
         ev.preventDefault();
         this.focusNotebook();
       } else if (this.rowsEl.contains(ev.target)) {
         this.onKey(ev);
+      } else if (this.actionBar.el.contains(ev.target)) {
+        this.actionBar.onKey(ev);
       } else if (ev.target === this.depthInput && ev.key === "Enter") {
         ev.preventDefault(); // applies the depth, as Enter submits the plan and save fields
         this.expandToDepth(Number(this.depthInput.value) || 0);
@@ -293,6 +308,13 @@ export class TreeView {
     this.noticeEl.setAttribute("role", "status");
     this.noticeEl.hidden = true;
     this.messageEl.setAttribute("role", "status");
+    this.messageEl.tabIndex = -1; // holds the focus of a widget whose model is gone
+    this.liveParts = [tools, this.actionBar.el, this.planBar.el, this.saveBar.el, this.progressEl, colhead, this.scroller, this.tableEl];
+    if (typeof ResizeObserver !== "undefined") {
+      const watcher = new ResizeObserver(() => this.actionBar.placeSeparator());
+      watcher.observe(this.el);
+      this.disposers.push(() => watcher.disconnect());
+    }
 
     this.el.append(
       head,
@@ -316,6 +338,105 @@ export class TreeView {
     this.renderProgress();
     this.renderMessage();
     this.renderTable();
+  }
+
+  // ------------------------------------------------------------------ actions and keys
+  /** The widget's own entries of the action table: Cancel, Table, Copy and the key list. */
+  private widgetActions(): Action[] {
+    const actions: Action[] = [
+      {
+        id: "cancel",
+        label: "Cancel",
+        shortcut: "X",
+        what: "Stop the running action: the model is left as it was",
+        button: this.cancelBtn,
+        blocked: () =>
+          this.off ? busyWhy(false, true) : this.model.get("busy") || this.link.actionPending ? "" : "Nothing is running",
+        run: () => this.request({ action: "cancel" }),
+      },
+      {
+        id: "table",
+        label: "Table",
+        shortcut: "T",
+        what: "Show the memory table of the selection (the whole model if none)",
+        button: this.tableBtn,
+        blocked: () => (this.off ? busyWhy(false, true) : ""),
+        run: () => this.toggleTable(),
+      },
+      { id: "copy", label: "Copy the row's path", shortcut: "C", blocked: () => "", run: () => this.copyPath(this.focusNode) },
+      { id: "keys", label: "these keys", shortcut: "?", blocked: () => "", run: () => this.sayNotice(keyList(this.actions()), 15_000) },
+    ];
+    for (const a of actions) declareKey(a);
+    return actions;
+  }
+
+  /** Every entry of the action table, as of the last render (the order of the key list). */
+  actions(): Action[] {
+    return [...this.actionBar.actions, ...this.planBar.actions(), ...this.ownActions];
+  }
+
+  /** What a key on a tree row acts on: the ticked rows, or the focused row if none. */
+  keyTarget(): Target {
+    const names: string[] = this.model.get("selected") ?? [];
+    if (names.length) {
+      return { names, ticked: true, states: Object.keys(this.model.get("selection")?.states ?? {}) };
+    }
+    const n = this.focusNode;
+    return { names: [this.tree.qname[n]], ticked: false, states: [this.tree.state[n]] };
+  }
+
+  /** Run an action from its key on a tree row; the row keeps the focus (a bar that opens
+   *  takes it), and an action that cannot run says why, briefly. */
+  private runKey(action: Action): void {
+    const target = this.keyTarget();
+    const why = action.blocked(target);
+    if (why) this.sayNotice(`${action.label}: ${why}`);
+    else action.run(target);
+    const next = why ? null : action.focusAfter?.();
+    if (next) next.focus();
+    else this.focusRow();
+  }
+
+  private toggleTable(): void {
+    this.model.set("show_table", !this.model.get("show_table"));
+    this.model.save_changes();
+  }
+
+  /** Close the Plan… or Save… bar; the tree row takes the focus. */
+  private closeBar(bar: HTMLElement): void {
+    const toggle = this.actions().find((a) => a.id === (bar === this.planBar.el ? "plan" : "save"));
+    if (!bar.hidden && toggle) toggle.run(this.keyTarget());
+    this.renderRows();
+    this.focusRow();
+  }
+
+  /** Say something briefly, beside the last action's message (a refused key, a copy). */
+  sayNotice(text: string, ms = NOTICE_MS): void {
+    clearTimeout(this.noticeTimer);
+    this.noticeEl.textContent = text;
+    this.noticeEl.hidden = false;
+    this.noticeTimer = window.setTimeout(() => (this.noticeEl.hidden = true), ms);
+  }
+
+  /** Where focus goes when its element goes away: the tree row, or, in a widget that lost
+   *  its model, the banner that says so. */
+  private focusFallback(): HTMLElement | null {
+    if (this.off) return this.link.disconnected ? this.link.disconnectedEl : this.messageEl;
+    if (!this.rowsEl.querySelector(`[data-node="${this.focusNode}"]`)) this.renderRows();
+    return this.rowsEl.querySelector<HTMLElement>(`[data-node="${this.focusNode}"]`);
+  }
+
+  /** A widget that lost its kernel or its model: nothing in it is a control any more (inert,
+   *  greyed), its banner says why, and holds the focus if the widget had it. */
+  private applyOff(): void {
+    const off = this.off;
+    this.el.classList.toggle("jmi-off", off);
+    const hadFocus = this.el.contains(document.activeElement);
+    for (const part of this.liveParts) {
+      if (off) part.setAttribute("inert", "");
+      else part.removeAttribute("inert");
+    }
+    if (off && hadFocus) this.focusFallback()?.focus({ preventScroll: true });
   }
 
   // ------------------------------------------------------------------ tree interactions
@@ -399,12 +520,7 @@ export class TreeView {
   /** Copy a row's path as code the magics take (`model.model.layers[5]`) and say so. */
   copyPath(node: number): string {
     const code = codePath(String(this.model.get("var_name") ?? "model"), this.tree.qname[node]);
-    const said = (text: string) => {
-      clearTimeout(this.noticeTimer);
-      this.noticeEl.textContent = text;
-      this.noticeEl.hidden = false;
-      this.noticeTimer = window.setTimeout(() => (this.noticeEl.hidden = true), NOTICE_MS);
-    };
+    const said = (text: string) => this.sayNotice(text);
     const clip = navigator.clipboard;
     if (!clip) said(`Path: ${code} (this page gives no clipboard access; copy it from here)`);
     else {
@@ -422,6 +538,20 @@ export class TreeView {
     if (!ev.altKey && (ev.key === "c" || ev.key === "C")) {
       ev.preventDefault();
       this.copyPath(this.focusNode);
+      return true;
+    }
+    if (ev.key === "Enter" && (ev.shiftKey || ev.ctrlKey || ev.altKey || ev.metaKey)) {
+      // the notebook's "run the cell": never the tree's Enter (it would collapse the row)
+      ev.preventDefault();
+      this.sayNotice(
+        "Shift+Enter does nothing in the tree: press Escape to go back to the notebook, then Shift+Enter runs the cell.",
+      );
+      return true;
+    }
+    const action = actionFor(this.actions(), ev);
+    if (action) {
+      ev.preventDefault();
+      this.runKey(action);
       return true;
     }
     if (ev.altKey || ev.ctrlKey || ev.metaKey) return false;
@@ -598,12 +728,15 @@ export class TreeView {
     // an action sent and not yet answered counts as running: no second one meanwhile
     const busy = Boolean(this.model.get("busy")) || off || this.link.actionPending;
     this.actionBar.render(busy, off);
-    this.planBar.render(busy);
-    this.saveBar.render(busy);
-    this.rngSel.disabled = busy;
-    this.dtypeSel.disabled = busy;
-    this.cancelBtn.disabled = off;
-    this.tableBtn.disabled = off;
+    this.planBar.render(busy, off);
+    this.saveBar.render(busy, off);
+    for (const a of this.ownActions) {
+      if (!a.button) continue;
+      a.button.disabled = off;
+      this.reasons.explain(a.button, withKey(a.what ?? a.label, a.shortcut));
+    }
+    this.actionBar.placeSeparator();
+    this.focusKeeper.schedule();
   }
 
   /** The plan: the per-device bars in the header, the device column, the plan bar. */
@@ -630,6 +763,7 @@ export class TreeView {
     // "materialize cpu: 1.0 GiB / 2.0 GiB (50%) · phase", or "free: phase" before any amount
     const said = [amount, phase].filter(Boolean).join(" · ");
     this.progressText.textContent = busy ? [`${busy}:`, said].filter(Boolean).join(" ") : "";
+    this.focusKeeper.schedule(); // Cancel went with the progress line: the row takes the focus
   }
 
   private renderMessage(): void {
@@ -643,16 +777,14 @@ export class TreeView {
   private renderNotice(): void {
     const notice = this.model.get("notice") ?? {};
     const text: string = notice.text ?? "";
-    clearTimeout(this.noticeTimer);
-    this.noticeEl.textContent = text;
-    this.noticeEl.hidden = !text;
-    if (text) this.noticeTimer = window.setTimeout(() => (this.noticeEl.hidden = true), NOTICE_MS);
+    if (text) this.sayNotice(text);
+    else this.noticeEl.hidden = true;
   }
 
   private renderTable(): void {
     const show = Boolean(this.model.get("show_table"));
     this.tableBtn.classList.toggle("jmi-on", show);
-    this.tableBtn.title = "Show the memory table of the selection (the whole model if none)";
+    this.tableBtn.setAttribute("aria-pressed", String(show));
     this.tableEl.hidden = !show;
     const full = Boolean(this.model.get("table_full"));
     this.fullBtn.classList.toggle("jmi-on", full);
@@ -695,6 +827,9 @@ export class TreeView {
     };
     const frag = document.createDocumentFragment();
     for (let i = first; i < last; i++) frag.append(treeRow(ctx, this.rows[i], i));
+    // the focused row always exists, even scrolled out of view, so that focus never drops
+    const at = this.rows.findIndex((r) => r.node === this.focusNode);
+    if (at >= 0 && (at < first || at >= last)) frag.append(treeRow(ctx, this.rows[at], at));
     this.rowsEl.replaceChildren(frag);
     if (hadFocus) this.focusRow();
   }

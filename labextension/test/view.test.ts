@@ -8,6 +8,7 @@ import { ROW } from "../src/rows";
 /** An in-memory stand-in for anywidget's model (plain state + events), not a mock of a library. */
 class FakeModel implements WidgetModel {
   state: Record<string, any>;
+  widget_manager?: unknown;
   sent: any[] = [];
   saved = 0;
   private handlers = new Map<string, Set<(...a: any[]) => void>>();
@@ -32,8 +33,9 @@ class FakeModel implements WidgetModel {
   emit(ev: string, ...args: any[]) { for (const cb of this.handlers.get(ev) ?? []) cb(...args); }
 }
 
-function mount(tree: TreeJSON, extra: Record<string, any> = {}) {
+function mount(tree: TreeJSON, extra: Record<string, any> = {}, manager?: unknown) {
   const model = new FakeModel(tree, extra);
+  model.widget_manager = manager;
   const root = document.createElement("div");
   document.body.append(root);
   const view = new TreeView(model, root);
@@ -81,8 +83,8 @@ describe("TreeView", () => {
     const b = root.querySelector<HTMLButtonElement>(".jmi-mat-cuda")!;
     expect(b.disabled).toBe(false); // a disabled button is skipped by Tab: its reason unreachable
     expect(b.getAttribute("aria-disabled")).toBe("true");
-    expect(b.title).toBe("no GPU here");
-    expect(document.getElementById(b.getAttribute("aria-describedby")!)!.textContent).toBe("no GPU here");
+    expect(b.title).toBe("no GPU here (key on a tree row: g)");
+    expect(document.getElementById(b.getAttribute("aria-describedby")!)!.textContent).toBe(b.title);
     b.click();
     expect(model.sent).toEqual([]);
   });
@@ -416,7 +418,7 @@ describe("TreeView", () => {
     expect(root.contains(described)).toBe(true);
     expect(described.textContent).toContain("Does not fit: the selection needs 4.00 TiB, 20.0 GiB free on cpu");
     model.set("selection", { bytes: 20, fit: { cpu: { fits: true, need: 20, free: 20 * 2 ** 30 } } });
-    expect(described.textContent).toBe("Allocate the selected subtrees on the CPU and compute their values");
+    expect(described.textContent).toBe("Allocate the selected subtrees on the CPU and compute their values (key on a tree row: m)");
   });
 
   it("scrolls the filter's first match into view", () => {
@@ -513,7 +515,7 @@ describe("Plan and Save", () => {
     view.planBar.mode.value = "training";
     view.planBar.el.dispatchEvent(new Event("submit", { cancelable: true }));
     expect(model.sent).toEqual([
-      { action: "plan", devices: "cuda:0=80GiB, cuda:1=80GiB", batch: 4, seq_len: 4096, training: true, inputs: null, id: 1 },
+      { action: "plan", devices: "cuda:0=80GiB, cuda:1=80GiB", batch: 4, seq_len: 4096, training: true, inputs: null, precision: null, id: 1 },
     ]);
   });
 
@@ -523,7 +525,7 @@ describe("Plan and Save", () => {
     view.planBar.inputs.value = " (8, 3, 224, 224) ";
     view.planBar.el.dispatchEvent(new Event("submit", { cancelable: true }));
     expect(model.sent).toEqual([
-      { action: "plan", devices: "cpu=8GiB", batch: 1, seq_len: null, training: false, inputs: "(8, 3, 224, 224)", id: 1 },
+      { action: "plan", devices: "cpu=8GiB", batch: 1, seq_len: null, training: false, inputs: "(8, 3, 224, 224)", precision: null, id: 1 },
     ]);
   });
 
@@ -583,6 +585,224 @@ describe("Plan and Save", () => {
     expect(model.sent).toEqual([{ action: "save", path: "ckpt", format: "dcp", names: ["norm"], id: 1 }]);
   });
 });
+
+/** The focused element, and a key pressed on it as the browser sends it. */
+const focused = () => document.activeElement as HTMLElement;
+function press(key: string, init: KeyboardEventInit = {}): void {
+  focused().dispatchEvent(new KeyboardEvent("keydown", { key, bubbles: true, ...init }));
+}
+const tick = () => new Promise((r) => setTimeout(r, 0));
+const rowOfNode = (root: HTMLElement, node: number) => root.querySelector<HTMLElement>(`.jmi-rows [data-node="${node}"]`)!;
+
+describe("focus and keys", () => {
+  it("puts focus back on the tree row when Cancel goes away with the action it cancelled", async () => {
+    const { root, model } = mount(smallTree(), { selected: ["norm"] });
+    rowOfNode(root, 9).focus();
+    model.set("busy", "materialize cpu");
+    const cancel = root.querySelector<HTMLButtonElement>(".jmi-cancel")!;
+    cancel.focus();
+    cancel.click();
+    model.emit("msg:custom", { kind: "ack", id: 1 });
+    model.set("busy", "");
+    await tick();
+    expect(focused().getAttribute("role")).toBe("treeitem");
+    expect(focused().dataset.node).toBe("9");
+  });
+
+  it("declares every action's key on its button and says it in its tooltip", () => {
+    const { root, model, view } = mount(smallTree(), { selected: ["norm"] });
+    model.set("plan", twoDevicePlan());
+    const buttons = [
+      ...root.querySelectorAll<HTMLButtonElement>(".jmi-actions .jmi-btn"),
+      view.planBar.matBtn, view.planBar.pinBtn, view.planBar.unpinBtn,
+      root.querySelector<HTMLButtonElement>(".jmi-cancel")!,
+      root.querySelector<HTMLButtonElement>(".jmi-table-toggle")!,
+    ];
+    const keys = buttons.map((b) => b.getAttribute("aria-keyshortcuts"));
+    expect(keys).toEqual(["M", "G", "F", "P", "S", "Shift+M", "Shift+P", "U", "X", "T"]);
+    for (const b of buttons) expect(b.title).toMatch(/\(key on a tree row: [^)]+\)$/);
+    expect(root.querySelector(".jmi-rows .jmi-copy")!.getAttribute("aria-keyshortcuts")).toBe("C");
+  });
+
+  it("runs an action from its key on a row, on the ticked rows, and the row keeps the focus", () => {
+    const { root, model } = mount(smallTree(), { selected: ["norm"] });
+    rowOfNode(root, 1).focus();
+    press("m");
+    expect(model.sent).toEqual([{ action: "materialize", device: "cpu", names: ["norm"], id: 1 }]);
+    expect(focused().dataset.node).toBe("1");
+  });
+
+  it("runs an action on the focused row when nothing is ticked", () => {
+    const { root, model } = mount(smallTree());
+    rowOfNode(root, 1).focus();
+    press("m");
+    expect(model.sent).toEqual([{ action: "materialize", device: "cpu", names: ["embed"], id: 1 }]);
+    expect(focused().dataset.node).toBe("1");
+  });
+
+  it("says why an action's key cannot run, and sends nothing", () => {
+    const { root, model } = mount(smallTree());
+    rowOfNode(root, 1).focus();
+    press("f");
+    expect(model.sent).toEqual([]);
+    expect(root.querySelector(".jmi-notice")!.textContent).toBe("Free: Nothing in embed is materialized");
+    press("g");
+    expect(root.querySelector(".jmi-notice")!.textContent).toBe("Materialize → cuda: no GPU here");
+    expect(focused().dataset.node).toBe("1");
+  });
+
+  it("frees the focused row from its key once it is real", () => {
+    const { root, model } = mount(smallTree());
+    model.emit("msg:custom", { kind: "patch", nodes: [[9, 5, 20, "cpu"]] });
+    rowOfNode(root, 9).focus();
+    press("f");
+    expect(model.sent).toEqual([{ action: "free", names: ["norm"], id: 1 }]);
+  });
+
+  it("never collapses a row on Shift+Enter, and says what to do instead", () => {
+    const { root, view } = mount(smallTree());
+    rowOfNode(root, 0).focus();
+    press("Enter", { shiftKey: true });
+    expect(view.rows.length).toBe(4); // still open
+    expect(root.querySelector(".jmi-notice")!.textContent).toContain("press Escape to go back to the notebook");
+    expect(focused().dataset.node).toBe("0");
+  });
+
+  it("opens Plan… from its key with focus in the bar, and Escape brings focus back to the row", () => {
+    const { root, view } = mount(smallTree());
+    rowOfNode(root, 2).focus();
+    press("p");
+    expect(view.planBar.el.hidden).toBe(false);
+    expect(focused()).toBe(view.planBar.devices);
+    press("Escape");
+    expect(view.planBar.el.hidden).toBe(true);
+    expect(focused().dataset.node).toBe("2");
+  });
+
+  it("cancels the running action from its key", () => {
+    const { root, model } = mount(smallTree());
+    model.set("busy", "materialize cpu");
+    rowOfNode(root, 1).focus();
+    press("x");
+    expect(model.sent).toEqual([{ action: "cancel", id: 1 }]);
+    expect(focused().dataset.node).toBe("1");
+  });
+
+  it("lists every key on ?", () => {
+    const { root } = mount(smallTree());
+    rowOfNode(root, 1).focus();
+    press("?", { shiftKey: true });
+    const text = root.querySelector(".jmi-notice")!.textContent!;
+    for (const part of ["m Materialize → CPU", "f Free", "x Cancel", "p Plan…", "s Save…", "Shift+M Materialize plan", "c Copy"]) {
+      expect(text).toContain(part);
+    }
+  });
+
+  it("makes the action bar one Tab stop, the arrows moving inside it", () => {
+    const { root } = mount(smallTree());
+    const bar = root.querySelector<HTMLElement>(".jmi-actions")!;
+    expect(bar.getAttribute("role")).toBe("toolbar");
+    const stops = [...bar.querySelectorAll<HTMLElement>("button, select")].filter((el) => el.tabIndex === 0);
+    expect(stops.map((el) => el.textContent)).toEqual(["Materialize → CPU"]);
+    stops[0].focus();
+    press("ArrowRight");
+    expect(focused().textContent).toBe("Materialize → cuda");
+    expect(focused().tabIndex).toBe(0);
+    expect(stops[0].tabIndex).toBe(-1);
+  });
+
+  it("keeps the focused row in the page when it is scrolled out of view", () => {
+    const { root, view } = mount(bigTree());
+    view.expandToDepth(99);
+    const row = root.querySelector<HTMLElement>(".jmi-rows [data-node='0']")!;
+    row.focus();
+    const scroller = root.querySelector<HTMLElement>(".jmi-scroll")!;
+    scroller.scrollTop = 400 * 26;
+    view.renderRows();
+    expect(focused().dataset.node).toBe("0");
+  });
+});
+
+describe("a widget that lost its kernel", () => {
+  it("turns every control off, greys the tree and moves focus to its banner", () => {
+    const { root, model, view } = mount(smallTree(), { selected: ["norm"], devices: [{ name: "cpu", label: "" }] });
+    model.set("plan", { ...twoDevicePlan(), devices: [{ name: "cpu", peak: 1, capacity: 2, fits: true, parts: 1 }], nodes: [0, 0, 0, 0, 0, 0, 0, 0, 0, 0] });
+    rowOfNode(root, 1).focus();
+    model.emit("comm_live_update");
+    expect(root.querySelector(".jmi-root")!.classList.contains("jmi-off")).toBe(true);
+    for (const sel of [".jmi-tools", ".jmi-actions", ".jmi-planbar", ".jmi-savebar", ".jmi-scroll"]) {
+      expect(root.querySelector(sel)!.hasAttribute("inert")).toBe(true);
+    }
+    for (const b of root.querySelectorAll<HTMLButtonElement>(".jmi-btn")) {
+      expect(b.disabled || b.closest("[inert]") !== null).toBe(true);
+    }
+    expect(view.planBar.matBtn.disabled).toBe(true);
+    expect(view.planBar.matBtn.getAttribute("aria-disabled")).toBe("true");
+    expect(focused()).toBe(root.querySelector(".jmi-disconnected"));
+  });
+
+  it("says so when the notebook's kernel shuts down, with no message from it", () => {
+    const session = fakeSession("idle");
+    const { root } = mount(smallTree(), {}, { context: { sessionContext: session }, kernel: session.session.kernel });
+    session.statusChanged.emit("dead");
+    expect(root.querySelector<HTMLElement>(".jmi-disconnected")!.hidden).toBe(false);
+    expect(root.querySelector(".jmi-disconnected")!.textContent).toContain("The kernel was restarted or stopped");
+  });
+
+  it("says a tree its kernel does not know is not connected, and only waits for a busy kernel", async () => {
+    vi.useFakeTimers();
+    const answering = fakeSession("idle", true);
+    const a = mount(smallTree(), {}, { context: { sessionContext: answering }, kernel: answering.session.kernel });
+    expect(a.model.sent.map((m) => m.action)).toEqual(["ping"]); // the ping goes nowhere
+    await vi.advanceTimersByTimeAsync(2000);
+    expect(a.root.querySelector(".jmi-disconnected")!.textContent).toContain("not connected to a kernel");
+    const busy = fakeSession("idle", false); // a cell holds the kernel: no answer at all yet
+    const b = mount(smallTree(), {}, { context: { sessionContext: busy }, kernel: busy.session.kernel });
+    await vi.advanceTimersByTimeAsync(20000);
+    expect(b.root.querySelector<HTMLElement>(".jmi-disconnected")!.hidden).toBe(true);
+    expect(b.root.querySelector<HTMLElement>(".jmi-waiting")!.hidden).toBe(false);
+    const live = fakeSession("idle", true); // a kernel that knows the widget acknowledges it
+    const c = mount(smallTree(), {}, { context: { sessionContext: live }, kernel: live.session.kernel });
+    c.model.emit("msg:custom", { kind: "ack", id: c.model.sent[0].id });
+    await vi.advanceTimersByTimeAsync(5000);
+    expect(c.root.querySelector<HTMLElement>(".jmi-disconnected")!.hidden).toBe(true);
+  });
+});
+
+describe("Plan… precision and pins", () => {
+  it("sends the precision chosen in the plan bar", () => {
+    const { model, view } = mount(smallTree());
+    view.planBar.devices.value = "cpu=8GiB";
+    view.planBar.seqLen.value = "16";
+    view.planBar.precision.value = "bf16-mixed";
+    view.planBar.el.dispatchEvent(new Event("submit", { cancelable: true }));
+    expect(model.sent[0].precision).toBe("bf16-mixed");
+    expect([...view.planBar.precision.options].map((o) => o.textContent)).toEqual(["as built", "bf16", "fp32", "bf16-mixed"]);
+  });
+
+  it("marks pinned rows with a pin beside their device", () => {
+    const { root, model } = mount(smallTree());
+    model.set("plan", { ...twoDevicePlan(), pins: { norm: "cuda:0" } });
+    const norm = rowOfNode(root, 9);
+    expect(norm.querySelector(".jmi-pin-mark svg")).not.toBeNull();
+    expect(norm.querySelector(".jmi-pin-mark")!.textContent).toBe("pinned to cuda:0");
+    expect(norm.getAttribute("aria-label")).toContain("pinned to cuda:0");
+    expect(rowOfNode(root, 1).querySelector(".jmi-pin-mark")).toBeNull();
+  });
+});
+
+/** A notebook session as JupyterLab's widget manager holds it: a kernel status and the two
+ *  signals the widget follows (an in-memory stand-in with Lumino's connect/emit shape). */
+class Signal {
+  private slots: Array<(sender: unknown, value: unknown) => void> = [];
+  connect(slot: (sender: unknown, value: unknown) => void) { this.slots.push(slot); return true; }
+  disconnect(slot: (sender: unknown, value: unknown) => void) { this.slots = this.slots.filter((s) => s !== slot); return true; }
+  emit(value: unknown) { for (const s of this.slots) s(this, value); }
+}
+function fakeSession(status: string, answers = true) {
+  const requestKernelInfo = () => (answers ? Promise.resolve({}) : new Promise(() => undefined));
+  return { statusChanged: new Signal(), kernelChanged: new Signal(), session: { kernel: { status, requestKernelInfo } } };
+}
 
 afterEach(() => {
   vi.useRealTimers();

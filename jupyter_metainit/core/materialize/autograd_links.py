@@ -54,6 +54,8 @@ def _linked_non_leaf(
         return None
     target = t._rec.storage
     linked: torch.Tensor | None = None
+    why = "recomputing it from the real parameters does not give its recorded values (they "
+    why += "were written after it was computed, or cast with dtype=)"
     try:
         with plain(), torch.inference_mode(False), torch.enable_grad():
             if id(target) in seeds:  # a view of a leaf (``self.w_t = self.w.t()``)
@@ -62,19 +64,20 @@ def _linked_non_leaf(
                 linked = _replay_with_grad(t, seeds, device, rng)
             if linked.device != plain_value.device or linked.dtype != plain_value.dtype:
                 linked = linked.to(plain_value.device, plain_value.dtype)
-    except RuntimeError:
-        # Autograd refuses the recorded ops (an in-place write of a leaf among them): the
-        # values come from the plain replay, which has already run.
-        linked = None
+    except RuntimeError as e:
+        # Autograd refuses the recorded ops: the values come from the plain replay, which has
+        # already run.
+        linked, why = None, f"autograd refused to recompute it ({str(e).splitlines()[0]})"
+    if linked is not None and linked.grad_fn is None:
+        why = "recomputing it from the real parameters builds no graph"
     if linked is None or linked.grad_fn is None or not torch.equal(linked.detach(), plain_value):
-        # No graph from the real leaves gives its values (a leaf written after it was computed,
-        # or cast lossily by ``dtype=``). The values win; the lost link is said, not silent.
+        # No graph from the real leaves gives its values: the values win; the lost link is
+        # said, not silent.
         warnings.warn(
             f"a tensor of shape {tuple(t.shape)} computed from parameters (recorded at "
             f"{_where(t)}) is materialized as a leaf, so its gradients will not reach them: "
-            "recomputing it from the real parameters does not give its recorded values (they "
-            "were written after it was computed, or cast with dtype=). Recompute it from the "
-            "real parameters after materializing if you need them.",
+            f"{why}. Recompute it from the real parameters after materializing if you need "
+            "them.",
             stacklevel=5,  # the caller of materialize
         )
         return None
@@ -149,7 +152,10 @@ def _replay_with_grad(
     p = Plan(ops, [t._rec.storage], dict(seeds), {}, full.allocate)
     run = Run(p, device, rng, None, None)
     for i, op in enumerate(ops):
-        run.run(i, op)
+        # In the grad mode eager ran it in: a ``no_grad`` part (spectral norm's power
+        # iteration, which writes its ``_u`` with ``out=``) is no node of the graph.
+        with torch.set_grad_enabled(op.grad_args is not None):
+            run.run(i, op)
     return run.real(t._rec, run.op_device(ops[-1]) if ops else torch.device("cpu"))
 
 

@@ -42,7 +42,9 @@ from jupyter_metainit.core.materialize.queries import (
     collect,
     describe_request,
     is_uninitialized,
+    set_grads,
     tensor_source,
+    with_grads,
 )
 from jupyter_metainit.core.materialize.user_state import as_inference, copy_user_attributes, made_as
 from jupyter_metainit.core.record.files import one_header_check, read_file_bytes
@@ -169,7 +171,7 @@ def materialize(
     try:
         with handling_interrupts(), exclusive(f"materializing {what}"):
             collected = collect(obj)
-            tensors = [t for t in collected if isinstance(t, DeferredTensor)]
+            tensors, grads = with_grads([t for t in collected if isinstance(t, DeferredTensor)])
             refuse_unmaterializable(collected, tensors, obj)
             if device is None:
                 check_recorded_devices(tensors, what)
@@ -177,7 +179,7 @@ def materialize(
             if not tensors and not reals:
                 return obj
             tracker = MemoryProgress(callback, tensors, dtype) if callback is not None else None
-            call = _Call(obj, tensors, reals, device, dtype, rng, keep_cache, tracker)
+            call = _Call(obj, tensors, reals, device, dtype, rng, keep_cache, tracker, grads)
             failure: BaseException | None = None
             try:
                 changed = _materialize_now(call, checkpoint, missing, root)
@@ -206,6 +208,7 @@ class _Call:
     rng: str | None
     keep: bool
     tracker: MemoryProgress | None
+    grads: list[tuple[torch.Tensor, torch.Tensor]]  # (tensor, its .grad): set after the swap
 
 
 def _materialize_now(
@@ -237,6 +240,7 @@ def _materialize_now(
     records = [t._rec for t in call.tensors]
     with critical():
         shadows.swap_all(call.tensors, new, kept)
+        set_grads(call.grads)
         for t in call.tensors:
             shadows.note_materialized(t, sources[id(t)], how.get(id(t), (None, None))[1],
                                       id(t) in fast)  # fmt: skip

@@ -27,6 +27,8 @@ __all__ = [
     "tensor_source",
     "tensor_state",
     "tensor_values",
+    "with_grads",
+    "set_grads",
 ]
 
 
@@ -192,3 +194,32 @@ def describe_request(obj: Any) -> str:
     if isinstance(obj, Sized):
         return f"{len(obj)} objects"
     return f"a {type(obj).__name__}"
+
+
+_cpp_grad = torch._C.TensorBase.grad.__get__
+
+
+def with_grads(
+    tensors: list[DeferredTensor],
+) -> tuple[list[DeferredTensor], list[tuple[torch.Tensor, torch.Tensor]]]:
+    """``tensors`` and the deferred ``.grad`` of each (``backward()`` called in ``__init__``),
+    each once; and the (tensor, gradient) pairs to set again once they are real: the swap into
+    place gives a tensor a new impl, and its ``.grad`` lived on the old one."""
+    pairs = []
+    with torch._C.DisableTorchFunctionSubclass():
+        for t in tensors:
+            grad = _cpp_grad(t)
+            if grad is not None:
+                pairs.append((t, grad))
+    ids = {id(t) for t in tensors}
+    grads = [g for _, g in pairs if isinstance(g, DeferredTensor) and id(g) not in ids]
+    return [*tensors, *{id(g): g for g in grads}.values()], pairs
+
+
+def set_grads(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    """Give each tensor its gradient again (:func:`with_grads`), as the same object (real now,
+    with the tensor's dtype and device: it was materialized in the same call)."""
+    for t, grad in pairs:
+        if grad.dtype != t.dtype or grad.device != t.device:  # a real one, cast or moved
+            grad = grad.to(t.device, t.dtype)
+        t.grad = grad

@@ -30,7 +30,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from jupyter_metainit.core.errors import ArgumentTypeError
+from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError
 from jupyter_metainit.core.record.devices import (
     DATA_FACTORIES,
     FACTORIES,
@@ -265,7 +265,9 @@ class meta_init(contextlib.ContextDecorator):
 
     Args:
         device: device reported by tensors whose code names none (a device, its name, or a GPU
-            index; default: PyTorch's default).
+            index; default: PyTorch's default). ``"meta"`` is refused: the block allocates
+            nothing anyway, and PyTorch's meta tensors (``with torch.device("meta")``) never
+            hold values.
         dtype: default floating dtype inside the block (a ``torch.dtype`` or its name,
             ``"bf16"``), for this thread only: factories,
             ``torch.tensor`` data and ``torch.get_default_dtype()`` see it, other threads keep
@@ -274,7 +276,8 @@ class meta_init(contextlib.ContextDecorator):
             integer tensor divided by an int, under a lock.)
 
     Raises:
-        ArgumentError: ``device`` or ``dtype`` names no device or dtype (``dtype="bf17"``).
+        ArgumentError: ``device`` or ``dtype`` names no device or dtype (``dtype="bf17"``),
+            or ``device="meta"``.
         ArgumentTypeError: ``dtype`` is not a floating dtype, or not a dtype at all.
         UnsupportedOperatorError: code in the block calls an operator that cannot be
             deferred (quantizing); the message names the line.
@@ -296,7 +299,17 @@ class meta_init(contextlib.ContextDecorator):
     def __init__(
         self, device: str | torch.device | int | None = None, dtype: torch.dtype | str | None = None
     ) -> None:
-        self.device = indexed_device(device) if device is not None else None
+        self.device = (
+            indexed_device(device, "meta_init(device=...)") if device is not None else None
+        )
+        if self.device is not None and self.device.type == "meta":
+            # A deferred tensor will have values; a PyTorch meta tensor never has any.
+            raise ArgumentError(
+                "meta_init(device='meta'): meta_init() allocates nothing already, and device= "
+                "is the real device its tensors report and are materialized on (omit it, or "
+                "use 'cpu', 'cuda:0'). For PyTorch's own meta tensors, which never hold values, "
+                "use `with torch.device('meta'):` instead of meta_init"
+            )
         self.dtype = check_floating_dtype(
             dtype, arg="meta_init(dtype=...)", not_floating=ArgumentTypeError,
             use="it is the block's default floating dtype (use torch.bfloat16, torch.float16, "

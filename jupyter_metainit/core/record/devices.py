@@ -26,22 +26,21 @@ from jupyter_metainit.core.record.dispatch.whole_calls import (
 )
 from jupyter_metainit.core.record.ops import user_frame
 from jupyter_metainit.core.record.state import default_device, dtype_override, tls
-from jupyter_metainit.core.record.tensor import SAVE_INSTEAD, SHARE_MEMORY_ATTR, DeferredTensor
+from jupyter_metainit.core.record.tensor import (
+    NO_DEVICE_GUARD,
+    SAVE_INSTEAD,
+    SHARE_MEMORY_ATTR,
+    DeferredTensor,
+    without_device_guard,
+)
 from jupyter_metainit.core.runtime.arguments import indexed_device
 from jupyter_metainit.core.runtime.interrupts import critical, handling_interrupts
 from jupyter_metainit.core.runtime.plain import plain, subclass_functions_off
 
 __all__ = [
-    "DATA_FACTORIES",
-    "FACTORIES",
-    "LIKE_FACTORIES",
-    "TO_METHODS",
-    "data_factory",
-    "handle_function",
-    "requires_grad_kwarg",
-    "retarget",
-    "rewrite_device",
-]
+    "DATA_FACTORIES", "FACTORIES", "LIKE_FACTORIES", "TO_METHODS", "data_factory",
+    "handle_function", "requires_grad_kwarg", "retarget", "rewrite_device",
+]  # fmt: skip
 
 META = torch.device("meta")
 
@@ -331,6 +330,15 @@ _SPECIAL = frozenset({
 
 def _run(func: Any, args: tuple, kwargs: dict) -> Any:
     """The call itself, on the meta tensors' wrappers (reads of index values as needed)."""
+    try:
+        return _call(func, args, kwargs)
+    except RuntimeError as e:
+        if NO_DEVICE_GUARD not in str(e):
+            raise
+        return without_device_guard(_call, func, args, kwargs, e)
+
+
+def _call(func: Any, args: tuple, kwargs: dict) -> Any:
     try:
         with subclass_functions_off():
             return func(*args, **kwargs)

@@ -119,6 +119,10 @@ class OpRecord:
     # requiring grad): the ids of its ``TensorRecord`` arguments that required grad. A gradient
     # taken while recording (``GradCall``) replays such ops in grad mode.
     grad_args: ClassVar[frozenset[int] | None] = None
+    # Set only on an op whose outputs' metadata was computed from its inputs' values when it
+    # was recorded (no meta kernel, a data-dependent shape: ``nonzero``): replay must give it
+    # those values again, so the random ops they come from run exact even in fast mode.
+    shape_from_values: ClassVar[bool] = False
 
     def __hash__(self) -> int:
         return self.seq

@@ -6,7 +6,8 @@ import copy
 import functools
 import sys
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any, ClassVar
 
 import torch
@@ -15,9 +16,18 @@ from jupyter_metainit.core.errors import UnsupportedOperatorError
 from jupyter_metainit.core.record.graph import TensorRecord
 from jupyter_metainit.core.record.ops import user_frame
 from jupyter_metainit.core.runtime.interrupts import hold_interrupts, protect, release_interrupts
+from jupyter_metainit.core.runtime.plain import iter_args
 from jupyter_metainit.core.runtime.swap import content_references
 
-__all__ = ["SAVE_INSTEAD", "SHARE_MEMORY_ATTR", "DeferredTensor", "as_parameter", "grad_leaves"]
+__all__ = [
+    "SAVE_INSTEAD",
+    "SHARE_MEMORY_ATTR",
+    "DeferredTensor",
+    "as_parameter",
+    "grad_leaves",
+    "NO_DEVICE_GUARD",
+    "without_device_guard",
+]
 
 # Storage -> the deferred leaf that requires grad over it (weakly: a parameter). Materializing a
 # non-leaf computed from it links its autograd graph to that object (``_autograd_links``); the
@@ -155,6 +165,10 @@ class DeferredTensor(torch.Tensor):
         # The device it reports (the wrapper's own): what __torch_function__ ends up returning,
         # without its bookkeeping (materialize reads it for every tensor it makes). What
         # ``subclass_functions_off`` does, inlined: recording reads it for nearly every op.
+        if _hosted:  # during a call run on a host impl (``host_impls``)
+            reported = _hosted.get(id(self))
+            if reported is not None:
+                return reported
         hold_interrupts()
         try:
             with _NoSubclassFunctions():
@@ -285,6 +299,69 @@ def as_parameter(deferred: torch.Tensor, real: torch.Tensor, requires_grad: bool
     if type(real) is not torch.Tensor and type(real) is not torch.nn.Parameter:
         return torch.nn.Parameter(real, requires_grad=requires_grad)
     return torch.Tensor._make_subclass(cls, real, requires_grad)
+
+
+# id -> the device a deferred tensor reports while one call runs on a host impl of it.
+_hosted: dict[int, torch.device] = {}
+_CPU = torch.device("cpu")
+
+
+# What c10 says when a binding sets a device guard for a device this build has none for.
+NO_DEVICE_GUARD = "is not linked with support for"
+
+
+def without_device_guard(
+    call: Callable[..., Any], func: Any, args: tuple, kwargs: dict, error: Exception
+) -> Any:
+    """``call(func, args, kwargs)`` again, its deferred tensors of a device with no guard in
+    this build on host impls (:func:`_host_impls`), after its Python binding's device guard
+    failed (``error``) before it dispatched anything: the same ops are recorded."""
+    hosted = {
+        id(x): x
+        for x in iter_args(args, kwargs)
+        if isinstance(x, DeferredTensor) and x.device.type not in ("cpu", "meta")
+    }
+    if not hosted:
+        raise error
+    with _host_impls(list(hosted.values())):
+        return call(func, args, kwargs)
+
+
+@contextmanager
+def _host_impls(tensors: list[DeferredTensor]) -> Iterator[None]:
+    """For one call, ``tensors`` (deferred, reporting a device such as ``cuda`` that this build
+    has no device guard for) hold a CPU impl of the same geometry and still report their device.
+
+    Used to retry a call whose Python binding failed before dispatching anything: bindings
+    such as ``Tensor.copy_``, ``__setitem__``, ``__float__`` or ``nonzero`` set a device guard
+    on ``self``'s device first, and a CPU-only PyTorch has none for CUDA ("PyTorch is not
+    linked with support for cuda devices"), while ops dispatched as ATen calls (``add_``) never
+    need one. Helper tensors the binding makes from ``self``'s options (list indices, a scalar
+    value) are then real CPU tensors, kept as constants as in a CPU recording. Run it in a
+    critical section (the swaps must not be cut).
+    """
+    swapped: list[tuple[DeferredTensor, torch.Tensor]] = []
+    try:
+        for t in tensors:
+            meta = t._meta
+            twin = torch.Tensor._make_wrapper_subclass(
+                DeferredTensor, meta.shape, strides=meta.stride(),
+                storage_offset=meta.storage_offset(), dtype=meta.dtype, device=_CPU,
+            )  # fmt: skip
+            if meta.is_conj():
+                torch._C._set_conj(twin, True)
+            if meta.is_neg():
+                torch._C._set_neg(twin, True)
+            _hosted[id(t)] = t.device
+            torch._C._swap_tensor_impl(t, twin)
+            swapped.append((t, twin))
+        yield
+    finally:
+        for t, twin in reversed(swapped):
+            # An in-place view op (``t.t_()``) gave ``t`` a new impl of its reported device.
+            if _cpp_device(t).type == "cpu":
+                torch._C._swap_tensor_impl(t, twin)
+            del _hosted[id(t)]
 
 
 protect(DeferredTensor.device.fget)  # Ctrl-C waits from its first bytecode

@@ -6,10 +6,12 @@
   the stream (``parallel.stream_parts``).
 * :class:`FastRandom` (``rng="fast"``) gives each random op a stream of its own
   (``rng.streams.fast_generator``): deterministic, not eager's values, and any independent
-  groups of ops may run on threads of their own (``parallel.components``).
+  groups of ops may run on threads of their own (``parallel.components``). Random ops whose
+  values an op's recorded *shape* was computed from (``nonzero(rand(6) > 0.5)``) run exact:
+  other values would give another shape (:func:`shape_fixing_random_ops`).
 
 The engine (``run.Run``) picks one with :func:`random_mode` once per replay and calls only
-``run_random``, ``fill_end`` and ``parallel_groups``.
+``exact_ops``, ``run_random``, ``fill_end`` and ``parallel_groups``.
 """
 
 from __future__ import annotations
@@ -27,7 +29,14 @@ from jupyter_metainit.core.rng.positions import fast_generator, state_before
 from jupyter_metainit.core.rng.scratch import run_random
 from jupyter_metainit.core.rng.split_fill import FILLS, fill_region, split_fill
 
-__all__ = ["ExactRandom", "FastRandom", "RandomMode", "call_with_generator", "random_mode"]
+__all__ = [
+    "ExactRandom",
+    "FastRandom",
+    "RandomMode",
+    "call_with_generator",
+    "random_mode",
+    "shape_fixing_random_ops",
+]
 
 Groups = list[list[tuple[int, OpRecord]]]
 
@@ -46,6 +55,9 @@ class RandomRun(Protocol):
 
     def burn_progress(self, nbytes: int) -> None: ...
 
+    # ``seq`` of the random ops to run exact whatever the mode (``RandomMode.exact_ops``)
+    exact_ops: frozenset[int]
+
 
 class RandomMode:
     """The interface the run engine calls; :class:`ExactRandom` and :class:`FastRandom`."""
@@ -54,6 +66,10 @@ class RandomMode:
     # Whether a batch of whole-tensor fills may run as one generator stream cut across the
     # cores (``stream_fills``): exact mode's values are one stream, so cutting it is exact.
     fills_as_one_stream = False
+
+    def exact_ops(self, ops: list[OpRecord]) -> frozenset[int]:
+        """``seq`` of the plan's random ops that must give eager's values in this mode."""
+        return frozenset()
 
     def run_random(
         self, run: RandomRun, op: OpRecord, args: tuple, kwargs: dict, device: torch.device
@@ -93,9 +109,14 @@ class FastRandom(RandomMode):
 
     name = "fast"
 
+    def exact_ops(self, ops: list[OpRecord]) -> frozenset[int]:
+        return shape_fixing_random_ops(ops)
+
     def run_random(
         self, run: RandomRun, op: OpRecord, args: tuple, kwargs: dict, device: torch.device
     ) -> tuple[Any, bool]:
+        if op.seq in run.exact_ops:
+            return RANDOM_MODES["exact"].run_random(run, op, args, kwargs, device)
         has_gen, region, fusable = _fill_facts(run, op, device)
         gen = fast_generator(op.rng.segment, op.rng.index, device)
         if fusable:
@@ -181,6 +202,28 @@ def random_mode(name: str | None) -> RandomMode:
         return RANDOM_MODES["exact" if name is None else name]
     except KeyError:
         raise ValueError(f"rng must be 'exact' or 'fast', not {name!r}") from None
+
+
+def shape_fixing_random_ops(ops: list[OpRecord]) -> frozenset[int]:
+    """``seq`` of the random ops among ``ops`` (a plan, in recording order) whose values an op
+    recorded with ``shape_from_values`` depends on, directly or through other ops.
+
+    Such an op (``nonzero``, ``unique``, ``masked_select``) has the shape its inputs' exact
+    values gave when it was recorded, and every deferred tensor after it was recorded with that
+    shape: replayed from other random values it would give another one. Found by one pass
+    backwards, following the storages each needed op reads to the ops that write them.
+    """
+    if not any(op.shape_from_values for op in ops):
+        return frozenset()
+    needed: set[int] = set()  # ids of storages whose values a shape depends on
+    exact: set[int] = set()
+    for op in reversed(ops):
+        writes = (*(r.storage for r in op.outputs if r is not None), *op.mutates)
+        if op.shape_from_values or any(id(s) in needed for s in writes):
+            if op.rng is not None:
+                exact.add(op.seq)
+            needed.update(id(s) for s in op.reads)
+    return frozenset(exact)
 
 
 def _run_on_generator_device(

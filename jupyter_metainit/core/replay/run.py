@@ -61,10 +61,15 @@ class _ShapeMismatch:
         self.op, self.real_shape, self.recorded = op, real, recorded
 
     def error(self) -> MaterializationError:
+        source = (
+            "its inputs' values gave"
+            if self.op.shape_from_values
+            else "PyTorch's meta kernel reported"
+        )
         return MaterializationError(
             f"{self.op.func} (called at {self.op.where}) returns a tensor of shape "
-            f"{self.real_shape} here, but PyTorch's meta kernel reported {self.recorded} when it "
-            "was recorded; this output cannot be materialized (its other outputs can)"
+            f"{self.real_shape} here, but {source} {self.recorded} when it was recorded; this "
+            "output cannot be materialized (its other outputs can)"
         )
 
 
@@ -77,6 +82,7 @@ class Run:
         self.plan = p
         self.device = device
         self.random = random_mode(rng)  # exact or fast, chosen once
+        self.exact_ops = self.random.exact_ops(p.ops)  # random ops a recorded shape fixes
         self.env: dict[int, torch.Tensor] = {}
         self.progress = progress
         # progress inside ops and their stop: this call's, or its caller's (``save``'s)

@@ -26,6 +26,7 @@ from jupyter_metainit.core import (
 )
 from jupyter_metainit.jupyter.cell_watch import cells as _cells
 from jupyter_metainit.jupyter.module_tree import ModelGoneError
+from jupyter_metainit.jupyter.tree_widget.devices import fit_per_device
 from jupyter_metainit.jupyter.tree_widget.wording import (
     failure_in_words,
     materialized_in_words,
@@ -160,6 +161,8 @@ class TreeActions:
         try:
             names = self._check_names(content.get("names"))
             device = self._check_device(content.get("device")) if action == "materialize" else ""
+            if action == "materialize":
+                self._check_room(names, device)
         except ValueError as exc:
             self._notify(str(exc))
             return
@@ -222,6 +225,21 @@ class TreeActions:
         if isinstance(device, str) and device in {d["name"] for d in self.devices}:
             return device
         raise ValueError(f"Refused: {device!r} is not a device this kernel can use.")
+
+    def _check_room(self, names: list[str], device: str) -> None:
+        """Refuse a selection that cannot fit the free memory of the device it would go to, as
+        the page's button does and in its words, whichever side asked (a page, ``w.materialize``
+        from code): measured now, not when the selection was made."""
+        nodes = [self._tree.index[n] for n in names]
+        if not device:  # each tensor's recorded device: checked when they all go to one
+            targets = {self._stats[n].target or "cpu" for n in nodes}
+            if len(targets) != 1 or "mixed" in targets:
+                return
+            device = targets.pop()
+        summary = self._tree.selection_stats(nodes, parse_dtype(self.dtype or None))
+        fit = fit_per_device(summary, self.devices).get(device)
+        if fit is not None and not fit["fits"]:
+            raise ValueError(fit["why"])
 
     def _progress(self, done: int, total: int, phase: str = "") -> None:
         if self._cancel.is_set():

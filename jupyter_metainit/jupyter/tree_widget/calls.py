@@ -24,11 +24,14 @@ class PlanningCalls:
         seq_len: int | None = None,
         training: bool = False,
         inputs: str | None = None,
+        precision: str | None = None,
         wait: bool = True,
     ) -> None:
         """Plan where each part goes (what *Plan…* does): ``devices`` as typed in the plan bar,
         ``"cuda:0=80GiB, cuda:1=80GiB"`` or ``"auto"``; ``inputs`` as its Inputs field,
-        ``"(8, 3, 224, 224)"``, instead of ``seq_len``. The tree then shows the plan."""
+        ``"(8, 3, 224, 224)"``, instead of ``seq_len``; ``precision`` as its Precision
+        (``None``: as built, ``"bf16"``, ``"fp32"``, ``"bf16-mixed"``). The tree then shows
+        the plan, and *Materialize plan* materializes the weights in that precision."""
         self.handle_action(
             {
                 "action": "plan",
@@ -37,6 +40,7 @@ class PlanningCalls:
                 "seq_len": seq_len,
                 "training": training,
                 "inputs": inputs,
+                "precision": precision,
             }
         )
         if wait:

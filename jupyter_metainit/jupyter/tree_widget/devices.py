@@ -10,6 +10,7 @@ import torch
 
 from jupyter_metainit.core import format_bytes
 from jupyter_metainit.estimates.fit import device_budget
+from jupyter_metainit.jupyter.tree_widget.wording import no_room_in_words
 
 __all__ = ["fit_per_device", "visible_cuda_devices"]
 
@@ -32,7 +33,8 @@ def visible_cuda_devices() -> tuple[list[dict[str, str]], str]:
 def fit_per_device(summary: dict, devices: list[dict[str, str]]) -> dict[str, dict]:
     """Per device: the memory materializing the selection there takes (in the chosen dtype,
     minus what is on that device already), the device's free memory (as ``fits`` measures
-    it) and whether the one fits in the other."""
+    it), whether the one fits in the other and, when not, why in words (``why``: what the page
+    and the kernel both say)."""
     out = {}
     for device in ["cpu", *(d["name"] for d in devices)]:
         try:
@@ -41,4 +43,6 @@ def fit_per_device(summary: dict, devices: list[dict[str, str]]) -> dict[str, di
             continue
         need = sum(b for state, b in summary["states_as"].items() if state != device)
         out[device] = {"need": need, "free": free, "fits": need <= free}
+        if need > free:
+            out[device]["why"] = no_room_in_words(device, need, free)
     return out

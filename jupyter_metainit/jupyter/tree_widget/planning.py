@@ -18,6 +18,7 @@ from typing import Any
 from torch import nn
 
 from jupyter_metainit.core import (
+    dtype_name,
     format_bytes,
     format_duration,
     materialize,
@@ -27,9 +28,13 @@ from jupyter_metainit.estimates.fit import device_budget
 from jupyter_metainit.jupyter.magic_options import MAX_DIMENSION, input_shapes
 from jupyter_metainit.jupyter.tree_widget.actions import ActionCancelled
 from jupyter_metainit.jupyter.tree_widget.saving import prepare_save
-from jupyter_metainit.jupyter.tree_widget.wording import modules_in_words
+from jupyter_metainit.jupyter.tree_widget.wording import (
+    estimate_failure_in_words,
+    modules_in_words,
+)
 from jupyter_metainit.plan import Placement, place
 from jupyter_metainit.plan.devices import name_value_pairs
+from jupyter_metainit.plan.precision import convention
 
 __all__ = ["TreePlanning", "parse_device_text", "plan_payload"]
 
@@ -63,6 +68,20 @@ def parse_device_text(text: Any) -> dict[str, Any] | str:
                 ) from None
         devices[name] = capacity
     return devices
+
+
+#: What the plan bar's Precision offers (None: every tensor as built); see plan.precision.
+PRECISIONS = (None, "bf16", "fp32", "bf16-mixed")
+
+
+def _check_precision(value: Any) -> str | None:
+    if value in ("", None):
+        return None
+    if value not in PRECISIONS:
+        raise ValueError(
+            f"Refused: Precision must be as built, bf16, fp32 or bf16-mixed, not {value!r}."
+        )
+    return value
 
 
 def _check_count(value: Any, what: str, *, optional: bool = False) -> int | None:
@@ -193,6 +212,7 @@ class TreePlanning:
                 "seq_len": _check_count(content.get("seq_len"), "seq len", optional=True),
                 "training": bool(content.get("training", False)),
                 "inputs": input_shapes(content.get("inputs")),
+                "precision": _check_precision(content.get("precision")),
             }
             if request["seq_len"] is None and request["inputs"] is None:
                 raise ValueError(
@@ -261,16 +281,22 @@ class TreePlanning:
         kept = {n: d for n, d in self._pins.items() if isinstance(devices, dict) and d in devices}
         pins = {} if drop else {**kept, **pin}
         self.phase = "planning (a dry run of the workload on meta tensors)"
-        placement = place(
-            self.module,
-            devices,
-            batch=request["batch"],
-            seq_len=request["seq_len"],
-            inputs=request.get("inputs"),
-            training=request["training"],
-            precision=parse_dtype(self.dtype or None),
-            pin=pins or None,
-        )
+        try:
+            placement = place(
+                self.module,
+                devices,
+                batch=request["batch"],
+                seq_len=request["seq_len"],
+                inputs=request.get("inputs"),
+                training=request["training"],
+                precision=request.get("precision"),
+                pin=pins or None,
+            )
+        except Exception as exc:  # a known cause is said in words, what to do included
+            worded = estimate_failure_in_words(str(exc), _float_dtypes(self.module))
+            if worded is None:
+                raise
+            raise ValueError(worded) from None
         self._placement, self._plan_request, self._pins = placement, request, pins
         self.plan = plan_payload(placement, self.module, self._tree, request, pins)
         peaks = ", ".join(
@@ -302,17 +328,29 @@ class TreePlanning:
     def _materialize_plan(self, placement: Placement) -> str:
         # the core puts each part on its device under one progress total; a failure or Cancel
         # makes the parts it made deferred again
+        # the weights in the plan's precision (what its peaks count), else the bar's dtype
+        planned = convention((self._plan_request or {}).get("precision")).weights
+        dtype = planned or parse_dtype(self.dtype or None)
         materialize(
             self.module,
             placement=placement,
-            dtype=parse_dtype(self.dtype or None),
+            dtype=dtype,
             rng=self.rng,
             keep_cache=True,  # so that Free can make them deferred again
             progress=self._progress,
         )
         counts = ", ".join(f"{d}: {n}" for d, n in _parts_per_device(placement).items())
         values = "" if self.rng == "exact" else " (RNG fast: not eager's values)"
-        return f"Materialized the plan in {{took}}, parts per device: {counts}{values}."
+        cast = f" as {dtype_name(dtype)}" if dtype is not None else ""
+        why = " (the plan's precision)" if planned is not None else ""
+        return f"Materialized the plan{cast}{why} in {{took}}, parts per device: {counts}{values}."
+
+
+def _float_dtypes(module: nn.Module) -> str:
+    """The floating dtypes of ``module``'s parameters, in words ("float32", "float32 and
+    bfloat16")."""
+    dtypes = sorted({dtype_name(p.dtype) for p in module.parameters() if p.is_floating_point()})
+    return " and ".join(dtypes) or "without floating parameters"
 
 
 def _parts_per_device(placement: Placement) -> dict[str, int]:

@@ -6,6 +6,7 @@ same whichever path (button, Python call, queued click) led to it.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Sequence
 
 from jupyter_metainit.core import format_bytes, format_duration, is_out_of_memory
@@ -14,10 +15,12 @@ __all__ = [
     "MODEL_GONE",
     "SAVED_ADVICE",
     "code_path",
+    "estimate_failure_in_words",
     "failure_in_words",
     "materialized_in_words",
     "model_changed_in_words",
     "modules_in_words",
+    "no_room_in_words",
 ]
 
 MODEL_GONE = (
@@ -68,6 +71,15 @@ def _module_in_words(name: str, var_name: str) -> str:
     return code_path(var_name, name) if name else f"{var_name} (the whole model)"
 
 
+def no_room_in_words(device: str, need: int, free: int) -> str:
+    """Why a selection cannot be materialized on ``device``: the words of the page's unavailable
+    button and of the kernel's refusal, whichever side asked."""
+    return (
+        f"Does not fit: the selection needs {format_bytes(need)}, {format_bytes(free)} free on "
+        f"{device}. Select less, pick a smaller dtype or free something first."
+    )
+
+
 def failure_in_words(exc: Exception, action: str, device: str, what: str, nbytes: int) -> str:
     """Why an action failed, in plain words (``what``: the modules, in words)."""
     name = type(exc).__name__
@@ -83,6 +95,31 @@ def failure_in_words(exc: Exception, action: str, device: str, what: str, nbytes
         return f"{what} needs real data that is not available: {exc}."
     verb = "Materializing" if action == "materialize" else "Freeing"
     return f"{verb} {what} failed ({name}): {exc}."
+
+
+# A kernel that takes bfloat16 only: torch._grouped_mm's meta kernel (MoE experts), and the
+# "expected scalar type BFloat16" of others.
+_BF16_ONLY = re.compile(
+    r"(?:Expected inputs of BF16 type|expected (?:scalar type|dtype) BFloat16)[^;)\n]*",
+    re.IGNORECASE,
+)
+
+
+def estimate_failure_in_words(text: str, model_dtype: str) -> str | None:
+    """Why a plan's estimate failed, in words, when the cause is known (else None): a kernel
+    of the model that takes only bfloat16, while the dry run runs the forward in the model's
+    own dtype (``model_dtype``, in words) whatever the plan's precision."""
+    found = _BF16_ONLY.search(text)
+    if found is None or model_dtype == "bfloat16":  # then the cause is elsewhere (the inputs)
+        return None
+    detail = found.group().rstrip(". ")
+    return (
+        "the dry run of the workload reached a kernel of this model that takes only bfloat16 "
+        f"inputs (MoE experts' grouped matmul is one), and the model is {model_dtype}: the "
+        "dry run runs the forward in the model's own dtype, whatever the plan's Precision. "
+        "Build the model in bfloat16 (%%meta_init --dtype bfloat16) and plan again "
+        f"(the kernel said: {detail})"
+    )
 
 
 def materialized_in_words(

@@ -218,6 +218,7 @@ def _recorded_arguments(
 
 def _record_outputs(call: _Call, out: Any, values: list | None, default_dtype: Any) -> Any:
     """Steps 3 to 5 of :func:`record_op`: the deferred outputs, and the record they come from."""
+    from_values = values is not None  # the outputs' metadata came from the inputs' values
     rec_args, rec_kwargs, reads, grad, grad_records = _recorded_arguments(call)
     # Per output: does eager autograd make it require grad? (``ones_like(param)`` does not.)
     out_grads = output_requires_grad(call.called_func, *call.called_with, out) if grad else None
@@ -240,6 +241,8 @@ def _record_outputs(call: _Call, out: Any, values: list | None, default_dtype: A
         )  # fmt: skip
         if grad:  # a node of eager's autograd graph (a gradient taken later replays it so)
             op.grad_args = frozenset(grad_records)
+        if from_values:
+            op.shape_from_values = True
         for s in (*created, *mutates):
             s.writes.append(op)
         if worth_a_recipe(call.func, call.info, call.device, out, new_records, mutates,
