@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from _ipython import run
 
 import jupyter_metainit
-from tests._ipython import run
 
 ROOT = Path(__file__).resolve().parents[1]
 
