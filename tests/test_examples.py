@@ -33,12 +33,18 @@ import jupyter_metainit
 
 ROOT = Path(__file__).resolve().parents[1]
 
-# Public names beyond the package root's ``__all__``: the API pages document them too.
+# Public names beyond the package root's ``__all__``: the API pages document them too, and the
+# widget's Python API (what its class docstring offers; its other public methods are ipywidgets'
+# plumbing).
 EXTRA_PUBLIC = [
     "jupyter_metainit.distributed.materialize_sharded",
     "jupyter_metainit.plan.Placement",
     "jupyter_metainit.inspection.along_depth",
     "jupyter_metainit.inspection.svg_chart",
+    *(
+        f"jupyter_metainit.ModuleTreeWidget.{method}"
+        for method in ["materialize", "free", "wait", "place", "pin", "materialize_plan", "save"]
+    ),
 ]
 PUBLIC = [f"jupyter_metainit.{name}" for name in jupyter_metainit.__all__] + EXTRA_PUBLIC
 
@@ -48,6 +54,8 @@ SECTION = re.compile(r"^(Args|Returns|Raises|Examples?|Attributes|Yields):\s*$",
 
 def _resolve(path: str) -> Any:
     module, _, name = path.rpartition(".")
+    if module.startswith("jupyter_metainit.ModuleTreeWidget"):  # a method of the class
+        return getattr(jupyter_metainit.ModuleTreeWidget, name)
     obj = getattr(importlib.import_module(module), name)
     if inspect.ismodule(obj):  # a package named as the function it exports (``save``)
         obj = getattr(obj, name)

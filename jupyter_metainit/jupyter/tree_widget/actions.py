@@ -323,7 +323,28 @@ class TreeActions:
         return regenerated, kept_fast
 
     def wait(self, timeout: float | None = None) -> bool:
-        """Block until the running action ends; True if none is running any more."""
+        """Block until the running action (a click, or a call with ``wait=False``) ends.
+
+        Use it in code that started an action without waiting, or that must not read the
+        model while a click's materialization runs.
+
+        Args:
+            timeout: the most seconds to wait; ``None`` waits as long as it takes.
+
+        Returns:
+            ``True`` if no action is running any more, ``False`` if ``timeout`` passed first.
+
+        Examples:
+            >>> from torch import nn
+            >>> from jupyter_metainit import explore, is_deferred, meta_init
+            >>> with meta_init():
+            ...     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+            >>> w = explore(model)
+            >>> w.selected = ["0"]
+            >>> w.materialize("cpu", wait=False)  # runs on the widget's worker thread
+            >>> w.wait(), is_deferred(model[0])
+            (True, False)
+        """
         worker = self._worker
         if worker is not None:
             worker.join(timeout)
@@ -331,14 +352,55 @@ class TreeActions:
         return True
 
     def materialize(self, device: str | None = None, *, wait: bool = True) -> None:
-        """Materialize the selected subtrees on ``device``, as the buttons do; by default each
-        tensor goes to the device it was recorded for (an error if this machine lacks it)."""
+        """Materialize the selected subtrees on ``device``, as the *Materialize* buttons do.
+
+        Use it to drive the widget from code, e.g. after setting ``w.selected``: the widget's
+        ``rng`` and ``dtype`` apply, the recording is kept so that :meth:`free` can make the
+        parts deferred again, and the tree, progress and status show it as for a click.
+
+        Args:
+            device: where the tensors go (``"cpu"``, ``"cuda:0"``); ``None``: each tensor goes
+                to the device it was recorded for (an error if this machine lacks it).
+            wait: block until it is done (otherwise it runs on the widget's worker thread;
+                :meth:`wait` waits for it).
+
+        Examples:
+            >>> from torch import nn
+            >>> from jupyter_metainit import explore, is_deferred, meta_init
+            >>> with meta_init():
+            ...     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+            >>> w = explore(model)
+            >>> w.selected = ["0"]
+            >>> w.materialize("cpu")
+            >>> w.status, w.error  # a failure is said in w.error, nothing raised
+            ('Materialized model[0] on cpu in ... ms.', '')
+        """
         self.handle_action({"action": "materialize", "device": device, "names": self.selected})
         if wait:
             self.wait()
 
     def free(self, *, wait: bool = True) -> None:
-        """Turn the selected subtrees back into deferred tensors, freeing their memory."""
+        """Turn the selected subtrees back into deferred tensors, freeing their memory, as the
+        *Free* button does.
+
+        Materializing them again gives the same values; what cannot be freed that way (a part
+        trained or loaded into since) is refused and said in ``w.error``.
+
+        Args:
+            wait: block until it is done.
+
+        Examples:
+            >>> from torch import nn
+            >>> from jupyter_metainit import explore, is_deferred, meta_init
+            >>> with meta_init():
+            ...     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+            >>> w = explore(model)
+            >>> w.selected = ["0"]
+            >>> w.materialize("cpu")
+            >>> w.free()
+            >>> is_deferred(model[0])
+            True
+        """
         self.handle_action({"action": "free", "names": self.selected})
         if wait:
             self.wait()
