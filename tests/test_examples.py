@@ -149,6 +149,40 @@ def test_the_docstring_examples_of_every_public_name_run(path: str):
     assert runner.failures == 0, out.getvalue()
 
 
+def _api_page_docstring_options() -> dict[str, Any]:
+    """The docstring options the API page parses with (mkdocs.yml's, its ``!ENV`` tags aside)."""
+    yaml = pytest.importorskip("yaml")
+
+    class Loader(yaml.SafeLoader):
+        pass
+
+    Loader.add_multi_constructor("!", lambda loader, suffix, node: None)
+    config = yaml.load((ROOT / "mkdocs.yml").read_text(encoding="utf-8"), Loader=Loader)
+    plugin = next(p["mkdocstrings"] for p in config["plugins"] if "mkdocstrings" in p)
+    return plugin["handlers"]["python"]["options"]["docstring_options"]
+
+
+@pytest.mark.parametrize("path", PUBLIC)
+def test_the_api_page_reads_each_section_of_every_public_docstring(path: str, caplog):
+    # Google style as griffe reads it: "Example:" would be an admonition showing the >>> lines as
+    # nested quotes, a badly indented continuation a warning that fails the strict build.
+    griffe = pytest.importorskip("griffe")
+    sections = _sections(inspect.getdoc(_resolve(path)) or "")
+    docstring = griffe.Docstring(
+        inspect.getdoc(_resolve(path)),
+        parser="google",
+        parser_options=_api_page_docstring_options(),
+    )
+    with caplog.at_level("WARNING"):
+        kinds = [section.kind.value for section in docstring.parse()]
+    expected = {"Args": "parameters", "Returns": "returns", "Raises": "raises"}
+    assert "examples" in kinds and "admonition" not in kinds
+    assert [expected[s] for s in sections if s in expected] == [
+        k for k in kinds if k in expected.values()
+    ]
+    assert [r.getMessage() for r in caplog.records] == []
+
+
 def test_the_format_check_finds_a_missing_example_and_a_missing_returns():
     def undocumented(x: int) -> int:
         """Do a thing.
