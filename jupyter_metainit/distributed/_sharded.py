@@ -247,7 +247,8 @@ def materialize_sharded(
         >>> from torch.distributed.fsdp import fully_shard
         >>> from jupyter_metainit import is_deferred, meta_init
         >>> from jupyter_metainit.distributed import materialize_sharded
-        >>> store = dist.FileStore(os.path.join(tempfile.mkdtemp(), "store"), 1)
+        >>> rendezvous = tempfile.TemporaryDirectory()  # torchrun gives the ranks theirs
+        >>> store = dist.FileStore(os.path.join(rendezvous.name, "store"), 1)
         >>> dist.init_process_group("gloo", store=store, rank=0, world_size=1)
         >>> mesh = init_device_mesh("cpu", (dist.get_world_size(),))
         >>> _ = torch.manual_seed(0)  # the same seed on every rank
@@ -264,6 +265,7 @@ def materialize_sharded(
         >>> torch.equal(model[0].weight.full_tensor(), eager[0].weight)
         True
         >>> dist.destroy_process_group()
+        >>> rendezvous.cleanup()
     """
     if not isinstance(module, torch.nn.Module):
         raise TypeError(
