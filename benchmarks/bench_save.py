@@ -16,6 +16,14 @@
                                                               # and ~8 GB RAM (eager 1 B)
     .venv/bin/python benchmarks/bench_save.py --size small    # ~0.5 GB, for development
     .venv/bin/python benchmarks/bench_save.py --quick         # smoke run, tiny model
+
+With ``--dcp``: ``save(format="dcp")`` of a 0.17 B Llama (bfloat16, 0.34 GB) built under
+``meta_init``: one file per rank (this version) against one file per tensor (the writer it
+replaced: torch's ``FileSystemWriter(single_file_per_rank=False)`` with the same planner), and
+torch's own ``dcp.save`` of the eagerly built model (one file, the whole model in memory);
+``--repeats`` alternating rounds in fresh processes, medians shown.
+
+    .venv/bin/python benchmarks/bench_save.py --dcp --repeats 3
 """
 
 from __future__ import annotations
@@ -41,6 +49,7 @@ from _common import (
     fmt_s,
     llama_config,
     load_core,
+    median_result,
     print_errors,
     print_table,
     run_children,
@@ -172,7 +181,58 @@ def direct_write(nbytes: int, directory: str) -> dict[str, Any]:
     return {"seconds": meter.seconds, "cpu_seconds": meter.cpu_seconds}
 
 
+def _files_and_bytes(directory: str) -> dict[str, int]:
+    names = os.listdir(directory)
+    return {"files": len(names),
+            "written": sum(os.path.getsize(os.path.join(directory, n)) for n in names)}  # fmt: skip
+
+
+def dcp_save_deferred(shape: dict[str, Any], directory: str) -> dict[str, Any]:
+    """meta_init build, then ``save(format="dcp")``: one file per rank."""
+    from jupyter_metainit import save
+
+    model = _model(shape, deferred=True)
+    meter = Meter()
+    with meter():
+        save(model, directory, format="dcp")
+    return meter.as_dict() | _files_and_bytes(directory)
+
+
+def dcp_save_file_per_tensor(shape: dict[str, Any], directory: str) -> dict[str, Any]:
+    """The writer ``save(format="dcp")`` used before: torch's one file per tensor, values
+    computed on demand by the same planner."""
+    import torch.distributed.checkpoint as dcp
+
+    from jupyter_metainit.save.dcp import ValuesOnDemandPlanner
+    from jupyter_metainit.save.writer import Progress
+
+    model = _model(shape, deferred=True)
+    planner = ValuesOnDemandPlanner(Progress(None, 0))
+    meter = Meter()
+    with meter():
+        writer = dcp.FileSystemWriter(directory, single_file_per_rank=False, thread_count=1)
+        dcp.save(model.state_dict(), storage_writer=writer, planner=planner, no_dist=True)
+    planner.close()
+    return meter.as_dict() | _files_and_bytes(directory)
+
+
+def dcp_save_eager(shape: dict[str, Any], directory: str) -> dict[str, Any]:
+    """Eager build + torch's ``dcp.save`` (its default writer: one file per rank)."""
+    import torch.distributed.checkpoint as dcp
+    import transformers.models.llama.modeling_llama  # noqa: F401 - imports are not the build
+
+    meter = Meter()
+    with meter():
+        model = _model(shape, deferred=False)
+        meter.lap("built")
+        dcp.save(model.state_dict(), checkpoint_id=directory, no_dist=True)
+    return meter.as_dict() | _files_and_bytes(directory)
+
+
 MEASUREMENTS = {
+    "dcp_save_deferred": dcp_save_deferred,
+    "dcp_save_file_per_tensor": dcp_save_file_per_tensor,
+    "dcp_save_eager": dcp_save_eager,
     "all_in_one": all_in_one,
     "save_deferred": save_deferred,
     "eager_save_file": eager_save_file,
@@ -186,12 +246,16 @@ def main() -> None:
     child_main(MEASUREMENTS)
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="8b", help="model shapes")
+    parser.add_argument("--dcp", action="store_true", help="one file per rank or per tensor")
     args = parser.parse_args()
     big, small = SIZES["quick" if args.quick else args.size]
     print("# bench_save: saving a model that was never allocated")
     print(environment_line())
     root = tempfile.mkdtemp(prefix="jmi-bench-save-", dir=os.environ.get("BENCH_DIR"))
     try:
+        if args.dcp:
+            _measure_dcp(SIZES["quick" if args.quick else "small"][0], root, args.repeats or 1)
+            return
         if args.quick:  # the smoke run: one process for everything
             job = ("all_in_one", {"big": big, "small": small, "root": root})
             every = run_children(__file__, [job])[0]
@@ -268,6 +332,40 @@ def _print_big(ours: dict[str, Any], floors: list[dict[str, Any]]) -> None:
         "device copies from the values' memory: almost no CPU, data on the device at the end), "
         "else through the page cache. CPU against the floors' CPU added up: below 1 means "
         "the page-cache copy was avoided."
+    )
+
+
+DCP_RUNS = {
+    "`meta_init` + `save(format='dcp')`: one file per rank": "dcp_save_deferred",
+    "same, one file per tensor (the writer before)": "dcp_save_file_per_tensor",
+    "eager build + torch's `dcp.save` (one file per rank)": "dcp_save_eager",
+}
+
+
+def _measure_dcp(shape: dict[str, Any], root: str, repeats: int) -> None:
+    """Each way ``repeats`` times, in alternating rounds of fresh processes; medians."""
+    results: dict[str, list[dict[str, Any]]] = {name: [] for name in DCP_RUNS.values()}
+    for round_ in range(repeats):
+        for name in DCP_RUNS.values():
+            directory = f"{root}/{name}-{round_}"
+            results[name] += run_children(__file__, [(name, {"shape": shape,
+                                                             "directory": directory})])  # fmt: skip
+            shutil.rmtree(directory, ignore_errors=True)
+    medians = {name: median_result(runs) for name, runs in results.items()}
+    print_errors(medians)
+    rows = []
+    for label, name in DCP_RUNS.items():
+        r = medians[name]
+        if "error" in r:
+            continue
+        spread = r.get("all_seconds", [r["seconds"]])
+        rows.append([label, r["files"], fmt_s(r["seconds"]),
+                     f"{min(spread):.2f}-{max(spread):.2f} s", fmt_s(r["cpu_seconds"]),
+                     fmt_mb(r["peak_extra"]), f"{r['written'] / 1e6:,.0f} MB"])  # fmt: skip
+    print_table(
+        f"DCP save, {len(next(iter(results.values())))} round(s) in fresh processes (medians)",
+        ["run", "files", "time", "range", "CPU time", "peak extra RSS", "written"],
+        rows,
     )
 
 

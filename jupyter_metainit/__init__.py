@@ -1,16 +1,18 @@
 """Build PyTorch models of any size without allocating them; materialize exactly the parts you need.
 
-The core (``meta_init``, ``materialize``, ...) imports only ``torch``. The estimates (pandas) and
-the Jupyter layer (IPython, anywidget) load on first use, so scripts and distributed launchers
-pay for neither.
+The core (``meta_init``, ``materialize``, ...) imports only ``torch`` and ``numpy``. The
+estimates (pandas) and the Jupyter layer (IPython, anywidget) load on first use, so scripts and
+distributed launchers pay for neither.
 """
 
 from __future__ import annotations
 
 import importlib
+import sys
 from typing import Any
 
 from jupyter_metainit.core import (
+    at_meta_init_edges,
     clear_meta_init_cache,
     dematerialize,
     is_deferred,
@@ -19,18 +21,31 @@ from jupyter_metainit.core import (
     meta_init,
     skip_init,
 )
-
-# Installs the save_pretrained hook: a deferred transformers model's save_pretrained writes
-# through jupyter_metainit.save (transformers is not imported here; the hook waits for it).
-from jupyter_metainit.save import hook as _save_pretrained_hook  # noqa: F401
-
-globals().pop("save", None)  # importing it bound the package here: ``save`` stays the function
+from jupyter_metainit.core.errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    BusyError,
+    DeferredDataError,
+    MaterializationError,
+    MetaInitError,
+    NotEnoughMemoryError,
+    UnsupportedOperatorError,
+)
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "ArgumentError",
+    "ArgumentTypeError",
+    "BusyError",
+    "DeferredDataError",
+    "MaterializationError",
+    "MetaInitError",
     "ModuleTreeWidget",
+    "NotEnoughMemoryError",
+    "UnsupportedOperatorError",
     "clear_meta_init_cache",
+    "compare",
     "dematerialize",
     "dry_run",
     "explore",
@@ -44,6 +59,7 @@ __all__ = [
     "place",
     "save",
     "skip_init",
+    "stats",
     "summary",
     "unload_ipython_extension",
     "widgets_of",
@@ -61,7 +77,25 @@ _LAZY = {
     "load_ipython_extension": "jupyter_metainit.jupyter.magics",
     "unload_ipython_extension": "jupyter_metainit.jupyter.magics",
     "save": "jupyter_metainit.save",
+    "stats": "jupyter_metainit.inspection",
+    "compare": "jupyter_metainit.inspection",
 }
+
+
+def _divert_save_pretrained() -> None:
+    """A deferred transformers model's ``save_pretrained`` writes eager's files through
+    ``save``: installed when deferred models can first exist, never at import (see
+    ``save/hook.py``). Runs at every outermost ``meta_init`` edge, so it stays cheap."""
+    global _diverted
+    if not _diverted and "transformers.modeling_utils" in sys.modules:
+        from jupyter_metainit.save.hook import install_save_pretrained
+
+        _diverted = install_save_pretrained()
+        globals().pop("save", None)  # importing the package bound it here: keep the function
+
+
+_diverted = False
+at_meta_init_edges(_divert_save_pretrained)
 
 
 def __getattr__(name: str) -> Any:

@@ -19,6 +19,8 @@ SCRIPTS = {
     "bench_construction.py": ["### Construction", "jupyter_metainit.meta_init()"],
     "bench_layer.py": ["### Decoder layer", "exact layer equals eager construction"],
     "bench_materialize.py": ["### Whole model", "meta_init + materialize", "torch.equal"],
+    "bench_memory_cycles.py": ["### RSS after each cycle's del", "### Against eager"],
+    "bench_progress.py": ["### Progress events and cancel latency", "### Cost of the steps"],
     "bench_rng.py": ["### Jump ahead", "draws skipped"],
     "bench_save.py": [
         "bfloat16 model, largest tensor",
@@ -26,6 +28,7 @@ SCRIPTS = {
         "eager build + `save_file`",
     ],
     "bench_selective.py": ["### (a)", "### (b)", "### (c)", "### (d)"],
+    "bench_stats.py": ["never allocated", "generation floor", "`compare(dir_a, dir_b)`"],
 }
 
 

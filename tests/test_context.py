@@ -159,28 +159,6 @@ def test_torch_compile_of_a_deferred_model_runs_deferred_then_real_after_materia
     assert torch.equal(compiled(x), eager(x))
 
 
-class GradInit(nn.Module):
-    """Scales its weight by a gradient taken in ``__init__`` (GradInit-style)."""
-
-    def __init__(self, use_backward: bool = False):
-        super().__init__()
-        self.lin = nn.Linear(3, 3)
-        loss = self.lin(torch.randn(4, 3)).pow(2).sum()
-        if use_backward:
-            loss.backward()
-        else:
-            torch.autograd.grad(loss, [self.lin.weight])
-
-
-@pytest.mark.parametrize("use_backward", [False, True], ids=["autograd_grad", "backward"])
-def test_a_gradient_inside_meta_init_names_the_call_and_says_materialize_first(use_backward):
-    from jupyter_metainit.core.errors import DeferredDataError
-
-    expected = r"(?s)in __init__.*materialize\(model\)"
-    with pytest.raises(DeferredDataError, match=expected), meta_init():
-        GradInit(use_backward)
-
-
 def test_a_deep_copy_of_a_real_tensor_inside_the_block_is_a_deferred_copy_with_its_values():
     real = torch.arange(6.0).requires_grad_()
     real.note = "kept"

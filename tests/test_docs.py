@@ -33,11 +33,12 @@ PAGES = {
     "checkpoints/index.html": "Checkpoints",
     "sharded/index.html": "Sharded materialization",
     "limits/index.html": "Known limits",
+    "values/index.html": "Look at the values",
     "api/index.html": "Core API",
     "performance/index.html": "Performance",
     "architecture/index.html": "Architecture",
 }
-NOTEBOOKS = ["quickstart", "checkpoints", "lazy_modules", "custom_modules"]
+NOTEBOOKS = ["quickstart", "checkpoints", "lazy_modules", "custom_modules", "values"]
 
 
 def _text(page: Path) -> str:

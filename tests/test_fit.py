@@ -115,3 +115,18 @@ def test_fits_of_a_weights_file_asks_for_the_model_directory(tmp_path):
 def test_fits_with_an_unknown_device_name_lists_the_valid_forms(budget):
     with pytest.raises(ValueError, match="'cuda:0'"):
         fits(model(), device="gpu", budget=budget)
+
+
+@pytest.mark.parametrize("word", ["model", "gpt2", "llama-7b"])
+def test_fits_of_a_word_that_is_neither_a_directory_nor_org_name_is_refused_at_once(
+    tmp_path, monkeypatch, word
+):
+    monkeypatch.chdir(tmp_path)  # no directory of that name here: nothing to ask the hub
+    with pytest.raises(FileNotFoundError, match=rf"no directory '{word}' here, and a hub name "):
+        fits(word, budget="1GiB")
+
+
+def test_fits_of_a_word_naming_a_directory_reads_that_directory(tmp_path, monkeypatch):
+    llama_config(architectures=["LlamaForCausalLM"]).save_pretrained(tmp_path / "mymodel")
+    monkeypatch.chdir(tmp_path)
+    assert fits("mymodel", budget="1MiB").loc["", "total_bytes"] > 0

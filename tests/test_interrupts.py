@@ -151,3 +151,29 @@ def test_interrupt_stops_fast_mode_before_the_remaining_work():
     assert is_deferred(model[0].weight) and is_deferred(model[-1].weight)
     assert len(done) < len(model)  # of 2 reports per layer: stopped long before the end
     assert _guards_are_clean()
+
+
+@pytest.mark.parametrize("rng", ["exact", "fast"])
+def test_interrupt_inside_a_large_fill_stops_it_there_and_leaves_it_exact(rng, monkeypatch):
+    # A 256 MiB fill is made in steps (split_fill): Ctrl-C, sent once part of it is told, stops
+    # it at the next step; the tensor stays deferred and later comes out as eager's.
+    monkeypatch.setattr(_interrupts, "TELL_S", 0.01)
+    n = 64 << 20
+    torch.manual_seed(0)
+    with meta_init():
+        weight = torch.empty(n).normal_(std=0.02)
+    told = []
+
+    def progress(done, total):
+        told.append(done)
+        if 0 < done < total and len([d for d in told if 0 < d < total]) == 1:
+            os.kill(os.getpid(), signal.SIGINT)
+
+    with pytest.raises(KeyboardInterrupt):
+        materialize(weight, rng=rng, progress=progress)
+    assert is_deferred(weight) and max(told) < n * 4
+    assert _guards_are_clean()
+    materialize(weight, rng=rng)
+    if rng == "exact":
+        torch.manual_seed(0)
+        assert torch.equal(weight, torch.empty(n).normal_(std=0.02))

@@ -1,8 +1,8 @@
 """The package's layers import downwards only, and the core pulls in no Jupyter or pandas.
 
-Also the restructure's rules (issue 22): the core's stages import in order, the upper layers use
-only the core's public face, no import circle (imports inside functions included), and no module,
-function or folder grows past the size a newcomer can read.
+Also the layout's rules: the core's stages import in order, the upper layers use only the core's
+public face, no import circle (imports inside functions included); modules, functions or folders
+past the size a newcomer reads comfortably are reported as warnings (advisory, not failures).
 """
 
 from __future__ import annotations
@@ -11,6 +11,7 @@ import ast
 import pathlib
 import subprocess
 import sys
+import warnings
 
 import pytest
 
@@ -19,9 +20,22 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jupyter_metainit"
 STAGES = ("runtime", "rng", "record", "replay", "materialize")
 # What an upper layer (any top-level subpackage but core) may import from the core.
 CORE_FACE = {"jupyter_metainit.core", "jupyter_metainit.core.errors"}
+# Sizes a newcomer reads comfortably. Advisory (issue 34): going over is reported in the test
+# run's warnings summary, not a failure, so that concepts, not line counts, shape the code.
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 80
 MAX_FOLDER_MODULES = 12
+
+
+class SizeAdvisory(UserWarning):
+    """A module, function or folder over the size a newcomer reads comfortably."""
+
+
+def _advise(what: str, found: object) -> None:
+    if found:
+        warnings.warn(f"{what}: {found}", SizeAdvisory, stacklevel=2)
+
+
 # layer -> layers it may import
 ALLOWED = {
     "core": {"core"},
@@ -29,7 +43,8 @@ ALLOWED = {
     "distributed": {"core", "distributed"},
     "plan": {"core", "estimates", "plan"},
     "save": {"core", "save"},
-    "jupyter": {"core", "estimates", "plan", "save", "jupyter"},
+    "inspection": {"core", "inspection"},
+    "jupyter": {"core", "estimates", "plan", "save", "inspection", "jupyter"},
 }
 
 
@@ -240,10 +255,10 @@ def test_no_import_circle_among_package_modules_function_level_imports_included(
     assert not circles, "import circles:\n" + "\n".join(" <-> ".join(c) for c in circles)
 
 
-def test_no_package_module_is_over_400_lines():
+def test_modules_over_400_lines_are_reported():
     long = {name: len(path.read_text().splitlines()) for name, path in MODULES.items()}
     long = {name: lines for name, lines in long.items() if lines > MAX_MODULE_LINES}
-    assert not long, f"modules over {MAX_MODULE_LINES} lines: {long}"
+    _advise(f"modules over {MAX_MODULE_LINES} lines", long)
 
 
 def _function_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
@@ -259,7 +274,7 @@ def _function_lines(node: ast.FunctionDef | ast.AsyncFunctionDef) -> int:
     return lines
 
 
-def test_no_function_is_over_80_lines_excluding_its_docstring():
+def test_functions_over_80_lines_excluding_their_docstring_are_reported():
     long = []
     for name, path in MODULES.items():
         for node in ast.walk(ast.parse(path.read_text())):
@@ -267,13 +282,13 @@ def test_no_function_is_over_80_lines_excluding_its_docstring():
                 lines = _function_lines(node)
                 if lines > MAX_FUNCTION_LINES:
                     long.append(f"{name}.{node.name} ({lines} lines)")
-    assert not long, f"functions over {MAX_FUNCTION_LINES} lines:\n" + "\n".join(sorted(long))
+    _advise(f"functions over {MAX_FUNCTION_LINES} lines", ", ".join(sorted(long)))
 
 
-def test_no_package_folder_holds_over_12_modules():
+def test_folders_over_12_modules_are_reported():
     crowded = {}
     for folder in [PACKAGE, *(p for p in PACKAGE.rglob("*") if p.is_dir())]:
         count = len(list(folder.glob("*.py")))
         if count > MAX_FOLDER_MODULES:
             crowded[folder.relative_to(PACKAGE.parent).as_posix()] = count
-    assert not crowded, f"folders over {MAX_FOLDER_MODULES} modules: {crowded}"
+    _advise(f"folders over {MAX_FOLDER_MODULES} modules", crowded)

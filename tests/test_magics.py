@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -670,6 +671,27 @@ def test_save_magic_to_a_path_it_cannot_write_says_what_to_do(ip, tmp_path):
     (tmp_path / "a_file").write_text("")
     message = usage_error(ip, f"%save m {tmp_path / 'a_file' / 'ckpt'}")
     assert "choose a directory you can write to" in message and "Errno" not in message
+
+
+@pytest.mark.parametrize("path", ["~/ckpt", "$CKPT_ROOT/ckpt", "${CKPT_ROOT}/ckpt"])
+def test_save_magic_expands_home_and_environment_variables_as_ipythons_magics_do(
+    ip, tmp_path, monkeypatch, path
+):
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.setenv("CKPT_ROOT", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    ok(ip, "%%meta_init\nm = nn.Linear(4, 3)")
+    out = ok(ip, f"%save m {path}")
+    assert (tmp_path / "home" / "ckpt" / "model.safetensors").exists()
+    assert sorted(os.listdir(tmp_path)) == ["home"]  # no directory named "~" or "$CKPT_ROOT"
+    assert f"saved m to {tmp_path / 'home' / 'ckpt'} " in out.stdout
+
+
+@pytest.mark.parametrize("quote", ['"', "'"])
+def test_save_magic_takes_a_quoted_path_with_spaces_and_a_hash(ip, tmp_path, quote):
+    ok(ip, "%%meta_init\nm = nn.Linear(4, 3)")
+    ok(ip, f"%save m {quote}{tmp_path / 'my dir' / 'ck#1'}{quote} --format dcp")
+    assert sorted(os.listdir(tmp_path / "my dir" / "ck#1")) == [".metadata", "__0_0.distcp"]
 
 
 def test_ipythons_own_save_of_code_still_works_with_the_extension_loaded(ip, tmp_path):

@@ -303,7 +303,7 @@ def test_a_list_with_plain_meta_tensors_materializes_nothing():
     ("kwargs", "error", "match"),
     [
         ({"dtype": torch.int8}, ValueError, "not a floating-point dtype"),
-        ({"dtype": "bf16"}, TypeError, "torch.dtype"),
+        ({"dtype": "bf17"}, ValueError, "is not a dtype"),
         ({"device": "xla"}, MaterializationError, "no xla device"),
         ({"device": "mps"}, MaterializationError, "no mps device"),
         ({"device": "warp:3"}, ValueError, "not a device"),

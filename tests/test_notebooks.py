@@ -18,7 +18,7 @@ from nbclient.exceptions import CellExecutionError
 from nbformat.v4 import new_code_cell, new_notebook
 
 NOTEBOOKS = Path(__file__).resolve().parents[1] / "notebooks"
-NAMES = ["quickstart", "lazy_modules", "custom_modules", "checkpoints"]
+NAMES = ["quickstart", "lazy_modules", "custom_modules", "checkpoints", "values"]
 CELL_TIMEOUT_S = 300
 WIDGET_MIME = "application/vnd.jupyter.widget-view+json"
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
@@ -79,6 +79,11 @@ def custom_modules():
 @pytest.fixture(scope="module")
 def checkpoints():
     return execute(load("checkpoints"))
+
+
+@pytest.fixture(scope="module")
+def values():
+    return execute(load("values"))
 
 
 # --------------------------------------------------------------------------- stored form
@@ -190,6 +195,33 @@ def test_checkpoint_layer_materializes_from_the_files_and_runs(checkpoints):
 def test_checkpoint_layer_is_freed_again(checkpoints):
     out = text(cell_with(checkpoints, "%dematerialize model.model.layers[2]"))
     assert "dematerialized model.model.layers[2]" in out
+
+
+# --------------------------------------------------------------------------- values
+
+
+def test_values_finds_gpt2_depth_scaled_and_llama_not_at_every_layer(values):
+    out = text(cell_with(values, "expected = 0.02 / math.sqrt(2 * depth)"))
+    assert "0.02 / sqrt(2 x 48) = 0.00204" in out
+    for name in ("GPT-2 attn.c_proj", "GPT-2 mlp.c_proj"):
+        assert re.search(rf"{name} +std 0\.0020\d to 0\.0020\d in 48 layers: depth-scaled", out)
+    for name in ("Llama o_proj", "Llama down_proj"):
+        assert re.search(rf"{name} +std 0\.0\d+ to 0\.0\d+ in 48 layers: not depth-scaled", out)
+    assert "still deferred: True" in out
+
+
+def test_values_draws_the_std_along_the_depth(values):
+    cell = cell_with(values, 'title="std of the residual projections')
+    svg = next(o.data["image/svg+xml"] for o in cell.outputs if "data" in o)
+    assert svg.count("<polyline") == 5 and "Llama down_proj" in svg
+
+
+def test_values_fine_tune_leaves_the_frozen_blocks_equal_and_moves_the_rest(values):
+    out = text(cell_with(values, "diff = compare("))
+    assert re.search(r"equal +38", out) and re.search(r"differ +38", out)
+    moved = text(cell_with(values, "moved = {"))
+    assert re.search(r"mlp\.c_proj +0\.0000 0\.0000 0\.0000 0\.[1-9]", moved)
+    assert "image/svg+xml" in mimes(cell_with(values, "moved = {"))
 
 
 # --------------------------------------------------------------------------- failing cell

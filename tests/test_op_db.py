@@ -35,8 +35,6 @@ SAMPLES_PER_VARIANT = 12  # bounds the run (about a minute); every operator is c
 CLEAR_ERRORS = {
     "addbmm": "the CPU kernel resizes `self` in place when it broadcasts; deferred tensors keep "
     "their shape, so the in-place form is refused (the out-of-place form works)",
-    "sparse.mm": "sparse inputs cannot be deferred",
-    "sparse.sampled_addmm": "sparse inputs cannot be deferred",
     "to_sparse": "sparse outputs cannot be deferred",
 }
 # Results whose values are uninitialized memory in eager code too, or differ from one eager run

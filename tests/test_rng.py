@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import gc
+import weakref
 
 import pytest
 import torch
@@ -13,6 +15,7 @@ from jupyter_metainit import materialize, meta_init
 from jupyter_metainit.core.rng import draws as _draws
 from jupyter_metainit.core.rng import positions as _positions
 from jupyter_metainit.core.rng import segments as _seg
+from jupyter_metainit.core.rng import streams as _streams
 
 
 def _state_after(spec, state, device):
@@ -768,3 +771,73 @@ def test_a_build_for_an_absent_gpu_draws_from_the_cpu_stream_as_eager_code_on_th
     assert torch.equal(torch.get_rng_state(), eager_state)
     materialize(model, device="cpu")
     assert torch.equal(model.weight, eager.weight) and torch.equal(model.bias, eager.bias)
+
+
+def _segments_of(build_model):
+    """The model ``build_model()`` returns, and weak references to the RNG segments it made."""
+    before = _seg.live_segments()
+    model = build_model()
+    made = [weakref.ref(s) for s in _seg.live_segments() if not any(s is b for b in before)]
+    return model, made
+
+
+@pytest.mark.parametrize("how", ["deferred", "materialized", "kept for dematerialize"])
+def test_a_builds_rng_checkpoints_live_and_die_with_its_model(how):
+    model, segments = _segments_of(lambda: deferred(n=24))
+    assert segments
+    if how != "deferred":
+        materialize(model[3], keep_cache=how != "materialized")  # exact: checkpoints made
+        assert all(len(ref().checkpoints) > 1 for ref in segments)
+        materialize(model, keep_cache=how != "materialized")
+    gc.collect()
+    alive = how != "materialized"  # dematerialize replays them; deferred parts too
+    assert all((ref() is not None) == alive for ref in segments)
+    del model
+    gc.collect()
+    assert all(ref() is None for ref in segments)
+
+
+def test_a_generator_made_in_each_rebuilt_model_is_not_kept_once_its_model_is_gone():
+    def build_with_own_generator():
+        g = torch.Generator().manual_seed(1)
+        with meta_init():
+            model = nn.Linear(4, 4)
+            nn.init.normal_(model.weight, generator=g)
+        return model
+
+    materialize(build_with_own_generator())
+    gc.collect()  # a build's records hold each other in cycles
+    trackers = len(_streams._trackers)
+    for _ in range(5):
+        materialize(build_with_own_generator())
+        gc.collect()
+    assert len(_streams._trackers) <= trackers
+
+
+def test_a_state_saved_mid_build_still_stands_for_the_eager_state_once_that_model_is_gone():
+    def again(deferred):
+        g = torch.Generator().manual_seed(5)
+        with meta_init() if deferred else contextlib.nullcontext():
+            first = torch.randn(40, generator=g)
+            saved = torch._C.Generator.get_state(g)  # unwrapped: while deferred, a mark
+        del first
+        gc.collect()
+        with meta_init() if deferred else contextlib.nullcontext():
+            other = torch.Generator()
+            other.set_state(saved)
+            return torch.randn(40, generator=other)
+
+    assert torch.equal(materialize(again(deferred=True)), again(deferred=False))
+
+
+def test_a_stream_whose_earlier_ops_are_all_gone_continues_like_eager():
+    def build(deferred):
+        torch.manual_seed(3)
+        with meta_init() if deferred else contextlib.nullcontext():
+            torch.randn(1000)  # dropped at once: nothing can replay it
+            gc.collect()
+            return torch.randn(10), torch.empty(7).normal_()
+
+    eager = build(deferred=False)
+    got = build(deferred=True)
+    assert all(torch.equal(materialize(t), e) for t, e in zip(got, eager, strict=True))

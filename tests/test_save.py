@@ -387,9 +387,9 @@ def test_direct_writes_assemble_unaligned_pieces_in_any_order(tmp_path):
     jobs: list = []
     for a, b in reversed(pieces):  # unaligned sources: written through aligned copies
         one.add(a, memoryview(expected[a:b].clone().numpy()).cast("B"), jobs)
-    for fd, offset, data in jobs:
+    for target, offset, data in jobs:
         assert offset % direct.ALIGN == 0 and len(data) % direct.ALIGN == 0
-        os.pwrite(fd, data, offset)
+        target.write(offset, data)
     one.finish()
     one.close()
     assert (tmp_path / "f").read_bytes() == expected.numpy().tobytes()
@@ -407,3 +407,38 @@ def test_direct_memory_starts_at_the_file_offset_modulo_the_block(tmp_path):
     assert second.data_ptr() >= first.data_ptr() + 400  # places do not overlap
     regions.start_batch([(8, entries[0])])  # the other arena: batch 1 may still be written
     assert not (first.data_ptr() - 8 <= regions(400).data_ptr() < second.data_ptr() + 400)
+
+
+_ZERO_ELEMENT_MODELS = {
+    "first tensor empty": lambda: nn.Linear(0, 4),
+    "only tensor empty": lambda: nn.Embedding(0, 3),
+    "empty ones in between": lambda: nn.Sequential(
+        nn.Linear(3, 4), nn.Linear(0, 4), nn.Embedding(0, 2), nn.Linear(4, 2)
+    ),
+}
+
+
+@pytest.mark.filterwarnings("ignore:Initializing zero-element tensors is a no-op")
+@pytest.mark.parametrize("build", list(_ZERO_ELEMENT_MODELS), ids=list(_ZERO_ELEMENT_MODELS))
+@pytest.mark.parametrize("path", ["direct", "mapped", "pwrite"])
+def test_tensors_without_elements_anywhere_save_as_save_file_saves_them(
+    tmp_path, monkeypatch, path, build
+):
+    _write_path(monkeypatch, path)
+    eager, deferred = eager_and_deferred(_ZERO_ELEMENT_MODELS[build])
+    save(deferred, tmp_path / "ours")
+    save_file(eager.state_dict(), tmp_path / "eager.safetensors", metadata={"format": "pt"})
+    ours = (tmp_path / "ours" / "model.safetensors").read_bytes()
+    assert ours == (tmp_path / "eager.safetensors").read_bytes()
+
+
+def test_a_path_starting_with_a_tilde_is_saved_in_the_home_directory(tmp_path, monkeypatch):
+    # as the widget's Save… and %save do (and fits(path)): never a directory named "~"
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    monkeypatch.chdir(tmp_path)
+    with meta_init():
+        model = nn.Linear(4, 3)
+    written = save(model, "~/ckpt")
+    assert written == str(tmp_path / "home" / "ckpt")
+    assert sorted(os.listdir(tmp_path)) == ["home"]
+    assert (tmp_path / "home" / "ckpt" / "model.safetensors").exists()

@@ -4,6 +4,8 @@ give, loadable into an eager model and, resharded, into a 2-rank FSDP2 model ove
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -70,6 +72,47 @@ def test_a_cancelled_dcp_save_leaves_nothing_and_raises_the_callbacks_exception(
     assert os.listdir(tmp_path) == []
 
 
+def test_a_dcp_save_writes_one_file_per_rank_as_torchs_writer_does(tmp_path):
+    save(_deferred_mlp(), tmp_path / "ours", format="dcp")
+    dcp.save(_mlp().state_dict(), checkpoint_id=tmp_path / "torch", no_dist=True)
+    assert sorted(os.listdir(tmp_path / "ours")) == [".metadata", "__0_0.distcp"]
+    assert sorted(os.listdir(tmp_path / "ours")) == sorted(os.listdir(tmp_path / "torch"))
+
+
+def test_max_shard_size_splits_a_dcp_save_into_files_that_load_exactly(tmp_path):
+    save(_deferred_mlp(), tmp_path / "seed", format="dcp", max_shard_size=250)  # 432 B of tensors
+    files = sorted(os.listdir(tmp_path / "seed"))
+    assert files == [".metadata", "__0_0.distcp", "__0_1.distcp"]
+    target = _other_values()
+    dcp.load(target.state_dict(), checkpoint_id=tmp_path / "seed", no_dist=True)
+    assert _equal_to_eager(target.state_dict()) == []
+
+
+_PEAK_SCRIPT = """
+import resource
+from torch import nn
+from jupyter_metainit import meta_init
+from jupyter_metainit.save import save
+with meta_init():
+    model = nn.Sequential(*[nn.Linear(5120, 4096, bias=False) for _ in range(8)])  # 8 x 80 MiB
+before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+save(model, {path!r}, format="dcp")
+after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+print(after - before)
+"""
+
+
+def test_a_dcp_save_into_one_file_holds_a_few_tensors_not_the_model(tmp_path):
+    script = _PEAK_SCRIPT.format(path=str(tmp_path / "seed"))
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
+    growth = int(out.stdout.split()[-1])
+    tensor = 5120 * 4096 * 4
+    # One tensor being written, the next one computed (and the replay's scratch): not the
+    # file's 640 MiB.
+    assert growth <= 3 * tensor + (64 << 20), f"peak grew by {growth >> 20} MiB"
+    assert sorted(os.listdir(tmp_path / "seed")) == [".metadata", "__0_0.distcp"]
+
+
 def test_dtype_casts_deferred_tensors_in_a_dcp_save(tmp_path):
     save(_deferred_mlp(), tmp_path / "seed", format="dcp", dtype=torch.bfloat16)
     target = _other_values().to(torch.bfloat16)
@@ -119,8 +162,8 @@ def test_a_seed_checkpoint_loads_resharded_into_fsdp2_with_eager_values(ranks, r
 def test_each_rank_of_a_deferred_fsdp2_model_writes_its_own_shards(ranks):
     results, base = ranks
     assert all(rank_result(results, "save", r)["deferred"] for r in range(WORLD))
-    files = os.listdir(base / "sharded")
-    assert any(f.startswith("__0_") for f in files) and any(f.startswith("__1_") for f in files)
+    files = sorted(os.listdir(base / "sharded"))
+    assert files == [".metadata", "__0_0.distcp", "__1_0.distcp"]  # one file per rank
 
 
 def test_the_shards_two_ranks_wrote_load_into_an_eager_model_with_eager_values(ranks):

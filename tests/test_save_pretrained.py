@@ -270,6 +270,7 @@ def test_a_real_model_takes_transformers_own_path(tmp_path):
 
 
 def test_the_wrapper_keeps_the_signature_and_docstring_and_installs_once():
+    _deferred_and_eager()  # a meta_init block with transformers imported installs it
     wrapper = transformers.PreTrainedModel.save_pretrained
     install_save_pretrained()
     assert transformers.PreTrainedModel.save_pretrained is wrapper
@@ -291,6 +292,31 @@ def test_installing_the_hook_leaves_jupyter_metainit_save_the_function():
 
     assert inspect.isfunction(jupyter_metainit.save)
     assert "max_shard_size" in inspect.signature(jupyter_metainit.save).parameters
+
+
+_UNTOUCHED = """
+import sys, transformers
+before_method = transformers.PreTrainedModel.save_pretrained
+before_finders = list(sys.meta_path)
+import jupyter_metainit, jupyter_metainit.save
+assert transformers.PreTrainedModel.save_pretrained is before_method, "save_pretrained patched"
+assert sys.meta_path == before_finders, "an import hook was added"
+with jupyter_metainit.meta_init():
+    pass
+assert transformers.PreTrainedModel.save_pretrained is not before_method
+"""
+
+
+def test_importing_the_package_changes_nothing_in_transformers_until_a_meta_init_block():
+    env = {**os.environ, "PYTHONPATH": _ROOT}
+    subprocess.run([sys.executable, "-c", _UNTOUCHED], check=True, env=env, cwd=_ROOT)
+
+
+def test_importing_the_package_adds_no_import_hook():
+    env = {**os.environ, "PYTHONPATH": _ROOT}
+    code = "import sys\nn = len(sys.meta_path)\nimport jupyter_metainit\n"
+    code += "assert len(sys.meta_path) == n"
+    subprocess.run([sys.executable, "-c", code], check=True, env=env, cwd=_ROOT)
 
 
 _IMPORTS = {

@@ -33,7 +33,23 @@ def test_small_or_strided_fills_are_left_to_the_serial_kernel():
     assert not split_fill(aten.normal_.default, torch.empty(1000), fill, gen, workers=4)
     strided = torch.empty(N, 2)[:, 0]
     assert not split_fill(aten.normal_.default, strided, fill, gen, workers=4)
-    assert not split_fill(aten.normal_.default, torch.empty(N), fill, gen, workers=1)
+
+
+def test_a_large_fill_on_one_core_is_made_in_steps_equal_to_the_serial_fill(monkeypatch):
+    # one thread (a replay's group on the pool): still in steps, so that it reports and stops
+    monkeypatch.setattr(_split_fill, "STEP_ELEMENTS", 16 * 1000)
+    serial, stepped = torch.empty(N), torch.empty(N)
+    a, b = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
+    serial.normal_(generator=a)
+    calls = []
+
+    def fill(t, g):
+        calls.append(t.numel())
+        return t.normal_(generator=g)
+
+    assert split_fill(aten.normal_.default, stepped, fill, b, workers=1)
+    assert len(calls) > 100 and max(calls) <= 16 * 1000 + 16
+    assert torch.equal(serial, stepped) and torch.equal(a.get_state(), b.get_state())
 
 
 def test_exact_materialization_splits_large_fills_and_equals_eager(monkeypatch):
@@ -41,10 +57,10 @@ def test_exact_materialization_splits_large_fills_and_equals_eager(monkeypatch):
     calls = []
     real = _split_fill._fill_in_chunks
 
-    def counting(target, fill, generator, bounds, per_element, parallel):
+    def counting(target, fill, generator, bounds, per_element, parallel, *rest):
         if parallel:  # not the once-per-process check on small tensors
             calls.append(len(bounds))
-        return real(target, fill, generator, bounds, per_element, parallel)
+        return real(target, fill, generator, bounds, per_element, parallel, *rest)
 
     monkeypatch.setattr(_split_fill, "_fill_in_chunks", counting)
     torch.manual_seed(0)

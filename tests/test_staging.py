@@ -5,8 +5,14 @@ after a failure."""
 from __future__ import annotations
 
 import os
+import signal
 import stat
 import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 
 import pytest
 import torch
@@ -290,3 +296,103 @@ def test_a_save_into_a_mounted_volume_replaces_its_checkpoint(tmp_path):
 def _equal_to_file(model: nn.Module, path: os.PathLike) -> bool:
     saved = load_file(path)  # mapped: gone (and the volume free to unmount) on return
     return all(torch.equal(saved[k], v) for k, v in model.state_dict().items())
+
+
+# A save in another process that stops in its progress callback (with its staging directory
+# written) until it is killed.
+_SAVE_THAT_HANGS = """
+import sys, time
+from torch import nn
+from jupyter_metainit import meta_init, save
+
+with meta_init():
+    model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 64))
+
+def hang(done, total):
+    print("writing", flush=True)
+    time.sleep(600)
+
+save(model, sys.argv[1], format=sys.argv[2], progress=hang)
+"""
+
+
+@contextmanager
+def _save_in_another_process(destination: Path, fmt: str) -> Iterator[subprocess.Popen]:
+    """A save writing into ``destination`` from a child process, until the block ends (or
+    the test kills it)."""
+    root = str(Path(__file__).resolve().parents[1])
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([root, os.environ.get("PYTHONPATH", "")])}
+    child = subprocess.Popen(
+        [sys.executable, "-c", _SAVE_THAT_HANGS, str(destination), fmt],
+        stdout=subprocess.PIPE, env=env,
+    )  # fmt: skip
+    try:
+        assert child.stdout is not None and child.stdout.readline().strip() == b"writing"
+        yield child
+    finally:
+        child.kill()
+        child.wait(timeout=60)
+        child.stdout.close()
+
+
+def _staging_names(directory: Path) -> list[str]:
+    return sorted(n for n in os.listdir(directory) if n.startswith(".saving-"))
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "dcp"])
+def test_a_save_removes_the_staging_directory_a_save_killed_with_sigkill_left(tmp_path, fmt):
+    with _save_in_another_process(tmp_path, fmt) as child:
+        left = _staging_names(tmp_path)
+        child.send_signal(signal.SIGKILL)
+        child.wait(timeout=60)
+    assert left and _staging_names(tmp_path) == left  # a killed save cleans nothing up
+    save(_deferred_mlp(), tmp_path, format=fmt)
+    assert _staging_names(tmp_path) == []
+
+
+def test_a_save_leaves_the_staging_directory_of_a_running_save_alone(tmp_path):
+    with _save_in_another_process(tmp_path, "safetensors"):
+        running = _staging_names(tmp_path)
+        save(_deferred_mlp(), tmp_path)
+        assert running and _staging_names(tmp_path) == running
+        assert set(load_file(tmp_path / "model.safetensors")) == {"0.weight", "0.bias",
+                                                                  "2.weight", "2.bias"}  # fmt: skip
+
+
+def test_a_dcp_save_while_another_writes_the_directory_is_refused_and_harms_nothing(tmp_path):
+    with _save_in_another_process(tmp_path, "dcp"):
+        running = _staging_names(tmp_path)
+        files = sorted(os.listdir(tmp_path / running[0]))
+        with pytest.raises(FileExistsError, match=r"another save is writing into .* now"):
+            save(_deferred_mlp(), tmp_path, format="dcp")
+        assert sorted(os.listdir(tmp_path / running[0])) == files
+
+
+def test_a_staging_directory_without_an_owner_is_removed_only_once_old(tmp_path):
+    # a save killed before it claimed its staging directory, or made by a version that did not
+    for name in (".saving-abcd1234", ".saving-wxyz_789"):
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "model.safetensors").write_bytes(b"half written")
+    long_ago = time.time() - 2 * 3600
+    os.utime(tmp_path / ".saving-abcd1234", (long_ago, long_ago))
+    save(_deferred_mlp(), tmp_path)
+    assert _staging_names(tmp_path) == [".saving-wxyz_789"]
+
+
+def test_directories_named_like_staging_that_are_not_ours_stay(tmp_path):
+    long_ago = time.time() - 2 * 3600
+    names = [
+        ".saving-Notes",
+        ".saving-",
+        ".saving-abcd1234.bak",
+        ".saving-notes",
+        ".saving-wxyz5678",
+    ]
+    for name in names:
+        (tmp_path / name).mkdir()
+    (tmp_path / ".saving-wxyz5678" / "nested").mkdir()  # a save's holds files only
+    for name in names:
+        os.utime(tmp_path / name, (long_ago, long_ago))
+    (tmp_path / ".saving-abcd1234").write_text("a file, not a directory")
+    save(_deferred_mlp(), tmp_path)
+    assert _staging_names(tmp_path) == sorted([*names, ".saving-abcd1234"])

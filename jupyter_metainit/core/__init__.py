@@ -17,13 +17,19 @@ public face; ``errors`` beside it holds the exceptions.
 - the lock and events: ``busy_with`` (what holds the lock), ``events`` (the module
   ``core.runtime.events``: ``events.subscribe(callback)``, ``events.publish(kind, tensors)``);
 - ``plain``: run real tensor code with every interception off;
+- ``at_meta_init_edges(callback)``: run something when a thread enters or leaves its outermost
+  ``meta_init`` block (the save_pretrained diversion installs itself then, not at import);
 - for ``materialize_sharded``: ``iter_deferred``, ``progress_callback``,
   ``noting_whole_intermediates``;
-- one helper per concept: ``parse_device``, ``missing_device_reason``, ``parse_dtype``,
-  ``dtype_name``, ``available_memory``, ``is_out_of_memory``, ``local_tensor`` (a DTensor's
+- one parser per kind of argument (Note [One argument policy] in ``runtime/arguments``):
+  ``parse_device``, ``indexed_device``, ``parse_dtype``, ``parse_size``;
+- one helper per concept: ``missing_device_reason``, ``dtype_name``, ``available_memory``,
+  ``is_out_of_memory``, ``local_tensor`` (a DTensor's
   local shard), ``copy_user_attributes`` (the user's attributes onto a real tensor);
 - for ``save``: ``values_to_write`` (exact values of a deferred tensor or of a batch of them,
-  nothing kept or swapped) and ``source_files`` (the checkpoint files a deferred tensor reads).
+  nothing kept or swapped), ``source_files`` (the checkpoint files a deferred tensor reads),
+  ``telling`` and ``copy_in_steps`` (progress, and Cancel, from inside a batch being generated
+  or copied).
 """
 
 from __future__ import annotations
@@ -50,17 +56,20 @@ from jupyter_metainit.core.materialize.walk import (
     storage_of,
     unique_tensors,
 )
-from jupyter_metainit.core.record.context import is_meta_init, meta_init
+from jupyter_metainit.core.record.context import at_meta_init_edges, is_meta_init, meta_init
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.replay import noting_whole_intermediates, values_to_write
 from jupyter_metainit.core.runtime import events
 from jupyter_metainit.core.runtime.arguments import (
     dtype_name,
+    indexed_device,
     missing_device_reason,
     parse_device,
     parse_dtype,
+    parse_size,
 )
 from jupyter_metainit.core.runtime.format import format_bytes, format_count, format_duration
+from jupyter_metainit.core.runtime.interrupts import copy_in_steps, telling
 from jupyter_metainit.core.runtime.lock import busy_with
 from jupyter_metainit.core.runtime.memory import available_memory, is_out_of_memory
 from jupyter_metainit.core.runtime.plain import plain
@@ -81,9 +90,11 @@ __all__ = [
 
 # The upper layers' face (see the docstring): public names of the core, not listed for users.
 UPPER_LAYER_FACE = (
-    available_memory, busy_with, copy_user_attributes, counted_attributes, dtype_name, events,
-    format_bytes, format_count, format_duration, is_out_of_memory, iter_deferred, local_tensor,
-    missing_device_reason, named_tensors, noting_whole_intermediates, own_tensors, parse_device,
-    parse_dtype, plain, progress_callback, source_files, storage_of, unique_tensors,
-    values_to_write,
+    at_meta_init_edges, available_memory, busy_with, copy_in_steps, copy_user_attributes,
+    counted_attributes, dtype_name, events, format_bytes, format_count, format_duration,
+    indexed_device,
+    is_out_of_memory, iter_deferred,
+    local_tensor, missing_device_reason, named_tensors, noting_whole_intermediates, own_tensors,
+    parse_device, parse_dtype, parse_size, plain, progress_callback, source_files, storage_of,
+    telling, unique_tensors, values_to_write,
 )  # fmt: skip

@@ -1,8 +1,16 @@
-"""Exceptions raised by the core. All derive from :class:`MetaInitError` (a ``RuntimeError``)."""
+"""The exceptions ``jupyter_metainit`` raises on purpose: one family under :class:`MetaInitError`.
+
+``except jupyter_metainit.MetaInitError`` catches every one of them. Argument errors are also
+the built-in exception Python code expects for them (:class:`ArgumentError` is a ``ValueError``,
+:class:`ArgumentTypeError` a ``TypeError``), so ``except ValueError`` keeps working too. Every
+layer raises these (upper layers import this module directly); the package root exports them.
+"""
 
 from __future__ import annotations
 
 __all__ = [
+    "ArgumentError",
+    "ArgumentTypeError",
     "BusyError",
     "DeferredDataError",
     "MaterializationError",
@@ -13,7 +21,19 @@ __all__ = [
 
 
 class MetaInitError(RuntimeError):
-    """Base class of every error raised by ``jupyter_metainit``."""
+    """Base class of every error ``jupyter_metainit`` raises on purpose.
+
+    It is a ``RuntimeError`` (as it always was); argument errors are also ``ValueError`` or
+    ``TypeError``.
+    """
+
+
+class ArgumentError(MetaInitError, ValueError):
+    """An argument has the right type but a value the function cannot use (``dtype="bf17"``)."""
+
+
+class ArgumentTypeError(MetaInitError, TypeError):
+    """An argument has a type the function does not take (``pin=3`` where a dict is needed)."""
 
 
 class UnsupportedOperatorError(MetaInitError):

@@ -36,7 +36,7 @@ from jupyter_metainit.core import (
     own_tensors,
     progress_callback,
 )
-from jupyter_metainit.core.errors import MaterializationError
+from jupyter_metainit.core.errors import ArgumentError, MaterializationError
 
 __all__ = ["WholeTensorWarning", "materialize_sharded"]
 
@@ -187,7 +187,7 @@ def materialize_sharded(
     mesh: Any = None,
     *,
     placement: Any = None,
-    rng: str = "exact",
+    rng: str | None = None,
     progress: bool | Callable[[int, int], None] | None = None,
 ) -> torch.nn.Module:
     """Materialize a deferred model after sharding it: each rank makes only its own shards.
@@ -213,7 +213,8 @@ def materialize_sharded(
         placement: an FSDP plan, ``place(model, ..., strategy="fsdp", world_size=N)``: its
             ``units`` are ``fully_shard``-ed over ``mesh`` (innermost first, the root last)
             before the shards are made, as one would by hand.
-        rng: ``"exact"`` (default; bit-identical to a single-process materialization) or
+        rng: ``None`` or ``"exact"`` (the default, as ``materialize``'s: bit-identical to a
+            single-process materialization) or
             ``"fast"`` (per-op streams seeded from the recording; shards agree across ranks
             because every rank recorded the same seeds). Every rank must build the model from
             the same seed (``torch.manual_seed`` before ``meta_init``).
@@ -230,8 +231,9 @@ def materialize_sharded(
             f"parallelize_module), not {type(module).__name__}; for single tensors or lists use "
             "jupyter_metainit.materialize"
         )
-    if rng not in ("exact", "fast"):
-        raise ValueError(f"rng must be 'exact' or 'fast', not {rng!r}")
+    if rng not in (None, "exact", "fast"):
+        raise ArgumentError(f"rng must be 'exact', 'fast' or None (the default), not {rng!r}")
+    rng = rng or "exact"
     if placement is not None:
         _apply_placement(module, mesh, placement)
     elif mesh is not None:

@@ -12,6 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
+from jupyter_metainit.core import indexed_device
+from jupyter_metainit.core.errors import ArgumentTypeError
+
 __all__ = [
     "check_budget",
     "check_depth",
@@ -79,15 +82,8 @@ def check_budget(limit: Any, given: Any) -> int:
 
 
 def check_device(device: Any, arg: str = "device") -> torch.device:
-    """A ``torch.device`` from ``device``; a string torch cannot read is a clear error."""
-    if isinstance(device, torch.device):
-        return device
-    if isinstance(device, str) or (isinstance(device, int) and not isinstance(device, bool)):
-        try:
-            return torch.device(device)
-        except RuntimeError:
-            pass
-    raise ValueError(
-        f"{arg}={device!r} is not a device: use 'cpu', 'cuda' (the current GPU), 'cuda:0', "
-        "'cuda:1', ... or a torch.device"
-    )
+    """A ``torch.device`` from ``device`` (Note [One argument policy] in the core's
+    ``runtime/arguments``): a bare ``"cuda"`` is the current GPU, an int a GPU index."""
+    if device is None:
+        raise ArgumentTypeError(f"{arg} must be a device such as 'cpu' or 'cuda:0', not None")
+    return indexed_device(device, arg)

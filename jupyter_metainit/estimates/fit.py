@@ -9,31 +9,17 @@ import pandas as pd
 import torch
 from torch import nn
 
-from jupyter_metainit.core import available_memory, meta_init
+from jupyter_metainit.core import available_memory, meta_init, parse_size
 from jupyter_metainit.estimates._arguments import check_budget, check_device, require_module
 from jupyter_metainit.estimates.memory import memory_table
 
 __all__ = ["fits"]
 
-_SIZE = re.compile(r"^\s*([0-9]*\.?[0-9]+)\s*([kmgtp]?i?b?)\s*$", re.IGNORECASE)
-_FACTORS = {"": 1, "b": 1}
-for _i, _p in enumerate("kmgtp", start=1):
-    _FACTORS[_p] = _FACTORS[_p + "b"] = 1000**_i
-    _FACTORS[_p + "i"] = _FACTORS[_p + "ib"] = 1024**_i
-
 
 def parse_bytes(budget: int | float | str) -> int:
-    """``"24GiB"`` -> 25769803776, ``"80GB"`` -> 80000000000, numbers are bytes."""
-    if isinstance(budget, (int, float)):
-        if budget != budget or budget in (float("inf"), float("-inf")):
-            raise ValueError(f"budget must be a finite number of bytes, not {budget!r}")
-        return int(budget)
-    if not isinstance(budget, str):
-        raise TypeError(f"budget must be bytes or a size such as '24GiB', not {budget!r}")
-    match = _SIZE.match(budget)
-    if not match:
-        raise ValueError(f"cannot read a memory size from {budget!r} (e.g. '24GiB', '80GB')")
-    return int(float(match.group(1)) * _FACTORS[match.group(2).lower()])
+    """``"24GiB"`` -> 25769803776, ``"80GB"`` -> 80000000000, numbers are bytes (the core's
+    one size grammar, ``parse_size``)."""
+    return parse_size(budget, "budget")
 
 
 def device_budget(device: str | torch.device) -> int:
@@ -52,8 +38,9 @@ def device_budget(device: str | torch.device) -> int:
     raise ValueError(f"cannot measure free memory of {dev}; pass budget=")
 
 
-# What a hub name never looks like: a local path (hub names are "name" or "org/name").
+# What a hub name never looks like: a local path (hub names are "org/name").
 _FILE_SUFFIXES = (".safetensors", ".bin", ".pt", ".pth", ".ckpt", ".json", ".gguf", ".h5")
+_HUB_NAME = re.compile(r"[A-Za-z0-9][\w.-]*/[A-Za-z0-9][\w.-]*")  # huggingface_hub's repo ids
 
 
 def _looks_local(path: str) -> bool:
@@ -79,6 +66,13 @@ def _model_from_path(path: str) -> nn.Module:
             "(with a config.json), a hub name such as 'meta-llama/Llama-3.1-8B', or the model "
             "object"
         )
+    if not local.exists() and not _HUB_NAME.fullmatch(path):  # never asked of the hub
+        raise FileNotFoundError(
+            f"fits({path!r}): no directory {path!r} here, and a hub name is 'org/name'; pass "
+            "an existing model directory (with a config.json), a hub name such as "
+            "'meta-llama/Llama-3.1-8B' (older names are under an org now: 'gpt2' is "
+            "'openai-community/gpt2'), or the model object"
+        )
     import transformers  # optional: only hub names and model folders need it
 
     config = transformers.AutoConfig.from_pretrained(path)
@@ -101,10 +95,11 @@ def fits(
     """Say which subtrees of a model fit a memory budget.
 
     When to use: before materializing, to choose what can go on a GPU (or into host memory).
-    ``module_or_path``: a model (deferred, partial or real) or a local directory / hub name with
-    a transformers config (an empty model is built from it, as ``accelerate estimate-memory``
-    does). ``budget``: bytes, or a size such as ``"24GiB"``/``"80GB"``; ``None`` uses the free
-    memory of ``device`` (CUDA free memory, or available host memory for ``"cpu"``).
+    ``module_or_path``: a model (deferred, partial or real) or a local directory / hub name
+    (``"org/name"``) with a transformers config (an empty model is built from it, as
+    ``accelerate estimate-memory`` does); a word that is neither is refused at once.
+    ``budget``: bytes, or a size such as ``"24GiB"``/``"80GB"``; ``None`` uses the free memory
+    of ``device`` (CUDA free memory, or available host memory for ``"cpu"``).
     ``dtype``: the dtype you will materialize in (``torch.bfloat16``, ``"int8"`` ...); floating
     tensors are counted at that size.
 

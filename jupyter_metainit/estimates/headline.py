@@ -14,7 +14,7 @@ from jupyter_metainit.core import format_bytes
 __all__ = ["table_headline"]
 
 
-def table_headline(table: pd.DataFrame, optimizer: str | float | None = "adam") -> str:
+def table_headline(table: pd.DataFrame, optimizer: str | float | None = "adamw") -> str:
     """The summary line of ``table``, which must hold the root row (``""``) and its columns;
     ``optimizer`` names the optimizer when the table does not say."""
     root = table.loc[""]

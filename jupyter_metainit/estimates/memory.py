@@ -212,7 +212,7 @@ def memory_table(
     *,
     depth: int | None = None,
     dtype: torch.dtype | str | None = None,
-    optimizer: str | float | None = "adam",
+    optimizer: str | float | None = "adamw",
 ) -> MemoryTable:
     """Return one row per module (tree order, root first) with what each part costs.
 
@@ -262,7 +262,7 @@ def memory_table(
         dtype: "what if" every floating-point tensor were this dtype (``torch.bfloat16``,
             ``"fp16"``, ``"int8"``, ``"int4"`` ...); integer and bool tensors keep their size.
             The model is not touched. ``None`` uses the tensors' own dtypes.
-        optimizer: ``"adam"`` (default), ``"adamw"``, ``"sgd"``, ``"sgd_momentum"``,
+        optimizer: ``"adamw"`` (default, as ``place``), ``"adam"``, ``"sgd"``, ``"sgd_momentum"``,
             ``"adafactor"``, ``None``, or bytes of optimizer state per trainable parameter.
 
     Totals agree with ``accelerate.utils.compute_module_sizes(model)[""]`` and parameter

@@ -17,7 +17,7 @@ def summary(
     module_or_table: nn.Module | pd.DataFrame,
     *,
     dtype: torch.dtype | str | None = None,
-    optimizer: str | float | None = "adam",
+    optimizer: str | float | None = "adamw",
 ) -> str:
     """Return a one-line summary like the figures ``accelerate estimate-memory`` prints.
 

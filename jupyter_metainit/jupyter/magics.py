@@ -10,6 +10,7 @@ expression in the user namespace and call :func:`materialize`, :func:`dematerial
 
 from __future__ import annotations
 
+import re
 import time
 from collections.abc import Iterable
 from typing import Any
@@ -19,6 +20,7 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
+from IPython.utils.path import expand_path
 from torch import nn
 
 from jupyter_metainit.core import dematerialize, format_duration, materialize, meta_init
@@ -47,11 +49,14 @@ from jupyter_metainit.jupyter.magic_options import (
     strip_comment,
 )
 from jupyter_metainit.jupyter.model_views import memory_table_usage, show_model
+from jupyter_metainit.jupyter.value_magics import ValueMagics, unregister_value_magics
 from jupyter_metainit.plan import place
 from jupyter_metainit.plan.devices import name_value_pairs
 from jupyter_metainit.save import save as save_checkpoint
 
 __all__ = ["MetaInitMagics", "load_ipython_extension", "unload_ipython_extension"]
+# %save's EXPR PATH: PATH is the last word, or a quoted string at the end (spaces, "#" in it)
+_PATH_AT_THE_END = re.compile(r"""(.*?)\s*(?:"([^"]*)"|'([^']*)'|(\S*))""", re.DOTALL)
 
 
 @name_usage_errors  # option mistakes name the magic and the closest option
@@ -218,18 +223,19 @@ class MetaInitMagics(Magics):
               help="safetensors: what save_pretrained writes (default); dcp: "
               "torch.distributed.checkpoint.")  # fmt: skip
     @argument("--dtype", metavar="DT", help="Cast floating tensors to this dtype as written.")
-    @argument("--max-shard-size", metavar="SIZE", default="5GB", help="Shard size (5GB).")
+    @argument("--max-shard-size", metavar="SIZE", help="Most bytes a file holds (5GB; dcp: all).")
     @line_magic
     def save(self, line: str) -> None:
         """Write EXPR's values (what materialize would give) to directory PATH without
-        materializing it: ``%save model ./checkpoint [--format dcp]``.
+        materializing it: ``%save model "~/my dir" [--format dcp]`` (``~``, ``$VARS`` expanded).
 
         Tensor by tensor in bounded memory, with a progress bar; the model is not changed. A
         line that names no model (``%save -r notes.py 1-5``) goes to IPython's own ``%save``.
         """
         __tracebackhide__ = True
         expr, options = split_expression(line, lambda option: option != "--help")
-        expr, _, path = expr.strip().rpartition(" ")
+        expr, *paths = _PATH_AT_THE_END.fullmatch(expr.strip()).groups()  # type: ignore[union-attr]
+        path = next(p for p in paths if p is not None)
         if not expr and self._model_or_none(path) is not None:
             raise UsageError(f"%save: missing PATH (e.g. %save {path} ./checkpoint)")
         obj = self._model_or_none(expr)
@@ -245,12 +251,12 @@ class MetaInitMagics(Magics):
         if args.expr:
             raise UsageError(f"%save: unexpected argument(s) {' '.join(args.expr)!r}")
         dtype = parse_dtype(args.dtype)
-        start = time.perf_counter()
-        one_line_errors("save", lambda: save_checkpoint(obj, path.strip("'\""), format=args.format,
+        start, destination = time.perf_counter(), expand_path(path)
+        one_line_errors("save", lambda: save_checkpoint(obj, destination, format=args.format,
                                               max_shard_size=args.max_shard_size, dtype=dtype,
                                               progress=True))  # fmt: skip
         elapsed = time.perf_counter() - start
-        print(f"saved {expr} to {path} ({args.format}) in {format_duration(elapsed)}")
+        print(f"saved {expr} to {destination} ({args.format}) in {format_duration(elapsed)}")
 
     def _history_save(self, line: str) -> bool:
         """Is ``line`` one for IPython's own ``%save`` (history ranges it can find)?"""
@@ -374,7 +380,7 @@ def _magic_names() -> Iterable[tuple[str, str]]:
 def load_ipython_extension(ipython: InteractiveShell) -> None:
     """Register the magics (``%load_ext jupyter_metainit``); loading twice replaces them."""
     unload_ipython_extension(ipython)
-    ipython.register_magics(MetaInitMagics)
+    ipython.register_magics(MetaInitMagics, ValueMagics)  # ValueMagics: %stats, %compare
     install_short_tracebacks(ipython)
     # from the next cell on, widgets know when a cell runs (their clicks wait for it)
     watch_cells(ipython)
@@ -392,4 +398,5 @@ def unload_ipython_extension(ipython: InteractiveShell) -> None:
             if kind == "line" and name == "save" and original is not None:
                 manager.magics[kind][name] = original  # IPython's own %save again
     manager.registry.pop(MetaInitMagics.__name__, None)
+    unregister_value_magics(ipython)
     uninstall_short_tracebacks(ipython)

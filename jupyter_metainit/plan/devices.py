@@ -12,6 +12,8 @@ from typing import Any
 
 import torch
 
+from jupyter_metainit.core import indexed_device
+from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError
 from jupyter_metainit.estimates.fit import device_budget, parse_bytes
 
 __all__ = ["is_offload", "name_value_pairs", "parse_devices"]
@@ -45,29 +47,24 @@ _KINDS = ("cuda", "xpu", "mps", "npu", "hpu", "mtia", "cpu", "meta")
 
 
 def _device_name(device: Any) -> str:
-    """``"cuda:0"``, ``"cpu"``, ...; an int is a GPU index (accelerate's convention)."""
-    if isinstance(device, bool):
-        raise ValueError(f"{device!r} is not a device: use 'cuda:0', 'cpu', ... as keys")
-    if isinstance(device, int):
-        device = f"cuda:{device}"
-    if isinstance(device, torch.device):
-        device = str(device)
-    if not isinstance(device, str):
-        raise ValueError(
-            f"{device!r} is not a device: use device strings such as 'cuda:0', 'cuda:1', 'cpu' "
-            "as the keys of devices="
-        )
+    """``"cuda:0"``, ``"cpu"``, ...: the core's device parser (an int is a GPU index, a bare
+    ``"cuda"`` the current GPU), limited to the kinds a device map names."""
     try:
-        parsed = torch.device(device.strip())
-    except RuntimeError:
+        parsed = indexed_device(device, "a key of devices=")
+    except ArgumentTypeError as e:
+        raise ArgumentTypeError(
+            f"{device!r} is not a device: use 'cuda:0', 'cuda:1', ..., 'cpu' as the keys of "
+            "devices= (e.g. devices={'cuda:0': '80GiB', 'cpu': '256GiB'}), or devices='auto'"
+        ) from e
+    except ArgumentError:
         parsed = None
     if parsed is None or parsed.type not in _KINDS or parsed.type == "meta":
-        raise ValueError(
+        raise ArgumentError(
             f"unknown device {device!r} in devices=: use 'cuda:0', 'cuda:1', ..., 'cpu' "
             "(e.g. devices={'cuda:0': '80GiB', 'cpu': '256GiB'}), or devices='auto'"
         )
-    if parsed.type != "cpu" and parsed.index is None:
-        parsed = torch.device(parsed.type, 0)  # "cuda" is the first GPU in a device map
+    if parsed.index is None and parsed.type != "cpu":
+        parsed = torch.device(parsed.type, 0)
     return str(parsed)
 
 

@@ -18,8 +18,7 @@ import torch
 
 from jupyter_metainit.core import parse_dtype
 from jupyter_metainit.save.checkpoint import write_checkpoint
-from jupyter_metainit.save.hook import install_save_pretrained
-from jupyter_metainit.save.layout import state_dict_of
+from jupyter_metainit.save.layout import parse_size, state_dict_of
 from jupyter_metainit.save.staging import checked_destination
 
 __all__ = ["save"]
@@ -32,7 +31,7 @@ def save(
     path: str | os.PathLike,
     *,
     format: str = "safetensors",  # the word transformers and torch use
-    max_shard_size: int | str = "5GB",
+    max_shard_size: int | str | None = None,
     dtype: torch.dtype | str | None = None,
     progress: Any = None,
 ) -> str:
@@ -45,18 +44,29 @@ def save(
 
     Args:
         obj: a module (its ``state_dict()``) or a dict of tensors.
-        path: the directory to write. ``format="safetensors"``: ``model.safetensors``, or
-            shards and ``model.safetensors.index.json`` (transformers' ``save_pretrained``
-            layout; for a transformers model also its ``config.json`` and
-            ``generation_config.json``). ``format="dcp"``: a ``torch.distributed.checkpoint``.
-        max_shard_size: ``"5GB"`` (decimal units, as transformers reads them) or bytes.
+        path: the directory to write (``~`` is your home directory, as in the widget's Save…
+            and ``%save``). ``format="safetensors"``: ``model.safetensors``, or shards and
+            ``model.safetensors.index.json`` (transformers' ``save_pretrained`` layout; for a
+            transformers model also its ``config.json`` and ``generation_config.json``).
+            ``format="dcp"``: a ``torch.distributed.checkpoint``, one file per rank.
+        max_shard_size: the most tensor bytes in one file: ``"5GB"`` (decimal units, as
+            transformers reads them), ``"4GiB"`` or bytes. Default: 5GB shards for
+            safetensors (transformers' default), one file per rank for dcp (torch's default).
+            A file system (or ``ulimit -f``) that takes smaller files is said as such, with
+            the size to use.
         dtype: cast floating-point tensors to this dtype (or its name, 'bf16') as they are
             written.
         progress: ``True`` for a progress bar, or ``callable(done_bytes, total_bytes)``; if it
             raises (to cancel), nothing is left at ``path`` and the exception propagates.
 
     Returns:
-        ``path`` as a string.
+        ``path`` as a string, ``~`` expanded.
+
+    Example::
+
+        with meta_init():
+            model = AutoModelForCausalLM.from_config(config)
+        save(model, "~/checkpoints/seed", max_shard_size="4GB")  # 4GB: a FAT32 drive takes it
     """
     if format not in _FORMATS:
         raise ValueError(f"format must be 'safetensors' or 'dcp', not {format!r}")
@@ -66,14 +76,16 @@ def save(
             f"dtype= casts floating-point tensors to another floating-point dtype (bfloat16, "
             f"float16, float32, ...); {dtype} is not one. Nothing was written."
         )
-    destination = checked_destination(os.fspath(path))
+    destination = checked_destination(os.path.expanduser(os.fspath(path)))
     if format == "dcp":
         from jupyter_metainit.save.dcp import save_dcp  # torch.distributed loads only for dcp
 
-        return save_dcp(obj, destination, dtype=dtype, progress=progress)
+        max_file_bytes = None if max_shard_size is None else parse_size(max_shard_size)
+        return save_dcp(obj, destination, dtype=dtype, progress=progress,
+                        max_file_bytes=max_file_bytes)  # fmt: skip
     state, origin = state_dict_of(obj)
     return write_checkpoint(
-        obj, state, origin, destination, max_shard_size=max_shard_size, dtype=dtype,
+        obj, state, origin, destination, max_shard_size=max_shard_size or "5GB", dtype=dtype,
         progress=progress,
     )  # fmt: skip
 
@@ -88,6 +100,3 @@ class _CallableModule(types.ModuleType):
 
 
 sys.modules[__name__].__class__ = _CallableModule
-# A deferred transformers model's save_pretrained writes through save (from now on, or once
-# transformers is imported). ``import jupyter_metainit`` imports this package for it.
-install_save_pretrained()

@@ -20,11 +20,15 @@ import torch
 from jupyter_metainit.save.layout import (
     INDEX_NAME,
     WEIGHTS_NAME,
+    Layout,
     check_savable,
+    file_size_errors,
     parse_size,
     plan_layout,
+    refuse_files_over_the_limit,
     untie,
 )
+from jupyter_metainit.save.safetensors_file import file_order, header_bytes
 from jupyter_metainit.save.staging import (
     no_space_error,
     publish_directory,
@@ -73,6 +77,8 @@ def write_checkpoint(
     )
     stale = stale or _is_shard_file
     refuse_overwriting_sources(state, destination, written=layout.files, stale=stale)
+    sizes, largest = _file_sizes(layout)
+    refuse_files_over_the_limit(sizes, largest)
     total = sum(e.nbytes for es in layout.files.values() for e in es)
     bar: Progress | None = None
     try:
@@ -81,9 +87,10 @@ def write_checkpoint(
             if code_files is not None:
                 code_files(staging)
             _write_transformers_files(obj, staging, dtype)
-            write_safetensors_files(
-                staging, layout.files, layout.tensors, dtype, bar, aliases=aliases
-            )
+            with file_size_errors(staging, sizes, largest):
+                write_safetensors_files(
+                    staging, layout.files, layout.tensors, dtype, bar, aliases=aliases
+                )
             if layout.index is not None:
                 _write_index(os.path.join(staging, index_name), layout.index)
             publish_directory(staging, destination, stale=stale)
@@ -95,6 +102,18 @@ def write_checkpoint(
         if bar is not None:
             bar.close()
     return destination
+
+
+def _file_sizes(layout: Layout) -> tuple[dict[str, int], tuple[str, int]]:
+    """Each file's bytes (header and tensors) and the largest tensor (name, bytes)."""
+    sizes = {
+        name: len(header_bytes(file_order(entries), {"format": "pt"}))
+        + sum(e.nbytes for e in entries)
+        for name, entries in layout.files.items()
+    }
+    entries = [e for es in layout.files.values() for e in es]
+    big = max(entries, key=lambda e: e.nbytes, default=None)
+    return sizes, (big.name, big.nbytes) if big is not None else ("", 0)
 
 
 def _is_shard_file(name: str) -> bool:

@@ -29,6 +29,7 @@ from collections.abc import Sequence
 import numpy
 import torch
 
+from jupyter_metainit.core import copy_in_steps
 from jupyter_metainit.save.safetensors_file import FileEntry
 
 __all__ = ["ALIGN", "DirectFile", "DirectWriter", "Regions", "arena_bytes", "can_write_direct"]
@@ -58,6 +59,7 @@ class DirectFile:
     def __init__(self, path: str, size: int) -> None:
         self.path, self.size = path, size
         self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_DIRECT, 0o644)
+        self._buffered: int | None = None  # the page-cache descriptor, once O_DIRECT refused
         self._blocks: dict[int, list] = {}  # block -> [buffer, bytes still missing]
         self._slab: tuple[mmap.mmap, int] | None = None  # block buffers are cut from it
 
@@ -82,10 +84,27 @@ class DirectFile:
             raise
         return one
 
+    def write(self, offset: int, data: memoryview) -> None:
+        """Write all of ``data`` (aligned) at ``offset``. Where ``O_DIRECT`` refuses a write
+        in the middle of the file (EINVAL: the file system cut it short at the largest file it
+        allows, leaving an unaligned length, or will not take it unbuffered), this and the
+        file's later writes go through the page cache: the bytes are the same, and a size
+        limit then fails as such (EFBIG)."""
+        done = 0
+        while done < len(data):
+            fd = self.fd if self._buffered is None else self._buffered
+            try:
+                done += os.pwrite(fd, data[done:], offset + done)
+            except OSError as exc:
+                if exc.errno != errno.EINVAL or self._buffered is not None:
+                    raise
+                self._buffered = os.open(self.path, os.O_WRONLY)
+
     def add(self, offset: int, data: memoryview, jobs: list) -> None:
         """Queue the writes of ``data`` (bytes, format ``B``) placed at ``offset``: its whole
         blocks from its own memory where aligned (else from an aligned copy), its ends into
-        their blocks' buffers, each block's write queued once it is complete."""
+        their blocks' buffers, each block's write queued once it is complete (a job is
+        ``(self, offset, buffer)``: :meth:`write` runs it)."""
         end = offset + len(data)
         first = min(-(-offset // ALIGN) * ALIGN, end)
         last = max(end // ALIGN * ALIGN, first)
@@ -93,9 +112,9 @@ class DirectFile:
             inner = data[first - offset : last - offset]
             if _address_of(inner) % ALIGN:
                 copy = _aligned(len(inner))
-                copy[:] = inner
+                _copy_into(copy, inner)
                 inner = memoryview(copy)
-            jobs.append((self.fd, first, inner))
+            jobs.append((self, first, inner))
         for a, b in ((offset, first), (last, end)):
             while a < b:
                 block = a // ALIGN
@@ -113,7 +132,7 @@ class DirectFile:
         pending[1] -= len(data)
         if pending[1] == 0:
             del self._blocks[block]
-            jobs.append((self.fd, block * ALIGN, pending[0]))
+            jobs.append((self, block * ALIGN, pending[0]))
 
     def _block_buffer(self) -> memoryview:
         """An aligned block's buffer, cut from a slab of 256 (one mapping per block could run
@@ -132,6 +151,18 @@ class DirectFile:
 
     def close(self) -> None:
         os.close(self.fd)
+        if self._buffered is not None:
+            os.close(self._buffered)
+
+
+def _copy_into(buffer: mmap.mmap, data: memoryview) -> None:
+    """``buffer[:] = data``; a large one by torch, in steps: without holding the GIL for a
+    second, and a Cancel may stop it between two (``copy_in_steps``)."""
+    if data.readonly or len(data) <= ALIGN:
+        buffer[:] = data
+        return
+    into = torch.frombuffer(buffer, dtype=torch.uint8)
+    copy_in_steps(into, torch.frombuffer(data, dtype=torch.uint8), counted=False)
 
 
 def _address_of(view: memoryview) -> int:
@@ -189,9 +220,9 @@ class Regions:
 
 
 class DirectWriter(threading.Thread):
-    """Runs the queued ``(fd, offset, buffer)`` writes (a buffer keeps its memory alive); a
-    ``(None, nbytes, None)`` job ends a batch: its tensor bytes count as written, its slot
-    (and so its arena in :class:`Regions`) is free."""
+    """Runs the queued ``(DirectFile, offset, buffer)`` writes (a buffer keeps its memory
+    alive); a ``(None, nbytes, None)`` job ends a batch: its tensor bytes count as written, its
+    slot (and so its arena in :class:`Regions`) is free."""
 
     def __init__(self, slots: threading.Semaphore) -> None:
         super().__init__(name="jupyter_metainit.save direct writer", daemon=True)
@@ -203,17 +234,15 @@ class DirectWriter(threading.Thread):
 
     def run(self) -> None:
         while (job := self.jobs.get()) is not None:
-            fd, offset, payload = job
+            target, offset, payload = job
             del job
-            if fd is None:  # end of a batch, all written now
+            if target is None:  # end of a batch, all written now
                 self.written += offset
                 self.slots.release()
                 continue
             try:
                 if self.error is None and not self.stop.is_set():
-                    done = 0
-                    while done < len(payload):
-                        done += os.pwrite(fd, payload[done:], offset + done)
+                    target.write(offset, payload)
             except BaseException as exc:  # handed to the producer thread
                 self.error = exc
             del payload

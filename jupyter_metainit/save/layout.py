@@ -5,28 +5,37 @@ One ``model.safetensors``, or ``model-0000k-of-0000N.safetensors`` shards split 
 shard when the next tensor would pass ``max_shard_size``, a tensor larger than that alone) with
 ``model.safetensors.index.json``. Tied weights are written once, under the name transformers
 keeps (its ``remove_tied_weights_from_state_dict``), so ``from_pretrained`` ties them again.
+
+Files larger than the file system or the process takes (``ulimit -f``, FAT32's 4 GiB) are
+refused before writing where the limit is known, and said as such where a write fails, with
+the ``max_shard_size`` that fits (:func:`too_large_error`).
 """
 
 from __future__ import annotations
 
+import contextlib
+import errno
+import os
 import re
 from collections import defaultdict
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
-from jupyter_metainit.core import storage_of, tensor_state
+from jupyter_metainit.core import format_bytes, storage_of, tensor_state
+from jupyter_metainit.core import parse_size as core_parse_size
 from jupyter_metainit.save.safetensors_file import FileEntry
 
 __all__ = [
-    "Layout", "check_savable", "file_names", "parse_size", "plan_layout", "state_dict_of",
+    "Layout", "check_savable", "file_names", "file_size_errors", "file_size_limit", "parse_size",
+    "plan_layout", "refuse_files_over_the_limit", "state_dict_of", "too_large_error",
 ]  # fmt: skip
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
-_UNITS = {"B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12,
-          "KIB": 2**10, "MIB": 2**20, "GIB": 2**30, "TIB": 2**40}  # fmt: skip
 
 
 @dataclass
@@ -48,13 +57,9 @@ def file_names(variant: str | None = None) -> tuple[str, str]:
 
 
 def parse_size(size: int | str) -> int:
-    """``"5GB"`` (decimal, as huggingface_hub reads it), ``"4GiB"`` or a number of bytes."""
-    if isinstance(size, int):
-        return size
-    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMGT]?I?B)\s*", str(size).upper())
-    if match is None:
-        raise ValueError(f"max_shard_size must be bytes or like '5GB' / '500MB', not {size!r}")
-    return int(float(match.group(1)) * _UNITS[match.group(2)])
+    """``"5GB"`` (decimal, as transformers reads it), ``"4GiB"`` or a number of bytes: the core's
+    one size grammar."""
+    return core_parse_size(size, "max_shard_size")
 
 
 def state_dict_of(obj: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
@@ -205,3 +210,88 @@ def _saved_size(storage_bytes: int, t: torch.Tensor, dtype: torch.dtype | None) 
 def _entry(name: str, t: torch.Tensor, dtype: torch.dtype | None) -> FileEntry:
     saved = dtype if dtype is not None and t.is_floating_point() else t.dtype
     return FileEntry(name, saved, tuple(t.shape))
+
+
+def file_size_limit() -> int | None:
+    """The largest file this process may write (``ulimit -f``: RLIMIT_FSIZE), None where
+    unlimited. A write past it fails with EFBIG: Python ignores the SIGXFSZ it also sends."""
+    try:
+        import resource
+    except ImportError:  # Windows
+        return None
+    soft, _ = resource.getrlimit(resource.RLIMIT_FSIZE)
+    return None if soft == resource.RLIM_INFINITY else soft
+
+
+def refuse_files_over_the_limit(sizes: dict[str, int], largest: tuple[str, int]) -> None:
+    """Refuse, before anything is written, files (name -> bytes, planned) larger than this
+    process may write; ``largest``: the largest tensor (name, bytes), which no file can split."""
+    limit = file_size_limit()
+    name, size = max(sizes.items(), key=lambda item: item[1], default=("", 0))
+    if limit is not None and size > limit:
+        raise too_large_error(
+            f"this process may write files of at most {format_bytes(limit)} (ulimit -f); "
+            f"{name} would be {format_bytes(size)}",
+            limit,
+            largest,
+        )
+
+
+@contextmanager
+def file_size_errors(
+    staging: str, sizes: dict[str, int], largest: tuple[str, int]
+) -> Iterator[None]:
+    """A write refused for its file's size (EFBIG: a file system's largest file, FAT32's
+    4 GiB) said as :func:`too_large_error`, with the size the file system stopped a file at
+    (the largest file in ``staging``, of those in ``sizes``)."""
+    try:
+        yield
+    except OSError as exc:
+        if exc.errno != errno.EFBIG:
+            raise
+        reached = {}
+        for name in sizes:
+            with contextlib.suppress(OSError):
+                reached[name] = os.path.getsize(os.path.join(staging, name))
+        name, stopped = max(reached.items(), key=lambda item: item[1], default=("", 0))
+        limit = file_size_limit()
+        if limit is not None and (not stopped or limit < stopped):
+            stopped = limit
+        if not stopped:  # refused before it grew: no more known than the largest planned file
+            name, planned = max(sizes.items(), key=lambda item: item[1])
+            cause = f"it refused {name}, {format_bytes(planned)}"
+            stopped = planned // 2
+        else:
+            cause = f"it stopped {name} at {format_bytes(stopped)}"
+        raise too_large_error(cause, stopped, largest) from None
+
+
+def too_large_error(cause: str, cap: int, largest: tuple[str, int]) -> OSError:
+    """What a save says when its files are larger than the file system (or the process) takes:
+    the ``max_shard_size`` that fits ``cap`` bytes, or why none does."""
+    name, nbytes = largest
+    room = cap - min(cap // 10, 64 << 20)  # a file's header (and DCP's framing) beside its tensors
+    if nbytes > room:
+        advice = (
+            f"no max_shard_size helps: {name} alone is {format_bytes(nbytes)}; save to a file "
+            "system that takes larger files (or raise the limit)"
+        )
+    else:
+        advice = f"use max_shard_size={_round_size(room)!r}"
+    return OSError(
+        errno.EFBIG,
+        f"file too large for this file system ({cause}); {advice}. Nothing was saved",
+    )
+
+
+def _round_size(nbytes: int) -> str:
+    """``nbytes`` rounded down to two digits in decimal units, as ``max_shard_size`` reads them
+    (``"3.8GB"``)."""
+    for unit, factor in (("TB", 10**12), ("GB", 10**9), ("MB", 10**6), ("KB", 10**3)):
+        if nbytes >= factor:
+            value = nbytes / factor
+            digits = 1 if value < 10 else 0
+            scale = 10**digits
+            text = f"{int(value * scale) / scale:.{digits}f}".rstrip("0").rstrip(".")
+            return f"{text}{unit}"
+    return f"{nbytes}B"

@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import torch
 
+from jupyter_metainit.core import copy_in_steps
 from jupyter_metainit.save.safetensors_file import FileEntry
 
 __all__ = ["MappedFile", "can_map", "place_batch"]
@@ -138,7 +139,7 @@ def place_batch(
         if j in misplaced:
             place = torch.frombuffer(mapped.mapping, dtype=torch.uint8, count=entry.nbytes,
                                      offset=offset)  # fmt: skip
-            place.copy_(value.reshape(-1).view(torch.uint8))
+            copy_in_steps(place, value.reshape(-1).view(torch.uint8), counted=False)
             del place
         report(entry.nbytes)
     del values

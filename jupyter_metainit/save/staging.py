@@ -15,6 +15,11 @@ everything back. The user's other files stay. :func:`refuse_overwriting_sources`
 before anything is written, a save that would replace files its own deferred tensors are still
 read from (a model opened with ``from_pretrained`` inside ``meta_init``, saved back into its
 directory): they could never be materialized afterwards.
+
+A save holds an exclusive ``flock`` on an ``.owner`` file in its staging directory while it
+runs; the kernel drops it however the process ends. The next save into the destination
+removes the staging directories whose lock nobody holds (a save killed with SIGKILL, or lost
+with its machine): :func:`remove_stale_staging`.
 """
 
 from __future__ import annotations
@@ -22,14 +27,21 @@ from __future__ import annotations
 import contextlib
 import errno
 import os
+import re
 import shutil
 import tempfile
+import time
 from collections.abc import Callable, Container, Iterable, Iterator
 from contextlib import contextmanager
 
 import torch
 
 from jupyter_metainit.core import format_bytes, source_files
+
+try:
+    import fcntl
+except ImportError:  # Windows: no locks, so no staging directory is ever taken for stale
+    fcntl = None  # type: ignore[assignment]
 from jupyter_metainit.core.errors import MetaInitError
 
 __all__ = [
@@ -39,10 +51,15 @@ __all__ = [
     "no_space_error",
     "publish_directory",
     "refuse_overwriting_sources",
+    "remove_stale_staging",
     "staging_directory",
 ]
 
 STAGING_PREFIX = ".saving-"  # never a checkpoint file's name: stale rules do not match it
+_STAGING_NAME = re.compile(re.escape(STAGING_PREFIX) + r"([a-z0-9_]{8}|dcp)")  # mkdtemp's names
+_OWNER = ".owner"  # in a staging directory: locked by the save that writes it
+#: a staging directory without an ``.owner`` is a killed save's once unchanged this long
+UNOWNED_STALE_SECONDS = 3600.0
 
 
 def checked_destination(path: str) -> str:
@@ -71,19 +88,25 @@ def staging_directory(
     staging directory (ranks of a ``torch.distributed`` save); only the ``owner`` makes and
     removes it (the others must wait for it, e.g. at a barrier)."""
     made = _first_missing(destination) if owner else None
+    staging: str | None = None
+    claim: int | None = None
     try:
         if owner:
             os.makedirs(destination, exist_ok=True)
+            remove_stale_staging(destination)
         if shared_name is None:
             staging = tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=destination)
         else:
-            staging = os.path.join(destination, STAGING_PREFIX + shared_name)
-            if owner:
-                shutil.rmtree(staging, ignore_errors=True)  # what a killed save of ours left
-                os.makedirs(staging)
+            staging = _shared_staging(destination, shared_name, owner)
+        if owner:
+            claim = _claim(staging)
     except OSError as exc:  # said about the path the user gave, with what to do
+        if owner and staging is not None:
+            shutil.rmtree(staging, ignore_errors=True)
         if made is not None:
             _remove_empty_up_to(destination, made)
+        if isinstance(exc, _SaveRunning):
+            raise
         raise OSError(
             exc.errno,
             f"cannot write to {destination} ({exc.strerror}): choose a directory you can "
@@ -96,8 +119,95 @@ def staging_directory(
     finally:
         if owner:
             shutil.rmtree(staging, ignore_errors=True)
+            if claim is not None:
+                os.close(claim)  # after the removal: never unowned while it exists
             if made is not None and not finished:
                 _remove_empty_up_to(destination, made)
+
+
+class _SaveRunning(FileExistsError):
+    """Another save writes into the shared staging directory now."""
+
+
+def _shared_staging(destination: str, shared_name: str, owner: bool) -> str:
+    """The staging directory every rank writes into, made by the owner; refused while
+    another save writes it (:func:`remove_stale_staging` removed it if its save is gone)."""
+    staging = os.path.join(destination, STAGING_PREFIX + shared_name)
+    if owner:
+        try:
+            os.mkdir(staging)
+        except FileExistsError:
+            raise _SaveRunning(
+                errno.EEXIST,
+                f"another save is writing into {destination} now (its {STAGING_PREFIX}"
+                f"{shared_name} is there): wait for it to end, or save elsewhere. Nothing was "
+                "written",
+            ) from None
+    return staging
+
+
+def _claim(staging: str) -> int | None:
+    """Mark ``staging`` as this save's while it runs: an ``.owner`` file this process holds
+    an exclusive ``flock`` on (released by the kernel however the process ends, SIGKILL
+    included). Made under another name and renamed once locked, so that a ``.owner`` file
+    is never seen unlocked while its save lives. Returns the descriptor to close at the end
+    (None where the file system has no locks: then it stays unclaimed and is never removed
+    as stale while it has an ``.owner``)."""
+    making = os.path.join(staging, _OWNER + "-new")
+    fd: int | None = os.open(making, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        if fcntl is None:
+            raise OSError(errno.ENOLCK, "no locks")
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:  # no locks on this file system: unclaimed
+        os.close(fd)
+        fd = None
+    os.replace(making, os.path.join(staging, _OWNER))
+    return fd
+
+
+def remove_stale_staging(destination: str) -> list[str]:
+    """Remove the staging directories of saves into ``destination`` that no process runs any
+    more (killed, SIGKILL included, or lost with their machine), with everything in them.
+    Only ours (``.saving-`` and the name ``mkdtemp`` gives), and only where nobody holds the
+    lock of its ``.owner`` file; one without an ``.owner`` (a save killed as it began, or a
+    version that made none) once it has not changed for ``UNOWNED_STALE_SECONDS`` and if it
+    holds only files, as a save's does. Never
+    fails: what cannot be told or removed stays. Returns the names removed."""
+    try:
+        names = [n for n in os.listdir(destination) if _STAGING_NAME.fullmatch(n)]
+    except OSError:
+        return []
+    removed = []
+    for name in names:
+        path = os.path.join(destination, name)
+        with contextlib.suppress(OSError):
+            if _remove_if_stale(path):
+                removed.append(name)
+    return removed
+
+
+def _remove_if_stale(path: str) -> bool:
+    if os.path.islink(path) or not os.path.isdir(path):
+        return False
+    try:
+        fd = os.open(os.path.join(path, _OWNER), os.O_RDONLY)
+    except FileNotFoundError:
+        if time.time() - os.stat(path).st_mtime < UNOWNED_STALE_SECONDS:
+            return False  # maybe a save that is making it now
+        if not all(e.is_file(follow_symlinks=False) or e.name == ".replaced"
+                   for e in os.scandir(path)):  # fmt: skip
+            return False  # not what a save writes: not ours
+        shutil.rmtree(path, ignore_errors=True)
+        return True
+    try:
+        if fcntl is None:
+            return False
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)  # held by a live save: BlockingIOError
+        shutil.rmtree(path, ignore_errors=True)  # under the lock: a third save waits for it
+        return True
+    finally:
+        os.close(fd)
 
 
 def publish_directory(staging: str, destination: str, stale: Callable[[str], bool]) -> None:
@@ -106,7 +216,8 @@ def publish_directory(staging: str, destination: str, stale: Callable[[str], boo
     checkpoint's shards, or its single file where this one is sharded), all or nothing: the old
     files are moved aside first, then the new ones in, indexes last; a failure (a file that
     cannot be moved, Ctrl-C) puts everything back as it was before it raises."""
-    new = sorted(os.listdir(staging), key=lambda name: (is_index(name), name))
+    new = sorted((n for n in os.listdir(staging) if n != _OWNER),
+                 key=lambda name: (is_index(name), name))  # fmt: skip
     in_the_way = [n for n in new if os.path.isdir(os.path.join(destination, n))]
     if in_the_way:  # before anything moves: a half-replaced checkpoint is worse than none
         raise IsADirectoryError(

@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from jupyter_metainit.core import DeferredTensor, local_tensor, values_to_write
+from jupyter_metainit.core import DeferredTensor, copy_in_steps, local_tensor, values_to_write
 
 __all__ = ["Recycler", "cpu_values", "cpu_values_of_batch"]
 
@@ -56,7 +56,9 @@ def cpu_values_of_batch(
            for t, x in zip(tensors, locals_, strict=True)]  # fmt: skip
     for j, values in zip(which, computed, strict=True):
         if dtype is not None and values.is_floating_point() and values.dtype != dtype:
-            values = values.to(dtype)
+            cast = torch.empty(values.shape, dtype=dtype)  # ``.to(dtype)``, a Cancel between steps
+            copy_in_steps(cast, values)
+            values = cast
         out[j] = values.contiguous()
     return out
 

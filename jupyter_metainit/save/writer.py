@@ -14,6 +14,7 @@ and the model is untouched (deferred tensors stay deferred). Nothing is fsynced.
 
 from __future__ import annotations
 
+import functools
 import os
 import queue
 import threading
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core import progress_callback
+from jupyter_metainit.core import progress_callback, telling
 from jupyter_metainit.save.direct import (
     DirectFile,
     DirectWriter,
@@ -44,11 +45,14 @@ class Progress:
 
     def __init__(self, progress: Any, total: int) -> None:
         self.total = total
+        self.shown = 0  # never decreases (a batch's generation is told before its writes)
+        self.begun = 0  # bytes of the batches whose generation has begun
         self._callback, self.bar = progress_callback(progress, desc="save")
 
     def report(self, done: int, phase: str = "") -> None:
         if self._callback is not None:
-            self._callback(done, self.total, phase)
+            self.shown = max(self.shown, min(done, self.total))
+            self._callback(self.shown, self.total, phase)
 
     def close(self) -> None:
         if self.bar is not None:
@@ -149,9 +153,10 @@ def write_safetensors_files(
 
     for batch in _batches([(mapped[path], offset, entry) for path, offset, entry in placed]):
         progress.report(done, "generating")
-        batch_tensors = [tensors[entry.name] for _, _, entry in batch]
-        place_batch(batch, lambda memory, ts=batch_tensors: cpu_values_of_batch(ts, dtype, memory),
-                    _check_geometry, report)  # fmt: skip
+        ts = [tensors[entry.name] for _, _, entry in batch]
+        values_of = functools.partial(cpu_values_of_batch, ts, dtype)  # (its memory)
+        with _telling_generation(progress, batch, tensors):
+            place_batch(batch, values_of, _check_geometry, report)
     progress.report(done)
 
 
@@ -234,14 +239,37 @@ def _stream_batch(
         streamed.add(j)
         put(j, a * flat.element_size(), flat[a:b])
 
-    values = cpu_values_of_batch([tensors[e.name] for *_, e in batch], dtype, memory, on_part)
-    for (*_, entry), value in zip(batch, values, strict=True):
-        _check_geometry(entry, value)
-    for j, value in enumerate(values):
-        if j not in streamed:
-            put(j, 0, value)
-        progress.report(written(), "generating")
+    with _telling_generation(progress, batch, tensors, written):  # (casts, copies: in steps)
+        values = cpu_values_of_batch([tensors[e.name] for *_, e in batch], dtype, memory, on_part)
+        for (*_, entry), value in zip(batch, values, strict=True):
+            _check_geometry(entry, value)
+        for j, value in enumerate(values):
+            if j not in streamed:
+                put(j, 0, value)
+            progress.report(written(), "generating")
     return values
+
+
+def _telling_generation(
+    progress: Progress, batch: list[tuple[Any, int, FileEntry]], tensors: dict[str, torch.Tensor],
+    written: Callable[[], int] | None = None,
+) -> Any:  # fmt: skip
+    """While ``batch`` is generated (one large tensor takes seconds), progress told about every
+    0.2 s (``telling``): the bytes its fills, then its casts to ``dtype``, have made, as a
+    share of the batch's bytes, after the batches begun before it, or ``written()`` once that
+    is more. A Cancel raised from it stops the fills (or casts) within a step."""
+    size = sum(entry.nbytes for *_, entry in batch)
+    made = 0  # the bytes its fills make, and its casts
+    for *_, entry in batch:
+        t = tensors[entry.name]
+        made += t.numel() * t.element_size() + (entry.nbytes if entry.dtype != t.dtype else 0)
+    start, progress.begun = progress.begun, progress.begun + size
+
+    def tell(n: int) -> None:
+        estimate = start + min(n * size // made, size) if made else start
+        progress.report(max(estimate, written() if written is not None else 0), "generating")
+
+    return telling(tell)
 
 
 def _drain(writer: Any, progress: Progress) -> None:
@@ -327,9 +355,9 @@ def _batches(placed: list[Any]) -> list[list[Any]]:
     """Consecutive tensors grouped into batches of at most ``max(largest, BATCH_BYTES)``."""
     budget = max([BATCH_BYTES] + [entry.nbytes for _, _, entry in placed])
     batches: list[list[tuple[int, int, FileEntry]]] = []
-    size = budget
+    size = 0
     for item in placed:
-        if size + item[2].nbytes > budget:
+        if not batches or size + item[2].nbytes > budget:  # a first tensor may have no bytes
             batches.append([])
             size = 0
         batches[-1].append(item)

@@ -18,6 +18,7 @@ from jupyter_metainit.core.errors import MaterializationError
 from jupyter_metainit.core.materialize import shadows
 from jupyter_metainit.core.materialize.walk import named_tensors
 from jupyter_metainit.core.record.tensor import DeferredTensor
+from jupyter_metainit.core.runtime.interrupts import copy_in_steps
 from jupyter_metainit.core.runtime.plain import plain
 
 __all__ = ["load_for", "load_reals_in_place"]
@@ -217,7 +218,7 @@ def load_for(
                     real = torch.empty_strided(
                         t.shape, t.stride(), dtype=value.dtype, device=target
                     )
-                    real.copy_(value)
+                    copy_in_steps(real, value)  # reads the file: told, may be cancelled
                     out[id(t)] = real
                     read.append((t, path, key, real))
     if file_reads is not None:
@@ -294,5 +295,5 @@ def load_reals_in_place(
                 shadows.sources[t] = "checkpoint"
                 if id(t) in file_reads:  # freeing it gives the checkpoint's values again
                     shadows.kept[t] = shadows.Shadow(
-                        file_reads[id(t)], t._version, t.data_ptr(), None
+                        file_reads[id(t)], shadows.version_of(t), t.data_ptr(), None
                     )

@@ -44,9 +44,10 @@ RNG_MODES = ("exact", "fast")
 
 
 def check_arguments(
-    rng: str | None, missing: str, dtype: torch.dtype | None, placement: Any = None
-) -> None:
-    """Refuse ``rng=``, ``missing=``, ``dtype=`` and ``placement=`` values that make no sense."""
+    rng: str | None, missing: str, dtype: torch.dtype | str | None, placement: Any = None
+) -> torch.dtype | None:
+    """Refuse ``rng=``, ``missing=``, ``dtype=`` and ``placement=`` values that make no sense;
+    return ``dtype`` as a ``torch.dtype`` (any spelling ``parse_dtype`` reads)."""
     if placement is not None:  # with device= (placement= alone is handled before any check)
         raise ValueError(
             "placement= gives every part its own device: leave device= out, or drop placement="
@@ -55,7 +56,7 @@ def check_arguments(
         raise ValueError(f"rng must be 'exact', 'fast' or None (the default), not {rng!r}")
     if missing not in ("error", "init"):
         raise ValueError(f"missing must be 'error' or 'init', not {missing!r}")
-    check_floating_dtype(
+    return check_floating_dtype(
         dtype,
         arg="dtype",
         use="dtype= casts the floating-point tensors (torch.bfloat16, "

@@ -30,7 +30,11 @@ from jupyter_metainit.core.materialize.failures import (
     released,
     target_device,
 )
-from jupyter_metainit.core.materialize.progress import MemoryProgress, progress_callback
+from jupyter_metainit.core.materialize.progress import (
+    MemoryProgress,
+    inside_steps,
+    progress_callback,
+)
 from jupyter_metainit.core.materialize.queries import (
     as_list_if_iterator,
     collect,
@@ -38,11 +42,12 @@ from jupyter_metainit.core.materialize.queries import (
     is_uninitialized,
     tensor_source,
 )
-from jupyter_metainit.core.materialize.user_state import copy_user_attributes
+from jupyter_metainit.core.materialize.user_state import as_inference, copy_user_attributes, made_as
 from jupyter_metainit.core.record.files import one_header_check, read_file_bytes
 from jupyter_metainit.core.record.tensor import SHARE_MEMORY_ATTR, DeferredTensor, as_parameter
 from jupyter_metainit.core.replay import Plan, execute, plan, real_view
 from jupyter_metainit.core.runtime import events
+from jupyter_metainit.core.runtime.heap import return_freed_memory, return_when_freed
 from jupyter_metainit.core.runtime.interrupts import critical, handling_interrupts
 from jupyter_metainit.core.runtime.lock import exclusive
 
@@ -53,7 +58,7 @@ def materialize(
     obj: Any,
     device: Any = None,
     *,
-    dtype: torch.dtype | None = None,
+    dtype: torch.dtype | str | None = None,
     rng: str | None = None,
     keep_cache: bool = False,
     progress: Any = None,
@@ -75,8 +80,8 @@ def materialize(
         device: where the real tensors go; ``None`` keeps each tensor's recorded device.
             Parts of ``obj`` that are real already are moved there in place, as
             ``nn.Module.to`` does (same tensor objects, ties kept).
-        dtype: cast floating-point tensors to this dtype after replay; real parts are cast in
-            place too.
+        dtype: cast floating-point tensors to this dtype (or its name: ``"bf16"``,
+            ``"bfloat16"``) after replay; real parts are cast in place too.
         rng: ``"exact"``: bit-identical to eager construction, whatever was materialized
             before and in whatever grouping. ``"fast"``: every random op draws from its own
             stream seeded from the recorded seed and the op's position; deterministic,
@@ -113,10 +118,11 @@ def materialize(
         options = dict(dtype=dtype, rng=rng, keep_cache=keep_cache, checkpoint=checkpoint)
         return placed(placement)(obj, progress=progress, missing=missing, root=root, **options)
     obj = as_list_if_iterator(obj)
-    check_arguments(rng, missing, dtype, placement)
+    dtype = check_arguments(rng, missing, dtype, placement)
     device = target_device(device)
     callback, bar = progress_callback(progress)
     what = describe_request(obj)
+    return_freed_memory()  # what earlier models left (a re-run cell's), before allocating anew
     try:
         with handling_interrupts(), exclusive(f"materializing {what}"):
             collected = collect(obj)
@@ -196,6 +202,7 @@ def _materialize_now(
             t.data = data
             shadows.apply_restamp(t, stamp)
     shadows.remember_realized(call.tensors, records)
+    return_when_freed([*call.tensors, *(t for t, _ in converted)])
     return [
         *call.tensors, *(t for t in call.reals if id(t) in loaded), *(t for t, _ in converted)
     ]  # fmt: skip
@@ -210,10 +217,9 @@ def _read_checkpoint(
         return {}
     if call.tracker is not None:
         call.tracker.phase("reading checkpoint files")
-    loaded = load_for(
-        call.obj, [*call.tensors, *call.reals], checkpoint, call.device, missing, call.dtype,
-        root, file_reads,
-    )  # fmt: skip
+    with inside_steps(call.tracker):  # each tensor's read told as it goes, in steps
+        loaded = load_for(call.obj, [*call.tensors, *call.reals], checkpoint, call.device,
+                          missing, call.dtype, root, file_reads)  # fmt: skip
     if call.tracker is not None:
         call.tracker.loaded([t for t in call.tensors if id(t) in loaded])
     return loaded
@@ -349,10 +355,12 @@ def _build_real(
     if id(real) in used:
         real = real.detach()  # a second object over the same storage (aliases stay aliases)
     used.add(id(real))
-    if getattr(t, "_is_param", False):
-        real = as_parameter(t, real, t.requires_grad)
-    elif t.requires_grad and (real.is_floating_point() or real.is_complex()):
-        real = real.detach().requires_grad_(True)
+    with made_as(t):  # under torch.inference_mode() where ``t`` was made so
+        real = as_inference(t, real)
+        if getattr(t, "_is_param", False):
+            real = as_parameter(t, real, t.requires_grad)
+        elif t.requires_grad and (real.is_floating_point() or real.is_complex()):
+            real = real.detach().requires_grad_(True)
     copy_user_attributes(t, real)
     if t.__dict__.get(SHARE_MEMORY_ATTR) and real.device.type == "cpu":
         real.share_memory_()  # asked for while deferred (``model.share_memory()``)

@@ -30,7 +30,7 @@ from jupyter_metainit.core.replay.realized import (
 from jupyter_metainit.core.replay.values import value_cache
 from jupyter_metainit.core.rng import streams as _rng
 from jupyter_metainit.core.runtime.digest import digest
-from jupyter_metainit.core.runtime.swap import swap_in_place
+from jupyter_metainit.core.runtime.swap import identity_table, swap_in_place
 
 __all__ = ["clear_meta_init_cache", "realized_base", "remember_realized"]
 
@@ -48,7 +48,7 @@ class Shadow:
     __slots__ = ("data_ptr", "deferred", "digest", "version")
 
     def __init__(
-        self, deferred: DeferredTensor, version: int, data_ptr: int, content: tuple | None
+        self, deferred: DeferredTensor, version: int | None, data_ptr: int, content: tuple | None
     ) -> None:
         self.deferred = deferred
         self.version = version
@@ -57,18 +57,19 @@ class Shadow:
 
 
 # The recording each real tensor can be freed to (what ``keep_cache=True`` keeps).
-kept: WeakIdKeyDictionary = WeakIdKeyDictionary()  # real tensor -> Shadow
+kept: WeakIdKeyDictionary = identity_table(WeakIdKeyDictionary())  # real tensor -> Shadow
 sources = materialized_sources  # real tensor -> "checkpoint" / "init"
-fast_values: WeakIdKeyDictionary = WeakIdKeyDictionary()  # real tensors with rng="fast" values
+# Real tensors with rng="fast" values.
+fast_values: WeakIdKeyDictionary = identity_table(WeakIdKeyDictionary())
 # Real tensors materialized with device=: the device their values were computed on.
-made_on: WeakIdKeyDictionary = WeakIdKeyDictionary()
+made_on: WeakIdKeyDictionary = identity_table(WeakIdKeyDictionary())
 # Freed tensors -> (held rng="fast" values, device they were computed on or None): a default
 # materialize replays them so again, so that a free and a materialize change nothing (fast draws
 # depend on the device; a part recorded for a GPU and made on the CPU needs no GPU to return).
-freed_how: WeakIdKeyDictionary = WeakIdKeyDictionary()
-freed_state: WeakIdKeyDictionary = WeakIdKeyDictionary()  # freed tensor -> UserState
+freed_how: WeakIdKeyDictionary = identity_table(WeakIdKeyDictionary())
+freed_state: WeakIdKeyDictionary = identity_table(WeakIdKeyDictionary())  # -> UserState
 # Real tensors whose shadow clear_meta_init_cache dropped (only to say so when freeing them).
-cleared: WeakIdKeyDictionary = WeakIdKeyDictionary()
+cleared: WeakIdKeyDictionary = identity_table(WeakIdKeyDictionary())
 
 
 def realized_base(
@@ -116,11 +117,17 @@ def why_not_kept(tensors: list[torch.Tensor], what: str) -> str:
 # does a shadow still give the tensor's values?
 
 
+def version_of(t: torch.Tensor) -> int | None:
+    """``t._version``; None for an inference tensor, which keeps no version counter (a change to
+    it shows in the digest of its memory)."""
+    return None if t.is_inference() else t._version
+
+
 def why_not_reproducible(t: torch.Tensor, holder: Shadow) -> str | None:
     """Why materializing ``holder.deferred`` would not give ``t``'s current values, bit for bit
     (None: it would). Checked when freeing: whatever happened since materialization counts."""
     recording = holder.deferred
-    if t._version != holder.version or t.data_ptr() != holder.data_ptr:
+    if version_of(t) != holder.version or t.data_ptr() != holder.data_ptr:
         return "was written since it was materialized (trained, loaded into), or cast or moved"
     if (t.dtype, tuple(t.shape), t.stride()) != (
         recording.dtype, tuple(recording.shape), recording.stride()
@@ -217,7 +224,7 @@ def apply_restamp(t: torch.Tensor, stamp: Shadow | None) -> None:
         if stale is not None:  # its values are no recording's: freeing it needs force=True
             stale.version = -1
         return
-    stamp.version = t._version
+    stamp.version = version_of(t)
     kept[t] = stamp
 
 
@@ -242,7 +249,7 @@ def swap_all(
             recording, content = holder
             if recording is None:
                 recording = swapped_out  # the deferred side, exactly as it was
-            kept[t] = Shadow(recording, t._version, t.data_ptr(), content)
+            kept[t] = Shadow(recording, version_of(t), t.data_ptr(), content)
 
 
 def note_materialized(
@@ -280,7 +287,8 @@ def clear_meta_init_cache() -> None:
 
     Deferred tensors stay materializable (their recording lives with them); tensors materialized
     with ``keep_cache=True`` can no longer be dematerialized, and exact-mode calls may have to
-    regenerate random streams again.
+    regenerate random streams again. A model that is deleted needs none of this: its recording,
+    RNG checkpoints and shadows go with it.
     """
     for t in list(kept.keys()):
         cleared[t] = True

@@ -2,19 +2,22 @@
 
 The tensor object the model holds keeps its identity when it turns real or deferred again, and
 so does what the user put on it: attributes (``p.is_shared = True``), ``requires_grad``,
-autograd hooks, a ``Parameter`` subclass. The deferred side keeps attributes in its
-``__dict__`` beside our own bookkeeping; :func:`copy_user_attributes` carries the user's part
-over to the real tensor, :class:`UserState` keeps what ``__dict__`` does not hold while a tensor
-is freed.
+autograd hooks, a ``Parameter`` subclass, being an inference tensor (made under
+``torch.inference_mode()``). The deferred side keeps attributes in its ``__dict__`` beside our own
+bookkeeping; :func:`copy_user_attributes` carries the user's part over to the real tensor,
+:class:`UserState` keeps what ``__dict__`` does not hold while a tensor is freed, and
+:func:`as_inference` makes the real tensor an inference tensor where eager's is one.
 """
 
 from __future__ import annotations
+
+import contextlib
 
 import torch
 
 from jupyter_metainit.core.record.tensor import INTERNAL_ATTRS, PARAMETER_ATTRS
 
-__all__ = ["UserState", "copy_user_attributes"]
+__all__ = ["UserState", "as_inference", "copy_user_attributes", "made_as"]
 
 
 def copy_user_attributes(src: torch.Tensor, dst: torch.Tensor) -> None:
@@ -24,6 +27,23 @@ def copy_user_attributes(src: torch.Tensor, dst: torch.Tensor) -> None:
     for k, v in src.__dict__.items():
         if k not in INTERNAL_ATTRS and k not in PARAMETER_ATTRS:
             setattr(dst, k, v)
+
+
+def made_as(t: torch.Tensor) -> contextlib.AbstractContextManager:
+    """``torch.inference_mode()`` where ``t`` (the deferred side) was made under it, else nothing:
+    a parameter or a tensor that requires grad is made of an inference tensor only there."""
+    return torch.inference_mode() if t.is_inference() else contextlib.nullcontext()
+
+
+def as_inference(t: torch.Tensor, real: torch.Tensor) -> torch.Tensor:
+    """``real`` as an inference tensor where ``t`` was made under ``torch.inference_mode()``, as
+    eager construction makes it (``is_inference()``, no version counter, no autograd): over the
+    same memory, not a copy, so that tensors sharing it still share it."""
+    if not t.is_inference() or real.is_inference():
+        return real
+    with torch.inference_mode():
+        alias = torch.empty(0, dtype=real.dtype, device=real.device)
+        return alias.set_(real.untyped_storage(), real.storage_offset(), real.size(), real.stride())
 
 
 class UserState:

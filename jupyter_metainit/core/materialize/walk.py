@@ -22,6 +22,7 @@ from torch import nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from jupyter_metainit.core.record.tensor import DeferredTensor
+from jupyter_metainit.core.runtime.swap import identity_table
 
 __all__ = [
     "OwnTensor",
@@ -186,7 +187,7 @@ _LIBRARIES_NOT_ENTERED = frozenset({"torch", "numpy", "jupyter_metainit", "IPyth
 # Every tensor ``materialize`` made real -> where its values came from ("init" or "checkpoint").
 # Kept here, weakly and off the tensor objects, because the walker must know it: an attribute
 # that was deferred once stays part of the model (a later call moves, casts or frees it).
-materialized_sources: WeakIdKeyDictionary = WeakIdKeyDictionary()
+materialized_sources: WeakIdKeyDictionary = identity_table(WeakIdKeyDictionary())
 
 
 def _was_deferred(t: torch.Tensor) -> bool:

@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import contextlib
 import copy
+from collections.abc import Callable
 from typing import Any
 
 import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from jupyter_metainit.core.errors import ArgumentTypeError
 from jupyter_metainit.core.record.devices import (
     DATA_FACTORIES,
     FACTORIES,
@@ -53,14 +55,11 @@ from jupyter_metainit.core.record.dispatch.views import (
 from jupyter_metainit.core.record.lazy import lazy_module_support
 from jupyter_metainit.core.record.ops import user_frame
 from jupyter_metainit.core.record.process_wrappers import process_wrappers
-from jupyter_metainit.core.record.state import (
-    canonical_device,
-    tls,
-)
+from jupyter_metainit.core.record.state import tls
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.record.value_reader import value_reader
 from jupyter_metainit.core.rng.streams import flush_all
-from jupyter_metainit.core.runtime.arguments import check_floating_dtype
+from jupyter_metainit.core.runtime.arguments import check_floating_dtype, indexed_device
 from jupyter_metainit.core.runtime.interrupts import (
     check as check_interrupts,
 )
@@ -72,8 +71,9 @@ from jupyter_metainit.core.runtime.interrupts import (
     release_interrupts,
 )
 from jupyter_metainit.core.runtime.plain import subclass_functions_off
+from jupyter_metainit.core.runtime.swap import install_swap_tensors
 
-__all__ = ["is_meta_init", "meta_init"]
+__all__ = ["at_meta_init_edges", "is_meta_init", "meta_init"]
 
 
 def is_meta_init() -> bool:
@@ -177,7 +177,7 @@ def _stand_in_for_meta_input(func: Any, args: tuple, kwargs: dict) -> tuple[tupl
     x = args[0] if args else kwargs.get("input")
     if not isinstance(x, torch.Tensor) or isinstance(x, DeferredTensor) or not x.is_meta:
         return args, kwargs
-    target = canonical_device(kwargs["device"])
+    target = indexed_device(kwargs["device"])
     if target.type == "meta":
         return args, kwargs
     with pending(target):
@@ -247,7 +247,8 @@ class meta_init(contextlib.ContextDecorator):
 
     Args:
         device: device reported by tensors whose code names none (default: PyTorch's default).
-        dtype: default floating dtype inside the block, for this thread only: factories,
+        dtype: default floating dtype inside the block (a ``torch.dtype`` or its name,
+            ``"bf16"``), for this thread only: factories,
             ``torch.tensor`` data and ``torch.get_default_dtype()`` see it, other threads keep
             theirs. (PyTorch's default dtype is process-wide; the block never sets it, except
             for the duration of a single op whose result dtype comes from it, such as an
@@ -258,10 +259,10 @@ class meta_init(contextlib.ContextDecorator):
     decorator too.
     """
 
-    def __init__(self, device: Any = None, dtype: torch.dtype | None = None) -> None:
-        self.device = canonical_device(device) if device is not None else None
+    def __init__(self, device: Any = None, dtype: torch.dtype | str | None = None) -> None:
+        self.device = indexed_device(device) if device is not None else None
         self.dtype = check_floating_dtype(
-            dtype, arg="meta_init(dtype=...)", not_floating=TypeError,
+            dtype, arg="meta_init(dtype=...)", not_floating=ArgumentTypeError,
             use="it is the block's default floating dtype (use torch.bfloat16, torch.float16, "
             "torch.float32 or torch.float64)",
         )  # fmt: skip
@@ -290,6 +291,8 @@ class meta_init(contextlib.ContextDecorator):
             self.__exit__(None, None, None)
             raise
         release_interrupts(raise_pending=False)  # a Ctrl-C held back surfaces in the block
+        if tls.depth == 1:
+            _run_edge_callbacks()
 
     def __exit__(self, *exc: Any) -> None:
         hold_interrupts()
@@ -314,8 +317,36 @@ class meta_init(contextlib.ContextDecorator):
             release_interrupts(raise_pending=False)
             if handler is not None:
                 handler.__exit__(None, None, None)
+            if tls.depth == 0:
+                _run_edge_callbacks()
             if exc[0] is None:
                 check_interrupts()  # a Ctrl-C held back in here surfaces now
 
 
 protect(meta_init.__enter__, meta_init.__exit__)
+
+
+# Callbacks run when a thread enters or leaves its outermost ``meta_init`` block: what an upper
+# layer must do once deferred models can exist (``jupyter_metainit``'s save_pretrained
+# diversion), done then rather than when the package is imported. A callback is cheap and never
+# raises; it runs outside the block's critical sections.
+_block_edge_callbacks: list[Callable[[], None]] = []
+
+
+def at_meta_init_edges(callback: Callable[[], None]) -> None:
+    """Call ``callback()`` whenever a thread enters or leaves its outermost ``meta_init`` block.
+
+    For the upper layers: install what deferred models need (a diversion of a library's method)
+    the first time deferred models can exist, with no side effect at import. Idempotent per
+    callback.
+    """
+    if callback not in _block_edge_callbacks:
+        _block_edge_callbacks.append(callback)
+
+
+def _run_edge_callbacks() -> None:
+    for callback in tuple(_block_edge_callbacks):
+        callback()
+
+
+at_meta_init_edges(install_swap_tensors)

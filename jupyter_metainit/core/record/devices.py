@@ -14,15 +14,20 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core.errors import DeferredDataError, UnsupportedOperatorError
+from jupyter_metainit.core.errors import UnsupportedOperatorError
 from jupyter_metainit.core.record.dispatch.file_memory import storage_region
 from jupyter_metainit.core.record.dispatch.inputs import wrap_constant, wrap_file_region
 from jupyter_metainit.core.record.dispatch.reads import read_value
 from jupyter_metainit.core.record.dispatch.views import meta_factory
-from jupyter_metainit.core.record.dispatch.whole_calls import SUBCLASS_SENSITIVE, record_call
+from jupyter_metainit.core.record.dispatch.whole_calls import (
+    SUBCLASS_SENSITIVE,
+    record_autograd,
+    record_call,
+)
 from jupyter_metainit.core.record.ops import user_frame
-from jupyter_metainit.core.record.state import canonical_device, default_device, dtype_override, tls
+from jupyter_metainit.core.record.state import default_device, dtype_override, tls
 from jupyter_metainit.core.record.tensor import SAVE_INSTEAD, SHARE_MEMORY_ATTR, DeferredTensor
+from jupyter_metainit.core.runtime.arguments import indexed_device
 from jupyter_metainit.core.runtime.interrupts import critical, handling_interrupts
 from jupyter_metainit.core.runtime.plain import plain, subclass_functions_off
 
@@ -58,12 +63,9 @@ LIKE_FACTORIES = frozenset({
     torch.randn_like, torch.randint_like,
 })  # fmt: skip
 TO_METHODS = {torch.Tensor.to, torch.Tensor.cuda, torch.Tensor.cpu, torch.Tensor.type}
-# Autograd entry points: deferred tensors keep ``requires_grad`` in Python and have no graph.
-_AUTOGRAD_CALLS = {
-    torch.autograd.grad: "torch.autograd.grad",
-    torch.autograd.backward: "torch.autograd.backward",
-    torch.Tensor.backward: "Tensor.backward()",
-}
+# Autograd entry points: deferred tensors keep ``requires_grad`` in Python and have no graph of
+# their own; a gradient is recorded as one call (``whole_calls.record_autograd``).
+_AUTOGRAD_CALLS = {torch.autograd.grad, torch.autograd.backward, torch.Tensor.backward}
 
 
 class pending:
@@ -108,7 +110,7 @@ def rewrite_device(func: Any, args: tuple, kwargs: dict, in_context: bool) -> An
     if implicit and _has_tensor_argument(args, kwargs):
         with subclass_functions_off():
             return func(*args, **kwargs)
-    target = canonical_device(device) if device is not None else default_device()
+    target = indexed_device(device) if device is not None else default_device()
     if target.type == "meta":
         with subclass_functions_off():
             if func in FACTORIES and not _has_tensor_argument(args, kwargs):
@@ -135,7 +137,7 @@ def data_factory(func: Any, args: tuple, kwargs: dict) -> DeferredTensor:
         kwargs.setdefault("device", self.device)
         func, args = torch.tensor, (data,)
     device = kwargs.pop("device", None)
-    target = canonical_device(device) if device is not None else default_device()
+    target = indexed_device(device) if device is not None else default_device()
     data = args[0] if args else kwargs.get("obj", kwargs.get("data"))
     region = (
         storage_region(data) if isinstance(data, (torch.UntypedStorage, torch.Tensor)) else None
@@ -189,7 +191,7 @@ def retarget(func: Any, self: DeferredTensor, args: tuple, kwargs: dict) -> Any:
     elif func is torch.Tensor.cuda:
         device = args[0] if args else kwargs.get("device")
         device, dtype, copy = (
-            canonical_device(device if device is not None else "cuda"),
+            indexed_device(device if device is not None else "cuda"),
             None,
             False,
         )
@@ -209,7 +211,7 @@ def retarget(func: Any, self: DeferredTensor, args: tuple, kwargs: dict) -> Any:
                     self, dtype=dtype or self.dtype, memory_format=memory_format
                 )
         if device is not None:
-            device = canonical_device(device)
+            device = indexed_device(device)
     device = device or self.device
     dtype = dtype or self.dtype
     if device == self.device and dtype == self.dtype and not copy:
@@ -296,15 +298,8 @@ def _handle_special(func: Any, args: tuple, kwargs: dict) -> Any:
         return func(value, *args[1:], **kwargs)
     if func is torch.Tensor.new_tensor:
         return data_factory(func, args, dict(kwargs))
-    if func in _AUTOGRAD_CALLS:
-        # Gradients need an autograd graph of real values; deferred tensors record none.
-        raise DeferredDataError(
-            f"{_AUTOGRAD_CALLS[func]} on deferred tensors (at {tls.where}): they hold no values "
-            "and no autograd graph, so there is nothing to differentiate (GradInit-style "
-            "initialisation included). Materialize first (jupyter_metainit.materialize(model)), "
-            "then run the forward and the loss again on the real model, or build this model "
-            "without meta_init."
-        )
+    if func in _AUTOGRAD_CALLS:  # GradInit-style code: a gradient in ``__init__``
+        return record_autograd(func, args, kwargs)
     if func is torch.Tensor.share_memory_ and args and isinstance(args[0], DeferredTensor):
         # No memory to share yet (the storage call would crash): done when materialized.
         args[0].__dict__[SHARE_MEMORY_ATTR] = True

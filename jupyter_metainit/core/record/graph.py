@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import itertools
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -115,5 +115,25 @@ class OpRecord:
     # ``copy_`` into the whole storage): what was written there before is dead for later readers.
     overwrites: tuple[StorageRecord, ...] = ()
 
+    # Set only on an op eager autograd made a node of (recorded in grad mode, an input
+    # requiring grad): the ids of its ``TensorRecord`` arguments that required grad. A gradient
+    # taken while recording (``GradCall``) replays such ops in grad mode.
+    grad_args: ClassVar[frozenset[int] | None] = None
+
     def __hash__(self) -> int:
         return self.seq
+
+
+@dataclass(eq=False)
+class GradCall(OpRecord):
+    """``torch.autograd.grad`` (or ``backward``) called while recording, as one op: ``args`` are
+    (outputs, inputs), ``outputs`` the gradients. Replay runs the ops of ``span`` (the forward
+    from ``inputs`` to the outputs, by ``seq``) in grad mode, the storages of ``leaves`` (the
+    inputs') made tensors that require grad, then takes the gradient of the real tensors.
+    ``span_storages``: what those ops create or write (never started from a cached value)."""
+
+    span: frozenset[int] = frozenset()
+    leaves: frozenset[int] = frozenset()
+    span_storages: tuple[StorageRecord, ...] = ()
+
+    __hash__ = OpRecord.__hash__

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core.record.state import canonical_device, default_device, tls
+from jupyter_metainit.core.record.state import default_device, tls
+from jupyter_metainit.core.runtime.arguments import indexed_device
 from jupyter_metainit.core.runtime.interrupts import critical
 from jupyter_metainit.core.runtime.plain import plain
 from jupyter_metainit.core.runtime.swap import swap_in_place
@@ -51,7 +52,7 @@ def _uninitialized_new(cls: type, requires_grad: bool = True, device: Any = None
                        dtype: Any = None) -> Any:  # fmt: skip
     # An uninitialized tensor holds nothing; it stays a plain (meta) tensor until a dry run
     # gives it a shape, and remembers the device its deferred replacement must report.
-    target = canonical_device(device) if device is not None else default_device()
+    target = indexed_device(device) if device is not None else default_device()
     with plain():
         data = torch.empty(0, device=_META, dtype=dtype)
     obj = torch.Tensor._make_subclass(cls, data, requires_grad)

@@ -18,7 +18,6 @@ from torch.utils._device import DeviceContext
 from jupyter_metainit.core.runtime.interrupts import critical
 
 __all__ = [
-    "canonical_device",
     "default_device",
     "default_dtype",
     "default_dtype_as",
@@ -44,18 +43,6 @@ class RecordingState(threading.local):
 
 
 tls = RecordingState()
-
-
-def canonical_device(device: Any) -> torch.device:
-    """``torch.device(device)`` with the index an eager tensor gets (``cuda`` -> ``cuda:0``)."""
-    d = torch.device(device)
-    if d.type in ("cuda", "xpu") and d.index is None:
-        # Mirrors eager: an index-less CUDA device means the current device (0 without CUDA).
-        current = 0
-        if d.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():
-            current = torch.cuda.current_device()
-        d = torch.device(d.type, current)
-    return d
 
 
 def default_device() -> torch.device:

@@ -15,13 +15,14 @@ from jupyter_metainit.core.errors import UnsupportedOperatorError
 from jupyter_metainit.core.record.graph import TensorRecord
 from jupyter_metainit.core.record.ops import user_frame
 from jupyter_metainit.core.runtime.interrupts import hold_interrupts, protect, release_interrupts
+from jupyter_metainit.core.runtime.swap import content_references
 
 __all__ = ["SAVE_INSTEAD", "SHARE_MEMORY_ATTR", "DeferredTensor", "as_parameter", "grad_leaves"]
 
 # Storage -> the deferred leaf that requires grad over it (weakly: a parameter). Materializing a
 # non-leaf computed from it links its autograd graph to that object (``_autograd_links``); the
 # object keeps its identity when it turns real, so the link reaches the model's parameter.
-grad_leaves: weakref.WeakKeyDictionary[Any, weakref.ref] = weakref.WeakKeyDictionary()
+grad_leaves: weakref.WeakKeyDictionary[Any, weakref.ref] = content_references()  # swappable
 
 
 def _note_leaf(t: DeferredTensor) -> None:

@@ -3,21 +3,20 @@
 Groups of ops that touch disjoint storages are independent (:func:`components`). ``fast`` mode
 runs any of them on any thread; ``exact`` mode cuts the plan into parts whose random ops are
 contiguous runs of each stream (:func:`stream_parts`). :func:`run_parallel` runs groups on the
-process's pool (``runtime.pool``), stopping all of them on a failure or Ctrl-C.
+process's pool (``runtime.pool``), telling progress on the calling thread meanwhile and stopping
+all of them within a step on a failure, Cancel or Ctrl-C.
 """
 
 from __future__ import annotations
 
-import concurrent.futures
 import itertools
-import threading
 from collections.abc import Callable
 
 import torch
 
 from jupyter_metainit.core.record.graph import OpRecord
 from jupyter_metainit.core.rng.draws import known_draws
-from jupyter_metainit.core.runtime.interrupts import check, interrupted
+from jupyter_metainit.core.runtime.interrupts import current_meter
 from jupyter_metainit.core.runtime.plain import plain
 from jupyter_metainit.core.runtime.pool import core_pool, on_core_pool
 
@@ -120,16 +119,16 @@ def stream_parts(ops: list[OpRecord], workers: int) -> list[list[tuple[int, OpRe
 def run_parallel(
     run_op: Callable[[int, OpRecord], None], groups: list[list[tuple[int, OpRecord]]], workers: int
 ) -> None:
-    """Replay independent groups on ``workers`` threads (``run_op(index, op)`` per op); any
-    failure or Ctrl-C stops them all after the op each is running (not after all remaining
+    """Replay independent groups on ``workers`` threads (``run_op(index, op)`` per op). The
+    calling thread tells the replay's progress meanwhile (``interrupts.Steps``); any failure,
+    Cancel or Ctrl-C stops them all within the step each is at (not after all remaining
     work)."""
-    stop = threading.Event()
+    steps = current_meter().steps
 
     def replay_group(group: list[tuple[int, OpRecord]]) -> None:
         with plain(), torch.inference_mode(False):
             for i, op in group:
-                if stop.is_set() or interrupted():
-                    return
+                steps.step()  # raises Stopped once the replay was stopped
                 run_op(i, op)
 
     if on_core_pool():  # a replay inside a replay's thread: the pool's threads may all be busy
@@ -137,24 +136,6 @@ def run_parallel(
             replay_group(group)
         return
     pool = core_pool(workers)
-    futures = []
-    try:
-        # Largest groups first keeps the threads evenly busy.
-        groups.sort(key=lambda g: -sum(_op_bytes(o) for _, o in g))
-        futures = [pool.submit(replay_group, g) for g in groups]
-        pending = set(futures)
-        while pending:
-            done, pending = concurrent.futures.wait(
-                pending, timeout=0.1, return_when=concurrent.futures.FIRST_EXCEPTION
-            )
-            for f in done:
-                f.result()
-            check()
-    except BaseException:
-        stop.set()
-        for f in futures:
-            f.cancel()
-        raise
-    finally:
-        # The pool is the process's: wait for this replay's tasks, not for the pool to end.
-        concurrent.futures.wait(futures)
+    # Largest groups first keeps the threads evenly busy.
+    groups.sort(key=lambda g: -sum(_op_bytes(o) for _, o in g))
+    steps.wait([pool.submit(replay_group, g) for g in groups])

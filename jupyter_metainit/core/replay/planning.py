@@ -14,7 +14,13 @@ from collections.abc import Iterable
 import torch
 
 from jupyter_metainit.core.errors import DeferredDataError
-from jupyter_metainit.core.record.graph import External, OpRecord, StorageRecord, TensorRecord
+from jupyter_metainit.core.record.graph import (
+    External,
+    GradCall,
+    OpRecord,
+    StorageRecord,
+    TensorRecord,
+)
 from jupyter_metainit.core.replay.values import ValueCache
 
 __all__ = ["Plan", "last_writes", "plan"]
@@ -70,8 +76,8 @@ def _last_overwrite(storage: StorageRecord, lo: int, hi: int) -> int:
 
 
 class _CacheConflict(Exception):
-    def __init__(self, storage: StorageRecord) -> None:
-        self.storage = storage
+    def __init__(self, *storages: StorageRecord) -> None:
+        self.storages = storages
 
 
 def plan(records: Iterable[TensorRecord], cache: ValueCache | None = None) -> Plan:
@@ -95,7 +101,8 @@ def plan(records: Iterable[TensorRecord], cache: ValueCache | None = None) -> Pl
     * **Recording order is a valid execution order** for any subset closed this way.
 
     With ``cache`` (reads during recording), a storage whose value after its first ``k`` writes
-    is cached starts from it, unless some op of the plan reads it at an earlier version.
+    is cached starts from it, unless some op of the plan reads it at an earlier version or a
+    gradient call of the plan runs again the forward that writes it.
     """
     targets: dict[int, StorageRecord] = {}
     for r in records:
@@ -105,7 +112,7 @@ def plan(records: Iterable[TensorRecord], cache: ValueCache | None = None) -> Pl
         try:
             return _closure(targets, cache, disabled)
         except _CacheConflict as conflict:
-            disabled.add(id(conflict.storage))
+            disabled.update(id(s) for s in conflict.storages)
 
 
 def _closure(
@@ -146,6 +153,12 @@ def _closure(
             if op.seq in included:
                 continue
             included[op.seq] = op
+            if isinstance(op, GradCall) and cache is not None:
+                # Its forward runs again in grad mode (``grads``): none of what it makes may
+                # start from a cached value, which would hold no graph.
+                fresh = [s for s in op.span_storages if id(s) not in disabled]
+                if fresh:
+                    raise _CacheConflict(*fresh)
             for s in op.reads:
                 work.append((s, op.seq))
     ops = sorted(included.values(), key=lambda o: o.seq)

@@ -51,6 +51,9 @@ class RandomMode:
     """The interface the run engine calls; :class:`ExactRandom` and :class:`FastRandom`."""
 
     name = ""
+    # Whether a batch of whole-tensor fills may run as one generator stream cut across the
+    # cores (``stream_fills``): exact mode's values are one stream, so cutting it is exact.
+    fills_as_one_stream = False
 
     def run_random(
         self, run: RandomRun, op: OpRecord, args: tuple, kwargs: dict, device: torch.device
@@ -102,8 +105,7 @@ class FastRandom(RandomMode):
             out = run_from(op, args, kwargs, gen, has_gen, region)
             if out is not None:
                 return out, True
-        call = lambda g: call_with_generator(op, args, kwargs, g)  # noqa: E731
-        return run_random(call, gen, has_gen), False
+        return run_from(op, args, kwargs, gen, has_gen, None), False  # a large CPU fill in steps
 
     def parallel_groups(self, ops: list[OpRecord], cores: int) -> tuple[Groups, int] | None:
         groups = components(ops)
@@ -115,6 +117,7 @@ class ExactRandom(RandomMode):
     """Eager's values: each generator's stream replayed in order, from exact positions."""
 
     name = "exact"
+    fills_as_one_stream = True
 
     def run_random(
         self, run: RandomRun, op: OpRecord, args: tuple, kwargs: dict, device: torch.device

@@ -16,8 +16,13 @@ from jupyter_metainit.core.errors import MaterializationError
 from jupyter_metainit.core.record.graph import StorageRecord, TensorRecord, constant_op
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.replay.planning import Plan, plan
-from jupyter_metainit.core.replay.realized import any_realized, current_values, realized_view
-from jupyter_metainit.core.replay.run import execute, real_view
+from jupyter_metainit.core.replay.realized import (
+    any_realized,
+    current_values,
+    real_view,
+    realized_view,
+)
+from jupyter_metainit.core.replay.run import execute
 from jupyter_metainit.core.replay.values import value_cache
 from jupyter_metainit.core.runtime.interrupts import handling_interrupts
 from jupyter_metainit.core.runtime.lock import exclusive

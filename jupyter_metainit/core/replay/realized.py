@@ -12,6 +12,8 @@ that needs values) and ops on such a view while it is still deferred (``realized
 recording runs them on the memory, as eager code does). It holds while the memory is still
 what materialize made (same real tensor, same memory, nothing recorded on the storage since);
 otherwise the recording is replayed.
+
+:func:`real_view` is how any replay sees a record over real memory: its view of the storage.
 """
 
 from __future__ import annotations
@@ -25,11 +27,13 @@ import torch
 
 from jupyter_metainit.core.record.graph import StorageRecord, TensorRecord
 from jupyter_metainit.core.record.tensor import DeferredTensor
-from jupyter_metainit.core.replay.run import real_view
 from jupyter_metainit.core.runtime.plain import plain
+from jupyter_metainit.core.runtime.swap import content_references
 
 __all__ = [
     "any_realized",
+    "geometry_matches",
+    "real_view",
     "recording_only",
     "current_values",
     "realized_memory",
@@ -37,10 +41,40 @@ __all__ = [
     "remember_realized",
 ]
 
+
+def geometry_matches(t: torch.Tensor, r: TensorRecord) -> bool:
+    """Whether ``t`` is ``r``'s view of its storage as it is (no view to take)."""
+    return (
+        t.dtype == r.dtype
+        and tuple(t.shape) == r.size
+        and tuple(t.stride()) == r.stride
+        and t.storage_offset() == r.offset
+        and not r.conj
+        and not r.neg
+    )
+
+
+def real_view(base: torch.Tensor, r: TensorRecord) -> torch.Tensor:
+    """``r``'s view of the real storage ``base``: any geometry, any dtype (dtype views are views
+    too), with the lazy conjugate/negative bits the deferred view had."""
+    if geometry_matches(base, r):
+        return base
+    if base.dtype == r.dtype:
+        view = base.as_strided(r.size, r.stride, r.offset)
+    else:
+        view = torch.empty(0, dtype=r.dtype, device=base.device)
+        view.set_(base.untyped_storage(), r.offset, r.size, r.stride)
+    if r.conj:
+        view = view.conj()
+    if r.neg:
+        view = view._neg_view()
+    return view
+
+
 # Storages a materialization made real, with the tensor over each, the writes recorded on the
 # storage then, and the memory's address.
 _realized: weakref.WeakKeyDictionary[StorageRecord, tuple[weakref.ref, int, int]] = (
-    weakref.WeakKeyDictionary()
+    content_references()  # a WeakKeyDictionary that torch.utils.swap_tensors can see through
 )
 
 

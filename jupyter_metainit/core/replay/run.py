@@ -21,15 +21,18 @@ from jupyter_metainit.core.record.dispatch.metadata import made_pinned
 from jupyter_metainit.core.record.graph import (
     Constant,
     External,
+    GradCall,
     OpRecord,
     StorageRecord,
     TensorRecord,
     constant_op,
 )
 from jupyter_metainit.core.record.state import default_dtype_as
+from jupyter_metainit.core.replay.grads import GradSpans, detached
 from jupyter_metainit.core.replay.parallel import run_parallel
 from jupyter_metainit.core.replay.planning import Plan, last_writes
 from jupyter_metainit.core.replay.random_modes import random_mode
+from jupyter_metainit.core.replay.realized import geometry_matches, real_view
 from jupyter_metainit.core.replay.shards import (
     copied_once,
     copy_from_pending_fill,
@@ -37,10 +40,11 @@ from jupyter_metainit.core.replay.shards import (
     noted_whole,
     read_extents,
 )
+from jupyter_metainit.core.replay.steps import Progress, bytes_written, counting_ops
 from jupyter_metainit.core.replay.stream_fills import Filled, run_stream_fills
 from jupyter_metainit.core.rng.split_fill import MIN_SKIP
 from jupyter_metainit.core.runtime.digest import digest
-from jupyter_metainit.core.runtime.interrupts import check
+from jupyter_metainit.core.runtime.interrupts import Steps, counting, current_meter
 from jupyter_metainit.core.runtime.plain import map_args, plain
 from jupyter_metainit.core.runtime.pool import available_cores
 
@@ -48,48 +52,6 @@ __all__ = ["Progress", "Run", "execute", "real_view"]
 
 aten = torch.ops.aten
 _CPU = torch.device("cpu")
-
-
-class Progress:
-    """What a replay tells about its progress (``materialize`` turns it into bytes of memory).
-
-    ``storage_done`` is called once per requested storage, when its last write has run: its
-    memory is final. ``phase`` describes work that is not memory, in words.
-    """
-
-    def storage_done(self, storage: StorageRecord) -> None:  # pragma: no cover - interface
-        pass
-
-    def phase(self, text: str) -> None:  # pragma: no cover - interface
-        pass
-
-
-def _geometry_matches(t: torch.Tensor, r: TensorRecord) -> bool:
-    return (
-        t.dtype == r.dtype
-        and tuple(t.shape) == r.size
-        and tuple(t.stride()) == r.stride
-        and t.storage_offset() == r.offset
-        and not r.conj
-        and not r.neg
-    )
-
-
-def real_view(base: torch.Tensor, r: TensorRecord) -> torch.Tensor:
-    """``r``'s view of the real storage ``base``: any geometry, any dtype (dtype views are views
-    too), with the lazy conjugate/negative bits the deferred view had."""
-    if _geometry_matches(base, r):
-        return base
-    if base.dtype == r.dtype:
-        view = base.as_strided(r.size, r.stride, r.offset)
-    else:
-        view = torch.empty(0, dtype=r.dtype, device=base.device)
-        view.set_(base.untyped_storage(), r.offset, r.size, r.stride)
-    if r.conj:
-        view = view.conj()
-    if r.neg:
-        view = view._neg_view()
-    return view
 
 
 class _ShapeMismatch:
@@ -117,6 +79,8 @@ class Run:
         self.random = random_mode(rng)  # exact or fast, chosen once
         self.env: dict[int, torch.Tensor] = {}
         self.progress = progress
+        # progress inside ops and their stop: this call's, or its caller's (``save``'s)
+        self.steps = Steps(progress.inside) if progress is not None else current_meter().steps
         self.last_phase = ""
         # op index -> targets whose memory is final once that op has run
         self.finishing: dict[int, list[StorageRecord]] = {}
@@ -162,6 +126,7 @@ class Run:
         self.pending_fills: dict[int, tuple[OpRecord, tuple, dict, torch.Generator]] = {}
         # nbytes -> an untyped CPU storage to allocate into (``execute(memory=...)``)
         self.memory: Callable[[int], torch.UntypedStorage] | None = None
+        self.grads = GradSpans.of(p.ops)  # gradients taken while recording (None: none)
 
     @property
     def generators(self) -> dict[int, tuple[torch.Generator, int]]:
@@ -266,23 +231,42 @@ class Run:
         if op.func is aten.copy_.default and self._copy_from_pending_fill(op, device):
             self.finished(index)
             return
-        # ATen arguments nest one list deep at most: map_args, not pytree (per op, it shows)
-        args, kwargs = map_args(lambda x: self.arg(x, device), op.args, op.kwargs)
+        if self.grads is None:
+            partial = self._run_op(index, op, device, None)
+        else:  # a gradient taken later: the nodes of its graph in grad mode (``grads``)
+            with self.grads.mode(op):
+                in_span = op.seq in self.grads.span
+                partial = self._run_op(index, op, device, self.grads if in_span else None)
+        if self._noted is not None and not partial:
+            self._note_whole(op)
+        self.finished(index)
+
+    def _run_op(
+        self, index: int, op: OpRecord, device: torch.device, grads: GradSpans | None
+    ) -> bool:
+        """Run op number ``index`` (an ATen op, or a gradient call), store its outputs; whether
+        only part of them was generated (``random_modes``)."""
+        if isinstance(op, GradCall) and grads is not None:
+            self._store(op, grads.gradients(self, op, device))
+            return False
+        if grads is None:
+            # ATen arguments nest one list deep at most: map_args, not pytree (per op, it shows)
+            args, kwargs = map_args(lambda x: self.arg(x, device), op.args, op.kwargs)
+        else:
+            args, kwargs = grads.arguments(self, op, device)
         if "device" in kwargs:
             kwargs["device"] = device
         partial = False
         with default_dtype_as(op.default_dtype):
             if op.rng is not None:
                 self.phase("generating random values")
-                out, partial = self.random.run_random(self, op, args, kwargs, device)
+                with counting_ops(self, [index], bytes_written(op, args)):
+                    out, partial = self.random.run_random(self, op, args, kwargs, device)
             else:
                 self.phase("computing")
                 out = op.func(*args, **kwargs)
-        outs = out if isinstance(out, (tuple, list)) else (out,)
-        self._store(op, outs)
-        if self._noted is not None and not partial:
-            self._note_whole(op)
-        self.finished(index)
+        self._store(op, out if isinstance(out, (tuple, list)) else (out,))
+        return partial
 
     def _store(self, op: OpRecord, outs: Any) -> None:
         for rec, o in zip(op.outputs, outs, strict=False):
@@ -295,7 +279,7 @@ class Run:
                 # (an unused statistic of batch_norm in eval mode): fine unless it is needed.
                 self.env[id(rec.storage)] = _ShapeMismatch(op, tuple(o.shape), rec.size)
                 continue
-            if not _geometry_matches(o, rec):
+            if not geometry_matches(o, rec):
                 # Keep the layout the deferred tensor reported, so views over it stay right.
                 fixed = torch.empty_strided(rec.size, rec.stride, dtype=rec.dtype, device=o.device)
                 fixed.copy_(o)
@@ -373,20 +357,30 @@ def execute(
     with plain(), torch.inference_mode(False):
         run = Run(p, device, rng, progress, retain)
         run.memory = memory
-        workers, done = threads or (available_cores() if one_stream or len(p.ops) > 1 else 1), set()
-        if one_stream and run.random.name == "exact" and workers > 1 and device == _CPU:
-            done = run_stream_fills(run, p.ops, workers, on_filled)  # a lone fill's too
-        cores = workers if len(p.ops) > 1 else 1
-        split = run.random.parallel_groups(p.ops, cores) if cores > 1 and not done else None
-        if split is not None:
-            groups, workers = split
-            run_parallel(run.run_and_release, groups, workers)
-            return _results(run, p)
-        for i, op in enumerate(p.ops):
-            check()  # a held-back Ctrl-C stops here, between two ops
-            if i not in done:
-                run.run_and_release(i, op)
+        # work outside any op's own count: only a caller without progress counts its bytes
+        with counting(run.steps, 0.0 if progress is not None else 1.0):
+            _run_plan(run, p, threads, one_stream, on_filled)
     return _results(run, p)
+
+
+def _run_plan(
+    run: Run, p: Plan, threads: int | None, one_stream: bool, on_filled: Filled | None
+) -> None:
+    """``execute``'s work: the fills as one stream, the parallel groups, or op after op."""
+    workers, done = threads or (available_cores() if one_stream or len(p.ops) > 1 else 1), set()
+    workers = workers if run.grads is None else 1  # a graph is built in order, on one thread
+    if one_stream and run.random.fills_as_one_stream and workers > 1 and run.device == _CPU:
+        done = run_stream_fills(run, p.ops, workers, on_filled)  # a lone fill's too
+    cores = workers if len(p.ops) > 1 else 1
+    split = run.random.parallel_groups(p.ops, cores) if cores > 1 and not done else None
+    if split is not None:
+        groups, workers = split
+        run_parallel(run.run_and_release, groups, workers)
+        return
+    for i, op in enumerate(p.ops):
+        run.steps.step()  # a Cancel or a held-back Ctrl-C stops here, between two ops
+        if i not in done:
+            run.run_and_release(i, op)
 
 
 def _results(run: Run, p: Plan) -> dict[int, torch.Tensor]:
@@ -397,4 +391,4 @@ def _results(run: Run, p: Plan) -> dict[int, torch.Tensor]:
     for sid in run.last_use:
         if sid in run.env and run.last_use[sid] == len(p.ops):
             out.setdefault(sid, run.env[sid])
-    return out
+    return out if run.grads is None else detached(out)

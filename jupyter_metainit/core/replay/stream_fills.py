@@ -4,8 +4,9 @@ When a plan is a batch of whole tensors each made by one ``normal_``/``uniform_`
 weights, saved a batch at a time), the fills are consecutive ops of one generator's stream:
 ``rng.stream_fill`` cuts them into one equal part per core with a single jump-ahead per part,
 instead of a jump per tensor and per chunk. :func:`run_stream_fills` picks those fills out of
-the plan and runs them; the other ops (``fill_(1.0)`` of a norm, ``zero_`` of a bias) replay as
-usual. Where the plan is anything else it does nothing and the engine replays it op by op.
+the plan and runs them, in steps counted as the tensors they make (``steps.counting_ops``); the
+other ops (``fill_(1.0)`` of a norm, ``zero_`` of a bias) replay as usual. Where the plan is
+anything else it does nothing and the engine replays it op by op.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 
 from jupyter_metainit.core.record.graph import OpRecord, TensorRecord
 from jupyter_metainit.core.replay.random_modes import call_with_generator
+from jupyter_metainit.core.replay.steps import counting_ops
 from jupyter_metainit.core.rng.draws import draws_per_element, known_draws
 from jupyter_metainit.core.rng.positions import state_before
 from jupyter_metainit.core.rng.split_fill import ALIGN, FILLS, split_is_exact
@@ -124,8 +126,9 @@ def run_stream_fills(
         def on_piece(i: int, a: int, b: int) -> None:
             on_filled(targets[i], a, b, fills[i].target)
 
-    end = fill_stream(fills, start, workers, on_piece)
-    check()  # a Ctrl-C stops the parts between two pieces; nothing is kept
+    with counting_ops(run, [i for i, *_ in picked], sum(f.target.nbytes for f in fills)):
+        end = fill_stream(fills, start, workers, on_piece)  # stops between two steps
+    check()  # a Ctrl-C held back in the last step; nothing is kept
     seg.add_checkpoint(index, end)
     for i, *_ in picked:
         run.finished(i)

@@ -9,8 +9,14 @@ the last chunk ends where the single stream ends. Chunks run in threads (the ker
 GIL); the result is bit-identical to the serial fill, which is checked once per op and dtype in
 each process before it is trusted.
 
-Used by exact-mode replay (``core.replay``) for fills on the CPU; ``fast`` mode is parallel by
-construction (one stream per op).
+A large fill is also made in steps of :data:`STEP_ELEMENTS` on each thread, the generator running
+on from one step into the next (the same facts: a step ends on a block boundary): between two
+steps it counts its bytes into the caller's progress (``runtime.interrupts.current_meter``) and
+stops there if the caller cancelled, so a fill of gigabytes reports as it goes and a Cancel or
+Ctrl-C takes effect within milliseconds.
+
+Used by replay (``core.replay``) for fills on the CPU, in both random modes: exact mode's
+generator is the eager stream's, fast mode's the op's own.
 """
 
 from __future__ import annotations
@@ -23,17 +29,20 @@ import torch
 
 from jupyter_metainit.core.rng.draws import draws_per_element
 from jupyter_metainit.core.rng.mt19937 import jump_state
+from jupyter_metainit.core.runtime.interrupts import Meter, current_meter
 from jupyter_metainit.core.runtime.plain import plain
 from jupyter_metainit.core.runtime.pool import available_cores, core_pool
 
 __all__ = [
     "ALIGN",
     "FILLS",
+    "STEP_ELEMENTS",
     "cut_point",
     "fill_region",
     "fill_region_into",
     "split_fill",
     "split_is_exact",
+    "steps",
 ]
 
 aten = torch.ops.aten
@@ -47,6 +56,10 @@ MIN_CHUNK = 1 << 22
 # A region fill costs a jump to its start: worth it when it skips at least this many elements
 # (and their memory: a shard's peak stays its own size).
 MIN_SKIP = 1 << 22
+# A fill over this many elements is made in steps of about this many on each thread (about 10 to
+# 30 ms each): between two, its progress is counted and a Cancel or Ctrl-C stops it. A step costs
+# a few microseconds of Python.
+STEP_ELEMENTS = 1 << 22
 
 _verified: dict[tuple[Any, torch.dtype], bool] = {}
 
@@ -70,6 +83,32 @@ def _chunks(n: int, parts: int, align: int) -> list[tuple[int, int]]:
     return list(itertools.pairwise(cuts))
 
 
+def steps(n: int, a: int, b: int, align: int, step: int) -> list[tuple[int, int]]:
+    """``[a, b)`` of a fill of ``n`` elements in consecutive steps of about ``step`` elements,
+    each ending where the fill may be cut (one generator runs on through them)."""
+    out = []
+    while a < b:
+        stop = b if b - a <= step else max(a, min(b, cut_point(n, a + step, align)))
+        if stop <= a or b - stop < 16:
+            stop = b
+        out.append((a, stop))
+        a = stop
+    return out
+
+
+def _fill_in_steps(
+    fill: Callable[[torch.Tensor, torch.Generator], Any], flat: torch.Tensor,
+    gen: torch.Generator, bounds: list[tuple[int, int]], meter: Meter | None,
+) -> None:  # fmt: skip
+    """``fill`` each ``flat[a:b]`` of ``bounds`` in turn from ``gen``, counting each step."""
+    for a, b in bounds:
+        if meter is not None:
+            meter.step()
+        fill(flat[a:b], gen)
+        if meter is not None:
+            meter.step((b - a) * flat.element_size())
+
+
 def _fill_in_chunks(
     target: torch.Tensor,
     fill: Callable[[torch.Tensor, torch.Generator], Any],
@@ -77,22 +116,29 @@ def _fill_in_chunks(
     bounds: list[tuple[int, int]],
     per_element: int,
     parallel: bool,
+    align: int = 16,
+    meter: Meter | None = None,
 ) -> None:
+    """Fill chunk ``bounds`` of ``target`` from a generator jumped to each's start (on
+    threads if ``parallel``), each in :func:`steps` counted by ``meter``."""
     flat = target.view(-1)
     state = generator.get_state()
-    jobs = []
-    for k, (a, b) in enumerate(bounds):
-        gen = torch.Generator()
-        gen.set_state(state)
-        jobs.append((flat[a:b], gen))
-        if k + 1 < len(bounds):  # a jump costs up to about 10 ms: none after the last chunk
-            state = jump_state(state, (b - a) * per_element)
+    gens = [torch.Generator() for _ in bounds]
+
+    def run(k: int) -> None:
+        a, b = bounds[k]
+        # Each chunk's thread jumps to its start itself (a jump takes 10 ms to a second, the
+        # first in a process the longest): the first chunk fills meanwhile, progress is told.
+        gens[k].set_state(jump_state(state, a * per_element) if a else state)
+        _fill_in_steps(fill, flat, gens[k], steps(flat.numel(), a, b, align, STEP_ELEMENTS), meter)
+
     if parallel:
-        list(core_pool(len(jobs)).map(lambda job: fill(*job), jobs))
+        meter = meter or current_meter()
+        meter.wait([core_pool(len(bounds)).submit(run, k) for k in range(len(bounds))])
     else:
-        for job in jobs:
-            fill(*job)
-    generator.set_state(jobs[-1][1].get_state())  # the last chunk ends where the stream ends
+        for k in range(len(bounds)):
+            run(k)
+    generator.set_state(gens[-1].get_state())  # the last chunk ends where the stream ends
 
 
 def split_is_exact(func: Any, dtype: torch.dtype, fill: Callable) -> bool:
@@ -101,16 +147,22 @@ def split_is_exact(func: Any, dtype: torch.dtype, fill: Callable) -> bool:
     ok = _verified.get(key)
     if ok is None:
         ok = True
+        align = ALIGN[func]
         with plain():
             for n, parts in ((16 * 37 + 5, 3), (16 * 40, 4), (16 * 29 + 15, 2)):
                 serial = torch.empty(n, dtype=dtype)
-                chunked = torch.empty(n, dtype=dtype)
-                a, b = torch.Generator().manual_seed(n), torch.Generator().manual_seed(n)
+                a = torch.Generator().manual_seed(n)
                 fill(serial, a)
-                bounds = _chunks(n, parts, ALIGN[func])
-                _fill_in_chunks(chunked, fill, b, bounds, draws_per_element(dtype), False)
-                same_values = torch.equal(serial.view(torch.uint8), chunked.view(torch.uint8))
-                ok = ok and same_values and torch.equal(a.get_state(), b.get_state())
+                for how in ("chunks", "steps"):  # jumped to each chunk; one generator on
+                    cut = torch.empty(n, dtype=dtype)
+                    b = torch.Generator().manual_seed(n)
+                    bounds = _chunks(n, parts, align)
+                    if how == "chunks":
+                        _fill_in_chunks(cut, fill, b, bounds, draws_per_element(dtype), False)
+                    else:
+                        _fill_in_steps(fill, cut, b, bounds, None)
+                    same_values = torch.equal(serial.view(torch.uint8), cut.view(torch.uint8))
+                    ok = ok and same_values and torch.equal(a.get_state(), b.get_state())
         _verified[key] = ok
     return ok
 
@@ -162,20 +214,22 @@ def split_fill(
     workers: int | None = None,
 ) -> bool:
     """Run ``fill(target, generator)`` (an in-place ``normal_``/``uniform_``) as chunks on
-    ``workers`` threads, bit-identical to the serial call, leaving ``generator`` where the serial
-    call would. Returns False (and does nothing) where that is not possible or not worth it:
-    another op, a non-contiguous or small tensor, a CUDA generator, or one core."""
-    if not _fillable(func, target, generator) or target.numel() < 2 * MIN_CHUNK:
+    ``workers`` threads, each in steps counted into the caller's progress (which may stop it),
+    bit-identical to the serial call, leaving ``generator`` where the serial call would.
+    Returns False (and does nothing) where that is not possible or not worth it: another op, a
+    non-contiguous or small tensor, a CUDA generator. On one core a large fill is still made
+    here, in steps on this thread."""
+    if not _fillable(func, target, generator) or target.numel() <= STEP_ELEMENTS:
         return False  # checked first: most fills are small, and the core count is a syscall
+    n = target.numel()
     workers = available_cores() if workers is None else workers
-    if workers < 2:
-        return False
     fill_plainly = _plainly(fill)
     if not split_is_exact(func, target.dtype, fill_plainly):
         return False
-    parts = min(workers, target.numel() // MIN_CHUNK)
-    bounds = _chunks(target.numel(), parts, ALIGN[func])
-    _fill_in_chunks(target, fill_plainly, generator, bounds, draws_per_element(target.dtype), True)
+    parts = max(1, min(workers, n // MIN_CHUNK))
+    bounds = _chunks(n, parts, ALIGN[func])
+    _fill_in_chunks(target, fill_plainly, generator, bounds, draws_per_element(target.dtype),
+                    parts > 1, ALIGN[func], current_meter())  # fmt: skip
     return True
 
 
@@ -209,7 +263,7 @@ def fill_region(
     parts = max(1, min(workers, (hi - lo) // MIN_CHUNK))
     part = target.view(-1)[lo:hi]
     bounds = _chunks(hi - lo, parts, align)
-    _fill_in_chunks(part, fill_plainly, start, bounds, per, parts > 1)
+    _fill_in_chunks(part, fill_plainly, start, bounds, per, parts > 1, align, current_meter())
     return True
 
 
@@ -246,24 +300,23 @@ def fill_region_into(
     parts = max(1, min(workers, (end - start) // MIN_CHUNK))
     spans = [(start + a, start + b) for a, b in _chunks(end - start, parts, align)]
     out = dst.view(-1)
-    state = jump_state(generator.get_state(), start * per)
-    jobs = []
-    for k, (a, b) in enumerate(spans):
-        gen = torch.Generator()
-        gen.set_state(state)
-        jobs.append((a, b, gen))
-        if k + 1 < len(spans):
-            state = jump_state(state, (b - a) * per)
+    state = generator.get_state()
+    jobs = [(a, b, torch.Generator()) for a, b in spans]
+    meter = current_meter()
 
     def run_span(job: tuple[int, int, torch.Generator]) -> None:
         a, b, gen = job
+        gen.set_state(jump_state(state, a * per) if a else state)  # on its thread (see above)
         step = max(align, SCRATCH_ELEMENTS // align * align)
         scratch = torch.empty(step + 32 * align, dtype=dst.dtype)
         pos = a
         while pos < b:  # the generator runs on, piece after piece
+            meter.step()
             stop = _direct_stop(pos, b, lo, hi, align)
             if stop is not None:  # wholly inside dst: generated in place
-                fill_plainly(out[pos - lo : stop - lo], gen)
+                cuts = steps(numel, pos, stop, align, STEP_ELEMENTS)  # at the fill's blocks
+                bounds = [(x - lo, y - lo) for x, y in cuts]
+                _fill_in_steps(fill_plainly, out, gen, bounds, meter)
                 pos = stop
                 continue
             # around dst's edges: through the scratch buffer, up to the next aligned point
@@ -277,10 +330,11 @@ def fill_region_into(
             x, y = max(pos, lo), min(stop, hi)
             if x < y:
                 out[x - lo : y - lo].copy_(piece[x - pos : y - pos])
+                meter.step((y - x) * out.element_size())
             pos = stop
 
     if len(jobs) > 1:
-        list(core_pool(len(jobs)).map(run_span, jobs))
+        meter.wait([core_pool(len(jobs)).submit(run_span, job) for job in jobs])
     else:
         run_span(jobs[0])
     if at_end is not None and end == numel:

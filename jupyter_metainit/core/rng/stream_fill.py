@@ -24,8 +24,8 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core.rng.positions import advance_state
-from jupyter_metainit.core.rng.split_fill import cut_point
-from jupyter_metainit.core.runtime.interrupts import interrupted
+from jupyter_metainit.core.rng.split_fill import STEP_ELEMENTS, cut_point, steps
+from jupyter_metainit.core.runtime.interrupts import Meter, current_meter
 from jupyter_metainit.core.runtime.plain import plain
 from jupyter_metainit.core.runtime.pool import core_pool, on_core_pool
 
@@ -80,45 +80,33 @@ def _parts(fills: list[StreamFill], workers: int) -> list[list[Piece]]:
     return parts
 
 
-# With ``on_piece``, pieces are filled (and reported) this many elements at most at a time: the
-# caller (``save``'s writer) starts on the first ones while the rest are being generated.
-REPORT_ELEMENTS = 1 << 23
-
-
-def _steps(f: StreamFill, a: int, b: int, step: int) -> list[tuple[int, int]]:
-    """``[a, b)`` of fill ``f`` in consecutive steps of about ``step`` elements, each ending
-    where the fill may be cut (the same generator runs on through them)."""
-    out = []
-    while a < b:
-        stop = b if b - a <= step else max(a, min(b, _cut_point(f, a + step)))
-        if stop <= a or b - stop < 16:
-            stop = b
-        out.append((a, stop))
-        a = stop
-    return out
+# Pieces are filled this many elements at most at a time: between two, the progress is counted
+# (and a Cancel or Ctrl-C stops the fill), and ``on_piece`` lets the caller (``save``'s writer)
+# start on the first ones while the rest are being generated.
+REPORT_ELEMENTS = STEP_ELEMENTS
 
 
 def _run_part(
     fills: list[StreamFill], pieces: list[Piece], start_state: torch.Tensor,
-    on_piece: Callable[[int, int, int], None] | None,
+    on_piece: Callable[[int, int, int], None] | None, meter: Meter,
 ) -> torch.Generator:  # fmt: skip
-    """Fill ``pieces`` in order from their stream position; returns the generator after them."""
+    """Fill ``pieces`` in order from their stream position, in steps counted by ``meter``
+    (which stops it when the work is stopped); returns the generator after them."""
     gen = torch.Generator()
     i, a, _ = pieces[0]
     gen.set_state(advance_state(start_state, fills[i].start + a * fills[i].per))
     at = None  # draws after the run's start where ``gen`` stands, when known without a jump
-    step = REPORT_ELEMENTS if on_piece is not None else None
     for i, a, b in pieces:
         f = fills[i]
         if at is not None and f.start > at:  # the draws of ops between two fills
             gen.set_state(advance_state(gen.get_state(), f.start - at))
-        for x, y in _steps(f, a, b, step) if step else [(a, b)]:
-            if interrupted():
-                return gen
+        for x, y in steps(f.target.numel(), a, b, f.align, REPORT_ELEMENTS):
+            meter.step()
             with plain():
                 f.fill(f.target[x:y], gen)
             if on_piece is not None:
                 on_piece(i, x, y)
+            meter.step((y - x) * f.target.element_size())
         at = f.start + f.draws if b == f.target.numel() else None
     return gen
 
@@ -130,15 +118,18 @@ def fill_stream(
     """Run ``fills`` (in stream order, from the generator state ``start_state``) on up to
     ``workers`` threads, with the values the single stream gives; returns the generator state
     after the last fill. ``on_piece(i, a, b)``, called from those threads, says that elements
-    ``[a, b)`` of fill ``i`` are final (a few million at a time). The caller checks each (op,
-    dtype) with ``split_is_exact`` first."""
+    ``[a, b)`` of fill ``i`` are final (a few million at a time). Each step is counted into
+    the caller's progress (``interrupts.current_meter``); a Cancel or Ctrl-C stops every thread
+    at its next step and is raised here. The caller checks each (op, dtype) with
+    ``split_is_exact`` first."""
     parts = _parts(fills, max(1, workers))
+    meter = current_meter()
 
     def run(p: list[Piece]) -> torch.Generator:
-        return _run_part(fills, p, start_state, on_piece)
+        return _run_part(fills, p, start_state, on_piece, meter)
 
     if len(parts) > 1 and not on_core_pool():
-        gens = list(core_pool(len(parts)).map(run, parts))
+        gens = meter.wait([core_pool(len(parts)).submit(run, p) for p in parts])
     else:
         gens = [run(p) for p in parts]
     return gens[-1].get_state()

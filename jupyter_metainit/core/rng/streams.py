@@ -39,6 +39,7 @@ The real generator after a deferred build
 from __future__ import annotations
 
 import threading
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable
 from typing import Any
@@ -48,7 +49,7 @@ import torch
 
 from jupyter_metainit.core.errors import MetaInitError
 from jupyter_metainit.core.rng.draws import known_draws
-from jupyter_metainit.core.rng.positions import advance_state, run_on_scratch, state_before
+from jupyter_metainit.core.rng.positions import advance_state, run_on_scratch
 from jupyter_metainit.core.rng.scratch import run_random
 from jupyter_metainit.core.rng.segments import (
     BurnSpec,
@@ -74,16 +75,36 @@ __all__ = [
 
 
 class _Tracker:
-    """What recording knows about one real generator (see the module docstring)."""
+    """What recording knows about one real generator (see the module docstring).
 
-    __slots__ = ("exact", "generator", "marked", "pending", "segment")
+    The segment is held weakly: the records of its ops (so the deferred tensors of one build)
+    own it and its checkpoints, which go when the model goes; the next op recorded after that
+    starts a new segment from the exact state (:meth:`current_segment`).
+    """
+
+    __slots__ = ("_segment", "exact", "generator", "marked", "pending")
 
     def __init__(self, generator: torch.Generator, state: torch.Tensor) -> None:
         self.generator = generator
-        self.segment = RngSegment(state, generator.device)
         self.exact = state  # the stream's state after the ops recorded so far, minus `pending`
         self.pending = 0  # draws of known-count ops recorded after `exact`
         self.marked = state  # the state we left the real generator in
+        self._segment: weakref.ref[RngSegment] | None = None
+
+    @property
+    def segment(self) -> RngSegment | None:
+        """The segment new ops join, while anything (a record) still holds it."""
+        return self._segment() if self._segment is not None else None
+
+    def current_segment(self) -> RngSegment:
+        """The segment the next op joins: a new one, from the exact state, once the last one's
+        ops are all gone (nothing can replay them any more)."""
+        segment = self.segment
+        if segment is None:
+            self.exact, self.pending = advance_state(self.exact, self.pending), 0
+            segment = RngSegment(self.exact, self.generator.device)
+            self._segment = weakref.ref(segment)
+        return segment
 
 
 # By the C++ generator (``_cdata``): an explicit generator reaches the recorder as a new Python
@@ -96,7 +117,10 @@ _lock = threading.RLock()
 
 
 # Every state we left a real generator in while draws were pending (a *mark*), by digest, with
-# the exact position it stands for (segment, index: the state before that op). A mark is the
+# what makes it the exact position it stands for: the ``left``/``next`` fields it replaced and
+# the draws pending then (the exact state is the mark's words with those fields put back,
+# advanced by those draws). Nothing of a build (its segment, its checkpoints) is kept here, so
+# a mark outlives the model it was made for and still resolves. A mark is the
 # exact state with its ``left``/``next`` fields (see ``mt19937``) set to a pair no generator
 # ever holds (a draw keeps ``left + next == 625``, seeding sets ``(1, 0)``; marks take pairs with
 # ``left + next < 625``), from a process-wide counter cycling through ~194,000 pairs: no
@@ -106,7 +130,7 @@ _lock = threading.RLock()
 # through a path not wrapped) is recognized when restored (``g.set_state(st)``, also on another
 # generator) and stands for the exact state eager code would have saved; a restore is never
 # mistaken for no change.
-_marks: OrderedDict[bytes, tuple[RngSegment, int]] = OrderedDict()
+_marks: OrderedDict[bytes, tuple[bytes, bytes, int]] = OrderedDict()
 
 
 _MARKS_KEPT = 1 << 16
@@ -138,8 +162,12 @@ def true_state(state: torch.Tensor) -> torch.Tensor | None:
         found = _marks.get(_state_key(state))
     if found is None:
         return None
-    segment, index = found
-    return state_before(segment, index)
+    left, position, pending = found
+    exact = state.clone()
+    data = exact.numpy()
+    data[8:12] = np.frombuffer(left, dtype=np.uint8)
+    data[16:24] = np.frombuffer(position, dtype=np.uint8)
+    return advance_state(exact, pending)
 
 
 def _next_mark_fields() -> tuple[int, int]:
@@ -157,10 +185,11 @@ def _next_mark_fields() -> tuple[int, int]:
 def _new_mark(tracker: _Tracker) -> torch.Tensor:
     mark = tracker.exact.clone()
     data = mark.numpy()  # bytes edited in numpy: tensor indexing would cost more than the record
+    replaced = (data[8:12].tobytes(), data[16:24].tobytes(), tracker.pending)
     left, position = _next_mark_fields()
     data[8:12] = np.frombuffer(left.to_bytes(4, "little"), dtype=np.uint8)
     data[16:24] = np.frombuffer(position.to_bytes(8, "little"), dtype=np.uint8)
-    _marks[data[:_KEY_BYTES].tobytes()] = (tracker.segment, len(tracker.segment.specs))
+    _marks[data[:_KEY_BYTES].tobytes()] = replaced
     while len(_marks) > _MARKS_KEPT:
         _marks.popitem(last=False)
     return mark
@@ -172,6 +201,16 @@ def _mark(tracker: _Tracker) -> None:
     state = _new_mark(tracker) if tracker.pending else tracker.exact
     raw_set_state(tracker.generator, state)
     tracker.marked = state
+
+
+def _forget_idle_trackers() -> None:
+    """Drop the trackers of generators whose builds are gone: no op of theirs is left to replay
+    and nothing is pending (the generator holds its exact state), so a new tracker made from
+    its state, if it is used again, is the same. A tracker keeps its generator alive: without
+    this, a notebook that makes a ``torch.Generator()`` in each rebuilt model keeps every one."""
+    for key, tracker in list(_trackers.items()):
+        if not tracker.pending and tracker.segment is None:
+            del _trackers[key]
 
 
 def record_random(
@@ -203,8 +242,9 @@ def record_random(
             # state saved from one of our marks stands for the exact state at that point.
             restored = true_state(state) if gen.device.type == "cpu" else None
             tracker = _Tracker(gen, restored if restored is not None else state)
+            _forget_idle_trackers()
             _trackers[gen._cdata] = tracker
-        segment = tracker.segment
+        segment = tracker.current_segment()
         index = len(segment.specs)
         segment.specs.append(spec)
         draws = known_draws(spec, gen.device)
@@ -256,7 +296,9 @@ def _flush(tracker: _Tracker) -> None:
     if tracker.pending:
         tracker.exact = advance_state(tracker.exact, tracker.pending)
         tracker.pending = 0
-        tracker.segment.add_checkpoint(len(tracker.segment.specs), tracker.exact)
+        segment = tracker.segment
+        if segment is not None:
+            segment.add_checkpoint(len(segment.specs), tracker.exact)
     _mark(tracker)
 
 

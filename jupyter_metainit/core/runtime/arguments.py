@@ -1,23 +1,44 @@
-"""Reading the arguments people pass: devices and dtypes, the one parser of each for every layer.
+"""Reading the arguments people pass: devices, dtypes and sizes, one parser of each for every layer.
 
-``materialize``, ``meta_init``, the estimates, the magics and the widget all take a device or a
-dtype from users, as an object or as text (``"cuda:1"``, ``"bf16"``). They read them here, so
-that every entry point accepts the same spellings (one alias table) and names dtypes the same
-way; each caller adds only its own refusal wording (a magic's ``UsageError``, for instance).
+Note [One argument policy]
+~~~~~~~~~~~~~~~~~~~~~~~~~~
+``materialize``, ``meta_init``, ``save``, the estimates, ``place``, the magics and the widget all
+take devices, dtypes and memory sizes from users, as objects or as text. They read them here,
+so that the same spelling means the same thing everywhere:
+
+- a dtype is a ``torch.dtype`` or its name, with or without ``torch.``, or a short name:
+  ``torch.bfloat16``, ``"bfloat16"``, ``"torch.bfloat16"``, ``"bf16"`` are one dtype;
+- a device is a ``torch.device``, its name or a GPU index (``0`` is ``"cuda:0"``, as
+  ``torch.device(0)``); a bare ``"cuda"`` is the *current* CUDA device, as in torch
+  (:func:`indexed_device`: ``cuda:0`` unless the program changed it);
+- a size is a number of bytes or text with a unit: ``"80GiB"`` (2**30), ``"80GB"`` (10**9, as
+  transformers reads ``max_shard_size``), ``"500MB"``, ``"1.5TiB"``. A lowercase final ``b``
+  (``"5gb"``) is refused: transformers reads it as *bits*, people mean bytes.
+
+A wrong type is an :class:`~jupyter_metainit.core.errors.ArgumentTypeError` (a ``TypeError``), a
+wrong value an :class:`~jupyter_metainit.core.errors.ArgumentError` (a ``ValueError``); both name
+the argument as the user wrote it. Each caller adds only its own wording around them (a magic's
+``UsageError``, for instance).
 """
 
 from __future__ import annotations
 
+import math
+import re
 from typing import Any
 
 import torch
 
+from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError
+
 __all__ = [
     "check_floating_dtype",
     "dtype_name",
+    "indexed_device",
     "missing_device_reason",
     "parse_device",
     "parse_dtype",
+    "parse_size",
 ]
 
 # The one table of short dtype names: what a badge shows (``dtype_name(d, short=True)``), and,
@@ -50,8 +71,13 @@ del _short
 def parse_dtype(value: Any, arg: str = "dtype") -> torch.dtype | None:
     """A ``torch.dtype`` from itself or its name: ``"bfloat16"``, ``"torch.bfloat16"``, ``"bf16"``.
 
-    ``None`` stays ``None``. A name that is no dtype is a ``ValueError``, anything else that is
-    not a dtype a ``TypeError``; both name ``arg`` (the argument the user gave it as).
+    ``None`` stays ``None``. A name that is no dtype is an ``ArgumentError`` (a ``ValueError``),
+    anything else that is not a dtype an ``ArgumentTypeError`` (a ``TypeError``); both name
+    ``arg`` (the argument the user gave it as).
+
+    Example:
+        >>> parse_dtype("bf16"), parse_dtype("torch.float16"), parse_dtype(torch.float32)
+        (torch.bfloat16, torch.float16, torch.float32)
     """
     if value is None or isinstance(value, torch.dtype):
         return value
@@ -60,11 +86,11 @@ def parse_dtype(value: Any, arg: str = "dtype") -> torch.dtype | None:
         dtype = _ALIASES.get(name) or getattr(torch, name, None)
         if isinstance(dtype, torch.dtype):
             return dtype
-        raise ValueError(
+        raise ArgumentError(
             f"{arg}={value!r} is not a dtype: use a torch.dtype (torch.bfloat16) or its name "
             "('bfloat16', 'bf16', 'float16', 'fp16', 'float32', 'int64', ...)"
         )
-    raise TypeError(
+    raise ArgumentTypeError(
         f"{arg} must be a torch.dtype (torch.bfloat16) or its name ('bfloat16'), not {value!r}"
     )
 
@@ -78,33 +104,111 @@ def dtype_name(dtype: torch.dtype, *, short: bool = False) -> str:
 
 
 def check_floating_dtype(
-    dtype: Any, *, arg: str, use: str, not_floating: type[Exception] = ValueError
+    dtype: Any, *, arg: str, use: str, not_floating: type[Exception] = ArgumentError
 ) -> torch.dtype | None:
-    """``dtype`` if it is a floating ``torch.dtype`` (None stays None), else an error that names
-    ``arg`` and says what the dtype is used for (``use``)."""
+    """``dtype`` (any spelling :func:`parse_dtype` reads) if it is a floating dtype (None stays
+    None), else an error that names ``arg`` and says what the dtype is used for (``use``)."""
+    dtype = parse_dtype(dtype, arg)
     if dtype is None:
         return None
-    if not isinstance(dtype, torch.dtype):
-        raise TypeError(f"{arg} must be a torch.dtype (e.g. torch.bfloat16), not {dtype!r}")
     if not dtype.is_floating_point:
         raise not_floating(f"{arg}={dtype} is not a floating-point dtype; {use}")
     return dtype
 
 
-def parse_device(device: Any) -> torch.device | None:
-    """A ``torch.device`` from itself or its name (``"cpu"``, ``"cuda:1"``); ``None`` stays None.
+def parse_device(device: Any, arg: str = "device") -> torch.device | None:
+    """A ``torch.device`` from itself, its name (``"cpu"``, ``"cuda:1"``) or a GPU index (``1``).
 
-    Only the spelling is checked: whether the device exists here is
-    :func:`missing_device_reason`'s question (recording for a GPU needs none).
+    ``None`` stays None. Only the spelling is checked: whether the device exists here is
+    :func:`missing_device_reason`'s question (recording for a GPU needs none), and which GPU a
+    bare ``"cuda"`` is, :func:`indexed_device`'s.
+
+    Example:
+        >>> parse_device("cuda:1"), parse_device(0), parse_device(" cpu ")
+        (device(type='cuda', index=1), device(type='cuda', index=0), device(type='cpu'))
     """
     if device is None:
         return None
     if isinstance(device, torch.device):
         return device
+    if isinstance(device, bool) or not isinstance(device, (str, int)):
+        raise ArgumentTypeError(
+            f"{arg} must be a device name ('cpu', 'cuda:0'), a GPU index or a torch.device, "
+            f"not {device!r}"
+        )
+    if isinstance(device, int):
+        if device < 0:
+            raise ArgumentError(f"{arg}={device!r} is not a GPU index: use 0, 1, ... or 'cpu'")
+        # A GPU index, as in accelerate's device maps (torch.device(0) asks for an accelerator).
+        return torch.device("cuda", device)
     try:
-        return torch.device(device.strip() if isinstance(device, str) else device)
+        return torch.device(device.strip())
     except (RuntimeError, TypeError, ValueError) as e:
-        raise ValueError(f"not a device: {device!r} (use e.g. 'cpu' or 'cuda:0')") from e
+        raise ArgumentError(
+            f"{arg}={device!r} is not a device: use e.g. 'cpu', 'cuda' (the current GPU), "
+            "'cuda:0' or a GPU index"
+        ) from e
+
+
+def indexed_device(device: Any, arg: str = "device") -> torch.device:
+    """:func:`parse_device`, with the index an eager tensor would get: a bare ``"cuda"`` (or
+    ``"xpu"``) is the current device of that kind, ``cuda:0`` unless the program changed it.
+
+    Example:
+        >>> indexed_device("cuda")  # without CUDA, or before any torch.cuda.set_device
+        device(type='cuda', index=0)
+    """
+    d = parse_device(device, arg)
+    if d is None:
+        raise ArgumentTypeError(f"{arg} must be a device such as 'cpu' or 'cuda:0', not None")
+    if d.type in ("cuda", "xpu") and d.index is None:
+        current = 0
+        if d.type == "cuda" and torch.cuda.is_available() and torch.cuda.is_initialized():
+            current = torch.cuda.current_device()
+        d = torch.device(d.type, current)
+    return d
+
+
+_SIZE = re.compile(r"\s*([0-9]*\.?[0-9]+(?:[eE][+-]?[0-9]+)?)\s*([kKmMgGtTpP]?[iI]?[bB]?)\s*")
+_PREFIXES = "kmgtp"
+
+
+def parse_size(size: Any, arg: str = "size") -> int:
+    """Bytes from a number of bytes or a size with a unit, the one grammar of every layer.
+
+    ``"80GiB"`` is 80 * 2**30, ``"80GB"`` 80 * 10**9 (decimal, as transformers and
+    huggingface_hub read ``max_shard_size``), ``"1.5 TiB"``, ``"500MB"`` and ``"500M"`` (no B:
+    decimal) likewise. A lowercase final ``b`` (``"5Gb"``, ``"5gb"``) is refused: transformers
+    reads it as bits, people mean bytes.
+
+    Example:
+        >>> parse_size("80GiB"), parse_size("5GB"), parse_size(1024)
+        (85899345920, 5000000000, 1024)
+    """
+    if isinstance(size, bool) or not isinstance(size, (int, float, str)):
+        raise ArgumentTypeError(
+            f"{arg} must be a number of bytes or a size such as '80GiB' or '5GB', not {size!r}"
+        )
+    if isinstance(size, (int, float)):
+        if not math.isfinite(size) or size < 0:
+            raise ArgumentError(f"{arg}={size!r} is not a size: give a number of bytes >= 0")
+        return int(size)
+    match = _SIZE.fullmatch(size)
+    if match is None:
+        raise ArgumentError(
+            f"{arg}={size!r} is not a size: give bytes, or a number with a unit such as "
+            "'80GiB' (2**30 bytes a GiB) or '80GB' (10**9 bytes a GB)"
+        )
+    number, unit = float(match.group(1)), match.group(2)
+    if unit.endswith("b"):
+        raise ArgumentError(
+            f"{arg}={size!r} is ambiguous: transformers reads a lowercase 'b' as bits. Write "
+            f"'{match.group(1)}{unit[:-1].upper()}B' for bytes (or 'GiB'-style binary units)."
+        )
+    prefix = unit[:1].lower() if unit[:1].lower() in _PREFIXES else ""
+    power = _PREFIXES.index(prefix) + 1 if prefix else 0
+    base = 1024 if "i" in unit.lower() else 1000
+    return int(number * base**power)
 
 
 def missing_device_reason(d: torch.device) -> str | None:

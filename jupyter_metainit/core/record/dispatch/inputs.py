@@ -27,10 +27,12 @@ from jupyter_metainit.core.record.graph import (
     next_seq,
 )
 from jupyter_metainit.core.record.ops import Where, user_frame
-from jupyter_metainit.core.record.state import canonical_device, default_device, tls
+from jupyter_metainit.core.record.state import default_device, tls
 from jupyter_metainit.core.record.tensor import DeferredTensor
+from jupyter_metainit.core.runtime.arguments import indexed_device
 from jupyter_metainit.core.runtime.digest import digest
 from jupyter_metainit.core.runtime.plain import iter_args, plain
+from jupyter_metainit.core.runtime.swap import cache_by_id
 
 META = torch.device("meta")
 
@@ -44,7 +46,7 @@ _COPY_EXTERNALS_BELOW = 1 << 20
 
 
 # Digests of large real inputs, per tensor object and version (one model uses a tensor often).
-_external_digests: dict[int, tuple[Any, int, tuple]] = {}
+_external_digests: dict[int, tuple[Any, int, tuple]] = cache_by_id({})  # swaps drop entries
 
 
 def external(x: torch.Tensor, where: Where) -> External | Constant:
@@ -53,6 +55,10 @@ def external(x: torch.Tensor, where: Where) -> External | Constant:
     if x.is_meta:  # metadata only (`empty_like(meta_tensor, device="cpu")`): nothing to check
         return External(x, x._version, where)
     with plain():
+        if x.layout is not torch.strided or x.is_nested:
+            # A sparse adjacency made inside meta_init (real): no one storage to digest, so
+            # copied, as eager code computes with its values of this moment.
+            return Constant(x.clone())
         if x.untyped_storage().nbytes() <= _COPY_EXTERNALS_BELOW and x.device.type == "cpu":
             return Constant(x.clone())
         cached = _external_digests.get(id(x))
@@ -69,15 +75,25 @@ def external(x: torch.Tensor, where: Where) -> External | Constant:
 def to_meta(t: torch.Tensor) -> torch.Tensor:
     if isinstance(t, DeferredTensor):
         return t._meta
-    if t.layout != torch.strided:
-        raise UnsupportedOperatorError(
-            f"{t.layout} tensors cannot be used in deferred code (called at {call_site()}); "
-            "build them outside meta_init, or use dense tensors"
-        )
+    if t.layout is not torch.strided or t.is_nested:
+        return _not_strided_meta(t)
     with plain():
         n = t.untyped_storage().nbytes() // t.element_size() if t.element_size() else 0
         base = torch.empty(max(n, 1), dtype=t.dtype, device=META)
         return base.as_strided(t.shape, t.stride(), t.storage_offset())
+
+
+def _not_strided_meta(t: torch.Tensor) -> torch.Tensor:
+    """A real sparse tensor's meta twin (its layout, shape and dtype): few meta kernels take
+    one, so an op on it mostly runs on values (``record_op``)."""
+    try:
+        with plain():
+            return t.to(META)
+    except (RuntimeError, NotImplementedError):
+        raise UnsupportedOperatorError(
+            f"{t.layout} tensors cannot be used in deferred code (called at {call_site()}); "
+            "build them outside meta_init, or use dense tensors"
+        ) from None
 
 
 def meta_like(t: torch.Tensor) -> torch.Tensor:
@@ -129,7 +145,7 @@ def output_device(kwargs: dict, flat: list) -> torch.device:
         return tls.pending_device
     dev = kwargs.get("device")
     if dev is not None and torch.device(dev).type != "meta":
-        return canonical_device(dev)
+        return indexed_device(dev)
     for x in flat:
         if isinstance(x, DeferredTensor):
             return x.device

@@ -103,7 +103,11 @@ def meta_outputs(
         out = func(*meta_args, **meta_kwargs)
     if key is not None:
         outs = out if isinstance(out, (tuple, list)) else (out,)
-        if all(isinstance(o, torch.Tensor) and o.storage_offset() == 0 for o in outs):
+        # (A sparse result is not kept: the geometry kept here is a strided tensor's.)
+        if all(
+            isinstance(o, torch.Tensor) and o.layout is torch.strided and o.storage_offset() == 0
+            for o in outs
+        ):
             if len(_meta_cache) >= _META_CACHE_SIZE:
                 _meta_cache.clear()
             _meta_cache[key] = (

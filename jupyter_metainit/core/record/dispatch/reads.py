@@ -209,8 +209,10 @@ _EAGER_KEYS = (
 )  # fmt: skip
 
 
-def _as_eager() -> Any:
-    """A guard under which real kernels dispatch as they do in eager code (see above)."""
+def as_eager() -> Any:
+    """A guard under which real kernels dispatch as they do in eager code (see above): for ops
+    run now on real memory, and for a replay that builds an autograd graph (``replay.grads``)
+    while a value read runs it from inside a dispatch handler."""
     exclude = torch._C._dispatch_tls_local_exclude_set()
     for key in _EAGER_KEYS:
         exclude = exclude.remove(key)
@@ -228,7 +230,7 @@ def realized_inputs(flat: list) -> dict[int, torch.Tensor] | None:
         if isinstance(x, DeferredTensor):
             real = reader.real_view(x._rec, False)
             if real is not None and x._rg and x._derived and torch.is_grad_enabled():
-                with _as_eager():  # a view autograd records, as eager's view requiring grad
+                with as_eager():  # a view autograd records, as eager's view requiring grad
                     real = reader.real_view(x._rec, True)
             if real is not None:
                 if found is None:
@@ -258,7 +260,7 @@ def run_on_real_memory(func: Any, args: tuple, kwargs: dict, real: dict[int, tor
     grad = torch.is_grad_enabled()
     a, k = map_args(lambda x: real.get(id(x), x) if isinstance(x, DeferredTensor) else x,
                     args, kwargs)  # fmt: skip
-    with plain(), _as_eager():
+    with plain(), as_eager():
         torch._C._set_grad_enabled(grad)
         out = func(*a, **k)
     back = {id(v): d for d in iter_args(args, kwargs) if isinstance(d, DeferredTensor)
@@ -287,7 +289,7 @@ def realized_as_constants(
         made = kept.get(id(x))
         if made is None:
             view = real[id(x)]
-            with plain(), _as_eager():  # resolves the lazy conjugate/negative bits too
+            with plain(), as_eager():  # resolves the lazy conjugate/negative bits too
                 copy = torch.empty_like(view, device="cpu").copy_(view)
             made = kept[id(x)] = wrap_constant(copy, x.device)
             made._rg, made._derived = x._rg, True  # not a leaf: no link to the real tensor

@@ -63,7 +63,7 @@ from jupyter_metainit.core.record.graph import (
 from jupyter_metainit.core.record.ops import OpInfo, Where, bind_arguments, op_info
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.record.value_reader import value_reader
-from jupyter_metainit.core.runtime.plain import iter_args, map_args
+from jupyter_metainit.core.runtime.plain import iter_args, map_args, plain
 
 aten = torch.ops.aten
 
@@ -132,7 +132,7 @@ def _outputs_metadata(call: _Call) -> tuple[Any, list | None, bool]:
     kernels answered), and whether the first item is already the op's final result (a sparse or
     nested result, computed now)."""
     func, info, where = call.func, call.info, call.where
-    meta_args, meta_kwargs = call.meta_args, call.meta_kwargs
+    meta_args, meta_kwargs = _dense_for_sparse_factor(func, call.meta_args), call.meta_kwargs
     try:
         out = cpu_layout(func, meta_outputs(func, call.bound, meta_args, meta_kwargs, info))
         if not_strided(out):
@@ -153,6 +153,30 @@ def _outputs_metadata(call: _Call) -> tuple[Any, list | None, bool]:
     return out, None, False
 
 
+# Products of a real sparse matrix (the argument at this index) and dense tensors, as a graph
+# model's forward computes ``adj @ h``: the result is dense and contiguous, and its metadata is
+# the dense meta kernel's (sparse meta kernels are missing: other ops on a sparse tensor and
+# deferred ones get their outputs' metadata by computing their values).
+_SPARSE_FACTOR = {
+    aten.mm.default: 0, aten.mv.default: 0, aten.addmm.default: 1, aten._sparse_addmm.default: 1,
+}  # fmt: skip
+
+
+def _dense_for_sparse_factor(func: Any, meta_args: tuple) -> tuple:
+    """``meta_args`` with the sparse factor of a ``_SPARSE_FACTOR`` product as a dense meta
+    tensor of its shape and dtype."""
+    i = _SPARSE_FACTOR.get(func)
+    if i is None or len(meta_args) <= i or meta_args[i].layout is torch.strided:
+        return meta_args
+    others = [x for j, x in enumerate(meta_args) if j != i and isinstance(x, torch.Tensor)]
+    if any(x.layout is not torch.strided for x in others):  # sparse @ sparse: a sparse result
+        return meta_args
+    x = meta_args[i]
+    with plain():
+        dense = torch.empty(x.shape, dtype=x.dtype, device=META)
+    return (*meta_args[:i], dense, *meta_args[i + 1 :])
+
+
 def _outputs_from_values(call: _Call) -> tuple[Any, list | None, bool]:
     try:
         out, values = outputs_from_values(call.func, call.info, call.args, call.kwargs, call.where)
@@ -161,16 +185,22 @@ def _outputs_from_values(call: _Call) -> tuple[Any, list | None, bool]:
     return out, values, False
 
 
-def _recorded_arguments(call: _Call) -> tuple[Any, dict, dict[int, StorageRecord], bool]:
+def _recorded_arguments(
+    call: _Call,
+) -> tuple[Any, dict, dict[int, StorageRecord], bool, list[int]]:
     """Arguments as recorded (tensors become records, devices the real one), the storages the
-    op reads, and whether an input requires grad (in grad mode)."""
+    op reads, whether an input requires grad (in grad mode), and the ids of the records of the
+    deferred inputs that require grad."""
     grad = False
     reads: dict[int, StorageRecord] = {}
+    grad_records: list[int] = []
 
     def record_arg(x: Any) -> Any:
         nonlocal grad
         if type(x) is DeferredTensor:
-            grad = grad or x._rg
+            if x._rg:
+                grad = True
+                grad_records.append(id(x._rec))
             reads[id(x._rec.storage)] = x._rec.storage
             return x._rec
         if isinstance(x, torch.Tensor):
@@ -183,12 +213,12 @@ def _recorded_arguments(call: _Call) -> tuple[Any, dict, dict[int, StorageRecord
     rec_args, rec_kwargs = map_args(record_arg, call.args, call.kwargs)
     if "device" in rec_kwargs:
         rec_kwargs["device"] = call.device
-    return rec_args, rec_kwargs, reads, grad and torch.is_grad_enabled()
+    return rec_args, rec_kwargs, reads, grad and torch.is_grad_enabled(), grad_records
 
 
 def _record_outputs(call: _Call, out: Any, values: list | None, default_dtype: Any) -> Any:
     """Steps 3 to 5 of :func:`record_op`: the deferred outputs, and the record they come from."""
-    rec_args, rec_kwargs, reads, grad = _recorded_arguments(call)
+    rec_args, rec_kwargs, reads, grad, grad_records = _recorded_arguments(call)
     # Per output: does eager autograd make it require grad? (``ones_like(param)`` does not.)
     out_grads = output_requires_grad(call.called_func, *call.called_with, out) if grad else None
     overwrites = full_overwrite(call.func, call.bound)
@@ -208,6 +238,8 @@ def _record_outputs(call: _Call, out: Any, values: list | None, default_dtype: A
             tuple(new_records), rng, call.where, default_dtype, tuple(mutates),
             () if overwrites is None else (overwrites,),
         )  # fmt: skip
+        if grad:  # a node of eager's autograd graph (a gradient taken later replays it so)
+            op.grad_args = frozenset(grad_records)
         for s in (*created, *mutates):
             s.writes.append(op)
         if worth_a_recipe(call.func, call.info, call.device, out, new_records, mutates,

@@ -117,6 +117,8 @@ def _handle_op(func: Any, args: tuple, kwargs: dict) -> Any:
             # random ops on them draw nothing.
             with plain():
                 return func(*args, **kwargs)
+        if _not_strided_input(flat):
+            return _on_real_sparse(func, args, kwargs)
     info = op_info(func)
     bound = bind_arguments(func, args, kwargs)
     # Every tensor the op writes: ``Tensor(a!)``, each element of ``Tensor(a!)[]`` (the
@@ -228,6 +230,30 @@ _quantizing: dict[Any, str] = {}
 def _generator_argument(info: OpInfo, bound: list) -> torch.Generator | None:
     gen = bound[info.arg_index("generator")] if info.has_generator else None
     return gen if isinstance(gen, torch.Generator) else None
+
+
+def _not_strided_input(flat: list) -> bool:
+    """Whether a (real) input is sparse or nested: those stay real inside ``meta_init``."""
+    return any(
+        isinstance(x, torch.Tensor) and (x.layout is not torch.strided or x.is_nested) for x in flat
+    )
+
+
+def _on_real_sparse(func: Any, args: tuple, kwargs: dict) -> Any:
+    """An op on real sparse or nested tensors and no deferred one (``adj.coalesce()``, the
+    ``clone`` a dry run makes of a sparse buffer): such tensors made inside ``meta_init`` are
+    computed at once and stay real CPU tensors, so ops on them alone run now, as eagerly."""
+    target = tls.pending_device  # ``adj.to(device=...)``: the call was rewritten to meta
+    if target is not None and target.type != "cpu":
+        raise UnsupportedOperatorError(
+            f"{func} would move a sparse or nested tensor to {target} inside meta_init (called "
+            f"at {call_site()}); such tensors stay real CPU tensors there: move it after "
+            "materializing, or outside the block"
+        )
+    if target is not None and "device" in kwargs:
+        kwargs = {**kwargs, "device": target}
+    with plain():
+        return func(*args, **kwargs)
 
 
 def _on_meta(kwargs: dict, flat: list) -> bool:

@@ -1,0 +1,328 @@
+"""Looking at the values: ``jupyter_metainit.stats`` and ``compare`` against what they replace.
+
+1. A Llama built under ``meta_init`` (bfloat16), ``stats(model)``: time and peak RSS in a fresh
+   process, against the generation floor ``save`` is measured against (``normal_`` on every
+   core over the same bytes, bench_save.py) and against computing the values alone (the core's
+   ``values_to_write``, a batch at a time, as ``save`` computes them). Targets: time <= 1.1 x
+   the generation floor; peak RSS <= 2 x the largest tensor + 200 MB.
+2. A smaller Llama's checkpoint: ``from_pretrained`` under ``meta_init`` + ``stats`` against
+   eager ``from_pretrained`` + the same statistics with torch (float64, tensor by tensor).
+   Target: <= 1.0 x eager.
+3. Two such checkpoints (two seeds): ``compare(dir_a, dir_b)`` against reading both into
+   memory (``safetensors.torch.load_file`` of every file, each tensor copied out of the
+   mapping), and against reading both + the same comparison with torch. Target: <= 1.0 x
+   reading both.
+
+The files are written once, then read from the page cache by every measurement. Each row is
+the median of ``--repeats`` fresh processes (1 by default); the CPU-time ratios are the steadier
+figures on a busy machine.
+
+    .venv/bin/python benchmarks/bench_stats.py                 # 8 B (16 GB, generated only)
+                                                               # and 1 B checkpoints
+    .venv/bin/python benchmarks/bench_stats.py --size small    # 0.35 GB and 0.1 GB
+    .venv/bin/python benchmarks/bench_stats.py --quick         # smoke run, tiny model
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from _common import (
+    LLAMA_1B,
+    LLAMA_8B,
+    LLAMA_SMALL,
+    LLAMA_SMALLER,
+    TINY_LLAMA,
+    Meter,
+    base_parser,
+    child_main,
+    environment_line,
+    fmt_mb,
+    fmt_ratio,
+    fmt_s,
+    llama_config,
+    median_result,
+    print_errors,
+    print_table,
+    run_children,
+    verdict,
+)
+from bench_save import generation_floor
+
+SIZES = {
+    "8b": (LLAMA_8B, LLAMA_1B),
+    "small": (LLAMA_SMALL, LLAMA_SMALLER),
+    "quick": (TINY_LLAMA, TINY_LLAMA),
+}
+
+
+def _deferred(shape: dict[str, Any], seed: int = 0) -> Any:
+    import torch
+    import transformers
+
+    from jupyter_metainit import meta_init
+
+    torch.manual_seed(seed)
+    with meta_init():
+        return transformers.AutoModelForCausalLM.from_config(llama_config(**shape),
+                                                             dtype=torch.bfloat16)  # fmt: skip
+
+
+def _sizes(model: Any) -> tuple[int, int]:
+    sizes = [t.numel() * t.element_size() for t in model.state_dict().values()]
+    return sum(sizes), max(sizes)
+
+
+def stats_deferred(shape: dict[str, Any]) -> dict[str, Any]:
+    """``stats`` of a model built under ``meta_init``."""
+    from jupyter_metainit import stats
+
+    model = _deferred(shape)
+    total, largest = _sizes(model)
+    stats({"warm-up": model.lm_head.weight[:2]})  # the worker threads started
+    meter = Meter()
+    with meter():
+        table = stats(model)
+    return meter.as_dict() | {"bytes": total, "largest": largest, "rows": len(table)}
+
+
+def values_only(shape: dict[str, Any]) -> dict[str, Any]:
+    """The values alone: the core's ``values_to_write`` a batch at a time, nothing measured."""
+    from jupyter_metainit.core import values_to_write
+    from jupyter_metainit.inspection.pipeline import batches
+
+    model = _deferred(shape)
+    tensors = list(model.state_dict().values())
+    meter = Meter()
+    with meter():
+        for batch in batches(tensors, lambda t: t.numel() * t.element_size()):
+            values = values_to_write(batch)
+            del values  # freed at once
+    return meter.as_dict()
+
+
+def write_checkpoints(shape: dict[str, Any], root: str) -> dict[str, Any]:
+    """Two checkpoints of the same shapes (seeds 0 and 1), written with ``save``."""
+    from jupyter_metainit import save
+
+    for seed in (0, 1):
+        save(_deferred(shape, seed), f"{root}/seed{seed}", max_shard_size="1GB")
+    return {"bytes": _sizes(_deferred(shape))[0]}
+
+
+def _torch_statistics(t: Any) -> tuple:
+    import torch
+
+    x = t.detach().double()
+    norm = torch.linalg.vector_norm(x)
+    counts = ((x == 0).sum(), x.isnan().sum(), x.isinf().sum())
+    return (x.mean(), x.std(correction=0), x.min(), x.max(), x.abs().max(), norm, *counts)
+
+
+def eager_statistics(directory: str) -> dict[str, Any]:
+    """Eager ``from_pretrained`` + the statistics with torch, tensor by tensor."""
+    import torch
+    import transformers
+    import transformers.models.llama.modeling_llama  # imports are not the load
+
+    meter = Meter()
+    with meter():
+        model = transformers.AutoModelForCausalLM.from_pretrained(directory, dtype=torch.bfloat16)
+        meter.lap("loaded")
+        for t in model.state_dict().values():
+            _torch_statistics(t)
+    return meter.as_dict()
+
+
+def stats_opened(directory: str) -> dict[str, Any]:
+    """``from_pretrained`` under ``meta_init`` + ``stats``: read from the files."""
+    import torch
+    import transformers
+    import transformers.models.llama.modeling_llama  # imports are not the load
+
+    from jupyter_metainit import meta_init, stats
+
+    stats({"warm-up": torch.ones(2)})
+    meter = Meter()
+    with meter():
+        with meta_init():
+            auto = transformers.AutoModelForCausalLM
+            model = auto.from_pretrained(directory, dtype=torch.bfloat16)
+        meter.lap("opened")
+        stats(model)
+    return meter.as_dict()
+
+
+def _load_all(directory: str) -> dict[str, Any]:
+    """Every tensor of a checkpoint's files, copied into memory (``load_file`` maps the file;
+    the copy is the read)."""
+    from safetensors.torch import load_file
+
+    out = {}
+    for name in sorted(os.listdir(directory)):
+        if name.endswith(".safetensors"):
+            out.update({k: v.clone() for k, v in load_file(os.path.join(directory, name)).items()})
+    return out
+
+
+def read_both(directories: list[str]) -> dict[str, Any]:
+    """Both checkpoints read into memory, one after the other."""
+    import safetensors.torch  # noqa: F401 - imports are not the read
+
+    meter = Meter()
+    with meter():
+        for directory in directories:
+            loaded = _load_all(directory)
+            del loaded
+    return meter.as_dict()
+
+
+def eager_compare(directories: list[str]) -> dict[str, Any]:
+    """Both checkpoints read into memory + the same comparison with torch, tensor by tensor."""
+    import safetensors.torch  # noqa: F401 - imports are not the read
+    import torch
+
+    meter = Meter()
+    with meter():
+        a, b = (_load_all(d) for d in directories)
+        for name in a:
+            x, y = a[name].double(), b[name].double()
+            norm_x, norm_y = torch.linalg.vector_norm(x), torch.linalg.vector_norm(y)
+            torch.equal(a[name], b[name])
+            ((x - y).abs().max(), torch.linalg.vector_norm(x - y) / norm_x,
+             x.reshape(-1) @ y.reshape(-1) / (norm_x * norm_y))  # fmt: skip
+    return meter.as_dict()
+
+
+def compare_checkpoints(directories: list[str]) -> dict[str, Any]:
+    """``compare(dir_a, dir_b)``."""
+    import torch
+
+    from jupyter_metainit import compare
+
+    compare({"w": torch.ones(2)}, {"w": torch.ones(2)})
+    meter = Meter()
+    with meter():
+        table = compare(*directories)
+    return meter.as_dict() | {"differ": int((table["status"] == "differ").sum())}
+
+
+MEASUREMENTS = {
+    "stats_deferred": stats_deferred,
+    "values_only": values_only,
+    "generation_floor": generation_floor,
+    "write_checkpoints": write_checkpoints,
+    "eager_statistics": eager_statistics,
+    "stats_opened": stats_opened,
+    "read_both": read_both,
+    "eager_compare": eager_compare,
+    "compare_checkpoints": compare_checkpoints,
+}
+
+
+def _jobs(big: dict[str, Any], root: str) -> list[tuple[str, dict[str, Any]]]:
+    dirs = [f"{root}/seed0", f"{root}/seed1"]
+    return [("stats_deferred", {"shape": big}), ("values_only", {"shape": big}),
+            ("eager_statistics", {"directory": dirs[0]}),
+            ("stats_opened", {"directory": dirs[0]}), ("read_both", {"directories": dirs}),
+            ("eager_compare", {"directories": dirs}),
+            ("compare_checkpoints", {"directories": dirs})]  # fmt: skip
+
+
+def main() -> None:
+    child_main(MEASUREMENTS)
+    parser = base_parser(__doc__.splitlines()[0])
+    parser.add_argument("--size", choices=sorted(SIZES), default="8b", help="model shapes")
+    args = parser.parse_args()
+    big, small = SIZES["quick" if args.quick else args.size]
+    print("# bench_stats: statistics and comparisons of models, streamed")
+    print(environment_line())
+    root = tempfile.mkdtemp(prefix="jmi-bench-stats-", dir=os.environ.get("BENCH_DIR"))
+    try:
+        written = run_children(__file__, [("write_checkpoints", {"shape": small, "root": root})])
+        print_errors({"writing the checkpoints": written[0]})
+        jobs, repeats = _jobs(big, root), 1 if args.quick else args.repeats or 1
+        results = run_children(__file__, [job for job in jobs for _ in range(repeats)],
+                               separate=not args.quick)  # fmt: skip
+        named = {name: median_result(results[k * repeats : (k + 1) * repeats])
+                 for k, (name, _) in enumerate(jobs)}  # fmt: skip
+        if "bytes" in named["stats_deferred"]:
+            floor = run_children(
+                __file__, [("generation_floor", {"nbytes": named["stats_deferred"]["bytes"]})]
+            )
+            named["generation_floor"] = floor[0]  # fmt: skip
+        print_errors(named)
+        _print_deferred(named)
+        _print_checkpoints(named, written[0].get("bytes"))
+    finally:
+        shutil.rmtree(root, ignore_errors=True)
+
+
+def _ratio(a: dict[str, Any], b: dict[str, Any], key: str = "seconds") -> float | None:
+    if key not in a or not b.get(key):
+        return None
+    return a[key] / b[key]
+
+
+_FIGURES = ["time", "CPU time", "peak extra RSS", "ratio"]
+
+
+def _figures(one: dict[str, Any], against: dict[str, Any]) -> list[str]:
+    """Time, CPU time, peak, and the ratios of time and CPU time to ``against``'s (the row
+    each ratio is against is named in the table's text)."""
+    if "seconds" not in one:
+        return ["n/a"] * 5
+    return [fmt_s(one["seconds"]), fmt_s(one["cpu_seconds"]),
+            fmt_mb(one.get("peak_extra")) if "peak_extra" in one else "",
+            fmt_ratio(_ratio(one, against)) if against else "",
+            fmt_ratio(_ratio(one, against, "cpu_seconds")) if against else ""]  # fmt: skip
+
+
+def _print_deferred(named: dict[str, dict[str, Any]]) -> None:
+    ours, floor, values = (named.get(k, {}) for k in
+                           ("stats_deferred", "generation_floor", "values_only"))  # fmt: skip
+    if "seconds" not in ours:
+        return
+    peak_target = 2 * ours["largest"] + 200 * 10**6
+    rows = [
+        ["`meta_init` + `stats`", *_figures(ours, floor)],
+        [f"generation floor: `normal_` on {floor.get('cores', '?')} cores",
+         *_figures(floor, {})],
+        ["the values alone (`values_to_write`, as `save` computes them)",
+         *_figures(values, floor)],
+    ]  # fmt: skip
+    print_table(
+        f"stats of a {ours['bytes'] / 1e9:.2f} GB bfloat16 model never allocated, largest "
+        f"tensor {ours['largest'] / 1e6:.0f} MB",
+        ["step", *_FIGURES[:3], "time / floor", "CPU / floor's CPU"], rows,
+    )  # fmt: skip
+    ratio = _ratio(ours, floor)
+    print(f"peak RSS <= 2 x largest + 200 MB ({fmt_mb(peak_target)}): "
+          f"{verdict(ours['peak_extra'] <= peak_target)}; time <= 1.1 x generation floor: "
+          f"{verdict(None if ratio is None else ratio <= 1.1)}")  # fmt: skip
+
+
+def _print_checkpoints(named: dict[str, dict[str, Any]], nbytes: int | None) -> None:
+    eager, opened = named["eager_statistics"], named["stats_opened"]
+    both, ours = named["read_both"], named["compare_checkpoints"]
+    eager_pairs = named["eager_compare"]
+    size = f"{nbytes / 1e9:.2f} GB" if nbytes else "?"
+    rows = [
+        ["eager `from_pretrained` + the statistics with torch", *_figures(eager, {})],
+        ["`from_pretrained` under `meta_init` + `stats`", *_figures(opened, eager)],
+        ["reading both checkpoints into memory", *_figures(both, {})],
+        ["reading both + the same comparison with torch", *_figures(eager_pairs, both)],
+        ["`compare(dir_a, dir_b)`", *_figures(ours, both)],
+    ]  # fmt: skip
+    print_table(f"{size} bfloat16 checkpoints in the page cache",
+                ["method", *_FIGURES, "CPU ratio"], rows)  # fmt: skip
+    r1, r2 = _ratio(opened, eager), _ratio(ours, both)
+    v1, v2 = verdict(None if r1 is None else r1 <= 1.0), verdict(None if r2 is None else r2 <= 1)
+    print(f"stats of a checkpoint <= 1.0 x eager: {v1}; compare <= 1.0 x reading both: {v2}")
+
+
+if __name__ == "__main__":
+    main()
