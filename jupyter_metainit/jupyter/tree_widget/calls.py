@@ -66,3 +66,11 @@ class PlanningCalls:
         )
         if wait:
             self.wait()
+
+    def measure_values(self, *, wait: bool = True) -> None:
+        """Compute the statistics of the selected subtrees' values (the whole model if none is
+        selected) with :func:`jupyter_metainit.stats`, as *Values* does; the model is not
+        changed. The tree then shows them (``w.values`` holds them)."""
+        self.handle_action({"action": "values", "names": self.selected})
+        if wait:
+            self.wait()
