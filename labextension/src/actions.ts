@@ -175,6 +175,15 @@ export class ActionBar {
       },
       run: (t) => this.host.request({ action: "free", names: t.names }),
     });
+    table.push({
+      id: "values",
+      label: "Values",
+      shortcut: "V",
+      what: "Measure the values (std, absmax, NaN/inf, histograms) of the selected subtrees, or of the whole model if none is ticked; nothing is materialized",
+      button: this.button("values", "Values", "jmi-values"),
+      blocked: () => busyWhy(busy, off),
+      run: (t) => this.host.request({ action: "values", names: t.names }),
+    });
     table.push(this.toggle("plan", "Plan…", "P", this.bars.plan, off, "Plan which device each part goes to for a workload (allocates nothing)"));
     table.push(this.toggle("save", "Save…", "S", this.bars.save, off, "Write the model, or the selected subtree, as a checkpoint (safetensors or torch DCP)"));
     return table.filter((a) => a.shortcut || a.button);
