@@ -96,16 +96,23 @@ export function splitLayer(name: string): { layer: number; role: string } | null
   return m ? { layer: Number(m[1]), role: m[2] } : null;
 }
 
-/** The roles found in at least two layers, most layers first then by name. */
+/** The roles found in at least two layers: most layers first, then those whose values vary
+ *  (a weight matrix before a norm's constant ones), then by name. */
 export function depthRoles(tensors: TensorStat[]): string[] {
   const layers = new Map<string, Set<number>>();
+  const varies = new Set<string>();
   for (const t of tensors) {
     const s = splitLayer(t.name);
     if (!s) continue;
     if (!layers.has(s.role)) layers.set(s.role, new Set());
     layers.get(s.role)!.add(s.layer);
+    if (t.std) varies.add(s.role);
   }
-  return [...layers].filter(([, l]) => l.size > 1).sort((a, b) => b[1].size - a[1].size || (a[0] < b[0] ? -1 : 1)).map(([r]) => r);
+  const rank = (r: string) => (varies.has(r) ? 0 : 1);
+  return [...layers]
+    .filter(([, l]) => l.size > 1)
+    .sort((a, b) => b[1].size - a[1].size || rank(a[0]) - rank(b[0]) || (a[0] < b[0] ? -1 : 1))
+    .map(([r]) => r);
 }
 
 /** The statistic of `role` per layer, in layer order (a layer in two stacks: their mean). */
@@ -160,23 +167,25 @@ export function depthChart(points: Array<[number, number | null]>, title: string
   const step = f.plotW / n;
   const x = (i: number) => f.x0 + step * (i + 0.5);
   let path = "";
+  let pen = false; // a line is broken where a value is not finite
   points.forEach(([layer, v], i) => {
     if (v === null) {
-      path += " ";
+      pen = false;
       return;
     }
     if (bars) {
       const r = svg("rect", { x: x(i) - step * 0.35, y: Math.min(f.y(v), f.y(0)), width: Math.max(step * 0.7, 1), height: Math.abs(f.y(0) - f.y(v)), class: "jmi-bar-mark" });
       r.append(svg("title", {}, `layer ${layer}: ${statText(v)}`));
       f.root.append(r);
-    } else {
-      path += `${path && !path.endsWith(" ") ? "L" : "M"}${x(i).toFixed(1)},${f.y(v).toFixed(1)} `;
-      const dot = svg("circle", { cx: x(i), cy: f.y(v), r: 2.5, class: "jmi-dot" });
-      dot.append(svg("title", {}, `layer ${layer}: ${statText(v)}`));
-      f.root.append(dot);
+      return;
     }
+    path += `${pen ? "L" : "M"}${x(i).toFixed(1)},${f.y(v).toFixed(1)} `;
+    pen = true;
+    const dot = svg("circle", { cx: x(i), cy: f.y(v), r: 2.5, class: "jmi-dot" });
+    dot.append(svg("title", {}, `layer ${layer}: ${statText(v)}`));
+    f.root.append(dot);
   });
-  if (!bars && path.trim()) f.root.insertBefore(svg("path", { d: path.trim().replace(/ +(?=\d)/g, " M"), class: "jmi-line" }), f.root.querySelector("circle"));
+  if (path) f.root.insertBefore(svg("path", { d: path.trim(), class: "jmi-line" }), f.root.querySelector("circle"));
   const every = Math.ceil(n / 16);
   points.forEach(([layer], i) => {
     if (i % every === 0) f.root.append(svg("text", { x: x(i), y: height - 10, "text-anchor": "middle", class: "jmi-tick jmi-xtick" }, String(layer)));

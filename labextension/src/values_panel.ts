@@ -70,6 +70,17 @@ export class ValuesPanel {
     this.renderHistogram();
   }
 
+  /** The charts are drawn at the panel's width (their text stays 10 px, never scaled down). */
+  private width(): number {
+    return Math.max(280, Math.min(720, this.el.clientWidth || 640));
+  }
+
+  /** The widget changed width: draw the charts again at the new one. */
+  resized(): void {
+    this.renderChart();
+    this.renderHistogram();
+  }
+
   private renderChart(): void {
     const v = this.values;
     if (!v) return;
@@ -80,7 +91,7 @@ export class ValuesPanel {
     }
     const stat = this.statSel.value as StatName;
     const title = `${stat} of ${role} per layer`;
-    this.chartEl.replaceChildren(h("div", "jmi-chart-title", title), depthChart(depthSeries(v.tensors, role, stat), title, this.kindSel.value === "bars"));
+    this.chartEl.replaceChildren(h("div", "jmi-chart-title", title), depthChart(depthSeries(v.tensors, role, stat), title, this.kindSel.value === "bars", this.width()));
   }
 
   private renderHistogram(): void {
@@ -92,7 +103,7 @@ export class ValuesPanel {
       this.histEl.replaceChildren(h("div", "jmi-muted", `Histogram: ${where} holds no tensor of its own that Values measured; focus a leaf row (Linear, Embedding…).`));
       return;
     }
-    this.histEl.replaceChildren(h("div", "jmi-chart-title", `Histogram of ${t.name} (${t.counts.length} bins, finite values)`), histogramChart(t));
+    this.histEl.replaceChildren(h("div", "jmi-chart-title", `Histogram of ${t.name} (${t.counts.length} bins, finite values)`), histogramChart(t, this.width()));
   }
 }
 

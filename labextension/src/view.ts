@@ -327,7 +327,10 @@ export class TreeView {
     this.messageEl.tabIndex = -1; // holds the focus of a widget whose model is gone
     this.liveParts = [tools, this.actionBar.el, this.planBar.el, this.saveBar.el, this.progressEl, colhead, this.scroller, this.valuesPanel.el, this.tableEl];
     if (typeof ResizeObserver !== "undefined") {
-      const watcher = new ResizeObserver(() => this.actionBar.placeSeparator());
+      const watcher = new ResizeObserver(() => {
+        this.actionBar.placeSeparator();
+        this.valuesPanel.resized();
+      });
       watcher.observe(this.el);
       this.disposers.push(() => watcher.disconnect());
     }

@@ -40,14 +40,17 @@ describe("values", () => {
   it("offers the roles of the repeated blocks and their series in layer order", () => {
     const v = readValues(raw)!;
     expect(depthRoles(v.tensors)).toEqual(["attn.bias", "attn.weight"]);
+    const flat = v.tensors.map((t) => (t.name.endsWith("bias") ? { ...t, std: 0 } : t));
+    expect(depthRoles(flat)).toEqual(["attn.weight", "attn.bias"]); // varying values first
     expect(depthSeries(v.tensors, "attn.weight", "std")).toEqual([[0, 0.25], [1, 0.5]]);
     expect(depthSeries(v.tensors, "attn.bias", "std")).toEqual([[0, 0.1], [1, null]]);
   });
 
   it("draws a line with a dot per layer, bars as one rect each, a gap where not finite", () => {
-    const line = depthChart([[0, 1], [1, null], [2, 3]], "std", false);
-    expect(line.querySelectorAll("circle").length).toBe(2);
-    expect(line.querySelector("path")!.getAttribute("d")!.match(/M/g)!.length).toBe(2);
+    const line = depthChart([[0, 1], [1, null], [2, 3], [3, 2]], "std", false);
+    expect(line.querySelectorAll("circle").length).toBe(3);
+    const d = line.querySelector("path")!.getAttribute("d")!;
+    expect([d.match(/M/g)!.length, d.match(/L/g)!.length]).toEqual([2, 1]); // 2 to 3 joined
     expect(line.getAttribute("aria-label")).toBe("std");
     const bars = depthChart([[0, 1], [1, 2]], "std", true);
     expect(bars.querySelectorAll("rect").length).toBe(2);
