@@ -1105,6 +1105,8 @@ def test_values_from_the_keyboard_show_columns_a_nan_flag_a_depth_chart_and_a_hi
         page.wait_for_timeout(400)
         widget.scroll_into_view_if_needed()
         widget.screenshot(path=str(ARTIFACTS / f"widget-{app}-values-{theme}-{width}.png"))
+        if (app, theme, width) == ("jupyterlab4", "light", 1400):
+            _doc_shot(widget, "widget-values.png")  # docs/values.md, notebook-workflow.md
         assert _layout_faults(widget) == [], width
     # Shift+V hides the columns; the flag stays
     page.keyboard.press("Shift+V")
