@@ -131,3 +131,69 @@ def test_values_refuse_malformed_names(names):
     w.handle_action({"action": "values", "names": names})
     assert w.busy == "" and w.values == {} and w.error == ""
     assert w.notice["text"]
+
+
+def kinds(w) -> dict[str, str]:
+    """Qualified module name -> its row's colour (the worst kind under it)."""
+    names = {node: name for name, node in w._tree.index.items()}
+    return {names[r[0]]: r[1] for r in w.comparison["modules"]}
+
+
+def test_compare_with_a_variable_colours_rows_by_how_much_they_differ(shell):
+    net = deferred_net()
+    other = eager_net()
+    with torch.no_grad():
+        other.layers[1].mlp.weight.mul_(2)  # large
+        other.layers[2].attn.weight.add_(other.layers[2].attn.weight * 1e-6)  # tiny
+    shell.user_ns["tuned"] = other
+    w = explore(net)
+    w.compare_with("tuned")
+    assert w.error == "", w.error
+    got = kinds(w)
+    assert (got["layers.0"], got["layers.1.mlp"], got["layers.2.attn"]) == (
+        "equal",
+        "large",
+        "tiny",
+    )
+    assert got[""] == "large" and got["layers"] == "large"
+    assert {tensor_state(t) for t in net.state_dict().values()} == {"deferred"}
+    row = next(r for r in w.comparison["tensors"] if r[0] == "layers.1.mlp.weight")
+    assert row[2:5] == ["large", "differ", 1.0]  # rel_l2 of 2x - x over x: exactly 1
+    assert w.status.startswith("Compared model (the whole model) with tuned")
+
+
+def test_compare_with_a_checkpoint_path_marks_missing_and_reshaped_tensors(tmp_path):
+    from safetensors.torch import save_file
+
+    net = deferred_net()
+    state = {k: v.clone() for k, v in eager_net().state_dict().items()}
+    del state["norm.bias"]
+    state["layers.0.attn.bias"] = torch.zeros(3)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    w = explore(net)
+    w.compare_with(str(tmp_path / "model.safetensors"))
+    assert w.error == "", w.error
+    got = kinds(w)
+    assert (got["norm"], got["layers.0.attn"], got["embed"]) == ("missing", "shape", "equal")
+
+
+def test_compare_of_the_ticked_rows_leaves_the_rest_out(shell):
+    net = deferred_net()
+    shell.user_ns["same"] = eager_net()
+    w = explore(net)
+    w.selected = ["layers.1"]
+    w.compare_with("same")
+    assert sorted(r[0] for r in w.comparison["tensors"]) == [
+        "layers.1.attn.bias", "layers.1.attn.weight", "layers.1.mlp.bias", "layers.1.mlp.weight",
+    ]  # fmt: skip
+    assert {r[2] for r in w.comparison["tensors"]} == {"equal"}
+
+
+@pytest.mark.parametrize("other", ["", "nowhere/at/all", "x" * 5000, 3, "not_a_model"])
+def test_compare_refuses_what_is_neither_a_model_nor_a_path(shell, other):
+    shell.user_ns["not_a_model"] = 42
+    net = deferred_net()
+    w = explore(net)
+    w.handle_action({"action": "compare", "other": other})
+    assert w.busy == "" and w.comparison == {} and w.error == ""
+    assert "nothing was compared" in w.notice["text"]

@@ -47,12 +47,14 @@ _CHANGING_ACTIONS = (
     "materialize_plan",
     "save",
     "values",
+    "compare",
 )
 # How the busy line names an action that waits.
 _ACTION_LABELS = {
     "materialize_plan": "materialize the plan",
     "unpin": "plan",
     "values": "measure the values",
+    "compare": "compare",
 }
 
 
