@@ -29,6 +29,9 @@ export interface RowContext {
   /** What Values measured, if it ran; `valueColumns`: std and absmax shown as columns. */
   values: Values | null;
   valueColumns: boolean;
+  /** What Compare with… found per node (the row's colour), and its words for the tooltip. */
+  compared: { nodes: Map<number, { kind: string }> } | null;
+  comparedText(node: number): string;
 }
 
 export function treeRow(ctx: RowContext, row: VisibleRow, i: number): HTMLElement {
@@ -51,9 +54,14 @@ export function treeRow(ctx: RowContext, row: VisibleRow, i: number): HTMLElemen
   const on =
     (chip && chip.textContent !== "—" ? `, planned on ${chip.textContent}` : "") +
     (pin ? `, pinned to ${pin}` : "");
+  const cmp = ctx.compared?.nodes.get(n);
+  if (cmp) {
+    el.classList.add(`jmi-cmp-${cmp.kind}`);
+    el.title = ctx.comparedText(n);
+  }
   const m = ctx.values?.modules.get(n);
   const holds = m && badText(m) ? `, holds ${badText(m)} values` : "";
-  el.setAttribute("aria-label", `${t.qname[n] || "the whole model"}, ${t.type[n]}, ${humanBytes(t.bytes[n])}, ${stateText(t.state[n], t.target[n])}${on}${holds}`);
+  el.setAttribute("aria-label", `${t.qname[n] || "the whole model"}, ${t.type[n]}, ${humanBytes(t.bytes[n])}, ${stateText(t.state[n], t.target[n])}${on}${holds}${cmp ? `; ${ctx.comparedText(n)}` : ""}`);
   el.tabIndex = n === ctx.focusNode ? 0 : -1;
   if (n === ctx.focusNode) el.classList.add("jmi-focus");
 

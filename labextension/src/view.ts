@@ -14,6 +14,7 @@ import { GONE_KERNEL, GONE_WIDGET, KernelLink } from "./kernel_link";
 import { type Action, actionFor, declareKey, keyList, type Target, withKey } from "./keys";
 import { type Plan, PlanBar, planHead, SaveBar } from "./plan";
 import { ROW_HEIGHT, type RowContext, treeRow } from "./row";
+import { CompareBar, comparedText, type Compared, readComparison } from "./compare";
 import { readValues, type Values } from "./values";
 import { ValuesPanel } from "./values_panel";
 import { type PatchRow, Tree, type TreeJSON, type VisibleRow } from "./tree";
@@ -79,6 +80,9 @@ export class TreeView {
   /** Values: its panel (columns toggle, depth chart, histogram) and what it measured. */
   readonly valuesPanel: ValuesPanel;
   private values: Values | null = null;
+  /** Compare with…: its bar and the last comparison. */
+  readonly compareBar: CompareBar;
+  private compared: Compared | null = null;
   private planHeadEl: HTMLElement = h("div", "jmi-planhead");
   /** The parts a widget that lost its model turns inert (everything but its banners). */
   private liveParts: HTMLElement[] = [];
@@ -127,7 +131,8 @@ export class TreeView {
     };
     this.planBar = new PlanBar(host);
     this.saveBar = new SaveBar(host);
-    this.actionBar = new ActionBar(host, this.reasons, { plan: this.planBar.el, save: this.saveBar.el }, [
+    this.compareBar = new CompareBar(host);
+    this.actionBar = new ActionBar(host, this.reasons, { plan: this.planBar.el, save: this.saveBar.el, compare: this.compareBar.el }, [
       this.rngSel,
       this.dtypeSel,
     ]);
@@ -144,6 +149,7 @@ export class TreeView {
     this.link.watchKernel(model.widget_manager);
     this.listen("change:plan", () => this.renderPlan());
     this.listen("change:values", () => this.renderValues());
+    this.listen("change:comparison", () => this.renderComparison());
     this.listen("change:selected", () => {
       this.selected = new Set(this.tree.nodesOf(this.model.get("selected") ?? []));
       this.refreshChecks();
@@ -296,7 +302,7 @@ export class TreeView {
       if (!(ev.target instanceof Node) || !this.el.contains(ev.target)) return;
       ev.stopPropagation();
       if (ev.type !== "keydown") return;
-      const bar = [this.planBar.el, this.saveBar.el].find((b) => b.contains(ev.target as Node));
+      const bar = [this.planBar.el, this.saveBar.el, this.compareBar.el].find((b) => b.contains(ev.target as Node));
       if (ev.key === "Escape" && bar) {
         ev.preventDefault(); // closes the bar; the tree row takes the focus back
         this.closeBar(bar);
@@ -325,7 +331,7 @@ export class TreeView {
     this.noticeEl.hidden = true;
     this.messageEl.setAttribute("role", "status");
     this.messageEl.tabIndex = -1; // holds the focus of a widget whose model is gone
-    this.liveParts = [tools, this.actionBar.el, this.planBar.el, this.saveBar.el, this.progressEl, colhead, this.scroller, this.valuesPanel.el, this.tableEl];
+    this.liveParts = [tools, this.actionBar.el, this.planBar.el, this.saveBar.el, this.compareBar.el, this.progressEl, colhead, this.scroller, this.valuesPanel.el, this.tableEl];
     if (typeof ResizeObserver !== "undefined") {
       const watcher = new ResizeObserver(() => {
         this.actionBar.placeSeparator();
@@ -343,6 +349,8 @@ export class TreeView {
       this.actionBar.el,
       this.planBar.el,
       this.saveBar.el,
+      this.compareBar.el,
+      this.compareBar.legend,
       this.progressEl,
       this.messageEl,
       this.noticeEl,
@@ -434,7 +442,8 @@ export class TreeView {
 
   /** Close the Plan… or Save… bar; the tree row takes the focus. */
   private closeBar(bar: HTMLElement): void {
-    const toggle = this.actions().find((a) => a.id === (bar === this.planBar.el ? "plan" : "save"));
+    const id = bar === this.planBar.el ? "plan" : bar === this.saveBar.el ? "save" : "compare";
+    const toggle = this.actions().find((a) => a.id === id);
     if (!bar.hidden && toggle) toggle.run(this.keyTarget());
     this.renderRows();
     this.focusRow();
@@ -760,6 +769,7 @@ export class TreeView {
     this.actionBar.render(busy, off);
     this.planBar.render(busy, off);
     this.saveBar.render(busy, off);
+    this.compareBar.render(busy, off);
     for (const a of this.ownActions) {
       if (!a.button) continue;
       a.button.disabled = off;
@@ -802,6 +812,13 @@ export class TreeView {
     this.valuesPanel.setValues(this.values);
     this.valuesPanel.focus(this.focusNode);
     this.el.classList.toggle("jmi-valued", Boolean(this.values) && this.valuesPanel.columns);
+    this.renderRows();
+  }
+
+  /** What Compare with… found: the rows' colours, their tooltips and the legend. */
+  private renderComparison(): void {
+    this.compared = readComparison(this.model.get("comparison"));
+    this.compareBar.legend.hidden = !this.compared;
     this.renderRows();
   }
 
@@ -864,6 +881,8 @@ export class TreeView {
       plan,
       planned: Boolean(plan.devices?.length),
       values: this.values,
+      compared: this.compared,
+      comparedText: (node: number) => (this.compared ? comparedText(this.compared, node) : ""),
       valueColumns: Boolean(this.values) && this.valuesPanel.columns,
     };
     const frag = document.createDocumentFragment();

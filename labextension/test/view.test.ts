@@ -620,7 +620,7 @@ describe("focus and keys", () => {
       view.valuesPanel.columnsBtn,
     ];
     const keys = buttons.map((b) => b.getAttribute("aria-keyshortcuts"));
-    expect(keys).toEqual(["M", "G", "F", "V", "P", "S", "Shift+M", "Shift+P", "U", "X", "T", "Shift+V"]);
+    expect(keys).toEqual(["M", "G", "F", "V", "P", "S", "D", "Shift+M", "Shift+P", "U", "X", "T", "Shift+V"]);
     for (const b of buttons) expect(b.title).toMatch(/\(key on a tree row: [^)]+\)$/);
     expect(root.querySelector(".jmi-rows .jmi-copy")!.getAttribute("aria-keyshortcuts")).toBe("C");
   });
@@ -862,5 +862,35 @@ describe("Values", () => {
     const hist = root.querySelector(".jmi-hist-box")!;
     expect(hist.textContent).toContain("layers.0.attn.weight");
     expect(hist.querySelectorAll("rect").length).toBe(3);
+  });
+});
+
+describe("Compare with…", () => {
+  it("d opens the bar in the input; Enter sends the comparison of the ticked rows; Esc goes back", () => {
+    const { root, model } = mount(smallTree(), { selected: ["layers"] });
+    rowOfNode(root, 2).focus();
+    press("d");
+    const input = root.querySelector<HTMLInputElement>(".jmi-compare-other")!;
+    expect(document.activeElement).toBe(input);
+    input.value = "finetuned/";
+    root.querySelector<HTMLFormElement>(".jmi-comparebar")!.requestSubmit();
+    expect(model.sent.at(-1)).toMatchObject({ action: "compare", other: "finetuned/", names: ["layers"] });
+    press("Escape");
+    expect(root.querySelector<HTMLElement>(".jmi-comparebar")!.hidden).toBe(true);
+    expect(focused().dataset.node).toBe("2");
+  });
+
+  it("colours the rows by their worst difference, with the numbers in the tooltip and a legend", () => {
+    const { root, model } = mount(smallTree(), { expand_depth: 3 });
+    model.set("comparison", {
+      id: 1, other: "base", tiny: 1e-3, kinds: [], tensors: [],
+      modules: [[0, "large", 2, 0.5], [1, "equal", 0, 0], [4, "tiny", 1, 1e-5], [9, "missing", 1, null]],
+    });
+    expect(rowOfNode(root, 1).classList.contains("jmi-cmp-equal")).toBe(true);
+    expect(rowOfNode(root, 4).classList.contains("jmi-cmp-tiny")).toBe(true);
+    expect(rowOfNode(root, 0).title).toBe("vs base: large difference, 2 tensors differ, rel_l2 up to 0.5");
+    expect(rowOfNode(root, 9).getAttribute("aria-label")).toContain("vs base: missing on one side");
+    expect(root.querySelector<HTMLElement>(".jmi-legend")!.hidden).toBe(false);
+    expect(rowOfNode(root, 2).className).not.toContain("jmi-cmp");
   });
 });
