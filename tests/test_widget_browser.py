@@ -1067,17 +1067,17 @@ def test_a_reopened_notebook_with_a_new_kernel_says_how_to_get_the_tree_back(
 _VALUES_CELLS = [
     *_FLOW_CELLS[:3],
     "import torch\n\nwith torch.no_grad():\n"
-    "    model.model.layers[1].mlp.down_proj.weight[0, 0] = float('nan')",
+    "    model.model.layers[1].mlp.down_proj.weight[0, 0] = float('nan')\n"
+    "tuned = {'model.norm.weight': torch.full((64,), 2.0)}  # a state dict for Compare with…",
 ]
 
 
 @pytest.mark.parametrize("theme", ["light", "dark"])
-def test_values_from_the_keyboard_show_columns_a_nan_flag_a_depth_chart_and_a_histogram(
-    browser, frontend, theme
-):
+def test_values_and_compare_from_the_keyboard(browser, frontend, theme):
     """Values (key v on the model's row) measures the whole model, deferred parts staying
     deferred; the value columns, the NaN flag, the depth chart and the focused row's
-    histogram show. Screenshots: test-artifacts/widget-<app>-values-<theme>-<px>.png."""
+    histogram show. Compare with… (key d) colours the rows. Screenshots:
+    test-artifacts/widget-<app>-values-<theme>-<px>.png and widget-<app>-compare-…."""
     app = "jupyterlab4" if frontend["app"] == "jupyterlab" else "notebook7"
     if theme == "dark":
         _set_theme(frontend["settings"], "JupyterLab Dark")
@@ -1113,3 +1113,21 @@ def test_values_from_the_keyboard_show_columns_a_nan_flag_a_depth_chart_and_a_hi
     assert widget.locator(".jmi-rows .jmi-c-std").count() == 0
     assert _row(widget, "model.layers").locator(".jmi-bad").is_visible()
     _on_row(page, "model.embed_tokens")
+
+    # Compare with… (key d): the focus goes to its field, Enter compares, Esc goes back
+    page.keyboard.press("d")
+    assert page.evaluate("() => document.activeElement.classList.contains('jmi-compare-other')")
+    page.keyboard.type("tuned")
+    page.keyboard.press("Enter")
+    widget.locator(".jmi-message", has_text="Compared").wait_for(timeout=60_000)
+    page.keyboard.press("Escape")
+    _on_row(page, "model.embed_tokens")
+    norm = _row(widget, "model.norm")
+    assert "jmi-cmp-large" in norm.get_attribute("class")
+    assert "jmi-cmp-missing" in _row(widget, "model.embed_tokens").get_attribute("class")
+    assert "rel_l2 up to 1" in norm.get_attribute("title")
+    assert widget.locator(".jmi-legend").is_visible()
+    for width in (1400, 700):
+        page.set_viewport_size({"width": width, "height": 1300})
+        page.wait_for_timeout(400)
+        widget.screenshot(path=str(ARTIFACTS / f"widget-{app}-compare-{theme}-{width}.png"))
