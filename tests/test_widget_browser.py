@@ -1060,3 +1060,74 @@ def test_a_reopened_notebook_with_a_new_kernel_says_how_to_get_the_tree_back(
     assert all(not errors.nth(i).is_visible() for i in range(errors.count())), app
     shot = f"widget-{app}-reopened-{widget_state.replace(' ', '-')}.png"
     tab.screenshot(path=str(ARTIFACTS / shot))
+
+
+# ---------------------------------------------------------------------------- Values
+
+_VALUES_CELLS = [
+    *_FLOW_CELLS[:3],
+    "import torch\n\nwith torch.no_grad():\n"
+    "    model.model.layers[1].mlp.down_proj.weight[0, 0] = float('nan')\n"
+    "tuned = {'model.norm.weight': torch.full((64,), 2.0)}  # a state dict for Compare with…",
+]
+
+
+@pytest.mark.parametrize("theme", ["light", "dark"])
+def test_values_and_compare_from_the_keyboard(browser, frontend, theme):
+    """Values (key v on the model's row) measures the whole model, deferred parts staying
+    deferred; the value columns, the NaN flag, the depth chart and the focused row's
+    histogram show. Compare with… (key d) colours the rows. Screenshots:
+    test-artifacts/widget-<app>-values-<theme>-<px>.png and widget-<app>-compare-…."""
+    app = "jupyterlab4" if frontend["app"] == "jupyterlab" else "notebook7"
+    if theme == "dark":
+        _set_theme(frontend["settings"], "JupyterLab Dark")
+    page = _open_and_build(browser, frontend, f"values-{theme}.ipynb", _VALUES_CELLS, height=1300)
+    _run_cell(page, 2)
+    _run_cell(page, 3)
+    widget = page.locator(".jmi-root").first
+    _row(widget, "model.layers").locator(".jmi-badge", has_text="mixed").wait_for(timeout=10_000)
+    _row(widget, "model").locator(".jmi-c-type").click()
+    page.keyboard.press("v")
+    widget.locator(".jmi-message", has_text="Measured the values").wait_for(timeout=60_000)
+    _on_row(page, "model")  # the focus stayed on the row
+    assert widget.locator(".jmi-values-panel").is_visible()
+    assert _row(widget, "model.layers").locator(".jmi-bad", has_text="NaN").is_visible()
+    assert _row(widget, "model.embed_tokens").locator(".jmi-bad").count() == 0
+    std = _row(widget, "model.embed_tokens").locator(".jmi-c-std").inner_text()
+    assert 0.015 < float(std) < 0.025, std  # Llama's init: normal(0, 0.02)
+    assert _row(widget, "model.layers").locator(".jmi-badge", has_text="mixed").count() == 1
+    assert widget.locator(".jmi-chart-box .jmi-dot").count() >= 3
+    page.keyboard.press("ArrowDown")  # the next row: the focused row's histogram follows
+    _on_row(page, "model.embed_tokens")
+    widget.locator(".jmi-hist-box", has_text="model.embed_tokens.weight").wait_for(timeout=5_000)
+    for width in (1400, 700):
+        page.set_viewport_size({"width": width, "height": 1300})
+        page.wait_for_timeout(400)
+        widget.scroll_into_view_if_needed()
+        widget.screenshot(path=str(ARTIFACTS / f"widget-{app}-values-{theme}-{width}.png"))
+        if (app, theme, width) == ("jupyterlab4", "light", 1400):
+            _doc_shot(widget, "widget-values.png")  # docs/values.md, notebook-workflow.md
+        assert _layout_faults(widget) == [], width
+    # Shift+V hides the columns; the flag stays
+    page.keyboard.press("Shift+V")
+    assert widget.locator(".jmi-rows .jmi-c-std").count() == 0
+    assert _row(widget, "model.layers").locator(".jmi-bad").is_visible()
+    _on_row(page, "model.embed_tokens")
+
+    # Compare with… (key d): the focus goes to its field, Enter compares, Esc goes back
+    page.keyboard.press("d")
+    assert page.evaluate("() => document.activeElement.classList.contains('jmi-compare-other')")
+    page.keyboard.type("tuned")
+    page.keyboard.press("Enter")
+    widget.locator(".jmi-message", has_text="Compared").wait_for(timeout=60_000)
+    page.keyboard.press("Escape")
+    _on_row(page, "model.embed_tokens")
+    norm = _row(widget, "model.norm")
+    assert "jmi-cmp-large" in norm.get_attribute("class")
+    assert "jmi-cmp-missing" in _row(widget, "model.embed_tokens").get_attribute("class")
+    assert "rel_l2 up to 1" in norm.get_attribute("title")
+    assert widget.locator(".jmi-legend").is_visible()
+    for width in (1400, 700):
+        page.set_viewport_size({"width": width, "height": 1300})
+        page.wait_for_timeout(400)
+        widget.screenshot(path=str(ARTIFACTS / f"widget-{app}-compare-{theme}-{width}.png"))

@@ -15,6 +15,6 @@ from __future__ import annotations
 
 from jupyter_metainit.inspection.charts import Chart, along_depth, svg_chart
 from jupyter_metainit.inspection.comparison import compare
-from jupyter_metainit.inspection.statistics import STAT_COLUMNS, stats
+from jupyter_metainit.inspection.statistics import STAT_COLUMNS, stat_tables, stats
 
-__all__ = ["STAT_COLUMNS", "Chart", "along_depth", "compare", "stats", "svg_chart"]
+__all__ = ["STAT_COLUMNS", "Chart", "along_depth", "compare", "stat_tables", "stats", "svg_chart"]

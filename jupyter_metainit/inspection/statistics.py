@@ -22,7 +22,7 @@ from jupyter_metainit.inspection.moments import (
 from jupyter_metainit.inspection.pipeline import Chunks, Progress, batches, run_batches
 from jupyter_metainit.inspection.sources import Entry, Source, open_source
 
-__all__ = ["STAT_COLUMNS", "flat_values", "stats"]
+__all__ = ["STAT_COLUMNS", "flat_values", "stat_tables", "stats"]
 
 #: The statistics of every row, per tensor and per module.
 STAT_COLUMNS = ("mean", "std", "min", "max", "absmax", "l2", "zeros", "nan", "inf")
@@ -260,3 +260,31 @@ def _module_table(source: Source, measured: dict[str, Measured], depth: int | No
         index.append(module)
     columns = ["depth", "tensors", "numel", "dtype", *STAT_COLUMNS]
     return pd.DataFrame(rows, index=pd.Index(index, name="module"), columns=columns)
+
+
+def stat_tables(
+    obj: Any, *, bins: int | None = None, progress: Any = None
+) -> tuple[pd.DataFrame, pd.DataFrame]:
+    """``stats(obj, bins=bins)`` and ``stats(obj, per="module")`` from one reading of the
+    values (half the time of two calls): for a view that shows both, as the widget's *Values*.
+
+    Args:
+        obj: as for :func:`stats`.
+        bins: a histogram per tensor, as for :func:`stats`.
+        progress: as for :func:`stats`.
+
+    Returns:
+        The per-tensor table and the per-module table.
+
+    Example:
+        >>> tensors, modules = stat_tables(model, bins=32)
+    """
+    _check_options("tensor", bins, None)
+    source = open_source(obj, "stats()")
+    entries = list(source.entries.values())
+    bar = Progress(progress, sum(e.nbytes for e in entries), "stats")
+    try:
+        measured = measure_all(source, entries, bins, bar)
+    finally:
+        bar.close()
+    return _tensor_table(source, measured, bins is not None), _module_table(source, measured, None)

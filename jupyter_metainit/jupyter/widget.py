@@ -183,6 +183,12 @@ class ModuleTreeWidget(
     plan = traitlets.Dict(
         help="The last plan (tree_widget/planning.py: devices, per-node device), {} if none."
     ).tag(sync=True)
+    values = traitlets.Dict(
+        help="The last Values (tree_widget/values.py: per node and per tensor), {} if none."
+    ).tag(sync=True)
+    comparison = traitlets.Dict(
+        help="The last Compare with… (tree_widget/comparing.py: per node and tensor), {} if none."
+    ).tag(sync=True)
     var_name = traitlets.Unicode(
         "model", help="The model's name in the notebook, for paths usable in the magics."
     ).tag(sync=True)

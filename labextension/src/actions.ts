@@ -41,7 +41,7 @@ export class ActionBar {
     private readonly host: ActionHost,
     private readonly reasons: Reasons,
     /** The bars the Plan… and Save… toggles show, then the controls after the separator. */
-    private readonly bars: { plan: HTMLElement; save: HTMLElement },
+    private readonly bars: { plan: HTMLElement; save: HTMLElement; compare: HTMLElement },
     private readonly trailing: HTMLElement[],
   ) {
     this.el.setAttribute("role", "toolbar");
@@ -175,8 +175,18 @@ export class ActionBar {
       },
       run: (t) => this.host.request({ action: "free", names: t.names }),
     });
+    table.push({
+      id: "values",
+      label: "Values",
+      shortcut: "V",
+      what: "Measure the values (std, absmax, NaN/inf, histograms) of the selected subtrees, or of the whole model if none is ticked; nothing is materialized",
+      button: this.button("values", "Values", "jmi-values"),
+      blocked: () => busyWhy(busy, off),
+      run: (t) => this.host.request({ action: "values", names: t.names }),
+    });
     table.push(this.toggle("plan", "Plan…", "P", this.bars.plan, off, "Plan which device each part goes to for a workload (allocates nothing)"));
     table.push(this.toggle("save", "Save…", "S", this.bars.save, off, "Write the model, or the selected subtree, as a checkpoint (safetensors or torch DCP)"));
+    table.push(this.toggle("compare", "Compare with…", "D", this.bars.compare, off, "Compare with a checkpoint or a model in the notebook, tensor by tensor (the differences colour the rows)"));
     return table.filter((a) => a.shortcut || a.button);
   }
 

@@ -7,6 +7,7 @@ import { appendHighlighted, cellWith, copyIcon, h, keyedChip } from "./dom";
 import { humanBytes, humanCount, percent } from "./format";
 import { deviceChip, pinMark, pinnedTo, type Plan } from "./plan";
 import { CHECKED, PARTIAL, type Tree, type VisibleRow } from "./tree";
+import { badFlag, badText, valueCells, type Values } from "./values";
 
 export const ROW_HEIGHT = 26;
 
@@ -25,6 +26,12 @@ export interface RowContext {
   locked: boolean;
   plan: Plan;
   planned: boolean;
+  /** What Values measured, if it ran; `valueColumns`: std and absmax shown as columns. */
+  values: Values | null;
+  valueColumns: boolean;
+  /** What Compare with… found per node (the row's colour), and its words for the tooltip. */
+  compared: { nodes: Map<number, { kind: string }> } | null;
+  comparedText(node: number): string;
 }
 
 export function treeRow(ctx: RowContext, row: VisibleRow, i: number): HTMLElement {
@@ -47,7 +54,14 @@ export function treeRow(ctx: RowContext, row: VisibleRow, i: number): HTMLElemen
   const on =
     (chip && chip.textContent !== "—" ? `, planned on ${chip.textContent}` : "") +
     (pin ? `, pinned to ${pin}` : "");
-  el.setAttribute("aria-label", `${t.qname[n] || "the whole model"}, ${t.type[n]}, ${humanBytes(t.bytes[n])}, ${stateText(t.state[n], t.target[n])}${on}`);
+  const cmp = ctx.compared?.nodes.get(n);
+  if (cmp) {
+    el.classList.add(`jmi-cmp-${cmp.kind}`);
+    el.title = ctx.comparedText(n);
+  }
+  const m = ctx.values?.modules.get(n);
+  const holds = m && badText(m) ? `, holds ${badText(m)} values` : "";
+  el.setAttribute("aria-label", `${t.qname[n] || "the whole model"}, ${t.type[n]}, ${humanBytes(t.bytes[n])}, ${stateText(t.state[n], t.target[n])}${on}${holds}${cmp ? `; ${ctx.comparedText(n)}` : ""}`);
   el.tabIndex = n === ctx.focusNode ? 0 : -1;
   if (n === ctx.focusNode) el.classList.add("jmi-focus");
 
@@ -119,6 +133,12 @@ export function treeRow(ctx: RowContext, row: VisibleRow, i: number): HTMLElemen
 
   // non-eager values are never hidden: the tag keeps its width, the name shrinks
   if (t.values[n]) nameCell.append(fastTag(t.values[n]));
+  const measured = ctx.values?.modules.get(n);
+  const bad = measured ? badFlag(measured) : null;
+  if (bad) {
+    nameCell.append(bad); // NaN and inf are never hidden, columns shown or not
+    el.classList.add("jmi-has-bad");
+  }
   if (tags.length) {
     const box = h("span", "jmi-tags");
     box.append(h("span", "jmi-tags-spacer"), ...tags);
@@ -151,6 +171,7 @@ export function treeRow(ctx: RowContext, row: VisibleRow, i: number): HTMLElemen
     cellWith(badge(t.state[n], t.target[n]), "jmi-c-state"),
     share,
   );
+  if (ctx.valueColumns) el.append(...valueCells(ctx.values?.modules.get(n)));
   if (chip) {
     const cell = cellWith(chip, "jmi-c-device");
     if (pin) {

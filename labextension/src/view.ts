@@ -14,6 +14,9 @@ import { GONE_KERNEL, GONE_WIDGET, KernelLink } from "./kernel_link";
 import { type Action, actionFor, declareKey, keyList, type Target, withKey } from "./keys";
 import { type Plan, PlanBar, planHead, SaveBar } from "./plan";
 import { ROW_HEIGHT, type RowContext, treeRow } from "./row";
+import { CompareBar, comparedText, type Compared, readComparison } from "./compare";
+import { readValues, type Values } from "./values";
+import { ValuesPanel } from "./values_panel";
 import { type PatchRow, Tree, type TreeJSON, type VisibleRow } from "./tree";
 
 /** The part of anywidget's model this view uses. */
@@ -74,6 +77,12 @@ export class TreeView {
   /** Plan… and Save…: their bars (plan.ts) and the plan's per-device bars in the header. */
   readonly planBar: PlanBar;
   readonly saveBar: SaveBar;
+  /** Values: its panel (columns toggle, depth chart, histogram) and what it measured. */
+  readonly valuesPanel: ValuesPanel;
+  private values: Values | null = null;
+  /** Compare with…: its bar and the last comparison. */
+  readonly compareBar: CompareBar;
+  private compared: Compared | null = null;
   private planHeadEl: HTMLElement = h("div", "jmi-planhead");
   /** The parts a widget that lost its model turns inert (everything but its banners). */
   private liveParts: HTMLElement[] = [];
@@ -122,15 +131,25 @@ export class TreeView {
     };
     this.planBar = new PlanBar(host);
     this.saveBar = new SaveBar(host);
-    this.actionBar = new ActionBar(host, this.reasons, { plan: this.planBar.el, save: this.saveBar.el }, [
+    this.compareBar = new CompareBar(host);
+    this.actionBar = new ActionBar(host, this.reasons, { plan: this.planBar.el, save: this.saveBar.el, compare: this.compareBar.el }, [
       this.rngSel,
       this.dtypeSel,
     ]);
+    this.valuesPanel = new ValuesPanel(
+      () => {
+        this.el.classList.toggle("jmi-valued", this.valuesPanel.columns);
+        this.renderRows();
+      },
+      (node) => this.tree.qname[node] ?? "",
+    );
     this.ownActions = this.widgetActions();
     this.focusKeeper = new FocusKeeper(this.el, () => this.focusFallback());
     this.build();
     this.link.watchKernel(model.widget_manager);
     this.listen("change:plan", () => this.renderPlan());
+    this.listen("change:values", () => this.renderValues());
+    this.listen("change:comparison", () => this.renderComparison());
     this.listen("change:selected", () => {
       this.selected = new Set(this.tree.nodesOf(this.model.get("selected") ?? []));
       this.refreshChecks();
@@ -258,6 +277,8 @@ export class TreeView {
       ["Size", "jmi-c-num jmi-c-size"],
       ["State", "jmi-c-state"],
       ["Share", "jmi-c-share"],
+      ["Std", "jmi-c-num jmi-c-val jmi-c-std"],
+      ["Absmax", "jmi-c-num jmi-c-val jmi-c-absmax"],
       ["Device", "jmi-c-device"],
     ]) {
       colhead.append(h("div", c, t));
@@ -281,7 +302,7 @@ export class TreeView {
       if (!(ev.target instanceof Node) || !this.el.contains(ev.target)) return;
       ev.stopPropagation();
       if (ev.type !== "keydown") return;
-      const bar = [this.planBar.el, this.saveBar.el].find((b) => b.contains(ev.target as Node));
+      const bar = [this.planBar.el, this.saveBar.el, this.compareBar.el].find((b) => b.contains(ev.target as Node));
       if (ev.key === "Escape" && bar) {
         ev.preventDefault(); // closes the bar; the tree row takes the focus back
         this.closeBar(bar);
@@ -304,14 +325,18 @@ export class TreeView {
     this.rowsEl.addEventListener("focusin", (ev) => {
       const rowEl = (ev.target as HTMLElement).closest(".jmi-row") as HTMLElement | null;
       if (rowEl?.dataset.node !== undefined) this.focusNode = Number(rowEl.dataset.node);
+      this.valuesPanel.focus(this.focusNode);
     });
     this.noticeEl.setAttribute("role", "status");
     this.noticeEl.hidden = true;
     this.messageEl.setAttribute("role", "status");
     this.messageEl.tabIndex = -1; // holds the focus of a widget whose model is gone
-    this.liveParts = [tools, this.actionBar.el, this.planBar.el, this.saveBar.el, this.progressEl, colhead, this.scroller, this.tableEl];
+    this.liveParts = [tools, this.actionBar.el, this.planBar.el, this.saveBar.el, this.compareBar.el, this.progressEl, colhead, this.scroller, this.valuesPanel.el, this.tableEl];
     if (typeof ResizeObserver !== "undefined") {
-      const watcher = new ResizeObserver(() => this.actionBar.placeSeparator());
+      const watcher = new ResizeObserver(() => {
+        this.actionBar.placeSeparator();
+        this.valuesPanel.resized();
+      });
       watcher.observe(this.el);
       this.disposers.push(() => watcher.disconnect());
     }
@@ -324,11 +349,14 @@ export class TreeView {
       this.actionBar.el,
       this.planBar.el,
       this.saveBar.el,
+      this.compareBar.el,
+      this.compareBar.legend,
       this.progressEl,
       this.messageEl,
       this.noticeEl,
       colhead,
       this.scroller,
+      this.valuesPanel.el,
       this.tableEl,
       this.reasons.el,
     );
@@ -338,6 +366,7 @@ export class TreeView {
     this.renderProgress();
     this.renderMessage();
     this.renderTable();
+    this.renderValues();
   }
 
   // ------------------------------------------------------------------ actions and keys
@@ -362,6 +391,15 @@ export class TreeView {
         button: this.tableBtn,
         blocked: () => (this.off ? busyWhy(false, true) : ""),
         run: () => this.toggleTable(),
+      },
+      {
+        id: "value-columns",
+        label: "Value columns",
+        shortcut: "Shift+V",
+        what: "Show std and absmax as columns of the tree",
+        button: this.valuesPanel.columnsBtn,
+        blocked: () => (this.values ? "" : "Run Values first (key v)"),
+        run: () => this.valuesPanel.toggleColumns(),
       },
       { id: "copy", label: "Copy the row's path", shortcut: "C", blocked: () => "", run: () => this.copyPath(this.focusNode) },
       { id: "keys", label: "these keys", shortcut: "?", blocked: () => "", run: () => this.sayNotice(keyList(this.actions()), 15_000) },
@@ -404,7 +442,8 @@ export class TreeView {
 
   /** Close the Plan… or Save… bar; the tree row takes the focus. */
   private closeBar(bar: HTMLElement): void {
-    const toggle = this.actions().find((a) => a.id === (bar === this.planBar.el ? "plan" : "save"));
+    const id = bar === this.planBar.el ? "plan" : bar === this.saveBar.el ? "save" : "compare";
+    const toggle = this.actions().find((a) => a.id === id);
     if (!bar.hidden && toggle) toggle.run(this.keyTarget());
     this.renderRows();
     this.focusRow();
@@ -730,6 +769,7 @@ export class TreeView {
     this.actionBar.render(busy, off);
     this.planBar.render(busy, off);
     this.saveBar.render(busy, off);
+    this.compareBar.render(busy, off);
     for (const a of this.ownActions) {
       if (!a.button) continue;
       a.button.disabled = off;
@@ -764,6 +804,22 @@ export class TreeView {
     const said = [amount, phase].filter(Boolean).join(" · ");
     this.progressText.textContent = busy ? [`${busy}:`, said].filter(Boolean).join(" ") : "";
     this.focusKeeper.schedule(); // Cancel went with the progress line: the row takes the focus
+  }
+
+  /** What Values measured: the panel, and the rows' flags and columns. */
+  private renderValues(): void {
+    this.values = readValues(this.model.get("values"));
+    this.valuesPanel.setValues(this.values);
+    this.valuesPanel.focus(this.focusNode);
+    this.el.classList.toggle("jmi-valued", Boolean(this.values) && this.valuesPanel.columns);
+    this.renderRows();
+  }
+
+  /** What Compare with… found: the rows' colours, their tooltips and the legend. */
+  private renderComparison(): void {
+    this.compared = readComparison(this.model.get("comparison"));
+    this.compareBar.legend.hidden = !this.compared;
+    this.renderRows();
   }
 
   private renderMessage(): void {
@@ -824,6 +880,10 @@ export class TreeView {
       locked: Boolean(this.model.get("busy")) || this.off,
       plan,
       planned: Boolean(plan.devices?.length),
+      values: this.values,
+      compared: this.compared,
+      comparedText: (node: number) => (this.compared ? comparedText(this.compared, node) : ""),
+      valueColumns: Boolean(this.values) && this.valuesPanel.columns,
     };
     const frag = document.createDocumentFragment();
     for (let i = first; i < last; i++) frag.append(treeRow(ctx, this.rows[i], i));

@@ -617,9 +617,10 @@ describe("focus and keys", () => {
       view.planBar.matBtn, view.planBar.pinBtn, view.planBar.unpinBtn,
       root.querySelector<HTMLButtonElement>(".jmi-cancel")!,
       root.querySelector<HTMLButtonElement>(".jmi-table-toggle")!,
+      view.valuesPanel.columnsBtn,
     ];
     const keys = buttons.map((b) => b.getAttribute("aria-keyshortcuts"));
-    expect(keys).toEqual(["M", "G", "F", "P", "S", "Shift+M", "Shift+P", "U", "X", "T"]);
+    expect(keys).toEqual(["M", "G", "F", "V", "P", "S", "D", "Shift+M", "Shift+P", "U", "X", "T", "Shift+V"]);
     for (const b of buttons) expect(b.title).toMatch(/\(key on a tree row: [^)]+\)$/);
     expect(root.querySelector(".jmi-rows .jmi-copy")!.getAttribute("aria-keyshortcuts")).toBe("C");
   });
@@ -807,4 +808,89 @@ function fakeSession(status: string, answers = true) {
 afterEach(() => {
   vi.useRealTimers();
   document.body.replaceChildren();
+});
+
+describe("Values", () => {
+  const measured = {
+    id: 1,
+    fields: ["mean", "std", "absmax", "l2", "nan", "inf"],
+    modules: [[0, 0, 0.5, 2, 9, 1, 0], [3, 0, 0.25, 1, 3, 0, 0], [4, 0, 0.25, 1, 3, 0, 0], [7, 0, null, 1, 3, 1, 0]],
+    tensors: [
+      ["layers.0.attn.weight", 4, 0, 0.25, 1, 3, 0, 0, -1, 1, [1, 2, 3]],
+      ["layers.1.attn.weight", 7, 0, null, 1, 3, 1, 0, -1, 1, [1, 0, 3]],
+    ],
+  };
+
+  it("v on a row measures the ticked rows; the button with none ticked, the whole model", () => {
+    const { root, model } = mount(smallTree(), { selected: ["layers"] });
+    rowOfNode(root, 1).focus();
+    press("v");
+    expect(model.sent.at(-1)).toMatchObject({ action: "values", names: ["layers"] });
+    const other = mount(smallTree());
+    other.root.querySelector<HTMLButtonElement>(".jmi-values")!.click();
+    expect(other.model.sent.at(-1)).toMatchObject({ action: "values", names: [] });
+  });
+
+  it("shows std and absmax columns once values exist, and flags NaN rows in red", () => {
+    const { root, model } = mount(smallTree(), { expand_depth: 3 });
+    expect(root.querySelector(".jmi-values-panel")!.hasAttribute("hidden")).toBe(true);
+    model.set("values", measured);
+    expect(root.classList.contains("jmi-valued") || root.querySelector(".jmi-valued")).toBeTruthy();
+    expect(rowOfNode(root, 3).querySelector(".jmi-c-std")!.textContent).toBe("0.25");
+    expect(rowOfNode(root, 7).querySelector(".jmi-bad")!.textContent).toBe("NaN");
+    expect(rowOfNode(root, 7).getAttribute("aria-label")).toContain("holds 1 NaN values");
+    expect(rowOfNode(root, 4).querySelector(".jmi-bad")).toBeNull();
+  });
+
+  it("Shift+V hides and shows the value columns; the NaN flag stays", () => {
+    const { root, model } = mount(smallTree(), { expand_depth: 3 });
+    model.set("values", measured);
+    rowOfNode(root, 7).focus();
+    press("V", { shiftKey: true });
+    expect(rowOfNode(root, 7).querySelector(".jmi-c-std")).toBeNull();
+    expect(rowOfNode(root, 7).querySelector(".jmi-bad")).not.toBeNull();
+    expect(focused().dataset.node).toBe("7");
+  });
+
+  it("charts the chosen statistic along the depth and the focused row's histogram", () => {
+    const { root, model } = mount(smallTree(), { expand_depth: 3 });
+    model.set("values", measured);
+    const role = root.querySelector<HTMLSelectElement>(".jmi-role-sel")!;
+    expect([...role.options].map((o) => o.value)).toEqual(["attn.weight"]);
+    expect(root.querySelectorAll(".jmi-chart-box .jmi-dot").length).toBe(1); // layer 1: NaN, a gap
+    rowOfNode(root, 4).focus();
+    const hist = root.querySelector(".jmi-hist-box")!;
+    expect(hist.textContent).toContain("layers.0.attn.weight");
+    expect(hist.querySelectorAll("rect").length).toBe(3);
+  });
+});
+
+describe("Compare with…", () => {
+  it("d opens the bar in the input; Enter sends the comparison of the ticked rows; Esc goes back", () => {
+    const { root, model } = mount(smallTree(), { selected: ["layers"] });
+    rowOfNode(root, 2).focus();
+    press("d");
+    const input = root.querySelector<HTMLInputElement>(".jmi-compare-other")!;
+    expect(document.activeElement).toBe(input);
+    input.value = "finetuned/";
+    root.querySelector<HTMLFormElement>(".jmi-comparebar")!.requestSubmit();
+    expect(model.sent.at(-1)).toMatchObject({ action: "compare", other: "finetuned/", names: ["layers"] });
+    press("Escape");
+    expect(root.querySelector<HTMLElement>(".jmi-comparebar")!.hidden).toBe(true);
+    expect(focused().dataset.node).toBe("2");
+  });
+
+  it("colours the rows by their worst difference, with the numbers in the tooltip and a legend", () => {
+    const { root, model } = mount(smallTree(), { expand_depth: 3 });
+    model.set("comparison", {
+      id: 1, other: "base", tiny: 1e-3, kinds: [], tensors: [],
+      modules: [[0, "large", 2, 0.5], [1, "equal", 0, 0], [4, "tiny", 1, 1e-5], [9, "missing", 1, null]],
+    });
+    expect(rowOfNode(root, 1).classList.contains("jmi-cmp-equal")).toBe(true);
+    expect(rowOfNode(root, 4).classList.contains("jmi-cmp-tiny")).toBe(true);
+    expect(rowOfNode(root, 0).title).toBe("vs base: large difference, 2 tensors differ, rel_l2 up to 0.5");
+    expect(rowOfNode(root, 9).getAttribute("aria-label")).toContain("vs base: missing on one side");
+    expect(root.querySelector<HTMLElement>(".jmi-legend")!.hidden).toBe(false);
+    expect(rowOfNode(root, 2).className).not.toContain("jmi-cmp");
+  });
 });

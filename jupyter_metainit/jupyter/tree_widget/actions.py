@@ -36,11 +36,26 @@ from jupyter_metainit.jupyter.tree_widget.wording import (
 __all__ = ["ActionCancelled", "TreeActions"]
 
 PROGRESS_INTERVAL_S = 0.05  # at most 20 progress messages a second
-# The actions that run on the worker thread (and wait for a running cell to end); the last four
-# are prepared by tree_widget/planning.py.
-_CHANGING_ACTIONS = ("materialize", "free", "plan", "pin", "unpin", "materialize_plan", "save")
+# The actions that run on the worker thread (and wait for a running cell to end, which may be
+# changing the very weights); all but the first two are prepared by tree_widget/planning.py.
+_CHANGING_ACTIONS = (
+    "materialize",
+    "free",
+    "plan",
+    "pin",
+    "unpin",
+    "materialize_plan",
+    "save",
+    "values",
+    "compare",
+)
 # How the busy line names an action that waits.
-_ACTION_LABELS = {"materialize_plan": "materialize the plan", "unpin": "plan"}
+_ACTION_LABELS = {
+    "materialize_plan": "materialize the plan",
+    "unpin": "plan",
+    "values": "measure the values",
+    "compare": "compare",
+}
 
 
 class ActionCancelled(Exception):
@@ -128,8 +143,8 @@ class TreeActions:
         ``{"action": "materialize", "device": "cpu" | "cuda:N" | None, "names": [...]}``,
         ``{"action": "free", "names": [...]}``, ``{"action": "cancel"}``,
         ``{"action": "refresh"}`` or ``{"action": "ping"}``; the plan and save actions
-        (``plan``, ``pin``, ``unpin``, ``materialize_plan``, ``save``) are described in
-        ``tree_widget/planning.py`` and ``saving.py``.  Anything invalid is refused
+        (``plan``, ``pin``, ``unpin``, ``materialize_plan``, ``save``, ``values``) are described in
+        ``tree_widget/planning.py``, ``saving.py`` and ``values.py``.  Anything invalid is refused
         with a brief notice and changes nothing; it never replaces the message of the
         running or last action.
         """

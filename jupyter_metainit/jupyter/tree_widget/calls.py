@@ -140,3 +140,19 @@ class PlanningCalls:
         )
         if wait:
             self.wait()
+
+    def measure_values(self, *, wait: bool = True) -> None:
+        """Compute the statistics of the selected subtrees' values (the whole model if none is
+        selected) with :func:`jupyter_metainit.stats`, as *Values* does; the model is not
+        changed. The tree then shows them (``w.values`` holds them)."""
+        self.handle_action({"action": "values", "names": self.selected})
+        if wait:
+            self.wait()
+
+    def compare_with(self, other: str, *, wait: bool = True) -> None:
+        """Compare the selected subtrees (the whole model if none is selected) with ``other``,
+        a checkpoint path or the name of a model or state dict in the notebook, as
+        *Compare with…* does (``w.comparison`` holds the result); neither side changes."""
+        self.handle_action({"action": "compare", "other": other, "names": self.selected})
+        if wait:
+            self.wait()

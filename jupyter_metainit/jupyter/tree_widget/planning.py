@@ -27,7 +27,9 @@ from jupyter_metainit.core import (
 from jupyter_metainit.estimates.fit import device_budget
 from jupyter_metainit.jupyter.magic_options import MAX_DIMENSION, input_shapes
 from jupyter_metainit.jupyter.tree_widget.actions import ActionCancelled
+from jupyter_metainit.jupyter.tree_widget.comparing import prepare_compare
 from jupyter_metainit.jupyter.tree_widget.saving import prepare_save
+from jupyter_metainit.jupyter.tree_widget.values import prepare_values
 from jupyter_metainit.jupyter.tree_widget.wording import (
     estimate_failure_in_words,
     modules_in_words,
@@ -203,6 +205,10 @@ class TreePlanning:
         Raises ValueError (said as a notice) when the message cannot be carried out."""
         if action == "save":
             return prepare_save(self, content)
+        if action == "values":
+            return prepare_values(self, content)
+        if action == "compare":
+            return prepare_compare(self, content)
         if action == "materialize_plan":
             return "materialize the plan", self._materialize_plan_job()
         if action == "plan":

@@ -1,0 +1,148 @@
+"""The widget's *Compare with…*: :func:`jupyter_metainit.compare` of the ticked subtrees (or the
+whole model) against a checkpoint path or a model / state dict named in the kernel's namespace,
+on the worker thread with progress and Cancel. Neither side changes.
+
+The result is the kernel-owned ``comparison`` trait: per tensor its status and measures, per
+tree node the worst kind of difference under it, which the page shows as row colours.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from jupyter_metainit.inspection import compare
+from jupyter_metainit.jupyter.tree_widget.values import _under
+from jupyter_metainit.jupyter.tree_widget.wording import modules_in_words
+
+__all__ = ["KINDS", "TINY_REL_L2", "kind_of", "prepare_compare"]
+
+#: What a row's colour says, from best to worst (a module shows its worst tensor's).
+KINDS = ("equal", "tiny", "large", "missing", "shape")
+#: A difference up to this rel_l2 is *tiny* (a dtype round trip, a float reordering).
+TINY_REL_L2 = 1e-3
+_MAX_TEXT = 4096
+
+
+def kind_of(status: str, rel_l2: float) -> str:
+    """A compare row's colour: equal, tiny (rel_l2 <= TINY_REL_L2), large, missing or shape."""
+    if status == "equal":
+        return "equal"
+    if status.startswith("only in"):
+        return "missing"
+    if status == "shape differs":
+        return "shape"
+    return "tiny" if rel_l2 <= TINY_REL_L2 else "large"
+
+
+def resolve_other(text: Any, namespace: dict | None) -> tuple[Any, str]:
+    """The other side as typed: a variable of the kernel holding a module or a state dict, or
+    a checkpoint path. Raises ValueError saying what to type."""
+    if not isinstance(text, str) or not text.strip() or len(text) > _MAX_TEXT:
+        raise ValueError(
+            "Type a checkpoint path or the name of a model or state dict in the notebook; "
+            "nothing was compared."
+        )
+    text = text.strip()
+    if text.isidentifier() and namespace is not None and text in namespace:
+        obj = namespace[text]
+        if isinstance(obj, torch.nn.Module) or (
+            isinstance(obj, dict) and all(isinstance(v, torch.Tensor) for v in obj.values())
+        ):
+            return obj, text
+        raise ValueError(
+            f"Refused: {text} is a {type(obj).__name__}, not a model or a state dict; "
+            "nothing was compared."
+        )
+    path = os.path.abspath(os.path.expanduser(text))
+    if not os.path.exists(path):
+        raise ValueError(
+            f"{text!r} is neither a model or state dict in the notebook nor a path that exists; "
+            "nothing was compared."
+        )
+    return path, path
+
+
+def _namespace() -> dict | None:
+    try:
+        from IPython import get_ipython
+    except ImportError:  # pragma: no cover - IPython is a dependency of the widget
+        return None
+    shell = get_ipython()
+    return None if shell is None else shell.user_ns
+
+
+def prepare_compare(widget: Any, content: dict) -> tuple[str, Callable[[], str]]:
+    """Check a compare message; the busy label and the job. ``{"action": "compare",
+    "other": "finetuned/" | "base_model", "names": [...]}``."""
+    names = content.get("names") or []
+    if names:
+        names = widget._check_names(names)
+    other, said = resolve_other(content.get("other"), _namespace())
+    what = modules_in_words(names or [""], widget.var_name)
+
+    def job() -> str:
+        scope = [n for n in names if n]
+        state = widget.module.state_dict()
+        if scope:
+            state = {k: v for k, v in state.items() if _under(k, scope)}
+        b = other.state_dict() if isinstance(other, torch.nn.Module) else other
+
+        def progress(done: int, total: int, phase: str = "") -> None:
+            widget._progress(done, total, f"comparing with {said}")
+
+        table = compare(state, b, progress=progress)
+        if scope:  # the other side's tensors outside the ticked subtrees are not asked about
+            table = table[[_under(n, scope) for n in table.index]]
+        next_id = int(widget.comparison.get("id", 0)) + 1
+        widget.comparison = comparison_payload(widget, table, said, next_id)
+        counts = table["status"].value_counts()
+        parts = ", ".join(f"{int(c):,} {s}" for s, c in counts.items())
+        return f"Compared {what} with {said} in {{took}}: {parts}."
+
+    return "compare", job
+
+
+def _number(value: Any) -> float | None:
+    value = float(value)
+    return value if math.isfinite(value) else None
+
+
+def comparison_payload(widget: Any, table: Any, other: str, id_: int) -> dict:
+    """The ``comparison`` trait: per tensor ``[name, node, kind, status, rel_l2, max_abs_diff,
+    cosine]``, per node ``[node, worst kind, tensors that differ, largest rel_l2]``."""
+    index = widget._tree.index
+    tensors, nodes = [], {}
+    for name, row in table.iterrows():
+        kind = kind_of(row["status"], float(row["rel_l2"]))
+        owner = name.rpartition(".")[0]
+        rel = _number(row["rel_l2"])
+        tensors.append(
+            [name, index.get(owner, -1), kind, row["status"], rel,
+             _number(row["max_abs_diff"]), _number(row["cosine"])]
+        )  # fmt: skip
+        parts = owner.split(".") if owner else []
+        for k in range(len(parts) + 1):
+            node = index.get(".".join(parts[:k]))
+            if node is None:
+                continue
+            worst, differ, largest = nodes.get(node, ("equal", 0, None))
+            if KINDS.index(kind) > KINDS.index(worst):
+                worst = kind
+            if kind != "equal":
+                differ += 1
+            if rel is not None and (largest is None or rel > largest):
+                largest = rel
+            nodes[node] = (worst, differ, largest)
+    return {
+        "id": id_,
+        "other": other,
+        "kinds": list(KINDS),
+        "tiny": TINY_REL_L2,
+        "tensors": tensors,
+        "modules": [[node, *v] for node, v in nodes.items()],
+    }

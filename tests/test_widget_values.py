@@ -1,0 +1,199 @@
+"""The widget's *Values* (kernel side): stats of the ticked rows on the worker thread."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch import nn
+
+from jupyter_metainit import meta_init, stats
+from jupyter_metainit.core import tensor_state
+from jupyter_metainit.jupyter.tree_widget.values import HISTOGRAM_BINS, MODULE_FIELDS
+from jupyter_metainit.jupyter.widget import explore
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.attn = nn.Linear(16, 16)
+        self.mlp = nn.Linear(16, 32)
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(50, 16)
+        self.layers = nn.ModuleList([Block() for _ in range(3)])
+        self.norm = nn.LayerNorm(16)
+
+
+def deferred_net() -> Net:
+    torch.manual_seed(0)
+    with meta_init():
+        return Net()
+
+
+def eager_net() -> Net:
+    torch.manual_seed(0)
+    return Net()
+
+
+def module_row(w, name: str) -> dict:
+    node = w._tree.index[name]
+    row = next(r for r in w.values["modules"] if r[0] == node)
+    return dict(zip(MODULE_FIELDS, row[1:], strict=True))
+
+
+def tensor_row(w, name: str) -> list:
+    return next(r for r in w.values["tensors"] if r[0] == name)
+
+
+def test_values_of_the_whole_model_are_eagers_stats_and_the_model_stays_deferred():
+    net = deferred_net()
+    w = explore(net)
+    w.measure_values()
+    assert w.error == "", w.error
+    assert w.status.startswith("Measured the values of model")
+    assert {tensor_state(t) for t in net.state_dict().values()} == {"deferred"}
+    eager = stats(eager_net())
+    for name, row in eager.iterrows():
+        got = tensor_row(w, name)
+        assert got[1] == w._tree.index[name.rpartition(".")[0]]
+        assert got[2:8] == [row[f] for f in MODULE_FIELDS]
+        assert len(got[10]) == HISTOGRAM_BINS and sum(got[10]) == row["numel"]
+
+
+def test_values_rows_aggregate_per_module_as_stats_per_module():
+    net = deferred_net()
+    w = explore(net)
+    w.measure_values()
+    eager = stats(eager_net(), per="module")
+    for name in ("", "layers", "layers.1", "layers.1.mlp", "norm"):
+        assert module_row(w, name) == {f: eager.loc[name, f] for f in MODULE_FIELDS}
+
+
+def test_values_of_ticked_rows_measure_only_them():
+    net = deferred_net()
+    w = explore(net)
+    w.selected = ["layers.2"]
+    w.measure_values()
+    assert w.values["scope"] == ["layers.2"]
+    assert sorted(r[0] for r in w.values["tensors"]) == [
+        "layers.2.attn.bias", "layers.2.attn.weight", "layers.2.mlp.bias", "layers.2.mlp.weight",
+    ]  # fmt: skip
+    nodes = {r[0] for r in w.values["modules"]}
+    assert nodes == {w._tree.index[n] for n in ("layers.2", "layers.2.attn", "layers.2.mlp")}
+
+
+def test_values_cancelled_publish_nothing_and_leave_the_model_deferred():
+    net = deferred_net()
+    w = explore(net)
+    report = w._progress
+
+    def click_cancel(done: int, total: int, phase: str = "") -> None:
+        w.handle_action({"action": "cancel"})
+        report(done, total, phase)
+
+    w._progress = click_cancel
+    w.measure_values()
+    assert w.status.startswith("Cancelled"), (w.status, w.error)
+    assert w.values == {}
+    assert {tensor_state(t) for t in net.state_dict().values()} == {"deferred"}
+
+
+def test_values_count_nan_and_inf_and_send_them_as_json_nulls():
+    net = eager_net()
+    with torch.no_grad():
+        net.norm.weight[0] = math.nan
+        net.norm.bias[1] = math.inf
+    w = explore(net)
+    w.measure_values()
+    norm = module_row(w, "norm")
+    assert (norm["nan"], norm["inf"], norm["std"]) == (1, 1, None)
+    assert "2 NaN or infinite values" in w.status
+
+
+def test_values_refuse_unknown_names_from_the_page():
+    net = deferred_net()
+    w = explore(net)
+    w.handle_action({"action": "values", "names": ["nope"]})
+    assert w.busy == ""
+    assert "nope" in w.notice["text"]
+    assert w.values == {} and w.error == ""
+
+
+@pytest.mark.parametrize("names", ["layers", [1], {"a": 1}])
+def test_values_refuse_malformed_names(names):
+    net = deferred_net()
+    w = explore(net)
+    w.handle_action({"action": "values", "names": names})
+    assert w.busy == "" and w.values == {} and w.error == ""
+    assert w.notice["text"]
+
+
+def kinds(w) -> dict[str, str]:
+    """Qualified module name -> its row's colour (the worst kind under it)."""
+    names = {node: name for name, node in w._tree.index.items()}
+    return {names[r[0]]: r[1] for r in w.comparison["modules"]}
+
+
+def test_compare_with_a_variable_colours_rows_by_how_much_they_differ(shell):
+    net = deferred_net()
+    other = eager_net()
+    with torch.no_grad():
+        other.layers[1].mlp.weight.mul_(2)  # large
+        other.layers[2].attn.weight.add_(other.layers[2].attn.weight * 1e-6)  # tiny
+    shell.user_ns["tuned"] = other
+    w = explore(net)
+    w.compare_with("tuned")
+    assert w.error == "", w.error
+    got = kinds(w)
+    assert (got["layers.0"], got["layers.1.mlp"], got["layers.2.attn"]) == (
+        "equal",
+        "large",
+        "tiny",
+    )
+    assert got[""] == "large" and got["layers"] == "large"
+    assert {tensor_state(t) for t in net.state_dict().values()} == {"deferred"}
+    row = next(r for r in w.comparison["tensors"] if r[0] == "layers.1.mlp.weight")
+    assert row[2:5] == ["large", "differ", 1.0]  # rel_l2 of 2x - x over x: exactly 1
+    assert w.status.startswith("Compared model (the whole model) with tuned")
+
+
+def test_compare_with_a_checkpoint_path_marks_missing_and_reshaped_tensors(tmp_path):
+    from safetensors.torch import save_file
+
+    net = deferred_net()
+    state = {k: v.clone() for k, v in eager_net().state_dict().items()}
+    del state["norm.bias"]
+    state["layers.0.attn.bias"] = torch.zeros(3)
+    save_file(state, str(tmp_path / "model.safetensors"))
+    w = explore(net)
+    w.compare_with(str(tmp_path / "model.safetensors"))
+    assert w.error == "", w.error
+    got = kinds(w)
+    assert (got["norm"], got["layers.0.attn"], got["embed"]) == ("missing", "shape", "equal")
+
+
+def test_compare_of_the_ticked_rows_leaves_the_rest_out(shell):
+    net = deferred_net()
+    shell.user_ns["same"] = eager_net()
+    w = explore(net)
+    w.selected = ["layers.1"]
+    w.compare_with("same")
+    assert sorted(r[0] for r in w.comparison["tensors"]) == [
+        "layers.1.attn.bias", "layers.1.attn.weight", "layers.1.mlp.bias", "layers.1.mlp.weight",
+    ]  # fmt: skip
+    assert {r[2] for r in w.comparison["tensors"]} == {"equal"}
+
+
+@pytest.mark.parametrize("other", ["", "nowhere/at/all", "x" * 5000, 3, "not_a_model"])
+def test_compare_refuses_what_is_neither_a_model_nor_a_path(shell, other):
+    shell.user_ns["not_a_model"] = 42
+    net = deferred_net()
+    w = explore(net)
+    w.handle_action({"action": "compare", "other": other})
+    assert w.busy == "" and w.comparison == {} and w.error == ""
+    assert "nothing was compared" in w.notice["text"]
