@@ -46,17 +46,15 @@ _KINDS = ("cuda", "xpu", "mps", "npu", "hpu", "mtia", "cpu", "meta")
 
 def _device_name(device: Any) -> str:
     """``"cuda:0"``, ``"cpu"``, ...; an int is a GPU index (accelerate's convention)."""
-    if isinstance(device, bool):
-        raise ValueError(f"{device!r} is not a device: use 'cuda:0', 'cpu', ... as keys")
+    if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
+        raise TypeError(
+            f"{device!r} is not a device: name devices as 'cuda:0', 'cuda:1', 'cpu' (a string), "
+            "a GPU index (an int) or a torch.device"
+        )
     if isinstance(device, int):
         device = f"cuda:{device}"
     if isinstance(device, torch.device):
         device = str(device)
-    if not isinstance(device, str):
-        raise ValueError(
-            f"{device!r} is not a device: use device strings such as 'cuda:0', 'cuda:1', 'cpu' "
-            "as the keys of devices="
-        )
     try:
         parsed = torch.device(device.strip())
     except RuntimeError:
@@ -72,8 +70,8 @@ def _device_name(device: Any) -> str:
 
 
 def _capacity(device: str, value: Any) -> int:
-    if isinstance(value, bool) or value is None:
-        raise ValueError(
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(
             f"capacity of {device!r} is {value!r}: give bytes (an int) or a size such as "
             "'80GiB' / '80GB'"
         )
