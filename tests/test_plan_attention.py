@@ -196,3 +196,20 @@ def test_flash_attention_2_in_the_config_is_costed_as_a_fused_kernel():
 def test_attention_takes_auto_fused_or_math(attention, error):
     with pytest.raises(error, match="'auto'"):
         place(_deferred("llama"), HUGE, seq_len=8, attention=attention)
+
+
+def test_a_mixture_of_experts_training_step_is_traced_with_the_dry_runs_routing():
+    # Its routing reads values and makes value-shaped tensors: the dry run's answers them.
+    config = transformers.MixtralConfig(hidden_size=128, intermediate_size=256,
+                                        num_hidden_layers=2, num_attention_heads=4,
+                                        num_key_value_heads=2, vocab_size=1000,
+                                        num_local_experts=4, num_experts_per_tok=2)  # fmt: skip
+    torch.manual_seed(0)
+    with meta_init():
+        model = transformers.MixtralForCausalLM(config)
+    plan = place(model, HUGE, batch=2, seq_len=64, training=True)
+    assert plan.notes == []
+    materialize(model)
+    ids = torch.randint(0, 1000, (2, 64))
+    measured = measured_peak(model, (ids,), {"labels": ids}, training=True)
+    assert plan.peak["cpu"] == pytest.approx(measured, rel=0.05)

@@ -20,7 +20,7 @@ from jupyter_metainit.estimates._arguments import require_module
 from jupyter_metainit.estimates.fit import device_budget
 from jupyter_metainit.estimates.forward.attention import KERNELS, AttentionPolicy, math_notes
 from jupyter_metainit.plan.costs import part_costs, state_bytes_per_parameter
-from jupyter_metainit.plan.devices import is_offload, parse_devices
+from jupyter_metainit.plan.devices import check_workload, is_offload, parse_devices, split_inputs
 from jupyter_metainit.plan.fsdp import plan_fsdp
 from jupyter_metainit.plan.names import check_pin, compact_device_map, resolve_pins
 from jupyter_metainit.plan.partition import Costs, Load, device_loads, fill, partition
@@ -31,10 +31,8 @@ from jupyter_metainit.plan.workload import (
     Activity,
     activation_dtype,
     check_takes_token_ids,
-    check_workload,
     eval_mode_notes,
     measure,
-    split_inputs,
 )
 
 __all__ = ["place"]
@@ -207,16 +205,20 @@ def place(
     ``batch`` x ``seq_len`` token ids (or ``inputs=``, shapes or tensors, for other models;
     a dict gives keyword inputs, a shape there being token ids: ``{"input_ids": (8, 512),
     "decoder_input_ids": (8, 128)}``):
-    inference with the model's cache when its forward takes ``use_cache``; with
-    ``training=True`` one step with ``labels`` (when taken), gradients and ``optimizer``
-    states (``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd_momentum"``, ``"adafactor"``, None,
-    or bytes per parameter) stored as ``precision`` says (see ``plan.precision``).
+    inference in eval mode (as after ``model.eval()``) with the model's cache when its forward
+    takes ``use_cache``; with ``training=True`` one step in training mode with ``labels``
+    (when taken), gradients and ``optimizer`` states (``"adamw"``, ``"adam"``, ``"sgd"``,
+    ``"sgd_momentum"``, ``"adafactor"``, None, or bytes per parameter) stored as
+    ``precision`` says (see ``plan.precision``).
 
     What it models, per part: weights and buffers at ``precision`` (tied tensors once); the
-    live activations while it runs, measured by a :func:`dry_run` of the workload; the
-    model's own cache (the tensors of the cache object its forward returns); for training,
-    what autograd saves for backward (each distinct part run once on meta tensors), the
-    gradients, the optimizer states and the optimizer step's temporaries. Parts are repeated
+    live activations while it runs, measured by a :func:`dry_run` of the workload (every
+    tensor the forward makes, masks and positions included); the model's own cache (the
+    tensors of the cache object its forward returns, each layer's once); for training, one
+    forward and backward of the whole step on meta tensors (the values it reads answered by
+    the dry run's): what autograd saves, what each part holds forward and going backward (the
+    loss and the code between parts included), the gradients, the optimizer states and the
+    optimizer step's temporaries. Parts are repeated
     blocks (never split; ``no_split=`` names the modules to keep whole instead), leaves, and
     the tensors a module holds itself next to its children (placed before them, named one by one
     in the device map); tied parts share a device. The parts, in the order the
@@ -225,6 +227,19 @@ def place(
     is an offload: used only for what the accelerators cannot hold. ``pin={"lm_head":
     "cuda:0"}`` puts parts on a device and plans the rest around them. The same model and
     workload is measured once: re-planning with other devices or pins reuses it.
+
+    Attention is costed by the kernel each device runs. SDPA's math kernel holds the
+    ``[batch, heads, queries, keys]`` scores and their softmax (and keeps them for backward);
+    the fused kernels (flash, memory-efficient, cuDNN, the CPU's flash) hold neither. The CPU
+    and a GPU that is here are asked which one a call gets (the CPU's flash kernel takes no
+    dropout); an absent GPU is judged by SDPA's rules (flash: half types, no mask;
+    memory-efficient: aligned head sizes), and where they depend on its generation
+    (bfloat16 needs compute capability 8.0) the math kernel is costed and ``plan.notes`` says
+    so. One kernel is costed for every device: the larger where they differ (said in the
+    notes too). ``attention="fused"`` or ``"math"`` costs every call so instead. transformers'
+    ``attn_implementation`` is read from the model's config: ``"eager"`` is costed as it runs,
+    ``"sdpa"`` as above, ``"flash_attention_2"`` and the other fused implementations (which
+    need their GPU packages, not needed here) as a fused kernel.
 
     Not modelled: the allocator's caching and fragmentation, CUDA context and kernels'
     workspaces, communication buffers, activation checkpointing, the generation loop's own

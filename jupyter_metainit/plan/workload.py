@@ -1,13 +1,17 @@
 """What each part needs besides its weights, measured by running the workload on nothing.
 
-One dry run of the model at the planned batch and sequence length gives, per part, the live
-activation bytes while it runs (:func:`~jupyter_metainit.estimates.dry_run` follows them op by
-op) and, for inference with a cache, the model's own cache object, whose tensors are measured
-layer by layer. For training, each distinct part then runs forward once more on meta tensors
-with autograd on, and what autograd saves for the backward pass is counted (a repeated block
-is measured once for its whole group). A part of a module's own tensors (``own_only``) runs no
-forward of its own: it keeps its place in module order (before the module's children) and has
-no activations of its own.
+One dry run of the model at the planned batch and sequence length (inference in eval mode,
+training in training mode) gives, per part, the live activation bytes while it runs
+(:func:`~jupyter_metainit.estimates.dry_run` follows them op by op) and, for inference with a
+cache, the model's own cache object, whose tensors are measured layer by layer. For training,
+the whole step then runs once more on meta tensors with autograd on (``forward/saved.py``), the
+values it reads answered with the dry run's: per part what autograd saves for the backward
+pass, the most alive while it runs forward and while its backward runs, and its gradients.
+Where the whole step cannot run on meta tensors, each distinct part runs alone (a repeated
+block once for its whole group) and the code between parts is estimated. Attention is costed
+as ``AttentionPolicy`` says (the planned devices' kernels). A part of a module's own tensors
+(``own_only``) runs no forward of its own: it keeps its place in module order (before the
+module's children) and has no activations of its own.
 """
 
 from __future__ import annotations
@@ -39,10 +43,8 @@ __all__ = [
     "Activity",
     "activation_dtype",
     "check_takes_token_ids",
-    "check_workload",
     "eval_mode_notes",
     "measure",
-    "split_inputs",
 ]
 
 
@@ -62,63 +64,6 @@ class Activity:
     # the most its backward holds beyond its weights' gradients (saved activations included)
     backward: dict[str, int] = field(default_factory=dict)
     attention: dict[str, Any] = field(default_factory=dict)  # how the dry run costed attention
-
-
-def check_workload(batch: Any, seq_len: Any, inputs: Any, training: Any) -> tuple:
-    """The workload as ``measure`` takes it: positional inputs, or ``(name, value)`` pairs
-    for keyword ones; a wrong type is a ``TypeError`` saying what each argument takes."""
-    if not isinstance(training, bool):
-        raise TypeError(f"training must be True (one training step) or False (inference), "
-                        f"not {training!r}")  # fmt: skip
-    _check_count(batch, "batch", "the number of samples per step")
-    if isinstance(inputs, Mapping):  # keyword inputs; a shape is token ids of that shape
-        if not all(isinstance(name, str) for name in inputs):
-            raise TypeError(f"inputs= as a dict maps the forward's argument names to shapes or "
-                            f"tensors, e.g. {{'input_ids': (8, 512)}}, not {inputs!r}")  # fmt: skip
-        return tuple((name, _as_ids(value)) for name, value in inputs.items())
-    if isinstance(inputs, (list, tuple)) and not _is_shape(inputs):
-        return tuple(inputs)
-    if _is_shape(inputs) or isinstance(inputs, torch.Tensor):
-        return (inputs,)
-    if inputs is not None:
-        raise TypeError(
-            "inputs= takes the forward's inputs: a list of shapes or tensors "
-            "(inputs=[(8, 3, 224, 224)]), one shape or tensor, or a dict of keyword inputs "
-            f"(inputs={{'input_ids': (8, 512)}}), not {type(inputs).__name__}"
-        )
-    if seq_len is None:
-        raise ValueError(
-            "place() needs the workload: seq_len= (tokens per sample, for a language model) or "
-            "inputs= (the forward's inputs as shapes, e.g. inputs=[(8, 3, 224, 224)])"
-        )
-    _check_count(seq_len, "seq_len", "the tokens per sample")
-    return ((batch, seq_len),)
-
-
-def _check_count(value: Any, name: str, what: str) -> None:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} takes {what}, an int >= 1, not {value!r}")
-    if value < 1:
-        raise ValueError(f"{name}={value!r}: give {what}, an int >= 1")
-
-
-def _is_shape(value: Any) -> bool:
-    return isinstance(value, (tuple, torch.Size)) and len(value) > 0 and all(
-        isinstance(d, int) and not isinstance(d, bool) for d in value)  # fmt: skip
-
-
-def _as_ids(value: Any) -> Any:
-    if isinstance(value, (tuple, list, torch.Size)) and all(isinstance(d, int) for d in value):
-        return torch.zeros((), dtype=torch.long).expand(tuple(value))  # one element, no memory
-    return value
-
-
-def split_inputs(inputs: tuple) -> tuple[tuple, dict]:
-    """Positional inputs, and keyword ones (given as ``(name, value)`` pairs)."""
-    if inputs and all(isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str)
-                      for i in inputs):  # fmt: skip
-        return (), dict(inputs)
-    return inputs, {}
 
 
 def _accepts(module: nn.Module, name: str) -> bool:

@@ -162,7 +162,11 @@ def _choice(call: _Call, device: str) -> int:
 
 
 def _cpu(call: _Call) -> _Decision:
-    if _probe_choice(call, "cpu") != 0:
+    try:
+        backend = _probe_choice(call, "cpu")
+    except Exception:  # inputs SDPA would refuse anyway: the larger, said
+        return _Decision(MATH, certain=False, reason="SDPA could not be asked about these inputs")
+    if backend > 0:
         return _Decision(FUSED)
     if call.dropout_p > 0:
         why = f"dropout {call.dropout_p:g} (the CPU's flash kernel takes none)"
@@ -216,9 +220,9 @@ def _absent_cuda(call: _Call) -> _Decision:
     if efficient or flash:
         return _Decision(
             MATH, certain=False,
-            reason=f"its fused kernels take {str(call.dtype).removeprefix('torch.')} only on "
-            "GPUs of compute capability 8.0 or newer (A100, L4, H100, RTX 30xx and later), and "
-            "that GPU is not visible here",
+            reason=f"SDPA's fused kernels take {str(call.dtype).removeprefix('torch.')} only "
+            "on GPUs of compute capability 8.0 or newer (A100, L4, H100, RTX 30xx and later), "
+            "which cannot be checked without the GPU",
         )  # fmt: skip
     return _Decision(MATH, reason="no fused kernel takes these inputs (head size, mask, dtype)")
 
@@ -352,25 +356,39 @@ def devices_of(model: nn.Module) -> tuple[str, ...]:
     return ("cpu",)
 
 
+def _listed(devices: Sequence[str]) -> str:
+    if len(devices) <= 3:
+        return ", ".join(devices)
+    return f"{devices[0]}, {devices[1]}, ..., {devices[-1]} ({len(devices)} devices)"
+
+
+def _by_reason(by_device: dict[str, str]) -> dict[str, list[str]]:
+    grouped: dict[str, list[str]] = {}
+    for device, reason in by_device.items():
+        grouped.setdefault(reason, []).append(device)
+    return grouped
+
+
 def math_notes(record: dict[str, Any], devices: Sequence[str]) -> list[str]:
-    """The plan's notes on how attention was costed, from a dry run's record."""
-    notes = []
-    unsure = record.get("unsure_on", {})
-    certain = record.get("math_on", {})
+    """The plan's notes on how attention was costed, from a dry run's record: where the math
+    kernel was costed because the kernel is not known, and where one device's math kernel was
+    costed for devices that run a fused one."""
+    notes: list[str] = []
+    unsure, certain = record.get("unsure_on", {}), record.get("math_on", {})
     if not record.get("math") or record.get("forced"):
         return notes
-    for device, reason in unsure.items():
+    for reason, on in _by_reason(unsure).items():
         notes.append(
-            f"attention on {device} is costed with SDPA's math kernel, which holds the "
+            f"attention on {_listed(on)} is costed with SDPA's math kernel, which holds the "
             f"[batch, heads, queries, keys] scores: {reason}; if it runs a fused kernel there, "
             "pass attention='fused' (less memory)"
         )
     fused_elsewhere = [d for d in devices if d not in certain and d not in unsure]
-    for device, reason in certain.items():
+    for reason, on in _by_reason(certain).items():
         if fused_elsewhere:
             notes.append(
-                f"attention is costed with SDPA's math kernel on every device because {device} "
-                f"runs it ({reason}); {', '.join(fused_elsewhere)} would run a fused kernel "
-                "and need less"
+                f"attention is costed with SDPA's math kernel on every device because "
+                f"{_listed(on)} {'runs' if len(on) == 1 else 'run'} it ({reason}); "
+                f"{_listed(fused_elsewhere)} would run a fused kernel and need less"
             )
     return notes

@@ -27,6 +27,7 @@ from torch.utils._python_dispatch import TorchDispatchMode
 
 from jupyter_metainit.estimates.forward.answers import Answers, Replay, shapes_depend_on_values
 from jupyter_metainit.estimates.forward.attention import AttentionKernels, AttentionPolicy
+from jupyter_metainit.estimates.forward.dtype_checks import run_past_cuda_only_meta_checks
 from jupyter_metainit.estimates.forward.nested import op_tensors, tensors_in
 
 __all__ = [
@@ -105,10 +106,11 @@ class _Live(TorchDispatchMode):
         self._refs[key] = weakref.ref(storage, gone)
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
+        kwargs = kwargs or {}
         if self.replay is not None and shapes_depend_on_values(func):
             out = self.replay.made(func)
-        else:
-            out = func(*args, **(kwargs or {}))
+        else:  # as the dry run runs it (meta kernels that refuse the CPU's dtypes)
+            out = run_past_cuda_only_meta_checks(func, args, kwargs, op_tensors(args, kwargs))
         for t in op_tensors(out):
             self.follow(t.untyped_storage())
         self.peak = max(self.peak, self.live)
