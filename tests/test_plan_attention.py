@@ -176,6 +176,17 @@ def test_float32_on_an_absent_gpu_is_planned_with_the_memory_efficient_kernel():
     assert math.peak["cuda:0"] > plan.peak["cuda:0"] + 8 * 4 * 512 * 512 * 4
 
 
+def test_a_head_size_only_older_gpus_take_fused_is_planned_with_the_math_kernel_and_said():
+    config = _config("llama", "sdpa")
+    config.hidden_size, config.head_dim = 4 * 62, 62  # not a multiple of 4 (memory-efficient)
+    with meta_init():
+        model = transformers.LlamaForCausalLM(config).eval()
+    plan = place(model, {"cuda:0": "8GiB"}, batch=2, seq_len=256)
+    math = place(model, {"cuda:0": "8GiB"}, batch=2, seq_len=256, attention="math")
+    (note,) = plan.notes
+    assert plan.peak == math.peak and "head size 62 in float32" in note
+
+
 def test_a_plan_over_a_gpu_and_the_host_costs_the_math_kernel_the_host_runs_and_says_so():
     model = _deferred("gpt2")  # dropout 0.1 in its attention: the CPU's flash kernel takes none
     plan = place(model, {"cuda:0": "1GiB", "cpu": "8GiB"}, batch=2, seq_len=64, training=True)

@@ -200,10 +200,10 @@ def _absent_cuda(call: _Call) -> _Decision:
     """SDPA's CUDA rules for a GPU that is not here (its generation unknown)."""
     backends = torch.backends.cuda
     half = call.dtype in (torch.float16, torch.bfloat16)
+    dtype = str(call.dtype).removeprefix("torch.")
     efficient = (
         backends.mem_efficient_sdp_enabled()
         and _dense_ok(call)
-        and _aligned(call, 8 if half else 4)
         and call.dtype in (torch.float16, torch.float32, torch.bfloat16)
     )
     q, k = call.query[0], call.key[0]
@@ -215,15 +215,18 @@ def _absent_cuda(call: _Call) -> _Decision:
         and not (call.is_causal and q[-2] != k[-2])
         and half
     )
-    if efficient and call.dtype != torch.bfloat16:
+    aligned = _aligned(call, 8 if half else 4)  # compute capability 8.0 and newer
+    if efficient and aligned and call.dtype != torch.bfloat16:
         return _Decision(FUSED)  # memory-efficient attention runs on every GPU torch supports
-    if efficient or flash:
-        return _Decision(
-            MATH, certain=False,
-            reason=f"SDPA's fused kernels take {str(call.dtype).removeprefix('torch.')} only "
-            "on GPUs of compute capability 8.0 or newer (A100, L4, H100, RTX 30xx and later), "
-            "which cannot be checked without the GPU",
-        )  # fmt: skip
+    unsure = "which cannot be checked without the GPU"
+    if (efficient and aligned) or flash:
+        return _Decision(MATH, certain=False, reason=(
+            f"SDPA's fused kernels take {dtype} only on GPUs of compute capability 8.0 or newer "
+            f"(A100, L4, H100, RTX 30xx and later), {unsure}"))  # fmt: skip
+    if efficient and call.dtype == torch.float32 and _aligned(call, 1):
+        return _Decision(MATH, certain=False, reason=(
+            f"memory-efficient attention takes head size {q[-1]} in float32 only on GPUs older "
+            f"than compute capability 8.0 (V100, T4), {unsure}"))  # fmt: skip
     return _Decision(MATH, reason="no fused kernel takes these inputs (head size, mask, dtype)")
 
 
