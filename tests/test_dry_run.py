@@ -522,3 +522,30 @@ def test_float32_grouped_mm_experts_run_as_eager_cpu_runs_them():
     experts = table.loc["model.layers.0.mlp.experts"]
     assert experts["output_shape"] == (4 * 64, 1024)
     assert experts["activation_bytes"] == 4 * 64 * 1024 * 4
+
+
+class MultipliesByAMaskItMakes(nn.Module):
+    """Its forward makes a tensor from no activation (as causal masks and position ids are)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        mask = torch.ones(x.shape[1], x.shape[1])
+        return x @ mask
+
+
+def test_the_peak_counts_tensors_the_forward_makes_from_no_activation():
+    with meta_init():
+        model = MultipliesByAMaskItMakes()
+    table = dry_run(model, (4, 256), input_dtype=torch.float32)
+    inputs_and_output, mask = 2 * 4 * 256 * 4, 256 * 256 * 4
+    assert table.attrs["dry_run"]["peak_activation_bytes"] == inputs_and_output + mask
+
+
+def test_the_dry_run_records_which_attention_kernel_it_costed_on_the_cpu():
+    config = llama_config(attn_implementation="sdpa")
+    with meta_init():
+        model = transformers.LlamaForCausalLM(config)
+    eval_run = dry_run(model.eval(), (2, 16)).attrs["dry_run"]["attention"]
+    assert eval_run["fused"] == config.num_hidden_layers and eval_run["math"] == 0
+    model.model.layers[0].self_attn.attention_dropout = 0.5  # the CPU's flash kernel takes none
+    train_run = dry_run(model.train(), (2, 16)).attrs["dry_run"]["attention"]
+    assert train_run["math"] == 1 and "dropout 0.5" in train_run["math_on"]["cpu"]

@@ -216,6 +216,46 @@ def test_a_missing_workload_says_to_give_seq_len_or_inputs(llama):
         place(llama, FOUR)
 
 
+@pytest.mark.parametrize("pin", [["0"], "cpu", 3, {"lm_head": 1.5}, {0: "cuda:0"}],
+                         ids=["list", "device", "int", "float-device", "int-name"])  # fmt: skip
+def test_a_pin_of_the_wrong_type_is_a_type_error_that_says_what_pin_takes(llama, pin):
+    with pytest.raises(TypeError, match=r"pin takes a dict of module name -> device"):
+        place(llama, FOUR, batch=2, seq_len=32, pin=pin)
+
+
+def test_a_pin_given_as_a_device_alone_says_how_to_pin_the_whole_model(llama):
+    with pytest.raises(TypeError, match=r"pin=\{'': 'cpu'\}"):
+        place(llama, FOUR, batch=2, seq_len=32, pin="cpu")
+
+
+@pytest.mark.parametrize(
+    ("arguments", "words"),
+    [
+        ({"batch": "8"}, "batch takes the number of samples per step"),
+        ({"batch": 2.0}, "batch takes"),
+        ({"seq_len": 32.0}, "seq_len takes the tokens per sample"),
+        ({"training": "yes"}, "training must be True"),
+        ({"optimizer": ["adamw"]}, "optimizer takes a name"),
+        ({"optimizer": True}, "optimizer takes a name"),
+        ({"precision": 16}, "precision takes None"),
+        ({"strategy": 1}, "strategy must be 'pipeline' or 'fsdp'"),
+        ({"world_size": "2", "strategy": "fsdp"}, "world_size takes the number of ranks"),
+        ({"no_split": 5}, "no_split must be a list"),
+        ({"inputs": 5, "seq_len": None}, "inputs= takes the forward's inputs"),
+        ({"inputs": {0: (2, 32)}, "seq_len": None}, "inputs= as a dict maps"),
+        ({"devices": {1.5: "1GiB"}}, "is not a device"),
+        ({"devices": {"cuda:0": [1]}}, "capacity of 'cuda:0' is \\[1\\]"),
+        ({"devices": ["cuda:0"]}, "devices must be 'auto' or a non-empty mapping"),
+    ],
+)
+def test_every_argument_of_the_wrong_type_is_a_type_error_naming_what_it_takes(
+    llama, arguments, words
+):
+    call = {"devices": FOUR, "batch": 2, "seq_len": 32, **arguments}
+    with pytest.raises(TypeError, match=words):
+        place(llama, call.pop("devices"), **call)
+
+
 @pytest.mark.parametrize("dtype", [None, torch.bfloat16, "int4"])
 def test_the_planners_weight_bytes_are_the_memory_tables_totals(dtype):
     from jupyter_metainit import memory_table

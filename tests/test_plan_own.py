@@ -193,7 +193,7 @@ def test_a_pin_inside_a_model_kept_whole_says_the_whole_model():
 
 
 class ReadsAValue(nn.Module):
-    """One layer whose forward reads a value: it cannot run on shape-only tensors."""
+    """One layer whose forward reads a value of its weight."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -203,11 +203,27 @@ class ReadsAValue(nn.Module):
         return x @ self.weight * self.weight.abs().max().item()
 
 
-def test_a_note_about_an_estimate_names_the_part_and_says_why_in_words():
+class LeavesItsDevice(ReadsAValue):
+    """One layer whose forward copies to the CPU: it cannot run on shape-only (meta) tensors."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return (x @ self.weight).cpu()
+
+
+def test_a_training_step_that_reads_values_is_measured_with_the_dry_runs_answers():
     with meta_init():
         model = ReadsAValue()
     plan = place(model, {"cpu": "1GiB"}, inputs=[(4, 8)], training=True)
-    (note,) = plan.notes
+    assert plan.notes == []
+    assert plan.parts[0][3].saved > 0
+
+
+def test_a_note_about_an_estimate_names_the_part_and_says_why_in_words():
+    with meta_init():
+        model = LeavesItsDevice()
+    plan = place(model, {"cpu": "1GiB"}, inputs=[(4, 8)], training=True)
+    step, note = plan.notes
+    assert step.startswith("the training step could not run on shape-only tensors")
     assert note.startswith("the whole model: what it keeps for the backward pass is estimated")
     assert "could not run again on shape-only tensors" in note
     assert "Error" not in note.split("(")[0]

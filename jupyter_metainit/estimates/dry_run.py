@@ -20,16 +20,24 @@ from torch.utils.flop_counter import FlopCounterMode
 from jupyter_metainit.core import dtype_name, meta_init, parse_dtype, tensor_state
 from jupyter_metainit.estimates._arguments import require_module
 from jupyter_metainit.estimates.forward.activations import ActivationTracker, ModuleStack
+from jupyter_metainit.estimates.forward.answers import Answers
+from jupyter_metainit.estimates.forward.attention import (
+    AttentionKernels,
+    AttentionPolicy,
+    devices_of,
+    tally_record,
+    transformers_attention,
+)
 from jupyter_metainit.estimates.forward.flops import flop_counter, flops_by_module
 from jupyter_metainit.estimates.forward.model_guard import ModelGuard
 from jupyter_metainit.estimates.forward.nested import is_shape, map_tensors, tensors_in
 from jupyter_metainit.estimates.forward.reuse import BlockReuse, ReuseMismatch
 from jupyter_metainit.estimates.memory import DRY_RUN_ATTR, MemoryTable, memory_table
 
-__all__ = ["dry_run", "run_forward"]
+__all__ = ["default_input_dtype", "dry_run", "run_forward"]
 
 
-def _default_input_dtype(module: nn.Module) -> torch.dtype:
+def default_input_dtype(module: nn.Module) -> torch.dtype:
     """Token-id models (first leaf with parameters is an Embedding) take int64 inputs."""
     for m in module.modules():
         if next(iter(m._modules.values()), None) is None and m._parameters:
@@ -170,23 +178,29 @@ def run_forward(
     input_dtype: torch.dtype | str | None = None,
     flops: bool = True,
     reuse_repeats: bool = False,
+    attention: AttentionPolicy | None = None,
     **kwargs: Any,
-) -> None:
+) -> Answers:
     """:func:`dry_run` without its table: the figures are left on the modules only (for
     callers that read them directly and would otherwise pay for a table they do not use).
+    Returns what the forward read of values, for a later meta run of it (``answers.py``).
 
     ``reuse_repeats=True`` measures the first of identical repeated blocks op by op and
     reuses its figures for the others, which still run (``forward/reuse.py`` says when blocks
     count as identical); the figures are the same as without it, in a fraction of the time
     on a deep model. Where a reused block turns out to run unlike its twin, the run starts
-    over with every block tracked."""
+    over with every block tracked.
+
+    ``attention``: the devices (and compute dtype) whose attention kernels the run costs
+    (``forward/attention.py``); default: the device the model's tensors report."""
+    policy = attention or AttentionPolicy(devices=devices_of(module))
     if reuse_repeats:
         try:
-            _run_once(module, example_inputs, input_dtype, flops, kwargs, reuse=True)
-            return
+            return _run_once(module, example_inputs, input_dtype, flops, kwargs, policy,
+                             reuse=True)  # fmt: skip
         except ReuseMismatch:
             pass
-    _run_once(module, example_inputs, input_dtype, flops, kwargs, reuse=False)
+    return _run_once(module, example_inputs, input_dtype, flops, kwargs, policy, reuse=False)
 
 
 def _run_once(
@@ -195,15 +209,17 @@ def _run_once(
     input_dtype: torch.dtype | str | None,
     flops: bool,
     kwargs: dict,
+    policy: AttentionPolicy,
     reuse: bool,
-) -> None:
+) -> Answers:
     use_meta = _uses_meta(module)
-    shape_dtype = parse_dtype(input_dtype, "input_dtype") or _default_input_dtype(module)
+    shape_dtype = parse_dtype(input_dtype, "input_dtype") or default_input_dtype(module)
     ctx: contextlib.AbstractContextManager[Any] = (
         contextlib.nullcontext() if use_meta else meta_init()
     )
     modules = ModuleStack(module)
     tracker = ActivationTracker(modules.stack)
+    tracker.answers = answers = Answers()
     start = time.perf_counter()
     counter: contextlib.AbstractContextManager[Any] = (
         flop_counter() if flops else contextlib.nullcontext()
@@ -211,13 +227,14 @@ def _run_once(
     reuse_blocks = BlockReuse(module, tracker) if reuse else None
     guard = ModelGuard(module, (example_inputs, kwargs))
     try:
-        with ctx:
+        with ctx, transformers_attention(module) as forced:
             guard.swap_in_stand_ins(on_meta=use_meta)
             args, kw = _stand_in_inputs(example_inputs, kwargs, use_meta, shape_dtype)
             for t in tensors_in((args, kw)):
                 tracker.track(t)
             reusing = reuse_blocks or contextlib.nullcontext()
-            with torch.no_grad(), modules.hooks(), counter, tracker, reusing:
+            kernels = AttentionKernels(policy, forced)
+            with torch.no_grad(), modules.hooks(), counter, tracker, reusing, kernels, answers:
                 tracker.note_peak()
                 output = module(*args, **kw)
             if reuse_blocks is not None and reuse_blocks.mismatch:
@@ -238,6 +255,7 @@ def _run_once(
         "flops": int(counter.get_total_flops()) if isinstance(counter, FlopCounterMode) else None,
         "peak_activation_bytes": tracker.peak,
         "seconds": seconds,
+        "attention": tally_record(kernels.tally),
     }
     by_module = (
         flops_by_module(counter, module, set(modules.shapes), known)
@@ -245,3 +263,4 @@ def _run_once(
         else None
     )
     _leave_records(module, modules, tracker, by_module, run)
+    return answers

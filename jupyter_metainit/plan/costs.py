@@ -71,15 +71,22 @@ def _own_costs(part: Part, weights: int, shared: set[int], activity: Activity,
         grads=grads, states=states,
         saved=int(activity.saved.get(part.name, 0) * scale),
         step_all=step_all, step_one=step_one,
+        # its activations scaled, its gradients at their own precision
+        backward=int(activity.backward.get(part.name, 0) * scale) + grads if training else 0,
     )  # fmt: skip
 
 
 def _merge(costs: list[Costs]) -> Costs:
+    """A tie group as one part (what the partition moves): its members' sums, the largest
+    working sets, going backward through the member that holds the most beyond the others'
+    saved activations and gradients."""
+    saved, grads = sum(c.saved for c in costs), sum(c.grads for c in costs)
     return Costs(
         weights=sum(c.weights for c in costs), cache=sum(c.cache for c in costs),
-        transient=max(c.transient for c in costs), grads=sum(c.grads for c in costs),
-        states=sum(c.states for c in costs), saved=sum(c.saved for c in costs),
+        transient=max(c.transient for c in costs), grads=grads,
+        states=sum(c.states for c in costs), saved=saved,
         step_all=sum(c.step_all for c in costs), step_one=max(c.step_one for c in costs),
+        backward=saved + grads + max(c.backward - c.saved - c.grads for c in costs),
     )  # fmt: skip
 
 

@@ -1,8 +1,11 @@
-"""The devices a plan may use and how much memory each offers.
+"""What ``place()`` is told: the devices a plan may use and how much memory each offers, and
+the workload's inputs.
 
 ``devices`` is a mapping ``{"cuda:0": "80GiB", "cpu": 256 * 2**30}`` (capacities in bytes or
 as sizes) or ``"auto"``: every visible GPU with its free memory, then the host's available
-memory as ``"cpu"``.
+memory as ``"cpu"``. The workload is ``batch`` x ``seq_len`` token ids, or ``inputs=``: shapes
+or tensors, positional (a list) or by keyword (a dict); :func:`check_workload` turns either
+into what the planner measures, and refuses a wrong type saying what each argument takes.
 """
 
 from __future__ import annotations
@@ -16,7 +19,7 @@ from jupyter_metainit.core import indexed_device
 from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError
 from jupyter_metainit.estimates.fit import device_budget, parse_bytes
 
-__all__ = ["is_offload", "name_value_pairs", "parse_devices"]
+__all__ = ["check_workload", "is_offload", "name_value_pairs", "parse_devices", "split_inputs"]
 
 
 def name_value_pairs(
@@ -69,8 +72,8 @@ def _device_name(device: Any) -> str:
 
 
 def _capacity(device: str, value: Any) -> int:
-    if isinstance(value, bool) or value is None:
-        raise ValueError(
+    if isinstance(value, bool) or not isinstance(value, (int, float, str)):
+        raise TypeError(
             f"capacity of {device!r} is {value!r}: give bytes (an int) or a size such as "
             "'80GiB' / '80GB'"
         )
@@ -122,3 +125,60 @@ def is_offload(device: str) -> bool:
     """Host memory: used only when the accelerators cannot hold the model (accelerate's
     'offload')."""
     return device == "cpu"
+
+
+def check_workload(batch: Any, seq_len: Any, inputs: Any, training: Any) -> tuple:
+    """The workload as ``measure`` takes it: positional inputs, or ``(name, value)`` pairs
+    for keyword ones; a wrong type is a ``TypeError`` saying what each argument takes."""
+    if not isinstance(training, bool):
+        raise TypeError(f"training must be True (one training step) or False (inference), "
+                        f"not {training!r}")  # fmt: skip
+    _check_count(batch, "batch", "the number of samples per step")
+    if isinstance(inputs, Mapping):  # keyword inputs; a shape is token ids of that shape
+        if not all(isinstance(name, str) for name in inputs):
+            raise TypeError(f"inputs= as a dict maps the forward's argument names to shapes or "
+                            f"tensors, e.g. {{'input_ids': (8, 512)}}, not {inputs!r}")  # fmt: skip
+        return tuple((name, _as_ids(value)) for name, value in inputs.items())
+    if isinstance(inputs, (list, tuple)) and not _is_shape(inputs):
+        return tuple(inputs)
+    if _is_shape(inputs) or isinstance(inputs, torch.Tensor):
+        return (inputs,)
+    if inputs is not None:
+        raise TypeError(
+            "inputs= takes the forward's inputs: a list of shapes or tensors "
+            "(inputs=[(8, 3, 224, 224)]), one shape or tensor, or a dict of keyword inputs "
+            f"(inputs={{'input_ids': (8, 512)}}), not {type(inputs).__name__}"
+        )
+    if seq_len is None:
+        raise ValueError(
+            "place() needs the workload: seq_len= (tokens per sample, for a language model) or "
+            "inputs= (the forward's inputs as shapes, e.g. inputs=[(8, 3, 224, 224)])"
+        )
+    _check_count(seq_len, "seq_len", "the tokens per sample")
+    return ((batch, seq_len),)
+
+
+def _check_count(value: Any, name: str, what: str) -> None:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"{name} takes {what}, an int >= 1, not {value!r}")
+    if value < 1:
+        raise ValueError(f"{name}={value!r}: give {what}, an int >= 1")
+
+
+def _is_shape(value: Any) -> bool:
+    return isinstance(value, (tuple, torch.Size)) and len(value) > 0 and all(
+        isinstance(d, int) and not isinstance(d, bool) for d in value)  # fmt: skip
+
+
+def _as_ids(value: Any) -> Any:
+    if isinstance(value, (tuple, list, torch.Size)) and all(isinstance(d, int) for d in value):
+        return torch.zeros((), dtype=torch.long).expand(tuple(value))  # one element, no memory
+    return value
+
+
+def split_inputs(inputs: tuple) -> tuple[tuple, dict]:
+    """Positional inputs, and keyword ones (given as ``(name, value)`` pairs)."""
+    if inputs and all(isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str)
+                      for i in inputs):  # fmt: skip
+        return (), dict(inputs)
+    return inputs, {}

@@ -70,18 +70,16 @@ def plan_fsdp(model: nn.Module, parts: list[Part], activity: Activity, devices: 
         backward = Load(True, foreach=True)
         for name in activity.order:
             c = own[name]
-            backward.add(
-                Costs(
-                    transient=max(c.transient, c.grads),
-                    saved=c.saved,
-                    grads=c.grads // world_size,
-                    step_all=c.step_all // world_size,
-                )
-            )
+            shard = c.grads // world_size
+            backward.add(Costs(transient=c.transient, saved=c.saved, grads=shard,
+                               step_all=c.step_all // world_size,
+                               backward=c.backward))  # fmt: skip
         peak = shards + unsharded + backward.peak
     else:
-        working = max(c.transient for c in own.values())
-        peak = shards + unsharded + total.cache + working
+        forward = Load(False)
+        for name in activity.order:
+            forward.add(Costs(cache=own[name].cache, transient=own[name].transient))
+        peak = shards + unsharded + forward.peak
     parts_table = [(p.label, p.kind, device, own[p.name]) for p in parts]
     return Placement(
         device_map={"": device}, peak={device: peak}, capacity={device: devices[device]},

@@ -21,7 +21,9 @@ __all__ = ["Costs", "Load", "device_loads", "fill", "partition", "partition_by_d
 class Costs:
     """What one part adds to a device. Inference: ``weights + cache`` stay, ``transient``
     is the largest working set while it runs. Training also: ``grads``, ``states`` (optimizer
-    states and master weights), ``saved`` (activations kept for backward)."""
+    states and master weights), ``saved`` (activations kept for backward) and ``backward``
+    (the most its backward holds: what it saved, its output's gradient, temporaries, its
+    weights' gradients)."""
 
     weights: int = 0
     cache: int = 0
@@ -31,22 +33,24 @@ class Costs:
     saved: int = 0
     step_all: int = 0  # the optimizer step's temporaries for all its parameters at once
     step_one: int = 0  # ... for its largest parameter (an update one tensor at a time)
+    backward: int = 0
 
 
 class Load:
     """A device's predicted peak as parts are added in pipeline order.
 
-    Inference: weights + cache + the largest transient. Training, per step: weights and
-    optimizer states stay; going backward through part k the device holds the saved
-    activations of its parts up to k, the gradients of its parts after k, and k's working set
-    or its gradients, whichever is larger:
-    ``max_k (saved[<=k] + grads[>k] + max(transient[k], grads[k]))``; the optimizer step holds
-    every gradient plus the update's temporaries (``foreach``: for all parameters at once, as
-    torch's optimizers do on accelerators; else for one tensor at a time, as on the CPU).
+    Inference: weights + the largest of (the caches of the device's earlier parts + a part's
+    transient) and all its caches. Training, per step: weights and optimizer states stay;
+    forward through part k the device holds the activations its earlier parts saved and k's
+    working set; going backward through part k it holds the activations saved by its parts
+    before k, the gradients of its parts after k, and what k's backward holds:
+    ``max_k (saved[<k] + grads[>k] + backward[k])``; the optimizer step holds every gradient
+    plus the update's temporaries (``foreach``: for all parameters at once, as torch's
+    optimizers do on accelerators; else for one tensor at a time, as on the CPU).
     """
 
-    _SUMS = ("weights", "cache", "transient", "grads", "states", "saved", "backward", "step_all",
-             "step_one")  # fmt: skip
+    _SUMS = ("weights", "cache", "transient", "grads", "states", "saved", "forward", "behind",
+             "step_all", "step_one")  # fmt: skip
     __slots__ = ("foreach", "training", *_SUMS)
 
     def __init__(self, training: bool, foreach: bool = True) -> None:
@@ -55,17 +59,19 @@ class Load:
         self.weights = self.cache = self.transient = 0
         self.grads = self.states = self.saved = 0
         self.step_all = self.step_one = 0
-        self.backward = 0  # max_k (saved[<=k] - grads[<=k] + max(transient[k], grads[k]))
+        self.forward = 0  # max_k (saved[<k] + transient[k])
+        self.behind = 0  # max_k (saved[<k] - grads[<=k] + backward[k])
 
     def add(self, c: Costs) -> None:
         self.weights += c.weights
+        # While it runs, the caches of this device's earlier parts stay (its own cache is in
+        # its transient: made during its forward).
+        self.transient = max(self.transient, self.cache + c.transient)
         self.cache += c.cache
-        self.transient = max(self.transient, c.transient)
         if self.training:
+            self.forward = max(self.forward, self.saved + c.transient)
+            self.behind = max(self.behind, self.saved - self.grads - c.grads + c.backward)
             self.saved += c.saved
-            # Its weights' gradients are made as its working set is released: the larger counts.
-            working = max(c.transient, c.grads)
-            self.backward = max(self.backward, self.saved - self.grads - c.grads + working)
             self.grads += c.grads
             self.states += c.states
             self.step_all += c.step_all
@@ -80,9 +86,9 @@ class Load:
     @property
     def peak(self) -> int:
         if not self.training:
-            return self.weights + self.cache + self.transient
+            return self.weights + max(self.cache, self.transient)
         step = self.step_all if self.foreach else self.step_one
-        working = max(self.grads + self.backward, self.grads + step)
+        working = max(self.forward, self.grads + self.behind, self.grads + step)
         return self.weights + self.states + working
 
 

@@ -7,21 +7,22 @@ peak of every device, and whether it fits.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 import weakref
 from collections.abc import Mapping
 from typing import Any
 
-import torch
 from torch import nn
 
 from jupyter_metainit.core import format_bytes
 from jupyter_metainit.estimates._arguments import require_module
 from jupyter_metainit.estimates.fit import device_budget
-from jupyter_metainit.plan.costs import part_costs
-from jupyter_metainit.plan.devices import is_offload, parse_devices
+from jupyter_metainit.estimates.forward.attention import KERNELS, AttentionPolicy, math_notes
+from jupyter_metainit.plan.costs import part_costs, state_bytes_per_parameter
+from jupyter_metainit.plan.devices import check_workload, is_offload, parse_devices, split_inputs
 from jupyter_metainit.plan.fsdp import plan_fsdp
-from jupyter_metainit.plan.names import compact_device_map, resolve_pins
+from jupyter_metainit.plan.names import check_pin, compact_device_map, resolve_pins
 from jupyter_metainit.plan.partition import Costs, Load, device_loads, fill, partition
 from jupyter_metainit.plan.parts import Part, describe, find_parts
 from jupyter_metainit.plan.precision import Convention, convention
@@ -30,6 +31,7 @@ from jupyter_metainit.plan.workload import (
     Activity,
     activation_dtype,
     check_takes_token_ids,
+    eval_mode_notes,
     measure,
 )
 
@@ -39,55 +41,40 @@ __all__ = ["place"]
 _MEASURED: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Activity]] = weakref.WeakKeyDictionary()
 
 
-def _check_workload(batch: Any, seq_len: Any, inputs: Any) -> tuple:
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch={batch!r}: give the number of samples per step, an int >= 1")
-    if isinstance(inputs, Mapping):  # keyword inputs; a shape is token ids of that shape
-        return tuple((name, _as_ids(value)) for name, value in inputs.items())
-    if inputs is not None:
-        return tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
-    if seq_len is None:
-        raise ValueError(
-            "place() needs the workload: seq_len= (tokens per sample, for a language model) or "
-            "inputs= (the forward's inputs as shapes, e.g. inputs=[(8, 3, 224, 224)])"
-        )
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len={seq_len!r}: give the tokens per sample, an int >= 1")
-    return ((batch, seq_len),)
-
-
-def _as_ids(value: Any) -> Any:
-    if isinstance(value, (tuple, list, torch.Size)) and all(isinstance(d, int) for d in value):
-        return torch.zeros((), dtype=torch.long).expand(tuple(value))  # one element, no memory
-    return value
-
-
-def _split(inputs: tuple) -> tuple[tuple, dict]:
-    """Positional inputs, and keyword ones (given as ``(name, value)`` pairs)."""
-    if inputs and all(isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str)
-                      for i in inputs):  # fmt: skip
-        return (), dict(inputs)
-    return inputs, {}
-
-
-def _activity(model: nn.Module, parts: list[Part], training: bool, inputs: tuple) -> Activity:
-    # The parts (their names, in order) and the workload decide what is measured.
+def _activity(model: nn.Module, parts: list[Part], training: bool, inputs: tuple,
+              policy: AttentionPolicy) -> Activity:  # fmt: skip
+    # The parts (their names, in order), the workload and how attention is costed decide what
+    # is measured.
     key = (
         training,
         repr(inputs),
         activation_dtype(model),
         tuple((p.name, p.group, p.own_only) for p in parts),
+        policy,
     )
     per_model = _MEASURED.setdefault(model, {})
     if key not in per_model:
         per_model.clear()  # one workload kept per model: measurements are small, models many
-        positional, keywords = _split(inputs)
-        per_model[key] = measure(model, parts, training=training, inputs=positional,
-                                 kwargs=keywords)  # fmt: skip
-        return per_model[key]
-    reused = per_model[key]
-    return Activity(reused.transient, reused.cache, reused.saved, reused.order, reused.dtype,
-                    0.0, reused.notes)  # fmt: skip
+        positional, keywords = split_inputs(inputs)
+        measured = measure(model, parts, training=training, inputs=positional,
+                           kwargs=keywords, attention=policy)  # fmt: skip
+        per_model[key] = measured
+        return dataclasses.replace(measured, notes=list(measured.notes))
+    return dataclasses.replace(per_model[key], seconds=0.0, notes=list(per_model[key].notes))
+
+
+def _policy(devices: dict[str, int], conv: Convention, attention: Any) -> AttentionPolicy:
+    """What attention is costed for: the plan's devices, at the precision's compute dtype."""
+    if not isinstance(attention, str):
+        raise TypeError(f"attention must be one of {', '.join(map(repr, KERNELS))}, "
+                        f"not {attention!r}")  # fmt: skip
+    if attention not in KERNELS:
+        raise ValueError(
+            f"attention={attention!r}: use 'auto' (the kernel each device runs; the math "
+            "kernel where that is not known here), 'fused' (flash / memory-efficient / cuDNN "
+            "attention on every device) or 'math' (SDPA's math kernel everywhere)"
+        )
+    return AttentionPolicy(devices=tuple(devices), dtype=conv.activations, kernel=attention)
 
 
 def _tiers(devices: dict[str, int], pinned: dict[str, str]) -> list[list[str]]:
@@ -152,17 +139,28 @@ def _pipeline(model: nn.Module, parts: list[Part], activity: Activity, devices: 
     for part in parts:
         if part.leader is not None:
             where[part.name] = where[part.leader.name]
+    # The peaks: every part with its own costs, in the order the step runs them (a tie
+    # group's members apart, each where it runs).
     loads = {d: Load(training, foreach=not is_offload(d)) for d in devices}
-    for name in activity.order:  # pinned parts first on their device, as planned
-        if name in pinned:
-            loads[pinned[name]].add(grouped[name])
     for name in activity.order:
-        if name in leaders and name not in pinned:
-            loads[where[name]].add(grouped[name])
+        loads[where[name]].add(own[name])
     return where, {d: load.peak for d, load in loads.items()}
 
 
-def _check_options(strategy: Any, world_size: Any, no_split: Any) -> None:
+def _check_options(strategy: Any, world_size: Any, no_split: Any, optimizer: Any) -> None:
+    """Wrong types are TypeErrors naming what each argument takes."""
+    if not isinstance(strategy, str):
+        raise TypeError(f"strategy must be 'pipeline' or 'fsdp', not {strategy!r}")
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)):
+        raise TypeError(f"world_size takes the number of ranks, an int >= 1, or None (one per "
+                        f"device), not {world_size!r}")  # fmt: skip
+    if optimizer is not None and (isinstance(optimizer, bool) or not isinstance(
+            optimizer, (str, int, float))):  # fmt: skip
+        raise TypeError(
+            "optimizer takes a name ('adamw', 'adam', 'sgd', 'sgd_momentum', 'adafactor'), None "
+            f"or a number of state bytes per trainable parameter, not {optimizer!r}"
+        )
+    state_bytes_per_parameter(optimizer, 4)  # an unknown name or a negative number: ValueError
     if strategy not in ("pipeline", "fsdp"):
         raise ValueError(
             f"strategy={strategy!r}: use 'pipeline' (layers in order over the "
@@ -170,7 +168,8 @@ def _check_options(strategy: Any, world_size: Any, no_split: Any) -> None:
         )
     if strategy == "pipeline" and world_size is not None:
         raise ValueError("world_size= is for strategy='fsdp'; a pipeline uses the devices given")
-    if no_split is not None and (isinstance(no_split, str) or not all(
+    if no_split is not None and (isinstance(no_split, str) or not isinstance(
+            no_split, (list, tuple, set, frozenset)) or not all(
             isinstance(n, str) for n in no_split)):  # fmt: skip
         raise TypeError(
             "no_split must be a list of module names or class names, e.g. "
@@ -192,6 +191,7 @@ def place(
     strategy: str = "pipeline",
     world_size: int | None = None,
     inputs: Any = None,
+    attention: str = "auto",
 ) -> Placement:
     """Plan which device each part of ``model`` goes to for a workload, allocating nothing.
 
@@ -201,16 +201,34 @@ def place(
     deferred, partly real and real models; nothing is allocated or changed.
 
     What it models, per part: weights and buffers at ``precision`` (tied tensors once); the
-    live activations while it runs, measured by a :func:`dry_run` of the workload; the
-    model's own cache (the tensors of the cache object its forward returns); for training,
-    what autograd saves for backward (each distinct part run once on meta tensors), the
-    gradients, the optimizer states and the optimizer step's temporaries. Parts are repeated
-    blocks, leaves, and the tensors a module holds itself next to its children (placed before
-    them, named one by one in the device map); tied parts share a device. The parts, in the
-    order the forward runs them, are cut into one contiguous range per device, minimising the
-    most loaded device relative to its capacity (exactly, not first-fit). Host memory
-    (``"cpu"``) is an offload: used only for what the accelerators cannot hold. The same model
-    and workload is measured once: re-planning with other devices or pins reuses it.
+    live activations while it runs, measured by a :func:`dry_run` of the workload (every
+    tensor the forward makes, masks and positions included); the model's own cache (the
+    tensors of the cache object its forward returns, each layer's once); for training, one
+    forward and backward of the whole step on meta tensors (the values it reads answered by
+    the dry run's): what autograd saves, what each part holds forward and going backward (the
+    loss and the code between parts included), the gradients, the optimizer states and the
+    optimizer step's temporaries. Parts are repeated
+    blocks (never split; ``no_split=`` names the modules to keep whole instead), leaves, and
+    the tensors a module holds itself next to its children (placed before them, named one by one
+    in the device map); tied parts share a device. The parts, in the order the
+    forward runs them, are cut into one contiguous range per device, minimising the most
+    loaded device relative to its capacity (exactly, not first-fit). Host memory (``"cpu"``)
+    is an offload: used only for what the accelerators cannot hold. ``pin={"lm_head":
+    "cuda:0"}`` puts parts on a device and plans the rest around them. The same model and
+    workload is measured once: re-planning with other devices or pins reuses it.
+
+    Attention is costed by the kernel each device runs. SDPA's math kernel holds the
+    ``[batch, heads, queries, keys]`` scores and their softmax (and keeps them for backward);
+    the fused kernels (flash, memory-efficient, cuDNN, the CPU's flash) hold neither. The CPU
+    and a GPU that is here are asked which one a call gets (the CPU's flash kernel takes no
+    dropout); an absent GPU is judged by SDPA's rules (flash: half types, no mask;
+    memory-efficient: aligned head sizes), and where they depend on its generation
+    (bfloat16 needs compute capability 8.0) the math kernel is costed and ``plan.notes`` says
+    so. One kernel is costed for every device: the larger where they differ (said in the
+    notes too). ``attention="fused"`` or ``"math"`` costs every call so instead. transformers'
+    ``attn_implementation`` is read from the model's config: ``"eager"`` is costed as it runs,
+    ``"sdpa"`` as above, ``"flash_attention_2"`` and the other fused implementations (which
+    need their GPU packages, not needed here) as a fused kernel.
 
     Not modelled: the allocator's caching and fragmentation, CUDA context and kernels'
     workspaces, communication buffers, activation checkpointing, the generation loop's own
@@ -247,6 +265,10 @@ def place(
         inputs: the workload of a model that does not take token ids: the forward's inputs as
             shapes or tensors (``[(8, 3, 224, 224)]``); a dict gives keyword inputs, a shape
             there being token ids (``{"input_ids": (8, 512), "decoder_input_ids": (8, 128)}``).
+        attention: how scaled-dot-product attention is costed: ``"auto"`` (the kernel each
+            planned device would run: the math kernel, which holds the [batch, heads, q, k]
+            scores, on the CPU and wherever a fused kernel's conditions fail), or one kernel
+            for every device (see ``plan.notes`` for what was assumed).
 
     Returns:
         A :class:`~jupyter_metainit.plan.Placement`: ``device_map``, the predicted ``peak``
@@ -280,15 +302,21 @@ def place(
     """
     started = time.perf_counter()
     require_module(model, "place")
-    _check_options(strategy, world_size, no_split)
+    _check_options(strategy, world_size, no_split, optimizer)
+    check_pin(pin)
     parsed = parse_devices(devices)
     conv = convention(precision)
-    if inputs is None and seq_len is not None:
+    policy = _policy(parsed, conv, attention)
+    workload_inputs = check_workload(batch, seq_len, inputs, training)
+    if inputs is None:
         check_takes_token_ids(model)
-    inputs = _check_workload(batch, seq_len, inputs)
+    inputs = workload_inputs
     parts = find_parts(model, no_split=no_split, pinned=(pin or {}).keys())
     pinned = resolve_pins(pin, parts, model, parsed)
-    activity = _activity(model, parts, training, inputs)
+    activity = _activity(model, parts, training, inputs, policy)
+    activity.notes += math_notes(activity.attention, list(parsed))
+    if not training:
+        activity.notes += eval_mode_notes(model)
     own, grouped = part_costs(model, parts, activity, conv, optimizer=optimizer,
                               training=training)  # fmt: skip
     workload = f"batch {batch}" + (f", seq_len {seq_len}" if seq_len is not None else "")
@@ -312,7 +340,7 @@ def place(
     )  # fmt: skip
     if not result.fits:
         result.advice = _advice(model, parts, activity, parsed, pinned, conv, optimizer,
-                                training, grouped)  # fmt: skip
+                                training, own, grouped)  # fmt: skip
     result.seconds = time.perf_counter() - started
     return result
 
@@ -343,17 +371,19 @@ def _fewest_devices(sequence: list[tuple[str, Costs]], capacity: int, training: 
 
 def _advice(model: nn.Module, parts: list[Part], activity: Activity, devices: dict[str, int],
             pinned: dict[str, str], conv: Convention, optimizer: str | float | None,
-            training: bool, grouped: dict[str, Costs]) -> list[str]:  # fmt: skip
+            training: bool, own: dict[str, Costs], grouped: dict[str, Costs]
+            ) -> list[str]:  # fmt: skip
     """What would make a plan that does not fit fit: a smaller dtype, more devices, offload."""
     advice = []
     widest = max((p.dtype.itemsize for p in model.parameters() if p.dtype.is_floating_point),
                  default=2)  # fmt: skip
     if (conv.weights.itemsize if conv.weights else widest) > 2:
         half = convention("bf16")
-        _, smaller = part_costs(model, parts, activity, half, optimizer=optimizer,
-                                training=training)  # fmt: skip
+        smaller_own, smaller = part_costs(model, parts, activity, half, optimizer=optimizer,
+                                          training=training)  # fmt: skip
         try:
-            _, peak = _pipeline(model, parts, activity, devices, pinned, {}, smaller, training)
+            _, peak = _pipeline(model, parts, activity, devices, pinned, smaller_own, smaller,
+                                training)  # fmt: skip
         except ValueError:
             peak = None
         if peak is not None and all(peak[d] <= devices[d] for d in devices):
@@ -376,7 +406,8 @@ def _advice(model: nn.Module, parts: list[Part], activity: Activity, devices: di
         host = device_budget("cpu")
         with_host = {**devices, "cpu": host}
         try:
-            _, peak = _pipeline(model, parts, activity, with_host, pinned, {}, grouped, training)
+            _, peak = _pipeline(model, parts, activity, with_host, pinned, own, grouped,
+                                training)  # fmt: skip
         except ValueError:
             peak = None
         if peak is not None and all(peak[d] <= with_host[d] for d in with_host):

@@ -44,6 +44,12 @@ def convention(precision: Any) -> Convention:
     """The storage convention for ``precision=`` (see the module's docstring)."""
     if precision is None:
         return Convention("as built", None, None, None, 0, None)
+    if not isinstance(precision, (str, torch.dtype)):
+        raise TypeError(
+            "precision takes None (as the model is), a dtype or its name ('fp32', 'bf16', "
+            "'fp16'), 'bf16-mixed' / 'fp16-mixed' or 'bf16-master' / 'fp16-master', not "
+            f"{precision!r}"
+        )
     if isinstance(precision, str) and "-" in precision:
         base, _, style = precision.strip().lower().partition("-")
         half = _HALF.get(base)

@@ -1,13 +1,17 @@
 """What each part needs besides its weights, measured by running the workload on nothing.
 
-One dry run of the model at the planned batch and sequence length gives, per part, the live
-activation bytes while it runs (:func:`~jupyter_metainit.estimates.dry_run` follows them op by
-op) and, for inference with a cache, the model's own cache object, whose tensors are measured
-layer by layer. For training, each distinct part then runs forward once more on meta tensors
-with autograd on, and what autograd saves for the backward pass is counted (a repeated block
-is measured once for its whole group). A part of a module's own tensors (``own_only``) runs no
-forward of its own: it keeps its place in module order (before the module's children) and has
-no activations of its own.
+One dry run of the model at the planned batch and sequence length (inference in eval mode,
+training in training mode) gives, per part, the live activation bytes while it runs
+(:func:`~jupyter_metainit.estimates.dry_run` follows them op by op) and, for inference with a
+cache, the model's own cache object, whose tensors are measured layer by layer. For training,
+the whole step then runs once more on meta tensors with autograd on (``forward/saved.py``), the
+values it reads answered with the dry run's: per part what autograd saves for the backward
+pass, the most alive while it runs forward and while its backward runs, and its gradients.
+Where the whole step cannot run on meta tensors, each distinct part runs alone (a repeated
+block once for its whole group) and the code between parts is estimated. Attention is costed
+as ``AttentionPolicy`` says (the planned devices' kernels). A part of a module's own tensors
+(``own_only``) runs no forward of its own: it keeps its place in module order (before the
+module's children) and has no activations of its own.
 """
 
 from __future__ import annotations
@@ -21,18 +25,27 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.func import functional_call
-from torch.nn import functional as F
-from torch.overrides import TorchFunctionMode
 
-from jupyter_metainit.estimates.dry_run import run_forward
+from jupyter_metainit.estimates.dry_run import default_input_dtype, run_forward
+from jupyter_metainit.estimates.forward.answers import Answers
+from jupyter_metainit.estimates.forward.attention import AttentionPolicy, transformers_attention
+from jupyter_metainit.estimates.forward.nested import cache_of, is_shape, tensor_bytes_in
+from jupyter_metainit.estimates.forward.saved import (
+    each_alone,
+    estimate_note,
+    shapes_of,
+    trace_step,
+)
 from jupyter_metainit.estimates.memory import DRY_RUN_ATTR
 from jupyter_metainit.plan.parts import Part, describe
 
-__all__ = ["Activity", "activation_dtype", "check_takes_token_ids", "measure"]
-
-# How deep a cache object is searched for its tensors (Cache -> layers -> keys).
-_CACHE_DEPTH = 6
+__all__ = [
+    "Activity",
+    "activation_dtype",
+    "check_takes_token_ids",
+    "eval_mode_notes",
+    "measure",
+]
 
 
 @dataclass
@@ -48,6 +61,9 @@ class Activity:
     dtype: torch.dtype = torch.float32  # the activations' dtype in the measured run
     seconds: float = 0.0
     notes: list[str] = field(default_factory=list)
+    # the most its backward holds beyond its weights' gradients (saved activations included)
+    backward: dict[str, int] = field(default_factory=dict)
+    attention: dict[str, Any] = field(default_factory=dict)  # how the dry run costed attention
 
 
 def _accepts(module: nn.Module, name: str) -> bool:
@@ -91,39 +107,6 @@ def _workload_kwargs(model: nn.Module, training: bool, ids: Any) -> dict[str, An
     return kwargs
 
 
-def _tensors_in(obj: Any, depth: int = 0, seen: set[int] | None = None) -> Iterator[torch.Tensor]:
-    """Tensors reachable from a cache object (attributes, lists, tuples, dicts), each once."""
-    seen = set() if seen is None else seen
-    if id(obj) in seen or depth > _CACHE_DEPTH:
-        return
-    seen.add(id(obj))
-    if isinstance(obj, torch.Tensor):
-        yield obj
-    elif isinstance(obj, (list, tuple)):
-        for item in obj:
-            yield from _tensors_in(item, depth + 1, seen)
-    elif isinstance(obj, Mapping):
-        for item in obj.values():
-            yield from _tensors_in(item, depth + 1, seen)
-    elif hasattr(obj, "__dict__") and not isinstance(obj, (nn.Module, type)):
-        for item in vars(obj).values():
-            yield from _tensors_in(item, depth + 1, seen)
-
-
-def _nbytes(tensors: Iterator[torch.Tensor]) -> int:
-    return sum(t.numel() * t.element_size() for t in tensors)
-
-
-def _cache_of(output: Any) -> Any:
-    """The cache object a model returned (transformers' ``cache`` / ``past_key_values``)."""
-    if isinstance(output, Mapping):
-        present = list(output.keys())  # the fields set (reading others warns in transformers)
-        for key in ("cache", "past_key_values", "cache_params"):
-            if key in present and output[key] is not None:
-                return output[key]
-    return None
-
-
 def _cache_per_part(cache: Any, parts: list[Part]) -> dict[str, int]:
     """Cache bytes per part: layer i of the cache belongs to the i-th block of the group with
     as many blocks as the cache has layers; a cache without layers is spread evenly."""
@@ -138,10 +121,9 @@ def _cache_per_part(cache: Any, parts: list[Part]) -> dict[str, int]:
         for members in groups.values():
             if len(members) == len(layers):
                 return {
-                    p.name: _nbytes(_tensors_in(layer))
-                    for p, layer in zip(members, layers, strict=True)
+                    p.name: tensor_bytes_in(layer) for p, layer in zip(members, layers, strict=True)
                 }
-    total = _nbytes(_tensors_in(cache))
+    total = tensor_bytes_in(cache)
     holders = max(groups.values(), key=len) if groups else [p for p in parts if not p.own_only]
     return {p.name: total // len(holders) for p in holders}
 
@@ -157,87 +139,9 @@ def _mode(model: nn.Module, training: bool) -> Iterator[None]:
             m.training = mode
 
 
-def _spec(obj: Any) -> Any:
-    """Shapes and dtypes of the tensors in a part's inputs (no values, nothing kept alive)."""
-    if isinstance(obj, torch.Tensor):
-        return ("tensor", tuple(obj.shape), obj.dtype)
-    if isinstance(obj, (list, tuple)) and not hasattr(obj, "_fields"):
-        return type(obj)(_spec(o) for o in obj)
-    if isinstance(obj, dict):
-        return {k: _spec(v) for k, v in obj.items()}
-    return obj
-
-
-def _on_meta(spec: Any, grad: bool) -> Any:
-    if isinstance(spec, tuple) and len(spec) == 3 and spec[0] == "tensor":
-        t = torch.empty(spec[1], dtype=spec[2], device="meta")
-        return t.requires_grad_(grad and spec[2].is_floating_point)
-    if isinstance(spec, (list, tuple)):
-        return type(spec)(_on_meta(s, grad) for s in spec)
-    if isinstance(spec, dict):
-        return {k: _on_meta(v, False) for k, v in spec.items()}
-    return spec
-
-
-class _FusedAttention(TorchFunctionMode):
-    """Attention as the fused kernels run it (what CUDA's flash/efficient kernels and the CPU's
-    flash kernel save for backward: inputs, output, log-sum-exp), not the meta device's
-    decomposition into matmul and softmax, which would also keep the attention matrix."""
-
-    _FLASH = getattr(torch.ops.aten, "_scaled_dot_product_flash_attention_for_cpu", None)
-
-    def __torch_function__(self, func, types, args=(), kwargs=None):  # noqa: ANN001
-        kwargs = kwargs or {}
-        if func is not F.scaled_dot_product_attention or self._FLASH is None:
-            return func(*args, **kwargs)
-        names = ("query", "key", "value", "attn_mask", "dropout_p", "is_causal", "scale",
-                 "enable_gqa")  # fmt: skip
-        bound = dict(zip(names, args, strict=False)) | kwargs
-        # Grouped-query attention: the kernels read the shared key/value heads as they are.
-        out, _ = self._FLASH(
-            bound["query"],
-            bound["key"],
-            bound["value"],
-            bound.get("dropout_p", 0.0),
-            bound.get("is_causal", False),
-            attn_mask=bound.get("attn_mask"),
-            scale=bound.get("scale"),
-        )
-        return out
-
-
-def _saved_bytes(module: nn.Module, args: Any, kwargs: Any) -> int:
-    """Bytes autograd saves for the backward of one forward of ``module`` on meta tensors:
-    each storage once, weights and buffers not counted (they are the part's own memory).
-    Tied tensors are given once: ``functional_call`` ties their other names to them."""
-    stand_ins = {
-        n: torch.empty_strided(t.shape, t.stride(), dtype=t.dtype, device="meta").requires_grad_(
-            t.requires_grad and t.dtype.is_floating_point
-        )
-        for n, t in [
-            *module.named_parameters(),
-            *module.named_buffers(),
-        ]
-    }
-    own = {t.untyped_storage()._cdata for t in stand_ins.values()}
-    storages: dict[int, int] = {}
-
-    def pack(t: torch.Tensor) -> torch.Tensor:
-        storage = t.untyped_storage()
-        if storage._cdata not in own:
-            storages[storage._cdata] = storage.nbytes()
-        return t
-
-    hooks = torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t)
-    with torch.enable_grad(), hooks, _FusedAttention():
-        out = functional_call(module, stand_ins, _on_meta(args, True), _on_meta(kwargs, False),
-                              strict=False)  # fmt: skip
-    del out
-    return sum(storages.values())
-
-
-def _run(model: nn.Module, parts: list[Part], training: bool, inputs: tuple, kwargs: dict
-         ) -> tuple[dict[str, int], dict[str, tuple], Any]:  # fmt: skip
+def _run(model: nn.Module, parts: list[Part], training: bool, inputs: tuple, kwargs: dict,
+         policy: AttentionPolicy
+         ) -> tuple[dict[str, int], dict[str, tuple], Any, Answers]:  # fmt: skip
     """The dry run (no FLOPs, no table: the figures stay on the modules), with hooks noting
     the parts' order and inputs and the returned cache."""
     order: dict[str, int] = {}
@@ -250,7 +154,7 @@ def _run(model: nn.Module, parts: list[Part], training: bool, inputs: tuple, kwa
             if name not in order:
                 order[name] = len(order)
                 if training:
-                    specs[name] = (_spec(args), _spec(kw))
+                    specs[name] = (shapes_of(args), shapes_of(kw))
 
         return pre
 
@@ -262,7 +166,8 @@ def _run(model: nn.Module, parts: list[Part], training: bool, inputs: tuple, kwa
     try:
         with _mode(model, training):
             try:
-                run_forward(model, *inputs, flops=False, reuse_repeats=True, **kwargs)
+                answers = run_forward(model, *inputs, flops=False, reuse_repeats=True,
+                                      attention=policy, **kwargs)  # fmt: skip
             except Exception as e:  # say which step failed, and what usually helps
                 on_meta = any(p.is_meta for p in model.parameters())
                 hint = (
@@ -279,7 +184,7 @@ def _run(model: nn.Module, parts: list[Part], training: bool, inputs: tuple, kwa
     finally:
         for handle in handles:
             handle.remove()
-    return order, specs, caught[0] if caught else None
+    return order, specs, caught[0] if caught else None, answers
 
 
 def _loss_keeps(output: Any, last: Part) -> int:
@@ -303,27 +208,28 @@ def _record(module: nn.Module) -> dict[str, Any]:
 
 
 def measure(model: nn.Module, parts: list[Part], *, training: bool, inputs: tuple,
-            kwargs: dict | None = None) -> Activity:  # fmt: skip
-    """Run the workload once (dry run, plus meta forwards for training) and split what it
-    needs over ``parts``."""
+            kwargs: dict | None = None, attention: AttentionPolicy | None = None
+            ) -> Activity:  # fmt: skip
+    """Run the workload once (dry run, plus meta forwards and backwards for training), its
+    attention costed as ``attention`` says, and split what it needs over ``parts``."""
     start = time.perf_counter()
+    policy = attention or AttentionPolicy()
     ids = inputs[0] if len(inputs) == 1 else None
     kwargs = {**_workload_kwargs(model, training, ids), **(kwargs or {})}
-    order, specs, output = _run(model, parts, training, inputs, kwargs)
+    order, specs, output, answers = _run(model, parts, training, inputs, kwargs, policy)
     activity = Activity(notes=[])
-    activity.cache = _cache_per_part(_cache_of(output), parts) if not training else {}
-    by_module = list(parts)
+    activity.cache = _cache_per_part(cache_of(output), parts) if not training else {}
     # Execution order; a part the forward never ran keeps its place after its predecessor.
     rank: dict[str, float] = {}
     last = -1.0
-    for part in by_module:
+    for part in parts:
         last = order[part.name] if part.name in order else last + 1e-6
         rank[part.name] = last
-    ranked = sorted(by_module, key=lambda p: rank[p.name])
+    ranked = sorted(parts, key=lambda p: rank[p.name])
     activity.order = [p.name for p in ranked]
     peak = {
         p.name: 0 if p.own_only else int(_record(p.module).get("peak_activation_bytes", 0))
-        for p in by_module
+        for p in parts
     }
     before = 0
     for part in ranked:
@@ -331,58 +237,97 @@ def measure(model: nn.Module, parts: list[Part], *, training: bool, inputs: tupl
         before += activity.cache.get(part.name, 0)
     # What the model's own code does outside every part (a loss on the logits) counts on the
     # part that ran last.
-    root_peak = int(_record(model)["run"]["peak_activation_bytes"])
-    outside = root_peak - max(peak.values(), default=0)
+    run = _record(model)["run"]
+    activity.attention = dict(run.get("attention") or {})
+    outside = int(run["peak_activation_bytes"]) - max(peak.values(), default=0)
     ran = [p for p in ranked if not p.own_only] or ranked  # the last one holds what follows
     if outside > 0 and ran:
         name = ran[-1].name
-        activity.transient[name] = max(activity.transient[name], root_peak - before)
+        activity.transient[name] = max(activity.transient[name],
+                                       int(run["peak_activation_bytes"]) - before)  # fmt: skip
     if training and ran:
-        loss = _loss_keeps(output, ran[-1])
-        _measure_saved(parts, specs, activity, max(0, outside, loss), ran[-1].name)
-        # Its backward holds the gradients of the log-softmax and of the logits at once.
-        last = ran[-1].name
-        activity.transient[last] = max(activity.transient[last], 2 * loss)
+        _measure_step(model, parts, activity, specs, (inputs, kwargs, answers), policy, output)
     activity.dtype = activation_dtype(model)
     activity.seconds = time.perf_counter() - start
     return activity
 
 
-def _measure_saved(
-    parts: list[Part], specs: dict[str, tuple], activity: Activity, outside: int, last: str
-) -> None:
-    measured: dict[str, int] = {}
-    for part in parts:
-        if part.name not in specs:
-            activity.saved[part.name] = 0
-            continue
-        if part.group and part.group in measured:  # identical blocks save the same
-            activity.saved[part.name] = measured[part.group]
-            continue
-        args, kw = specs[part.name]
+def _measure_step(model: nn.Module, parts: list[Part], activity: Activity,
+                  specs: dict[str, tuple], workload: tuple[tuple, dict, Answers],
+                  policy: AttentionPolicy, output: Any) -> None:  # fmt: skip
+    """The training step's figures per part: the whole step traced on meta tensors, or where
+    the model's whole forward cannot run on them, each part alone (code between parts, such
+    as a loss, then estimated)."""
+    dtype = default_input_dtype(model)
+    args = [("tensor", tuple(a), dtype) if is_shape(a) else shapes_of(a) for a in workload[0]]
+    kwargs = {k: shapes_of(v) for k, v in workload[1].items()}
+    runs = [(p.name, p.module) for p in parts if not p.own_only]
+    owners: dict[int, str] = {}
+    for part in parts:  # a tied tensor is its leader's, as the costs count it
+        for member in [part, *part.followers] if part.leader is None else []:
+            for t in member.tensors():
+                owners.setdefault(id(t), member.name)
+    with transformers_attention(model) as forced, _mode(model, True):
         try:
-            saved = _saved_bytes(part.module, args, kw)
-        except Exception as e:  # a part that cannot run on meta tensors: its live peak
-            saved = activity.transient[part.name]
-            activity.notes.append(_estimated_note(part.name, e))
-        activity.saved[part.name] = saved
-        if part.group:
-            measured[part.group] = saved
-    # The model's own code after the parts (a loss on the logits) keeps what it computed for
-    # backward: what it adds to the peak, at least cross-entropy's log-softmax.
-    if activity.order:
-        activity.saved[last] += outside
+            figures = trace_step(model, runs, owners, args, kwargs, policy, workload[2], forced)
+        except Exception as e:  # each part alone, then
+            activity.notes.append(estimate_note("the training step", e, whole=True))
+            units = [(p.name, p.module, p.group, specs[p.name]) for p in parts if p.name in specs]
+            alone, failed = each_alone(units, policy, forced, activity.transient)
+            for part in parts:
+                activity.saved[part.name], activity.backward[part.name] = alone.get(
+                    part.name, (0, 0)
+                )
+            activity.notes += [estimate_note(describe(name), error) for name, error in failed]
+            ran = [p for p in parts if p.name in specs]
+            if ran:
+                last = max(ran, key=lambda p: activity.order.index(p.name))
+                _add_loss(activity, last, _loss_keeps(output, last))
+            return
+    total = sum(figures.grads.values())
+    saved_before = grads_upto = 0
+    for name in activity.order:
+        saved, grads = figures.saved.get(name, 0), figures.grads.get(name, 0)
+        grads_upto += grads
+        if name in figures.forward:  # its turn's peak, less what the parts before it saved
+            activity.transient[name] = max(0, figures.forward[name] - saved_before)
+        # ... and going backward, less those and the other parts' gradients
+        activity.backward[name] = (figures.backward[name] - saved_before - (total - grads_upto)
+                                   - grads if name in figures.backward else saved)  # fmt: skip
+        activity.saved[name] = saved
+        saved_before += saved
 
 
-def _estimated_note(name: str, error: Exception) -> str:
-    """The plan's note for a part whose saved activations could not be measured."""
-    reason = str(error).splitlines()[0].strip() if str(error).strip() else type(error).__name__
-    if len(reason) > 160:
-        reason = reason[:157] + "..."
-    return (
-        f"{describe(name)}: what it keeps for the backward pass is estimated by its forward "
-        f"peak, because its forward could not run again on shape-only tensors ({reason})"
-    )
+def _add_loss(activity: Activity, last: Part, loss: int) -> None:
+    """A loss computed by the model's own code after the parts keeps cross-entropy's
+    log-softmax for backward; its backward, before the last part's, holds that and the
+    gradients of the log-softmax and of the logits at once."""
+    name = last.name
+    activity.saved[name] += loss
+    activity.backward[name] = max(activity.backward[name], activity.saved[name] + 2 * loss)
+    activity.transient[name] = max(activity.transient[name], 2 * loss)
+
+
+_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
+             nn.FeatureAlphaDropout)  # fmt: skip
+
+
+def eval_mode_notes(model: nn.Module) -> list[str]:
+    """An inference plan is for ``model.eval()``: say so when the model is in training mode
+    with dropout, whose forward then holds more (and on the CPU runs SDPA's math kernel)."""
+    if not model.training:
+        return []
+    for m in model.modules():
+        rates = [getattr(m, "p", 0.0)] if isinstance(m, _DROPOUTS) else [
+            getattr(m, name, 0.0) for name in ("attention_dropout", "dropout")]  # fmt: skip
+        if any(isinstance(r, float) and r > 0 for r in rates):
+            return [
+                "the model is in training mode: this inference plan is for model.eval(); a "
+                "forward in training mode runs dropout and needs more (on the CPU, attention "
+                "with dropout runs SDPA's math kernel, which holds the [batch, heads, queries, "
+                "keys] scores): call model.eval() before inference"
+            ]
+    return []
 
 
 def activation_dtype(model: nn.Module) -> torch.dtype:

@@ -15,6 +15,7 @@ import torch
 from torch import nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from jupyter_metainit.estimates.forward.answers import shapes_depend_on_values
 from jupyter_metainit.estimates.forward.dtype_checks import (
     EagerDtypeChecks,
     run_past_cuda_only_meta_checks,
@@ -29,7 +30,8 @@ _ALIASING_OPS = frozenset({torch.ops.aten._unsafe_view.default})
 
 
 class ActivationTracker(TorchDispatchMode):
-    """Follows activations (tensors derived from the inputs) through every op.
+    """Follows activations (tensors derived from the inputs, and every tensor the forward makes
+    otherwise: masks, positions, casts of weights) through every op.
 
     Live bytes rise with each new activation and fall when Python drops the last reference
     (checked with ``sys.getrefcount``; tensors are held strongly only during the run, never
@@ -51,6 +53,8 @@ class ActivationTracker(TorchDispatchMode):
         # tracking, ops only run (a block identical to a measured one).
         self.watch: Any = None
         self.paused = False
+        # Notes the shapes of value-dependent ops' outputs (forward/answers.py), if set.
+        self.answers: Any = None
 
     def track(self, t: torch.Tensor, base: int | None = None) -> None:
         i = len(self.tensors)
@@ -98,22 +102,37 @@ class ActivationTracker(TorchDispatchMode):
         inputs = op_tensors(args, kwargs)  # holding them keeps nothing alive: args do
         self.dtype_checks.check(func, args, kwargs, inputs)
         out = run_past_cuda_only_meta_checks(func, args, kwargs, inputs)
+        if self.answers is not None and shapes_depend_on_values(func):
+            self.answers.note_shapes(func, out)
         if self.watch is not None:
             self.watch.saw(func, out)
             if self.paused:
                 return out
         index = self.index
+        aliasing = func.is_view or func in _ALIASING_OPS
         if any(id(a) in index for a in inputs):
             self._collect()
             index = self.index
             sources = [index[id(a)] for a in inputs if id(a) in index]
-            view_of = sources[0] if func.is_view or func in _ALIASING_OPS else None
-            for t in op_tensors(out):
-                if id(t) not in index:
-                    self.track(t, view_of)
-            self.note_peak()
-            if self.watch is not None:
-                self.watch.noted()
+            view_of = sources[0] if aliasing else None
+            made = [t for t in op_tensors(out) if id(t) not in index]
+        elif aliasing:
+            return out  # a view of a weight, a buffer or a constant: no memory of its own
+        else:
+            # Made from no activation (a mask, position ids, a weight cast): new memory too.
+            made = op_tensors(out)
+            if not made:
+                return out
+            self._collect()
+            index = self.index
+            view_of = None
+        ids = {id(a) for a in inputs}
+        for t in made:
+            if id(t) not in ids:  # an in-place op returns its input: no new memory
+                self.track(t, view_of)
+        self.note_peak()
+        if self.watch is not None:
+            self.watch.noted()
         return out
 
 

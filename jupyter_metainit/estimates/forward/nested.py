@@ -12,12 +12,14 @@ from typing import Any
 import torch
 
 __all__ = [
+    "cache_of",
     "generators_in",
     "is_shape",
     "map_tensors",
     "nested",
     "op_tensors",
     "tensor_bytes",
+    "tensor_bytes_in",
     "tensors_in",
 ]
 
@@ -93,3 +95,40 @@ def is_shape(obj: Any) -> bool:
 def generators_in(obj: Any) -> Iterator[torch.Generator]:
     """Generators in nested inputs (lists, tuples, dicts)."""
     return nested(obj, torch.Generator)
+
+
+# How deep a cache object is searched for its tensors (Cache -> layers -> keys).
+_CACHE_DEPTH = 6
+
+
+def _reachable(obj: Any, depth: int, seen: set[int]) -> Iterator[torch.Tensor]:
+    """Tensors reachable from ``obj`` (attributes, lists, tuples, dicts), each once."""
+    if id(obj) in seen or depth > _CACHE_DEPTH:
+        return
+    seen.add(id(obj))
+    if isinstance(obj, torch.Tensor):
+        yield obj
+    elif isinstance(obj, (list, tuple)):
+        for item in obj:
+            yield from _reachable(item, depth + 1, seen)
+    elif isinstance(obj, Mapping):
+        for item in obj.values():
+            yield from _reachable(item, depth + 1, seen)
+    elif hasattr(obj, "__dict__") and not isinstance(obj, (torch.nn.Module, type)):
+        for item in vars(obj).values():
+            yield from _reachable(item, depth + 1, seen)
+
+
+def tensor_bytes_in(obj: Any) -> int:
+    """Bytes of the tensors reachable from a cache object (its layers, keys, values)."""
+    return sum(t.numel() * t.element_size() for t in _reachable(obj, 0, set()))
+
+
+def cache_of(output: Any) -> Any:
+    """The cache object a model returned (transformers' ``cache`` / ``past_key_values``)."""
+    if isinstance(output, Mapping):
+        present = list(output.keys())  # the fields set (reading others warns in transformers)
+        for key in ("cache", "past_key_values", "cache_params"):
+            if key in present and output[key] is not None:
+                return output[key]
+    return None
