@@ -90,17 +90,22 @@ def stats_deferred(shape: dict[str, Any]) -> dict[str, Any]:
 
 
 def values_only(shape: dict[str, Any]) -> dict[str, Any]:
-    """The values alone: the core's ``values_to_write`` a batch at a time, nothing measured."""
-    from jupyter_metainit.core import values_to_write
+    """The values alone: the core's ``values_to_write`` a batch at a time into the memory a
+    ``Recycler`` hands on, as ``stats`` and ``save`` compute them; nothing measured."""
+    from jupyter_metainit.core import Recycler, values_to_write
     from jupyter_metainit.inspection.pipeline import batches
 
     model = _deferred(shape)
     tensors = list(model.state_dict().values())
+    recycler = Recycler()
     meter = Meter()
     with meter():
         for batch in batches(tensors, lambda t: t.numel() * t.element_size()):
-            values = values_to_write(batch)
-            del values  # freed at once
+            recycler.start_batch(t.numel() * t.element_size() for t in batch)
+            values = values_to_write(batch, recycler)
+            recycler.settle(values)
+            recycler.give_back(values)
+            del values
     return meter.as_dict()
 
 

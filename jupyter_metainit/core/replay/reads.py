@@ -79,7 +79,7 @@ def values_to_write(
 
     Unlike :func:`compute_values` it neither takes from nor adds to the read cache (whose
     256 MB would stay held after the save) and copies nothing when a tensor covers its whole
-    storage, so memory follows the batch. Only the ops they depend on run, on every core: a
+    storage (a checkpoint-backed one: the file's mapped pages), so memory follows the batch. Only the ops they depend on run, on every core: a
     batch of whole tensors each made by one fill of one stream (a model's weights, in the order
     they were made) runs as one long fill cut across the cores, one jump-ahead per core.
     ``memory(nbytes)`` gives the untyped storages to compute into (``execute``'s).
@@ -147,12 +147,25 @@ def _parts_of(
 
 
 def _compact(base: torch.Tensor, r: TensorRecord) -> torch.Tensor:
-    """``r``'s view of ``base``: ``base`` itself when the view is all of it, else a copy."""
+    """``r``'s view of ``base``: the view itself when it is all of its memory (``base``, or a
+    dtype view of all of it: a checkpoint-backed tensor over its file's bytes), else a copy
+    (a part would keep the whole storage alive)."""
     view = real_view(base, r)
-    if view is base:
+    if view is base or _all_of_its_memory(view):
         return view
     compact = view.contiguous()
     return compact if compact is not view else view.clone()
+
+
+def _all_of_its_memory(view: torch.Tensor) -> bool:
+    """Whether ``view`` covers its whole storage, in order, with no lazy conjugate or sign."""
+    return (
+        view.storage_offset() == 0
+        and view.is_contiguous()
+        and not view.is_conj()
+        and not view.is_neg()
+        and view.numel() * view.element_size() == view.untyped_storage().nbytes()
+    )
 
 
 class ReplayValueReader:
