@@ -79,10 +79,11 @@ def values_to_write(
 
     Unlike :func:`compute_values` it neither takes from nor adds to the read cache (whose
     256 MB would stay held after the save) and copies nothing when a tensor covers its whole
-    storage (a checkpoint-backed one: the file's mapped pages), so memory follows the batch. Only the ops they depend on run, on every core: a
-    batch of whole tensors each made by one fill of one stream (a model's weights, in the order
-    they were made) runs as one long fill cut across the cores, one jump-ahead per core.
-    ``memory(nbytes)`` gives the untyped storages to compute into (``execute``'s).
+    storage (a checkpoint-backed one: its file's mapped pages), so memory follows the batch.
+    Only the ops they depend on run, on every core: a batch of whole tensors each made by one
+    fill of one stream (a model's weights, in the order they were made) runs as one long fill
+    cut across the cores, one jump-ahead per core. ``memory(nbytes)`` gives the untyped
+    storages to compute into (``execute``'s; a ``Recycler`` hands them on from batch to batch).
     ``on_part(k, a, b, flat)``, called from the replay's threads: elements ``[a, b)`` of tensor
     ``k`` (its values, ``flat``, are the ones returned, flattened) are final already, so writing
     them can start while the rest is being generated.
