@@ -111,18 +111,18 @@ def eager_save_file(shape: dict[str, Any], directory: str) -> dict[str, Any]:
 
 
 def generation_floor(nbytes: int) -> dict[str, Any]:
-    """``normal_`` in bfloat16 on every core over ``nbytes``, into one reused buffer per core."""
+    """``normal_`` in bfloat16 on every core over ``nbytes``, into one reused buffer per core
+    (each core's share of the elements, all of them: the last fill of a core is the rest)."""
     import torch
 
     cores = len(os.sched_getaffinity(0))
-    per_core = nbytes // cores
-    elements = min(per_core, BLOCK) // 2
+    per_core = nbytes // 2 // cores  # elements
 
     def fill(seed: int) -> None:
         gen = torch.Generator().manual_seed(seed)
-        buffer = torch.empty(elements, dtype=torch.bfloat16)
-        for _ in range(max(1, per_core // (elements * 2))):
-            buffer.normal_(generator=gen)
+        buffer = torch.empty(max(1, min(per_core, BLOCK // 2)), dtype=torch.bfloat16)
+        for start in range(0, per_core, buffer.numel()):
+            buffer[: per_core - start].normal_(generator=gen)
 
     torch.set_num_threads(1)
     meter = Meter()

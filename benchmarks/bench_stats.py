@@ -14,8 +14,9 @@
    reading both.
 
 The files are written once, then read from the page cache by every measurement. Each row is
-the median of ``--repeats`` fresh processes (1 by default); the CPU-time ratios are the steadier
-figures on a busy machine.
+the median of ``--repeats`` rounds (1 by default), each round every measurement once in a fresh
+process, the generation floor among them; the CPU-time ratios (medians of the rounds' CPU
+times) are the steadier figures on a busy machine.
 
     .venv/bin/python benchmarks/bench_stats.py                 # 8 B (16 GB, generated only)
                                                                # and 1 B checkpoints
@@ -27,6 +28,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import statistics
 import tempfile
 from typing import Any
 
@@ -90,18 +92,30 @@ def stats_deferred(shape: dict[str, Any]) -> dict[str, Any]:
 
 
 def values_only(shape: dict[str, Any]) -> dict[str, Any]:
-    """The values alone: the core's ``values_to_write`` a batch at a time, nothing measured."""
-    from jupyter_metainit.core import values_to_write
+    """The values alone: the core's ``values_to_write`` a batch at a time into the memory a
+    ``Recycler`` hands on, as ``stats`` and ``save`` compute them; nothing measured."""
+    from jupyter_metainit.core import Recycler, values_to_write
     from jupyter_metainit.inspection.pipeline import batches
 
     model = _deferred(shape)
     tensors = list(model.state_dict().values())
+    values_to_write(model.lm_head.weight[:2])  # the warm-up stats_deferred has
+    recycler = Recycler()
     meter = Meter()
     with meter():
         for batch in batches(tensors, lambda t: t.numel() * t.element_size()):
-            values = values_to_write(batch)
-            del values  # freed at once
+            recycler.start_batch(t.numel() * t.element_size() for t in batch)
+            values = values_to_write(batch, recycler)
+            recycler.settle(values)
+            recycler.give_back(values)
+            del values
     return meter.as_dict()
+
+
+def model_bytes(shape: dict[str, Any]) -> dict[str, Any]:
+    """The model's bytes (the generation floor's), and its largest tensor's."""
+    total, largest = _sizes(_deferred(shape))
+    return {"bytes": total, "largest": largest}
 
 
 def write_checkpoints(shape: dict[str, Any], root: str) -> dict[str, Any]:
@@ -214,6 +228,7 @@ MEASUREMENTS = {
     "stats_deferred": stats_deferred,
     "values_only": values_only,
     "generation_floor": generation_floor,
+    "model_bytes": model_bytes,
     "write_checkpoints": write_checkpoints,
     "eager_statistics": eager_statistics,
     "stats_opened": stats_opened,
@@ -223,13 +238,22 @@ MEASUREMENTS = {
 }
 
 
-def _jobs(big: dict[str, Any], root: str) -> list[tuple[str, dict[str, Any]]]:
+def _median(results: list[dict[str, Any]]) -> dict[str, Any]:
+    """The round whose time is the median, with the median CPU time of all rounds."""
+    out = median_result(results)
+    if "cpu_seconds" in out:
+        out["cpu_seconds"] = statistics.median(r["cpu_seconds"] for r in results)
+    return out
+
+
+def _jobs(big: dict[str, Any], root: str, nbytes: int | None) -> list[tuple[str, dict[str, Any]]]:
     dirs = [f"{root}/seed0", f"{root}/seed1"]
+    floor = [("generation_floor", {"nbytes": nbytes})] if nbytes else []
     return [("stats_deferred", {"shape": big}), ("values_only", {"shape": big}),
             ("eager_statistics", {"directory": dirs[0]}),
             ("stats_opened", {"directory": dirs[0]}), ("read_both", {"directories": dirs}),
             ("eager_compare", {"directories": dirs}),
-            ("compare_checkpoints", {"directories": dirs})]  # fmt: skip
+            ("compare_checkpoints", {"directories": dirs}), *floor]  # fmt: skip
 
 
 def main() -> None:
@@ -242,18 +266,16 @@ def main() -> None:
     print(environment_line())
     root = tempfile.mkdtemp(prefix="jmi-bench-stats-", dir=os.environ.get("BENCH_DIR"))
     try:
-        written = run_children(__file__, [("write_checkpoints", {"shape": small, "root": root})])
-        print_errors({"writing the checkpoints": written[0]})
-        jobs, repeats = _jobs(big, root), 1 if args.quick else args.repeats or 1
-        results = run_children(__file__, [job for job in jobs for _ in range(repeats)],
+        written = run_children(__file__, [("write_checkpoints", {"shape": small, "root": root}),
+                                          ("model_bytes", {"shape": big})])  # fmt: skip
+        print_errors({"writing the checkpoints": written[0], "sizing the model": written[1]})
+        jobs = _jobs(big, root, written[1].get("bytes"))
+        repeats = 1 if args.quick else args.repeats or 1
+        # Rounds of every job (the floor among them): the load drifts during a run, and each
+        # ratio's two rows then see the same drift.
+        results = run_children(__file__, [job for _ in range(repeats) for job in jobs],
                                separate=not args.quick)  # fmt: skip
-        named = {name: median_result(results[k * repeats : (k + 1) * repeats])
-                 for k, (name, _) in enumerate(jobs)}  # fmt: skip
-        if "bytes" in named["stats_deferred"]:
-            floor = run_children(
-                __file__, [("generation_floor", {"nbytes": named["stats_deferred"]["bytes"]})]
-            )
-            named["generation_floor"] = floor[0]  # fmt: skip
+        named = {name: _median(results[k :: len(jobs)]) for k, (name, _) in enumerate(jobs)}
         print_errors(named)
         _print_deferred(named)
         _print_checkpoints(named, written[0].get("bytes"))

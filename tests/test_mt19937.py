@@ -233,3 +233,25 @@ def test_a_jump_is_the_same_whatever_the_bits_taken_at_a_time(group_bits, monkey
     plain = jump_state(state, 3_000_017)
     monkeypatch.setattr(_mt19937, "_GROUP_BITS", group_bits)
     assert torch.equal(jump_state(state, 3_000_017), plain)
+
+
+def test_a_jump_runs_on_the_calling_thread_alone():
+    # A jump's gathers started an OpenMP team (ATen parallelizes above its grain size): on two
+    # busy cores the team's waits cost 20 to 100 times the gather itself. In a fresh process,
+    # where no team exists yet, a jump starts no thread.
+    import subprocess
+    import sys
+
+    code = (
+        "import os, torch\n"
+        "from jupyter_metainit.core.rng.mt19937 import jump_state\n"
+        "torch.set_num_threads(2)\n"
+        "state = torch.Generator().manual_seed(0).get_state()\n"
+        "before = len(os.listdir('/proc/self/task'))\n"
+        "jump_state(state, 141_820_224)\n"
+        "print(len(os.listdir('/proc/self/task')) - before)\n"
+    )
+    if sys.platform != "linux":
+        pytest.skip("counts threads in /proc/self/task")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "0"

@@ -7,6 +7,7 @@ from __future__ import annotations
 import math
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -267,3 +268,11 @@ def test_peak_memory_follows_the_largest_tensor_not_the_model():
     growth = int(out.stdout.split()[-1])
     tensor = 5120 * 4096 * 4
     assert growth <= 2 * tensor + (200 << 20), f"peak grew by {growth >> 20} MiB"  # model: 640
+
+
+def test_the_measuring_workers_run_torch_on_one_thread_each():
+    # Each worker is one of the parallel measurers: a torch op of its own starting a team of
+    # threads would oversubscribe the cores (and spin them idle between chunks).
+    stats({"w": torch.randn(1000)})
+    workers = pipeline.Chunks(threading.Event(), pipeline.Progress(None, 0, "")).pool
+    assert workers.submit(torch.get_num_threads).result() == 1

@@ -26,10 +26,11 @@ public face; ``errors`` beside it holds the exceptions.
 - one helper per concept: ``missing_device_reason``, ``dtype_name``, ``available_memory``,
   ``is_out_of_memory``, ``local_tensor`` (a DTensor's
   local shard), ``copy_user_attributes`` (the user's attributes onto a real tensor);
-- for ``save``: ``values_to_write`` (exact values of a deferred tensor or of a batch of them,
-  nothing kept or swapped), ``source_files`` (the checkpoint files a deferred tensor reads),
-  ``telling`` and ``copy_in_steps`` (progress, and Cancel, from inside a batch being generated
-  or copied).
+- for ``save`` and ``inspection``: ``values_to_write`` (exact values of a deferred tensor or
+  of a batch of them, nothing kept or swapped), ``Recycler`` (the memory it computes a batch
+  into, handed on from batch to batch), ``source_files`` (the checkpoint files a deferred
+  tensor reads), ``telling`` and ``copy_in_steps`` (progress, and Cancel, from inside a batch
+  being generated or copied).
 """
 
 from __future__ import annotations
@@ -58,7 +59,7 @@ from jupyter_metainit.core.materialize.walk import (
 )
 from jupyter_metainit.core.record.context import at_meta_init_edges, is_meta_init, meta_init
 from jupyter_metainit.core.record.tensor import DeferredTensor
-from jupyter_metainit.core.replay import noting_whole_intermediates, values_to_write
+from jupyter_metainit.core.replay import Recycler, noting_whole_intermediates, values_to_write
 from jupyter_metainit.core.runtime import events
 from jupyter_metainit.core.runtime.arguments import (
     dtype_name,
@@ -90,10 +91,9 @@ __all__ = [
 
 # The upper layers' face (see the docstring): public names of the core, not listed for users.
 UPPER_LAYER_FACE = (
-    at_meta_init_edges, available_memory, busy_with, copy_in_steps, copy_user_attributes,
-    counted_attributes, dtype_name, events, format_bytes, format_count, format_duration,
-    indexed_device,
-    is_out_of_memory, iter_deferred,
+    Recycler, at_meta_init_edges, available_memory, busy_with, copy_in_steps,
+    copy_user_attributes, counted_attributes, dtype_name, events, format_bytes, format_count,
+    format_duration, indexed_device, is_out_of_memory, iter_deferred,
     local_tensor, missing_device_reason, named_tensors, noting_whole_intermediates, own_tensors,
     parse_device, parse_dtype, parse_size, plain, progress_callback, source_files, storage_of,
     telling, unique_tensors, values_to_write,

@@ -15,17 +15,17 @@ import contextlib
 import os
 import threading
 from collections import deque
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from concurrent.futures import TimeoutError as StillRunning
 from typing import Any, TypeVar
 
 import torch
 
-from jupyter_metainit.core import progress_callback
+from jupyter_metainit.core import Recycler, progress_callback
 from jupyter_metainit.inspection.moments import CHUNK_ELEMENTS
 
-__all__ = ["BATCH_BYTES", "Chunks", "Progress", "Recycler", "batches", "run_batches"]
+__all__ = ["BATCH_BYTES", "Chunks", "Progress", "batches", "run_batches"]
 
 T = TypeVar("T")
 
@@ -77,58 +77,6 @@ class Progress:
             self._bar.close()
 
 
-class Recycler:
-    """CPU memory handed from measured batches to the next ones: new memory costs a page fault
-    per page on first touch, and a model repeats its tensors' sizes layer after layer.
-
-    ``recycler(nbytes)`` (the replay's ``memory``) gives a kept storage of that size or a new
-    one. Only storages handed out here come back (:meth:`give_back`, once measured), never a
-    model's real tensor; :meth:`start_batch` drops those the next batch will not take;
-    :meth:`settle` forgets what a batch's replay took but did not return (intermediates)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._handed: dict[int, torch.UntypedStorage] = {}  # data_ptr -> storage handed out
-        self._this_batch: set[int] = set()
-        self._kept: dict[int, list[torch.UntypedStorage]] = {}  # nbytes -> free storages
-
-    def __call__(self, nbytes: int) -> torch.UntypedStorage:
-        with self._lock:
-            free = self._kept.get(nbytes)
-            storage = free.pop() if free else None
-        if storage is None:
-            storage = torch.UntypedStorage(nbytes)
-        with self._lock:
-            self._handed[storage.data_ptr()] = storage
-            self._this_batch.add(storage.data_ptr())
-        return storage
-
-    def start_batch(self, sizes: Iterable[int]) -> None:
-        wanted: dict[int, int] = {}
-        for n in sizes:
-            wanted[n] = wanted.get(n, 0) + 1
-        with self._lock:
-            for n in list(self._kept):
-                del self._kept[n][wanted.get(n, 0) :]
-                if not self._kept[n]:
-                    del self._kept[n]
-            self._this_batch = set()
-
-    def settle(self, values: Iterable[torch.Tensor]) -> None:
-        out = {t.untyped_storage().data_ptr() for t in values}
-        with self._lock:
-            for ptr in self._this_batch - out:
-                self._handed.pop(ptr, None)
-            self._this_batch = set()
-
-    def give_back(self, values: Iterable[torch.Tensor]) -> None:
-        with self._lock:
-            for t in values:
-                storage = self._handed.pop(t.untyped_storage().data_ptr(), None)
-                if storage is not None:
-                    self._kept.setdefault(storage.nbytes(), []).append(storage)
-
-
 _pool: ThreadPoolExecutor | None = None
 _runner: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -147,8 +95,10 @@ def _workers() -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
     """The measuring pool (one thread per core) and the batch thread, kept for the process.
 
     Each worker runs torch on one thread (its chunks are the parallelism: a torch op from each
-    of N threads would otherwise start N OpenMP teams of N). ``torch.set_num_threads(1)`` on
-    a thread also sets the count new threads start with, so it is set back once every worker
+    of N threads would otherwise start N OpenMP teams of N, which oversubscribe the cores and
+    spin between chunks). A thread takes torch's process-wide count on its first torch call
+    that asks for it, so each worker asks (``get_num_threads``) before it sets its own to 1;
+    ``set_num_threads`` also sets that process-wide count, so it is set back once every worker
     has its own."""
     global _pool, _runner
     with _pool_lock:
@@ -158,7 +108,8 @@ def _workers() -> tuple[ThreadPoolExecutor, ThreadPoolExecutor]:
             barrier = threading.Barrier(n + 1)
 
             def one_thread() -> None:
-                torch.set_num_threads(1)
+                torch.get_num_threads()  # the thread's count taken from the process's now
+                torch.set_num_threads(1)  # then its own: 1
                 barrier.wait()
 
             _pool = ThreadPoolExecutor(n, thread_name_prefix="jmi-inspect")

@@ -10,12 +10,17 @@ gives its local shard.
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Callable, Sequence
 
 import torch
 
-from jupyter_metainit.core import DeferredTensor, copy_in_steps, local_tensor, values_to_write
+from jupyter_metainit.core import (
+    DeferredTensor,
+    Recycler,
+    copy_in_steps,
+    local_tensor,
+    values_to_write,
+)
 
 __all__ = ["Recycler", "cpu_values", "cpu_values_of_batch"]
 
@@ -40,7 +45,7 @@ def cpu_values_of_batch(
 ) -> list[torch.Tensor]:
     """:func:`cpu_values` of each tensor; the deferred ones computed together, in one replay
     whose fills of one random stream run cut across all cores (``values_to_write`` of a list),
-    into storages from ``memory(nbytes)`` (a :class:`Recycler`) where given. ``on_part(j, a, b,
+    into storages from ``memory(nbytes)`` (the core's ``Recycler``) where given. ``on_part(j, a, b,
     flat)`` (from the replay's threads): elements ``[a, b)`` of tensor ``j``'s values (``flat``)
     are final before the whole batch is (never for a tensor that ``dtype`` casts)."""
     locals_ = [local_tensor(t) for t in tensors]
@@ -61,62 +66,3 @@ def cpu_values_of_batch(
             values = cast
         out[j] = values.contiguous()
     return out
-
-
-class Recycler:
-    """CPU buffers handed from written batches to the next ones: new memory costs a page fault
-    per page on first touch (about a sixth of a ``normal_`` fill's time), and a model repeats
-    its tensors' sizes layer after layer.
-
-    ``recycler(nbytes)`` (the replay's ``memory``) gives a kept storage of that size or a new
-    one, and remembers it (a strong reference: its address cannot be another tensor's while
-    known). Only storages it handed out come back through :meth:`give_back`, once written, so a
-    model's real tensor is never reused. :meth:`start_batch` drops what the next batch will not
-    take before it is computed (at most two batches' memory is alive), :meth:`settle` forgets
-    what a batch allocated but does not return (intermediates, freed by the replay)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._handed: dict[int, torch.UntypedStorage] = {}  # data_ptr -> storage handed out
-        self._this_batch: set[int] = set()  # data_ptrs handed out for the batch being made
-        self._kept: dict[int, list[torch.UntypedStorage]] = {}  # nbytes -> free storages
-
-    def __call__(self, nbytes: int) -> torch.UntypedStorage:
-        with self._lock:
-            free = self._kept.get(nbytes)
-            storage = free.pop() if free else None
-        if storage is None:
-            storage = torch.UntypedStorage(nbytes)
-        with self._lock:
-            self._handed[storage.data_ptr()] = storage
-            self._this_batch.add(storage.data_ptr())
-        return storage
-
-    def start_batch(self, sizes: Sequence[int]) -> None:
-        """Drop the kept storages a batch of tensors of ``sizes`` bytes will not take."""
-        wanted: dict[int, int] = {}
-        for n in sizes:
-            wanted[n] = wanted.get(n, 0) + 1
-        with self._lock:
-            for n in list(self._kept):
-                del self._kept[n][wanted.get(n, 0) :]
-                if not self._kept[n]:
-                    del self._kept[n]
-            self._this_batch = set()
-
-    def settle(self, values: Sequence[torch.Tensor]) -> None:
-        """Forget the storages handed out for this batch that are not among its ``values``."""
-        out = {t.untyped_storage().data_ptr() for t in values}
-        with self._lock:
-            for ptr in self._this_batch - out:
-                self._handed.pop(ptr, None)
-            self._this_batch = set()
-
-    def give_back(self, written: Sequence[torch.Tensor]) -> None:
-        """Keep the storages of ``written`` (written out, referenced nowhere else) that were
-        handed out here; each once."""
-        with self._lock:
-            for t in written:
-                storage = self._handed.pop(t.untyped_storage().data_ptr(), None)
-                if storage is not None:
-                    self._kept.setdefault(storage.nbytes(), []).append(storage)

@@ -4,11 +4,18 @@
 meta kernel), through :class:`ReplayValueReader`, which ``core.replay``'s ``__init__`` installs
 as recording's value reader. It continues from values earlier reads computed (``values``'s
 cache) and keeps what it computes for the next read.
+
+:func:`values_to_write` is the read path of ``save`` and ``stats``: a batch of tensors at a
+time, nothing kept, into memory a :class:`Recycler` hands from one batch to the next (new
+memory costs a page fault per page on first touch: filling it with a bfloat16 ``normal_`` takes
+about a quarter longer than filling memory already touched, and a model repeats its tensors'
+sizes layer after layer).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+import threading
+from collections.abc import Callable, Iterable, Sequence
 
 import torch
 
@@ -28,7 +35,7 @@ from jupyter_metainit.core.runtime.interrupts import handling_interrupts
 from jupyter_metainit.core.runtime.lock import exclusive
 from jupyter_metainit.core.runtime.plain import plain
 
-__all__ = ["ReplayValueReader", "compute_values", "values_to_write"]
+__all__ = ["Recycler", "ReplayValueReader", "compute_values", "values_to_write"]
 
 
 def _constant_value(r: TensorRecord) -> torch.Tensor | None:
@@ -79,10 +86,11 @@ def values_to_write(
 
     Unlike :func:`compute_values` it neither takes from nor adds to the read cache (whose
     256 MB would stay held after the save) and copies nothing when a tensor covers its whole
-    storage, so memory follows the batch. Only the ops they depend on run, on every core: a
-    batch of whole tensors each made by one fill of one stream (a model's weights, in the order
-    they were made) runs as one long fill cut across the cores, one jump-ahead per core.
-    ``memory(nbytes)`` gives the untyped storages to compute into (``execute``'s).
+    storage (a checkpoint-backed one: its file's mapped pages), so memory follows the batch.
+    Only the ops they depend on run, on every core: a batch of whole tensors each made by one
+    fill of one stream (a model's weights, in the order they were made) runs as one long fill
+    cut across the cores, one jump-ahead per core. ``memory(nbytes)`` gives the untyped
+    storages to compute into (``execute``'s; a ``Recycler`` hands them on from batch to batch).
     ``on_part(k, a, b, flat)``, called from the replay's threads: elements ``[a, b)`` of tensor
     ``k`` (its values, ``flat``, are the ones returned, flattened) are final already, so writing
     them can start while the rest is being generated.
@@ -147,12 +155,25 @@ def _parts_of(
 
 
 def _compact(base: torch.Tensor, r: TensorRecord) -> torch.Tensor:
-    """``r``'s view of ``base``: ``base`` itself when the view is all of it, else a copy."""
+    """``r``'s view of ``base``: the view itself when it is all of its memory (``base``, or a
+    dtype view of all of it: a checkpoint-backed tensor over its file's bytes), else a copy
+    (a part would keep the whole storage alive)."""
     view = real_view(base, r)
-    if view is base:
+    if view is base or _all_of_its_memory(view):
         return view
     compact = view.contiguous()
     return compact if compact is not view else view.clone()
+
+
+def _all_of_its_memory(view: torch.Tensor) -> bool:
+    """Whether ``view`` covers its whole storage, in order, with no lazy conjugate or sign."""
+    return (
+        view.storage_offset() == 0
+        and view.is_contiguous()
+        and not view.is_conj()
+        and not view.is_neg()
+        and view.numel() * view.element_size() == view.untyped_storage().nbytes()
+    )
 
 
 class ReplayValueReader:
@@ -179,3 +200,72 @@ class ReplayValueReader:
 
     def real_view(self, record: TensorRecord, grad: bool) -> torch.Tensor | None:
         return realized_view(record, grad)
+
+
+class Recycler:
+    """Storages handed from finished batches to the next ones; one per save or measurement.
+
+    ``recycler(nbytes)`` (the replay's ``memory``: ``values_to_write(batch, recycler)``) gives a
+    kept storage of that size or a new one, and remembers it (a strong reference: its address
+    cannot be another tensor's while known). Only storages it handed out come back through
+    :meth:`give_back`, once the caller is done with them, so a model's real tensor (or a file's
+    mapping) is never reused. :meth:`start_batch` drops what the next batch will not take before
+    it is computed (at most two batches' memory is alive), :meth:`settle` forgets what a
+    batch's replay took but does not return (intermediates, freed by the replay).
+
+    Example::
+
+        recycler = Recycler()
+        for batch in batches:
+            recycler.start_batch(t.nbytes for t in batch)
+            values = values_to_write(batch, recycler)
+            recycler.settle(values)
+            use(values)
+            recycler.give_back(values)
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._handed: dict[int, torch.UntypedStorage] = {}  # data_ptr -> storage handed out
+        self._this_batch: set[int] = set()  # data_ptrs handed out for the batch being made
+        self._kept: dict[int, list[torch.UntypedStorage]] = {}  # nbytes -> free storages
+
+    def __call__(self, nbytes: int) -> torch.UntypedStorage:
+        with self._lock:
+            free = self._kept.get(nbytes)
+            storage = free.pop() if free else None
+        if storage is None:
+            storage = torch.UntypedStorage(nbytes)
+        with self._lock:
+            self._handed[storage.data_ptr()] = storage
+            self._this_batch.add(storage.data_ptr())
+        return storage
+
+    def start_batch(self, sizes: Iterable[int]) -> None:
+        """Drop the kept storages a batch of tensors of ``sizes`` bytes will not take."""
+        wanted: dict[int, int] = {}
+        for n in sizes:
+            wanted[n] = wanted.get(n, 0) + 1
+        with self._lock:
+            for n in list(self._kept):
+                del self._kept[n][wanted.get(n, 0) :]
+                if not self._kept[n]:
+                    del self._kept[n]
+            self._this_batch = set()
+
+    def settle(self, values: Iterable[torch.Tensor]) -> None:
+        """Forget the storages handed out for this batch that are not among its ``values``."""
+        out = {t.untyped_storage().data_ptr() for t in values}
+        with self._lock:
+            for ptr in self._this_batch - out:
+                self._handed.pop(ptr, None)
+            self._this_batch = set()
+
+    def give_back(self, done: Iterable[torch.Tensor]) -> None:
+        """Keep the storages of ``done`` (written or measured, referenced nowhere else) that
+        were handed out here; each once."""
+        with self._lock:
+            for t in done:
+                storage = self._handed.pop(t.untyped_storage().data_ptr(), None)
+                if storage is not None:
+                    self._kept.setdefault(storage.nbytes(), []).append(storage)

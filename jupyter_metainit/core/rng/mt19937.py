@@ -82,9 +82,11 @@ _WORDS_END = _OFF_WORDS + 8 * N
 _DIRECT_LIMIT = 4 * DEGREE
 
 
-# Windows XOR-reduced at a time: 624 KiB, small enough to stay in the core's cache (2048 at a
-# time was twice as slow).
-_WINDOW_CHUNK = 256
+# Windows gathered and XOR-reduced at a time: 48 x 624 words, below ATen's parallel grain size
+# (32768 elements), so each gather runs on the calling thread. 256 at a time started an OpenMP
+# team per gather: on two busy cores its waits cost 20 to 100 times the gather (a jump took
+# 60-340 ms of CPU instead of 3).
+_WINDOW_CHUNK = 48
 
 
 # Bits of a jump polynomial taken at a time by ``_apply`` (4 to 6 are equally fast; 1 is the
