@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import torch
+from _twins import eager_and_deferred
 from torch import nn
 
 from jupyter_metainit import ArgumentError, is_deferred, is_meta_init, materialize, meta_init
@@ -155,7 +156,6 @@ def test_factories_report_the_default_device_torch_would_give():
 
 
 def test_torch_compile_of_a_deferred_model_runs_deferred_then_real_after_materialize():
-    from _twins import eager_and_deferred
 
     from jupyter_metainit import is_deferred
 
@@ -193,11 +193,7 @@ def test_factory_from_a_meta_tensors_metadata_equals_eager(make):
         x = torch.empty(3, 4, device="meta").t()  # strides the result keeps
         return make(x), torch.randn(2)  # and the generator goes on where eager's does
 
-    torch.manual_seed(0)
-    eager = build()
-    torch.manual_seed(0)
-    with meta_init():
-        deferred = build()
+    eager, deferred = eager_and_deferred(build)
     assert all(is_deferred(t) for t in deferred)
     materialize(list(deferred))
     for a, b in zip(eager, deferred, strict=True):

@@ -13,6 +13,7 @@ import time
 
 import pytest
 import torch
+from _twins import deferred
 from safetensors.torch import save_file
 from torch import nn
 
@@ -34,20 +35,20 @@ class Cancelled(Exception):
     pass
 
 
+def _normal_weight(n: int) -> nn.Module:
+    module = nn.Module()
+    module.w = nn.Parameter(torch.empty(n).normal_(std=STD))
+    return module
+
+
 def _weight(n: int = N, seed: int = 0) -> nn.Module:
     """A module holding one large deferred parameter made by ``normal_``."""
-    torch.manual_seed(seed)
-    with meta_init():
-        module = nn.Module()
-        module.w = nn.Parameter(torch.empty(n).normal_(std=STD))
-    return module
+    return deferred(_normal_weight, n, seed=seed)
 
 
 def _linear() -> nn.Module:
     """A large weight and a small bias: in fast mode two groups replayed on pool threads."""
-    torch.manual_seed(0)
-    with meta_init():
-        return nn.Linear(8192, 8192)
+    return deferred(nn.Linear, 8192, 8192)
 
 
 class Recorder:

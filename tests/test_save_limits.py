@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 import torch
+from _twins import eager_and_deferred
 from safetensors.torch import save_file
 from torch import nn
 
 from jupyter_metainit.save import save
-from tests._twins import eager_and_deferred
 
 LIMIT = 3_000_000  # bytes; not a multiple of the block: an O_DIRECT write is cut unaligned
 

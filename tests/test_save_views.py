@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from _twins import eager_and_deferred
 from safetensors.torch import load_file
 from torch import nn
 
 from jupyter_metainit import is_deferred, materialize
 from jupyter_metainit.save import save
-from tests._twins import eager_and_deferred
 
 _WRITER = __import__("jupyter_metainit.save.writer", fromlist=["writer"])
 

@@ -18,8 +18,9 @@ from jupyter_metainit.inspection import pipeline
 
 transformers = pytest.importorskip("transformers")
 
+from _twins import eager_and_deferred  # noqa: E402
+
 from tests._models import llama_config  # noqa: E402
-from tests._twins import eager_and_deferred  # noqa: E402
 
 EXACT = ("numel", "min", "max", "absmax", "zeros", "nan", "inf")
 CLOSE = ("mean", "std", "l2")

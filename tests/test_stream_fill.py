@@ -6,6 +6,7 @@ import itertools
 
 import pytest
 import torch
+from _twins import eager_and_deferred
 from torch import nn
 
 from jupyter_metainit.core import values_to_write
@@ -15,7 +16,6 @@ from jupyter_metainit.core.rng import stream_fill
 from jupyter_metainit.core.rng.draws import draws_per_element
 from jupyter_metainit.core.rng.split_fill import ALIGN
 from jupyter_metainit.core.rng.stream_fill import StreamFill, fill_stream
-from tests._twins import eager_and_deferred
 
 aten = torch.ops.aten
 
