@@ -192,7 +192,7 @@ def test_the_deferred_gradients_backward_leaves_in_grad_materialize_to_eager_gra
 
 
 def test_materializing_a_model_gives_each_parameter_the_grad_backward_left_in_init():
-    eager, model = _eager_and_deferred(lambda: BackwardNet(clear=False))
+    eager, model = eager_and_deferred(lambda: BackwardNet(clear=False))
     grads = [p.grad for p in model.parameters()]
     materialize(model)
     _assert_state_equal(model, eager)
@@ -202,7 +202,7 @@ def test_materializing_a_model_gives_each_parameter_the_grad_backward_left_in_in
 
 
 def test_materializing_one_parameter_gives_it_its_grad_cast_as_asked():
-    eager, model = _eager_and_deferred(lambda: BackwardNet(clear=False))
+    eager, model = eager_and_deferred(lambda: BackwardNet(clear=False))
     materialize(model.fc.weight, dtype=torch.bfloat16)
     assert model.fc.weight.grad.dtype == torch.bfloat16
     assert torch.equal(model.fc.weight.grad, eager.fc.weight.grad.bfloat16())

@@ -133,11 +133,7 @@ class _RandomSubset(nn.Module):
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_fast_mode_gives_a_shape_computed_from_random_values_its_recorded_values(seed):
     # the subset's shape was recorded from the exact stream: its random inputs replay exact
-    torch.manual_seed(seed)
-    eager = _RandomSubset()
-    torch.manual_seed(seed)
-    with meta_init():
-        m = _RandomSubset()
+    eager, m = eager_and_deferred(_RandomSubset, seed=seed)
     materialize(m, rng="fast")
     assert torch.equal(m.keep, eager.keep)
     assert m.picked.shape == eager.picked.shape
