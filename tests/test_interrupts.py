@@ -20,6 +20,7 @@ from torch import nn
 import jupyter_metainit
 from jupyter_metainit import is_deferred, materialize, meta_init
 from jupyter_metainit.core.runtime import interrupts
+from jupyter_metainit.core.runtime.interrupts import PROGRESS_SECONDS_VARIABLE
 
 PACKAGE = os.path.dirname(os.path.abspath(jupyter_metainit.__file__))
 
@@ -156,7 +157,7 @@ def test_interrupt_stops_fast_mode_before_the_remaining_work():
 def test_interrupt_inside_a_large_fill_stops_it_there_and_leaves_it_exact(rng, monkeypatch):
     # A 256 MiB fill is made in steps (split_fill): Ctrl-C, sent once part of it is told, stops
     # it at the next step; the tensor stays deferred and later comes out as eager's.
-    monkeypatch.setattr(interrupts, "TELL_S", 0.01)
+    monkeypatch.setenv(PROGRESS_SECONDS_VARIABLE, "0.01")
     n = 64 << 20
     torch.manual_seed(0)
     with meta_init():

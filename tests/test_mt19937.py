@@ -228,6 +228,7 @@ def test_the_sequence_is_mt19937s_recurrence(length):
 @pytest.mark.parametrize("group_bits", [1, 3, 5, 8])
 def test_a_jump_is_the_same_whatever_the_bits_taken_at_a_time(group_bits, monkeypatch):
     state = seeded(11, skip=100).get_state()
+    # internal: the jump's group width, compared across widths (no setting chooses it)
     monkeypatch.setattr(mt19937, "_GROUP_BITS", 1)
     plain = jump_state(state, 3_000_017)
     monkeypatch.setattr(mt19937, "_GROUP_BITS", group_bits)

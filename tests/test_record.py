@@ -551,6 +551,7 @@ def test_a_fill_is_recorded_as_the_general_path_records_it(fill, monkeypatch):
     from jupyter_metainit.core.record.dispatch import triage
 
     short, short_op = _recorded_fill(fill)
+    # internal: the short path off, to compare with the general path (a switch costs every fill)
     monkeypatch.setattr(triage, "record_fill", lambda func, args, kwargs: None)
     general, general_op = _recorded_fill(fill)
     assert short_op.func is general_op.func

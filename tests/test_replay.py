@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from _twins import eager_and_deferred
 from torch import nn
 
 from jupyter_metainit import is_deferred, materialize, meta_init
+from jupyter_metainit.core.errors import ArgumentError
 from jupyter_metainit.core.replay import parallel, run
 from jupyter_metainit.core.replay.parallel import stream_parts
 from jupyter_metainit.core.replay.planning import plan
+from jupyter_metainit.core.runtime.pool import CORES_VARIABLE
 
 
 class _Decoder(nn.Module):
@@ -40,13 +43,14 @@ def _count_parallel_runs(monkeypatch) -> list[int]:
         runs.append(len(groups))
         return real(task, groups, workers)
 
+    # internal spy: nothing public says how a replay was split
     monkeypatch.setattr(run, "run_parallel", counting)
     return runs
 
 
 def test_exact_replay_on_three_threads_equals_eager(monkeypatch):
     _any_size(monkeypatch)
-    monkeypatch.setattr(run, "available_cores", lambda: 3)
+    monkeypatch.setenv(CORES_VARIABLE, "3")
     runs = _count_parallel_runs(monkeypatch)
     torch.manual_seed(0)
     eager = _Decoder()
@@ -63,7 +67,7 @@ def test_exact_replay_on_three_threads_equals_eager(monkeypatch):
 
 def test_a_subtree_replayed_on_two_threads_equals_eager(monkeypatch):
     _any_size(monkeypatch)
-    monkeypatch.setattr(run, "available_cores", lambda: 2)
+    monkeypatch.setenv(CORES_VARIABLE, "2")
     runs = _count_parallel_runs(monkeypatch)
     eager, model = eager_and_deferred(_Decoder)
     materialize(model.layers[3:])
@@ -91,6 +95,7 @@ def test_the_parts_are_runs_of_the_stream_in_recording_order(monkeypatch):
 
 def _any_size(monkeypatch) -> None:
     """Parts for any amount of random work, even or not (the tests' models are small)."""
+    # internal thresholds, no setting: the tests' models are small
     monkeypatch.setattr(parallel, "SPLIT_STREAM_BYTES", 0)
     monkeypatch.setattr(parallel, "_BALANCE", 2.0)
 
@@ -103,6 +108,7 @@ def test_small_random_work_stays_on_one_thread():
 
 def test_uneven_parts_stay_on_one_thread(monkeypatch):
     """One large fill and a few small ones: one thread splitting the large fill is faster."""
+    # internal thresholds, no setting: the tests' models are small
     monkeypatch.setattr(parallel, "SPLIT_STREAM_BYTES", 0)
     with meta_init():
         tensors = [torch.empty(256, 256).normal_()]
@@ -142,7 +148,7 @@ def test_unknown_draw_counts_stay_on_one_thread(monkeypatch):
 
 def test_a_dead_op_of_unknown_draw_count_is_regenerated_by_the_part_after_it(monkeypatch):
     _any_size(monkeypatch)
-    monkeypatch.setattr(run, "available_cores", lambda: 2)
+    monkeypatch.setenv(CORES_VARIABLE, "2")
     runs = _count_parallel_runs(monkeypatch)
     eager, tensors = eager_and_deferred(lambda: _fills(dead_log_normal=True))
     materialize(tensors)
@@ -175,3 +181,13 @@ def test_a_replay_on_every_thread_of_the_pool_runs_inline(monkeypatch):
         values = future.result(timeout=60)
         assert all(torch.equal(v, e) for v, e in zip(values, expected, strict=True))
     assert runs == [2] * pool._max_workers
+
+
+def test_the_cores_switch_sets_the_threads_every_job_uses(monkeypatch):
+    from jupyter_metainit.core.runtime.pool import available_cores
+
+    monkeypatch.setenv(CORES_VARIABLE, "5")
+    assert available_cores() == 5
+    monkeypatch.setenv(CORES_VARIABLE, "all")
+    with pytest.raises(ArgumentError, match=CORES_VARIABLE):
+        available_cores()

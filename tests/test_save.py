@@ -301,6 +301,7 @@ _WRITER = __import__("jupyter_metainit.save.writer", fromlist=["writer"])
 def _write_path(monkeypatch, path: str) -> None:
     """Make ``save`` write the ``path`` way: O_DIRECT where the file system takes it (here),
     else the files mapped, else pwrite."""
+    # internal probes, no setting chooses a write path: each turned off in turn
     if path != "direct":
         monkeypatch.setattr(_WRITER, "can_write_direct", lambda: False)
     if path == "pwrite":
@@ -336,6 +337,7 @@ def test_parts_written_while_generating_give_the_bytes_of_save_file(tmp_path, mo
 
 def test_a_file_system_refusing_o_direct_falls_back_to_the_same_bytes(tmp_path, monkeypatch):
     direct = __import__("jupyter_metainit.save.direct", fromlist=["direct"])
+    # internal fault injection: the O_DIRECT open refused (os.open would refuse every open)
     monkeypatch.setattr(direct.DirectFile, "open", classmethod(lambda cls, path, size: None))
     tensors = {"a": torch.randn(3000), "b": torch.arange(7, dtype=torch.int16)}
     save(tensors, tmp_path / "ours")
@@ -357,6 +359,7 @@ def test_a_device_refusing_o_direct_writes_of_one_block_falls_back_to_the_same_b
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_pwrite(fd, data, offset)
 
+    # outside the package (fault injection): the os refuses a write
     monkeypatch.setattr(os, "pwrite", pwrite)
     eager, deferred = eager_and_deferred(
         transformers.LlamaForCausalLM, llama_config(tie_word_embeddings=False)

@@ -233,6 +233,7 @@ def test_an_interrupted_save_leaves_no_directory(tmp_path, monkeypatch):
         calls.append(1)
         raise KeyboardInterrupt
 
+    # internal fault injection: no public hook runs inside a batch
     monkeypatch.setattr(writer, "cpu_values_of_batch", interrupted)
     with pytest.raises(KeyboardInterrupt):
         deferred.save_pretrained(tmp_path / "out", max_shard_size="200KB")

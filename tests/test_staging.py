@@ -140,6 +140,7 @@ def test_a_publish_cut_short_puts_the_earlier_checkpoint_back_whole(tmp_path, mo
             raise failure
         real_replace(src, dst)
 
+    # outside the package (fault injection): the os fails a rename
     monkeypatch.setattr(os, "replace", replace_failing_at_the_fourth)
     with pytest.raises(type(failure)) as caught:
         save(deferred(_llama, seed=2), tmp_path, max_shard_size="100KB")
