@@ -116,7 +116,7 @@ def test_set_default_dtype_inside_a_dtype_block_stays_in_the_block():
 
 
 def test_meta_init_dtype_must_be_floating():
-    with pytest.raises(TypeError, match="floating"), meta_init(dtype=torch.int8):
+    with pytest.raises(ArgumentError, match="floating"), meta_init(dtype=torch.int8):
         pass
 
 

@@ -15,13 +15,14 @@ from typing import Any
 import torch
 from torch import nn
 
-from jupyter_metainit.core import format_bytes
-from jupyter_metainit.estimates._arguments import require_module
+from jupyter_metainit.core import check_flag, format_bytes
+from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError
+from jupyter_metainit.estimates._arguments import check_shapes, require_module
 from jupyter_metainit.estimates.fit import device_budget
-from jupyter_metainit.plan.costs import part_costs
+from jupyter_metainit.plan.costs import part_costs, state_bytes_per_parameter
 from jupyter_metainit.plan.devices import is_offload, parse_devices
 from jupyter_metainit.plan.fsdp import plan_fsdp
-from jupyter_metainit.plan.names import compact_device_map, resolve_pins
+from jupyter_metainit.plan.names import check_pin, compact_device_map, resolve_pins
 from jupyter_metainit.plan.partition import Costs, Load, device_loads, fill, partition
 from jupyter_metainit.plan.parts import Part, describe, find_parts
 from jupyter_metainit.plan.precision import Convention, convention
@@ -40,19 +41,29 @@ _MEASURED: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Activity]] = weakref
 
 
 def _check_workload(batch: Any, seq_len: Any, inputs: Any) -> tuple:
-    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
-        raise ValueError(f"batch={batch!r}: give the number of samples per step, an int >= 1")
+    for name, value in (("batch", batch), ("seq_len", seq_len)):
+        if value is not None and (isinstance(value, bool) or not isinstance(value, int)):
+            raise ArgumentTypeError(f"{name} takes an int >= 1, not {value!r}")
+    if batch < 1:
+        raise ArgumentError(f"batch={batch!r}: give the number of samples per step, an int >= 1")
+    if inputs is not None and not isinstance(inputs, (Mapping, list, tuple, torch.Tensor)):
+        raise ArgumentTypeError(
+            "inputs takes the forward's inputs: a list of shapes or tensors (inputs=[(8, 3, "
+            f"224, 224)]) or a dict name -> shape or tensor, not {inputs!r}"
+        )
+    if inputs is not None:
+        check_shapes(inputs if isinstance(inputs, (Mapping, list, tuple)) else [inputs], "inputs")
     if isinstance(inputs, Mapping):  # keyword inputs; a shape is token ids of that shape
         return tuple((name, _as_ids(value)) for name, value in inputs.items())
     if inputs is not None:
         return tuple(inputs) if isinstance(inputs, (list, tuple)) else (inputs,)
     if seq_len is None:
-        raise ValueError(
+        raise ArgumentError(
             "place() needs the workload: seq_len= (tokens per sample, for a language model) or "
             "inputs= (the forward's inputs as shapes, e.g. inputs=[(8, 3, 224, 224)])"
         )
-    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 1:
-        raise ValueError(f"seq_len={seq_len!r}: give the tokens per sample, an int >= 1")
+    if seq_len < 1:
+        raise ArgumentError(f"seq_len={seq_len!r}: give the tokens per sample, an int >= 1")
     return ((batch, seq_len),)
 
 
@@ -128,7 +139,7 @@ def _start_loads(devices: dict[str, int], pinned: dict[str, str], grouped: dict[
     for device, load in start.items():
         if load.peak > devices[device]:
             names = ", ".join(describe(n) for n, d in pinned.items() if d == device)
-            raise ValueError(
+            raise ArgumentError(
                 f"pinned {names} need {format_bytes(load.peak)} on {device}, which holds "
                 f"{format_bytes(devices[device])}: pin fewer parts there, pin them to a larger "
                 "device, or use a smaller precision="
@@ -162,17 +173,28 @@ def _pipeline(model: nn.Module, parts: list[Part], activity: Activity, devices: 
     return where, {d: load.peak for d, load in loads.items()}
 
 
-def _check_options(strategy: Any, world_size: Any, no_split: Any) -> None:
+def _check_options(strategy: Any, world_size: Any, no_split: Any, optimizer: Any) -> None:
+    if not isinstance(strategy, str):
+        raise ArgumentTypeError(f"strategy takes 'pipeline' or 'fsdp', not {strategy!r}")
+    if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)):
+        raise ArgumentTypeError(f"world_size takes an int >= 1 or None, not {world_size!r}")
+    if optimizer is not None and (isinstance(optimizer, bool) or not isinstance(
+            optimizer, (str, int, float))):  # fmt: skip
+        raise ArgumentTypeError(
+            "optimizer takes a name ('adamw', 'adam', 'sgd', ...), None or a number of state "
+            f"bytes per trainable parameter, not {optimizer!r}"
+        )
+    state_bytes_per_parameter(optimizer, 4)  # an unknown name, a negative number: refused
     if strategy not in ("pipeline", "fsdp"):
-        raise ValueError(
+        raise ArgumentError(
             f"strategy={strategy!r}: use 'pipeline' (layers in order over the "
             "devices) or 'fsdp' (every rank holds a shard, fully_shard units)"
         )
     if strategy == "pipeline" and world_size is not None:
-        raise ValueError("world_size= is for strategy='fsdp'; a pipeline uses the devices given")
+        raise ArgumentError("world_size= is for strategy='fsdp'; a pipeline uses the devices given")
     if no_split is not None and (isinstance(no_split, str) or not all(
             isinstance(n, str) for n in no_split)):  # fmt: skip
-        raise TypeError(
+        raise ArgumentTypeError(
             "no_split must be a list of module names or class names, e.g. "
             f"['LlamaDecoderLayer'] ([] splits every block), not {no_split!r}"
         )
@@ -280,12 +302,15 @@ def place(
     """
     started = time.perf_counter()
     require_module(model, "place")
-    _check_options(strategy, world_size, no_split)
+    _check_options(strategy, world_size, no_split, optimizer)
+    check_flag(training, "training")
+    check_pin(pin)
     parsed = parse_devices(devices)
     conv = convention(precision)
-    if inputs is None and seq_len is not None:
+    workload_inputs = _check_workload(batch, seq_len, inputs)
+    if inputs is None:
         check_takes_token_ids(model)
-    inputs = _check_workload(batch, seq_len, inputs)
+    inputs = workload_inputs
     parts = find_parts(model, no_split=no_split, pinned=(pin or {}).keys())
     pinned = resolve_pins(pin, parts, model, parsed)
     activity = _activity(model, parts, training, inputs)

@@ -25,6 +25,7 @@ from torch.func import functional_call
 from torch.nn import functional as F
 from torch.overrides import TorchFunctionMode
 
+from jupyter_metainit.core.errors import ArgumentError
 from jupyter_metainit.estimates.dry_run import run_forward
 from jupyter_metainit.estimates.memory import DRY_RUN_ATTR
 from jupyter_metainit.plan.parts import Part, describe
@@ -73,7 +74,7 @@ def check_takes_token_ids(model: nn.Module) -> None:
         takes = ", ".join(inspect.signature(model.forward).parameters)
     except (TypeError, ValueError):
         takes = "..."
-    raise ValueError(
+    raise ArgumentError(
         f"place(..., seq_len=) runs the model on token ids of shape (batch, seq_len), but "
         f"{type(model).__name__}.forward({takes}) takes no input_ids and the model does not "
         "start with an embedding: pass its inputs as shapes instead, e.g. "
