@@ -26,23 +26,13 @@ class Positional(nn.Module):
         self.register_buffer("full", torch.full((3,), 1 / 3))
 
 
-def _eager(dtype):
-    saved = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        torch.manual_seed(0)
-        return Positional()
-    finally:
-        torch.set_default_dtype(saved)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64, torch.float16])
 def test_meta_init_dtype_equals_eager_construction_under_that_default(dtype):
-    eager = _eager(dtype)
-    torch.manual_seed(0)
-    with meta_init(dtype=dtype):
-        assert torch.get_default_dtype() == dtype
-        deferred = Positional()
+    def build() -> Positional:
+        assert torch.get_default_dtype() == dtype  # eager's default, and the block's
+        return Positional()
+
+    eager, deferred = eager_and_deferred(build, dtype=dtype)
     assert torch.get_default_dtype() == torch.float32
     materialize(deferred)
     for k, v in eager.state_dict().items():
@@ -52,10 +42,7 @@ def test_meta_init_dtype_equals_eager_construction_under_that_default(dtype):
 
 @pytest.mark.parametrize("ambient", [torch.bfloat16, torch.float64])
 def test_materialize_does_not_depend_on_the_default_dtype_in_force(ambient):
-    eager = _eager(torch.float32)
-    torch.manual_seed(0)
-    with meta_init():
-        deferred = Positional()
+    eager, deferred = eager_and_deferred(Positional)
     saved = torch.get_default_dtype()
     torch.set_default_dtype(ambient)
     try:
@@ -68,10 +55,7 @@ def test_materialize_does_not_depend_on_the_default_dtype_in_force(ambient):
 
 
 def test_materialize_does_not_depend_on_the_default_device_or_grad_mode():
-    eager = _eager(torch.float32)
-    torch.manual_seed(0)
-    with meta_init():
-        deferred = Positional()
+    eager, deferred = eager_and_deferred(Positional)
     torch.set_default_device("meta")
     try:
         with torch.inference_mode():

@@ -202,13 +202,8 @@ def test_progress_reports_bytes_up_to_total():
 
 
 def test_cuda_recorded_model_materializes_to_cpu_when_asked():
-    torch.manual_seed(0)
     # with a GPU present, eager draws on it (test_cuda.py); without one, from the CPU stream
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        eager = nn.Linear(4, 4)
-    torch.manual_seed(0)
-    with meta_init(device="cuda"):
-        m = nn.Linear(4, 4)
+    eager, m = eager_and_deferred(nn.Linear, 4, 4, device="cuda")
     assert m.weight.device.type == "cuda"
     materialize(m, device="cpu")
     assert m.weight.device == torch.device("cpu")

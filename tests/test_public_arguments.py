@@ -192,6 +192,11 @@ WRONG_TYPES: dict[str, tuple[Call, str, str]] = {
     "explore module=5": (lambda m, p: jm.explore(5), "explore", "nn.Module"),
     "explore depth='2'": (lambda m, p: jm.explore(m, depth="2"), "depth", "int"),
     "explore name=5": (lambda m, p: jm.explore(m, name=5), "name", "str"),
+    "ModuleTreeWidget module=5": (
+        lambda m, p: jm.ModuleTreeWidget(5),
+        "ModuleTreeWidget",
+        "nn.Module",
+    ),
     "widgets_of module=5": (lambda m, p: jm.widgets_of(5), "widgets_of", "nn.Module"),
     "load_ipython_extension ipython=5": (
         lambda m, p: jm.load_ipython_extension(5),
@@ -225,10 +230,11 @@ def test_a_wrong_type_is_refused_naming_the_argument_and_what_it_takes(case, tmp
 
 def test_every_public_function_has_a_wrong_type_case():
     callables = {n for n in jm.__all__ if callable(getattr(jm, n))}
-    classes = {n for n in callables if isinstance(getattr(jm, n), type) and n != "meta_init"}
+    errors = {n for n in callables if isinstance(getattr(jm, n), type)
+              and issubclass(getattr(jm, n), BaseException)}  # fmt: skip
     takes_nothing = {"clear_meta_init_cache", "is_meta_init", "is_deferred"}  # is_deferred: any
     tested = {case.split()[0] for case in WRONG_TYPES}
-    assert callables - classes - takes_nothing <= tested | {"ModuleTreeWidget"}
+    assert callables - errors - takes_nothing <= tested
 
 
 # Right types, values the function cannot use: ArgumentError (a ValueError), in the family.

@@ -210,8 +210,7 @@ class ModuleTreeWidget(
     def __init__(
         self, module: nn.Module, *, depth: int = 2, name: str = "model", **kwargs: Any
     ) -> None:
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"explore() needs an nn.Module, got {type(module).__name__}")
+        _check_module(module, "ModuleTreeWidget")
         # Held weakly (see ModuleTree): the widget outlives its output in ipywidgets' registry.
         self._module_ref = weakref.ref(module, _on_model_freed(weakref.ref(self)))
         self._model_type = type(module).__name__
