@@ -8,6 +8,7 @@ import contextlib
 import pytest
 import torch
 import torch.nn.functional as F
+from _twins import eager_and_deferred
 from torch import nn
 
 from jupyter_metainit import is_deferred, materialize, meta_init
@@ -95,15 +96,6 @@ class BackwardNet(nn.Module):
         return self.fc(self.drop(h.flatten(1)))
 
 
-def _eager_and_deferred(build, seed: int = 0) -> tuple[nn.Module, nn.Module]:
-    torch.manual_seed(seed)
-    eager = build()
-    torch.manual_seed(seed)
-    with meta_init():
-        deferred = build()
-    return eager, deferred
-
-
 def _assert_state_equal(got: nn.Module, expected: nn.Module) -> None:
     state = got.state_dict()
     for name, value in expected.state_dict().items():
@@ -111,7 +103,7 @@ def _assert_state_equal(got: nn.Module, expected: nn.Module) -> None:
 
 
 def test_gradinit_style_autograd_grad_in_init_materializes_as_eager():
-    eager, model = _eager_and_deferred(GradInitNet)
+    eager, model = eager_and_deferred(GradInitNet)
     assert is_deferred(model)
     materialize(model)
     _assert_state_equal(model, eager)
@@ -119,13 +111,13 @@ def test_gradinit_style_autograd_grad_in_init_materializes_as_eager():
 
 
 def test_metainit_style_second_order_gradients_in_init_materialize_as_eager():
-    eager, model = _eager_and_deferred(MetaInitNet)
+    eager, model = eager_and_deferred(MetaInitNet)
     materialize(model)
     _assert_state_equal(model, eager)
 
 
 def test_backward_in_init_through_batch_norm_dropout_and_an_inplace_relu_materializes_as_eager():
-    eager, model = _eager_and_deferred(BackwardNet)
+    eager, model = eager_and_deferred(BackwardNet)
     materialize(model)
     _assert_state_equal(model, eager)  # running statistics included
     assert all(p.grad is None for p in model.parameters())
@@ -191,7 +183,7 @@ def test_a_gradient_with_respect_to_an_intermediate_and_a_parameter_is_eager_tot
 
 
 def test_the_deferred_gradients_backward_leaves_in_grad_materialize_to_eager_gradients():
-    eager, model = _eager_and_deferred(lambda: BackwardNet(clear=False))
+    eager, model = eager_and_deferred(lambda: BackwardNet(clear=False))
     grads = [p.grad for p in model.parameters()]  # the objects themselves
     assert all(is_deferred(g) for g in grads)
     materialize(grads)
@@ -200,7 +192,7 @@ def test_the_deferred_gradients_backward_leaves_in_grad_materialize_to_eager_gra
 
 
 def test_materializing_a_model_gives_each_parameter_the_grad_backward_left_in_init():
-    eager, model = _eager_and_deferred(lambda: BackwardNet(clear=False))
+    eager, model = eager_and_deferred(lambda: BackwardNet(clear=False))
     grads = [p.grad for p in model.parameters()]
     materialize(model)
     _assert_state_equal(model, eager)
@@ -210,7 +202,7 @@ def test_materializing_a_model_gives_each_parameter_the_grad_backward_left_in_in
 
 
 def test_materializing_one_parameter_gives_it_its_grad_cast_as_asked():
-    eager, model = _eager_and_deferred(lambda: BackwardNet(clear=False))
+    eager, model = eager_and_deferred(lambda: BackwardNet(clear=False))
     materialize(model.fc.weight, dtype=torch.bfloat16)
     assert model.fc.weight.grad.dtype == torch.bfloat16
     assert torch.equal(model.fc.weight.grad, eager.fc.weight.grad.bfloat16())

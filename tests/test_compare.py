@@ -15,8 +15,9 @@ from jupyter_metainit import compare, is_deferred, meta_init, save
 
 transformers = pytest.importorskip("transformers")
 
+from _twins import eager_and_deferred  # noqa: E402
+
 from tests._models import llama_config  # noqa: E402
-from tests._twins import eager_and_deferred  # noqa: E402
 
 
 def _llama(tie: bool = False):

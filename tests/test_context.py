@@ -7,6 +7,7 @@ import threading
 
 import pytest
 import torch
+from _twins import eager_and_deferred
 from torch import nn
 
 from jupyter_metainit import ArgumentError, is_deferred, is_meta_init, materialize, meta_init
@@ -25,23 +26,13 @@ class Positional(nn.Module):
         self.register_buffer("full", torch.full((3,), 1 / 3))
 
 
-def _eager(dtype):
-    saved = torch.get_default_dtype()
-    torch.set_default_dtype(dtype)
-    try:
-        torch.manual_seed(0)
-        return Positional()
-    finally:
-        torch.set_default_dtype(saved)
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64, torch.float16])
 def test_meta_init_dtype_equals_eager_construction_under_that_default(dtype):
-    eager = _eager(dtype)
-    torch.manual_seed(0)
-    with meta_init(dtype=dtype):
-        assert torch.get_default_dtype() == dtype
-        deferred = Positional()
+    def build() -> Positional:
+        assert torch.get_default_dtype() == dtype  # eager's default, and the block's
+        return Positional()
+
+    eager, deferred = eager_and_deferred(build, dtype=dtype)
     assert torch.get_default_dtype() == torch.float32
     materialize(deferred)
     for k, v in eager.state_dict().items():
@@ -51,10 +42,7 @@ def test_meta_init_dtype_equals_eager_construction_under_that_default(dtype):
 
 @pytest.mark.parametrize("ambient", [torch.bfloat16, torch.float64])
 def test_materialize_does_not_depend_on_the_default_dtype_in_force(ambient):
-    eager = _eager(torch.float32)
-    torch.manual_seed(0)
-    with meta_init():
-        deferred = Positional()
+    eager, deferred = eager_and_deferred(Positional)
     saved = torch.get_default_dtype()
     torch.set_default_dtype(ambient)
     try:
@@ -67,10 +55,7 @@ def test_materialize_does_not_depend_on_the_default_dtype_in_force(ambient):
 
 
 def test_materialize_does_not_depend_on_the_default_device_or_grad_mode():
-    eager = _eager(torch.float32)
-    torch.manual_seed(0)
-    with meta_init():
-        deferred = Positional()
+    eager, deferred = eager_and_deferred(Positional)
     torch.set_default_device("meta")
     try:
         with torch.inference_mode():
@@ -115,7 +100,7 @@ def test_set_default_dtype_inside_a_dtype_block_stays_in_the_block():
 
 
 def test_meta_init_dtype_must_be_floating():
-    with pytest.raises(TypeError, match="floating"), meta_init(dtype=torch.int8):
+    with pytest.raises(ArgumentError, match="floating"), meta_init(dtype=torch.int8):
         pass
 
 
@@ -155,7 +140,6 @@ def test_factories_report_the_default_device_torch_would_give():
 
 
 def test_torch_compile_of_a_deferred_model_runs_deferred_then_real_after_materialize():
-    from _twins import eager_and_deferred
 
     from jupyter_metainit import is_deferred
 
@@ -193,11 +177,7 @@ def test_factory_from_a_meta_tensors_metadata_equals_eager(make):
         x = torch.empty(3, 4, device="meta").t()  # strides the result keeps
         return make(x), torch.randn(2)  # and the generator goes on where eager's does
 
-    torch.manual_seed(0)
-    eager = build()
-    torch.manual_seed(0)
-    with meta_init():
-        deferred = build()
+    eager, deferred = eager_and_deferred(build)
     assert all(is_deferred(t) for t in deferred)
     materialize(list(deferred))
     for a, b in zip(eager, deferred, strict=True):

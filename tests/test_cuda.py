@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _twins import deferred, eager_and_deferred
 from torch import nn
 
 from jupyter_metainit import dematerialize, is_deferred, materialize, meta_init
@@ -17,20 +18,8 @@ def _small_model() -> nn.Module:
     )
 
 
-def _eager(build, seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    return build()
-
-
-def _deferred(build, seed: int = 0, **kwargs) -> nn.Module:
-    torch.manual_seed(seed)
-    with meta_init(**kwargs):
-        return build()
-
-
 def test_materialize_to_cuda_gives_eager_values_on_the_gpu():
-    eager = _eager(_small_model)
-    model = _deferred(_small_model)
+    eager, model = eager_and_deferred(_small_model)
     materialize(model, device="cuda")
     for (name, real), (_, expected) in zip(
         model.state_dict().items(), eager.state_dict().items(), strict=True
@@ -40,7 +29,7 @@ def test_materialize_to_cuda_gives_eager_values_on_the_gpu():
 
 
 def test_a_model_recorded_for_cuda_materializes_on_cuda_without_a_device_argument():
-    model = _deferred(_small_model, device="cuda")
+    model = deferred(_small_model, device="cuda")
     assert next(model.parameters()).device.type == "cuda"
     materialize(model)
     assert not is_deferred(model)
@@ -65,29 +54,25 @@ def _assert_same_state(model: nn.Module, eager: nn.Module, device_type: str) -> 
 
 
 def test_a_model_built_under_a_cuda_device_context_equals_eager_built_on_the_gpu():
-    eager = _eager(_cuda_model)
-    model = _deferred(_cuda_model)
+    eager, model = eager_and_deferred(_cuda_model)
     materialize(model)
     _assert_same_state(model, eager, "cuda")
 
 
 def test_meta_init_device_cuda_gives_the_values_of_eager_construction_on_the_gpu():
-    eager = _eager(_cuda_model)
-    model = _deferred(_small_model, device="cuda")
+    eager, model = eager_and_deferred(_small_model, device="cuda")
     materialize(model)
     _assert_same_state(model, eager, "cuda")
 
 
 def test_a_part_recorded_for_cuda_materialized_alone_equals_eager_on_the_gpu():
-    eager = _eager(_cuda_model)
-    model = _deferred(_cuda_model)
+    eager, model = eager_and_deferred(_cuda_model)
     materialize(model[3])
     _assert_same_state(model[3], eager[3], "cuda")
 
 
 def test_tensors_recorded_for_cuda_materialized_on_the_cpu_are_eager_gpu_values_moved():
-    eager = _eager(_cuda_model)
-    model = _deferred(_cuda_model)
+    eager, model = eager_and_deferred(_cuda_model)
     materialize(model, device="cpu")
     _assert_same_state(model, eager, "cpu")
 
@@ -97,8 +82,7 @@ def _mixed() -> tuple[nn.Module, torch.Tensor]:
 
 
 def test_a_mixed_cuda_and_cpu_build_gives_eager_values_on_both_devices():
-    eager_model, eager_x = _eager(_mixed)
-    model, x = _deferred(_mixed)
+    (eager_model, eager_x), (model, x) = eager_and_deferred(_mixed)
     materialize(model)
     assert model[0].weight.device.type == "cuda" and model[1].weight.device.type == "cpu"
     assert torch.equal(model[0].weight, eager_model[0].weight)
@@ -109,9 +93,10 @@ def test_a_mixed_cuda_and_cpu_build_gives_eager_values_on_both_devices():
 
 
 def test_a_mixed_cuda_and_cpu_build_leaves_both_generators_where_eager_does():
-    _eager(_mixed)
+    torch.manual_seed(0)
+    _mixed()
     eager_cpu, eager_cuda = torch.get_rng_state(), torch.cuda.get_rng_state()
-    _deferred(_mixed)
+    deferred(_mixed)
     assert torch.equal(torch.get_rng_state(), eager_cpu)
     assert torch.equal(torch.cuda.get_rng_state(), eager_cuda)
 
@@ -119,7 +104,7 @@ def test_a_mixed_cuda_and_cpu_build_leaves_both_generators_where_eager_does():
 def test_a_cuda_build_leaves_the_cpu_generator_untouched():
     torch.manual_seed(0)
     before = torch.get_rng_state()
-    _deferred(_cuda_model)
+    deferred(_cuda_model)
     assert torch.equal(torch.get_rng_state(), before)
 
 
@@ -129,9 +114,10 @@ def test_dropout_in_a_deferred_forward_on_cuda_draws_like_eager():
         out = nn.functional.dropout(layer(torch.ones(4, 32, device="cuda")), 0.5)
         return layer, out
 
-    eager_layer, eager_out = _eager(build)
+    torch.manual_seed(0)
+    eager_layer, eager_out = build()
     eager_cuda = torch.cuda.get_rng_state()
-    layer, out = _deferred(build)
+    layer, out = deferred(build)
     assert torch.equal(torch.cuda.get_rng_state(), eager_cuda)
     assert torch.equal(materialize(out), eager_out)
     assert torch.equal(materialize(layer).weight, eager_layer.weight)
@@ -142,13 +128,13 @@ def test_a_cuda_state_read_during_a_build_is_the_eager_one():
         torch.randn(1000, device="cuda")
         return torch.cuda.get_rng_state()
 
-    eager = _eager(build)
-    assert torch.equal(_deferred(build), eager)
+    eager, twin = eager_and_deferred(build)
+    assert torch.equal(twin, eager)
 
 
 def test_fast_mode_on_cuda_is_deterministic():
-    first = _deferred(_small_model)
-    second = _deferred(_small_model)
+    first = deferred(_small_model)
+    second = deferred(_small_model)
     materialize(first, device="cuda", rng="fast")
     materialize(second, device="cuda", rng="fast")
     for a, b in zip(first.state_dict().values(), second.state_dict().values(), strict=True):
@@ -159,7 +145,7 @@ def test_fast_mode_on_cuda_is_deterministic():
 def test_freeing_a_cuda_part_gives_its_memory_back():
     torch.cuda.synchronize()
     before = torch.cuda.memory_allocated()
-    model = _deferred(lambda: nn.Linear(4096, 4096))
+    model = deferred(lambda: nn.Linear(4096, 4096))
     materialize(model, device="cuda", keep_cache=True)
     assert torch.cuda.memory_allocated() - before >= 4096 * 4096 * 4
     dematerialize(model)
@@ -167,13 +153,14 @@ def test_freeing_a_cuda_part_gives_its_memory_back():
     torch.cuda.synchronize()
     assert torch.cuda.memory_allocated() - before < 1 << 20
     materialize(model, device="cuda")
-    expected = _eager(lambda: nn.Linear(4096, 4096))
+    torch.manual_seed(0)
+    expected = nn.Linear(4096, 4096)
     assert torch.equal(model.weight.cpu(), expected.weight)
 
 
 def test_bfloat16_cast_on_cuda_equals_eager_cast():
-    eager = _eager(_small_model).to(torch.bfloat16)
-    model = _deferred(_small_model)
+    eager, model = eager_and_deferred(_small_model)
+    eager = eager.to(torch.bfloat16)
     materialize(model, device="cuda", dtype=torch.bfloat16)
     for (name, real), (_, expected) in zip(
         model.state_dict().items(), eager.state_dict().items(), strict=True
@@ -192,8 +179,7 @@ def test_a_transformers_llama_materialized_on_cuda_equals_eager():
         num_attention_heads=4,
         num_key_value_heads=2,
     )
-    eager = _eager(lambda: transformers.LlamaForCausalLM(config))
-    model = _deferred(lambda: transformers.LlamaForCausalLM(config))
+    eager, model = eager_and_deferred(transformers.LlamaForCausalLM, config)
     materialize(model.model.layers[1], device="cuda")
     materialize(model, device="cuda")
     for (name, real), (_, expected) in zip(
@@ -208,7 +194,7 @@ def test_a_transformers_llama_materialized_on_cuda_equals_eager():
 def test_fits_reads_the_gpus_free_memory():
     from jupyter_metainit import fits
 
-    model = _deferred(_small_model)
+    model = deferred(_small_model)
     table = fits(model, "cuda:0")
     assert bool(table["fits"].all())
 
@@ -235,18 +221,19 @@ def test_each_random_op_recorded_for_cuda_gives_eager_values_and_cuda_state(name
         second = torch.rand(10, device="cuda")  # where the first op left the generator
         return first, second, torch.cuda.get_rng_state()
 
-    eager = _eager(build)
+    torch.manual_seed(0)
+    eager = build()
     eager_cpu = torch.get_rng_state()
-    deferred = _deferred(build)
+    made = deferred(build)
     assert torch.equal(torch.get_rng_state(), eager_cpu)
-    assert torch.equal(deferred[2], eager[2])
+    assert torch.equal(made[2], eager[2])
     assert torch.equal(torch.cuda.get_rng_state(), eager[2])
-    assert torch.equal(materialize(deferred[1]), eager[1])
-    assert torch.equal(materialize(deferred[0]), eager[0])
+    assert torch.equal(materialize(made[1]), eager[1])
+    assert torch.equal(materialize(made[0]), eager[0])
 
 
 def test_a_fast_part_made_on_cuda_comes_back_with_the_same_values_after_a_free():
-    model = _deferred(_small_model)  # recorded for the CPU, drawn on the GPU
+    model = deferred(_small_model)  # recorded for the CPU, drawn on the GPU
     materialize(model, device="cuda", rng="fast", keep_cache=True)
     before = {k: v.detach().cpu() for k, v in model.state_dict().items()}
     dematerialize(model)
@@ -257,7 +244,7 @@ def test_a_fast_part_made_on_cuda_comes_back_with_the_same_values_after_a_free()
 
 
 def test_a_fast_part_made_on_the_cpu_comes_back_with_the_same_values_on_cuda():
-    model = _deferred(_small_model)
+    model = deferred(_small_model)
     materialize(model, rng="fast", keep_cache=True)
     before = {k: v.detach().clone() for k, v in model.state_dict().items()}
     dematerialize(model)

@@ -14,7 +14,7 @@ from jupyter_metainit import dematerialize, is_deferred, materialize, meta_init
 
 
 def assert_exact(ctor, seed=0):
-    eager, deferred = eager_and_deferred(ctor, seed)
+    eager, deferred = eager_and_deferred(ctor, seed=seed)
     state = torch.get_rng_state()
     materialize(deferred)
     assert torch.equal(state, torch.get_rng_state())
@@ -83,11 +83,7 @@ def test_lazy_modules_after_a_dry_run_equal_the_eager_dry_run():
             m(torch.ones(2, 3, 8, 8))
         return m
 
-    torch.manual_seed(0)
-    eager = ctor_and_run(torch.no_grad)
-    torch.manual_seed(0)
-    with meta_init():
-        m = ctor_and_run(torch.no_grad)
+    eager, m = eager_and_deferred(lambda: ctor_and_run(torch.no_grad))
     assert m[2].weight.shape == (5, 144) and is_deferred(m)
     materialize(m)
     for a, b in zip(eager.state_dict().values(), m.state_dict().values(), strict=True):
@@ -196,11 +192,7 @@ _FRESH_FROM_PARAMETER = {
 @pytest.mark.parametrize("name", sorted(_FRESH_FROM_PARAMETER))
 def test_fresh_tensor_made_from_a_parameter_requires_grad_as_eager(name):
     make = _FRESH_FROM_PARAMETER[name]
-    torch.manual_seed(0)
-    expected = make(nn.Parameter(torch.randn(3, 4)))
-    torch.manual_seed(0)
-    with meta_init():
-        got = make(nn.Parameter(torch.randn(3, 4)))
+    expected, got = eager_and_deferred(lambda: make(nn.Parameter(torch.randn(3, 4))))
     assert (got.requires_grad, got.is_leaf) == (expected.requires_grad, expected.is_leaf)
     materialize(got)
     assert (got.requires_grad, got.is_leaf) == (expected.requires_grad, expected.is_leaf)
@@ -231,11 +223,7 @@ _ELEMENTWISE = {
 @pytest.mark.parametrize("op", sorted(_ELEMENTWISE))
 def test_elementwise_output_strides_on_size_one_dims_equal_eager(op, layout):
     make, fn = _SIZE_ONE_LAYOUTS[layout], _ELEMENTWISE[op]
-    torch.manual_seed(0)
-    expected = fn(make().clone())
-    torch.manual_seed(0)
-    with meta_init():
-        got = fn(make().clone())
+    expected, got = eager_and_deferred(lambda: fn(make().clone()))
     assert got.stride() == expected.stride()
     materialize(got)
     assert got.stride() == expected.stride()

@@ -7,11 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from _twins import eager_and_deferred
 from safetensors.torch import save_file
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from jupyter_metainit import is_deferred, materialize, meta_init
-from tests._twins import eager_and_deferred
 
 
 def test_a_write_through_each_kind_of_view_lands_on_the_base():

@@ -8,6 +8,7 @@ from accelerate.commands.estimate import estimate_training_usage
 from accelerate.utils import compute_module_sizes
 from torch import nn
 
+from jupyter_metainit.core.errors import ArgumentError
 from jupyter_metainit.estimates import fits, memory_table, summary
 from jupyter_metainit.estimates.fit import parse_bytes
 
@@ -122,7 +123,7 @@ def test_fits_of_a_word_that_is_neither_a_directory_nor_org_name_is_refused_at_o
     tmp_path, monkeypatch, word
 ):
     monkeypatch.chdir(tmp_path)  # no directory of that name here: nothing to ask the hub
-    with pytest.raises(FileNotFoundError, match=rf"no directory '{word}' here, and a hub name "):
+    with pytest.raises(ArgumentError, match=rf"no directory '{word}' here, and a hub name "):
         fits(word, budget="1GiB")
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 from _models import llama_config
+from _twins import eager_and_deferred
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -21,13 +22,10 @@ def _saved(tmp_path, *, tied=False, **save_kwargs):
     return tmp_path
 
 
-def _both(path, seed=5, **kwargs):
-    torch.manual_seed(seed)
-    eager = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    torch.manual_seed(seed)
-    with meta_init():
-        deferred = transformers.AutoModelForCausalLM.from_pretrained(path, **kwargs)
-    return eager, deferred
+def _opened(path, **kwargs):
+    """``(eager, deferred)``: ``from_pretrained(path)`` eagerly and under ``meta_init``."""
+    open_it = transformers.AutoModelForCausalLM.from_pretrained
+    return eager_and_deferred(lambda: open_it(path, **kwargs), seed=5)
 
 
 def _assert_deferred_then_equal(eager, deferred):
@@ -43,20 +41,20 @@ def _assert_deferred_then_equal(eager, deferred):
 @pytest.mark.parametrize("shard", [None, "60KB"], ids=["single_file", "sharded"])
 def test_safetensors_checkpoint(tmp_path, shard):
     path = _saved(tmp_path, **({"max_shard_size": shard} if shard else {}))
-    eager, deferred = _both(path)
+    eager, deferred = _opened(path)
     assert tensor_source(deferred.model.layers[1].mlp.up_proj.weight) == "checkpoint"
     assert tensor_source(deferred.model.rotary_emb.inv_freq) == "init"
     _assert_deferred_then_equal(eager, deferred)
 
 
 def test_dtype_argument(tmp_path):
-    eager, deferred = _both(_saved(tmp_path), dtype=torch.bfloat16)
+    eager, deferred = _opened(_saved(tmp_path), dtype=torch.bfloat16)
     assert deferred.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
     _assert_deferred_then_equal(eager, deferred)
 
 
 def test_tied_weights_stay_tied(tmp_path):
-    eager, deferred = _both(_saved(tmp_path, tied=True))
+    eager, deferred = _opened(_saved(tmp_path, tied=True))
     assert deferred.lm_head.weight is deferred.model.embed_tokens.weight
     _assert_deferred_then_equal(eager, deferred)
     assert deferred.lm_head.weight is deferred.model.embed_tokens.weight
@@ -67,7 +65,7 @@ def test_missing_weights_are_initialized_as_transformers_does(tmp_path):
     state = load_file(str(path / "model.safetensors"))
     del state["model.layers.1.mlp.down_proj.weight"], state["model.norm.weight"]
     save_file(state, str(path / "model.safetensors"), metadata={"format": "pt"})
-    eager, deferred = _both(path)
+    eager, deferred = _opened(path)
     assert tensor_source(deferred.model.layers[1].mlp.down_proj.weight) == "init"
     _assert_deferred_then_equal(eager, deferred)
 
@@ -77,13 +75,13 @@ def test_bin_checkpoint(tmp_path):
     model = transformers.LlamaForCausalLM(llama_config(tie_word_embeddings=False))
     model.config.save_pretrained(tmp_path)
     torch.save(model.state_dict(), tmp_path / "pytorch_model.bin")
-    eager, deferred = _both(tmp_path)
+    eager, deferred = _opened(tmp_path)
     assert tensor_source(deferred.model.embed_tokens.weight) == "checkpoint"
     _assert_deferred_then_equal(eager, deferred)
 
 
 def test_one_layer_materializes_alone(tmp_path):
-    eager, deferred = _both(_saved(tmp_path))
+    eager, deferred = _opened(_saved(tmp_path))
     materialize(deferred.model.layers[1])
     assert not is_deferred(deferred.model.layers[1]) and is_deferred(deferred.model.layers[0])
     for a, b in zip(
@@ -96,7 +94,7 @@ def test_opening_leaves_the_environment_as_it_was(tmp_path, monkeypatch):
     import os
 
     monkeypatch.delenv("HF_DEACTIVATE_ASYNC_LOAD", raising=False)
-    _both(_saved(tmp_path))
+    _opened(_saved(tmp_path))
     assert "HF_DEACTIVATE_ASYNC_LOAD" not in os.environ
 
 
@@ -161,13 +159,10 @@ class _WithTable(_Positions):
         self.register_buffer("table", torch.ones(2, 3))
 
 
-def _both_custom(tmp_path, cls, saved_cls=_Positions):
+def _saved_custom(tmp_path):
     torch.manual_seed(0)
-    saved_cls(_BufferConfig()).save_pretrained(tmp_path)
-    eager = cls.from_pretrained(tmp_path)
-    with meta_init():
-        deferred = cls.from_pretrained(tmp_path)
-    return eager, deferred
+    _Positions(_BufferConfig()).save_pretrained(tmp_path)
+    return tmp_path
 
 
 def _same_metadata(a, b):
@@ -175,7 +170,7 @@ def _same_metadata(a, b):
 
 
 def test_non_persistent_buffer_left_uninitialised_materializes_like_eager(tmp_path):
-    eager, deferred = _both_custom(tmp_path, _Positions)
+    eager, deferred = eager_and_deferred(_Positions.from_pretrained, _saved_custom(tmp_path))
     assert isinstance(deferred.pos, DeferredTensor)
     materialize(deferred)
     assert _same_metadata(deferred.pos, eager.pos)  # values: uninitialised memory, as eager's
@@ -184,14 +179,14 @@ def test_non_persistent_buffer_left_uninitialised_materializes_like_eager(tmp_pa
 
 
 def test_non_persistent_buffer_computed_from_its_placeholder_equals_eager(tmp_path):
-    eager, deferred = _both_custom(tmp_path, _ScaledPositions)
+    eager, deferred = eager_and_deferred(_ScaledPositions.from_pretrained, _saved_custom(tmp_path))
     materialize(deferred)
     assert torch.equal(deferred.pos, eager.pos)
     assert torch.equal(deferred.pos, torch.arange(5) * 2)
 
 
 def test_missing_persistent_buffer_left_uninitialised_materializes_like_eager(tmp_path):
-    eager, deferred = _both_custom(tmp_path, _WithTable)
+    eager, deferred = eager_and_deferred(_WithTable.from_pretrained, _saved_custom(tmp_path))
     assert isinstance(deferred.table, DeferredTensor)
     materialize(deferred)
     assert _same_metadata(deferred.table, eager.table)

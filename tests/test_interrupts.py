@@ -14,11 +14,13 @@ import threading
 
 import pytest
 import torch
+from _twins import deferred
 from torch import nn
 
 import jupyter_metainit
 from jupyter_metainit import is_deferred, materialize, meta_init
-from jupyter_metainit.core.runtime import interrupts as _interrupts
+from jupyter_metainit.core.runtime import interrupts
+from jupyter_metainit.core.runtime.interrupts import PROGRESS_SECONDS_VARIABLE
 
 PACKAGE = os.path.dirname(os.path.abspath(jupyter_metainit.__file__))
 
@@ -40,9 +42,7 @@ def _sigint_as_python_installs_it():
 
 
 def _small_model():
-    torch.manual_seed(0)
-    with meta_init():
-        return nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2))
+    return deferred(lambda: nn.Sequential(nn.Linear(4, 4), nn.LayerNorm(4), nn.Linear(4, 2)))
 
 
 def _interrupt_at_line(k, work):
@@ -92,9 +92,9 @@ def _guards_are_clean(grad=True):
         and (torch.is_grad_enabled() or not grad)
         and not torch._C._dispatch_tls_is_dispatch_key_excluded(python_key)
         and torch._C._len_torch_function_stack() == 0
-        and _interrupts._depth.value == 0
-        and not _interrupts.interrupted()
-        and signal.getsignal(signal.SIGINT) in (signal.default_int_handler, _interrupts._handler)
+        and interrupts._depth.value == 0
+        and not interrupts.interrupted()
+        and signal.getsignal(signal.SIGINT) in (signal.default_int_handler, interrupts._handler)
     )
 
 
@@ -126,8 +126,8 @@ def test_interrupt_at_every_line_of_recording_leaves_the_thread_clean():
             f"guards left set after an interrupt at event {k}: "
             f"{torch._C._is_torch_function_enabled()} "
             f"{torch._C._dispatch_tls_is_dispatch_key_excluded(torch._C.DispatchKey.Python)} "
-            f"{torch._C._len_torch_function_stack()} {_interrupts._depth.value} "
-            f"{_interrupts.interrupted()} {signal.getsignal(signal.SIGINT)}"
+            f"{torch._C._len_torch_function_stack()} {interrupts._depth.value} "
+            f"{interrupts.interrupted()} {signal.getsignal(signal.SIGINT)}"
         )
         assert not jupyter_metainit.is_meta_init()
         torch.set_grad_enabled(True)
@@ -157,7 +157,7 @@ def test_interrupt_stops_fast_mode_before_the_remaining_work():
 def test_interrupt_inside_a_large_fill_stops_it_there_and_leaves_it_exact(rng, monkeypatch):
     # A 256 MiB fill is made in steps (split_fill): Ctrl-C, sent once part of it is told, stops
     # it at the next step; the tensor stays deferred and later comes out as eager's.
-    monkeypatch.setattr(_interrupts, "TELL_S", 0.01)
+    monkeypatch.setenv(PROGRESS_SECONDS_VARIABLE, "0.01")
     n = 64 << 20
     torch.manual_seed(0)
     with meta_init():

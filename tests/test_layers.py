@@ -20,7 +20,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "jupyter_metainit"
 STAGES = ("runtime", "rng", "record", "replay", "materialize")
 # What an upper layer (any top-level subpackage but core) may import from the core.
 CORE_FACE = {"jupyter_metainit.core", "jupyter_metainit.core.errors"}
-# Sizes a newcomer reads comfortably. Advisory (issue 34): going over is reported in the test
+# Sizes a newcomer reads comfortably. Advisory: going over is reported in the test
 # run's warnings summary, not a failure, so that concepts, not line counts, shape the code.
 MAX_MODULE_LINES = 400
 MAX_FUNCTION_LINES = 80
@@ -116,7 +116,7 @@ def test_public_names_resolve():
         assert getattr(jupyter_metainit, name) is not None
 
 
-# --- the restructure's rules (issue 22) ------------------------------------------------------
+# --- stages, layers and sizes: who may import whom, and how big a module grows ---------------
 
 
 def _module_name(path: pathlib.Path) -> str:

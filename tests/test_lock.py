@@ -6,20 +6,16 @@ import threading
 
 import pytest
 import torch
+from _twins import eager_and_deferred
 from torch import nn
 
-from jupyter_metainit import dematerialize, is_deferred, materialize, meta_init
+from jupyter_metainit import dematerialize, is_deferred, materialize
 from jupyter_metainit.core.errors import BusyError
-from jupyter_metainit.core.runtime import lock as _busy
+from jupyter_metainit.core.runtime import lock
 
 
-def _twins(n=8):
-    torch.manual_seed(0)
-    eager = nn.Sequential(*[nn.Linear(64, 64) for _ in range(n)])
-    torch.manual_seed(0)
-    with meta_init():
-        deferred = nn.Sequential(*[nn.Linear(64, 64) for _ in range(n)])
-    return eager, deferred
+def _layers(n=8):
+    return nn.Sequential(*[nn.Linear(64, 64) for _ in range(n)])
 
 
 def _run_threads(targets):
@@ -40,7 +36,7 @@ def _run_threads(targets):
 
 
 def test_two_threads_materializing_one_model_both_succeed():
-    eager, model = _twins()
+    eager, model = eager_and_deferred(_layers)
     errors = _run_threads([lambda: materialize(model), lambda: materialize(model[3])])
     assert errors == []
     assert not is_deferred(model)
@@ -49,7 +45,7 @@ def test_two_threads_materializing_one_model_both_succeed():
 
 
 def test_threads_materializing_freeing_and_reading_at_once_never_corrupt():
-    eager, model = _twins()
+    eager, model = eager_and_deferred(_layers)
     rounds = 15
 
     def cycle(layer):
@@ -73,7 +69,7 @@ def test_not_waiting_while_another_thread_works_is_a_clear_busy_error():
     started, release = threading.Event(), threading.Event()
 
     def hold():
-        with _busy.exclusive("materializing the test model"):
+        with lock.exclusive("materializing the test model"):
             started.set()
             release.wait(10)
 
@@ -81,13 +77,13 @@ def test_not_waiting_while_another_thread_works_is_a_clear_busy_error():
     worker.start()
     started.wait(10)
     try:
-        assert "materializing the test model" in _busy.busy_with()
+        assert "materializing the test model" in lock.busy_with()
         with (
             pytest.raises(BusyError, match="busy with materializing the test model"),
-            _busy.exclusive("another", wait=False),
+            lock.exclusive("another", wait=False),
         ):
             pass
     finally:
         release.set()
         worker.join()
-    assert _busy.busy_with() is None
+    assert lock.busy_with() is None

@@ -414,7 +414,7 @@ def test_materialize_rng_fast(ip, model):
         ("%meta_table m(1)", "%meta_table: cannot evaluate 'm(1)': "),
         ("%meta_table m[0].weight", "%meta_table: m[0].weight is a tensor, not a torch.nn.Module"),
         ("%meta_table m --depth x", "%meta_table: argument --depth: invalid int value: 'x'"),
-        ("%meta_table m --dtype int33", "--dtype: unknown dtype 'int33'"),
+        ("%meta_table m --dtype int33", "--dtype: dtype='int33' is not a dtype"),
     ],
 )
 def test_line_magic_usage_errors(ip, model, line, expected):

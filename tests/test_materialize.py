@@ -22,7 +22,7 @@ from jupyter_metainit import (
 )
 from jupyter_metainit.core import tensor_state, tensor_values
 from jupyter_metainit.core.errors import MaterializationError
-from jupyter_metainit.core.replay import planning as _replay
+from jupyter_metainit.core.replay import planning
 
 
 class Net(nn.Module):
@@ -93,11 +93,11 @@ def test_subtree_in_any_order_equals_whole_model():
 def test_only_the_dependency_closure_is_replayed():
     with meta_init():
         m = Net(n=8)
-    whole = len(_replay.plan([t._rec for t in [*m.parameters(), *m.buffers()]]))
-    one = len(_replay.plan([m.layers[3].weight._rec, m.layers[3].bias._rec]))
+    whole = len(planning.plan([t._rec for t in [*m.parameters(), *m.buffers()]]))
+    one = len(planning.plan([m.layers[3].weight._rec, m.layers[3].bias._rec]))
     # a Linear layer: two empty() and their init ops (uniform_ x2 ...), never the other layers
     assert one <= whole / 6
-    ops = _replay.plan([m.layers[3].weight._rec]).ops
+    ops = planning.plan([m.layers[3].weight._rec]).ops
     # kaiming_uniform_'s uniform_ only: it overwrites all of `empty`, which is not replayed
     assert [op.func for op in ops] == [torch.ops.aten.uniform_.default]
 
@@ -202,13 +202,8 @@ def test_progress_reports_bytes_up_to_total():
 
 
 def test_cuda_recorded_model_materializes_to_cpu_when_asked():
-    torch.manual_seed(0)
     # with a GPU present, eager draws on it (test_cuda.py); without one, from the CPU stream
-    with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
-        eager = nn.Linear(4, 4)
-    torch.manual_seed(0)
-    with meta_init(device="cuda"):
-        m = nn.Linear(4, 4)
+    eager, m = eager_and_deferred(nn.Linear, 4, 4, device="cuda")
     assert m.weight.device.type == "cuda"
     materialize(m, device="cpu")
     assert m.weight.device == torch.device("cpu")
@@ -326,14 +321,14 @@ def test_cuda_without_cuda_and_out_of_range_devices_say_what_exists():
 
 
 def test_state_changes_are_published():
-    from jupyter_metainit.core.runtime import events as _events
+    from jupyter_metainit.core.runtime import events
 
     seen = []
 
     def listener(kind, tensors):
         seen.append((kind, len(tensors)))
 
-    _events.subscribe(listener)
+    events.subscribe(listener)
     _, m = eager_and_deferred(Net)
     materialize(m.layers[0], keep_cache=True)
     dematerialize(m.layers[0])
@@ -369,7 +364,7 @@ def test_materializing_real_parts_to_another_device_moves_them_in_place():
     assert bias is m.norm.bias and bias.dtype == torch.float64 and tensor_state(bias) == "cpu"
 
 
-# What dematerialize keeps is the truth (issue 20): checked when freeing, named, kept as set.
+# What dematerialize keeps is the truth: checked when freeing, named, kept as set.
 
 
 def test_train_then_cast_in_place_is_refused_by_name_without_force():

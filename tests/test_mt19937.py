@@ -8,8 +8,7 @@ import numpy as np
 import pytest
 import torch
 
-from jupyter_metainit.core.rng import mt19937 as _mt19937
-from jupyter_metainit.core.rng import mt19937_polynomial as _poly
+from jupyter_metainit.core.rng import mt19937, mt19937_polynomial
 from jupyter_metainit.core.rng.mt19937 import jump_state
 
 
@@ -51,7 +50,7 @@ def temper(y: np.ndarray) -> np.ndarray:
 def reference_outputs(state: torch.Tensor, n: int) -> np.ndarray:
     """The next ``n`` raw 32-bit outputs, from a pure-numpy model of at::mt19937."""
     left, _, words = fields(state)
-    seq = _poly.sequence(words, 624 + n + 624)
+    seq = mt19937_polynomial.sequence(words, 624 + n + 624)
     # Outputs still in the current block are words[625 - left ..]; then the next blocks follow.
     first = 624 - (left - 1)
     return temper(seq[first : first + n])
@@ -122,8 +121,8 @@ def test_other_fields_untouched():
 def test_polynomial_path_matches_recurrence():
     block = np.random.default_rng(3).integers(0, 2**32, 624, dtype=np.uint32)
     for steps in (1, 623, 624, 625, 19_936, 19_937, 19_938, 50_000, 123_457):
-        direct = _mt19937._advance_block(block, steps, direct_limit=10**9)
-        assert np.array_equal(_mt19937._advance_block(block, steps, direct_limit=0), direct)
+        direct = mt19937._advance_block(block, steps, direct_limit=10**9)
+        assert np.array_equal(mt19937._advance_block(block, steps, direct_limit=0), direct)
 
 
 def test_jump_generator_in_place():
@@ -155,7 +154,7 @@ def test_a_huge_jump_equals_two_jumps_of_half_its_distance():
 
 def test_the_stored_characteristic_polynomial_is_mt19937s():
 
-    assert _poly._stored_phi() == _poly.characteristic_polynomial()
+    assert mt19937_polynomial._stored_phi() == mt19937_polynomial.characteristic_polynomial()
 
 
 def test_a_jump_is_cheap_once_its_distance_recurs_or_was_jumped():
@@ -173,17 +172,17 @@ def test_a_jump_is_cheap_once_its_distance_recurs_or_was_jumped():
 
 
 def test_the_stored_jump_parts_are_powers_of_t():
-    poly = _poly.get_poly()
-    for j, d in [(0, 1), (5, 7), (_mt19937._DIGITS - 1, 15)]:
-        assert _mt19937._digit_part(j, d) == poly.power_of_t(d * 16**j - 1), (j, d)
+    poly = mt19937_polynomial.get_poly()
+    for j, d in [(0, 1), (5, 7), (mt19937._DIGITS - 1, 15)]:
+        assert mt19937._digit_part(j, d) == poly.power_of_t(d * 16**j - 1), (j, d)
 
 
 @pytest.mark.parametrize("steps", [2**29 + 12_345, 7 * 16**9 + 3 * 16**4 + 1, 10**11 + 7])
 def test_a_long_jump_made_of_stored_parts_equals_one_power(steps):
     block = np.random.default_rng(steps % 1000).integers(0, 2**32, 624, dtype=np.uint32)
-    by_parts = _mt19937._advance_in_parts(block, steps)
+    by_parts = mt19937._advance_in_parts(block, steps)
     assert by_parts is not None
-    by_power = _mt19937._apply(block, _poly.get_poly().power_of_t(steps - 1))
+    by_power = mt19937._apply(block, mt19937_polynomial.get_poly().power_of_t(steps - 1))
     assert np.array_equal(by_parts, by_power)
 
 
@@ -191,13 +190,13 @@ def test_a_new_power_serves_its_distance_one_block_shorter_and_longer():
     """The same draw count is one block more or less by where the state is in its block."""
     block = np.random.default_rng(5).integers(0, 2**32, 624, dtype=np.uint32)
     steps = 624 * 4_321
-    _mt19937._advance_block(block, steps)  # the first time: stored parts, nothing kept
-    assert _mt19937._kept_nearby(steps) is None
-    _mt19937._advance_block(block, steps)  # it recurs: keeps t^(steps - 624 - 1)
+    mt19937._advance_block(block, steps)  # the first time: stored parts, nothing kept
+    assert mt19937._kept_nearby(steps) is None
+    mt19937._advance_block(block, steps)  # it recurs: keeps t^(steps - 624 - 1)
     for blocks, distance in enumerate([steps - 624, steps, steps + 624]):
-        assert _mt19937._kept_nearby(distance) == blocks
-        reference = _mt19937._advance_block(block, distance, direct_limit=10**9)
-        assert np.array_equal(_mt19937._advance_block(block, distance), reference)
+        assert mt19937._kept_nearby(distance) == blocks
+        reference = mt19937._advance_block(block, distance, direct_limit=10**9)
+        assert np.array_equal(mt19937._advance_block(block, distance), reference)
 
 
 def test_a_jump_inside_meta_init_runs_on_real_tensors():
@@ -223,15 +222,16 @@ def _recurrence(block: np.ndarray, length: int) -> list[int]:
 def test_the_sequence_is_mt19937s_recurrence(length):
     block = np.random.default_rng(length).integers(0, 2**32, 624, dtype=np.uint64)
     block = block.astype(np.uint32)
-    assert _poly.sequence(block, length).tolist() == _recurrence(block, length)
+    assert mt19937_polynomial.sequence(block, length).tolist() == _recurrence(block, length)
 
 
 @pytest.mark.parametrize("group_bits", [1, 3, 5, 8])
 def test_a_jump_is_the_same_whatever_the_bits_taken_at_a_time(group_bits, monkeypatch):
     state = seeded(11, skip=100).get_state()
-    monkeypatch.setattr(_mt19937, "_GROUP_BITS", 1)
+    # internal: the jump's group width, compared across widths (no setting chooses it)
+    monkeypatch.setattr(mt19937, "_GROUP_BITS", 1)
     plain = jump_state(state, 3_000_017)
-    monkeypatch.setattr(_mt19937, "_GROUP_BITS", group_bits)
+    monkeypatch.setattr(mt19937, "_GROUP_BITS", group_bits)
     assert torch.equal(jump_state(state, 3_000_017), plain)
 
 

@@ -192,6 +192,7 @@ def _in_stream(
 def test_random_operator_matches_eager_in_the_stream_and_leaves_the_rng_state_as_eager(
     op, monkeypatch
 ):
+    # outside the package: torch's test helper reseeds around each sample; off, the stream runs on
     monkeypatch.setattr(
         common_methods_invocations, "wrapper_set_seed", lambda f, *a, **k: f(*a, **k)
     )

@@ -3,7 +3,8 @@
 A fill of hundreds of megabytes is made in steps (``rng.split_fill``, ``rng.stream_fill``): the
 caller's progress callback hears how far it is while it fills, and a callback that raises (the
 widget's Cancel) stops it within a step, leaving the tensor deferred and the checkpoint absent.
-Real threads and real fills; ``TELL_S`` is shortened so that a 256 MiB tensor gives many events.
+Real threads and real fills; progress is told more often than by default
+(``JUPYTER_METAINIT_PROGRESS_SECONDS``), so that a 256 MiB tensor gives many events.
 """
 
 from __future__ import annotations
@@ -13,12 +14,16 @@ import time
 
 import pytest
 import torch
+from _twins import deferred
 from safetensors.torch import save_file
 from torch import nn
 
 from jupyter_metainit import is_deferred, materialize, meta_init
+from jupyter_metainit.core.errors import ArgumentError
 from jupyter_metainit.core.rng import split_fill
 from jupyter_metainit.core.runtime import interrupts, pool
+from jupyter_metainit.core.runtime.interrupts import PROGRESS_SECONDS_VARIABLE
+from jupyter_metainit.core.runtime.pool import CORES_VARIABLE
 from jupyter_metainit.save import save
 
 N = 64 << 20  # float32 elements: 256 MiB, 16 steps of split_fill.STEP_ELEMENTS
@@ -27,27 +32,27 @@ STD = 0.02
 
 @pytest.fixture(autouse=True)
 def _tell_often(monkeypatch):
-    monkeypatch.setattr(interrupts, "TELL_S", 0.01)
+    monkeypatch.setenv(PROGRESS_SECONDS_VARIABLE, "0.01")
 
 
 class Cancelled(Exception):
     pass
 
 
+def _normal_weight(n: int) -> nn.Module:
+    module = nn.Module()
+    module.w = nn.Parameter(torch.empty(n).normal_(std=STD))
+    return module
+
+
 def _weight(n: int = N, seed: int = 0) -> nn.Module:
     """A module holding one large deferred parameter made by ``normal_``."""
-    torch.manual_seed(seed)
-    with meta_init():
-        module = nn.Module()
-        module.w = nn.Parameter(torch.empty(n).normal_(std=STD))
-    return module
+    return deferred(_normal_weight, n, seed=seed)
 
 
 def _linear() -> nn.Module:
     """A large weight and a small bias: in fast mode two groups replayed on pool threads."""
-    torch.manual_seed(0)
-    with meta_init():
-        return nn.Linear(8192, 8192)
+    return deferred(nn.Linear, 8192, 8192)
 
 
 class Recorder:
@@ -93,8 +98,9 @@ def test_fast_values_of_a_large_tensor_made_in_steps_are_those_of_one_serial_fil
     stepped = _weight()
     materialize(stepped, rng="fast")
     # as before fills were cut: one kernel call on one core
+    # internal size, no setting: one step for the whole tensor
     monkeypatch.setattr(split_fill, "STEP_ELEMENTS", 1 << 62)
-    monkeypatch.setattr(split_fill, "available_cores", lambda: 1)
+    monkeypatch.setenv(CORES_VARIABLE, "1")
     serial = _weight()
     materialize(serial, rng="fast")
     assert torch.equal(stepped.w, serial.w)
@@ -187,7 +193,7 @@ def test_cancel_stops_save_inside_a_large_tensor_leaving_nothing(tmp_path, dtype
 
 def _checkpoint_of_a_large_tensor(tmp_path, monkeypatch) -> tuple[str, nn.Module]:
     # a read from the page cache can take only tens of milliseconds: told after every step
-    monkeypatch.setattr(interrupts, "TELL_S", 0.0)
+    monkeypatch.setenv(PROGRESS_SECONDS_VARIABLE, "0.0")
     path = str(tmp_path / "model.safetensors")
     save_file({"w": torch.full((N,), 0.5)}, path)
     with meta_init():
@@ -221,7 +227,7 @@ def test_cancel_stops_a_checkpoint_read_inside_a_large_tensor(tmp_path, monkeypa
 
 def test_a_large_copy_or_cast_in_steps_is_told_and_stops_part_way(monkeypatch):
     # save's casts and aligned copies, checkpoint reads: ``copy_in_steps`` under ``telling``
-    monkeypatch.setattr(interrupts, "TELL_S", 0.0)  # told after every step
+    monkeypatch.setenv(PROGRESS_SECONDS_VARIABLE, "0.0")  # told after every step
     src = torch.full((N,), 1.5)
     dst = torch.zeros(N, dtype=torch.bfloat16)
     told: list[int] = []
@@ -273,3 +279,16 @@ def test_the_widgets_bar_moves_inside_a_large_tensor_and_cancel_stops_it(rng):
     assert time.monotonic() - start < 1.0
     assert w.status.startswith("Cancelled"), (w.status, w.error, sorted(seen))
     assert is_deferred(model[1].weight)
+
+
+def test_the_progress_switch_sets_how_often_progress_is_told(monkeypatch):
+    monkeypatch.setenv(PROGRESS_SECONDS_VARIABLE, "0")
+    told: list[int] = []
+    steps = interrupts.Steps(told.append)
+    for _ in range(3):
+        steps.add(1)
+        steps.step()
+    assert told == [1, 2, 3]  # after every step
+    monkeypatch.setenv(PROGRESS_SECONDS_VARIABLE, "soon")
+    with pytest.raises(ArgumentError, match=PROGRESS_SECONDS_VARIABLE):
+        interrupts.Steps(told.append)

@@ -6,10 +6,10 @@ a view with other deferred inputs keeps the view's values of that moment."""
 from __future__ import annotations
 
 import torch
+from _twins import eager_and_deferred
 from torch import nn
 
 from jupyter_metainit import is_deferred, materialize, meta_init
-from tests._twins import eager_and_deferred
 
 
 class _Views(nn.Module):

@@ -8,6 +8,7 @@ import warnings
 import numpy as np
 import pytest
 import torch
+from _twins import assert_same, eager_and_deferred
 from torch import nn
 
 from jupyter_metainit import is_deferred, is_meta_init, materialize, meta_init
@@ -339,11 +340,7 @@ def test_in_place_view_ops_update_the_metadata_of_the_same_object(op):
 
 
 def test_orthogonal_init_of_a_wide_matrix_is_exact():
-    torch.manual_seed(0)
-    eager = nn.init.orthogonal_(torch.empty(3, 7))
-    torch.manual_seed(0)
-    with meta_init():
-        t = nn.init.orthogonal_(torch.empty(3, 7))
+    eager, t = eager_and_deferred(lambda: nn.init.orthogonal_(torch.empty(3, 7)))
     materialize(t)
     assert torch.equal(t, eager)
 
@@ -370,11 +367,7 @@ def test_orthogonal_init_of_a_wide_matrix_is_exact():
     ],
 )
 def test_dtype_changing_views_materialize_with_their_own_dtype(make):
-    torch.manual_seed(0)
-    eager = make()
-    torch.manual_seed(0)
-    with meta_init():
-        t = make()
+    eager, t = eager_and_deferred(make)
     assert (t.dtype, t.shape, t.stride()) == (eager.dtype, eager.shape, eager.stride())
     materialize(t)
     assert t.dtype == eager.dtype and torch.equal(t, eager)
@@ -398,8 +391,6 @@ def test_complex_parameters_are_exact():
             super().__init__()
             self.w = nn.Parameter(torch.randn(4, 5, dtype=torch.cfloat) * 0.02)
             self.u = nn.Parameter(torch.empty(6, dtype=torch.complex128).uniform_())
-
-    from _twins import assert_same, eager_and_deferred
 
     eager, deferred = eager_and_deferred(Spectral)
     assert deferred.w.dtype == torch.cfloat and deferred.w.requires_grad
@@ -433,11 +424,7 @@ def test_legacy_weight_norm_attributes_require_grad():
 
 
 def test_normal_with_tensor_mean_and_std():
-    torch.manual_seed(0)
-    eager = torch.normal(torch.zeros(5), torch.ones(5))
-    torch.manual_seed(0)
-    with meta_init():
-        t = torch.normal(torch.zeros(5), torch.ones(5))
+    eager, t = eager_and_deferred(lambda: torch.normal(torch.zeros(5), torch.ones(5)))
     materialize(t)
     assert torch.equal(t, eager)
 
@@ -454,11 +441,7 @@ def test_normal_with_tensor_mean_and_std():
     ids=["nonzero", "unique", "boolean_index", "masked_select", "qr"],
 )
 def test_data_dependent_and_meta_less_ops_are_deferred_and_exact(make):
-    torch.manual_seed(0)
-    eager = make(torch.rand(16))
-    torch.manual_seed(0)
-    with meta_init():
-        t = make(torch.rand(16))
+    eager, t = eager_and_deferred(lambda: make(torch.rand(16)))
     assert is_deferred(t) and t.shape == eager.shape
     materialize(t)
     assert torch.equal(t, eager)
@@ -466,7 +449,6 @@ def test_data_dependent_and_meta_less_ops_are_deferred_and_exact(make):
 
 @pytest.mark.parametrize("kind", ["orthogonal", "spectral_norm", "weight_norm"])
 def test_parametrizations_are_exact(kind):
-    from _twins import assert_same, eager_and_deferred
 
     wrap = getattr(nn.utils.parametrizations, kind)
 
@@ -490,8 +472,6 @@ def test_register_parametrization_with_a_custom_module():
         m = nn.Linear(5, 5)
         parametrize.register_parametrization(m, "weight", Symmetric())
         return m
-
-    from _twins import assert_same, eager_and_deferred
 
     eager, deferred = eager_and_deferred(ctor)
     materialize(deferred)
@@ -568,10 +548,11 @@ def _recorded_fill(fill):
 @pytest.mark.parametrize("fill", _FILLS.values(), ids=_FILLS.keys())
 def test_a_fill_is_recorded_as_the_general_path_records_it(fill, monkeypatch):
     """Fills take a short path of their own (they are most of a model's ops): same record."""
-    from jupyter_metainit.core.record.dispatch import triage as _record
+    from jupyter_metainit.core.record.dispatch import triage
 
     short, short_op = _recorded_fill(fill)
-    monkeypatch.setattr(_record, "record_fill", lambda func, args, kwargs: None)
+    # internal: the short path off, to compare with the general path (a switch costs every fill)
+    monkeypatch.setattr(triage, "record_fill", lambda func, args, kwargs: None)
     general, general_op = _recorded_fill(fill)
     assert short_op.func is general_op.func
     assert (short_op.args[1:], short_op.kwargs) == (general_op.args[1:], general_op.kwargs)
@@ -605,22 +586,16 @@ def test_sparse_tensor_made_under_meta_init_is_computed_with_eager_values():
             torch.tensor([[0, 2]]), torch.randn(2), (3,)
         )
 
-    torch.manual_seed(0)
-    expected = build()
-    torch.manual_seed(0)
-    with meta_init():
-        got = build()
+    expected, got = eager_and_deferred(build)
     for e, g in zip(expected, got, strict=True):
         assert g.layout == torch.sparse_coo
         assert torch.equal(g.to_dense(), e.to_dense())
 
 
 def test_nested_tensor_made_under_meta_init_is_computed_with_eager_values():
-    torch.manual_seed(0)
-    expected = torch.nested.nested_tensor([torch.randn(2), torch.randn(3)])
-    torch.manual_seed(0)
-    with meta_init():
-        got = torch.nested.nested_tensor([torch.randn(2), torch.randn(3)])
+    expected, got = eager_and_deferred(
+        lambda: torch.nested.nested_tensor([torch.randn(2), torch.randn(3)])
+    )
     assert got.is_nested
     assert all(torch.equal(g, e) for g, e in zip(got.unbind(), expected.unbind(), strict=True))
 
@@ -707,11 +682,7 @@ _OPTIMIZERS = {
 @pytest.mark.parametrize("parts", [False, True], ids=["whole", "params_alone_first"])
 def test_optimizer_steps_inside_meta_init_equal_eager(name, parts):
     make_opt = _OPTIMIZERS[name]
-    torch.manual_seed(0)
-    expected = _optimizer_steps(make_opt)
-    torch.manual_seed(0)
-    with meta_init():
-        got = _optimizer_steps(make_opt)
+    expected, got = eager_and_deferred(lambda: _optimizer_steps(make_opt))
     if parts:
         materialize(got[0])
         assert torch.equal(got[0], expected[0])
@@ -728,11 +699,7 @@ def test_clip_grad_norm_with_foreach_scales_deferred_grads_as_eager():
         norm = nn.utils.clip_grad_norm_(params, 1.0, foreach=True)
         return [p.grad for p in params] + [norm]
 
-    torch.manual_seed(0)
-    expected = clipped()
-    torch.manual_seed(0)
-    with meta_init():
-        got = clipped()
+    expected, got = eager_and_deferred(clipped)
     materialize(got)
     assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
 
@@ -746,11 +713,7 @@ def test_foreach_lerp_ema_update_of_a_teacher_equals_eager():
                 torch._foreach_mul_(list(student.parameters()), 1.5)
         return list(teacher.parameters()) + list(student.parameters())
 
-    torch.manual_seed(0)
-    expected = ema()
-    torch.manual_seed(0)
-    with meta_init():
-        got = ema()
+    expected, got = eager_and_deferred(ema)
     materialize(got)
     assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
 
@@ -790,10 +753,6 @@ def test_a_foreach_out_variant_writes_its_out_list_as_eager():
         torch.ops.aten._foreach_add.List_out(a, a, out=out)
         return out
 
-    torch.manual_seed(0)
-    expected = add_into()
-    torch.manual_seed(0)
-    with meta_init():
-        got = add_into()
+    expected, got = eager_and_deferred(add_into)
     materialize(got)
     assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))

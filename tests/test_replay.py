@@ -2,14 +2,17 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
+from _twins import eager_and_deferred
 from torch import nn
 
 from jupyter_metainit import is_deferred, materialize, meta_init
-from jupyter_metainit.core.replay import parallel as _parallel
-from jupyter_metainit.core.replay import run as _replay
+from jupyter_metainit.core.errors import ArgumentError
+from jupyter_metainit.core.replay import parallel, run
 from jupyter_metainit.core.replay.parallel import stream_parts
 from jupyter_metainit.core.replay.planning import plan
+from jupyter_metainit.core.runtime.pool import CORES_VARIABLE
 
 
 class _Decoder(nn.Module):
@@ -34,19 +37,20 @@ def _ops_of(model: nn.Module) -> list:
 
 def _count_parallel_runs(monkeypatch) -> list[int]:
     runs: list[int] = []
-    real = _replay.run_parallel
+    real = run.run_parallel
 
-    def counting(run, groups, workers):
+    def counting(task, groups, workers):
         runs.append(len(groups))
-        return real(run, groups, workers)
+        return real(task, groups, workers)
 
-    monkeypatch.setattr(_replay, "run_parallel", counting)
+    # internal spy: nothing public says how a replay was split
+    monkeypatch.setattr(run, "run_parallel", counting)
     return runs
 
 
 def test_exact_replay_on_three_threads_equals_eager(monkeypatch):
     _any_size(monkeypatch)
-    monkeypatch.setattr(_replay, "available_cores", lambda: 3)
+    monkeypatch.setenv(CORES_VARIABLE, "3")
     runs = _count_parallel_runs(monkeypatch)
     torch.manual_seed(0)
     eager = _Decoder()
@@ -63,13 +67,9 @@ def test_exact_replay_on_three_threads_equals_eager(monkeypatch):
 
 def test_a_subtree_replayed_on_two_threads_equals_eager(monkeypatch):
     _any_size(monkeypatch)
-    monkeypatch.setattr(_replay, "available_cores", lambda: 2)
+    monkeypatch.setenv(CORES_VARIABLE, "2")
     runs = _count_parallel_runs(monkeypatch)
-    torch.manual_seed(0)
-    eager = _Decoder()
-    torch.manual_seed(0)
-    with meta_init():
-        model = _Decoder()
+    eager, model = eager_and_deferred(_Decoder)
     materialize(model.layers[3:])
     assert runs == [2]
     for key, value in eager.layers[3:].state_dict().items():
@@ -95,8 +95,9 @@ def test_the_parts_are_runs_of_the_stream_in_recording_order(monkeypatch):
 
 def _any_size(monkeypatch) -> None:
     """Parts for any amount of random work, even or not (the tests' models are small)."""
-    monkeypatch.setattr(_parallel, "SPLIT_STREAM_BYTES", 0)
-    monkeypatch.setattr(_parallel, "_BALANCE", 2.0)
+    # internal thresholds, no setting: the tests' models are small
+    monkeypatch.setattr(parallel, "SPLIT_STREAM_BYTES", 0)
+    monkeypatch.setattr(parallel, "_BALANCE", 2.0)
 
 
 def test_small_random_work_stays_on_one_thread():
@@ -107,7 +108,8 @@ def test_small_random_work_stays_on_one_thread():
 
 def test_uneven_parts_stay_on_one_thread(monkeypatch):
     """One large fill and a few small ones: one thread splitting the large fill is faster."""
-    monkeypatch.setattr(_parallel, "SPLIT_STREAM_BYTES", 0)
+    # internal thresholds, no setting: the tests' models are small
+    monkeypatch.setattr(parallel, "SPLIT_STREAM_BYTES", 0)
     with meta_init():
         tensors = [torch.empty(256, 256).normal_()]
         tensors += [torch.empty(8, 8).normal_() for _ in range(8)]
@@ -146,13 +148,9 @@ def test_unknown_draw_counts_stay_on_one_thread(monkeypatch):
 
 def test_a_dead_op_of_unknown_draw_count_is_regenerated_by_the_part_after_it(monkeypatch):
     _any_size(monkeypatch)
-    monkeypatch.setattr(_replay, "available_cores", lambda: 2)
+    monkeypatch.setenv(CORES_VARIABLE, "2")
     runs = _count_parallel_runs(monkeypatch)
-    torch.manual_seed(0)
-    eager = _fills(dead_log_normal=True)
-    torch.manual_seed(0)
-    with meta_init():
-        tensors = _fills(dead_log_normal=True)
+    eager, tensors = eager_and_deferred(lambda: _fills(dead_log_normal=True))
     materialize(tensors)
     assert runs == [2]
     assert all(torch.equal(t, e) for t, e in zip(tensors, eager, strict=True))
@@ -165,11 +163,7 @@ def test_a_replay_on_every_thread_of_the_pool_runs_inline(monkeypatch):
     from jupyter_metainit.core.replay.run import execute
     from jupyter_metainit.core.runtime.pool import core_pool
 
-    torch.manual_seed(0)
-    eager = _Decoder()
-    torch.manual_seed(0)
-    with meta_init():
-        model = _Decoder()
+    eager, model = eager_and_deferred(_Decoder)
     records = [t._rec for t in model.state_dict().values()]
     expected = list(eager.state_dict().values())
     _any_size(monkeypatch)
@@ -180,10 +174,20 @@ def test_a_replay_on_every_thread_of_the_pool_runs_inline(monkeypatch):
     def replay() -> list[torch.Tensor]:
         everyone.wait(timeout=30)  # every thread of the pool is busy from here on
         env = execute(plan(records), torch.device("cpu"), "exact", threads=2)
-        return [_replay.real_view(env[id(r.storage)], r) for r in records]
+        return [run.real_view(env[id(r.storage)], r) for r in records]
 
     results = [pool.submit(replay) for _ in range(pool._max_workers)]
     for future in results:
         values = future.result(timeout=60)
         assert all(torch.equal(v, e) for v, e in zip(values, expected, strict=True))
     assert runs == [2] * pool._max_workers
+
+
+def test_the_cores_switch_sets_the_threads_every_job_uses(monkeypatch):
+    from jupyter_metainit.core.runtime.pool import available_cores
+
+    monkeypatch.setenv(CORES_VARIABLE, "5")
+    assert available_cores() == 5
+    monkeypatch.setenv(CORES_VARIABLE, "all")
+    with pytest.raises(ArgumentError, match=CORES_VARIABLE):
+        available_cores()

@@ -9,38 +9,30 @@ import weakref
 
 import pytest
 import torch
+from _twins import assert_same, deferred, eager_and_deferred
 from torch import nn
 
 from jupyter_metainit import materialize, meta_init
-from jupyter_metainit.core.rng import draws as _draws
-from jupyter_metainit.core.rng import positions as _positions
-from jupyter_metainit.core.rng import segments as _seg
-from jupyter_metainit.core.rng import streams as _streams
+from jupyter_metainit.core.rng import draws, positions, segments, streams
 
 
 def _state_after(spec, state, device):
     """The state after ``spec`` drew from ``state``: by its known draw count, else by running
     it on scratch memory (what replay does, op by op)."""
-    draws = _draws.known_draws(spec, device)
-    if draws is not None:
-        return _positions.advance_state(state, draws)
-    return _positions.run_on_scratch(spec, state, device)
+    count = draws.known_draws(spec, device)
+    if count is not None:
+        return positions.advance_state(state, count)
+    return positions.run_on_scratch(spec, state, device)
 
 
 def build(n=6):
     return nn.Sequential(*[nn.Linear(8, 8) for _ in range(n)])
 
 
-def deferred(seed=0, n=6):
-    torch.manual_seed(seed)
-    with meta_init():
-        return build(n)
-
-
 def test_exact_last_layer_first_equals_eager():
     torch.manual_seed(0)
     eager = build()
-    m = deferred()
+    m = deferred(build)
     materialize(m[5])
     materialize(m[0])
     assert torch.equal(m[5].weight, eager[5].weight)
@@ -61,7 +53,7 @@ def test_exact_burn_through_is_checkpointed_for_later_calls():
 
 
 def test_regenerating_the_stream_is_reported_as_a_phase_not_bytes():
-    m = deferred()
+    m = deferred(build)
     seen = []
 
     def progress(done, total, phase=""):
@@ -102,7 +94,7 @@ def test_consecutive_blocks_continue_the_stream_like_eager():
 
 
 def test_fast_mode_is_deterministic_and_order_independent():
-    m1, m2 = deferred(), deferred()
+    m1, m2 = deferred(build), deferred(build)
     materialize(m1, rng="fast")
     materialize(m2[4], rng="fast")
     materialize(m2[0], rng="fast")
@@ -112,7 +104,7 @@ def test_fast_mode_is_deterministic_and_order_independent():
 
 
 def test_fast_mode_gives_every_tensor_its_own_stream():
-    m = deferred(n=8)
+    m = deferred(build, 8)
     materialize(m, rng="fast")
     weights = [layer.weight.detach() for layer in m]
     for i in range(len(weights)):
@@ -121,7 +113,7 @@ def test_fast_mode_gives_every_tensor_its_own_stream():
 
 
 def test_fast_mode_depends_on_the_seed():
-    a, b = deferred(seed=1), deferred(seed=2)
+    a, b = deferred(build, seed=1), deferred(build, seed=2)
     materialize(a, rng="fast")
     materialize(b, rng="fast")
     assert not torch.equal(a[0].weight, b[0].weight)
@@ -141,11 +133,7 @@ class _RandomSubset(nn.Module):
 @pytest.mark.parametrize("seed", [0, 1, 2, 3])
 def test_fast_mode_gives_a_shape_computed_from_random_values_its_recorded_values(seed):
     # the subset's shape was recorded from the exact stream: its random inputs replay exact
-    torch.manual_seed(seed)
-    eager = _RandomSubset()
-    torch.manual_seed(seed)
-    with meta_init():
-        m = _RandomSubset()
+    eager, m = eager_and_deferred(_RandomSubset, seed=seed)
     materialize(m, rng="fast")
     assert torch.equal(m.keep, eager.keep)
     assert m.picked.shape == eager.picked.shape
@@ -155,13 +143,11 @@ def test_fast_mode_gives_a_shape_computed_from_random_values_its_recorded_values
 
 
 def test_fast_generators_differ_per_op():
-    seg = _seg.RngSegment(torch.get_rng_state(), torch.device("cpu"))
-    g0 = _positions.fast_generator(seg, 0, torch.device("cpu"))
-    g1 = _positions.fast_generator(seg, 1, torch.device("cpu"))
+    seg = segments.RngSegment(torch.get_rng_state(), torch.device("cpu"))
+    g0 = positions.fast_generator(seg, 0, torch.device("cpu"))
+    g1 = positions.fast_generator(seg, 1, torch.device("cpu"))
     assert g0.initial_seed() != g1.initial_seed()
-    assert (
-        _positions.fast_generator(seg, 0, torch.device("cpu")).initial_seed() == g0.initial_seed()
-    )
+    assert positions.fast_generator(seg, 0, torch.device("cpu")).initial_seed() == g0.initial_seed()
 
 
 def test_dropout_in_a_recorded_forward_is_exact():
@@ -180,7 +166,7 @@ def test_dropout_in_a_recorded_forward_is_exact():
 @pytest.mark.parametrize("op", ["uniform_", "normal_"])
 def test_burn_through_reaches_the_same_generator_state_as_the_op(op, n, dtype):
     func = getattr(torch.ops.aten, op).default
-    spec = _seg.BurnSpec(func, (("tensor", (n,), (1,), dtype),), {}, True, n * 4)
+    spec = segments.BurnSpec(func, (("tensor", (n,), (1,), dtype),), {}, True, n * 4)
     real = torch.Generator().manual_seed(7)
     start = real.get_state()
     getattr(torch.empty(n, dtype=dtype), op)(generator=real)
@@ -188,17 +174,17 @@ def test_burn_through_reaches_the_same_generator_state_as_the_op(op, n, dtype):
 
 
 def test_burn_through_of_large_fills_uses_bounded_scratch_memory():
-    spec = _seg.BurnSpec(
+    spec = segments.BurnSpec(
         torch.ops.aten.normal_.default, (("tensor", (64, 1024), (1024, 1), torch.float32),),
         {}, True, 0,
     )  # fmt: skip
-    assert _draws.known_draws(spec, torch.device("cpu")) == 64 * 1024
+    assert draws.known_draws(spec, torch.device("cpu")) == 64 * 1024
 
 
 def test_long_burn_through_jumps_ahead_exactly():
     n = 64 * 1024 * 1024 + 5  # above the jump threshold
-    spec = _seg.BurnSpec(torch.ops.aten.uniform_.default, (("tensor", (n,), (1,), torch.float32),),
-                         {}, True, n * 4)  # fmt: skip
+    uniform = torch.ops.aten.uniform_.default
+    spec = segments.BurnSpec(uniform, (("tensor", (n,), (1,), torch.float32),), {}, True, n * 4)
     real = torch.Generator().manual_seed(3)
     start = real.get_state()
     torch.empty(n).uniform_(generator=real)
@@ -248,7 +234,6 @@ def test_exact_mode_leaves_the_callers_rng_alone():
 
 
 def test_generator_less_random_factories_are_exact():
-    from _twins import assert_same, eager_and_deferred
 
     eager, deferred = eager_and_deferred(_RandomFactories)
     materialize(deferred)
@@ -355,7 +340,6 @@ class _DirectGeneratorReseeding(nn.Module):
 
 @pytest.mark.parametrize("ctor", [_SavesAndRestores, _DirectGeneratorReseeding])
 def test_saving_restoring_and_reseeding_inside_constructors_replays_exactly(ctor):
-    from _twins import assert_same, eager_and_deferred
 
     eager, deferred = eager_and_deferred(ctor)
     materialize(deferred)
@@ -365,8 +349,8 @@ def test_saving_restoring_and_reseeding_inside_constructors_replays_exactly(ctor
 def test_dropout_without_probability_draws_nothing_and_is_not_rerun():
     qkv = ("tensor", (1, 64, 4096, 128), (0, 0, 0, 0), torch.float32)
     sdpa = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu.default
-    spec = _seg.BurnSpec(sdpa, (qkv, qkv, qkv, 0.0), {}, False, 0)
-    assert _draws.known_draws(spec, torch.device("cpu")) == 0
+    spec = segments.BurnSpec(sdpa, (qkv, qkv, qkv, 0.0), {}, False, 0)
+    assert draws.known_draws(spec, torch.device("cpu")) == 0
 
 
 # Random ops whose number of draws depends on the values they read: a later tensor materialized
@@ -392,7 +376,6 @@ class _DrawsDependOnValues(nn.Module):
 
 @pytest.mark.parametrize("kind", sorted(_VALUE_DEPENDENT_DRAWS))
 def test_a_parameter_after_a_value_dependent_random_op_materialized_alone_equals_eager(kind):
-    from _twins import eager_and_deferred  # also asserts the RNG state after the build
 
     sample = _VALUE_DEPENDENT_DRAWS[kind]
     eager, deferred = eager_and_deferred(lambda: _DrawsDependOnValues(sample))
@@ -402,7 +385,6 @@ def test_a_parameter_after_a_value_dependent_random_op_materialized_alone_equals
 
 @pytest.mark.parametrize("kind", sorted(_VALUE_DEPENDENT_DRAWS))
 def test_a_value_dependent_random_op_itself_replays_exactly(kind):
-    from _twins import assert_same, eager_and_deferred
 
     sample = _VALUE_DEPENDENT_DRAWS[kind]
     eager, deferred = eager_and_deferred(lambda: _DrawsDependOnValues(sample))
@@ -414,11 +396,9 @@ def test_a_value_dependent_random_op_itself_replays_exactly(kind):
 def test_value_dependent_positions_survive_clearing_the_cache():
     from jupyter_metainit import clear_meta_init_cache
 
-    torch.manual_seed(0)
-    eager = _DrawsDependOnValues(_VALUE_DEPENDENT_DRAWS["poisson"])
-    torch.manual_seed(0)
-    with meta_init():
-        deferred = _DrawsDependOnValues(_VALUE_DEPENDENT_DRAWS["poisson"])
+    eager, deferred = eager_and_deferred(
+        lambda: _DrawsDependOnValues(_VALUE_DEPENDENT_DRAWS["poisson"])
+    )
     clear_meta_init_cache()
     materialize(deferred.later)
     assert torch.equal(deferred.later, eager.later)
@@ -468,8 +448,6 @@ def test_rng_state_after_randperm_bernoulli_multinomial_in_init_is_the_eager_one
             self.p = nn.Parameter(torch.randn(50))
             self.register_buffer("drawn", draw(self.p.detach()))
             self.later = nn.Parameter(torch.randn(20))
-
-    from _twins import assert_same, eager_and_deferred  # also asserts the RNG state after
 
     eager, deferred = eager_and_deferred(Draws)
     materialize(deferred.later)
@@ -612,8 +590,6 @@ def test_a_value_dependent_sample_of_a_transposed_input_read_during_the_build_eq
             self.total = float(self.sample.sum())  # a read: values computed during the build
             self.later = nn.Parameter(torch.randn(20))
 
-    from _twins import assert_same, eager_and_deferred
-
     eager, deferred = eager_and_deferred(ReadsItsSample)
     assert deferred.total == eager.total
     materialize(deferred)
@@ -703,12 +679,12 @@ def _state_after_op(op, explicit, deferred):
 def test_a_state_saved_right_after_a_recorded_random_op_draws_like_eager_outside_the_block(
     name, explicit
 ):
-    draws = []
-    for deferred in (False, True):
+    later = []
+    for recorded in (False, True):
         fresh = torch.Generator()
-        fresh.set_state(_state_after_op(_RANDOM_OPS[name], explicit, deferred))
-        draws.append(torch.randn(30, generator=fresh))
-    assert torch.equal(draws[1], draws[0])
+        fresh.set_state(_state_after_op(_RANDOM_OPS[name], explicit, recorded))
+        later.append(torch.randn(30, generator=fresh))
+    assert torch.equal(later[1], later[0])
 
 
 def test_a_generator_pickled_during_a_build_carries_the_eager_state():
@@ -802,26 +778,26 @@ def test_a_build_for_an_absent_gpu_draws_from_the_cpu_stream_as_eager_code_on_th
 
 def _segments_of(build_model):
     """The model ``build_model()`` returns, and weak references to the RNG segments it made."""
-    before = _seg.live_segments()
+    before = segments.live_segments()
     model = build_model()
-    made = [weakref.ref(s) for s in _seg.live_segments() if not any(s is b for b in before)]
+    made = [weakref.ref(s) for s in segments.live_segments() if not any(s is b for b in before)]
     return model, made
 
 
 @pytest.mark.parametrize("how", ["deferred", "materialized", "kept for dematerialize"])
 def test_a_builds_rng_checkpoints_live_and_die_with_its_model(how):
-    model, segments = _segments_of(lambda: deferred(n=24))
-    assert segments
+    model, made = _segments_of(lambda: deferred(build, 24))
+    assert made
     if how != "deferred":
         materialize(model[3], keep_cache=how != "materialized")  # exact: checkpoints made
-        assert all(len(ref().checkpoints) > 1 for ref in segments)
+        assert all(len(ref().checkpoints) > 1 for ref in made)
         materialize(model, keep_cache=how != "materialized")
     gc.collect()
     alive = how != "materialized"  # dematerialize replays them; deferred parts too
-    assert all((ref() is not None) == alive for ref in segments)
+    assert all((ref() is not None) == alive for ref in made)
     del model
     gc.collect()
-    assert all(ref() is None for ref in segments)
+    assert all(ref() is None for ref in made)
 
 
 def test_a_generator_made_in_each_rebuilt_model_is_not_kept_once_its_model_is_gone():
@@ -834,11 +810,11 @@ def test_a_generator_made_in_each_rebuilt_model_is_not_kept_once_its_model_is_go
 
     materialize(build_with_own_generator())
     gc.collect()  # a build's records hold each other in cycles
-    trackers = len(_streams._trackers)
+    trackers = len(streams._trackers)
     for _ in range(5):
         materialize(build_with_own_generator())
         gc.collect()
-    assert len(_streams._trackers) <= trackers
+    assert len(streams._trackers) <= trackers
 
 
 def test_a_state_saved_mid_build_still_stands_for_the_eager_state_once_that_model_is_gone():

@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _twins import eager_and_deferred
 from safetensors.torch import load_file, save_file
 from torch import nn
 
@@ -23,17 +24,6 @@ from jupyter_metainit.save.safetensors_file import FileEntry
 transformers = pytest.importorskip("transformers")
 
 from tests._models import llama_config  # noqa: E402
-from tests._twins import eager_and_deferred  # noqa: E402
-
-
-def _deferred_and_eager(tie: bool = True) -> tuple[nn.Module, nn.Module]:
-    config = llama_config(tie_word_embeddings=tie)
-    torch.manual_seed(0)
-    with meta_init():
-        deferred = transformers.LlamaForCausalLM(config)
-    torch.manual_seed(0)
-    eager = transformers.LlamaForCausalLM(config)
-    return deferred, eager
 
 
 def _files(directory: str) -> dict[str, bytes]:
@@ -41,14 +31,16 @@ def _files(directory: str) -> dict[str, bytes]:
 
 
 def test_a_deferred_llama_saves_the_same_bytes_as_eager_save_pretrained(tmp_path):
-    deferred, eager = _deferred_and_eager()
+    eager, deferred = eager_and_deferred(transformers.LlamaForCausalLM, llama_config())
     save(deferred, tmp_path / "ours")
     eager.save_pretrained(tmp_path / "eager")
     assert _files(str(tmp_path / "ours")) == _files(str(tmp_path / "eager"))
 
 
 def test_a_sharded_save_has_the_same_files_and_bytes_as_eager_save_pretrained(tmp_path):
-    deferred, eager = _deferred_and_eager(tie=False)
+    eager, deferred = eager_and_deferred(
+        transformers.LlamaForCausalLM, llama_config(tie_word_embeddings=False)
+    )
     save(deferred, tmp_path / "ours", max_shard_size="100KB")
     eager.save_pretrained(tmp_path / "eager", max_shard_size="100KB")
     ours, theirs = _files(str(tmp_path / "ours")), _files(str(tmp_path / "eager"))
@@ -57,13 +49,13 @@ def test_a_sharded_save_has_the_same_files_and_bytes_as_eager_save_pretrained(tm
 
 
 def test_saving_leaves_every_tensor_deferred(tmp_path):
-    deferred, _ = _deferred_and_eager()
+    _, deferred = eager_and_deferred(transformers.LlamaForCausalLM, llama_config())
     save(deferred, tmp_path / "ours")
     assert all(is_deferred(t) for t in deferred.state_dict().values())
 
 
 def test_from_pretrained_loads_the_saved_model_with_eager_values(tmp_path):
-    deferred, eager = _deferred_and_eager()
+    eager, deferred = eager_and_deferred(transformers.LlamaForCausalLM, llama_config())
     save(deferred, tmp_path / "ours")
     loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ours")
     for name, value in eager.state_dict().items():
@@ -71,7 +63,7 @@ def test_from_pretrained_loads_the_saved_model_with_eager_values(tmp_path):
 
 
 def test_from_pretrained_under_meta_init_then_materialize_gives_eager_values(tmp_path):
-    deferred, eager = _deferred_and_eager()
+    eager, deferred = eager_and_deferred(transformers.LlamaForCausalLM, llama_config())
     save(deferred, tmp_path / "ours", max_shard_size="100KB")
     with meta_init():
         loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path / "ours")
@@ -81,7 +73,7 @@ def test_from_pretrained_under_meta_init_then_materialize_gives_eager_values(tmp
 
 
 def test_real_parts_of_a_partly_materialized_model_are_saved_as_they_are_now(tmp_path):
-    deferred, eager = _deferred_and_eager()
+    eager, deferred = eager_and_deferred(transformers.LlamaForCausalLM, llama_config())
     materialize(deferred.model.layers[0])
     with torch.no_grad():
         deferred.model.layers[0].mlp.up_proj.weight.mul_(3)
@@ -97,7 +89,7 @@ def test_real_parts_of_a_partly_materialized_model_are_saved_as_they_are_now(tmp
 def test_a_cancelling_progress_callback_leaves_nothing_at_the_path_and_the_model_deferred(
     tmp_path,
 ):
-    deferred, _ = _deferred_and_eager()
+    _, deferred = eager_and_deferred(transformers.LlamaForCausalLM, llama_config())
     calls = []
 
     def cancel_midway(done: int, total: int) -> None:
@@ -112,7 +104,7 @@ def test_a_cancelling_progress_callback_leaves_nothing_at_the_path_and_the_model
 
 
 def test_progress_ends_at_the_total_bytes_of_the_weights(tmp_path):
-    deferred, _ = _deferred_and_eager()
+    _, deferred = eager_and_deferred(transformers.LlamaForCausalLM, llama_config())
     seen: list[tuple[int, int]] = []
     save(deferred, tmp_path / "ours", progress=lambda done, total: seen.append((done, total)))
     weights = os.path.getsize(tmp_path / "ours" / "model.safetensors")
@@ -124,7 +116,9 @@ def test_progress_ends_at_the_total_bytes_of_the_weights(tmp_path):
 
 
 def test_saving_into_an_earlier_sharded_save_removes_its_stale_shards(tmp_path):
-    deferred, _ = _deferred_and_eager(tie=False)
+    _, deferred = eager_and_deferred(
+        transformers.LlamaForCausalLM, llama_config(tie_word_embeddings=False)
+    )
     save(deferred, tmp_path / "ours", max_shard_size="100KB")
     (tmp_path / "ours" / "notes.txt").write_text("mine")
     save(deferred, tmp_path / "ours")
@@ -241,21 +235,16 @@ def test_a_tensor_recorded_for_a_gpu_is_saved_as_materialize_on_the_cpu_gives_it
     assert torch.equal(saved["weight"], model.weight.detach())
 
 
-def _deferred_and_eager_mixtral() -> tuple[nn.Module, nn.Module]:
-    config = transformers.MixtralConfig(
+def _mixtral_config() -> transformers.MixtralConfig:
+    return transformers.MixtralConfig(
         vocab_size=100, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
         num_attention_heads=4, num_key_value_heads=2, num_local_experts=4,
         num_experts_per_tok=2,
     )  # fmt: skip
-    torch.manual_seed(0)
-    with meta_init():
-        deferred = transformers.MixtralForCausalLM(config)
-    torch.manual_seed(0)
-    return deferred, transformers.MixtralForCausalLM(config)
 
 
 def test_fused_experts_are_saved_in_the_original_layout_as_save_pretrained_does(tmp_path):
-    deferred, eager = _deferred_and_eager_mixtral()
+    eager, deferred = eager_and_deferred(transformers.MixtralForCausalLM, _mixtral_config())
     save(deferred, tmp_path / "ours")
     eager.save_pretrained(tmp_path / "eager")
     assert _files(str(tmp_path / "ours")) == _files(str(tmp_path / "eager"))
@@ -286,21 +275,21 @@ def test_the_typed_storage_address_of_a_deferred_tensor_names_jupyter_metainit_s
 
 
 def test_save_pretrained_of_a_deferred_model_writes_what_save_writes(tmp_path):
-    deferred, _ = _deferred_and_eager()
+    _, deferred = eager_and_deferred(transformers.LlamaForCausalLM, llama_config())
     deferred.save_pretrained(tmp_path / "ours", max_shard_size="5GB")
     save(deferred, tmp_path / "save")
     assert _files(str(tmp_path / "ours")) == _files(str(tmp_path / "save"))
 
 
 def test_save_pretrained_refusing_an_option_names_jupyter_metainit_save(tmp_path):
-    deferred, _ = _deferred_and_eager()
+    _, deferred = eager_and_deferred(transformers.LlamaForCausalLM, llama_config())
     with pytest.raises(RuntimeError, match=r"jupyter_metainit\.save"):
         deferred.save_pretrained(tmp_path / "ours", push_to_hub=True)
     assert not (tmp_path / "ours").exists()
 
 
 def test_sharded_fused_experts_land_in_the_shards_save_pretrained_puts_them_in(tmp_path):
-    deferred, eager = _deferred_and_eager_mixtral()
+    eager, deferred = eager_and_deferred(transformers.MixtralForCausalLM, _mixtral_config())
     save(deferred, tmp_path / "ours", max_shard_size="20KB")
     eager.save_pretrained(tmp_path / "eager", max_shard_size="20KB")
     assert _files(str(tmp_path / "ours")) == _files(str(tmp_path / "eager"))
@@ -312,6 +301,7 @@ _WRITER = __import__("jupyter_metainit.save.writer", fromlist=["writer"])
 def _write_path(monkeypatch, path: str) -> None:
     """Make ``save`` write the ``path`` way: O_DIRECT where the file system takes it (here),
     else the files mapped, else pwrite."""
+    # internal probes, no setting chooses a write path: each turned off in turn
     if path != "direct":
         monkeypatch.setattr(_WRITER, "can_write_direct", lambda: False)
     if path == "pwrite":
@@ -321,7 +311,9 @@ def _write_path(monkeypatch, path: str) -> None:
 @pytest.mark.parametrize("path", ["direct", "mapped", "pwrite"])
 def test_every_write_path_gives_the_bytes_of_save_pretrained(tmp_path, monkeypatch, path):
     _write_path(monkeypatch, path)
-    deferred, eager = _deferred_and_eager(tie=False)
+    eager, deferred = eager_and_deferred(
+        transformers.LlamaForCausalLM, llama_config(tie_word_embeddings=False)
+    )
     save(deferred, tmp_path / "ours", max_shard_size="100KB")
     eager.save_pretrained(tmp_path / "eager", max_shard_size="100KB")
     assert _files(str(tmp_path / "ours")) == _files(str(tmp_path / "eager"))
@@ -345,6 +337,7 @@ def test_parts_written_while_generating_give_the_bytes_of_save_file(tmp_path, mo
 
 def test_a_file_system_refusing_o_direct_falls_back_to_the_same_bytes(tmp_path, monkeypatch):
     direct = __import__("jupyter_metainit.save.direct", fromlist=["direct"])
+    # internal fault injection: the O_DIRECT open refused (os.open would refuse every open)
     monkeypatch.setattr(direct.DirectFile, "open", classmethod(lambda cls, path, size: None))
     tensors = {"a": torch.randn(3000), "b": torch.arange(7, dtype=torch.int16)}
     save(tensors, tmp_path / "ours")
@@ -366,8 +359,11 @@ def test_a_device_refusing_o_direct_writes_of_one_block_falls_back_to_the_same_b
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_pwrite(fd, data, offset)
 
+    # outside the package (fault injection): the os refuses a write
     monkeypatch.setattr(os, "pwrite", pwrite)
-    deferred, eager = _deferred_and_eager(tie=False)
+    eager, deferred = eager_and_deferred(
+        transformers.LlamaForCausalLM, llama_config(tie_word_embeddings=False)
+    )
     save(deferred, tmp_path / "ours", max_shard_size="100KB")
     monkeypatch.undo()
     assert refused

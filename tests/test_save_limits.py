@@ -16,11 +16,11 @@ from typing import Any
 
 import pytest
 import torch
+from _twins import eager_and_deferred
 from safetensors.torch import save_file
 from torch import nn
 
 from jupyter_metainit.save import save
-from tests._twins import eager_and_deferred
 
 LIMIT = 3_000_000  # bytes; not a multiple of the block: an O_DIRECT write is cut unaligned
 
@@ -148,6 +148,7 @@ def test_an_o_direct_write_refused_mid_file_goes_through_the_page_cache_with_the
             raise OSError(errno.EINVAL, "Invalid argument")
         return real_pwrite(fd, data, offset)
 
+    # outside the package (fault injection): the os refuses a write
     monkeypatch.setattr(os, "pwrite", pwrite)
     eager, deferred = eager_and_deferred(
         lambda: nn.Sequential(nn.Linear(300, 200), nn.Linear(200, 7))

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _twins import eager_and_deferred
 from safetensors.torch import load_file
 
 from jupyter_metainit import is_deferred, materialize, meta_init
@@ -32,14 +33,10 @@ def _config(**overrides):
     return transformers.GPTNeoXConfig(**{**_NEOX, **overrides})
 
 
-def _deferred_and_eager(**overrides):
-    config = _config(**overrides)
-    torch.manual_seed(3)
-    with meta_init():
-        deferred = transformers.AutoModelForCausalLM.from_config(config)
-    torch.manual_seed(3)
-    eager = transformers.AutoModelForCausalLM.from_config(config)
-    return deferred, eager
+def _neox_twins(**overrides):
+    """``(eager, deferred)`` twins of the small GPT-NeoX of ``_config(**overrides)``."""
+    build = transformers.AutoModelForCausalLM.from_config
+    return eager_and_deferred(build, _config(**overrides), seed=3)
 
 
 def _files(directory) -> dict[str, bytes]:
@@ -53,14 +50,14 @@ def _both_saved(tmp_path, deferred, eager, **kwargs):
 
 
 def test_a_deferred_model_writes_the_files_and_bytes_eager_writes(tmp_path):
-    deferred, eager = _deferred_and_eager()
+    eager, deferred = _neox_twins()
     ours, theirs = _both_saved(tmp_path, deferred, eager)
     assert sorted(ours) == ["config.json", "generation_config.json", "model.safetensors"]
     assert ours == theirs
 
 
 def test_the_saved_tensors_are_torch_equal_to_eager_ones(tmp_path):
-    deferred, eager = _deferred_and_eager()
+    eager, deferred = _neox_twins()
     _both_saved(tmp_path, deferred, eager)
     ours = load_file(tmp_path / "deferred" / "model.safetensors")
     theirs = load_file(tmp_path / "eager" / "model.safetensors")
@@ -69,27 +66,27 @@ def test_the_saved_tensors_are_torch_equal_to_eager_ones(tmp_path):
 
 
 def test_the_config_json_is_the_one_eager_writes(tmp_path):
-    deferred, eager = _deferred_and_eager()
+    eager, deferred = _neox_twins()
     _both_saved(tmp_path, deferred, eager)
     read = lambda d: json.loads((tmp_path / d / "config.json").read_text())  # noqa: E731
     assert read("deferred") == read("eager")
 
 
 def test_saving_leaves_the_model_deferred(tmp_path):
-    deferred, _ = _deferred_and_eager()
+    _, deferred = _neox_twins()
     deferred.save_pretrained(tmp_path / "deferred")
     assert all(is_deferred(t) for t in deferred.parameters())
 
 
 def test_a_sharded_save_has_the_same_shards_and_index(tmp_path):
-    deferred, eager = _deferred_and_eager()
+    eager, deferred = _neox_twins()
     ours, theirs = _both_saved(tmp_path, deferred, eager, max_shard_size="200KB")
     assert "model.safetensors.index.json" in ours and "model-00002-of-00004.safetensors" in ours
     assert ours == theirs
 
 
 def test_a_variant_names_the_files_as_eager_does(tmp_path):
-    deferred, eager = _deferred_and_eager()
+    eager, deferred = _neox_twins()
     ours, theirs = _both_saved(tmp_path, deferred, eager, variant="seed", max_shard_size="200KB")
     assert "model.safetensors.index.seed.json" in ours
     assert "model.seed-00001-of-00004.safetensors" in ours
@@ -97,7 +94,7 @@ def test_a_variant_names_the_files_as_eager_does(tmp_path):
 
 
 def test_tied_embeddings_are_written_once_as_eager_does(tmp_path):
-    deferred, eager = _deferred_and_eager(tie_word_embeddings=True)
+    eager, deferred = _neox_twins(tie_word_embeddings=True)
     ours, theirs = _both_saved(tmp_path, deferred, eager)
     assert ours == theirs
 
@@ -116,11 +113,9 @@ _MOE_OPTIONS = {
 @pytest.mark.parametrize("case", sorted(_MOE_OPTIONS))
 def test_fused_experts_are_written_in_the_layout_eager_writes(tmp_path, case):
     config = transformers.OlmoeConfig(**_MOE)
-    torch.manual_seed(1)
-    with meta_init():
-        deferred = transformers.AutoModelForCausalLM.from_config(config)
-    torch.manual_seed(1)
-    eager = transformers.AutoModelForCausalLM.from_config(config)
+    eager, deferred = eager_and_deferred(
+        transformers.AutoModelForCausalLM.from_config, config, seed=1
+    )
     ours, theirs = _both_saved(tmp_path, deferred, eager, **_MOE_OPTIONS[case])
     assert ours == theirs
 
@@ -133,18 +128,14 @@ _CustomNeoX.register_for_auto_class("AutoModelForCausalLM")
 
 
 def test_a_custom_model_gets_its_code_and_auto_map_as_eager_does(tmp_path):
-    torch.manual_seed(3)
-    with meta_init():
-        deferred = _CustomNeoX(_config())
-    torch.manual_seed(3)
-    eager = _CustomNeoX(_config())
+    eager, deferred = eager_and_deferred(lambda: _CustomNeoX(_config()), seed=3)
     ours, theirs = _both_saved(tmp_path, deferred, eager)
     assert "auto_map" in json.loads(ours["config.json"]) and len(ours) == 4
     assert ours == theirs
 
 
 def test_a_partly_materialized_model_writes_what_eager_writes(tmp_path):
-    deferred, eager = _deferred_and_eager()
+    eager, deferred = _neox_twins()
     materialize(deferred.gpt_neox.layers[0])
     assert is_deferred(deferred) and not is_deferred(deferred.gpt_neox.layers[0])
     ours, theirs = _both_saved(tmp_path, deferred, eager)
@@ -152,14 +143,14 @@ def test_a_partly_materialized_model_writes_what_eager_writes(tmp_path):
 
 
 def test_a_state_dict_argument_is_written_as_eager_writes_it(tmp_path):
-    deferred, eager = _deferred_and_eager()
+    eager, deferred = _neox_twins()
     deferred.save_pretrained(tmp_path / "deferred", state_dict=deferred.state_dict())
     eager.save_pretrained(tmp_path / "eager", state_dict=eager.state_dict())
     assert _files(tmp_path / "deferred") == _files(tmp_path / "eager")
 
 
 def test_a_model_opened_from_pretrained_under_meta_init_resaves_the_same_files(tmp_path):
-    _, eager = _deferred_and_eager()
+    eager, _ = _neox_twins()
     eager.save_pretrained(tmp_path / "original", max_shard_size="200KB")
     with meta_init():
         opened = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "original")
@@ -169,7 +160,7 @@ def test_a_model_opened_from_pretrained_under_meta_init_resaves_the_same_files(t
 
 
 def test_resaving_into_a_directory_removes_the_old_shards_as_eager_does(tmp_path):
-    deferred, eager = _deferred_and_eager()
+    eager, deferred = _neox_twins()
     for model, name in ((deferred, "deferred"), (eager, "eager")):
         (tmp_path / name).mkdir()
         (tmp_path / name / "tokenizer.json").write_text("{}")
@@ -188,7 +179,7 @@ _UNSUPPORTED = {
 
 @pytest.mark.parametrize("option", sorted(_UNSUPPORTED))
 def test_an_unsupported_option_is_refused_before_the_directory_is_made(tmp_path, option):
-    deferred, _ = _deferred_and_eager()
+    _, deferred = _neox_twins()
     with pytest.raises(
         MetaInitError, match=rf"{option}.*nothing was written.*jupyter_metainit\.save"
     ):
@@ -205,7 +196,7 @@ def test_an_unsupported_option_is_refused_before_the_directory_is_made(tmp_path,
 def test_adapters_and_quantization_are_refused_before_anything_is_written(
     tmp_path, feature, value, named
 ):
-    deferred, _ = _deferred_and_eager()
+    _, deferred = _neox_twins()
     setattr(deferred, feature, value)
     with pytest.raises(MetaInitError, match=rf"{named}.*nothing was written"):
         deferred.save_pretrained(tmp_path / "out")
@@ -213,7 +204,7 @@ def test_adapters_and_quantization_are_refused_before_anything_is_written(
 
 
 def test_a_refusal_leaves_an_existing_directory_unchanged(tmp_path):
-    deferred, eager = _deferred_and_eager()
+    eager, deferred = _neox_twins()
     eager.save_pretrained(tmp_path / "out")
     before = _files(tmp_path / "out")
     with pytest.raises(MetaInitError, match="push_to_hub"):
@@ -222,7 +213,7 @@ def test_a_refusal_leaves_an_existing_directory_unchanged(tmp_path):
 
 
 def test_a_value_that_cannot_be_read_leaves_no_directory(tmp_path):
-    _, eager = _deferred_and_eager()
+    eager, _ = _neox_twins()
     eager.save_pretrained(tmp_path / "original")
     with meta_init():
         opened = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "original")
@@ -235,13 +226,14 @@ def test_a_value_that_cannot_be_read_leaves_no_directory(tmp_path):
 def test_an_interrupted_save_leaves_no_directory(tmp_path, monkeypatch):
     from jupyter_metainit.save import writer
 
-    deferred, _ = _deferred_and_eager()
+    _, deferred = _neox_twins()
     calls = []
 
     def interrupted(*args, **kwargs):  # Ctrl-C while the values are computed (headers written)
         calls.append(1)
         raise KeyboardInterrupt
 
+    # internal fault injection: no public hook runs inside a batch
     monkeypatch.setattr(writer, "cpu_values_of_batch", interrupted)
     with pytest.raises(KeyboardInterrupt):
         deferred.save_pretrained(tmp_path / "out", max_shard_size="200KB")
@@ -250,27 +242,27 @@ def test_an_interrupted_save_leaves_no_directory(tmp_path, monkeypatch):
 
 
 def test_a_file_path_writes_nothing_as_eager_does(tmp_path):
-    deferred, _ = _deferred_and_eager()
+    _, deferred = _neox_twins()
     (tmp_path / "file").write_text("kept")
     assert deferred.save_pretrained(tmp_path / "file") is None
     assert (tmp_path / "file").read_text() == "kept" and len(os.listdir(tmp_path)) == 1
 
 
 def test_another_rank_makes_the_directory_and_writes_no_file(tmp_path):
-    deferred, eager = _deferred_and_eager()
+    eager, deferred = _neox_twins()
     deferred.save_pretrained(tmp_path / "deferred", is_main_process=False)
     eager.save_pretrained(tmp_path / "eager", is_main_process=False)
     assert _files(tmp_path / "deferred") == _files(tmp_path / "eager") == {}
 
 
 def test_a_real_model_takes_transformers_own_path(tmp_path):
-    _, eager = _deferred_and_eager()
+    eager, _ = _neox_twins()
     eager.save_pretrained(tmp_path / "out", safe_serialization=False)  # ignored by transformers 5
     assert "model.safetensors" in _files(tmp_path / "out")
 
 
 def test_the_wrapper_keeps_the_signature_and_docstring_and_installs_once():
-    _deferred_and_eager()  # a meta_init block with transformers imported installs it
+    _neox_twins()  # a meta_init block with transformers imported installs it
     wrapper = transformers.PreTrainedModel.save_pretrained
     install_save_pretrained()
     assert transformers.PreTrainedModel.save_pretrained is wrapper
@@ -281,7 +273,7 @@ def test_the_wrapper_keeps_the_signature_and_docstring_and_installs_once():
 
 
 def test_saving_adds_nothing_to_the_model_instance(tmp_path):
-    deferred, _ = _deferred_and_eager()
+    _, deferred = _neox_twins()
     before = set(vars(deferred))
     deferred.save_pretrained(tmp_path / "out")
     assert set(vars(deferred)) == before

@@ -8,12 +8,12 @@ from pathlib import Path
 
 import pytest
 import torch
+from _twins import eager_and_deferred
 from safetensors.torch import load_file
 from torch import nn
 
 from jupyter_metainit import is_deferred, materialize
 from jupyter_metainit.save import save
-from tests._twins import eager_and_deferred
 
 _WRITER = __import__("jupyter_metainit.save.writer", fromlist=["writer"])
 
@@ -43,6 +43,7 @@ def _edited_after_materializing(part: str) -> tuple[nn.Module, nn.Module]:
 def _write_path(monkeypatch, path: str) -> None:
     """Make ``save`` write the ``path`` way (as ``test_save``): O_DIRECT where the file system
     takes it (here), else the files mapped, else pwrite."""
+    # internal probes, no setting chooses a write path: each turned off in turn
     if path != "direct":
         monkeypatch.setattr(_WRITER, "can_write_direct", lambda: False)
     if path == "pwrite":

@@ -8,6 +8,7 @@ import warnings
 
 import pytest
 import torch
+from _twins import eager_and_deferred
 from torch import nn
 
 from jupyter_metainit import dry_run, materialize, meta_init, place
@@ -68,15 +69,6 @@ class WhisperLike(nn.Module):
         return self.proj(x).softmax(-1)
 
 
-def _eager_and_deferred(build, seed: int = 0) -> tuple[nn.Module, nn.Module]:
-    torch.manual_seed(seed)
-    eager = build()
-    torch.manual_seed(seed)
-    with meta_init():
-        deferred = build()
-    return eager, deferred
-
-
 def _assert_same_sparse(got: torch.Tensor, expected: torch.Tensor) -> None:
     assert got.layout == expected.layout
     assert torch.equal(got.to_dense(), expected.to_dense())
@@ -91,19 +83,19 @@ def _assert_same_sparse(got: torch.Tensor, expected: torch.Tensor) -> None:
 
 
 def test_dry_run_of_a_model_with_a_sparse_buffer_its_forward_never_reads_runs():
-    _, model = _eager_and_deferred(WhisperLike)
+    _, model = eager_and_deferred(WhisperLike)
     table = dry_run(model, torch.randn(2, 16))
     assert table.loc["proj", "output_shape"] == (2, 16)
     assert model.alignment_heads.layout == torch.sparse_coo  # left as it was
 
 
 def test_place_of_a_model_with_a_sparse_buffer_its_forward_never_reads_fits():
-    _, model = _eager_and_deferred(WhisperLike)
+    _, model = eager_and_deferred(WhisperLike)
     assert place(model, {"cpu": "1GiB"}, inputs=[(2, 16)]).fits
 
 
 def test_sparse_coo_adjacency_built_in_init_materializes_as_eager():
-    eager, model = _eager_and_deferred(GraphConv)
+    eager, model = eager_and_deferred(GraphConv)
     materialize(model)
     _assert_same_sparse(model.adj, eager.adj)
     for name, p in eager.named_parameters():
@@ -113,7 +105,7 @@ def test_sparse_coo_adjacency_built_in_init_materializes_as_eager():
 
 
 def test_sparse_csr_adjacency_built_in_init_materializes_as_eager():
-    eager, model = _eager_and_deferred(lambda: GraphConv(torch.sparse_csr))
+    eager, model = eager_and_deferred(lambda: GraphConv(torch.sparse_csr))
     materialize(model)
     _assert_same_sparse(model.adj, eager.adj)
     x = torch.randn(NODES, FEATURES)
@@ -132,7 +124,7 @@ def test_building_a_random_sparse_graph_leaves_the_generator_where_eager_does():
 
 @pytest.mark.parametrize("layout", [torch.sparse_coo, torch.sparse_csr], ids=["coo", "csr"])
 def test_dry_run_of_a_graph_model_reading_its_sparse_adjacency_gives_eager_shapes(layout):
-    _, model = _eager_and_deferred(lambda: GraphConv(layout))
+    _, model = eager_and_deferred(lambda: GraphConv(layout))
     table = dry_run(model, (NODES, FEATURES))
     assert table.loc["", "output_shape"] == (NODES, 4)
     assert table.loc["lin1", "output_shape"] == (NODES, 16)
@@ -153,7 +145,7 @@ class _Precomputed(GraphConv):
 
 
 def test_dense_tensors_computed_in_init_from_a_sparse_adjacency_materialize_exactly():
-    eager, model = _eager_and_deferred(_Precomputed)
+    eager, model = eager_and_deferred(_Precomputed)
     assert isinstance(model.smoothed, DeferredTensor)
     assert model.smoothed.stride() == eager.smoothed.stride()
     materialize(model)

@@ -8,6 +8,7 @@ import torch
 from jupyter_metainit import materialize, meta_init
 from jupyter_metainit.core.rng import split_fill as _split_fill
 from jupyter_metainit.core.rng.split_fill import MIN_CHUNK, split_fill
+from jupyter_metainit.core.runtime.pool import CORES_VARIABLE
 
 aten = torch.ops.aten
 N = 2 * MIN_CHUNK + 16 * 1000 + 7  # not a multiple of 16: normal_ redraws its last block
@@ -37,6 +38,7 @@ def test_small_or_strided_fills_are_left_to_the_serial_kernel():
 
 def test_a_large_fill_on_one_core_is_made_in_steps_equal_to_the_serial_fill(monkeypatch):
     # one thread (a replay's group on the pool): still in steps, so that it reports and stops
+    # internal size, no setting: steps on a small tensor
     monkeypatch.setattr(_split_fill, "STEP_ELEMENTS", 16 * 1000)
     serial, stepped = torch.empty(N), torch.empty(N)
     a, b = torch.Generator().manual_seed(4), torch.Generator().manual_seed(4)
@@ -53,7 +55,7 @@ def test_a_large_fill_on_one_core_is_made_in_steps_equal_to_the_serial_fill(monk
 
 
 def test_exact_materialization_splits_large_fills_and_equals_eager(monkeypatch):
-    monkeypatch.setattr(_split_fill, "available_cores", lambda: 2)
+    monkeypatch.setenv(CORES_VARIABLE, "2")
     calls = []
     real = _split_fill._fill_in_chunks
 
@@ -62,6 +64,7 @@ def test_exact_materialization_splits_large_fills_and_equals_eager(monkeypatch):
             calls.append(len(bounds))
         return real(target, fill, generator, bounds, per_element, parallel, *rest)
 
+    # internal spy: nothing public says how a fill was cut
     monkeypatch.setattr(_split_fill, "_fill_in_chunks", counting)
     torch.manual_seed(0)
     eager = torch.nn.Linear(4096, 2100)
@@ -97,6 +100,7 @@ def test_a_shard_is_generated_alone_and_exactly(rank, monkeypatch):
         regions.append(done)
         return done
 
+    # internal spy: nothing public says which region a fill made
     monkeypatch.setattr("jupyter_metainit.core.replay.random_modes.fill_region", spy)
     torch.manual_seed(0)
     eager = torch.nn.Linear(4096, 2001)
@@ -127,6 +131,7 @@ def test_a_copied_shard_is_generated_straight_into_its_memory(rng, monkeypatch):
         fused.append(done)
         return done
 
+    # internal spy: nothing public says which region a fill made
     monkeypatch.setattr("jupyter_metainit.core.replay.shards.fill_region_into", spy)
     torch.manual_seed(0)
     with meta_init():
@@ -160,6 +165,7 @@ def test_a_copied_shard_is_generated_straight_into_its_memory(rng, monkeypatch):
 def test_a_slice_filled_through_pieces_equals_the_whole_fill(
     dtype, func, args, n, first, length, monkeypatch
 ):
+    # internal sizes, no setting:
     monkeypatch.setattr(_split_fill, "MIN_CHUNK", 64)  # several spans and pieces on small sizes
     monkeypatch.setattr(_split_fill, "SCRATCH_ELEMENTS", 64)
     whole = torch.empty(n, dtype=dtype)

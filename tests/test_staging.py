@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _twins import deferred
 from safetensors.torch import load_file
 from torch import nn
 
@@ -28,16 +29,12 @@ transformers = pytest.importorskip("transformers")
 from tests._models import llama_config  # noqa: E402
 
 
-def _deferred_mlp(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    with meta_init():
-        return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
+def _mlp() -> nn.Module:
+    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
 
 
-def _deferred_llama(seed: int = 0) -> nn.Module:
-    torch.manual_seed(seed)
-    with meta_init():
-        return transformers.LlamaForCausalLM(llama_config(tie_word_embeddings=False))
+def _llama() -> nn.Module:
+    return transformers.LlamaForCausalLM(llama_config(tie_word_embeddings=False))
 
 
 def _cancel_at_first_report(done: int, total: int) -> None:
@@ -48,7 +45,7 @@ def _cancel_at_first_report(done: int, total: int) -> None:
 def test_a_save_into_a_directory_keeps_the_files_that_are_not_its_own(tmp_path, fmt):
     (tmp_path / "train.py").write_text("print('mine')")
     (tmp_path / "data").mkdir()
-    save(_deferred_mlp(), tmp_path, format=fmt)
+    save(deferred(_mlp), tmp_path, format=fmt)
     assert (tmp_path / "train.py").read_text() == "print('mine')"
     assert (tmp_path / "data").is_dir()
 
@@ -56,9 +53,9 @@ def test_a_save_into_a_directory_keeps_the_files_that_are_not_its_own(tmp_path, 
 def test_a_dcp_save_replaces_an_earlier_dcp_checkpoint_in_the_directory(tmp_path):
     import torch.distributed.checkpoint as dcp
 
-    save(_deferred_mlp(seed=1), tmp_path, format="dcp")
+    save(deferred(_mlp, seed=1), tmp_path, format="dcp")
     (tmp_path / "__9_9.distcp").write_bytes(b"an earlier save's shard")
-    save(_deferred_mlp(seed=2), tmp_path, format="dcp")
+    save(deferred(_mlp, seed=2), tmp_path, format="dcp")
     assert not (tmp_path / "__9_9.distcp").exists()
     torch.manual_seed(2)
     eager = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 8))
@@ -70,7 +67,7 @@ def test_a_dcp_save_replaces_an_earlier_dcp_checkpoint_in_the_directory(tmp_path
 def test_the_staging_directory_is_inside_the_destination(tmp_path):
     seen: list[list[str]] = []
     destination = tmp_path / "ckpt"
-    save(_deferred_mlp(), destination, progress=lambda d, t: seen.append(os.listdir(destination)))
+    save(deferred(_mlp), destination, progress=lambda d, t: seen.append(os.listdir(destination)))
     assert seen and all(any(n.startswith(".saving-") for n in names) for names in seen)
     assert os.listdir(tmp_path) == ["ckpt"]
     assert not any(n.startswith(".saving-") for n in os.listdir(destination))
@@ -79,22 +76,22 @@ def test_the_staging_directory_is_inside_the_destination(tmp_path):
 @pytest.mark.parametrize("fmt", ["safetensors", "dcp"])
 def test_a_failed_save_into_a_new_directory_leaves_no_directory(tmp_path, fmt):
     with pytest.raises(KeyboardInterrupt):
-        save(_deferred_mlp(), tmp_path / "new", format=fmt, progress=_cancel_at_first_report)
+        save(deferred(_mlp), tmp_path / "new", format=fmt, progress=_cancel_at_first_report)
     assert os.listdir(tmp_path) == []
 
 
 def test_a_failed_save_into_a_checkpoint_leaves_its_files_as_they_were(tmp_path):
-    save(_deferred_mlp(seed=1), tmp_path)
+    save(deferred(_mlp, seed=1), tmp_path)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     with pytest.raises(KeyboardInterrupt):
-        save(_deferred_mlp(seed=2), tmp_path, progress=_cancel_at_first_report)
+        save(deferred(_mlp, seed=2), tmp_path, progress=_cancel_at_first_report)
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
 
 
 def test_a_sharded_save_over_a_single_file_removes_the_single_file(tmp_path):
     # from_pretrained prefers model.safetensors: left there, it would load the earlier model
-    save(_deferred_llama(seed=1), tmp_path)
-    newer = _deferred_llama(seed=2)
+    save(deferred(_llama, seed=1), tmp_path)
+    newer = deferred(_llama, seed=2)
     save(newer, tmp_path, max_shard_size="100KB")
     assert not (tmp_path / "model.safetensors").exists()
     loaded = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
@@ -103,27 +100,27 @@ def test_a_sharded_save_over_a_single_file_removes_the_single_file(tmp_path):
 
 
 def test_save_pretrained_sharded_over_a_single_file_removes_the_single_file(tmp_path):
-    _deferred_llama(seed=1).save_pretrained(tmp_path)
-    _deferred_llama(seed=2).save_pretrained(tmp_path, max_shard_size="100KB")
+    deferred(_llama, seed=1).save_pretrained(tmp_path)
+    deferred(_llama, seed=2).save_pretrained(tmp_path, max_shard_size="100KB")
     assert not (tmp_path / "model.safetensors").exists()
     assert (tmp_path / "model.safetensors.index.json").exists()
 
 
 def test_save_pretrained_of_one_file_over_shards_removes_their_index(tmp_path):
-    _deferred_llama(seed=1).save_pretrained(tmp_path, max_shard_size="100KB")
-    _deferred_llama(seed=2).save_pretrained(tmp_path)
+    deferred(_llama, seed=1).save_pretrained(tmp_path, max_shard_size="100KB")
+    deferred(_llama, seed=2).save_pretrained(tmp_path)
     assert sorted(os.listdir(tmp_path)) == [
         "config.json", "generation_config.json", "model.safetensors",
     ]  # fmt: skip
 
 
 def test_a_directory_where_a_checkpoint_file_goes_stops_the_save_before_anything_moves(tmp_path):
-    save(_deferred_mlp(seed=1), tmp_path)
+    save(deferred(_mlp, seed=1), tmp_path)
     (tmp_path / "model.safetensors").unlink()
     (tmp_path / "model.safetensors").mkdir()
     before = sorted(os.listdir(tmp_path))
     with pytest.raises(IsADirectoryError, match="Nothing was replaced"):
-        save(_deferred_mlp(seed=2), tmp_path)
+        save(deferred(_mlp, seed=2), tmp_path)
     assert sorted(os.listdir(tmp_path)) == before
 
 
@@ -133,7 +130,7 @@ _CUT_SHORT = [PermissionError(1, "Operation not permitted"), KeyboardInterrupt()
 @pytest.mark.parametrize("failure", _CUT_SHORT, ids=["cannot-move", "ctrl-c"])
 def test_a_publish_cut_short_puts_the_earlier_checkpoint_back_whole(tmp_path, monkeypatch, failure):
     # a shard that cannot be replaced (immutable, another owner's) or Ctrl-C while files move
-    save(_deferred_llama(seed=1), tmp_path, max_shard_size="100KB")
+    save(deferred(_llama, seed=1), tmp_path, max_shard_size="100KB")
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     real_replace, calls = os.replace, []
 
@@ -143,9 +140,10 @@ def test_a_publish_cut_short_puts_the_earlier_checkpoint_back_whole(tmp_path, mo
             raise failure
         real_replace(src, dst)
 
+    # outside the package (fault injection): the os fails a rename
     monkeypatch.setattr(os, "replace", replace_failing_at_the_fourth)
     with pytest.raises(type(failure)) as caught:
-        save(_deferred_llama(seed=2), tmp_path, max_shard_size="100KB")
+        save(deferred(_llama, seed=2), tmp_path, max_shard_size="100KB")
     monkeypatch.undo()
     assert {p.name: p.read_bytes() for p in tmp_path.iterdir()} == before
     assert ".saving" not in str(caught.value)
@@ -153,19 +151,19 @@ def test_a_publish_cut_short_puts_the_earlier_checkpoint_back_whole(tmp_path, mo
 
 def test_a_failed_save_into_new_nested_directories_removes_every_one_it_made(tmp_path):
     with pytest.raises(KeyboardInterrupt):
-        save(_deferred_mlp(), tmp_path / "a" / "b" / "c", progress=_cancel_at_first_report)
+        save(deferred(_mlp), tmp_path / "a" / "b" / "c", progress=_cancel_at_first_report)
     assert os.listdir(tmp_path) == []
 
 
 def test_a_link_to_a_missing_directory_is_refused_before_any_work(tmp_path):
     (tmp_path / "ckpt").symlink_to(tmp_path / "gone")
     with pytest.raises(FileNotFoundError, match="does not exist"):
-        save(_deferred_mlp(), tmp_path / "ckpt")
+        save(deferred(_mlp), tmp_path / "ckpt")
     assert sorted(os.listdir(tmp_path)) == ["ckpt"]
 
 
 def test_a_save_pretrained_leaves_another_variants_shards(tmp_path):
-    model = _deferred_llama(seed=1)
+    model = deferred(_llama, seed=1)
     model.save_pretrained(tmp_path, max_shard_size="100KB", variant="fp16")
     variant = sorted(os.listdir(tmp_path))
     model.save_pretrained(tmp_path, max_shard_size="100KB")
@@ -174,7 +172,7 @@ def test_a_save_pretrained_leaves_another_variants_shards(tmp_path):
 
 def test_a_non_floating_dtype_is_refused_before_any_work(tmp_path):
     with pytest.raises(ValueError, match="not one"):
-        save(_deferred_mlp(), tmp_path / "int8", dtype=torch.int8)
+        save(deferred(_mlp), tmp_path / "int8", dtype=torch.int8)
     assert os.listdir(tmp_path) == []
 
 
@@ -189,7 +187,7 @@ def test_a_full_disk_is_said_with_the_directory_and_the_size(tmp_path):
         pytest.skip("mounting a tmpfs needs root and CAP_SYS_ADMIN")
     try:
         with pytest.raises(OSError, match=f"no space left on the device of {volume}"):
-            save(_deferred_llama(), volume)
+            save(deferred(_llama), volume)
         assert os.listdir(volume) == []
     finally:
         subprocess.run(["umount", "--lazy", str(volume)], check=False)
@@ -228,7 +226,7 @@ def test_a_dcp_save_on_a_full_disk_says_so_with_the_sizes(tmp_path):
 def test_a_new_checkpoint_directory_gets_the_permissions_of_the_umask(tmp_path):
     umask = os.umask(0o022)
     try:
-        save(_deferred_mlp(), tmp_path / "shared")
+        save(deferred(_mlp), tmp_path / "shared")
     finally:
         os.umask(umask)
     assert stat.S_IMODE(os.stat(tmp_path / "shared").st_mode) == 0o755
@@ -237,12 +235,12 @@ def test_a_new_checkpoint_directory_gets_the_permissions_of_the_umask(tmp_path):
 def test_an_empty_path_is_refused_before_any_work(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     with pytest.raises(ValueError, match="empty path"):
-        save(_deferred_mlp(), "")
+        save(deferred(_mlp), "")
     assert os.listdir(tmp_path) == []
 
 
 def test_saving_a_model_back_over_the_files_it_is_read_from_is_refused(tmp_path):
-    _deferred_llama(seed=1).save_pretrained(tmp_path)
+    deferred(_llama, seed=1).save_pretrained(tmp_path)
     before = {p.name: p.read_bytes() for p in tmp_path.iterdir()}
     with meta_init():
         opened = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
@@ -256,7 +254,7 @@ def test_saving_a_model_back_over_the_files_it_is_read_from_is_refused(tmp_path)
 
 
 def test_a_model_materialized_from_its_files_can_be_saved_back_over_them(tmp_path):
-    original = _deferred_llama(seed=1)
+    original = deferred(_llama, seed=1)
     original.save_pretrained(tmp_path)
     with meta_init():
         opened = transformers.LlamaForCausalLM.from_pretrained(tmp_path)
@@ -281,8 +279,8 @@ def test_a_save_into_a_mounted_volume_replaces_its_checkpoint(tmp_path):
     if not _mount_tmpfs(volume):
         pytest.skip("mounting a tmpfs needs root and CAP_SYS_ADMIN")
     try:
-        save(_deferred_llama(seed=1), volume, max_shard_size="100KB")
-        newer = _deferred_llama(seed=2)
+        save(deferred(_llama, seed=1), volume, max_shard_size="100KB")
+        newer = deferred(_llama, seed=2)
         save(newer, volume)
         assert sorted(os.listdir(volume)) == [
             "config.json", "generation_config.json", "model.safetensors",
@@ -346,14 +344,14 @@ def test_a_save_removes_the_staging_directory_a_save_killed_with_sigkill_left(tm
         child.send_signal(signal.SIGKILL)
         child.wait(timeout=60)
     assert left and _staging_names(tmp_path) == left  # a killed save cleans nothing up
-    save(_deferred_mlp(), tmp_path, format=fmt)
+    save(deferred(_mlp), tmp_path, format=fmt)
     assert _staging_names(tmp_path) == []
 
 
 def test_a_save_leaves_the_staging_directory_of_a_running_save_alone(tmp_path):
     with _save_in_another_process(tmp_path, "safetensors"):
         running = _staging_names(tmp_path)
-        save(_deferred_mlp(), tmp_path)
+        save(deferred(_mlp), tmp_path)
         assert running and _staging_names(tmp_path) == running
         assert set(load_file(tmp_path / "model.safetensors")) == {"0.weight", "0.bias",
                                                                   "2.weight", "2.bias"}  # fmt: skip
@@ -364,7 +362,7 @@ def test_a_dcp_save_while_another_writes_the_directory_is_refused_and_harms_noth
         running = _staging_names(tmp_path)
         files = sorted(os.listdir(tmp_path / running[0]))
         with pytest.raises(FileExistsError, match=r"another save is writing into .* now"):
-            save(_deferred_mlp(), tmp_path, format="dcp")
+            save(deferred(_mlp), tmp_path, format="dcp")
         assert sorted(os.listdir(tmp_path / running[0])) == files
 
 
@@ -375,7 +373,7 @@ def test_a_staging_directory_without_an_owner_is_removed_only_once_old(tmp_path)
         (tmp_path / name / "model.safetensors").write_bytes(b"half written")
     long_ago = time.time() - 2 * 3600
     os.utime(tmp_path / ".saving-abcd1234", (long_ago, long_ago))
-    save(_deferred_mlp(), tmp_path)
+    save(deferred(_mlp), tmp_path)
     assert _staging_names(tmp_path) == [".saving-wxyz_789"]
 
 
@@ -394,5 +392,5 @@ def test_directories_named_like_staging_that_are_not_ours_stay(tmp_path):
     for name in names:
         os.utime(tmp_path / name, (long_ago, long_ago))
     (tmp_path / ".saving-abcd1234").write_text("a file, not a directory")
-    save(_deferred_mlp(), tmp_path)
+    save(deferred(_mlp), tmp_path)
     assert _staging_names(tmp_path) == sorted([*names, ".saving-abcd1234"])

@@ -19,8 +19,9 @@ from jupyter_metainit.inspection import pipeline
 
 transformers = pytest.importorskip("transformers")
 
+from _twins import eager_and_deferred  # noqa: E402
+
 from tests._models import llama_config  # noqa: E402
-from tests._twins import eager_and_deferred  # noqa: E402
 
 EXACT = ("numel", "min", "max", "absmax", "zeros", "nan", "inf")
 CLOSE = ("mean", "std", "l2")
@@ -192,6 +193,7 @@ def test_progress_ends_at_the_total_bytes():
 
 
 def test_a_cancelling_progress_callback_stops_and_leaves_the_model_deferred(monkeypatch):
+    # internal size, no setting:
     monkeypatch.setattr(pipeline, "BATCH_BYTES", 1 << 10)  # many batches: cancel in the middle
     eager, deferred = eager_and_deferred(_llama)
     calls = []
@@ -208,6 +210,7 @@ def test_a_cancelling_progress_callback_stops_and_leaves_the_model_deferred(monk
 
 
 def test_many_small_batches_give_the_same_statistics(monkeypatch):
+    # internal size, no setting:
     monkeypatch.setattr(pipeline, "BATCH_BYTES", 1 << 10)  # two batches alive, buffers reused
     eager, deferred = eager_and_deferred(_llama)
     assert_matches(stats(deferred), _untied_state(eager))

@@ -6,16 +6,16 @@ import itertools
 
 import pytest
 import torch
+from _twins import eager_and_deferred
 from torch import nn
 
 from jupyter_metainit.core import values_to_write
-from jupyter_metainit.core.replay import run as run_module
 from jupyter_metainit.core.replay import stream_fills
 from jupyter_metainit.core.rng import stream_fill
 from jupyter_metainit.core.rng.draws import draws_per_element
 from jupyter_metainit.core.rng.split_fill import ALIGN
 from jupyter_metainit.core.rng.stream_fill import StreamFill, fill_stream
-from tests._twins import eager_and_deferred
+from jupyter_metainit.core.runtime.pool import CORES_VARIABLE
 
 aten = torch.ops.aten
 
@@ -78,7 +78,8 @@ def test_the_cuts_fall_on_the_kernels_blocks_and_cover_every_element():
 def _streams_counted(monkeypatch) -> list[int]:
     """Three cores and no size floor for the stream path; the returned list gets the number of
     fills of each run of fills cut across the cores."""
-    monkeypatch.setattr(run_module, "available_cores", lambda: 3)
+    monkeypatch.setenv(CORES_VARIABLE, "3")
+    # internal size and spy, no setting: small fills take the stream path, counted
     monkeypatch.setattr(stream_fills, "MIN_STREAM_ELEMENTS", 1)
     used: list[int] = []
     real_fill_stream = stream_fills.fill_stream
@@ -111,6 +112,7 @@ def test_values_to_write_of_a_batch_cuts_its_fills_across_cores_and_equals_eager
 
 
 def test_parts_are_reported_final_while_the_rest_is_generated(monkeypatch):
+    # internal size, no setting: several reports on a small fill
     monkeypatch.setattr(stream_fill, "REPORT_ELEMENTS", 1000)
     gen = torch.Generator().manual_seed(2)
     serial = [torch.empty(n, dtype=torch.bfloat16).normal_(generator=gen) for n in (5000, 333)]

@@ -7,6 +7,7 @@ import weakref
 
 import pytest
 import torch
+from _twins import deferred, eager_and_deferred
 from torch import nn
 
 from jupyter_metainit import dematerialize, is_deferred, materialize, meta_init
@@ -34,11 +35,10 @@ class Net(nn.Module):
 
 
 def _model(kind: str, **materialize_options) -> Net:
-    torch.manual_seed(0)
     if kind == "eager":
+        torch.manual_seed(0)
         return Net()
-    with meta_init():
-        model = Net()
+    model = deferred(Net)
     if kind == "materialized":
         materialize(model, **materialize_options)
     return model
@@ -167,11 +167,7 @@ class WithView(nn.Module):
 
 
 def test_a_deferred_view_of_memory_swapped_out_stays_a_view_of_that_memory_as_in_eager():
-    torch.manual_seed(0)
-    eager = WithView()
-    torch.manual_seed(0)
-    with meta_init():
-        model = WithView()
+    eager, model = eager_and_deferred(WithView)
     materialize(model.w)
     other = nn.Parameter(torch.zeros(3, 4))
     torch.utils.swap_tensors(model.w, other)

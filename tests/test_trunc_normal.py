@@ -6,26 +6,21 @@ import warnings
 
 import pytest
 import torch
+from _twins import eager_and_deferred
 from torch import nn
 
 from jupyter_metainit import materialize, meta_init
-from jupyter_metainit.core.record import trunc_normal as _trunc_normal
-from jupyter_metainit.core.rng import streams as _rng
+from jupyter_metainit.core.record import trunc_normal
+from jupyter_metainit.core.rng import streams
 
 aten = torch.ops.aten
 
 
 def _both(init, shape=(48, 20), dtype=torch.float32, seed=0):
     """``init(tensor)`` eagerly and deferred, then a draw after it; (eager, deferred) pairs."""
-    torch.manual_seed(seed)
-    eager = init(torch.empty(shape, dtype=dtype))
-    eager_after = torch.rand(5)
-    eager_state = torch.get_rng_state()
-    torch.manual_seed(seed)
-    with meta_init():
-        deferred = init(torch.empty(shape, dtype=dtype))
-        deferred_after = torch.rand(5)
-    assert torch.equal(torch.get_rng_state(), eager_state)
+    (eager, eager_after), (deferred, deferred_after) = eager_and_deferred(
+        lambda: (init(torch.empty(shape, dtype=dtype)), torch.rand(5)), seed=seed
+    )  # asserts the generator's state after both, too
     writes = _writes(deferred)
     return (eager, materialize(deferred)), (eager_after, materialize(deferred_after)), writes
 
@@ -35,7 +30,7 @@ def _writes(t):
 
 
 def test_the_implementation_is_verified_on_this_torch():
-    assert _trunc_normal._implementation_verified()
+    assert trunc_normal._implementation_verified()
 
 
 def test_the_usual_bounds_record_one_normal_and_no_read():
@@ -57,7 +52,7 @@ def test_bounds_no_normal_value_reaches_cost_no_random_work_at_build():
     with meta_init():
         w = nn.init.trunc_normal_(torch.empty(64, 32), std=0.02)
         # Still pending: no scratch draw brought the generator to an exact state.
-        assert _rng._trackers[torch.default_generator._cdata].pending == w.numel()
+        assert streams._trackers[torch.default_generator._cdata].pending == w.numel()
     assert _writes(w) == [aten.empty.memory_format, aten.normal_.default]
 
 
@@ -75,7 +70,7 @@ def test_a_call_records_its_one_normal_and_nothing_else():
 def test_reachable_bounds_are_read_on_scratch_and_stay_exact(dtype):
     # 6.7 std: reachable, so read, but nothing in this draw is out of bounds.
     init = lambda t: nn.init.trunc_normal_(t, std=0.3)  # noqa: E731
-    assert not _trunc_normal._bounds_unreachable(dtype, 0.0, 0.3, -2.0, 2.0)
+    assert not trunc_normal._bounds_unreachable(dtype, 0.0, 0.3, -2.0, 2.0)
     values, after, writes = _both(init, dtype=dtype)
     assert writes == [aten.empty.memory_format, aten.normal_.default]
     assert torch.equal(*values)
@@ -84,7 +79,7 @@ def test_reachable_bounds_are_read_on_scratch_and_stay_exact(dtype):
 
 def test_a_mean_far_larger_than_std_is_read_and_stays_exact():
     # float32 cannot hold 1e7 + z to a fraction of std: the bounds are read, not assumed
-    assert not _trunc_normal._bounds_unreachable(torch.float32, 1e7, 1.0, 1e7 - 100, 1e7 + 100)
+    assert not trunc_normal._bounds_unreachable(torch.float32, 1e7, 1.0, 1e7 - 100, 1e7 + 100)
     values, after, _ = _both(lambda t: nn.init.trunc_normal_(t, 1e7, 1.0, 1e7 - 100, 1e7 + 100))
     assert torch.equal(*values)
     assert torch.equal(*after)
@@ -152,5 +147,5 @@ def test_the_weights_of_a_model_equal_eager_after_partial_materialization():
 
 def test_outside_meta_init_pytorchs_function_is_back():
     with meta_init():
-        assert nn.init.trunc_normal_ is _trunc_normal.trunc_normal_
-    assert nn.init.trunc_normal_ is _trunc_normal._original
+        assert nn.init.trunc_normal_ is trunc_normal.trunc_normal_
+    assert nn.init.trunc_normal_ is trunc_normal._original

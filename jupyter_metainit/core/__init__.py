@@ -62,6 +62,10 @@ from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.replay import Recycler, noting_whole_intermediates, values_to_write
 from jupyter_metainit.core.runtime import events
 from jupyter_metainit.core.runtime.arguments import (
+    ESTIMATE_ONLY_BITS,
+    check_flag,
+    check_floating_dtype,
+    check_progress,
     dtype_name,
     indexed_device,
     missing_device_reason,
@@ -91,9 +95,10 @@ __all__ = [
 
 # The upper layers' face (see the docstring): public names of the core, not listed for users.
 UPPER_LAYER_FACE = (
-    Recycler, at_meta_init_edges, available_memory, busy_with, copy_in_steps,
-    copy_user_attributes, counted_attributes, dtype_name, events, format_bytes, format_count,
-    format_duration, indexed_device, is_out_of_memory, iter_deferred,
+    ESTIMATE_ONLY_BITS, Recycler, at_meta_init_edges, available_memory, busy_with, check_flag,
+    check_floating_dtype, check_progress, copy_in_steps, copy_user_attributes,
+    counted_attributes, dtype_name, events, format_bytes, format_count, format_duration,
+    indexed_device, is_out_of_memory, iter_deferred,
     local_tensor, missing_device_reason, named_tensors, noting_whole_intermediates, own_tensors,
     parse_device, parse_dtype, parse_size, plain, progress_callback, source_files, storage_of,
     telling, unique_tensors, values_to_write,

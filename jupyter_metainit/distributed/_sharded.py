@@ -27,6 +27,7 @@ import torch
 
 from jupyter_metainit.core import (
     DeferredTensor,
+    check_progress,
     format_bytes,
     iter_deferred,
     local_tensor,
@@ -36,7 +37,7 @@ from jupyter_metainit.core import (
     own_tensors,
     progress_callback,
 )
-from jupyter_metainit.core.errors import ArgumentError, MaterializationError
+from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError, MaterializationError
 
 if TYPE_CHECKING:
     from torch.distributed.device_mesh import DeviceMesh
@@ -128,19 +129,19 @@ def _apply_placement(module: torch.nn.Module, mesh: Any, placement: Any) -> None
     as one would by hand; a model whose units are all sharded already is left as it is."""
     strategy = getattr(placement, "strategy", None)
     if strategy != "fsdp":
-        raise ValueError(
+        raise ArgumentError(
             f"placement= takes a plan made with place(..., strategy='fsdp', world_size=N); this "
             f"one is a {strategy!r} plan, which puts whole parts on devices: use "
             "materialize(model, placement=plan) for it"
         )
     if mesh is None:
-        raise ValueError(
+        raise ArgumentError(
             "materialize_sharded(model, mesh, placement=plan) needs the device mesh the units "
             "are sharded over, e.g. init_device_mesh('cuda', (world_size,))"
         )
     ranks = mesh.size()
     if placement.world_size != ranks:
-        raise ValueError(
+        raise ArgumentError(
             f"the plan is for world_size={placement.world_size} but the mesh has {ranks} ranks: "
             f"plan again with place(..., strategy='fsdp', world_size={ranks})"
         )
@@ -149,7 +150,7 @@ def _apply_placement(module: torch.nn.Module, mesh: Any, placement: Any) -> None
     modules = dict(module.named_modules())
     missing = [name for name in placement.units if name not in modules]
     if missing:
-        raise ValueError(
+        raise ArgumentError(
             f"the plan's units {missing} are not modules of this model: pass the model the plan "
             "was made for"
         )
@@ -158,7 +159,7 @@ def _apply_placement(module: torch.nn.Module, mesh: Any, placement: Any) -> None
     if all(sharded):  # applied before (a call that failed while materializing): finish it
         return
     if any(sharded):
-        raise ValueError(
+        raise ArgumentError(
             "some modules of this model are fully_shard-ed already, but not as the plan says: "
             "pass the plan to an unsharded model, or call materialize_sharded(model) without it"
         )
@@ -268,18 +269,21 @@ def materialize_sharded(
         >>> rendezvous.cleanup()
     """
     if not isinstance(module, torch.nn.Module):
-        raise TypeError(
+        raise ArgumentTypeError(
             "materialize_sharded() takes the sharded model (an nn.Module after fully_shard / "
             f"parallelize_module), not {type(module).__name__}; for single tensors or lists use "
             "jupyter_metainit.materialize"
         )
+    if rng is not None and not isinstance(rng, str):
+        raise ArgumentTypeError(f"rng takes 'exact', 'fast' or None (the default), not {rng!r}")
     if rng not in (None, "exact", "fast"):
         raise ArgumentError(f"rng must be 'exact', 'fast' or None (the default), not {rng!r}")
+    check_progress(progress)
     rng = rng or "exact"
     if placement is not None:
         _apply_placement(module, mesh, placement)
     elif mesh is not None:
-        raise ValueError(
+        raise ArgumentError(
             "mesh= goes with placement= (an FSDP plan from place); a model you fully_shard "
             "yourself needs only materialize_sharded(model)"
         )

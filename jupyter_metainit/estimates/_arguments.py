@@ -12,14 +12,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from jupyter_metainit.core import indexed_device
-from jupyter_metainit.core.errors import ArgumentTypeError
+from jupyter_metainit.core import check_flag, indexed_device
+from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError
 
 __all__ = [
     "check_budget",
     "check_depth",
     "check_device",
+    "check_flag",
     "check_optimizer_bytes",
+    "check_shapes",
     "require_module",
 ]
 
@@ -36,7 +38,7 @@ def require_module(obj: Any, func: str, *, also: str = "") -> nn.Module:
         )
     elif obj is None:
         hint = "; did the cell that builds the model run (and return it)?"
-    raise TypeError(
+    raise ArgumentTypeError(
         f"{func}() takes an nn.Module (a model or a part of it){also}, not "
         f"{type(obj).__name__}{hint}"
     )
@@ -47,23 +49,25 @@ def check_depth(depth: Any) -> int | None:
     if depth is None:
         return None
     if isinstance(depth, bool) or not isinstance(depth, int):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"depth must be an int >= 0 (0: the root only) or None (every row), not {depth!r}"
         )
     if depth < 0:
-        raise ValueError(f"depth must be >= 0 (0: the root only) or None (every row), not {depth}")
+        raise ArgumentError(
+            f"depth must be >= 0 (0: the root only) or None (every row), not {depth}"
+        )
     return depth
 
 
 def check_optimizer_bytes(optimizer: Any) -> None:
     """A number given as ``optimizer=`` is bytes of state per trainable parameter: finite, >= 0."""
     if isinstance(optimizer, bool):
-        raise TypeError(
+        raise ArgumentTypeError(
             "optimizer must be a name ('adam', 'sgd', ...), None, or a number of bytes per "
             f"trainable parameter, not {optimizer!r}"
         )
     if isinstance(optimizer, (int, float)) and not (math.isfinite(optimizer) and optimizer >= 0):
-        raise ValueError(
+        raise ArgumentError(
             f"optimizer={optimizer!r}: a number is the optimizer's state bytes per trainable "
             "parameter and must be >= 0 (Adam: 8, SGD with momentum: 4, SGD: 0)"
         )
@@ -72,9 +76,9 @@ def check_optimizer_bytes(optimizer: Any) -> None:
 def check_budget(limit: Any, given: Any) -> int:
     """A budget in bytes is positive; ``given`` is what the user wrote (for the message)."""
     if isinstance(given, bool):
-        raise TypeError(f"budget must be bytes or a size such as '24GiB', not {given!r}")
+        raise ArgumentTypeError(f"budget must be bytes or a size such as '24GiB', not {given!r}")
     if limit <= 0:
-        raise ValueError(
+        raise ArgumentError(
             f"budget={given!r} is not a memory size: give a positive number of bytes or a size "
             "such as '24GiB' / '80GB' (or leave it out to use the device's free memory)"
         )
@@ -87,3 +91,21 @@ def check_device(device: Any, arg: str = "device") -> torch.device:
     if device is None:
         raise ArgumentTypeError(f"{arg} must be a device such as 'cpu' or 'cuda:0', not None")
     return indexed_device(device, arg)
+
+
+def check_shapes(inputs: Any, arg: str) -> None:
+    """Inputs given as shapes are tuples (or lists, ``torch.Size``) of whole numbers >= 0: a
+    tuple of numbers that is not one (``(1, 8.0)``, ``(True, 8)``, ``()``, ``(1, -8)``) is
+    refused here, naming it, instead of reaching the model as a tuple."""
+    values = inputs.values() if isinstance(inputs, dict) else inputs
+    for value in values:
+        if not isinstance(value, (tuple, list, torch.Size)):
+            continue
+        if not all(isinstance(d, (int, float)) for d in value):
+            continue  # a tuple of tensors or other inputs: the forward's own business
+        if value and all(isinstance(d, int) and not isinstance(d, bool) and d >= 0 for d in value):
+            continue
+        raise ArgumentError(
+            f"{arg}: {value!r} is not a shape: give each input as a tensor or as its shape, a "
+            "tuple of whole numbers >= 0 such as (1, 8) (a scalar input: a 0-d tensor)"
+        )

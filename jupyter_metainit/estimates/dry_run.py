@@ -18,7 +18,7 @@ from torch.nn.parameter import is_lazy
 from torch.utils.flop_counter import FlopCounterMode
 
 from jupyter_metainit.core import dtype_name, meta_init, parse_dtype, tensor_state
-from jupyter_metainit.estimates._arguments import require_module
+from jupyter_metainit.estimates._arguments import check_flag, check_shapes, require_module
 from jupyter_metainit.estimates.forward.activations import ActivationTracker, ModuleStack
 from jupyter_metainit.estimates.forward.answers import Answers
 from jupyter_metainit.estimates.forward.attention import (
@@ -168,6 +168,8 @@ def dry_run(
         2         (8, 1024)             32768   67108864
     """
     require_module(module, "dry_run")
+    check_flag(flops, "flops")
+    check_shapes(example_inputs, "dry_run(example_inputs)")
     run_forward(module, *example_inputs, input_dtype=input_dtype, flops=flops, **kwargs)
     return memory_table(module)
 

@@ -10,6 +10,7 @@ import torch
 from torch import nn
 
 from jupyter_metainit.core import available_memory, meta_init, parse_size
+from jupyter_metainit.core.errors import ArgumentError
 from jupyter_metainit.estimates._arguments import check_budget, check_device, require_module
 from jupyter_metainit.estimates.memory import memory_table
 
@@ -27,15 +28,17 @@ def device_budget(device: str | torch.device) -> int:
     dev = check_device(device)
     if dev.type == "cuda":
         if not torch.cuda.is_available():
-            raise ValueError(f"no CUDA device here to measure {dev}; pass budget= (e.g. '80GiB')")
+            raise ArgumentError(
+                f"no CUDA device here to measure {dev}; pass budget= (e.g. '80GiB')"
+            )
         free, _total = torch.cuda.mem_get_info(dev)
         return int(free)
     if dev.type == "cpu":
         available = available_memory()
         if available is None:
-            raise ValueError("cannot read the available host memory; pass budget=")
+            raise ArgumentError("cannot read the available host memory; pass budget=")
         return available
-    raise ValueError(f"cannot measure free memory of {dev}; pass budget=")
+    raise ArgumentError(f"cannot measure free memory of {dev}; pass budget=")
 
 
 # What a hub name never looks like: a local path (hub names are "org/name").
@@ -56,7 +59,7 @@ def _model_from_path(path: str) -> nn.Module:
     """An empty (deferred) model from a local directory or hub name with a transformers config."""
     local = Path(path).expanduser()
     if local.is_file():
-        raise ValueError(
+        raise ArgumentError(
             f"fits({path!r}): that is a file; pass the model's directory (the one with its "
             "config.json), a hub name such as 'meta-llama/Llama-3.1-8B', or the model object"
         )
@@ -67,7 +70,7 @@ def _model_from_path(path: str) -> nn.Module:
             "object"
         )
     if not local.exists() and not _HUB_NAME.fullmatch(path):  # never asked of the hub
-        raise FileNotFoundError(
+        raise ArgumentError(
             f"fits({path!r}): no directory {path!r} here, and a hub name is 'org/name'; pass "
             "an existing model directory (with a config.json), a hub name such as "
             "'meta-llama/Llama-3.1-8B' (older names are under an org now: 'gpt2' is "

@@ -11,7 +11,8 @@ import re
 
 import torch
 
-from jupyter_metainit.core import dtype_name, parse_dtype
+from jupyter_metainit.core import ESTIMATE_ONLY_BITS, dtype_name, parse_dtype
+from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError
 from jupyter_metainit.estimates._arguments import check_optimizer_bytes
 
 __all__ = ["OPTIMIZER_STATE_BYTES", "optimizer_state_bytes", "whatif_bits"]
@@ -26,14 +27,8 @@ OPTIMIZER_STATE_BYTES: dict[str, float] = {
     "none": 0.0,
 }
 
-# Bits per element of the "what if" dtypes accepted by ``dtype=``: torch's floating dtypes by
-# any name ``parse_dtype`` reads, plus sizes torch has no dtype for (quantized weights).
-_WHATIF_ONLY_BITS: dict[str, int] = {
-    "float8": 8,
-    "fp8": 8,
-    "int4": 4,
-    "nf4": 4,
-}
+# The "what if" dtypes accepted by ``dtype=``: torch's dtypes by any name ``parse_dtype`` reads,
+# plus the core's estimate-only sizes (quantized weights; Note [One argument policy]).
 _WHATIF_CANONICAL = {"fp8": "float8", "nf4": "int4"}
 
 
@@ -46,17 +41,11 @@ def whatif_bits(dtype: torch.dtype | str | None) -> tuple[int | None, str | None
         # torch's sub-byte dtypes (int1..int7, uint1..uint7) report one byte per element
         sub_byte = re.fullmatch(r"u?int([1-7])", name)
         return (int(sub_byte.group(1)) if sub_byte else dtype.itemsize * 8), name
-    key = str(dtype).lower().removeprefix("torch.")
-    if key in _WHATIF_ONLY_BITS:
-        return _WHATIF_ONLY_BITS[key], _WHATIF_CANONICAL.get(key, key)
-    try:  # any torch dtype by name or alias ("bf16", "half", "double", "torch.int16")
-        return whatif_bits(parse_dtype(dtype))
-    except (TypeError, ValueError):
-        pass
-    known = sorted({*_WHATIF_ONLY_BITS, "float64", "fp64", "float32", "fp32", "bfloat16",
-                    "bf16", "float16", "fp16", "half", "float8_e4m3fn", "float8_e5m2",
-                    "int8"})  # fmt: skip
-    raise ValueError(f"unknown dtype {dtype!r}; use a torch.dtype or one of {known}")
+    key = dtype.strip().lower().removeprefix("torch.") if isinstance(dtype, str) else None
+    if key in ESTIMATE_ONLY_BITS:
+        return ESTIMATE_ONLY_BITS[key], _WHATIF_CANONICAL.get(key, key)
+    # any torch dtype by name or alias ("bf16", "half", "torch.int16"); else parse_dtype's error
+    return whatif_bits(parse_dtype(dtype))
 
 
 def optimizer_state_bytes(optimizer: str | float | None) -> float:
@@ -67,13 +56,13 @@ def optimizer_state_bytes(optimizer: str | float | None) -> float:
     if isinstance(optimizer, (int, float)):
         return float(optimizer)
     if not isinstance(optimizer, str):
-        raise TypeError(
+        raise ArgumentTypeError(
             f"optimizer must be one of {sorted(OPTIMIZER_STATE_BYTES)}, None, or a number of "
             f"bytes per trainable parameter, not {optimizer!r}"
         )
     key = optimizer.lower()
     if key not in OPTIMIZER_STATE_BYTES:
-        raise ValueError(
+        raise ArgumentError(
             f"unknown optimizer {optimizer!r}; use one of {sorted(OPTIMIZER_STATE_BYTES)} "
             "or a number of bytes per trainable parameter"
         )

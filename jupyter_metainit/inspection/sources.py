@@ -29,6 +29,7 @@ from jupyter_metainit.core import (
     tensor_state,
     values_to_write,
 )
+from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError
 
 __all__ = ["Entry", "Source", "open_source"]
 
@@ -80,13 +81,13 @@ class TensorSource(Source):
         entries: list[Entry] = []
         for name, t in tensors.items():
             if not isinstance(t, torch.Tensor):
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"{what} takes a dict of tensors; {name!r} holds {type(t).__name__}: leave "
                     "it out, or pass the module"
                 )
             state = tensor_state(t)
             if state in ("meta", "uninitialized"):
-                raise ValueError(
+                raise ArgumentError(
                     f"{name} has no values to read: it is {state} (on PyTorch's meta device "
                     "with no recording, or a lazy module's parameter before its first forward "
                     "pass); build the model inside jupyter_metainit.meta_init(), or leave it out"
@@ -183,7 +184,7 @@ def _open_path(path: str, what: str) -> Source:
         return DcpSource(path)
     files = _safetensors_files(path)
     if files is None:
-        raise ValueError(
+        raise ArgumentError(
             f"{what}: {path!r} holds no checkpoint: give a .safetensors file, a sharded "
             "checkpoint's index JSON or its directory, or a torch.distributed.checkpoint "
             "directory"
@@ -245,7 +246,7 @@ def open_source(obj: Any, what: str) -> Source:
         return TensorSource(dict(obj), what)
     if isinstance(obj, (str, os.PathLike)):
         return _open_path(os.fspath(obj), what)
-    raise TypeError(
+    raise ArgumentTypeError(
         f"{what} takes a module, a dict of tensors (a state dict) or a checkpoint path (a "
         f"safetensors file or directory, a DCP directory); got {type(obj).__name__}"
     )

@@ -12,6 +12,7 @@ import pandas as pd
 import torch
 
 from jupyter_metainit.core import dtype_name
+from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError
 from jupyter_metainit.inspection.moments import (
     Moments,
     chunk_histogram,
@@ -113,8 +114,10 @@ def stats(
         >>> is_deferred(model)
         True
     """
+    if not isinstance(per, str):
+        raise ArgumentTypeError(f"per= takes 'tensor' or 'module', not {per!r}")
     if per not in _PER:
-        raise ValueError(f"per= takes 'tensor' or 'module', not {per!r}")
+        raise ArgumentError(f"per= takes 'tensor' or 'module', not {per!r}")
     _check_options(per, bins, depth)
     source = open_source(obj, "stats()")
     entries = list(source.entries.values())
@@ -130,15 +133,21 @@ def stats(
 
 def _check_options(per: str, bins: Any, depth: Any) -> None:
     if bins is not None:
+        if isinstance(bins, bool) or not isinstance(bins, int):
+            raise ArgumentTypeError(
+                f"bins= takes a whole number from 1 to {_MAX_BINS}, not {bins!r}"
+            )
         if per != "tensor":
-            raise ValueError("bins= gives a histogram per tensor: use it with per='tensor'")
-        if isinstance(bins, bool) or not isinstance(bins, int) or not 1 <= bins <= _MAX_BINS:
-            raise ValueError(f"bins= takes a whole number from 1 to {_MAX_BINS}, not {bins!r}")
+            raise ArgumentError("bins= gives a histogram per tensor: use it with per='tensor'")
+        if not 1 <= bins <= _MAX_BINS:
+            raise ArgumentError(f"bins= takes a whole number from 1 to {_MAX_BINS}, not {bins!r}")
     if depth is not None:
+        if isinstance(depth, bool) or not isinstance(depth, int):
+            raise ArgumentTypeError(f"depth= takes a whole number, 0 or more, not {depth!r}")
         if per != "module":
-            raise ValueError("depth= chooses module rows: use it with per='module'")
-        if isinstance(depth, bool) or not isinstance(depth, int) or depth < 0:
-            raise ValueError(f"depth= takes a whole number, 0 or more, not {depth!r}")
+            raise ArgumentError("depth= chooses module rows: use it with per='module'")
+        if depth < 0:
+            raise ArgumentError(f"depth= takes a whole number, 0 or more, not {depth!r}")
 
 
 def flat_values(values: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from IPython.core.magic_arguments import MagicArgumentParser
 from jupyter_metainit.core import missing_device_reason
 from jupyter_metainit.core import parse_device as device_from_text
 from jupyter_metainit.core import parse_dtype as dtype_from_name
-from jupyter_metainit.core.errors import MetaInitError
+from jupyter_metainit.core.errors import ArgumentError, MetaInitError
 
 __all__ = [
     "MAX_DIMENSION",
@@ -205,7 +205,7 @@ def input_shapes(text: Any) -> list[tuple[int, ...]] | None:
         value = None
     shapes = [value] if _is_shape(value) else value
     if not isinstance(shapes, (list, tuple)) or not shapes or not all(map(_is_shape, shapes)):
-        raise ValueError(
+        raise ArgumentError(
             "Refused: Inputs must be shapes of whole numbers, e.g. (8, 3, 224, 224), or "
             f"(8, 3, 224, 224), (8,) for two inputs; not {text!r}."
         )

@@ -23,6 +23,7 @@ from IPython.utils.path import expand_path
 from torch import nn
 
 from jupyter_metainit.core import dematerialize, format_duration, materialize, meta_init
+from jupyter_metainit.core.errors import ArgumentTypeError
 from jupyter_metainit.jupyter.cell_models import (
     is_set_up,
     new_bindings,
@@ -417,6 +418,8 @@ def unload_ipython_extension(ipython: InteractiveShell) -> None:
         >>> "meta_init" in shell.magics_manager.magics["cell"]
         False
     """
+    if not isinstance(ipython, InteractiveShell):  # load_ipython_extension's check too
+        raise ArgumentTypeError(f"ipython takes IPython's InteractiveShell, not {ipython!r}")
     manager = ipython.magics_manager
     for kind, name in _magic_names():
         bound = manager.magics[kind].get(name)

@@ -11,6 +11,7 @@ from IPython.core.error import UsageError
 from IPython.display import display
 from torch import nn
 
+from jupyter_metainit.core.errors import ArgumentError
 from jupyter_metainit.estimates import memory_table
 from jupyter_metainit.jupyter.cell_models import summary_line
 from jupyter_metainit.jupyter.widget import explore
@@ -27,8 +28,8 @@ def memory_table_usage(module: nn.Module, depth: int | None, dtype: str | None) 
         kwargs["dtype"] = dtype
     try:
         return memory_table(module, **kwargs)
-    except ValueError as exc:
-        if dtype is not None and str(exc).startswith("unknown dtype"):
+    except ArgumentError as exc:  # the core's dtype parser names the argument first
+        if dtype is not None and str(exc).startswith("dtype="):
             raise UsageError(f"--dtype: {str(exc).splitlines()[0]}") from None
         raise
 

@@ -28,6 +28,7 @@ import traitlets
 from torch import nn
 
 from jupyter_metainit.core import events, format_bytes, format_count, parse_dtype
+from jupyter_metainit.core.errors import ArgumentTypeError
 from jupyter_metainit.estimates import memory_table
 from jupyter_metainit.jupyter.cell_watch import cells, watch_cells
 from jupyter_metainit.jupyter.module_tree import ModelGoneError, ModuleTree
@@ -85,6 +86,7 @@ def widgets_of(module: nn.Module) -> list[ModuleTreeWidget]:
         >>> widgets_of(model) == [w], widgets_of(model[1]) == [w]
         (True, True)
     """
+    _check_module(module, "widgets_of")
     return [w for w in list(_live_widgets) if w.comm is not None and w._tree.holds(module)]
 
 
@@ -208,8 +210,7 @@ class ModuleTreeWidget(
     def __init__(
         self, module: nn.Module, *, depth: int = 2, name: str = "model", **kwargs: Any
     ) -> None:
-        if not isinstance(module, nn.Module):
-            raise TypeError(f"explore() needs an nn.Module, got {type(module).__name__}")
+        _check_module(module, "ModuleTreeWidget")
         # Held weakly (see ModuleTree): the widget outlives its output in ipywidgets' registry.
         self._module_ref = weakref.ref(module, _on_model_freed(weakref.ref(self)))
         self._model_type = type(module).__name__
@@ -395,4 +396,16 @@ def explore(module: nn.Module, *, depth: int = 2, name: str = "model") -> Module
         >>> w.selection["modules"], w.selection["params"]  # model[1] is inside the model
         (1, 90)
     """
+    _check_module(module, "explore")
+    if isinstance(depth, bool) or not isinstance(depth, int):
+        raise ArgumentTypeError(f"depth takes an int, the levels open at first, not {depth!r}")
+    if not isinstance(name, str):
+        raise ArgumentTypeError(f"name takes a str, the model's name in the notebook, not {name!r}")
     return ModuleTreeWidget(module, depth=depth, name=name)
+
+
+def _check_module(module: Any, func: str) -> None:
+    if not isinstance(module, nn.Module):
+        raise ArgumentTypeError(
+            f"{func}() takes an nn.Module (a model or a part of it), not {type(module).__name__}"
+        )

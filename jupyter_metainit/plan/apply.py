@@ -25,6 +25,7 @@ from jupyter_metainit.core import (
     progress_callback,
     unique_tensors,
 )
+from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError
 
 __all__ = ["materialize_parts"]
 
@@ -44,7 +45,7 @@ def _target(model: nn.Module, name: str) -> nn.Module | torch.Tensor:
     if parent is not None:
         tensor = parent._parameters.get(local, parent._buffers.get(local))
     if tensor is None:
-        raise ValueError(
+        raise ArgumentError(
             f"the plan names {name!r}, which is no module, parameter or buffer of this model: "
             "plan this model (jupyter_metainit.place(model, ...)) and materialize it with that "
             "plan"
@@ -98,7 +99,7 @@ def materialize_parts(
     (``dtype``, ``rng``, ``keep_cache``, ``checkpoint``, ``missing``, ``root``) as
     ``materialize`` takes them."""
     if not isinstance(model, nn.Module):
-        raise TypeError(
+        raise ArgumentTypeError(
             "materialize(obj, placement=plan) takes the model the plan is for, not "
             f"{type(model).__name__}"
         )

@@ -5,6 +5,7 @@ from __future__ import annotations
 from torch import nn
 from torch.nn.parameter import is_lazy
 
+from jupyter_metainit.core.errors import ArgumentError
 from jupyter_metainit.estimates.memory import subtree_bytes
 from jupyter_metainit.estimates.sizing import OPTIMIZER_STATE_BYTES
 from jupyter_metainit.plan.partition import Costs
@@ -24,11 +25,11 @@ def state_bytes_per_parameter(optimizer: str | float | None, state_itemsize: int
         return 0.0
     if isinstance(optimizer, (int, float)) and not isinstance(optimizer, bool):
         if optimizer < 0:
-            raise ValueError(f"optimizer={optimizer!r}: bytes per parameter must be >= 0")
+            raise ArgumentError(f"optimizer={optimizer!r}: bytes per parameter must be >= 0")
         return float(optimizer)
     key = str(optimizer).lower()
     if key not in OPTIMIZER_STATE_BYTES:
-        raise ValueError(
+        raise ArgumentError(
             f"unknown optimizer {optimizer!r}; use one of {sorted(OPTIMIZER_STATE_BYTES)}, None, "
             "or a number of state bytes per trainable parameter"
         )

@@ -15,9 +15,9 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core import indexed_device
+from jupyter_metainit.core import indexed_device, parse_size
 from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError
-from jupyter_metainit.estimates.fit import device_budget, parse_bytes
+from jupyter_metainit.estimates.fit import device_budget
 
 __all__ = ["check_workload", "is_offload", "name_value_pairs", "parse_devices", "split_inputs"]
 
@@ -37,7 +37,7 @@ def name_value_pairs(
             continue
         name, sep, value = (part.strip() for part in item.partition("="))
         if not name or (not values_optional and (not sep or not value)):
-            raise ValueError(
+            raise ArgumentError(
                 f"{option} takes name=value items separated by commas (e.g. {option} "
                 f"{example}), not {item.strip()!r}"
             )
@@ -73,19 +73,16 @@ def _device_name(device: Any) -> str:
 
 def _capacity(device: str, value: Any) -> int:
     if isinstance(value, bool) or not isinstance(value, (int, float, str)):
-        raise TypeError(
-            f"capacity of {device!r} is {value!r}: give bytes (an int) or a size such as "
-            "'80GiB' / '80GB'"
+        raise ArgumentTypeError(
+            f"the capacity of {device!r} is {value!r}: give bytes (an int) or a size such as "
+            "'80GiB' (1024-based) or '80GB' (1000-based)"
         )
     try:
-        capacity = parse_bytes(value)
-    except (TypeError, ValueError) as e:
-        raise ValueError(
-            f"cannot read the capacity of {device!r} from {value!r}: give bytes (an int) or a "
-            "size such as '80GiB' (1024-based) or '80GB' (1000-based)"
-        ) from e
+        capacity = parse_size(value, "capacity")  # the one size grammar
+    except ArgumentError as e:
+        raise ArgumentError(f"cannot read the capacity of {device!r} from {value!r}: {e}") from e
     if capacity <= 0:
-        raise ValueError(f"capacity of {device!r} must be positive, not {value!r}")
+        raise ArgumentError(f"capacity of {device!r} must be positive, not {value!r}")
     return capacity
 
 
@@ -102,21 +99,24 @@ def parse_devices(devices: Mapping[Any, Any] | str) -> dict[str, int]:
     """``{"cuda:0": 85899345920, "cpu": ...}`` in the order given (the pipeline's order)."""
     if isinstance(devices, str):
         if devices.strip().lower() != "auto":
-            raise ValueError(
+            raise ArgumentError(
                 f"devices={devices!r}: pass 'auto' (the visible devices' free memory) or a "
                 "mapping such as {'cuda:0': '80GiB', 'cuda:1': '80GiB', 'cpu': '256GiB'}"
             )
         return _visible()
-    if not isinstance(devices, Mapping) or not devices:
-        raise TypeError(
-            "devices must be 'auto' or a non-empty mapping of device -> capacity, such as "
-            f"{{'cuda:0': '80GiB', 'cpu': '256GiB'}}, not {devices!r}"
-        )
+    takes = (
+        "devices must be 'auto' or a non-empty mapping of device -> capacity, such as "
+        f"{{'cuda:0': '80GiB', 'cpu': '256GiB'}}, not {devices!r}"
+    )
+    if not isinstance(devices, Mapping):
+        raise ArgumentTypeError(takes)
+    if not devices:
+        raise ArgumentError(takes)
     parsed: dict[str, int] = {}
     for device, value in devices.items():
         name = _device_name(device)
         if name in parsed:
-            raise ValueError(f"device {name!r} appears twice in devices= ({device!r})")
+            raise ArgumentError(f"device {name!r} appears twice in devices= ({device!r})")
         parsed[name] = _capacity(name, value)
     return parsed
 

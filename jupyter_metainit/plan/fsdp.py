@@ -23,6 +23,7 @@ from __future__ import annotations
 
 from torch import nn
 
+from jupyter_metainit.core.errors import ArgumentError
 from jupyter_metainit.plan.partition import Costs, Load
 from jupyter_metainit.plan.parts import Part
 from jupyter_metainit.plan.precision import Convention
@@ -46,9 +47,9 @@ def plan_fsdp(model: nn.Module, parts: list[Part], activity: Activity, devices: 
     if world_size is None:
         world_size = len(devices)
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
-        raise ValueError(f"world_size={world_size!r}: give the number of ranks, an int >= 1")
+        raise ArgumentError(f"world_size={world_size!r}: give the number of ranks, an int >= 1")
     if len(devices) not in (1, world_size):
-        raise ValueError(
+        raise ArgumentError(
             f"strategy='fsdp' takes one rank's device and capacity ({{'cuda': '80GiB'}}) with "
             f"world_size=, or one entry per rank; got {len(devices)} devices for "
             f"world_size={world_size}"

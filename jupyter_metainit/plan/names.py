@@ -13,6 +13,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError
 from jupyter_metainit.plan.devices import parse_devices
 from jupyter_metainit.plan.parts import Part, describe
 
@@ -25,20 +26,20 @@ _PIN_TAKES = (
 
 
 def check_pin(pin: Any) -> None:
-    """``pin=`` of the wrong type (a list, a device alone, a number) is a ``TypeError`` that
-    says what it takes."""
+    """``pin=`` of the wrong type (a list, a device alone, a number) is an
+    ``ArgumentTypeError`` that says what it takes."""
     if pin is None:
         return
     if not isinstance(pin, Mapping):
         hint = ""
         if isinstance(pin, (str, int, torch.device)) and not isinstance(pin, bool):
             hint = f" (to put the whole model on it: pin={{'': {pin!r}}})"
-        raise TypeError(f"{_PIN_TAKES}; not {type(pin).__name__} {pin!r}{hint}")
+        raise ArgumentTypeError(f"{_PIN_TAKES}; not {type(pin).__name__} {pin!r}{hint}")
     for name, device in pin.items():
         if not isinstance(name, str):
-            raise TypeError(f"{_PIN_TAKES}; the key {name!r} is not a module name")
+            raise ArgumentTypeError(f"{_PIN_TAKES}; the key {name!r} is not a module name")
         if isinstance(device, bool) or not isinstance(device, (str, int, torch.device)):
-            raise TypeError(f"{_PIN_TAKES}; {name!r} is pinned to {device!r}, not a device")
+            raise ArgumentTypeError(f"{_PIN_TAKES}; {name!r} is pinned to {device!r}, not a device")
 
 
 def _why_whole(part: Part) -> str:
@@ -49,7 +50,7 @@ def _why_whole(part: Part) -> str:
     return "kept whole as no_split= or a pin asks"
 
 
-def _inside_error(name: str, holder: Part) -> ValueError:
+def _inside_error(name: str, holder: Part) -> ArgumentError:
     whole = describe(holder.name)
     instead = (
         f"pin {whole} instead (a pin moves a whole part)"
@@ -59,7 +60,9 @@ def _inside_error(name: str, holder: Part) -> ValueError:
     blocks = ""
     if holder.group:
         blocks = ", or in Python pass place(..., no_split=[]) to split the blocks"
-    return ValueError(f"pin: {name!r} lies inside {whole}, {_why_whole(holder)}: {instead}{blocks}")
+    return ArgumentError(
+        f"pin: {name!r} lies inside {whole}, {_why_whole(holder)}: {instead}{blocks}"
+    )
 
 
 def resolve_pins(pin: Mapping[str, Any] | None, parts: list[Part], model: nn.Module,
@@ -74,12 +77,12 @@ def resolve_pins(pin: Mapping[str, Any] | None, parts: list[Part], model: nn.Mod
         target = parse_devices({device: 1})
         device_name = next(iter(target))
         if device_name not in devices:
-            raise ValueError(
+            raise ArgumentError(
                 f"pin={{{name!r}: {device!r}}}: {device_name} is not in devices= "
                 f"({', '.join(devices)}); add it with its capacity or pin elsewhere"
             )
         if name not in modules:
-            raise ValueError(
+            raise ArgumentError(
                 f"pin: the model has no module {name!r}; use a qualified name "
                 "as in model.named_modules() (e.g. 'lm_head', 'model.layers.0')"
             )

@@ -15,7 +15,8 @@ from typing import Any
 
 from torch import nn
 
-from jupyter_metainit.core import format_bytes
+from jupyter_metainit.core import check_flag, format_bytes
+from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError
 from jupyter_metainit.estimates._arguments import require_module
 from jupyter_metainit.estimates.fit import device_budget
 from jupyter_metainit.estimates.forward.attention import KERNELS, AttentionPolicy, math_notes
@@ -115,7 +116,7 @@ def _start_loads(devices: dict[str, int], pinned: dict[str, str], grouped: dict[
     for device, load in start.items():
         if load.peak > devices[device]:
             names = ", ".join(describe(n) for n, d in pinned.items() if d == device)
-            raise ValueError(
+            raise ArgumentError(
                 f"pinned {names} need {format_bytes(load.peak)} on {device}, which holds "
                 f"{format_bytes(devices[device])}: pin fewer parts there, pin them to a larger "
                 "device, or use a smaller precision="
@@ -148,30 +149,28 @@ def _pipeline(model: nn.Module, parts: list[Part], activity: Activity, devices: 
 
 
 def _check_options(strategy: Any, world_size: Any, no_split: Any, optimizer: Any) -> None:
-    """Wrong types are TypeErrors naming what each argument takes."""
     if not isinstance(strategy, str):
-        raise TypeError(f"strategy must be 'pipeline' or 'fsdp', not {strategy!r}")
+        raise ArgumentTypeError(f"strategy takes 'pipeline' or 'fsdp', not {strategy!r}")
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)):
-        raise TypeError(f"world_size takes the number of ranks, an int >= 1, or None (one per "
-                        f"device), not {world_size!r}")  # fmt: skip
+        raise ArgumentTypeError(f"world_size takes an int >= 1 or None, not {world_size!r}")
     if optimizer is not None and (isinstance(optimizer, bool) or not isinstance(
             optimizer, (str, int, float))):  # fmt: skip
-        raise TypeError(
-            "optimizer takes a name ('adamw', 'adam', 'sgd', 'sgd_momentum', 'adafactor'), None "
-            f"or a number of state bytes per trainable parameter, not {optimizer!r}"
+        raise ArgumentTypeError(
+            "optimizer takes a name ('adamw', 'adam', 'sgd', ...), None or a number of state "
+            f"bytes per trainable parameter, not {optimizer!r}"
         )
-    state_bytes_per_parameter(optimizer, 4)  # an unknown name or a negative number: ValueError
+    state_bytes_per_parameter(optimizer, 4)  # an unknown name, a negative number: refused
     if strategy not in ("pipeline", "fsdp"):
-        raise ValueError(
+        raise ArgumentError(
             f"strategy={strategy!r}: use 'pipeline' (layers in order over the "
             "devices) or 'fsdp' (every rank holds a shard, fully_shard units)"
         )
     if strategy == "pipeline" and world_size is not None:
-        raise ValueError("world_size= is for strategy='fsdp'; a pipeline uses the devices given")
+        raise ArgumentError("world_size= is for strategy='fsdp'; a pipeline uses the devices given")
     if no_split is not None and (isinstance(no_split, str) or not isinstance(
             no_split, (list, tuple, set, frozenset)) or not all(
             isinstance(n, str) for n in no_split)):  # fmt: skip
-        raise TypeError(
+        raise ArgumentTypeError(
             "no_split must be a list of module names or class names, e.g. "
             f"['LlamaDecoderLayer'] ([] splits every block), not {no_split!r}"
         )
@@ -303,6 +302,7 @@ def place(
     started = time.perf_counter()
     require_module(model, "place")
     _check_options(strategy, world_size, no_split, optimizer)
+    check_flag(training, "training")
     check_pin(pin)
     parsed = parse_devices(devices)
     conv = convention(precision)

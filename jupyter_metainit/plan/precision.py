@@ -20,7 +20,8 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core import parse_dtype
+from jupyter_metainit.core import check_floating_dtype
+from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError
 
 __all__ = ["Convention", "convention"]
 
@@ -40,21 +41,23 @@ class Convention:
     activations: torch.dtype | None
 
 
+_PRECISION_TAKES = (
+    "precision takes None, a floating dtype ('fp32', 'bf16', 'fp16'), 'bf16-mixed' / "
+    "'fp16-mixed' or 'bf16-master' / 'fp16-master'"
+)
+
+
 def convention(precision: Any) -> Convention:
     """The storage convention for ``precision=`` (see the module's docstring)."""
     if precision is None:
         return Convention("as built", None, None, None, 0, None)
     if not isinstance(precision, (str, torch.dtype)):
-        raise TypeError(
-            "precision takes None (as the model is), a dtype or its name ('fp32', 'bf16', "
-            "'fp16'), 'bf16-mixed' / 'fp16-mixed' or 'bf16-master' / 'fp16-master', not "
-            f"{precision!r}"
-        )
+        raise ArgumentTypeError(f"{_PRECISION_TAKES}, not {precision!r}")
     if isinstance(precision, str) and "-" in precision:
         base, _, style = precision.strip().lower().partition("-")
         half = _HALF.get(base)
         if half is None or style not in ("mixed", "master"):
-            raise ValueError(
+            raise ArgumentError(
                 f"precision={precision!r}: use None, a dtype ('fp32', 'bf16', 'fp16'), "
                 "'bf16-mixed' / 'fp16-mixed' (torch.autocast) or 'bf16-master' / "
                 "'fp16-master' (half weights with fp32 master weights)"
@@ -62,13 +65,7 @@ def convention(precision: Any) -> Convention:
         if style == "mixed":
             return Convention(precision, torch.float32, torch.float32, torch.float32, 0, half)
         return Convention(precision, half, half, torch.float32, 4, half)
-    try:
-        dtype = parse_dtype(precision, "precision")
-    except (TypeError, ValueError) as e:
-        raise ValueError(
-            f"precision={precision!r}: use None, a dtype ('fp32', 'bf16', 'fp16'), "
-            "'bf16-mixed' / 'fp16-mixed' or 'bf16-master' / 'fp16-master'"
-        ) from e
+    dtype = check_floating_dtype(precision, arg="precision", use=_PRECISION_TAKES)
     assert dtype is not None
     return Convention(str(dtype).removeprefix("torch."), dtype, dtype, dtype, 0, dtype)
 

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from jupyter_metainit.core import format_bytes
+from jupyter_metainit.core.errors import ArgumentError
 from jupyter_metainit.plan.apply import materialize_parts
 from jupyter_metainit.plan.partition import Costs
 
@@ -146,7 +147,7 @@ class Placement:
             (torch.bfloat16, False)
         """
         if self.strategy == "fsdp":
-            raise ValueError(
+            raise ArgumentError(
                 "an FSDP plan shards every part over the ranks: on every rank, "
                 "jupyter_metainit.distributed.materialize_sharded(model, mesh, placement=plan)"
             )

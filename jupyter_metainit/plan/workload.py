@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from jupyter_metainit.core.errors import ArgumentError
 from jupyter_metainit.estimates.dry_run import default_input_dtype, run_forward
 from jupyter_metainit.estimates.forward.answers import Answers
 from jupyter_metainit.estimates.forward.attention import AttentionPolicy, transformers_attention
@@ -89,7 +90,7 @@ def check_takes_token_ids(model: nn.Module) -> None:
         takes = ", ".join(inspect.signature(model.forward).parameters)
     except (TypeError, ValueError):
         takes = "..."
-    raise ValueError(
+    raise ArgumentError(
         f"place(..., seq_len=) runs the model on token ids of shape (batch, seq_len), but "
         f"{type(model).__name__}.forward({takes}) takes no input_ids and the model does not "
         "start with an embedding: pass its inputs as shapes instead, e.g. "

@@ -17,7 +17,8 @@ from typing import Any, Literal
 
 import torch
 
-from jupyter_metainit.core import parse_dtype
+from jupyter_metainit.core import check_progress, parse_dtype
+from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError
 from jupyter_metainit.save.checkpoint import write_checkpoint
 from jupyter_metainit.save.layout import parse_size, state_dict_of
 from jupyter_metainit.save.staging import checked_destination
@@ -102,11 +103,18 @@ def save(
         >>> torch.equal(saved["0.weight"], model[0].weight)  # what materialize gives
         True
     """
+    if not isinstance(format, str):
+        raise ArgumentTypeError(f"format takes 'safetensors' or 'dcp', not {format!r}")
     if format not in _FORMATS:
-        raise ValueError(f"format must be 'safetensors' or 'dcp', not {format!r}")
+        raise ArgumentError(f"format must be 'safetensors' or 'dcp', not {format!r}")
+    if not isinstance(path, (str, os.PathLike)):
+        raise ArgumentTypeError(
+            f"save(path=...) takes the directory to write (a str or os.PathLike), not {path!r}"
+        )
+    check_progress(progress)
     dtype = parse_dtype(dtype)
     if dtype is not None and not dtype.is_floating_point:
-        raise ValueError(
+        raise ArgumentError(
             f"dtype= casts floating-point tensors to another floating-point dtype (bfloat16, "
             f"float16, float32, ...); {dtype} is not one. Nothing was written."
         )

@@ -32,6 +32,7 @@ from torch.distributed.checkpoint.planner import SavePlan, SavePlanner, WriteIte
 from torch.distributed.checkpoint.storage import WriteResult
 
 from jupyter_metainit.core import is_deferred, telling
+from jupyter_metainit.core.errors import ArgumentError
 from jupyter_metainit.save.layout import (
     check_savable,
     file_size_errors,
@@ -220,7 +221,7 @@ def _with_dtype(state: dict[str, Any], dtype: torch.dtype | None) -> dict[str, A
     for name, t in state.items():
         if isinstance(t, torch.Tensor) and t.is_floating_point() and t.dtype != dtype:
             if not is_deferred(t):
-                raise ValueError(
+                raise ArgumentError(
                     f"save(format='dcp', dtype=...) casts deferred tensors only; {name} is real "
                     "(cast the real parts first, or leave dtype out)"
                 )

@@ -27,6 +27,7 @@ import torch
 
 from jupyter_metainit.core import format_bytes, storage_of, tensor_state
 from jupyter_metainit.core import parse_size as core_parse_size
+from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError
 from jupyter_metainit.save.safetensors_file import FileEntry
 
 __all__ = [
@@ -76,11 +77,11 @@ def state_dict_of(obj: Any) -> tuple[dict[str, torch.Tensor], dict[str, torch.Te
         bad = next((k for k, v in obj.items() if not isinstance(v, torch.Tensor)), None)
         if bad is None:
             return dict(obj), dict(obj)
-        raise TypeError(
+        raise ArgumentTypeError(
             f"save() takes a dict of tensors; {bad!r} holds {type(obj[bad]).__name__}: leave it "
             "out (or save a module). Nothing was written."
         )
-    raise TypeError(
+    raise ArgumentTypeError(
         f"save() takes a module or a dict of tensors (a state dict), not {type(obj).__name__}"
     )
 
@@ -92,13 +93,13 @@ def check_savable(state: dict[str, torch.Tensor], sharded_ok: bool) -> None:
     for name, t in state.items():
         where = tensor_state(t)
         if where in ("meta", "uninitialized"):
-            raise ValueError(
+            raise ArgumentError(
                 f"{name} has no values to save: it is {where} (on PyTorch's meta device with no "
                 "recording, or a lazy module's parameter before its first forward pass); build "
                 "the model inside jupyter_metainit.meta_init(), or leave it out of what you save"
             )
         if not sharded_ok and hasattr(t, "device_mesh"):
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{name} is sharded (a DTensor); save a sharded model with format='dcp', where "
                 "each rank writes its own shards"
             )

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from jupyter_metainit.core.errors import ArgumentTypeError
+
 __all__ = ["SAFETENSORS_DTYPES", "FileEntry", "file_order", "header_bytes"]
 
 # torch dtype -> safetensors name, in safetensors' ``Dtype`` enum order (the file puts the
@@ -61,7 +63,7 @@ def file_order(entries: list[FileEntry]) -> list[FileEntry]:
     """The order ``save_file`` lays tensors out in: widest dtype first, then by name."""
     for e in entries:
         if e.dtype not in _RANK:
-            raise TypeError(
+            raise ArgumentTypeError(
                 f"{e.name}: safetensors has no dtype {e.dtype}; save it with format='dcp', or "
                 "pass dtype= to convert the floating-point tensors"
             )

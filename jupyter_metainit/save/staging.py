@@ -42,7 +42,7 @@ try:
     import fcntl
 except ImportError:  # Windows: no locks, so no staging directory is ever taken for stale
     fcntl = None  # type: ignore[assignment]
-from jupyter_metainit.core.errors import MetaInitError
+from jupyter_metainit.core.errors import ArgumentError, MetaInitError
 
 __all__ = [
     "checked_destination",
@@ -65,7 +65,7 @@ UNOWNED_STALE_SECONDS = 3600.0
 def checked_destination(path: str) -> str:
     """``path`` as the directory a save writes, or a clear error before any work is done."""
     if not path:
-        raise ValueError("save() needs a directory to write, not an empty path")
+        raise ArgumentError("save(path=...) needs a directory to write, not an empty path")
     if os.path.exists(path) and not os.path.isdir(path):
         raise NotADirectoryError(f"save() writes a directory; {path} is a file")
     if os.path.islink(path) and not os.path.exists(path):

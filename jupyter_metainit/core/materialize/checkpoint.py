@@ -14,7 +14,7 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core.errors import MaterializationError
+from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError, MaterializationError
 from jupyter_metainit.core.materialize import shadows
 from jupyter_metainit.core.materialize.walk import named_tensors
 from jupyter_metainit.core.record.tensor import DeferredTensor
@@ -33,13 +33,15 @@ def _paths(checkpoint: Any) -> list[str]:
     elif isinstance(checkpoint, (list, tuple)):
         items = list(checkpoint)
     else:
-        raise TypeError(f"checkpoint= takes {_WHAT}; got {type(checkpoint).__name__}")
+        raise ArgumentTypeError(f"checkpoint= takes {_WHAT}; got {type(checkpoint).__name__}")
     if not items:
-        raise ValueError(f"checkpoint= is empty; give {_WHAT}")
+        raise ArgumentError(f"checkpoint= is empty; give {_WHAT}")
     paths = []
     for item in items:
         if not isinstance(item, (str, bytes, os.PathLike)):
-            raise TypeError(f"checkpoint= takes {_WHAT}; got {type(item).__name__} in the list")
+            raise ArgumentTypeError(
+                f"checkpoint= takes {_WHAT}; got {type(item).__name__} in the list"
+            )
         path = os.fsdecode(os.fspath(item))
         if os.path.isdir(path):
             found = sorted(
@@ -154,7 +156,7 @@ def load_for(
     materializing again reads the file again).
     """
     if not isinstance(obj, torch.nn.Module) and root is None:
-        raise TypeError(
+        raise ArgumentTypeError(
             "checkpoint= needs a module, or root=<the whole model> (names come from the tree)"
         )
     files = _key_to_file(checkpoint)

@@ -17,6 +17,7 @@ import torch
 
 from jupyter_metainit.core.errors import MaterializationError
 from jupyter_metainit.core.materialize import shadows
+from jupyter_metainit.core.materialize.failures import check_options
 from jupyter_metainit.core.materialize.queries import (
     as_list_if_iterator,
     collect,
@@ -87,6 +88,7 @@ def dematerialize(
         >>> torch.equal(layer.weight, before)  # the same values again
         True
     """
+    check_options("dematerialize", root, force=force)
     obj = as_list_if_iterator(obj)
     with handling_interrupts(), exclusive(f"freeing {describe_request(obj)}"):
         pairs = _shadows_to_free(obj, force, root)

@@ -17,13 +17,20 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core.errors import MaterializationError, MetaInitError, NotEnoughMemoryError
+from jupyter_metainit.core.errors import (
+    ArgumentError,
+    ArgumentTypeError,
+    MaterializationError,
+    MetaInitError,
+    NotEnoughMemoryError,
+)
 from jupyter_metainit.core.materialize.progress import storage_sizes
 from jupyter_metainit.core.materialize.queries import is_uninitialized
 from jupyter_metainit.core.materialize.walk import named_tensors
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.replay import Plan, plan
 from jupyter_metainit.core.runtime.arguments import (
+    check_flag,
     check_floating_dtype,
     missing_device_reason,
     parse_device,
@@ -33,6 +40,8 @@ from jupyter_metainit.core.runtime.memory import free_memory, is_out_of_memory
 
 __all__ = [
     "check_arguments",
+    "check_options",
+    "check_root",
     "check_recorded_devices",
     "refuse_meta_inputs",
     "refuse_unmaterializable",
@@ -49,13 +58,17 @@ def check_arguments(
     """Refuse ``rng=``, ``missing=``, ``dtype=`` and ``placement=`` values that make no sense;
     return ``dtype`` as a ``torch.dtype`` (any spelling ``parse_dtype`` reads)."""
     if placement is not None:  # with device= (placement= alone is handled before any check)
-        raise ValueError(
+        raise ArgumentError(
             "placement= gives every part its own device: leave device= out, or drop placement="
         )
+    if rng is not None and not isinstance(rng, str):
+        raise ArgumentTypeError(f"rng takes 'exact', 'fast' or None (the default), not {rng!r}")
     if rng is not None and rng not in RNG_MODES:
-        raise ValueError(f"rng must be 'exact', 'fast' or None (the default), not {rng!r}")
+        raise ArgumentError(f"rng must be 'exact', 'fast' or None (the default), not {rng!r}")
+    if not isinstance(missing, str):
+        raise ArgumentTypeError(f"missing takes 'error' or 'init', not {missing!r}")
     if missing not in ("error", "init"):
-        raise ValueError(f"missing must be 'error' or 'init', not {missing!r}")
+        raise ArgumentError(f"missing must be 'error' or 'init', not {missing!r}")
     return check_floating_dtype(
         dtype,
         arg="dtype",
@@ -64,12 +77,29 @@ def check_arguments(
     )
 
 
+def check_root(root: Any, verb: str) -> None:
+    """``root=`` is the whole model (an ``nn.Module``) or None: anything else is refused before
+    any work, whether or not it would be read."""
+    if root is not None and not isinstance(root, torch.nn.Module):
+        raise ArgumentTypeError(
+            f"{verb}(root=...) takes the whole model (an nn.Module) the tensors belong to, or "
+            f"None, not {type(root).__name__} {root!r}"
+        )
+
+
+def check_options(verb: str, root: Any, **flags: Any) -> None:
+    """The arguments of ``verb`` every call checks first: ``root=`` and the bool flags."""
+    check_root(root, verb)
+    for name, value in flags.items():
+        check_flag(value, name)
+
+
 def placed(placement: Any) -> Any:
     """What materializes a placement: its ``materialize_parts`` (the core reads nothing else of
     the plan, so it needs nothing of the planning layer)."""
     apply = getattr(placement, "materialize_parts", None)
     if not callable(apply):
-        raise TypeError(
+        raise ArgumentTypeError(
             "placement= takes a plan from jupyter_metainit.place(model, devices, ...), not "
             f"{type(placement).__name__}; with a device map, use "
             "jupyter_metainit.plan.Placement.from_device_map(device_map)"
@@ -83,7 +113,7 @@ def target_device(device: Any) -> torch.device | None:
     if d is None:
         return None
     if d.type == "meta":
-        raise ValueError(
+        raise ArgumentError(
             "materialize(device='meta') makes no sense; the tensor is deferred already"
         )
     reason = missing_device_reason(d)

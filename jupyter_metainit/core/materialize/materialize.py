@@ -25,6 +25,7 @@ from jupyter_metainit.core.materialize.autograd_links import link_non_leaves
 from jupyter_metainit.core.materialize.checkpoint import load_for, load_reals_in_place
 from jupyter_metainit.core.materialize.failures import (
     check_arguments,
+    check_options,
     check_recorded_devices,
     placed,
     refuse_meta_inputs,
@@ -159,6 +160,7 @@ def materialize(
         >>> torch.equal(model[0].weight, eager[0].weight.to(torch.bfloat16))
         True
     """
+    check_options("materialize", root, keep_cache=keep_cache)
     if placement is not None and device is None:  # the plan puts each part where it goes
         options = dict(dtype=dtype, rng=rng, keep_cache=keep_cache, checkpoint=checkpoint)
         return placed(placement)(obj, progress=progress, missing=missing, root=root, **options)

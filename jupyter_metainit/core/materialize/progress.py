@@ -20,6 +20,7 @@ import torch
 from jupyter_metainit.core.record.graph import StorageRecord
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.replay import Progress
+from jupyter_metainit.core.runtime.arguments import check_progress
 from jupyter_metainit.core.runtime.interrupts import Steps, counting
 
 __all__ = ["MemoryProgress", "inside_steps", "progress_callback", "storage_sizes"]
@@ -33,24 +34,22 @@ def progress_callback(
 ) -> tuple[ProgressCallback | None, Any]:
     """``progress=`` as a ``callable(done_bytes, total_bytes, phase)`` (and a bar to close,
     labelled ``desc``)."""
-    if progress is None or progress is False:
-        return None, None
-    if callable(progress):
+    if callable(check_progress(progress)):
         return _with_phase(progress), None
-    if progress is True:
-        from tqdm.auto import tqdm
+    if progress is not True:  # None or False
+        return None, None
+    from tqdm.auto import tqdm
 
-        bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
+    bar = tqdm(total=0, unit="B", unit_scale=True, unit_divisor=1024, desc=desc)
 
-        def update(done: int, total: int, phase: str = "") -> None:
-            if bar.total != total:
-                bar.total = total
-            if phase:
-                bar.set_postfix_str(phase, refresh=False)
-            bar.update(done - bar.n)
+    def update(done: int, total: int, phase: str = "") -> None:
+        if bar.total != total:
+            bar.total = total
+        if phase:
+            bar.set_postfix_str(phase, refresh=False)
+        bar.update(done - bar.n)
 
-        return update, bar
-    raise TypeError("progress must be None, a bool, or a callable(done_bytes, total_bytes)")
+    return update, bar
 
 
 def _with_phase(callback: Callable[..., None]) -> ProgressCallback:

@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from jupyter_metainit.core.errors import ArgumentTypeError
 from jupyter_metainit.core.materialize import shadows
 from jupyter_metainit.core.materialize.walk import local_tensor, unique_tensors
 from jupyter_metainit.core.record.files import read_file_bytes
@@ -166,14 +167,14 @@ def collect(obj: Any, verb: str = "materialize") -> list[torch.Tensor]:
         for x in obj:
             if not isinstance(x, (torch.Tensor, torch.nn.Module, list, tuple)):
                 hint = " (for named_parameters(), pass parameters())" if isinstance(x, str) else ""
-                raise TypeError(
+                raise ArgumentTypeError(
                     f"{verb}() takes a tensor, a module, or a list (or other iterable, e.g. "
                     f"model.parameters()) of them; got a {type(x).__name__} in the list{hint}"
                 )
             for t in collect(x, verb):
                 out.setdefault(id(t), t)
         return list(out.values())
-    raise TypeError(
+    raise ArgumentTypeError(
         f"{verb}() takes a tensor, a module, or a list (or other iterable, e.g. "
         f"model.parameters()) of them; got {type(obj).__name__}"
     )

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from jupyter_metainit.core.errors import ArgumentTypeError
 from jupyter_metainit.core.materialize.queries import iter_deferred
 from jupyter_metainit.core.materialize.user_state import copy_user_attributes
 from jupyter_metainit.core.record.context import meta_init
@@ -46,7 +47,10 @@ def skip_init(module_cls: type[torch.nn.Module], *args: Any, **kwargs: Any) -> t
         ...     _ = layer.weight.copy_(torch.eye(1024))  # your values
     """
     if not (isinstance(module_cls, type) and issubclass(module_cls, torch.nn.Module)):
-        raise TypeError(f"skip_init expects a torch.nn.Module subclass; got {module_cls!r}")
+        raise ArgumentTypeError(
+            f"skip_init(module_cls) takes a torch.nn.Module subclass (the class, not an "
+            f"instance); got {module_cls!r}"
+        )
     device = torch.device(kwargs.pop("device", "cpu"))
     with meta_init(device=device):
         module = module_cls(*args, **kwargs)

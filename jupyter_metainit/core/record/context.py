@@ -30,7 +30,7 @@ import torch
 from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError
+from jupyter_metainit.core.errors import ArgumentError
 from jupyter_metainit.core.record.devices import (
     DATA_FACTORIES,
     FACTORIES,
@@ -311,7 +311,7 @@ class meta_init(contextlib.ContextDecorator):
                 "use `with torch.device('meta'):` instead of meta_init"
             )
         self.dtype = check_floating_dtype(
-            dtype, arg="meta_init(dtype=...)", not_floating=ArgumentTypeError,
+            dtype, arg="dtype",
             use="it is the block's default floating dtype (use torch.bfloat16, torch.float16, "
             "torch.float32 or torch.float64)",
         )  # fmt: skip

@@ -32,7 +32,10 @@ import torch
 from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError
 
 __all__ = [
+    "ESTIMATE_ONLY_BITS",
+    "check_flag",
     "check_floating_dtype",
+    "check_progress",
     "dtype_name",
     "indexed_device",
     "missing_device_reason",
@@ -66,6 +69,25 @@ _ALIASES: dict[str, torch.dtype] = {
     "int": torch.int32,
 }
 del _short
+# Sizes the estimates take as "what if the weights were stored in N bits" (memory_table, fits,
+# summary: quantized weights) that name no dtype a tensor can have here: every other function
+# refuses them, saying so.
+ESTIMATE_ONLY_BITS: dict[str, int] = {"float8": 8, "fp8": 8, "int4": 4, "nf4": 4}
+_ESTIMATE_ONLY = (
+    "is an estimate-only size: memory_table, fits and summary take it as a what-if of the "
+    "weights' size (dtype=), but a tensor needs a torch dtype"
+)
+
+
+def _estimate_only_hint(value: Any) -> str:
+    """For a refused dtype: why an estimate's what-if size is refused here, if it is one."""
+    if isinstance(value, str) and _dtype_key(value) in ESTIMATE_ONLY_BITS:
+        return f" ({value!r} {_ESTIMATE_ONLY})"
+    return ""
+
+
+def _dtype_key(name: str) -> str:
+    return name.strip().lower().removeprefix("torch.")
 
 
 def parse_dtype(value: Any, arg: str = "dtype") -> torch.dtype | None:
@@ -82,10 +104,15 @@ def parse_dtype(value: Any, arg: str = "dtype") -> torch.dtype | None:
     if value is None or isinstance(value, torch.dtype):
         return value
     if isinstance(value, str):
-        name = value.strip().removeprefix("torch.").lower()
+        name = _dtype_key(value)
         dtype = _ALIASES.get(name) or getattr(torch, name, None)
         if isinstance(dtype, torch.dtype):
             return dtype
+        if name in ESTIMATE_ONLY_BITS:
+            raise ArgumentError(
+                f"{arg}={value!r} {_ESTIMATE_ONLY} (torch.float8_e4m3fn, torch.float8_e5m2, "
+                "torch.bfloat16, ...)"
+            )
         raise ArgumentError(
             f"{arg}={value!r} is not a dtype: use a torch.dtype (torch.bfloat16) or its name "
             "('bfloat16', 'bf16', 'float16', 'fp16', 'float32', 'int64', ...)"
@@ -103,17 +130,36 @@ def dtype_name(dtype: torch.dtype, *, short: bool = False) -> str:
     return str(dtype).removeprefix("torch.")
 
 
-def check_floating_dtype(
-    dtype: Any, *, arg: str, use: str, not_floating: type[Exception] = ArgumentError
-) -> torch.dtype | None:
+def check_floating_dtype(dtype: Any, *, arg: str, use: str) -> torch.dtype | None:
     """``dtype`` (any spelling :func:`parse_dtype` reads) if it is a floating dtype (None stays
     None), else an error that names ``arg`` and says what the dtype is used for (``use``)."""
-    dtype = parse_dtype(dtype, arg)
-    if dtype is None:
+    parsed = parse_dtype(dtype, arg)
+    if parsed is None:
         return None
-    if not dtype.is_floating_point:
-        raise not_floating(f"{arg}={dtype} is not a floating-point dtype; {use}")
-    return dtype
+    if not parsed.is_floating_point:
+        hint = _estimate_only_hint(dtype)
+        raise ArgumentError(f"{arg}={parsed} is not a floating-point dtype{hint}; {use}")
+    return parsed
+
+
+def check_flag(value: Any, arg: str) -> bool:
+    """``value`` if it is a bool; anything else (``"no"``, ``0``, ``None``) an
+    ``ArgumentTypeError``: a flag is never truth-tested, ``force="no"`` must not force."""
+    if isinstance(value, bool):
+        return value
+    raise ArgumentTypeError(f"{arg} takes True or False, not {value!r}")
+
+
+def check_progress(progress: Any, arg: str = "progress") -> Any:
+    """``progress=`` as every public function takes it: None or False (no progress), True (a
+    progress bar) or a ``callable(done_bytes, total_bytes)``; anything else an
+    ``ArgumentTypeError``, before any work."""
+    if progress is None or isinstance(progress, bool) or callable(progress):
+        return progress
+    raise ArgumentTypeError(
+        f"{arg} takes None, a bool (True: a progress bar) or a callable(done_bytes, "
+        f"total_bytes), not {progress!r}"
+    )
 
 
 def parse_device(device: Any, arg: str = "device") -> torch.device | None:
@@ -200,15 +246,19 @@ def parse_size(size: Any, arg: str = "size") -> int:
             "'80GiB' (2**30 bytes a GiB) or '80GB' (10**9 bytes a GB)"
         )
     number, unit = float(match.group(1)), match.group(2)
+    prefix = unit[:1].lower() if unit[:1].lower() in _PREFIXES else ""
+    binary = "i" in unit.lower()
     if unit.endswith("b"):
+        bytes_unit = prefix.upper() + ("i" if binary else "") + "B"
         raise ArgumentError(
             f"{arg}={size!r} is ambiguous: transformers reads a lowercase 'b' as bits. Write "
-            f"'{match.group(1)}{unit[:-1].upper()}B' for bytes (or 'GiB'-style binary units)."
+            f"'{match.group(1)}{bytes_unit}' for bytes (or 'GiB'-style binary units)."
         )
-    prefix = unit[:1].lower() if unit[:1].lower() in _PREFIXES else ""
     power = _PREFIXES.index(prefix) + 1 if prefix else 0
-    base = 1024 if "i" in unit.lower() else 1000
-    return int(number * base**power)
+    value = number * (1024 if binary else 1000) ** power
+    if not math.isfinite(value):
+        raise ArgumentError(f"{arg}={size!r} is not a size: it is past any memory there is")
+    return int(value)
 
 
 def missing_device_reason(d: torch.device) -> str | None:

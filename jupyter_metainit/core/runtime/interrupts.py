@@ -18,12 +18,16 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import math
+import os
 import signal
 import threading
 import time
 from collections.abc import Callable, Iterator, Sequence
 from types import FrameType
 from typing import Any
+
+from jupyter_metainit.core.errors import ArgumentError
 
 __all__ = [
     "Meter",
@@ -157,8 +161,29 @@ def check() -> None:
 
 
 # How often the thread waiting for long work tells how far it is: a Cancel raised from that
-# telling stops the work within this and one step of it.
+# telling stops the work within this and one step of it. The documented switch
+# JUPYTER_METAINIT_PROGRESS_SECONDS (docs/notebook-workflow.md) sets another interval, read
+# when the work starts: 0 tells after every step (a callable that logs wants less often).
 TELL_S = 0.2
+PROGRESS_SECONDS_VARIABLE = "JUPYTER_METAINIT_PROGRESS_SECONDS"
+
+
+def tell_interval() -> float:
+    """Seconds between two tellings of how far long work is: :data:`TELL_S`, or what
+    :data:`PROGRESS_SECONDS_VARIABLE` sets."""
+    text = os.environ.get(PROGRESS_SECONDS_VARIABLE, "").strip()
+    if not text:
+        return TELL_S
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not (math.isfinite(seconds) and seconds >= 0):
+        raise ArgumentError(
+            f"{PROGRESS_SECONDS_VARIABLE}={text!r}: give the seconds between two progress "
+            f"reports, a number >= 0 (or unset it for {TELL_S})"
+        )
+    return seconds
 
 
 class Stopped(Exception):
@@ -185,6 +210,7 @@ class Steps:
         self._done = 0.0
         self._stop = threading.Event()
         self._told = time.monotonic()
+        self.every = tell_interval()
 
     @property
     def done(self) -> int:
@@ -206,7 +232,7 @@ class Steps:
                 raise Stopped
             return
         check()
-        if self.tell is None or time.monotonic() - self._told < TELL_S:
+        if self.tell is None or time.monotonic() - self._told < self.every:
             return
         self._told = time.monotonic()
         try:
@@ -223,7 +249,7 @@ class Steps:
             pending = set(futures)
             while pending:
                 done, pending = concurrent.futures.wait(
-                    pending, max(TELL_S / 2, 0.005), concurrent.futures.FIRST_EXCEPTION
+                    pending, max(self.every / 2, 0.005), concurrent.futures.FIRST_EXCEPTION
                 )
                 self.step()
                 for f in done:

@@ -16,7 +16,14 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
-__all__ = ["available_cores", "core_pool", "on_core_pool"]
+from jupyter_metainit.core.errors import ArgumentError
+
+__all__ = ["CORES_VARIABLE", "available_cores", "core_pool", "on_core_pool"]
+
+# The documented switch for the number of threads the package's work uses (docs/performance.md,
+# "How many cores"): set, it replaces the count of this process's cores; a pool thread still
+# counts 1. For a process that shares its machine, and for the tests that need a given number.
+CORES_VARIABLE = "JUPYTER_METAINIT_CORES"
 
 _pool: ThreadPoolExecutor | None = None
 _pool_lock = threading.Lock()
@@ -46,6 +53,9 @@ def available_cores() -> int:
     waiting for tasks queued behind it in the same pool would wait forever)."""
     if on_core_pool():
         return 1
+    chosen = _chosen_cores()
+    if chosen is not None:
+        return chosen
     try:
         cores = len(os.sched_getaffinity(0))
     except (AttributeError, OSError):
@@ -63,3 +73,16 @@ def core_pool(workers: int) -> ThreadPoolExecutor:
             _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jmi-fill",
                                        initializer=_mark_pool_thread)  # fmt: skip
         return _pool
+
+
+def _chosen_cores() -> int | None:
+    """The core count :data:`CORES_VARIABLE` sets, if it is set (read at each call: cheap)."""
+    text = os.environ.get(CORES_VARIABLE, "").strip()
+    if not text:
+        return None
+    if not text.isdigit() or int(text) < 1:
+        raise ArgumentError(
+            f"{CORES_VARIABLE}={text!r}: give the number of threads to use, a whole number >= 1 "
+            "(or unset it to use this process's cores)"
+        )
+    return int(text)
