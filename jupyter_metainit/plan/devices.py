@@ -129,28 +129,30 @@ def is_offload(device: str) -> bool:
 
 def check_workload(batch: Any, seq_len: Any, inputs: Any, training: Any) -> tuple:
     """The workload as ``measure`` takes it: positional inputs, or ``(name, value)`` pairs
-    for keyword ones; a wrong type is a ``TypeError`` saying what each argument takes."""
+    for keyword ones; a wrong type is an ``ArgumentTypeError`` saying what each argument takes."""
     if not isinstance(training, bool):
-        raise TypeError(f"training must be True (one training step) or False (inference), "
+        raise ArgumentTypeError(f"training must be True (one training step) or False (inference), "
                         f"not {training!r}")  # fmt: skip
     _check_count(batch, "batch", "the number of samples per step")
     if isinstance(inputs, Mapping):  # keyword inputs; a shape is token ids of that shape
         if not all(isinstance(name, str) for name in inputs):
-            raise TypeError(f"inputs= as a dict maps the forward's argument names to shapes or "
-                            f"tensors, e.g. {{'input_ids': (8, 512)}}, not {inputs!r}")  # fmt: skip
+            raise ArgumentTypeError(
+                "inputs= as a dict maps the forward's argument names to shapes or tensors, "
+                f"e.g. {{'input_ids': (8, 512)}}, not {inputs!r}"
+            )
         return tuple((name, _as_ids(value)) for name, value in inputs.items())
     if isinstance(inputs, (list, tuple)) and not _is_shape(inputs):
         return tuple(inputs)
     if _is_shape(inputs) or isinstance(inputs, torch.Tensor):
         return (inputs,)
     if inputs is not None:
-        raise TypeError(
+        raise ArgumentTypeError(
             "inputs= takes the forward's inputs: a list of shapes or tensors "
             "(inputs=[(8, 3, 224, 224)]), one shape or tensor, or a dict of keyword inputs "
             f"(inputs={{'input_ids': (8, 512)}}), not {type(inputs).__name__}"
         )
     if seq_len is None:
-        raise ValueError(
+        raise ArgumentError(
             "place() needs the workload: seq_len= (tokens per sample, for a language model) or "
             "inputs= (the forward's inputs as shapes, e.g. inputs=[(8, 3, 224, 224)])"
         )
@@ -160,9 +162,9 @@ def check_workload(batch: Any, seq_len: Any, inputs: Any, training: Any) -> tupl
 
 def _check_count(value: Any, name: str, what: str) -> None:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise TypeError(f"{name} takes {what}, an int >= 1, not {value!r}")
+        raise ArgumentTypeError(f"{name} takes {what}, an int >= 1, not {value!r}")
     if value < 1:
-        raise ValueError(f"{name}={value!r}: give {what}, an int >= 1")
+        raise ArgumentError(f"{name}={value!r}: give {what}, an int >= 1")
 
 
 def _is_shape(value: Any) -> bool:
