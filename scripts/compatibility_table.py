@@ -33,14 +33,19 @@ STATUS = {
 # What was seen below each lower bound (the runs that set it; the bisection of releases).
 BELOW = {
     "torch": (
-        "below the lower bound (2.10: a tensor-parallel scatter of a deferred model crashes its "
-        "gloo rank, trunc_normal_'s fast path fails its check; 2.8 imports but cannot record)"
+        "below the lower bound (2.11 and 2.10: trunc_normal_'s fast path fails its check against "
+        "the kernel, a batch's random fills no longer run as one stream; 2.10 also: a "
+        "tensor-parallel scatter of a deferred model crashes its gloo rank; 2.8 imports but "
+        "cannot record)"
     ),
     "transformers": (
         "by the `hf` extra (5.0 to 5.14: `save_pretrained` of a deferred model differs from "
         "eager's files or options)"
     ),
-    "accelerate": "by the `test` extra (0.28: the tests' reference estimates are missing)",
+    "accelerate": (
+        "by the `test` extra (transformers 5.15 needs 1.1 for `device_map`; 0.28 lacks the "
+        "tests' reference estimates)"
+    ),
 }
 
 HEAD = """# Compatibility
@@ -124,7 +129,11 @@ def _tests(run: dict[str, Any]) -> str:
     if not t:
         return "the whole suite"
     text = f"{t['passed']} passed, {t['failed']} failed"
-    return text + (f", {t['errors']} errors" if t.get("errors") else "")
+    text += f", {t['errors']} errors" if t.get("errors") else ""
+    files = run.get("test_files")  # None: the core tests
+    text += f" ({', '.join(files)} only)" if files else " (core tests)"
+    rerun = run.get("rerun")  # files whose first run timed out on a loaded machine
+    return text + (f"; {', '.join(rerun['files'])} counted from a rerun alone" if rerun else "")
 
 
 def rows(runs: list[dict[str, Any]], project: dict[str, Any]) -> list[list[str]]:

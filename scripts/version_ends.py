@@ -159,6 +159,40 @@ def counts(junit: Path) -> dict[str, int]:
     }
 
 
+def _outcome(case: ET.Element) -> str:
+    for tag, outcome in (("failure", "failed"), ("error", "errors"), ("skipped", "skipped")):
+        if case.find(tag) is not None:
+            return outcome
+    return "passed"
+
+
+def rerun(end: str, files: list[str]) -> dict[str, Any]:
+    """Run ``files`` again, alone, in the end's environment, and count their tests from this
+    run instead of the first (for spawned ranks that timed out on a loaded machine); the
+    end's result, updated and rewritten, says which files were rerun."""
+    venv, again = ENDS_DIR / end / "venv", ENDS_DIR / end / "rerun.xml"
+    pytest = [str(venv / "bin" / "python"), "-m", "pytest", "-q", "-p", "no:cacheprovider"]
+    subprocess.run([*pytest, f"--junitxml={again}", *files], cwd=ROOT)
+    return merge_rerun(end, files)
+
+
+def merge_rerun(end: str, files: list[str]) -> dict[str, Any]:
+    """The end's result with the tests of ``files`` counted from ``rerun.xml``."""
+    junit, again = ENDS_DIR / end / "junit.xml", ENDS_DIR / end / "rerun.xml"
+    modules = {"tests." + Path(f).stem for f in files}
+    cases = [c for c in ET.parse(junit).iter("testcase") if c.get("classname") not in modules]
+    cases += list(ET.parse(again).iter("testcase"))
+    tally = {"passed": 0, "failed": 0, "errors": 0, "skipped": 0}
+    for case in cases:
+        tally[_outcome(case)] += 1
+    path = ENDS_DIR / end / "result.json"
+    result = json.loads(path.read_text())
+    result["tests"] = tally
+    result["rerun"] = {"files": [Path(f).name for f in files]}
+    path.write_text(json.dumps(result, indent=1) + "\n")
+    return result
+
+
 def run_end(end: str, python: str, requirements: list[str], tests: list[str]) -> dict[str, Any]:
     """Make the end's environment, run the core tests and the smoke check; its result."""
     start = time.monotonic()
@@ -180,6 +214,7 @@ def run_end(end: str, python: str, requirements: list[str], tests: list[str]) ->
         "end": end,
         "versions": versions(venv),
         "tests": counts(junit),
+        "test_files": None if tests == core_tests() else [Path(t).name for t in tests],
         "smoke": "exact" if smoke.returncode == 0 else "differs",
         "install_s": round(made - start),
         "test_s": round(time.monotonic() - made),
@@ -219,6 +254,12 @@ def main() -> int:
         help="comma-separated: newest, lowest, or py3.N (a one-off: that Python, the newest rest)",
     )
     parser.add_argument("--record", action="store_true", help="record results, rewrite the page")
+    parser.add_argument("--tests", nargs="+", help="test files instead of the core tests")
+    parser.add_argument(
+        "--rerun",
+        nargs="+",
+        help="rerun these files alone in the (one) end made before, count them",
+    )
     args = parser.parse_args()
     project = read_pyproject()
     python_newest, python_lowest = project["pythons"][-1], project["pythons"][0]
@@ -228,7 +269,9 @@ def main() -> int:
         "lowest": (python_lowest, [*lowest_pins(project), *TEST_TOOLS]),
     }
     results = []
-    for end in args.ends.split(","):
+    if args.rerun:
+        results = [rerun(end, args.rerun) for end in args.ends.split(",")]
+    for end in [] if args.rerun else args.ends.split(","):
         if re.fullmatch(r"py3\.\d+", end):  # a one-off: that Python, the newest of the rest
             plans[end] = (end[2:], plans["newest"][1])
         version, requirements = plans[end]
@@ -236,7 +279,7 @@ def main() -> int:
         if python is None:
             log(f"{end}: no Python {version} here (python{version} or pyenv): end skipped")
             return 1
-        results.append(run_end(end, python, requirements, core_tests()))
+        results.append(run_end(end, python, requirements, args.tests or core_tests()))
     for r in results:
         v, t = r["versions"], r["tests"]
         log(
