@@ -47,7 +47,17 @@ pip_install() {
 }
 
 # 2. torch first, at an exact CPU version ------------------------------------------------------
-if ! "$VPY" -c 'import sys, torch; v = tuple(int(x) for x in torch.__version__.split("+")[0].split(".")[:2]); sys.exit(not (2, 6) <= v < (2, 15))' >/dev/null 2>&1; then
+# A torch already there is kept when pyproject.toml's range admits it (read from there, so the
+# two never disagree): "torch>=LOW,<CAP", compared as (major, minor).
+TORCH_RANGE="$(grep -o '"torch>=[0-9.]*,<[0-9.]*"' pyproject.toml | tr -d '"')"
+TORCH_LOW="$(sed 's/torch>=\([0-9.]*\),.*/\1/' <<<"$TORCH_RANGE")"
+TORCH_CAP="$(sed 's/.*,<\([0-9.]*\)/\1/' <<<"$TORCH_RANGE")"
+if ! "$VPY" - "$TORCH_LOW" "$TORCH_CAP" >/dev/null 2>&1 <<'EOF'
+import sys, torch
+minor = lambda v: tuple(int(x) for x in v.split("+")[0].split(".")[:2])
+sys.exit(not minor(sys.argv[1]) <= minor(torch.__version__) < minor(sys.argv[2]))
+EOF
+then
     log "installing $TORCH_SPEC (before anything that depends on torch)"
     pip_install "$TORCH_SPEC"
 fi

@@ -101,7 +101,23 @@ _FACTORY_SIZE_ARG = {
 }  # fmt: skip
 
 
-_LIKE_OPS = {aten.rand_like.generator, aten.randn_like.generator}
+def _overloads(packet: Any, name: str) -> set:
+    """``packet.name`` as a one-element set, or empty where this torch has no such overload.
+
+    Read by capability, never by version: ``rand_like.generator`` and ``randn_like.generator``
+    exist from torch 2.10; on an older torch the ``*_like`` ops take no generator, so the ones
+    it has are re-run on scratch memory like any op without a formula, and importing works."""
+    return {getattr(packet, name)} if name in packet.overloads() else set()
+
+
+_LIKE_OPS = _overloads(aten.rand_like, "generator") | _overloads(aten.randn_like, "generator")
+_UNIFORM_OPS = {
+    aten.uniform_.default, aten.rand.generator, *_overloads(aten.rand_like, "generator"),
+}  # fmt: skip
+_NORMAL_OPS = {
+    aten.normal_.default, aten.randn.generator, aten.normal.float_float,
+    *_overloads(aten.randn_like, "generator"),
+}  # fmt: skip
 
 
 def _argument(spec: BurnSpec, name: str) -> Any:
@@ -140,11 +156,10 @@ def _draws(spec: BurnSpec, nothing: bool = True) -> int | None:
         return None
     n, dtype, contiguous = geometry
     f = spec.func
-    if f in (aten.uniform_.default, aten.rand.generator, aten.rand_like.generator):
+    if f in _UNIFORM_OPS:
         per = draws_per_element(dtype, 1, 2)
         return None if per is None else per * n
-    if f in (aten.normal_.default, aten.randn.generator, aten.randn_like.generator,
-             aten.normal.float_float):  # fmt: skip
+    if f in _NORMAL_OPS:
         return _normal_draws(n, dtype, contiguous)
     if f in (aten.exponential_.default, aten.cauchy_.default, aten.geometric_.default,
              aten.bernoulli_.float):  # fmt: skip

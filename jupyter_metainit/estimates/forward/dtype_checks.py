@@ -22,7 +22,12 @@ __all__ = ["EagerDtypeChecks", "run_past_cuda_only_meta_checks"]
 # Meta kernels that carry the CUDA kernel's dtype checks, which the CPU kernel does not have:
 # the dtype their meta kernel takes. ``_grouped_mm`` (MoE experts in transformers) computes in
 # float32 on the CPU, while its meta kernel refuses anything but bfloat16.
-_CUDA_ONLY_META_DTYPE = {torch.ops.aten._grouped_mm.default: torch.bfloat16}
+# Looked up by capability: torch 2.6 has no ``_grouped_mm``, and an op it lacks needs no entry.
+_CUDA_ONLY_META_DTYPE = {
+    getattr(torch.ops.aten, name).default: dtype
+    for name, dtype in [("_grouped_mm", torch.bfloat16)]
+    if hasattr(torch.ops.aten, name)
+}
 
 
 def run_past_cuda_only_meta_checks(
