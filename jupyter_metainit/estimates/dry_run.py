@@ -127,11 +127,18 @@ def dry_run(
 
     The forward runs under ``torch.no_grad()`` with forward hooks (output shapes and bytes per
     module) and ``torch.utils.flop_counter.FlopCounterMode`` (FLOPs per module, subtree
-    inclusive). Live activation bytes are followed op by op; a module's peak is the largest
-    live activation total seen while it runs (including what its callers keep alive, e.g. the
-    KV cache and residual stream). Results are stored on ``module`` keyed by qualified name and
-    appear as columns ``output_shape``, ``activation_bytes``, ``flops``, ``peak_forward_bytes``
-    (= the subtree's weights + that peak) in later :func:`memory_table` calls.
+    inclusive). Live activation bytes are followed op by op (every tensor the forward makes,
+    masks and position ids included); a module's peak is the largest live activation total
+    seen while it runs (including what its callers keep alive, e.g. the KV cache and residual
+    stream). The model runs in the mode it is in (``model.eval()`` first for inference).
+    ``scaled_dot_product_attention`` runs as the device the model's tensors report would run
+    it: on the CPU its flash kernel, or its math kernel (which holds the ``[batch, heads,
+    queries, keys]`` scores) where the flash kernel refuses the call (dropout); on the meta
+    device, whose real device is unknown, the math kernel. The record's ``"attention"``
+    (``table.attrs["dry_run"]``) says how many calls were costed each way, and why math.
+    Results are stored on ``module`` keyed by qualified name and appear as columns
+    ``output_shape``, ``activation_bytes``, ``flops``, ``peak_forward_bytes`` (= the subtree's
+    weights + that peak) in later :func:`memory_table` calls.
     ``flops=False`` skips the FLOP counter (about a third of the run's time on a large model):
     the ``flops`` column is then empty; every other figure is the same.
 
