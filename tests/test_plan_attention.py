@@ -224,3 +224,46 @@ def test_a_mixture_of_experts_training_step_is_traced_with_the_dry_runs_routing(
     ids = torch.randint(0, 1000, (2, 64))
     measured = measured_peak(model, (ids,), {"labels": ids}, training=True)
     assert plan.peak["cpu"] == pytest.approx(measured, rel=0.05)
+
+
+class CausalBlock(torch.nn.Module):
+    """Self-attention through SDPA with a boolean causal mask its forward makes (no device
+    given), and attention dropout."""
+
+    def __init__(self, width: int = 64, heads: int = 4) -> None:
+        super().__init__()
+        self.qkv, self.out, self.heads = torch.nn.Linear(width, 3 * width), torch.nn.Linear(
+            width, width), heads  # fmt: skip
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, n, d = x.shape
+        q, k, v = self.qkv(x).view(b, n, 3, self.heads, d // self.heads).permute(2, 0, 3, 1, 4)
+        mask = torch.ones(n, n, dtype=torch.bool).tril()
+        p = 0.1 if self.training else 0.0
+        a = torch.nn.functional.scaled_dot_product_attention(q, k, v, attn_mask=mask, dropout_p=p)
+        return x + self.out(a.transpose(1, 2).reshape(b, n, d))
+
+
+class TinyLM(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(100, 64)
+        self.blocks = torch.nn.Sequential(CausalBlock(), CausalBlock())
+        self.head = torch.nn.Linear(64, 100)
+
+    def forward(self, ids: torch.Tensor, labels: torch.Tensor) -> Any:
+        logits = self.head(self.blocks(self.embed(ids)))
+        loss = torch.nn.functional.cross_entropy(logits.flatten(0, 1), labels.flatten())
+        return transformers.modeling_outputs.CausalLMOutput(loss=loss, logits=logits)
+
+
+def test_a_training_step_whose_forward_makes_a_mask_without_a_device_is_traced_whole():
+    torch.manual_seed(0)
+    with meta_init():
+        model = TinyLM()
+    plan = place(model, HUGE, inputs={"ids": (2, 128), "labels": (2, 128)}, training=True)
+    assert plan.notes == []
+    materialize(model)
+    ids = torch.randint(0, 100, (2, 128))
+    measured = measured_peak(model, (), {"ids": ids, "labels": ids}, training=True)
+    assert plan.peak["cpu"] == pytest.approx(measured, rel=0.05)

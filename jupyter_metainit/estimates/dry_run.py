@@ -121,12 +121,19 @@ def dry_run(
 
     The forward runs under ``torch.no_grad()`` with forward hooks (output shapes and bytes per
     module) and ``torch.utils.flop_counter.FlopCounterMode`` (FLOPs per module, subtree
-    inclusive). Live activation bytes are followed op by op; a module's peak is the largest
-    live activation total seen while it runs (including what its callers keep alive, e.g. the
-    KV cache and residual stream). Results are stored on ``module`` keyed by qualified name and
-    appear in later :func:`memory_table` calls too. The model's own forward hooks run as in
-    eager, and see the run's tensors: deferred tensors (meta tensors for a model on the meta
-    device) standing in for its weights and activations, never real values.
+    inclusive). Live activation bytes are followed op by op (every tensor the forward makes,
+    masks and position ids included); a module's peak is the largest live activation total
+    seen while it runs (including what its callers keep alive, e.g. the KV cache and residual
+    stream). The model runs in the mode it is in (``model.eval()`` first for inference).
+    ``scaled_dot_product_attention`` runs as the device the model's tensors report would run
+    it: on the CPU its flash kernel, or its math kernel (which holds the ``[batch, heads,
+    queries, keys]`` scores) where the flash kernel refuses the call (dropout); on the meta
+    device, whose real device is unknown, the math kernel. The record's ``"attention"``
+    (``table.attrs["dry_run"]``) says how many calls were costed each way, and why math.
+    Results are stored on ``module`` keyed by qualified name and appear in later
+    :func:`memory_table` calls too. The model's own forward hooks run as in eager, and see the
+    run's tensors: deferred tensors (meta tensors for a model on the meta device) standing in for
+    its weights and activations, never real values.
 
     Args:
         module: the model: deferred, partly materialized or real.

@@ -197,7 +197,8 @@ def trace_step(model: nn.Module, parts: Sequence[tuple[str, nn.Module]],
             lambda m, a, out, n=name: _on_backward_start(out, phases, n)))  # fmt: skip
     hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: phases.pack(t, live), lambda t: t)
     try:
-        with torch.enable_grad(), hooks, AttentionKernels(policy, forced), replay, live:
+        meta = torch.device("meta")  # what the forward makes without a device (a mask) too
+        with meta, torch.enable_grad(), hooks, AttentionKernels(policy, forced), replay, live:
             output = functional_call(model, stand_ins, tuple(_on_meta(args, False)),
                                      _on_meta(kwargs, False), strict=False)  # fmt: skip
     finally:
@@ -241,7 +242,7 @@ def backward_figures(module: nn.Module, args: Any, kwargs: Any, policy: Attentio
     phases = _Phases("", "", StepFigures(), owns)
     live = _Live(owns)
     hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: phases.pack(t, live), lambda t: t)
-    with torch.enable_grad(), hooks, AttentionKernels(policy, forced):
+    with torch.device("meta"), torch.enable_grad(), hooks, AttentionKernels(policy, forced):
         out = functional_call(module, stand_ins, _on_meta(args, True), _on_meta(kwargs, False),
                               strict=False)  # fmt: skip
     roots = [t for t in tensors_in(out) if t.grad_fn is not None]
