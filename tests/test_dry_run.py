@@ -469,7 +469,7 @@ def test_dry_run_refuses_matmul_of_two_dtypes_as_eager_does():
     with pytest.raises(RuntimeError, match="expected scalar type Float but found Half"):
         MatMul()(torch.ones(2, 2, 3))
     with pytest.raises(RuntimeError, match="expected scalar type Float but found Half"):
-        dry_run(MatMul(), (2, 2, 3))
+        dry_run(MatMul(), torch.ones(2, 2, 3))  # a shape would be half, as the model
 
 
 def test_dry_run_checking_dtypes_allocates_no_large_output_of_small_inputs():

@@ -29,20 +29,18 @@ from jupyter_metainit.estimates.forward.attention import (
     transformers_attention,
 )
 from jupyter_metainit.estimates.forward.flops import flop_counter, flops_by_module
+from jupyter_metainit.estimates.forward.inputs import (
+    ShapeInput,
+    default_input_dtype,
+    stand_in_tensor,
+    typed,
+)
 from jupyter_metainit.estimates.forward.model_guard import ModelGuard
-from jupyter_metainit.estimates.forward.nested import is_shape, map_tensors, tensors_in
+from jupyter_metainit.estimates.forward.nested import map_tensors, tensors_in
 from jupyter_metainit.estimates.forward.reuse import BlockReuse, ReuseMismatch
 from jupyter_metainit.estimates.memory import DRY_RUN_ATTR, MemoryTable, memory_table
 
 __all__ = ["default_input_dtype", "dry_run", "run_forward"]
-
-
-def default_input_dtype(module: nn.Module) -> torch.dtype:
-    """Token-id models (first leaf with parameters is an Embedding) take int64 inputs."""
-    for m in module.modules():
-        if next(iter(m._modules.values()), None) is None and m._parameters:
-            return torch.long if isinstance(m, nn.Embedding) else torch.get_default_dtype()
-    return torch.get_default_dtype()
 
 
 def _uses_meta(module: nn.Module) -> bool:
@@ -52,28 +50,35 @@ def _uses_meta(module: nn.Module) -> bool:
 
 
 def _stand_in_inputs(
-    example_inputs: tuple, kwargs: dict, use_meta: bool, shape_dtype: torch.dtype
+    example_inputs: tuple, kwargs: dict, use_meta: bool
 ) -> tuple[list[Any], dict[str, Any]]:
-    """The run's inputs: shapes become empty tensors of ``shape_dtype``; tensors become copies
-    (deferred inside ``meta_init``, meta tensors on the meta path), never the caller's: an
-    in-place op of the forward (``ReLU(inplace=True)``) must not write (or record a write on)
-    them."""
+    """The run's inputs: shapes (``ShapeInput``) become tensors of their dtype and value;
+    tensors become copies (deferred inside ``meta_init``, meta tensors on the meta path),
+    never the caller's: an in-place op of the forward (``ReLU(inplace=True)``) must not write
+    (or record a write on) them."""
 
     def convert(t: torch.Tensor) -> torch.Tensor:
         if use_meta:
             return torch.empty_like(t, device="meta")
         return t.detach().clone() if tensor_state(t) == "deferred" else torch.empty_like(t)
 
-    def from_shape(shape: Any) -> torch.Tensor:
-        device = "meta" if use_meta else None
-        return torch.zeros(tuple(shape), dtype=shape_dtype, device=device)
+    def stand_in(value: Any) -> Any:
+        if isinstance(value, ShapeInput):
+            return stand_in_tensor(value, "meta" if use_meta else None)
+        return map_tensors(value, convert)
 
-    args = [from_shape(a) if is_shape(a) else map_tensors(a, convert) for a in example_inputs]
-    return args, {k: map_tensors(v, convert) for k, v in kwargs.items()}
+    return [stand_in(a) for a in example_inputs], {k: stand_in(v) for k, v in kwargs.items()}
+
+
+def _input_shape(obj: Any) -> Any:
+    """An input given as a shape as the run's record names it: the shape, else its label."""
+    return obj.shape if isinstance(obj, ShapeInput) else _input_label(obj)
 
 
 def _input_label(obj: Any) -> Any:
     """How the run's record names an input: a tensor's shape and dtype, else its type."""
+    if isinstance(obj, ShapeInput):
+        return f"{obj.shape} {dtype_name(obj.dtype)}"
     if isinstance(obj, torch.Tensor):
         return f"{tuple(obj.shape)} {dtype_name(obj.dtype)}"
     return type(obj).__name__
@@ -142,8 +147,14 @@ def dry_run(
             shapes (``(1, 4096)`` or ``torch.Size``), which become deferred tensors of
             ``input_dtype``.
         input_dtype: the dtype of inputs given as shapes (a ``torch.dtype`` or its name,
-            ``"float16"``; default: ``torch.long`` when the model starts with an
-            ``nn.Embedding``, else the default float dtype).
+            ``"float16"``); default: what the name of the forward's parameter at that
+            position says, as transformers names them: ``torch.long`` for ids, labels and
+            attention masks (``input_ids``, ``token_type_ids``, ``labels``,
+            ``attention_mask``: masks hold ones), the model's floating dtype (its first
+            floating parameter's) for ``pixel_values``, ``input_features``,
+            ``inputs_embeds`` and other ``*_values`` / ``*_features`` / ``*_embeds``; a name
+            that says neither (``x``, ``input``): ``torch.long`` when the model starts with
+            an ``nn.Embedding``, else the model's floating dtype.
         flops: ``False`` skips the FLOP counter (about a third of the run's time on a large
             model): the ``flops`` column is then empty; every other figure is the same.
         **kwargs: keyword arguments of ``forward`` (tensors in them are converted as the
@@ -222,7 +233,7 @@ def _run_once(
     reuse: bool,
 ) -> Answers:
     use_meta = _uses_meta(module)
-    shape_dtype = parse_dtype(input_dtype, "input_dtype") or default_input_dtype(module)
+    example_inputs, _ = typed(module, example_inputs, None, parse_dtype(input_dtype, "input_dtype"))
     ctx: contextlib.AbstractContextManager[Any] = (
         contextlib.nullcontext() if use_meta else meta_init()
     )
@@ -238,7 +249,7 @@ def _run_once(
     try:
         with ctx, transformers_attention(module) as forced:
             guard.swap_in_stand_ins(on_meta=use_meta)
-            args, kw = _stand_in_inputs(example_inputs, kwargs, use_meta, shape_dtype)
+            args, kw = _stand_in_inputs(example_inputs, kwargs, use_meta)
             for t in tensors_in((args, kw)):
                 tracker.track(t)
             reusing = reuse_blocks or contextlib.nullcontext()
@@ -258,7 +269,7 @@ def _run_once(
 
     known = set(modules.names.values())
     run = {
-        "inputs": [tuple(a) if is_shape(a) else _input_label(a) for a in example_inputs],
+        "inputs": [_input_shape(a) for a in example_inputs],
         "kwargs": {k: _input_label(v) for k, v in kwargs.items()},
         "output_shapes": out_shapes,
         "flops": int(counter.get_total_flops()) if isinstance(counter, FlopCounterMode) else None,

@@ -134,13 +134,13 @@ def check_workload(batch: Any, seq_len: Any, inputs: Any, training: Any) -> tupl
         raise ArgumentTypeError(f"training must be True (one training step) or False (inference), "
                         f"not {training!r}")  # fmt: skip
     _check_count(batch, "batch", "the number of samples per step")
-    if isinstance(inputs, Mapping):  # keyword inputs; a shape is token ids of that shape
+    if isinstance(inputs, Mapping):  # keyword inputs; a shape is typed by its name when measured
         if not all(isinstance(name, str) for name in inputs):
             raise ArgumentTypeError(
                 "inputs= as a dict maps the forward's argument names to shapes or tensors, "
                 f"e.g. {{'input_ids': (8, 512)}}, not {inputs!r}"
             )
-        return tuple((name, _as_ids(value)) for name, value in inputs.items())
+        return tuple((name, _as_shape(value)) for name, value in inputs.items())
     if isinstance(inputs, (list, tuple)) and not _is_shape(inputs):
         return tuple(inputs)
     if _is_shape(inputs) or isinstance(inputs, torch.Tensor):
@@ -172,9 +172,10 @@ def _is_shape(value: Any) -> bool:
         isinstance(d, int) and not isinstance(d, bool) for d in value)  # fmt: skip
 
 
-def _as_ids(value: Any) -> Any:
-    if isinstance(value, (tuple, list, torch.Size)) and all(isinstance(d, int) for d in value):
-        return torch.zeros((), dtype=torch.long).expand(tuple(value))  # one element, no memory
+def _as_shape(value: Any) -> Any:
+    """A shape given as a list or ``torch.Size`` as a tuple (what the dry run takes as one)."""
+    if isinstance(value, (list, torch.Size)) and _is_shape(tuple(value)):
+        return tuple(value)
     return value
 
 

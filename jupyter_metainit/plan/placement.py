@@ -13,6 +13,7 @@ import weakref
 from collections.abc import Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from jupyter_metainit.core import check_flag, format_bytes
@@ -244,8 +245,13 @@ def place(
         seq_len: tokens per sample: the workload is one forward of ``batch`` x ``seq_len``
             token ids, inference with the model's cache when its forward takes
             ``use_cache``.
-        training: plan one training step instead: ``labels`` (when the forward takes them),
-            gradients and ``optimizer`` states.
+        training: plan one training step instead: gradients, ``optimizer`` states, and
+            ``labels`` where the forward takes them and ``inputs`` gives none, as
+            transformers' heads take them: ``(batch,)`` class ids for a sequence, image,
+            audio or video classifier or multiple choice (floats for a regression head,
+            ``(batch, num_labels)`` floats for a multi-label one, per ``config.problem_type``),
+            else token ids of ``decoder_input_ids``' (or ``input_ids``') shape; none where
+            there are no token ids (the loss is then the model's output, if any).
         optimizer: with ``training``: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd_momentum"``,
             ``"adafactor"``, ``None``, or bytes of state per parameter.
         precision: how weights, gradients, states and activations are stored: ``None`` (as
@@ -262,8 +268,20 @@ def place(
         world_size: with ``strategy="fsdp"``: the number of ranks (default: one per device
             given).
         inputs: the workload of a model that does not take token ids: the forward's inputs as
-            shapes or tensors (``[(8, 3, 224, 224)]``); a dict gives keyword inputs, a shape
-            there being token ids (``{"input_ids": (8, 512), "decoder_input_ids": (8, 128)}``).
+            shapes or tensors (``[(8, 3, 224, 224)]``); a dict gives keyword inputs
+            (``{"input_ids": (8, 512), "decoder_input_ids": (8, 128)}``). A shape becomes a
+            deferred tensor whose dtype the argument's name says (a positional one is named
+            by the forward's parameter at its place), as transformers names them: int64 for
+            ids, labels and attention masks (``input_ids``, ``token_type_ids``,
+            ``position_ids``, ``labels``, ``attention_mask``, ``pixel_mask``; masks hold
+            ones), the model's floating dtype (its first floating parameter's) for
+            ``pixel_values``, ``input_features``, ``input_values``, ``inputs_embeds``,
+            ``encoder_hidden_states``, ``head_mask`` and other ``*_values`` / ``*_features``
+            / ``*_embeds`` / ``*_states``, bool for ``bool_*``; any other name
+            (``x``, ``input``) is token ids when the model starts with an ``nn.Embedding``,
+            else floats. For another dtype give a tensor instead of the shape: a deferred
+            (made under ``meta_init``), meta or real one, of which only the shape and dtype
+            are used (``torch.empty(8, 512, dtype=torch.float16, device="meta")``).
         attention: how scaled-dot-product attention is costed: ``"auto"`` (the kernel each
             planned device would run: the math kernel, which holds the [batch, heads, q, k]
             scores, on the CPU and wherever a fused kernel's conditions fail), or one kernel
@@ -322,7 +340,7 @@ def place(
     workload = f"batch {batch}" + (f", seq_len {seq_len}" if seq_len is not None else "")
     if inputs != ((batch, seq_len),):
         workload = "inputs " + ", ".join(
-            f"{i[0]}={tuple(i[1].shape)}" if isinstance(i, tuple) and len(i) == 2 and
+            f"{i[0]}={_shape_label(i[1])}" if isinstance(i, tuple) and len(i) == 2 and
             isinstance(i[0], str) else str(i) for i in inputs
         )  # fmt: skip
     if strategy == "fsdp":
@@ -343,6 +361,11 @@ def place(
                                 training, own, grouped)  # fmt: skip
     result.seconds = time.perf_counter() - started
     return result
+
+
+def _shape_label(value: Any) -> str:
+    """A keyword input as the plan's workload names it: its shape."""
+    return str(tuple(value.shape) if isinstance(value, torch.Tensor) else value)
 
 
 def _alone(costs: Costs, training: bool) -> int:

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import re
 import time
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass, field
@@ -27,10 +28,11 @@ import torch
 from torch import nn
 
 from jupyter_metainit.core.errors import ArgumentError
-from jupyter_metainit.estimates.dry_run import default_input_dtype, run_forward
+from jupyter_metainit.estimates.dry_run import run_forward
 from jupyter_metainit.estimates.forward.answers import Answers
 from jupyter_metainit.estimates.forward.attention import AttentionPolicy, transformers_attention
-from jupyter_metainit.estimates.forward.nested import cache_of, is_shape, tensor_bytes_in
+from jupyter_metainit.estimates.forward.inputs import ShapeInput, input_names, typed
+from jupyter_metainit.estimates.forward.nested import cache_of, tensor_bytes_in
 from jupyter_metainit.estimates.forward.saved import (
     each_alone,
     estimate_note,
@@ -98,14 +100,60 @@ def check_takes_token_ids(model: nn.Module) -> None:
     )
 
 
-def _workload_kwargs(model: nn.Module, training: bool, ids: Any) -> dict[str, Any]:
-    kwargs: dict[str, Any] = {}
+def _workload_kwargs(model: nn.Module, training: bool, args: tuple,
+                     kwargs: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+    """What the planned call adds to the user's inputs: ``use_cache`` for inference, and for
+    training the ``labels`` the forward takes when none are given (:func:`_labels`)."""
+    added: dict[str, Any] = {}
     if _accepts(model, "use_cache"):
-        kwargs["use_cache"] = not training
-    if training and _accepts(model, "labels") and isinstance(ids, tuple):
-        # One real element seen as the shape: the dry run runs on an empty copy of it.
-        kwargs["labels"] = torch.zeros((), dtype=torch.long).expand(ids)
-    return kwargs
+        added["use_cache"] = not training
+    names = input_names(model)
+    given = "labels" in kwargs or ("labels" in names and names.index("labels") < len(args))
+    if training and _accepts(model, "labels") and not given:
+        labels = _labels(model, args, kwargs)
+        if labels is not None:
+            added["labels"] = labels
+    return added
+
+
+# transformers' heads with one label per sample (the rest take one per token).
+_PER_SAMPLE = re.compile(r"For(Sequence|Image|Audio|Video)Classification$|ForMultipleChoice$")
+
+
+def _labels(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> ShapeInput | None:
+    """The labels a training step of ``model`` takes, as transformers' heads compute their
+    loss: one class per sample for a sequence, image, audio or video classifier (``(batch,)``;
+    float for a regression head, ``(batch, num_labels)`` floats for a multi-label one), else
+    one token id per decoder (or input) token, the ids' shape. None where the inputs have no
+    token ids to copy (a vision or audio model that is no classifier: its loss, if any, then
+    comes from its output)."""
+    names = [*input_names(model), *[None] * len(args)]
+    shaped = [(n, v) for n, v in [*zip(names, args, strict=False), *kwargs.items()] if _shape_of(v)]
+    if not shaped:
+        return None
+    batch = _shape_of(shaped[0][1])[0]  # type: ignore[index]
+    if _PER_SAMPLE.search(type(model).__name__):
+        config = getattr(model, "config", None)
+        problem = getattr(config, "problem_type", None)
+        num_labels = getattr(config, "num_labels", 2)
+        if problem == "multi_label_classification":
+            return ShapeInput((batch, num_labels), activation_dtype(model))
+        if problem == "regression" or (problem is None and num_labels == 1):
+            return ShapeInput((batch,), activation_dtype(model))
+        return ShapeInput((batch,), torch.long)
+    by_name = dict(shaped)
+    ids = [by_name[n] for n in ("decoder_input_ids", "input_ids") if n in by_name]
+    ids += [v for _, v in shaped if getattr(v, "dtype", None) == torch.long]
+    return ShapeInput(_shape_of(ids[0]), torch.long) if ids else None  # type: ignore[arg-type]
+
+
+def _shape_of(value: Any) -> tuple[int, ...] | None:
+    """The shape of an input given as a shape or a tensor, else None."""
+    if isinstance(value, ShapeInput):
+        return value.shape
+    if isinstance(value, torch.Tensor) and value.dim() > 0:
+        return tuple(value.shape)
+    return None
 
 
 def _cache_per_part(cache: Any, parts: list[Part]) -> dict[str, int]:
@@ -215,8 +263,8 @@ def measure(model: nn.Module, parts: list[Part], *, training: bool, inputs: tupl
     attention costed as ``attention`` says, and split what it needs over ``parts``."""
     start = time.perf_counter()
     policy = attention or AttentionPolicy()
-    ids = inputs[0] if len(inputs) == 1 else None
-    kwargs = {**_workload_kwargs(model, training, ids), **(kwargs or {})}
+    inputs, kwargs = typed(model, inputs, kwargs)
+    kwargs = {**_workload_kwargs(model, training, inputs, kwargs), **kwargs}
     order, specs, output, answers = _run(model, parts, training, inputs, kwargs, policy)
     activity = Activity(notes=[])
     activity.cache = _cache_per_part(cache_of(output), parts) if not training else {}
@@ -259,9 +307,8 @@ def _measure_step(model: nn.Module, parts: list[Part], activity: Activity,
     """The training step's figures per part: the whole step traced on meta tensors, or where
     the model's whole forward cannot run on them, each part alone (code between parts, such
     as a loss, then estimated)."""
-    dtype = default_input_dtype(model)
-    args = [("tensor", tuple(a), dtype) if is_shape(a) else shapes_of(a) for a in workload[0]]
-    kwargs = {k: shapes_of(v) for k, v in workload[1].items()}
+    args = [_spec(a) for a in workload[0]]
+    kwargs = {k: _spec(v) for k, v in workload[1].items()}
     runs = [(p.name, p.module) for p in parts if not p.own_only]
     owners: dict[int, str] = {}
     for part in parts:  # a tied tensor is its leader's, as the costs count it
@@ -297,6 +344,13 @@ def _measure_step(model: nn.Module, parts: list[Part], activity: Activity,
                                    - grads if name in figures.backward else saved)  # fmt: skip
         activity.saved[name] = saved
         saved_before += saved
+
+
+def _spec(value: Any) -> Any:
+    """An input as the meta trace takes it (``shapes_of``'s form)."""
+    if isinstance(value, ShapeInput):
+        return ("tensor", value.shape, value.dtype)
+    return shapes_of(value)
 
 
 def _add_loss(activity: Activity, last: Part, loss: int) -> None:
