@@ -123,10 +123,10 @@ _PER_SAMPLE = re.compile(r"For(Sequence|Image|Audio|Video)Classification$|ForMul
 def _labels(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> ShapeInput | None:
     """The labels a training step of ``model`` takes, as transformers' heads compute their
     loss: one class per sample for a sequence, image, audio or video classifier (``(batch,)``;
-    float for a regression head, ``(batch, num_labels)`` floats for a multi-label one), else
-    one token id per decoder (or input) token, the ids' shape. None where the inputs have no
-    token ids to copy (a vision or audio model that is no classifier: its loss, if any, then
-    comes from its output)."""
+    floats for a regression head, ``(batch, num_labels)`` floats for a multi-label one or a
+    regression of several values), else one token id per decoder (or input) token, the ids'
+    shape. None where the inputs have no token ids to copy (a vision or audio model that is no
+    classifier: its loss, if any, then comes from its output)."""
     names = [*input_names(model), *[None] * len(args)]
     shaped = [(n, v) for n, v in [*zip(names, args, strict=False), *kwargs.items()] if _shape_of(v)]
     if not shaped:
@@ -136,11 +136,10 @@ def _labels(model: nn.Module, args: tuple, kwargs: dict[str, Any]) -> ShapeInput
         config = getattr(model, "config", None)
         problem = getattr(config, "problem_type", None)
         num_labels = getattr(config, "num_labels", 2)
-        if problem == "multi_label_classification":
+        regression = problem == "regression" or (problem is None and num_labels == 1)
+        if problem == "multi_label_classification" or (regression and num_labels > 1):
             return ShapeInput((batch, num_labels), activation_dtype(model))
-        if problem == "regression" or (problem is None and num_labels == 1):
-            return ShapeInput((batch,), activation_dtype(model))
-        return ShapeInput((batch,), torch.long)
+        return ShapeInput((batch,), activation_dtype(model) if regression else torch.long)
     by_name = dict(shaped)
     ids = [by_name[n] for n in ("decoder_input_ids", "input_ids") if n in by_name]
     ids += [v for _, v in shaped if getattr(v, "dtype", None) == torch.long]
