@@ -181,6 +181,29 @@ def test_training_a_model_without_token_ids_or_a_classifier_head_adds_no_labels(
     assert plan.peak["cpu"] > 0
 
 
+def _wav2vec2_classifier(layerdrop):
+    config = transformers.Wav2Vec2Config(
+        **SMALL, vocab_size=32, conv_dim=(16, 16), conv_stride=(5, 4), conv_kernel=(10, 4),
+        num_conv_pos_embeddings=16, num_conv_pos_embedding_groups=4, num_labels=2,
+        layerdrop=layerdrop, mask_time_prob=0.0,
+    )  # fmt: skip
+    with meta_init():
+        return transformers.Wav2Vec2ForSequenceClassification(config)
+
+
+def test_a_training_plan_with_layerdrop_counts_every_layer():
+    inputs = {"input_values": (2, 4000)}
+    kept = place(_wav2vec2_classifier(0.0), CPU, inputs=inputs, training=True)
+    dropping = place(_wav2vec2_classifier(0.99), CPU, inputs=inputs, training=True)
+    assert dropping.peak == kept.peak
+
+
+def test_planning_leaves_the_layerdrop_as_it_was():
+    model = _wav2vec2_classifier(0.99)
+    place(model, CPU, inputs={"input_values": (2, 4000)}, training=True)
+    assert model.config.layerdrop == 0.99
+
+
 def _measured_training_peak(model, kwargs):
     from torch.distributed._tools.mem_tracker import MemTracker
 

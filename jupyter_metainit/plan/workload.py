@@ -264,8 +264,50 @@ def measure(model: nn.Module, parts: list[Part], *, training: bool, inputs: tupl
     policy = attention or AttentionPolicy()
     inputs, kwargs = typed(model, inputs, kwargs)
     kwargs = {**_workload_kwargs(model, training, inputs, kwargs), **kwargs}
-    order, specs, output, answers = _run(model, parts, training, inputs, kwargs, policy)
     activity = Activity(notes=[])
+    with _every_layer(model) as dropping:
+        if dropping and training:
+            activity.notes.append(
+                "layerdrop is costed with no layer dropped: the most a training step needs"
+            )
+        _measure(model, parts, training, (inputs, kwargs), policy, activity)
+    activity.dtype = activation_dtype(model)
+    activity.seconds = time.perf_counter() - start
+    return activity
+
+
+_LAYERDROPS = ("layerdrop", "encoder_layerdrop", "decoder_layerdrop")
+
+
+@contextlib.contextmanager
+def _every_layer(model: nn.Module) -> Iterator[bool]:
+    """LayerDrop off while measuring (transformers' ``layerdrop`` of a module or of its
+    config): a step that drops no layer is the one that needs the most, and a plan measures
+    one draw of it otherwise. Yields whether any was on."""
+    changed: list[tuple[Any, str, float]] = []
+    seen: set[int] = set()
+    for m in model.modules():
+        for holder in (m, getattr(m, "config", None)):
+            if holder is None or id(holder) in seen:
+                continue
+            seen.add(id(holder))
+            for name in _LAYERDROPS:
+                rate = getattr(holder, name, None)
+                if isinstance(rate, float) and rate > 0:
+                    changed.append((holder, name, rate))
+                    setattr(holder, name, 0.0)
+    try:
+        yield bool(changed)
+    finally:
+        for holder, name, rate in changed:
+            setattr(holder, name, rate)
+
+
+def _measure(model: nn.Module, parts: list[Part], training: bool, workload: tuple[tuple, dict],
+             policy: AttentionPolicy, activity: Activity) -> None:  # fmt: skip
+    """``measure``'s figures, into ``activity``: the dry run's per part, then the step's."""
+    inputs, kwargs = workload
+    order, specs, output, answers = _run(model, parts, training, inputs, kwargs, policy)
     activity.cache = _cache_per_part(cache_of(output), parts) if not training else {}
     # Execution order; a part the forward never ran keeps its place after its predecessor.
     rank: dict[str, float] = {}
@@ -295,9 +337,6 @@ def measure(model: nn.Module, parts: list[Part], *, training: bool, inputs: tupl
                                        int(run["peak_activation_bytes"]) - before)  # fmt: skip
     if training and ran:
         _measure_step(model, parts, activity, specs, (inputs, kwargs, answers), policy, output)
-    activity.dtype = activation_dtype(model)
-    activity.seconds = time.perf_counter() - start
-    return activity
 
 
 def _measure_step(model: nn.Module, parts: list[Part], activity: Activity,
