@@ -420,6 +420,28 @@ def test_dry_run_accepts_an_input_dtype_name(name):
     assert table.attrs["dry_run"]["output_shapes"] == [(2, 3)]
 
 
+def test_a_shape_becomes_an_input_of_the_models_floating_dtype():
+    model = nn.Linear(3, 3).to(torch.bfloat16)
+    seen = []
+    model.register_forward_pre_hook(lambda m, args: seen.append(args[0].dtype))
+    dry_run(model, (2, 3))
+    assert seen == [torch.bfloat16]
+
+
+def test_a_shape_for_an_attention_mask_becomes_int64_ones():
+    class Masked(nn.Module):
+        def forward(self, x: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+            return x * attention_mask
+
+    seen = []
+    model = Masked()
+    model.register_forward_pre_hook(
+        lambda m, args: seen.append((args[1].dtype, bool(args[1].eq(1).all())))
+    )
+    dry_run(model, (2, 3), (2, 3))
+    assert seen == [(torch.long, True)]
+
+
 def test_dry_run_with_an_unknown_input_dtype_name_lists_the_valid_forms():
     with pytest.raises(ValueError, match="'bfloat16'"):
         dry_run(nn.Linear(3, 3), (2, 3), input_dtype="floot16")
