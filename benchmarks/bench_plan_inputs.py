@@ -9,7 +9,7 @@ from the same deferred one (inputs counted): an eval-mode forward under ``no_gra
 second of two AdamW steps (``bench_attention_plans.measured_peak``). Each measurement runs in
 a fresh process.
 
-    .venv/bin/python benchmarks/bench_plan_inputs.py            # full (~2 min on 2 cores)
+    .venv/bin/python benchmarks/bench_plan_inputs.py            # full (~5 min on 2 cores)
     .venv/bin/python benchmarks/bench_plan_inputs.py --quick    # smoke run, smaller inputs
 """
 
