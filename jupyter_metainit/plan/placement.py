@@ -251,7 +251,8 @@ def place(
             audio or video classifier or multiple choice (floats for a regression head,
             ``(batch, num_labels)`` floats for a multi-label one, per ``config.problem_type``),
             else token ids of ``decoder_input_ids``' (or ``input_ids``') shape; none where
-            there are no token ids (the loss is then the model's output, if any).
+            there are no token ids (the loss is then the model's output, if any). LayerDrop
+            is costed with no layer dropped.
         optimizer: with ``training``: ``"adamw"``, ``"adam"``, ``"sgd"``, ``"sgd_momentum"``,
             ``"adafactor"``, ``None``, or bytes of state per parameter.
         precision: how weights, gradients, states and activations are stored: ``None`` (as
