@@ -55,13 +55,29 @@ def _code(fn: Any) -> Any:
     return getattr(fn, "__code__", type(fn))
 
 
+def _same_type(a: Any, b: Any) -> bool:
+    """The same class, or two module classes one factory made alike: transformers (5.25, with
+    ``kernels``) keeps in each attention layer a ``Func`` module whose class a factory creates
+    per layer, closing over the same function."""
+    ta, tb = type(a), type(b)
+    if ta is tb:
+        return True
+    if not (isinstance(a, nn.Module) and isinstance(b, nn.Module)):
+        return False
+    return (ta.__qualname__, ta.__module__) == (tb.__qualname__, tb.__module__) and _same(
+        ta.forward, tb.forward, 0, _DEPTH
+    )
+
+
 def _same(a: Any, b: Any, shift: int, depth: int = 0) -> bool:
     """``a`` (an attribute of the measured block) and ``b`` (the same one of a block ``shift``
     positions later) make the forward do the same; unknown objects only when identical."""
     if a is b:
         return True
-    if type(a) is not type(b) or depth > _DEPTH:
+    if depth > _DEPTH or not _same_type(a, b):
         return False
+    if isinstance(a, nn.Module):  # a module kept outside _modules (in a dict, say)
+        return same_attributes(a, b, shift)
     if isinstance(a, (bool, *_PLAIN)):
         return bool(a == b)
     if isinstance(a, int):
@@ -105,7 +121,7 @@ def same_attributes(ref: nn.Module, block: nn.Module, shift: int) -> bool:
     """Every module of ``block`` has the attributes, hooks and mode of its twin in ``ref``."""
     for a, b in zip(ref.modules(), block.modules(), strict=True):
         mine, theirs = _compared(a), _compared(b)
-        if type(a) is not type(b) or mine.keys() != theirs.keys():
+        if not _same_type(a, b) or mine.keys() != theirs.keys():
             return False
         for name, value in mine.items():
             other = theirs[name]
