@@ -64,12 +64,12 @@ fi
 
 # 3. the package with its test extras (skipped when pyproject.toml did not change) -------------
 STAMP="$VENV/.jupyter_metainit-setup"
-WANT="$( (cat pyproject.toml; printf '%s\n' "$TORCH_SPEC" "$ROOT") | sha256sum | cut -d' ' -f1)"
+WANT="$( (cat pyproject.toml scripts/constraints.txt; printf '%s\n' "$TORCH_SPEC" "$ROOT") | sha256sum | cut -d' ' -f1)"
 if [ "${SETUP_FORCE:-0}" = 1 ] || [ ! -f "$STAMP" ] || [ "$(cat "$STAMP")" != "$WANT" ] \
         || ! "$VPY" -c 'import importlib.util as u, sys; sys.exit(any(u.find_spec(m) is None for m in
             ("jupyter_metainit", "pytest", "transformers", "accelerate", "nbclient", "ipykernel")))'; then
     log "installing jupyter_metainit (editable) with its test extras"
-    pip_install -e ".[test]"
+    pip_install -e ".[test]" -c scripts/constraints.txt
     printf '%s\n' "$WANT" >"$STAMP"
 else
     log "python packages up to date"
