@@ -768,7 +768,8 @@ _WIDTH_CELLS = [
 
 
 def _layout_faults(widget) -> list[str]:
-    """What a width does wrong: a row without its size or state, a separator alone at the
+    """What a width does wrong: a row without its size (or, with the value columns on, its
+    std in the size's place) or state, a cell pushed under its row, a separator alone at the
     start or end of a line, anything wider than the widget."""
     return widget.evaluate(
         """(root) => {
@@ -776,12 +777,21 @@ def _layout_faults(widget) -> list[str]:
           const box = (el) => el.getBoundingClientRect();
           const shown = (el) => el && el.checkVisibility() && box(el).width > 0;
           const r = box(root);
-          for (const row of root.querySelectorAll('.jmi-rows .jmi-row')) {
-            const name = row.querySelector('.jmi-name')?.title;
-            for (const part of ['.jmi-name', '.jmi-c-size', '.jmi-badge']) {
+          for (const row of root.querySelectorAll('.jmi-rows .jmi-row, .jmi-colhead')) {
+            const name = row.querySelector('.jmi-name')?.title ?? 'the column heads';
+            const figure = shown(row.querySelector('.jmi-c-size')) ? '.jmi-c-size'
+              : root.classList.contains('jmi-valued') ? '.jmi-c-std' : '.jmi-c-size';
+            const parts = row.classList.contains('jmi-colhead') ? [figure]
+              : ['.jmi-name', figure, '.jmi-badge'];
+            for (const part of parts) {
               const el = row.querySelector(part);
               if (!shown(el)) faults.push(`${name}: no ${part}`);
               else if (box(el).right > box(row).right + 1) faults.push(`${name}: ${part} cut`);
+            }
+            for (const cell of row.children) {
+              if (shown(cell) && box(cell).top >= box(row).bottom - 1) {
+                faults.push(`${name}: ${cell.className} under the row`);
+              }
             }
           }
           const sep = root.querySelector('.jmi-sep');
