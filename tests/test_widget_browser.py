@@ -1127,6 +1127,7 @@ def test_values_and_compare_with_a_checkpoint_from_the_keyboard(browser, fronten
     assert 0.015 < float(std) < 0.025, std  # Llama's init: normal(0, 0.02)
     assert _row(widget, "model.layers").locator(".jmi-badge", has_text="mixed").count() == 1
     assert widget.locator(".jmi-chart-box .jmi-dot").count() >= 3
+    assert widget.locator(".jmi-legend").is_hidden()  # no comparison yet
     page.keyboard.press("ArrowDown")  # the next row: the focused row's histogram follows
     _on_row(page, "model.embed_tokens")
     widget.locator(".jmi-hist-box", has_text="model.embed_tokens.weight").wait_for(timeout=5_000)
