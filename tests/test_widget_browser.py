@@ -768,7 +768,8 @@ _WIDTH_CELLS = [
 
 
 def _layout_faults(widget) -> list[str]:
-    """What a width does wrong: a row without its size or state, a separator alone at the
+    """What a width does wrong: a row without its size (or, with the value columns on, its
+    std in the size's place) or state, a cell pushed under its row, a separator alone at the
     start or end of a line, anything wider than the widget."""
     return widget.evaluate(
         """(root) => {
@@ -776,12 +777,21 @@ def _layout_faults(widget) -> list[str]:
           const box = (el) => el.getBoundingClientRect();
           const shown = (el) => el && el.checkVisibility() && box(el).width > 0;
           const r = box(root);
-          for (const row of root.querySelectorAll('.jmi-rows .jmi-row')) {
-            const name = row.querySelector('.jmi-name')?.title;
-            for (const part of ['.jmi-name', '.jmi-c-size', '.jmi-badge']) {
+          for (const row of root.querySelectorAll('.jmi-rows .jmi-row, .jmi-colhead')) {
+            const name = row.querySelector('.jmi-name')?.title ?? 'the column heads';
+            const figure = shown(row.querySelector('.jmi-c-size')) ? '.jmi-c-size'
+              : root.classList.contains('jmi-valued') ? '.jmi-c-std' : '.jmi-c-size';
+            const parts = row.classList.contains('jmi-colhead') ? [figure]
+              : ['.jmi-name', figure, '.jmi-badge'];
+            for (const part of parts) {
               const el = row.querySelector(part);
               if (!shown(el)) faults.push(`${name}: no ${part}`);
               else if (box(el).right > box(row).right + 1) faults.push(`${name}: ${part} cut`);
+            }
+            for (const cell of row.children) {
+              if (shown(cell) && box(cell).top >= box(row).bottom - 1) {
+                faults.push(`${name}: ${cell.className} under the row`);
+              }
             }
           }
           const sep = root.querySelector('.jmi-sep');
@@ -1066,22 +1076,22 @@ def test_a_reopened_notebook_with_a_new_kernel_says_how_to_get_the_tree_back(
 
 _VALUES_CELLS = [
     *_FLOW_CELLS[:3],
-    "import torch\n\nwith torch.no_grad():\n"
+    "import torch\nimport jupyter_metainit\n\nwith torch.no_grad():\n"
     "    model.model.layers[1].mlp.down_proj.weight[0, 0] = float('nan')\n"
-    "tuned = {'model.norm.weight': torch.full((64,), 2.0)}  # a state dict for Compare with…",
+    "jupyter_metainit.save(model, 'tuned_ckpt')  # a checkpoint for Compare with…\n"
+    "with torch.no_grad():\n"
+    "    model.model.norm.weight.mul_(2)  # the model now differs from it there",
 ]
 
 
-@pytest.mark.parametrize("theme", ["light", "dark"])
-def test_values_and_compare_from_the_keyboard(browser, frontend, theme):
-    """Values (key v on the model's row) measures the whole model, deferred parts staying
-    deferred; the value columns, the NaN flag, the depth chart and the focused row's
-    histogram show. Compare with… (key d) colours the rows. Screenshots:
-    test-artifacts/widget-<app>-values-<theme>-<px>.png and widget-<app>-compare-…."""
-    app = "jupyterlab4" if frontend["app"] == "jupyterlab" else "notebook7"
-    if theme == "dark":
-        _set_theme(frontend["settings"], "JupyterLab Dark")
-    page = _open_and_build(browser, frontend, f"values-{theme}.ipynb", _VALUES_CELLS, height=1300)
+def _focus_in_widget(page, step: str) -> None:
+    """The keyboard focus is on a control of the widget, never fallen to <body>."""
+    focus = _focus(page)
+    assert focus["inWidget"] and not focus["body"], (step, focus)
+
+
+def _values_measured(page):
+    """Run the values notebook's last cells, then v on the model's row: the values measured."""
     _run_cell(page, 2)
     _run_cell(page, 3)
     widget = page.locator(".jmi-root").first
@@ -1089,6 +1099,26 @@ def test_values_and_compare_from_the_keyboard(browser, frontend, theme):
     _row(widget, "model").locator(".jmi-c-type").click()
     page.keyboard.press("v")
     widget.locator(".jmi-message", has_text="Measured the values").wait_for(timeout=60_000)
+    return widget
+
+
+def _compare_typed(page, widget, other: str) -> None:
+    """d opens Compare with… with the focus in its field; ``other`` typed over what is there."""
+    page.keyboard.press("d")
+    assert "jmi-compare-other" in _focus(page)["cls"], _focus(page)
+    page.keyboard.press("Control+A")
+    page.keyboard.type(other)
+    page.keyboard.press("Enter")
+
+
+def test_values_and_compare_with_a_checkpoint_from_the_keyboard(browser, frontend):
+    """Keyboard only, the focus never leaving the widget: v on the model's row measures the
+    values (deferred parts staying deferred; the columns, the NaN flag, the depth chart and
+    the focused row's histogram show); Tab reaches the chart's statistic and an arrow key
+    changes it; d opens Compare with…, where a path that holds no checkpoint is refused in one
+    line and a checkpoint directory colours the rows."""
+    page = _open_and_build(browser, frontend, "values-keys.ipynb", _VALUES_CELLS, height=1300)
+    widget = _values_measured(page)
     _on_row(page, "model")  # the focus stayed on the row
     assert widget.locator(".jmi-values-panel").is_visible()
     assert _row(widget, "model.layers").locator(".jmi-bad", has_text="NaN").is_visible()
@@ -1097,37 +1127,111 @@ def test_values_and_compare_from_the_keyboard(browser, frontend, theme):
     assert 0.015 < float(std) < 0.025, std  # Llama's init: normal(0, 0.02)
     assert _row(widget, "model.layers").locator(".jmi-badge", has_text="mixed").count() == 1
     assert widget.locator(".jmi-chart-box .jmi-dot").count() >= 3
+    assert widget.locator(".jmi-legend").is_hidden()  # no comparison yet
     page.keyboard.press("ArrowDown")  # the next row: the focused row's histogram follows
     _on_row(page, "model.embed_tokens")
     widget.locator(".jmi-hist-box", has_text="model.embed_tokens.weight").wait_for(timeout=5_000)
-    for width in (1400, 700):
-        page.set_viewport_size({"width": width, "height": 1300})
-        page.wait_for_timeout(400)
-        widget.scroll_into_view_if_needed()
-        widget.screenshot(path=str(ARTIFACTS / f"widget-{app}-values-{theme}-{width}.png"))
-        if (app, theme, width) == ("jupyterlab4", "light", 1400):
-            _doc_shot(widget, "widget-values.png")  # docs/values.md, notebook-workflow.md
-        assert _layout_faults(widget) == [], width
+
+    # the chart's statistic: two Tabs from the row, an arrow key; two Shift+Tabs back
+    page.keyboard.press("Tab")
+    assert "jmi-values-cols" in _focus(page)["cls"], _focus(page)
+    page.keyboard.press("Tab")
+    assert "jmi-stat-sel" in _focus(page)["cls"], _focus(page)
+    page.keyboard.press("ArrowDown")
+    widget.locator(".jmi-chart-title", has_text="absmax of").wait_for(timeout=5_000)
+    _focus_in_widget(page, "statistic chosen")
+    page.keyboard.press("Shift+Tab")
+    page.keyboard.press("Shift+Tab")
+    _on_row(page, "model.embed_tokens")
     # Shift+V hides the columns; the flag stays
     page.keyboard.press("Shift+V")
     assert widget.locator(".jmi-rows .jmi-c-std").count() == 0
     assert _row(widget, "model.layers").locator(".jmi-bad").is_visible()
     _on_row(page, "model.embed_tokens")
 
-    # Compare with… (key d): the focus goes to its field, Enter compares, Esc goes back
-    page.keyboard.press("d")
-    assert page.evaluate("() => document.activeElement.classList.contains('jmi-compare-other')")
-    page.keyboard.type("tuned")
-    page.keyboard.press("Enter")
+    # Compare with…: a path that is no checkpoint is refused in one line, the focus stays put
+    _compare_typed(page, widget, "no_such_ckpt")
+    notice = widget.locator(".jmi-notice", has_text="no such file or directory")
+    notice.wait_for(timeout=20_000)
+    assert "\n" not in notice.inner_text().strip()
+    _focus_in_widget(page, "refused path")
+    page.keyboard.press("Escape")
+    _on_row(page, "model.embed_tokens")
+    # the checkpoint the notebook saved: the norm, doubled since, differs by rel_l2 ‖2x-x‖/‖2x‖
+    _compare_typed(page, widget, "tuned_ckpt")
     widget.locator(".jmi-message", has_text="Compared").wait_for(timeout=60_000)
+    assert "tuned_ckpt" in widget.locator(".jmi-message").inner_text()
+    _focus_in_widget(page, "compared")
     page.keyboard.press("Escape")
     _on_row(page, "model.embed_tokens")
     norm = _row(widget, "model.norm")
     assert "jmi-cmp-large" in norm.get_attribute("class")
-    assert "jmi-cmp-missing" in _row(widget, "model.embed_tokens").get_attribute("class")
-    assert "rel_l2 up to 1" in norm.get_attribute("title")
+    assert "rel_l2 up to 0.5" in norm.get_attribute("title")
     assert widget.locator(".jmi-legend").is_visible()
-    for width in (1400, 700):
-        page.set_viewport_size({"width": width, "height": 1300})
+
+
+def test_values_cancelled_from_the_keyboard_publish_nothing_and_keep_the_row_focused(
+    browser, jupyterlab
+):
+    page = _open_and_build(
+        browser, jupyterlab, "values-cancel.ipynb", [*_FLOW_CELLS[:2], _BIG_CELL]
+    )
+    _run_cell(page, 2)
+    big = page.locator(".jmi-root").nth(1)
+    big.wait_for(timeout=30_000)
+    big.locator(".jmi-rows .jmi-row").first.locator(".jmi-c-type").click()
+    page.keyboard.press("v")
+    big.locator(".jmi-progress").wait_for(state="visible", timeout=30_000)
+    page.keyboard.press("x")
+    big.locator(".jmi-progress").wait_for(state="hidden", timeout=60_000)
+    page.wait_for_timeout(200)
+    focus = _focus(page)
+    assert focus["role"] == "treeitem" and focus["row"] == "the whole model", focus
+    assert "Cancelled" in big.locator(".jmi-message").inner_text()
+    assert big.locator(".jmi-values-panel").is_hidden()
+
+
+def _action_bar_lines(widget) -> int:
+    """How many lines the action bar takes (its separator, shorter, is not counted)."""
+    return widget.locator(".jmi-actions").evaluate(
+        """(bar) => new Set([...bar.children].filter((c) => !c.classList.contains('jmi-sep')
+             && c.offsetWidth).map((c) => c.offsetTop)).size"""
+    )
+
+
+@pytest.mark.parametrize("theme", ["light", "dark"])
+def test_values_and_compare_at_1400_700_and_330_px_in_light_and_dark(browser, frontend, theme):
+    """With the value columns, the chart panel and a comparison with a checkpoint path shown,
+    at each width every row keeps its name, state and key figure (its size; its std in the
+    size's place at ~330 px), no cell falls under its row, no separator dangles, and the
+    action bar takes one line at 1400 px. Screenshots:
+    test-artifacts/widget-<app>-values-<theme>-<px>.png."""
+    app = "jupyterlab4" if frontend["app"] == "jupyterlab" else "notebook7"
+    if theme == "dark":
+        _set_theme(frontend["settings"], "JupyterLab Dark")
+    page = _open_and_build(browser, frontend, f"values-{theme}.ipynb", _VALUES_CELLS, height=1300)
+    widget = _values_measured(page)
+    page.keyboard.press("ArrowDown")  # embed_tokens: its histogram
+    widget.locator(".jmi-hist-box", has_text="model.embed_tokens.weight").wait_for(timeout=5_000)
+    if (app, theme) == ("jupyterlab4", "light"):
+        _doc_shot(widget, "widget-values.png")  # docs/values.md, notebook-workflow.md
+    _compare_typed(page, widget, "tuned_ckpt")
+    widget.locator(".jmi-message", has_text="Compared").wait_for(timeout=60_000)
+    found = {}
+    for width in (1400, 700, 330):
+        page.set_viewport_size({"width": max(width, 700), "height": 1300})
+        if width == 330:  # a notebook beside an open side panel: the widget 330 px wide
+            widget.evaluate("(r) => { r.closest('.jp-OutputArea-output').style.width = '330px'; }")
         page.wait_for_timeout(400)
-        widget.screenshot(path=str(ARTIFACTS / f"widget-{app}-compare-{theme}-{width}.png"))
+        widget.scroll_into_view_if_needed()
+        widget.screenshot(path=str(ARTIFACTS / f"widget-{app}-values-{theme}-{width}.png"))
+        found[width] = {
+            "widget_px": widget.bounding_box()["width"],
+            "faults": _layout_faults(widget),
+            "bar_lines": _action_bar_lines(widget),
+        }
+    (ARTIFACTS / f"values-widths-{app}-{theme}.json").write_text(json.dumps(found, indent=1))
+    assert all(not f["faults"] for f in found.values()), found
+    assert found[1400]["bar_lines"] == 1, found
+    std = _row(widget, "model.embed_tokens").locator(".jmi-c-std")
+    assert std.is_visible() and 0.015 < float(std.inner_text()) < 0.025  # at 330 px

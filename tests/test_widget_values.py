@@ -189,6 +189,68 @@ def test_compare_of_the_ticked_rows_leaves_the_rest_out(shell):
     assert {r[2] for r in w.comparison["tensors"]} == {"equal"}
 
 
+def test_compare_with_a_home_relative_directory_expands_the_tilde_as_save_does(
+    tmp_path, monkeypatch
+):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    net = deferred_net()
+    w = explore(net)
+    w.save("~/seed")
+    w.compare_with("~/seed")
+    assert w.error == "", w.error
+    assert w.comparison["other"] == str(tmp_path / "seed")
+    assert {r[2] for r in w.comparison["tensors"]} == {"equal"}
+
+
+def test_compare_with_a_dcp_directory_reads_it(tmp_path):
+    net = deferred_net()
+    w = explore(net)
+    w.save(str(tmp_path / "dcp"), format="dcp")
+    with torch.no_grad():
+        net.norm.weight.mul_(2)  # recorded: the model now differs from what was saved
+    w.compare_with(str(tmp_path / "dcp"))
+    assert w.error == "", w.error
+    assert (kinds(w)["norm"], kinds(w)["embed"]) == ("large", "equal")
+
+
+def not_a_checkpoint(tmp_path, what: str) -> str:
+    if what == "empty directory":
+        (tmp_path / "empty").mkdir()
+        return str(tmp_path / "empty")
+    if what == "text file":
+        (tmp_path / "notes.txt").write_text("hello")
+        return str(tmp_path / "notes.txt")
+    if what == "broken safetensors":
+        (tmp_path / "model.safetensors").write_bytes(b"not a safetensors header")
+        return str(tmp_path / "model.safetensors")
+    (tmp_path / "model.safetensors.index.json").write_text('{"weight_map": {}}')
+    return str(tmp_path / "model.safetensors.index.json")  # an index naming no tensor
+
+
+@pytest.mark.parametrize(
+    "what", ["empty directory", "text file", "broken safetensors", "empty index"]
+)
+def test_compare_refuses_a_path_that_holds_no_checkpoint_in_one_line(tmp_path, what):
+    path = not_a_checkpoint(tmp_path, what)
+    net = deferred_net()
+    w = explore(net)
+    w.handle_action({"action": "compare", "other": path})
+    assert w.busy == "" and w.comparison == {} and w.error == ""
+    text = w.notice["text"]
+    assert text.startswith(f"{path} holds no checkpoint") and "\n" not in text, text
+    assert text.endswith("Nothing was compared."), text
+
+
+def test_compare_refuses_a_missing_path_naming_where_it_looked(tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    net = deferred_net()
+    w = explore(net)
+    w.handle_action({"action": "compare", "other": "~/gone/ckpt"})
+    text = w.notice["text"]
+    assert w.busy == "" and w.comparison == {}
+    assert f"no such file or directory ({tmp_path}/gone/ckpt)" in text and "\n" not in text
+
+
 @pytest.mark.parametrize("other", ["", "nowhere/at/all", "x" * 5000, 3, "not_a_model"])
 def test_compare_refuses_what_is_neither_a_model_nor_a_path(shell, other):
     shell.user_ns["not_a_model"] = 42
@@ -196,4 +258,4 @@ def test_compare_refuses_what_is_neither_a_model_nor_a_path(shell, other):
     w = explore(net)
     w.handle_action({"action": "compare", "other": other})
     assert w.busy == "" and w.comparison == {} and w.error == ""
-    assert "nothing was compared" in w.notice["text"]
+    assert "nothing was compared" in w.notice["text"].lower()

@@ -152,7 +152,11 @@ export class ActionBar {
     const devices: Array<{ name: string; label: string }> = this.host.get("devices") ?? [];
     if (!devices.length) {
       const why = this.host.get("no_cuda_reason") || "No CUDA device is visible to this kernel.";
-      table.push({ id: "nocuda", label: "Materialize → cuda", shortcut: "G", button: this.button("nocuda", "Materialize → cuda", "jmi-mat-cuda"), blocked: () => why, run: () => undefined });
+      // "→ cuda" as each GPU's "→ cuda:0" beside "Materialize → CPU": the bar fits one line
+      // at 1400 px (JupyterLab with its file browser open); its name is said in full
+      const b = this.button("nocuda", "→ cuda", "jmi-mat-cuda");
+      b.setAttribute("aria-label", "Materialize → cuda");
+      table.push({ id: "nocuda", label: "Materialize → cuda", shortcut: "G", button: b, blocked: () => why, run: () => undefined });
     }
     devices.forEach((d, i) => {
       const key = gpuShortcut(i);

@@ -195,7 +195,8 @@ export function depthChart(points: Array<[number, number | null]>, title: string
 
 /** The histogram of one tensor's finite values: `counts` in equal bins from `lo` to `hi`. */
 export function histogramChart(t: TensorStat, width = 640, height = 150): SVGElement {
-  const most = Math.max(1, ...t.counts);
+  const top = Math.max(2, ...t.counts);
+  const most = top + (top % 2); // even: the middle tick is a count (768, not 767.5)
   const f = frame(width, height, `Histogram of ${t.name}`, 0, most, `${statText(t.lo)} … ${statText(t.hi)}`);
   const step = f.plotW / Math.max(t.counts.length, 1);
   t.counts.forEach((c, i) => {

@@ -33,7 +33,11 @@ export class ValuesPanel {
     this.kindSel.setAttribute("aria-label", "Chart kind");
     for (const sel of [this.statSel, this.roleSel, this.kindSel]) sel.addEventListener("change", () => this.renderChart());
     const controls = h("div", "jmi-values-controls");
-    controls.append(this.columnsBtn, h("span", "jmi-muted", "Along the depth:"), this.statSel, this.roleSel, this.kindSel);
+    // the statistic and the chart kind stay beside their label; the role (a long tensor
+    // name) is the part that goes to its own line in a narrow widget
+    const depth = h("span", "jmi-depth-ctl");
+    depth.append(h("span", "jmi-muted", "Along the depth:"), this.statSel, this.kindSel);
+    controls.append(this.columnsBtn, depth, this.roleSel);
     this.el.append(controls, this.chartEl, this.histEl);
     this.el.hidden = true;
     this.el.setAttribute("role", "region");

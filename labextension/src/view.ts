@@ -367,6 +367,7 @@ export class TreeView {
     this.renderMessage();
     this.renderTable();
     this.renderValues();
+    this.renderComparison(); // a second view of the widget (or a reload) shows the colours too
   }
 
   // ------------------------------------------------------------------ actions and keys

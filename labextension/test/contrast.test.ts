@@ -33,7 +33,7 @@ export function contrast(a: string, b: string): number {
 describe("colours", () => {
   // badges, the primary button and a toggle that is on: fixed colours, whatever the theme
   for (const sel of [".jmi-state-cpu", ".jmi-state-cuda", ".jmi-state-mixed", ".jmi-dtype.jmi-fast",
-    ".jmi-btn.jmi-primary", ".jmi-btn.jmi-toggle.jmi-on"]) {
+    ".jmi-btn.jmi-primary", ".jmi-btn.jmi-toggle.jmi-on", ".jmi-bad"]) {
     it(`${sel} text has a contrast of at least 4.5:1`, () => {
       const block = rule(sel);
       expect(contrast(prop(block, "color"), prop(block, "background"))).toBeGreaterThanOrEqual(4.5);

@@ -63,4 +63,10 @@ describe("values", () => {
     expect(histogramChart(t).querySelectorAll("rect").length).toBe(2);
     expect(tensorOf(v, 0)).toBeUndefined();
   });
+
+  it("labels the histogram's count axis with whole counts", () => {
+    const t = { ...tensorOf(readValues(raw)!, 7)!, counts: [1535, 3, 0, 7] };
+    const ticks = [...histogramChart(t).querySelectorAll("text")].map((e) => e.textContent);
+    expect(ticks.slice(0, 3)).toEqual(["0", "768", "1536"]);
+  });
 });

@@ -707,7 +707,8 @@ describe("focus and keys", () => {
     expect(stops.map((el) => el.textContent)).toEqual(["Materialize → CPU"]);
     stops[0].focus();
     press("ArrowRight");
-    expect(focused().textContent).toBe("Materialize → cuda");
+    expect(focused().textContent).toBe("→ cuda");
+    expect(focused().getAttribute("aria-label")).toBe("Materialize → cuda");
     expect(focused().tabIndex).toBe(0);
     expect(stops[0].tabIndex).toBe(-1);
   });

@@ -15,7 +15,9 @@ from typing import Any
 
 import torch
 
+from jupyter_metainit.core.errors import ArgumentError
 from jupyter_metainit.inspection import compare
+from jupyter_metainit.inspection.sources import open_source
 from jupyter_metainit.jupyter.tree_widget.values import _under
 from jupyter_metainit.jupyter.tree_widget.wording import modules_in_words
 
@@ -41,7 +43,19 @@ def kind_of(status: str, rel_l2: float) -> str:
 
 def resolve_other(text: Any, namespace: dict | None) -> tuple[Any, str]:
     """The other side as typed: a variable of the kernel holding a module or a state dict, or
-    a checkpoint path. Raises ValueError saying what to type."""
+    a checkpoint path (``~`` expanded, as Save… does). A path is opened here, its headers read,
+    so a path that holds no checkpoint is refused before anything runs.
+
+    Args:
+        text: what the page sent: a variable name or a path.
+        namespace: the kernel's user namespace (None outside IPython: paths only).
+
+    Returns:
+        The other side (the module, the dict or the absolute path) and how to name it.
+
+    Raises:
+        ValueError: a one-line message saying what to type; nothing was compared.
+    """
     if not isinstance(text, str) or not text.strip() or len(text) > _MAX_TEXT:
         raise ValueError(
             "Type a checkpoint path or the name of a model or state dict in the notebook; "
@@ -60,11 +74,36 @@ def resolve_other(text: Any, namespace: dict | None) -> tuple[Any, str]:
         )
     path = os.path.abspath(os.path.expanduser(text))
     if not os.path.exists(path):
-        raise ValueError(
-            f"{text!r} is neither a model or state dict in the notebook nor a path that exists; "
-            "nothing was compared."
+        named = (
+            f"no model or state dict named {text} in the notebook and "
+            if (text.isidentifier())
+            else ""
         )
+        raise ValueError(
+            f"{text!r}: {named}no such file or directory ({path}); type a checkpoint path or "
+            "a variable holding a model or a state dict. Nothing was compared."
+        )
+    _check_checkpoint(path)
     return path, path
+
+
+def _check_checkpoint(path: str) -> None:
+    """Refuse a path that holds no checkpoint compare can read (its headers are read, not its
+    tensors: a sharded checkpoint opens in milliseconds)."""
+    why = ""
+    try:
+        source = open_source(path, "compare")
+    except ArgumentError:  # no checkpoint file there: said below
+        source = None
+    except Exception as exc:  # a file that is not what its name says (safetensors' own error)
+        first = str(exc).splitlines()[0] if str(exc) else ""
+        source, why = None, f" ({type(exc).__name__}: {first[:200]})"
+    if source is None or not source.entries:
+        raise ValueError(
+            f"{path} holds no checkpoint compare can read{why}: give a .safetensors file, a "
+            "sharded checkpoint's index or its directory, or a torch.distributed.checkpoint "
+            "directory. Nothing was compared."
+        )
 
 
 def _namespace() -> dict | None:
