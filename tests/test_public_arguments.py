@@ -178,6 +178,11 @@ WRONG_TYPES: dict[str, tuple[Call, str, str]] = {
         "int",
     ),
     "place inputs=5": (lambda m, p: jm.place(m, {"cpu": "1GB"}, inputs=5), "inputs", "shape"),
+    "place attention=3": (
+        lambda m, p: jm.place(m, {"cpu": "1GB"}, attention=3, inputs=[(1, 4)]),
+        "attention",
+        "'auto'",
+    ),
     # stats, compare
     "stats obj=5": (lambda m, p: jm.stats(5), "stats", "module"),
     "stats per=1": (lambda m, p: jm.stats(m, per=1), "per", "'tensor'"),
@@ -288,6 +293,10 @@ WRONG_VALUES: dict[str, tuple[Call, str]] = {
         "precision",
     ),
     "place batch=0": (lambda m, p: jm.place(m, {"cpu": "1GB"}, batch=0, inputs=[(1, 4)]), "batch"),
+    "place attention='flash'": (
+        lambda m, p: jm.place(m, {"cpu": "1GB"}, attention="flash", inputs=[(1, 4)]),
+        "attention",
+    ),
     "place strategy='ring'": (
         lambda m, p: jm.place(m, {"cpu": "1GB"}, strategy="ring", inputs=[(1, 4)]),
         "strategy",

@@ -17,6 +17,7 @@ import torch
 
 from jupyter_metainit.core import indexed_device, parse_size
 from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError
+from jupyter_metainit.estimates._arguments import check_shapes
 from jupyter_metainit.estimates.fit import device_budget
 
 __all__ = ["check_workload", "is_offload", "name_value_pairs", "parse_devices", "split_inputs"]
@@ -140,8 +141,10 @@ def check_workload(batch: Any, seq_len: Any, inputs: Any, training: Any) -> tupl
                 "inputs= as a dict maps the forward's argument names to shapes or tensors, "
                 f"e.g. {{'input_ids': (8, 512)}}, not {inputs!r}"
             )
+        check_shapes(inputs, "inputs")
         return tuple((name, _as_shape(value)) for name, value in inputs.items())
     if isinstance(inputs, (list, tuple)) and not _is_shape(inputs):
+        check_shapes(inputs, "inputs")
         return tuple(inputs)
     if _is_shape(inputs) or isinstance(inputs, torch.Tensor):
         return (inputs,)

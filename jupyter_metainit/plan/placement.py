@@ -68,10 +68,10 @@ def _activity(model: nn.Module, parts: list[Part], training: bool, inputs: tuple
 def _policy(devices: dict[str, int], conv: Convention, attention: Any) -> AttentionPolicy:
     """What attention is costed for: the plan's devices, at the precision's compute dtype."""
     if not isinstance(attention, str):
-        raise TypeError(f"attention must be one of {', '.join(map(repr, KERNELS))}, "
+        raise ArgumentTypeError(f"attention must be one of {', '.join(map(repr, KERNELS))}, "
                         f"not {attention!r}")  # fmt: skip
     if attention not in KERNELS:
-        raise ValueError(
+        raise ArgumentError(
             f"attention={attention!r}: use 'auto' (the kernel each device runs; the math "
             "kernel where that is not known here), 'fused' (flash / memory-efficient / cuDNN "
             "attention on every device) or 'math' (SDPA's math kernel everywhere)"
