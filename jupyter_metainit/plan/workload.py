@@ -27,7 +27,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from jupyter_metainit.core.errors import ArgumentError
+from jupyter_metainit.core.errors import ArgumentError, MetaInitError
 from jupyter_metainit.estimates.dry_run import run_forward
 from jupyter_metainit.estimates.forward.answers import Answers
 from jupyter_metainit.estimates.forward.attention import AttentionPolicy, transformers_attention
@@ -225,7 +225,7 @@ def _run(model: nn.Module, parts: list[Part], training: bool, inputs: tuple, kwa
                     else "; dry_run(model, ...) shows the same"
                 )
                 first = str(e).splitlines()[0] if str(e) else ""
-                raise RuntimeError(
+                raise MetaInitError(
                     f"place(): the dry run of the workload failed ({type(e).__name__}: "
                     f"{first}){hint}"
                 ) from e
