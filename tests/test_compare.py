@@ -111,6 +111,18 @@ def test_checkpoint_paths_of_every_kind_equal_the_model_they_hold(tmp_path):
         assert sorted(table.index) == sorted(model.state_dict()), path
 
 
+def test_a_tied_weight_the_checkpoint_keeps_once_equals_its_twin(tmp_path):
+    torch.manual_seed(0)
+    with meta_init():
+        model = _llama(tie=True)
+    save(model, tmp_path / "seed")  # lm_head.weight is embed_tokens': written once
+    for a, b in ((model, tmp_path / "seed"), (tmp_path / "seed", model)):
+        table = compare(a, b)
+        assert _all_equal(table)
+        assert sorted(table.index) == sorted(model.state_dict())
+    assert is_deferred(model)
+
+
 def test_a_model_opened_under_meta_init_is_read_from_its_files_and_stays_deferred(tmp_path):
     torch.manual_seed(0)
     _llama().save_pretrained(tmp_path / "base")

@@ -130,6 +130,8 @@ def compare(
         ``diff[diff.status != "equal"].sort_values("rel_l2", ascending=False)``.
     """
     left, right = open_source(a, "compare(): a"), open_source(b, "compare(): b")
+    _tie_across(left, right)
+    _tie_across(right, left)
     pairs = [(left.entries[left.names[n]], right.entries[right.names[n]])
              for n in left.names if n in right.names]  # fmt: skip
     pairs = [(x, y) for x, y in pairs if x.shape == y.shape]
@@ -177,6 +179,15 @@ def _measure_pairs(
         for (x, y), one in zip(batch, measured, strict=True):
             out[(x.name, y.name)] = one
     return out
+
+
+def _tie_across(side: Source, other: Source) -> None:
+    """A tied name ``side`` has that ``other`` lacks is read there as the tensor it is tied to:
+    a checkpoint keeps a tied weight once (``lm_head.weight`` is ``embed_tokens``'), so the
+    model's second name is the same values, not a tensor missing from the file."""
+    for name, first in side.names.items():
+        if name not in other.names and first != name and first in other.names:
+            other.names[name] = other.names[first]
 
 
 def _row(name: str, left: Source, right: Source, sums: dict) -> dict[str, Any]:
