@@ -22,6 +22,7 @@ times) are the steadier figures on a busy machine.
                                                                # and 1 B checkpoints
     .venv/bin/python benchmarks/bench_stats.py --size small    # 0.35 GB and 0.1 GB
     .venv/bin/python benchmarks/bench_stats.py --quick         # smoke run, tiny model
+    .venv/bin/python benchmarks/bench_stats.py --size small --part deferred   # table 1 only
 """
 
 from __future__ import annotations
@@ -246,30 +247,41 @@ def _median(results: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _jobs(big: dict[str, Any], root: str, nbytes: int | None) -> list[tuple[str, dict[str, Any]]]:
+def _jobs(
+    big: dict[str, Any], root: str, nbytes: int | None, part: str
+) -> list[tuple[str, dict[str, Any]]]:
     dirs = [f"{root}/seed0", f"{root}/seed1"]
     floor = [("generation_floor", {"nbytes": nbytes})] if nbytes else []
-    return [("stats_deferred", {"shape": big}), ("values_only", {"shape": big}),
-            ("eager_statistics", {"directory": dirs[0]}),
-            ("stats_opened", {"directory": dirs[0]}), ("read_both", {"directories": dirs}),
-            ("eager_compare", {"directories": dirs}),
-            ("compare_checkpoints", {"directories": dirs}), *floor]  # fmt: skip
+    deferred = [("stats_deferred", {"shape": big}), ("values_only", {"shape": big}), *floor]
+    checkpoints = [("eager_statistics", {"directory": dirs[0]}),
+                   ("stats_opened", {"directory": dirs[0]}), ("read_both", {"directories": dirs}),
+                   ("eager_compare", {"directories": dirs}),
+                   ("compare_checkpoints", {"directories": dirs})]  # fmt: skip
+    return {"deferred": deferred, "checkpoints": checkpoints}.get(part, deferred + checkpoints)
 
 
 def main() -> None:
     child_main(MEASUREMENTS)
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="8b", help="model shapes")
+    parser.add_argument(
+        "--part", choices=["all", "deferred", "checkpoints"], default="all",
+        help="the deferred model's table, the checkpoints' table, or both",
+    )  # fmt: skip
     args = parser.parse_args()
     big, small = SIZES["quick" if args.quick else args.size]
     print("# bench_stats: statistics and comparisons of models, streamed")
     print(environment_line())
     root = tempfile.mkdtemp(prefix="jmi-bench-stats-", dir=os.environ.get("BENCH_DIR"))
     try:
-        written = run_children(__file__, [("write_checkpoints", {"shape": small, "root": root}),
-                                          ("model_bytes", {"shape": big})])  # fmt: skip
-        print_errors({"writing the checkpoints": written[0], "sizing the model": written[1]})
-        jobs = _jobs(big, root, written[1].get("bytes"))
+        prepare = [("model_bytes", {"shape": big})]
+        if args.part != "deferred":
+            prepare.insert(0, ("write_checkpoints", {"shape": small, "root": root}))
+        written = dict(zip(["sizing the model"] if len(prepare) == 1 else
+                           ["writing the checkpoints", "sizing the model"],
+                           run_children(__file__, prepare), strict=True))  # fmt: skip
+        print_errors(written)
+        jobs = _jobs(big, root, written["sizing the model"].get("bytes"), args.part)
         repeats = 1 if args.quick else args.repeats or 1
         # Rounds of every job (the floor among them): the load drifts during a run, and each
         # ratio's two rows then see the same drift.
@@ -277,8 +289,10 @@ def main() -> None:
                                separate=not args.quick)  # fmt: skip
         named = {name: _median(results[k :: len(jobs)]) for k, (name, _) in enumerate(jobs)}
         print_errors(named)
-        _print_deferred(named)
-        _print_checkpoints(named, written[0].get("bytes"))
+        if args.part != "checkpoints":
+            _print_deferred(named)
+        if args.part != "deferred":
+            _print_checkpoints(named, written["writing the checkpoints"].get("bytes"))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
