@@ -3,8 +3,9 @@
 1. A Llama built under ``meta_init`` (bfloat16), ``stats(model)``: time and peak RSS in a fresh
    process, against the generation floor ``save`` is measured against (``normal_`` on every
    core over the same bytes, bench_save.py) and against computing the values alone (the core's
-   ``values_to_write``, a batch at a time, as ``save`` computes them). Targets: time <= 1.1 x
-   the generation floor; peak RSS <= 2 x the largest tensor + 200 MB.
+   ``values_to_write``, a batch at a time, as ``save`` computes them), with the statistics
+   alone (the per-chunk measuring over the same bytes, on one thread) beside them. Targets:
+   time <= 1.1 x the generation floor; peak RSS <= 2 x the largest tensor + 200 MB.
 2. A smaller Llama's checkpoint: ``from_pretrained`` under ``meta_init`` + ``stats`` against
    eager ``from_pretrained`` + the same statistics with torch (float64, tensor by tensor).
    Target: <= 1.0 x eager.
@@ -22,6 +23,7 @@ times) are the steadier figures on a busy machine.
                                                                # and 1 B checkpoints
     .venv/bin/python benchmarks/bench_stats.py --size small    # 0.35 GB and 0.1 GB
     .venv/bin/python benchmarks/bench_stats.py --quick         # smoke run, tiny model
+    .venv/bin/python benchmarks/bench_stats.py --size small --part deferred   # table 1 only
 """
 
 from __future__ import annotations
@@ -110,6 +112,27 @@ def values_only(shape: dict[str, Any]) -> dict[str, Any]:
             recycler.give_back(values)
             del values
     return meter.as_dict()
+
+
+def statistics_alone(nbytes: int) -> dict[str, Any]:
+    """The measuring alone, on one thread: ``stats``'s per-chunk statistics over ``nbytes`` of
+    bfloat16 ``normal_`` values (one 64 MiB buffer measured again until the bytes are done, as
+    the model's values come in batches that leave the cache); nothing generated in the time."""
+    import torch
+
+    from jupyter_metainit.inspection.moments import CHUNK_ELEMENTS, chunk_moments
+
+    torch.set_num_threads(1)  # as each measuring worker runs
+    buffer = torch.empty(min(nbytes, 64 << 20) // 2, dtype=torch.bfloat16).normal_()
+    left = nbytes // 2
+    meter = Meter()
+    with meter():
+        while left > 0:
+            part = buffer[: min(left, buffer.numel())]
+            for a in range(0, part.numel(), CHUNK_ELEMENTS):
+                chunk_moments(part[a : a + CHUNK_ELEMENTS])
+            left -= part.numel()
+    return meter.as_dict() | {"ns_per_element": meter.cpu_seconds / (nbytes // 2) * 1e9}
 
 
 def model_bytes(shape: dict[str, Any]) -> dict[str, Any]:
@@ -227,6 +250,7 @@ def compare_checkpoints(directories: list[str]) -> dict[str, Any]:
 MEASUREMENTS = {
     "stats_deferred": stats_deferred,
     "values_only": values_only,
+    "statistics_alone": statistics_alone,
     "generation_floor": generation_floor,
     "model_bytes": model_bytes,
     "write_checkpoints": write_checkpoints,
@@ -246,30 +270,43 @@ def _median(results: list[dict[str, Any]]) -> dict[str, Any]:
     return out
 
 
-def _jobs(big: dict[str, Any], root: str, nbytes: int | None) -> list[tuple[str, dict[str, Any]]]:
+def _jobs(
+    big: dict[str, Any], root: str, nbytes: int | None, part: str
+) -> list[tuple[str, dict[str, Any]]]:
     dirs = [f"{root}/seed0", f"{root}/seed1"]
     floor = [("generation_floor", {"nbytes": nbytes})] if nbytes else []
-    return [("stats_deferred", {"shape": big}), ("values_only", {"shape": big}),
-            ("eager_statistics", {"directory": dirs[0]}),
-            ("stats_opened", {"directory": dirs[0]}), ("read_both", {"directories": dirs}),
-            ("eager_compare", {"directories": dirs}),
-            ("compare_checkpoints", {"directories": dirs}), *floor]  # fmt: skip
+    alone = [("statistics_alone", {"nbytes": nbytes})] if nbytes else []
+    deferred = [("stats_deferred", {"shape": big}), ("values_only", {"shape": big}), *floor,
+                *alone]  # fmt: skip
+    checkpoints = [("eager_statistics", {"directory": dirs[0]}),
+                   ("stats_opened", {"directory": dirs[0]}), ("read_both", {"directories": dirs}),
+                   ("eager_compare", {"directories": dirs}),
+                   ("compare_checkpoints", {"directories": dirs})]  # fmt: skip
+    return {"deferred": deferred, "checkpoints": checkpoints}.get(part, deferred + checkpoints)
 
 
 def main() -> None:
     child_main(MEASUREMENTS)
     parser = base_parser(__doc__.splitlines()[0])
     parser.add_argument("--size", choices=sorted(SIZES), default="8b", help="model shapes")
+    parser.add_argument(
+        "--part", choices=["all", "deferred", "checkpoints"], default="all",
+        help="the deferred model's table, the checkpoints' table, or both",
+    )  # fmt: skip
     args = parser.parse_args()
     big, small = SIZES["quick" if args.quick else args.size]
     print("# bench_stats: statistics and comparisons of models, streamed")
     print(environment_line())
     root = tempfile.mkdtemp(prefix="jmi-bench-stats-", dir=os.environ.get("BENCH_DIR"))
     try:
-        written = run_children(__file__, [("write_checkpoints", {"shape": small, "root": root}),
-                                          ("model_bytes", {"shape": big})])  # fmt: skip
-        print_errors({"writing the checkpoints": written[0], "sizing the model": written[1]})
-        jobs = _jobs(big, root, written[1].get("bytes"))
+        prepare = [("model_bytes", {"shape": big})]
+        if args.part != "deferred":
+            prepare.insert(0, ("write_checkpoints", {"shape": small, "root": root}))
+        written = dict(zip(["sizing the model"] if len(prepare) == 1 else
+                           ["writing the checkpoints", "sizing the model"],
+                           run_children(__file__, prepare), strict=True))  # fmt: skip
+        print_errors(written)
+        jobs = _jobs(big, root, written["sizing the model"].get("bytes"), args.part)
         repeats = 1 if args.quick else args.repeats or 1
         # Rounds of every job (the floor among them): the load drifts during a run, and each
         # ratio's two rows then see the same drift.
@@ -277,8 +314,10 @@ def main() -> None:
                                separate=not args.quick)  # fmt: skip
         named = {name: _median(results[k :: len(jobs)]) for k, (name, _) in enumerate(jobs)}
         print_errors(named)
-        _print_deferred(named)
-        _print_checkpoints(named, written[0].get("bytes"))
+        if args.part != "checkpoints":
+            _print_deferred(named)
+        if args.part != "deferred":
+            _print_checkpoints(named, written["writing the checkpoints"].get("bytes"))
     finally:
         shutil.rmtree(root, ignore_errors=True)
 
@@ -304,8 +343,8 @@ def _figures(one: dict[str, Any], against: dict[str, Any]) -> list[str]:
 
 
 def _print_deferred(named: dict[str, dict[str, Any]]) -> None:
-    ours, floor, values = (named.get(k, {}) for k in
-                           ("stats_deferred", "generation_floor", "values_only"))  # fmt: skip
+    keys = ("stats_deferred", "generation_floor", "values_only", "statistics_alone")
+    ours, floor, values, alone = (named.get(k, {}) for k in keys)
     if "seconds" not in ours:
         return
     peak_target = 2 * ours["largest"] + 200 * 10**6
@@ -315,6 +354,8 @@ def _print_deferred(named: dict[str, dict[str, Any]]) -> None:
          *_figures(floor, {})],
         ["the values alone (`values_to_write`, as `save` computes them)",
          *_figures(values, floor)],
+        [f"the statistics alone, one thread ({alone.get('ns_per_element', 0):.2f} ns an element)",
+         *_figures(alone, floor)],
     ]  # fmt: skip
     print_table(
         f"stats of a {ours['bytes'] / 1e9:.2f} GB bfloat16 model never allocated, largest "

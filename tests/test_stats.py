@@ -125,7 +125,7 @@ def test_every_dtype_and_special_value_is_counted_exactly():
     special = torch.tensor([0.0, -0.0, float("nan"), float("inf"), -float("inf"), 2.5, -3.0])
     tensors = {
         "offset": torch.randn(300_000, dtype=torch.float64) * 1e-3 + 1e4,  # sum**2/n cancels
-        "f32": torch.randn(200_003),  # more than one chunk, an odd tail
+        "f32": torch.randn(300_003),  # more than one chunk, an odd tail
         "bf16": torch.randn(1000, 300).bfloat16(),
         "f16": (torch.randn(5000) * 100).half(),
         "special": special,
@@ -140,6 +140,20 @@ def test_every_dtype_and_special_value_is_counted_exactly():
         "complex": torch.randn(100, dtype=torch.complex64),
     }
     assert_matches(stats(tensors), tensors)
+
+
+def test_signed_zeros_are_counted_in_every_float_width_without_nan_beside_them():
+    # The zeros are found on the bit patterns (-0.0 is the smallest signed one), and not
+    # looked for where the extremes leave no room for one.
+    values = torch.tensor([-0.0, 0.0, -0.0, 1.5, -2.0, 3.0])
+    widths = (torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.float8_e4m3fn)
+    tensors = {str(dtype): values.to(dtype) for dtype in widths}
+    tensors["negative_zeros_only"] = torch.tensor([-0.0, -0.0, 1.0]).bfloat16()
+    tensors["positive"] = torch.rand(1000) + 0.5
+    tensors["negative"] = -torch.rand(1000) - 0.5
+    table = stats(tensors)
+    assert_matches(table, tensors)
+    assert list(table["zeros"]) == [3] * len(widths) + [2, 0, 0]
 
 
 def test_a_tied_weight_is_one_row_under_its_first_name():
