@@ -218,7 +218,10 @@ class SafetensorsSource(Source):
                     part = f.get_slice(name)
                     dtype = _SAFETENSORS_DTYPES.get(part.get_dtype())
                     if dtype is None:
-                        raise TypeError(f"{name} in {file}: no statistics for {part.get_dtype()}")
+                        raise ArgumentTypeError(
+                            f"{name} in {file} is {part.get_dtype()}, which stats and compare "
+                            f"do not read (they read {', '.join(_SAFETENSORS_DTYPES)})"
+                        )
                     entries.append(Entry(name, tuple(part.get_shape()), dtype))
                     self.file_of[name] = file
         entries.sort(key=lambda e: _natural(e.name))
