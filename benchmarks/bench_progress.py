@@ -75,7 +75,7 @@ def _action(kind: str, rng: str, dtype: str | None, directory: str) -> Any:
     mi = load_core()
     if kind == "materialize":
         return lambda module, progress: mi.materialize(module, rng=rng, progress=progress)
-    from jupyter_metainit.save import save
+    from jupyter_metainit.saving import save
 
     cast = getattr(torch, dtype) if dtype else None
     return lambda module, progress: save(module, directory, dtype=cast, progress=progress)

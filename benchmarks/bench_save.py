@@ -203,8 +203,8 @@ def dcp_save_file_per_tensor(shape: dict[str, Any], directory: str) -> dict[str,
     computed on demand by the same planner."""
     import torch.distributed.checkpoint as dcp
 
-    from jupyter_metainit.save.dcp import ValuesOnDemandPlanner
-    from jupyter_metainit.save.writer import Progress
+    from jupyter_metainit.saving.dcp import ValuesOnDemandPlanner
+    from jupyter_metainit.saving.writer import Progress
 
     model = _model(shape, deferred=True)
     planner = ValuesOnDemandPlanner(Progress(None, 0))

@@ -76,7 +76,7 @@ _LAZY = {
     "widgets_of": "jupyter_metainit.jupyter.widget",
     "load_ipython_extension": "jupyter_metainit.jupyter.magics",
     "unload_ipython_extension": "jupyter_metainit.jupyter.magics",
-    "save": "jupyter_metainit.save",
+    "save": "jupyter_metainit.saving",
     "stats": "jupyter_metainit.inspection",
     "compare": "jupyter_metainit.inspection",
 }
@@ -85,13 +85,12 @@ _LAZY = {
 def _divert_save_pretrained() -> None:
     """A deferred transformers model's ``save_pretrained`` writes eager's files through
     ``save``: installed when deferred models can first exist, never at import (see
-    ``save/hook.py``). Runs at every outermost ``meta_init`` edge, so it stays cheap."""
+    ``saving/hook.py``). Runs at every outermost ``meta_init`` edge, so it stays cheap."""
     global _diverted
     if not _diverted and "transformers.modeling_utils" in sys.modules:
-        from jupyter_metainit.save.hook import install_save_pretrained
+        from jupyter_metainit.saving.hook import install_save_pretrained
 
         _diverted = install_save_pretrained()
-        globals().pop("save", None)  # importing the package bound it here: keep the function
 
 
 _diverted = False

@@ -71,7 +71,7 @@ def test_a_lowercase_b_is_refused_because_transformers_reads_it_as_bits():
 
 def test_budgets_and_shard_sizes_read_the_same_grammar():
     from jupyter_metainit.estimates.fit import parse_bytes
-    from jupyter_metainit.save.layout import parse_size as shard_size
+    from jupyter_metainit.saving.layout import parse_size as shard_size
 
     for text in ("24GiB", "80 GB", "1.5TB", 12345):
         assert parse_bytes(text) == shard_size(text) == parse_size(text)
@@ -80,7 +80,7 @@ def test_budgets_and_shard_sizes_read_the_same_grammar():
 def test_a_bare_cuda_is_the_current_gpu_everywhere():
     # Without CUDA initialised the current GPU is cuda:0, as torch.empty(device="cuda") reports.
     from jupyter_metainit.estimates._arguments import check_device
-    from jupyter_metainit.plan.devices import parse_devices
+    from jupyter_metainit.plan.place_arguments import parse_devices
 
     assert indexed_device("cuda") == check_device("cuda") == torch.device("cuda", 0)
     assert list(parse_devices({"cuda": "1GiB"})) == ["cuda:0"]

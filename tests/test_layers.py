@@ -1,8 +1,9 @@
 """The package's layers import downwards only, and the core pulls in no Jupyter or pandas.
 
 Also the layout's rules: the core's stages import in order, the upper layers use only the core's
-public face, no import circle (imports inside functions included); modules, functions or folders
-past the size a newcomer reads comfortably are reported as warnings (advisory, not failures).
+public face, no import circle (imports inside functions included), no two modules share a file
+name; modules, functions or folders past the size a newcomer reads comfortably are reported as
+warnings (advisory, not failures).
 """
 
 from __future__ import annotations
@@ -42,9 +43,9 @@ ALLOWED = {
     "estimates": {"core", "estimates"},
     "distributed": {"core", "distributed"},
     "plan": {"core", "estimates", "plan"},
-    "save": {"core", "save"},
+    "saving": {"core", "saving"},
     "inspection": {"core", "inspection"},
-    "jupyter": {"core", "estimates", "plan", "save", "inspection", "jupyter"},
+    "jupyter": {"core", "estimates", "plan", "saving", "inspection", "jupyter"},
 }
 
 
@@ -69,7 +70,7 @@ def test_layer_imports_point_downwards(layer):
 
 
 def test_every_top_level_subpackage_says_which_layers_it_may_import():
-    # A new layer (plan, save, ...) is checked only once it is in ALLOWED.
+    # A new layer (plan, saving, ...) is checked only once it is in ALLOWED.
     subpackages = {path.parent.name for path in PACKAGE.glob("*/__init__.py")}
     assert subpackages <= set(ALLOWED), f"add to ALLOWED: {sorted(subpackages - set(ALLOWED))}"
 
@@ -183,6 +184,17 @@ def test_every_core_module_sits_in_a_stage_folder_or_is_errors():
     unplaced = [name for name in MODULES if name.startswith("jupyter_metainit.core.")]
     unplaced = [name for name in unplaced if _stage(name) is None]
     assert not unplaced, f"core modules outside the stages {STAGES}: {unplaced}"
+
+
+def test_no_two_modules_share_a_file_name():
+    # A module is named by what it holds, so its file name alone finds it (``__init__.py`` aside):
+    # three ``devices.py`` once held three different things.
+    paths: dict[str, list[str]] = {}
+    for path in PACKAGE.rglob("*.py"):
+        if path.name != "__init__.py":
+            paths.setdefault(path.name, []).append(path.relative_to(PACKAGE).as_posix())
+    shared = {name: sorted(found) for name, found in paths.items() if len(found) > 1}
+    assert not shared, f"modules sharing a file name (rename each by what it holds): {shared}"
 
 
 def test_upper_layers_import_only_the_core_face_and_its_errors():

@@ -10,8 +10,8 @@ from torch import nn
 
 from jupyter_metainit import is_deferred, meta_init
 from jupyter_metainit.core.errors import MaterializationError
-from jupyter_metainit.core.replay.values import value_cache
-from jupyter_metainit.save import save
+from jupyter_metainit.core.replay.read_cache import value_cache
+from jupyter_metainit.saving import save
 
 aten = torch.ops.aten
 

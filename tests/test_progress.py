@@ -24,7 +24,7 @@ from jupyter_metainit.core.rng import split_fill
 from jupyter_metainit.core.runtime import interrupts, pool
 from jupyter_metainit.core.runtime.interrupts import PROGRESS_SECONDS_VARIABLE
 from jupyter_metainit.core.runtime.pool import CORES_VARIABLE
-from jupyter_metainit.save import save
+from jupyter_metainit.saving import save
 
 N = 64 << 20  # float32 elements: 256 MiB, 16 steps of split_fill.STEP_ELEMENTS
 STD = 0.02

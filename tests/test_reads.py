@@ -1,4 +1,4 @@
-"""The core's ``values_to_write`` (``core/replay/reads``): exact values of deferred tensors for
+"""The core's ``values_to_write`` (``replay/current_values``): exact values of deferred tensors for
 ``save`` and ``stats``, computed into the memory a ``Recycler`` hands on, copied only where a
 tensor is part of a larger storage."""
 

@@ -1,5 +1,5 @@
 """Ops on a deferred view of memory an earlier ``materialize`` made real run on that memory, as
-in eager code (``record.dispatch.reads.realized_inputs``): their results are computed from the
+in eager code (``record.dispatch.value_reads.realized_inputs``): their results are computed from the
 memory's values at the time of the op, an in-place op writes the memory, and an op mixing such
 a view with other deferred inputs keeps the view's values of that moment."""
 

@@ -18,8 +18,8 @@ from torch import nn
 
 import jupyter_metainit
 from jupyter_metainit import is_deferred, materialize, meta_init
-from jupyter_metainit.save import save
-from jupyter_metainit.save.safetensors_file import FileEntry
+from jupyter_metainit.saving import save
+from jupyter_metainit.saving.safetensors_file import FileEntry
 
 transformers = pytest.importorskip("transformers")
 
@@ -179,9 +179,10 @@ def test_a_dropped_duplicate_name_is_kept_in_the_metadata_as_save_model_keeps_it
         )
 
 
-def test_the_package_stays_callable_after_importing_its_save_module(tmp_path):
+def test_importing_the_saving_package_leaves_jupyter_metainit_save_the_function(tmp_path):
     code = (
-        "import torch, jupyter_metainit.save, jupyter_metainit; "
+        "import inspect, torch, jupyter_metainit.saving, jupyter_metainit; "
+        "assert inspect.isfunction(jupyter_metainit.save); "
         f"jupyter_metainit.save({{'a': torch.ones(2)}}, {str(tmp_path / 'ours')!r})"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
@@ -198,8 +199,8 @@ _PEAK_SCRIPT = """
 import resource, torch
 from torch import nn
 from jupyter_metainit import meta_init
-from jupyter_metainit.save import save
-from jupyter_metainit.save.safetensors_file import FileEntry
+from jupyter_metainit.saving import save
+from jupyter_metainit.saving.safetensors_file import FileEntry
 with meta_init():
     model = nn.Sequential(*[nn.Linear(5120, 4096, bias=False) for _ in range(8)])  # 8 x 80 MiB
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
@@ -295,7 +296,7 @@ def test_sharded_fused_experts_land_in_the_shards_save_pretrained_puts_them_in(t
     assert _files(str(tmp_path / "ours")) == _files(str(tmp_path / "eager"))
 
 
-_WRITER = __import__("jupyter_metainit.save.writer", fromlist=["writer"])
+_WRITER = __import__("jupyter_metainit.saving.writer", fromlist=["writer"])
 
 
 def _write_path(monkeypatch, path: str) -> None:
@@ -336,7 +337,7 @@ def test_parts_written_while_generating_give_the_bytes_of_save_file(tmp_path, mo
 
 
 def test_a_file_system_refusing_o_direct_falls_back_to_the_same_bytes(tmp_path, monkeypatch):
-    direct = __import__("jupyter_metainit.save.direct", fromlist=["direct"])
+    direct = __import__("jupyter_metainit.saving.direct", fromlist=["direct"])
     # internal fault injection: the O_DIRECT open refused (os.open would refuse every open)
     monkeypatch.setattr(direct.DirectFile, "open", classmethod(lambda cls, path, size: None))
     tensors = {"a": torch.randn(3000), "b": torch.arange(7, dtype=torch.int16)}
@@ -372,7 +373,7 @@ def test_a_device_refusing_o_direct_writes_of_one_block_falls_back_to_the_same_b
 
 
 def test_direct_writes_assemble_unaligned_pieces_in_any_order(tmp_path):
-    direct = __import__("jupyter_metainit.save.direct", fromlist=["direct"])
+    direct = __import__("jupyter_metainit.saving.direct", fromlist=["direct"])
     size = 5 * direct.ALIGN + 123
     expected = torch.randint(0, 256, (size,), dtype=torch.uint8)
     cuts = [0, 8, 100, direct.ALIGN + 8, direct.ALIGN + 16, 3 * direct.ALIGN + 40, size]
@@ -392,7 +393,7 @@ def test_direct_writes_assemble_unaligned_pieces_in_any_order(tmp_path):
 
 
 def test_direct_memory_starts_at_the_file_offset_modulo_the_block(tmp_path):
-    direct = __import__("jupyter_metainit.save.direct", fromlist=["direct"])
+    direct = __import__("jupyter_metainit.saving.direct", fromlist=["direct"])
     entries = [FileEntry("a", torch.float32, (10, 10)), FileEntry("b", torch.float32, (10, 10))]
     regions = direct.Regions()
     regions.start_batch([(8, entries[0]), (4096 + 408, entries[1])])

@@ -19,7 +19,7 @@ skip_without_gloo()
 import torch.distributed.checkpoint as dcp  # noqa: E402
 
 from jupyter_metainit import is_deferred, meta_init  # noqa: E402
-from jupyter_metainit.save import save  # noqa: E402
+from jupyter_metainit.saving import save  # noqa: E402
 
 
 def _mlp() -> nn.Module:
@@ -92,7 +92,7 @@ _PEAK_SCRIPT = """
 import resource
 from torch import nn
 from jupyter_metainit import meta_init
-from jupyter_metainit.save import save
+from jupyter_metainit.saving import save
 with meta_init():
     model = nn.Sequential(*[nn.Linear(5120, 4096, bias=False) for _ in range(8)])  # 8 x 80 MiB
 before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

@@ -20,7 +20,7 @@ from _twins import eager_and_deferred
 from safetensors.torch import save_file
 from torch import nn
 
-from jupyter_metainit.save import save
+from jupyter_metainit.saving import save
 
 LIMIT = 3_000_000  # bytes; not a multiple of the block: an O_DIRECT write is cut unaligned
 
@@ -33,11 +33,11 @@ import importlib, json, os, re, resource, sys
 import torch
 from torch import nn
 from jupyter_metainit import meta_init
-from jupyter_metainit.save import save
+from jupyter_metainit.saving import save
 
 directory, fmt, when, way, limit = sys.argv[1:6]
 if way == "pwrite":
-    writer = importlib.import_module("jupyter_metainit.save.writer")
+    writer = importlib.import_module("jupyter_metainit.saving.writer")
     writer.can_write_direct = writer.can_map = lambda: False
 
 def set_limit(*_):

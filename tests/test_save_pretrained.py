@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 
 from jupyter_metainit import is_deferred, materialize, meta_init
 from jupyter_metainit.core.errors import MetaInitError
-from jupyter_metainit.save.hook import install_save_pretrained
+from jupyter_metainit.saving.hook import install_save_pretrained
 
 transformers = pytest.importorskip("transformers")
 
@@ -224,7 +224,7 @@ def test_a_value_that_cannot_be_read_leaves_no_directory(tmp_path):
 
 
 def test_an_interrupted_save_leaves_no_directory(tmp_path, monkeypatch):
-    from jupyter_metainit.save import writer
+    from jupyter_metainit.saving import writer
 
     _, deferred = _neox_twins()
     calls = []
@@ -290,7 +290,7 @@ _UNTOUCHED = """
 import sys, transformers
 before_method = transformers.PreTrainedModel.save_pretrained
 before_finders = list(sys.meta_path)
-import jupyter_metainit, jupyter_metainit.save
+import jupyter_metainit, jupyter_metainit.saving
 assert transformers.PreTrainedModel.save_pretrained is before_method, "save_pretrained patched"
 assert sys.meta_path == before_finders, "an import hook was added"
 with jupyter_metainit.meta_init():

@@ -13,9 +13,9 @@ from safetensors.torch import load_file
 from torch import nn
 
 from jupyter_metainit import is_deferred, materialize
-from jupyter_metainit.save import save
+from jupyter_metainit.saving import save
 
-_WRITER = __import__("jupyter_metainit.save.writer", fromlist=["writer"])
+_WRITER = __import__("jupyter_metainit.saving.writer", fromlist=["writer"])
 
 
 class _Views(nn.Module):

@@ -22,7 +22,7 @@ from torch import nn
 
 from jupyter_metainit import is_deferred, materialize, meta_init
 from jupyter_metainit.core.errors import MetaInitError
-from jupyter_metainit.save import save
+from jupyter_metainit.saving import save
 
 transformers = pytest.importorskip("transformers")
 

@@ -76,7 +76,7 @@ from jupyter_metainit.core.runtime.arguments import (
 from jupyter_metainit.core.runtime.format import format_bytes, format_count, format_duration
 from jupyter_metainit.core.runtime.interrupts import copy_in_steps, telling
 from jupyter_metainit.core.runtime.lock import busy_with
-from jupyter_metainit.core.runtime.memory import available_memory, is_out_of_memory
+from jupyter_metainit.core.runtime.memory_left import available_memory, is_out_of_memory
 from jupyter_metainit.core.runtime.plain import plain
 
 __all__ = [

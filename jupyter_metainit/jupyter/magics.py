@@ -51,8 +51,8 @@ from jupyter_metainit.jupyter.magic_options import (
 from jupyter_metainit.jupyter.model_views import memory_table_usage, show_model
 from jupyter_metainit.jupyter.value_magics import ValueMagics, unregister_value_magics
 from jupyter_metainit.plan import place
-from jupyter_metainit.plan.devices import name_value_pairs
-from jupyter_metainit.save import save as save_checkpoint
+from jupyter_metainit.plan.place_arguments import name_value_pairs
+from jupyter_metainit.saving import save as save_checkpoint
 
 __all__ = ["MetaInitMagics", "load_ipython_extension", "unload_ipython_extension"]
 # %save's EXPR PATH: PATH is the last word, or a quoted string at the end (spaces, "#" in it)

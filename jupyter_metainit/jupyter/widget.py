@@ -34,10 +34,10 @@ from jupyter_metainit.jupyter.cell_watch import cells, watch_cells
 from jupyter_metainit.jupyter.module_tree import ModelGoneError, ModuleTree
 from jupyter_metainit.jupyter.tree_widget.actions import TreeActions
 from jupyter_metainit.jupyter.tree_widget.calls import PlanningCalls
-from jupyter_metainit.jupyter.tree_widget.devices import fit_per_device, visible_cuda_devices
+from jupyter_metainit.jupyter.tree_widget.device_fit import fit_per_device, visible_cuda_devices
 from jupyter_metainit.jupyter.tree_widget.following import FollowsModel
 from jupyter_metainit.jupyter.tree_widget.page_trust import PageTrust
-from jupyter_metainit.jupyter.tree_widget.planning import TreePlanning
+from jupyter_metainit.jupyter.tree_widget.plan_actions import TreePlanning
 from jupyter_metainit.jupyter.tree_widget.wording import MODEL_GONE, SAVED_ADVICE, code_path
 
 __all__ = ["ModuleTreeWidget", "explore", "watch_cells", "widgets_of"]
@@ -183,7 +183,7 @@ class ModuleTreeWidget(
     no_cuda_reason = traitlets.Unicode("").tag(sync=True)
     table_html = traitlets.Unicode("").tag(sync=True)
     plan = traitlets.Dict(
-        help="The last plan (tree_widget/planning.py: devices, per-node device), {} if none."
+        help="The last plan (tree_widget/plan_actions.py: devices, per-node device), {} if none."
     ).tag(sync=True)
     values = traitlets.Dict(
         help="The last Values (tree_widget/values.py: per node and per tensor), {} if none."

@@ -14,8 +14,8 @@ import torch
 from torch import nn
 
 from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError
-from jupyter_metainit.plan.devices import parse_devices
 from jupyter_metainit.plan.parts import Part, describe
+from jupyter_metainit.plan.place_arguments import parse_devices
 
 __all__ = ["check_pin", "compact_device_map", "resolve_pins"]
 

@@ -22,11 +22,16 @@ from jupyter_metainit.estimates._arguments import require_module
 from jupyter_metainit.estimates.fit import device_budget
 from jupyter_metainit.estimates.forward.attention import KERNELS, AttentionPolicy, math_notes
 from jupyter_metainit.plan.costs import part_costs, state_bytes_per_parameter
-from jupyter_metainit.plan.devices import check_workload, is_offload, parse_devices, split_inputs
 from jupyter_metainit.plan.fsdp import plan_fsdp
 from jupyter_metainit.plan.names import check_pin, compact_device_map, resolve_pins
 from jupyter_metainit.plan.partition import Costs, Load, device_loads, fill, partition
 from jupyter_metainit.plan.parts import Part, describe, find_parts
+from jupyter_metainit.plan.place_arguments import (
+    check_workload,
+    is_offload,
+    parse_devices,
+    split_inputs,
+)
 from jupyter_metainit.plan.precision import Convention, convention
 from jupyter_metainit.plan.result import Placement
 from jupyter_metainit.plan.workload import (

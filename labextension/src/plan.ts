@@ -8,7 +8,7 @@ import { button, h, labelled, pinIcon, setEnabled } from "./dom";
 import { humanBytes } from "./format";
 import { type Action, declareKey, type Target, withKey } from "./keys";
 
-/** The kernel's plan (tree_widget/planning.py: plan_payload). */
+/** The kernel's plan (tree_widget/plan_actions.py: plan_payload). */
 export interface PlanDevice {
   name: string;
   peak: number;

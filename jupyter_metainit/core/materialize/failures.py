@@ -36,7 +36,7 @@ from jupyter_metainit.core.runtime.arguments import (
     parse_device,
 )
 from jupyter_metainit.core.runtime.format import format_bytes
-from jupyter_metainit.core.runtime.memory import free_memory, is_out_of_memory
+from jupyter_metainit.core.runtime.memory_left import free_memory, is_out_of_memory
 
 __all__ = [
     "check_arguments",

@@ -22,7 +22,7 @@ import torch
 
 from jupyter_metainit.core.materialize import shadows
 from jupyter_metainit.core.materialize.autograd_links import link_non_leaves
-from jupyter_metainit.core.materialize.checkpoint import load_for, load_reals_in_place
+from jupyter_metainit.core.materialize.checkpoint_loads import load_for, load_reals_in_place
 from jupyter_metainit.core.materialize.failures import (
     check_arguments,
     check_options,

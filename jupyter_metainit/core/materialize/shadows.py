@@ -22,12 +22,12 @@ from jupyter_metainit.core.record.files import comparing_with_file, read_file_by
 from jupyter_metainit.core.record.graph import External, TensorRecord
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.replay import compute_values, plan
+from jupyter_metainit.core.replay.read_cache import value_cache
 from jupyter_metainit.core.replay.realized import (
     realized_memory,
     recording_only,
     remember_realized,
 )
-from jupyter_metainit.core.replay.values import value_cache
 from jupyter_metainit.core.rng import streams as _rng
 from jupyter_metainit.core.runtime.digest import digest
 from jupyter_metainit.core.runtime.swap import identity_table, swap_in_place

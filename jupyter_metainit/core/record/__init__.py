@@ -3,7 +3,7 @@
 Where to look:
 
 * ``context`` — the ``meta_init`` block (the dispatch mode, what is patched while it runs);
-* ``devices`` — torch-function level: device arguments, whole calls, reads of data;
+* ``torch_functions`` — torch-function level: device arguments, whole calls, reads of data;
 * ``dispatch/`` — ATen level: every op on a deferred tensor (``dispatch/triage.handle_op``
   states the rules replay relies on);
 * ``graph`` — the records (``StorageRecord``, ``TensorRecord``, ``OpRecord``);
@@ -19,10 +19,10 @@ module.
 
 from __future__ import annotations
 
-from jupyter_metainit.core.record.devices import handle_function
 from jupyter_metainit.core.record.dispatch.triage import handle_op
 from jupyter_metainit.core.record.dispatch.views import set_data
 from jupyter_metainit.core.record.tensor import DeferredTensor
+from jupyter_metainit.core.record.torch_functions import handle_function
 
 DeferredTensor.handle_op = staticmethod(handle_op)
 DeferredTensor.handle_function = staticmethod(handle_function)

@@ -2,7 +2,8 @@
 
 Entering the outermost block on a thread pushes two modes (thread-local, like every PyTorch
 mode): a torch-function mode that rewrites device arguments and keeps user data as constants
-(``devices``), and a dispatch mode that sends every ATen call to the recorder (``dispatch``).
+(``torch_functions``), and a dispatch mode that sends every ATen call to the recorder
+(``dispatch``).
 While any block is active, a few process-wide functions are wrapped so that recording stays
 invisible (counted, so nested and concurrent blocks share one wrapping; ``process_wrappers``):
 
@@ -31,17 +32,6 @@ from torch.overrides import TorchFunctionMode
 from torch.utils._python_dispatch import TorchDispatchMode
 
 from jupyter_metainit.core.errors import ArgumentError
-from jupyter_metainit.core.record.devices import (
-    DATA_FACTORIES,
-    FACTORIES,
-    LIKE_FACTORIES,
-    data_factory,
-    handle_function,
-    pending,
-    requires_grad_kwarg,
-    retarget,
-    rewrite_device,
-)
 from jupyter_metainit.core.record.dispatch.file_memory import release_held
 from jupyter_metainit.core.record.dispatch.triage import handle_op
 from jupyter_metainit.core.record.dispatch.views import (
@@ -57,6 +47,17 @@ from jupyter_metainit.core.record.ops import user_frame
 from jupyter_metainit.core.record.process_wrappers import process_wrappers
 from jupyter_metainit.core.record.state import tls
 from jupyter_metainit.core.record.tensor import DeferredTensor
+from jupyter_metainit.core.record.torch_functions import (
+    DATA_FACTORIES,
+    FACTORIES,
+    LIKE_FACTORIES,
+    data_factory,
+    handle_function,
+    pending,
+    requires_grad_kwarg,
+    retarget,
+    rewrite_device,
+)
 from jupyter_metainit.core.record.value_reader import value_reader
 from jupyter_metainit.core.rng.streams import flush_all
 from jupyter_metainit.core.runtime.arguments import check_floating_dtype, indexed_device

@@ -3,7 +3,7 @@
 Checkpoint readers hand PyTorch memory-mapped bytes: ``safetensors`` passes an ``UntypedStorage``
 over its mapping of the file to ``torch.asarray``, ``torch.load(mmap=True)`` rebuilds tensors with
 ``set_`` on storages of ``UntypedStorage.from_file``. Inside ``meta_init`` those calls are
-intercepted (``record/devices.data_factory``, ``record/dispatch``): the memory's address is looked
+intercepted (``torch_functions.data_factory``, ``dispatch``): the memory's address is looked
 up in the process's mappings (``/proc/self/maps``, see ``dispatch/file_memory``), which give the
 file and the offset, and the tensor becomes deferred, its recording one :func:`read_file_bytes` op.
 Replaying it maps those bytes privately (whole tensors of at least ``MAP_FROM`` bytes) or reads them

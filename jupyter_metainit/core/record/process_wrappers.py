@@ -18,7 +18,7 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core.errors import MetaInitError, UnsupportedOperatorError
-from jupyter_metainit.core.record.dispatch.reads import read_value
+from jupyter_metainit.core.record.dispatch.value_reads import read_value
 from jupyter_metainit.core.record.ops import user_frame
 from jupyter_metainit.core.record.state import (
     _global_default_dtype,

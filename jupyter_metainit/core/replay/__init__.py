@@ -3,13 +3,13 @@
 Where to look: ``planning`` (which recorded ops a set of tensors needs), ``run`` (the engine that
 executes a plan), ``random_modes`` (exact and fast random values: the two strategies the engine
 calls), ``parallel`` (which ops may run on threads of their own), ``shards`` (generating only the
-part of a fill a shard is cut from), ``reads`` (value reads while recording; the values
-``save`` and ``stats`` compute a batch at a time, into memory a ``Recycler`` hands on),
-``values`` (the cache of values those reads computed), ``steps`` (what a replay tells of its
-progress, also from inside a long op).
+part of a fill a shard is cut from), ``current_values`` (value reads while recording; the
+values ``save`` and ``stats`` compute a batch at a time, into memory a ``Recycler`` hands
+on), ``read_cache`` (the cache of values those reads computed), ``steps`` (what a replay
+tells of its progress, also from inside a long op).
 
 The replay stage also serves recording's value reads: importing it installs
-:class:`~jupyter_metainit.core.replay.reads.ReplayValueReader` as recording's
+:class:`~jupyter_metainit.core.replay.current_values.ReplayValueReader` as recording's
 :mod:`~jupyter_metainit.core.record.value_reader` (recording sits below replay and does not
 import it). The names below are the stage's face for the stages above it.
 """
@@ -17,13 +17,13 @@ import it). The names below are the stage's face for the stages above it.
 from __future__ import annotations
 
 from jupyter_metainit.core.record.value_reader import use_value_reader
-from jupyter_metainit.core.replay.planning import Plan, plan
-from jupyter_metainit.core.replay.reads import (
+from jupyter_metainit.core.replay.current_values import (
     Recycler,
     ReplayValueReader,
     compute_values,
     values_to_write,
 )
+from jupyter_metainit.core.replay.planning import Plan, plan
 from jupyter_metainit.core.replay.realized import real_view
 from jupyter_metainit.core.replay.run import Run, execute
 from jupyter_metainit.core.replay.shards import noting_whole_intermediates

@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core.record.dispatch.reads import as_eager
+from jupyter_metainit.core.record.dispatch.value_reads import as_eager
 from jupyter_metainit.core.record.graph import GradCall, OpRecord, TensorRecord
 from jupyter_metainit.core.runtime.plain import map_args
 

@@ -21,7 +21,7 @@ from jupyter_metainit.core.record.graph import (
     StorageRecord,
     TensorRecord,
 )
-from jupyter_metainit.core.replay.values import ValueCache
+from jupyter_metainit.core.replay.read_cache import ValueCache
 
 __all__ = ["Plan", "last_writes", "plan"]
 

@@ -8,7 +8,7 @@ one equal part per core wherever a fill may be cut (a multiple of the kernel's b
 least 16 elements on each side: ``split_fill.cut_point``). Each part's thread jumps once, to
 where its first piece starts, then fills its pieces in order, the generator running on from one
 fill into the next, as the single stream does. Saving a model goes through this
-(``replay.reads.values_to_write`` of a batch of tensors): one jump per core per batch instead of
+(the core's ``values_to_write`` of a batch of tensors): one jump per core per batch instead of
 one per tensor and chunk, and every core busy whatever the tensors' sizes. The cut rests on the
 same facts as ``split_fill``, checked once per op and dtype in each process
 (``split_fill.split_is_exact``).

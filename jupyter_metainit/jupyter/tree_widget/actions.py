@@ -26,7 +26,7 @@ from jupyter_metainit.core import (
 )
 from jupyter_metainit.jupyter.cell_watch import cells as _cells
 from jupyter_metainit.jupyter.module_tree import ModelGoneError
-from jupyter_metainit.jupyter.tree_widget.devices import fit_per_device
+from jupyter_metainit.jupyter.tree_widget.device_fit import fit_per_device
 from jupyter_metainit.jupyter.tree_widget.wording import (
     failure_in_words,
     materialized_in_words,
@@ -37,7 +37,7 @@ __all__ = ["ActionCancelled", "TreeActions"]
 
 PROGRESS_INTERVAL_S = 0.05  # at most 20 progress messages a second
 # The actions that run on the worker thread (and wait for a running cell to end, which may be
-# changing the very weights); all but the first two are prepared by tree_widget/planning.py.
+# changing the very weights); all but the first two are prepared by tree_widget/plan_actions.py.
 _CHANGING_ACTIONS = (
     "materialize",
     "free",
@@ -144,7 +144,7 @@ class TreeActions:
         ``{"action": "free", "names": [...]}``, ``{"action": "cancel"}``,
         ``{"action": "refresh"}`` or ``{"action": "ping"}``; the plan and save actions
         (``plan``, ``pin``, ``unpin``, ``materialize_plan``, ``save``, ``values``) are described in
-        ``tree_widget/planning.py``, ``saving.py`` and ``values.py``.  Anything invalid is refused
+        ``plan_actions.py``, ``save_action.py`` and ``values.py``.  Anything invalid is refused
         with a brief notice and changes nothing; it never replaces the message of the
         running or last action.
         """
@@ -165,7 +165,7 @@ class TreeActions:
             return
         if self.model_changed():  # actions off, saying how it changed
             return
-        if action not in ("materialize", "free"):  # plan, pin, save...: tree_widget/planning.py
+        if action not in ("materialize", "free"):  # plan, pin, save...: tree_widget/plan_actions.py
             try:
                 label, job = self._prepare_job(action, content)
             except ValueError as exc:

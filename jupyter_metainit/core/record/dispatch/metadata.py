@@ -337,7 +337,7 @@ def _on_meta(func: Any) -> Any:
 
 
 # Ops that return no tensor and depend on metadata only: without an answer here they would take
-# the path of ops that need values (``reads``), computing every value of their inputs by replay
+# the path of ops that need values (``value_reads``), computing each value of their inputs by replay
 # (``torch.distributed.checkpoint`` asks ``is_pinned()`` of every tensor it saves), and failing
 # with an error naming an op the user never called where the values cannot be computed.
 METADATA_QUERIES: dict[Any, Any] = {

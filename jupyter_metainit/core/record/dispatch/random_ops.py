@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core.record.dispatch.reads import values_of
+from jupyter_metainit.core.record.dispatch.value_reads import values_of
 from jupyter_metainit.core.record.graph import RngUse
 from jupyter_metainit.core.record.ops import OpInfo, bind_arguments
 from jupyter_metainit.core.record.state import tls

@@ -4,8 +4,8 @@ Every ATen op that :func:`~jupyter_metainit.core.record.dispatch.triage.handle_o
 elsewhere (views, fills, recipes, value reads) ends here. :func:`record_op` runs these steps,
 each a function below or in the module named after its job:
 
-1. outputs' metadata (``metadata``: meta kernels, layout probes; ``reads`` when an op has no meta
-   kernel);
+1. outputs' metadata (``metadata``: meta kernels, layout probes; ``value_reads`` when an op
+   has no meta kernel);
 2. the dtype replay must use (``dtypes``);
 3. the arguments as recorded (``inputs``: real tensors kept as ``External``/``Constant``);
 4. the outputs: **where aliasing is decided for recorded ops** (``_wrap_outputs``: an output
@@ -44,7 +44,8 @@ from jupyter_metainit.core.record.dispatch.metadata import (
     same_layout,
 )
 from jupyter_metainit.core.record.dispatch.random_ops import place_random
-from jupyter_metainit.core.record.dispatch.reads import (
+from jupyter_metainit.core.record.dispatch.recipes import keep_recipe, worth_a_recipe
+from jupyter_metainit.core.record.dispatch.value_reads import (
     VALUES_FOR_ERRORS,
     NotStridedResult,
     computed_not_strided,
@@ -52,7 +53,6 @@ from jupyter_metainit.core.record.dispatch.reads import (
     not_strided,
     outputs_from_values,
 )
-from jupyter_metainit.core.record.dispatch.recipes import keep_recipe, worth_a_recipe
 from jupyter_metainit.core.record.graph import (
     OpRecord,
     RngUse,

@@ -9,8 +9,8 @@ Two interception points feed :func:`handle_op`, as in ``torch._subclasses.fake_t
 
 :func:`_handle_op` decides, per op, which path takes it — and so **what may run for real while
 recording** (its docstring states the rules): views (``views``), fills (``fills``), factory
-recipes (``recipes``), ops that need values now (``reads``), in-place view ops (``views``), and
-everything else (``record_op``).
+recipes (``recipes``), ops that need values now (``value_reads``), in-place view ops
+(``views``), and everything else (``record_op``).
 """
 
 from __future__ import annotations
@@ -23,7 +23,9 @@ from jupyter_metainit.core.errors import UnsupportedOperatorError
 from jupyter_metainit.core.record.dispatch.fills import record_fill
 from jupyter_metainit.core.record.dispatch.inputs import call_site, output_device, wrap_constant
 from jupyter_metainit.core.record.dispatch.metadata import METADATA_QUERIES, OVERWRITES_SELF
-from jupyter_metainit.core.record.dispatch.reads import (
+from jupyter_metainit.core.record.dispatch.recipes import recipe_funcs, record_from_recipe
+from jupyter_metainit.core.record.dispatch.record_op import record_op
+from jupyter_metainit.core.record.dispatch.value_reads import (
     own_grad_leaf,
     realized_as_constants,
     realized_inputs,
@@ -31,8 +33,6 @@ from jupyter_metainit.core.record.dispatch.reads import (
     run_on_values,
     run_on_values_and_record_writes,
 )
-from jupyter_metainit.core.record.dispatch.recipes import recipe_funcs, record_from_recipe
-from jupyter_metainit.core.record.dispatch.record_op import record_op
 from jupyter_metainit.core.record.dispatch.views import inplace_view, record_view
 from jupyter_metainit.core.record.ops import OpInfo, bind_arguments, op_info
 from jupyter_metainit.core.record.state import tls

@@ -30,7 +30,7 @@ from jupyter_metainit.core.record.dispatch.inputs import (
     storage_nbytes,
     to_meta_or_same,
 )
-from jupyter_metainit.core.record.dispatch.reads import (
+from jupyter_metainit.core.record.dispatch.value_reads import (
     own_grad_leaf,
     realized_as_constants,
     realized_inputs,

@@ -27,7 +27,7 @@ from collections.abc import Callable
 import torch
 
 from jupyter_metainit.core import copy_in_steps
-from jupyter_metainit.save.safetensors_file import FileEntry
+from jupyter_metainit.saving.safetensors_file import FileEntry
 
 __all__ = ["MappedFile", "can_map", "place_batch"]
 

@@ -33,21 +33,21 @@ from torch.distributed.checkpoint.storage import WriteResult
 
 from jupyter_metainit.core import is_deferred, telling
 from jupyter_metainit.core.errors import ArgumentError
-from jupyter_metainit.save.layout import (
+from jupyter_metainit.saving.exact_values import cpu_values
+from jupyter_metainit.saving.layout import (
     check_savable,
     file_size_errors,
     refuse_files_over_the_limit,
     state_dict_of,
 )
-from jupyter_metainit.save.staging import (
+from jupyter_metainit.saving.staging import (
     disk_full_error,
     is_dcp_file,
     no_space_error,
     publish_directory,
     staging_directory,
 )
-from jupyter_metainit.save.values import cpu_values
-from jupyter_metainit.save.writer import Progress
+from jupyter_metainit.saving.writer import Progress
 
 __all__ = ["StreamingWriter", "ValuesOnDemandPlanner", "save_dcp"]
 

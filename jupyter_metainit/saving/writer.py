@@ -2,12 +2,12 @@
 
 The calling thread produces the values of a batch of consecutive tensors at a time (replay runs
 on every core) while they are written. Three ways to write, the first the file system allows:
-``O_DIRECT`` from the values' own memory (``save.direct``: the device copies, almost no CPU; a
+``O_DIRECT`` from the values' own memory (``saving.direct``: the device copies, almost no CPU; a
 writer thread, two batches alive), the files mapped and the values generated into their pages
-(``save.mapped``: one batch's pages mapped at a time), or ``pwrite`` into the page cache from
+(``saving.mapped``: one batch's pages mapped at a time), or ``pwrite`` into the page cache from
 recycled buffers (a writer thread, two batches alive). Memory: up to two batches, each up to the
 largest tensor's bytes (or 64 MiB where all are smaller). The files are written into a
-staging directory (``save.staging``) and put in place at the end, so a failed or cancelled save
+staging directory (``saving.staging``) and put in place at the end, so a failed or cancelled save
 (an exception from the progress callback, Ctrl-C) leaves nothing where the checkpoint should be,
 and the model is untouched (deferred tensors stay deferred). Nothing is fsynced.
 """
@@ -24,16 +24,16 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core import progress_callback, telling
-from jupyter_metainit.save.direct import (
+from jupyter_metainit.saving.direct import (
     DirectFile,
     DirectWriter,
     Regions,
     arena_bytes,
     can_write_direct,
 )
-from jupyter_metainit.save.mapped import MappedFile, can_map, place_batch
-from jupyter_metainit.save.safetensors_file import FileEntry, file_order, header_bytes
-from jupyter_metainit.save.values import Recycler, cpu_values_of_batch
+from jupyter_metainit.saving.exact_values import Recycler, cpu_values_of_batch
+from jupyter_metainit.saving.mapped import MappedFile, can_map, place_batch
+from jupyter_metainit.saving.safetensors_file import FileEntry, file_order, header_bytes
 
 __all__ = ["Progress", "write_safetensors_files"]
 
@@ -121,7 +121,7 @@ def write_safetensors_files(
     stream, cut across the cores with one jump-ahead per core, and the next batch continues
     where it ended, instead of jumping around the stream as the file order (by dtype, then
     name) would make them. The first way the file system allows (module docstring):
-    ``O_DIRECT`` (``_write_direct``), the mapped files (``save.mapped``), ``pwrite``
+    ``O_DIRECT`` (``_write_direct``), the mapped files (``saving.mapped``), ``pwrite``
     (``_write_with_writer``). ``aliases`` (a dropped duplicate name -> the name written) go
     into the metadata of the file holding that name, as safetensors' ``save_model`` has them."""
     layout = {os.path.join(directory, name): file_order(entries)
@@ -164,7 +164,7 @@ def _write_direct(
     headers: dict[str, bytes], sizes: dict[str, int], placed: list[tuple[str, int, FileEntry]],
     tensors: dict[str, torch.Tensor], dtype: torch.dtype | None, progress: Progress,
 ) -> bool:  # fmt: skip
-    """The ``O_DIRECT`` path (``save.direct``): a writer thread writes while the values are
+    """The ``O_DIRECT`` path (``saving.direct``): a writer thread writes while the values are
     generated, at most two batches alive. False (nothing written) where the file system
     refuses ``O_DIRECT``."""
     opened: dict[str, DirectFile] = {}

@@ -10,18 +10,16 @@ rest. ``format="safetensors"`` writes transformers' layout (``from_pretrained`` 
 from __future__ import annotations
 
 import os
-import sys
-import types
 from collections.abc import Callable, Mapping
-from typing import Any, Literal
+from typing import Literal
 
 import torch
 
 from jupyter_metainit.core import check_progress, parse_dtype
 from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError
-from jupyter_metainit.save.checkpoint import write_checkpoint
-from jupyter_metainit.save.layout import parse_size, state_dict_of
-from jupyter_metainit.save.staging import checked_destination
+from jupyter_metainit.saving.layout import parse_size, state_dict_of
+from jupyter_metainit.saving.safetensors_checkpoint import write_checkpoint
+from jupyter_metainit.saving.staging import checked_destination
 
 __all__ = ["save"]
 
@@ -120,7 +118,7 @@ def save(
         )
     destination = checked_destination(os.path.expanduser(os.fspath(path)))
     if format == "dcp":
-        from jupyter_metainit.save.dcp import save_dcp  # torch.distributed loads only for dcp
+        from jupyter_metainit.saving.dcp import save_dcp  # torch.distributed loads only for dcp
 
         max_file_bytes = None if max_shard_size is None else parse_size(max_shard_size)
         return save_dcp(obj, destination, dtype=dtype, progress=progress,
@@ -130,15 +128,3 @@ def save(
         obj, state, origin, destination, max_shard_size=max_shard_size or "5GB", dtype=dtype,
         progress=progress,
     )  # fmt: skip
-
-
-class _CallableModule(types.ModuleType):
-    """``jupyter_metainit.save`` is this package and the function: importing the package
-    (``import jupyter_metainit.save``) makes Python bind the package over the lazy function on
-    ``jupyter_metainit``, so calling the package calls the function."""
-
-    def __call__(self, *args: Any, **kwargs: Any) -> str:
-        return save(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule

@@ -28,14 +28,14 @@ from jupyter_metainit.estimates.fit import device_budget
 from jupyter_metainit.jupyter.magic_options import MAX_DIMENSION, input_shapes
 from jupyter_metainit.jupyter.tree_widget.actions import ActionCancelled
 from jupyter_metainit.jupyter.tree_widget.comparing import prepare_compare
-from jupyter_metainit.jupyter.tree_widget.saving import prepare_save
+from jupyter_metainit.jupyter.tree_widget.save_action import prepare_save
 from jupyter_metainit.jupyter.tree_widget.values import prepare_values
 from jupyter_metainit.jupyter.tree_widget.wording import (
     estimate_failure_in_words,
     modules_in_words,
 )
 from jupyter_metainit.plan import Placement, place
-from jupyter_metainit.plan.devices import name_value_pairs
+from jupyter_metainit.plan.place_arguments import name_value_pairs
 from jupyter_metainit.plan.precision import convention
 
 __all__ = ["TreePlanning", "parse_device_text", "plan_payload"]

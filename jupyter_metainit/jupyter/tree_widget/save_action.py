@@ -14,8 +14,8 @@ from typing import Any
 from jupyter_metainit.core import format_bytes, parse_dtype, tensor_values, unique_tensors
 from jupyter_metainit.jupyter.tree_widget.actions import ActionCancelled
 from jupyter_metainit.jupyter.tree_widget.wording import modules_in_words
-from jupyter_metainit.save import save
-from jupyter_metainit.save.staging import is_dcp_file
+from jupyter_metainit.saving import save
+from jupyter_metainit.saving.staging import is_dcp_file
 
 __all__ = ["FORMATS", "prepare_save", "written_in_words"]
 

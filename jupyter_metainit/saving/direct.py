@@ -30,7 +30,7 @@ import numpy
 import torch
 
 from jupyter_metainit.core import copy_in_steps
-from jupyter_metainit.save.safetensors_file import FileEntry
+from jupyter_metainit.saving.safetensors_file import FileEntry
 
 __all__ = ["ALIGN", "DirectFile", "DirectWriter", "Regions", "arena_bytes", "can_write_direct"]
 

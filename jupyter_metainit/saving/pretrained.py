@@ -1,6 +1,6 @@
 """``model.save_pretrained(dir, ...)`` of a model holding deferred tensors: what eager writes.
 
-``save.hook`` sends such a model here (a model whose tensors are all real takes transformers' own
+``saving.hook`` sends such a model here (a model whose tensors are all real takes transformers' own
 path). The files are written by ``write_checkpoint`` (what ``save`` writes: the same names, bytes
 and config files as eager ``save_pretrained``, in bounded memory, published only when complete),
 honouring the installed transformers' arguments. An option that cannot be honoured
@@ -20,8 +20,8 @@ import torch
 
 from jupyter_metainit.core import is_deferred
 from jupyter_metainit.core.errors import MetaInitError
-from jupyter_metainit.save.checkpoint import mark_config, write_checkpoint
-from jupyter_metainit.save.layout import file_names, state_dict_of
+from jupyter_metainit.saving.layout import file_names, state_dict_of
+from jupyter_metainit.saving.safetensors_checkpoint import mark_config, write_checkpoint
 
 __all__ = ["holds_deferred", "save_deferred"]
 

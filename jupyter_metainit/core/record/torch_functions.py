@@ -17,7 +17,7 @@ import torch
 from jupyter_metainit.core.errors import UnsupportedOperatorError
 from jupyter_metainit.core.record.dispatch.file_memory import storage_region
 from jupyter_metainit.core.record.dispatch.inputs import wrap_constant, wrap_file_region
-from jupyter_metainit.core.record.dispatch.reads import read_value
+from jupyter_metainit.core.record.dispatch.value_reads import read_value
 from jupyter_metainit.core.record.dispatch.views import meta_factory
 from jupyter_metainit.core.record.dispatch.whole_calls import (
     SUBCLASS_SENSITIVE,

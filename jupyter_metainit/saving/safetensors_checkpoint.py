@@ -3,7 +3,7 @@ and a deferred model's ``save_pretrained`` write.
 
 Everything that can be refused is refused before the first byte is written; the files (weights,
 index, ``config.json``, ``generation_config.json``) are written into a staging directory and put
-in place only when all are complete (``save.staging``).
+in place only when all are complete (``saving.staging``).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.save.layout import (
+from jupyter_metainit.saving.layout import (
     INDEX_NAME,
     WEIGHTS_NAME,
     Layout,
@@ -28,14 +28,14 @@ from jupyter_metainit.save.layout import (
     refuse_files_over_the_limit,
     untie,
 )
-from jupyter_metainit.save.safetensors_file import file_order, header_bytes
-from jupyter_metainit.save.staging import (
+from jupyter_metainit.saving.safetensors_file import file_order, header_bytes
+from jupyter_metainit.saving.staging import (
     no_space_error,
     publish_directory,
     refuse_overwriting_sources,
     staging_directory,
 )
-from jupyter_metainit.save.writer import Progress, write_safetensors_files
+from jupyter_metainit.saving.writer import Progress, write_safetensors_files
 
 __all__ = ["mark_config", "write_checkpoint"]
 

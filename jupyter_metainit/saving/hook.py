@@ -1,5 +1,5 @@
 """The diversion of transformers' ``PreTrainedModel.save_pretrained``: a deferred model is saved
-by ``save.pretrained``.
+by ``saving.pretrained``.
 
 The method is wrapped once (``functools.wraps``: same name, signature and docstring); the wrapper
 diverts only a model, or a ``state_dict=``, that holds deferred tensors, and adds nothing to any
@@ -17,7 +17,7 @@ import functools
 import sys
 from typing import Any
 
-from jupyter_metainit.save.pretrained import holds_deferred, save_deferred
+from jupyter_metainit.saving.pretrained import holds_deferred, save_deferred
 
 __all__ = ["install_save_pretrained"]
 

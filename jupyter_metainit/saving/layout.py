@@ -28,7 +28,7 @@ import torch
 from jupyter_metainit.core import format_bytes, storage_of, tensor_state
 from jupyter_metainit.core import parse_size as core_parse_size
 from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError
-from jupyter_metainit.save.safetensors_file import FileEntry
+from jupyter_metainit.saving.safetensors_file import FileEntry
 
 __all__ = [
     "Layout", "check_savable", "file_names", "file_size_errors", "file_size_limit", "parse_size",

@@ -2,8 +2,8 @@
 
 :func:`compute_values` is the read path recording uses (``.item()``, ``bool(t)``, ops without a
 meta kernel), through :class:`ReplayValueReader`, which ``core.replay``'s ``__init__`` installs
-as recording's value reader. It continues from values earlier reads computed (``values``'s
-cache) and keeps what it computes for the next read.
+as recording's value reader. It continues from values earlier reads computed (kept by
+``read_cache``) and keeps what it computes for the next read.
 
 :func:`values_to_write` is the read path of ``save`` and ``stats``: a batch of tensors at a
 time, nothing kept, into memory a :class:`Recycler` hands from one batch to the next (new
@@ -23,6 +23,7 @@ from jupyter_metainit.core.errors import MaterializationError
 from jupyter_metainit.core.record.graph import StorageRecord, TensorRecord, constant_op
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.replay.planning import Plan, plan
+from jupyter_metainit.core.replay.read_cache import value_cache
 from jupyter_metainit.core.replay.realized import (
     any_realized,
     current_values,
@@ -30,7 +31,6 @@ from jupyter_metainit.core.replay.realized import (
     realized_view,
 )
 from jupyter_metainit.core.replay.run import execute
-from jupyter_metainit.core.replay.values import value_cache
 from jupyter_metainit.core.runtime.interrupts import handling_interrupts
 from jupyter_metainit.core.runtime.lock import exclusive
 from jupyter_metainit.core.runtime.plain import plain
