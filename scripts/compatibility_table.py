@@ -75,16 +75,16 @@ seconds are the tests' own cost, which load does not change. The environment's t
 an unchanged one was reused.
 
 CI runs both ends by default, before the suite (`.ci/run`; `CI_VERSION_ENDS=0` skips them).
-Measured on 2 cores shared with other work (load 9 to 14): from an empty uv cache each end's
-environment took about 2 minutes (117 s for the lowest, 118 s for the newest: torch's CUDA
-build and its nvidia wheels from PyPI, 5 to 6 GB in uv's cache for each), and the ends' subset
-cost the lowest end about 10 minutes of CPU, the sweep of PyTorch's operator database the
-largest part. So both ends should take about 25 minutes on 2 cores with nothing else to do (an
-estimate from those CPU seconds, not yet timed on CI), beside the suite's 25 to 35 minutes and
-the set-up's 2: within CI's 90. The whole core (`--all-core`, about 3,700 tests) took 43 to 62
-minutes an end, too long for CI. On a loaded machine the files that spawn 2 ranks
-(`test_distributed.py`, `test_save_dcp.py`) can outlive their 120 s; `--rerun` runs them again
-alone and counts that run."""
+Measured on 2 cores shared with other work (the load of each run below): from an empty uv
+cache each end's environment took about 2 minutes (117 s for the lowest, 118 s for the newest:
+torch's CUDA build and its nvidia wheels from PyPI, 5 to 6 GB in uv's cache for each), and the
+ends' subset took 17 and 15 minutes (lowest, newest; 9.5 and 11.7 minutes of CPU), the sweep
+of PyTorch's operator database the largest part. So both ends should take about 25 minutes on 2
+cores with nothing else to do (an estimate from those CPU seconds, not yet timed on CI), beside the
+suite's 25 to 35 minutes and the set-up's 2: within CI's 90. The whole core (`--all-core`,
+about 3,700 tests) took 43 to 62 minutes an end, too long for CI. On a loaded machine the files
+that spawn 2 ranks (`test_distributed.py`, `test_save_dcp.py`) can outlive their 120 s (they did
+at load 11); `--rerun` runs them again alone and counts that run."""
 
 NOTES = """
 ## Why an upper bound on torch
