@@ -1,8 +1,9 @@
 """Test both ends of what ``pyproject.toml`` admits, each in its own virtual environment.
 
 The pinned environment of ``scripts/setup.sh`` (torch's CPU build at one version) runs the whole
-suite; this runs the core tests and ``scripts/smoke_exactness.py`` at the two ends of the
-declared ranges, as users' environments are:
+suite; this runs the ends' subset of the core tests (``END_TESTS``: the files whose outcome
+depends on the releases; ``--all-core`` for every core file) and ``scripts/smoke_exactness.py``
+at the two ends of the declared ranges, as users' environments are:
 
 - ``newest``: the newest Python tested, with the newest torch, transformers and accelerate that
   the package's requirements admit (whatever the index has today, resolved by the installer);
@@ -19,6 +20,7 @@ results and the ones recorded in ``scripts/compatibility_runs.json``:
     python scripts/version_ends.py                  # both ends; exits 1 if either fails
     python scripts/version_ends.py --ends newest    # one end
     python scripts/version_ends.py --record         # and record the results, rewrite the page
+    python scripts/version_ends.py --all-core       # every core test file (about an hour an end)
 
 CI (``.ci/run``) runs it before the full suite. ``--record`` is for a developer (it changes
 tracked files); without it the regenerated page goes to ``.version-ends/compatibility.md``.
@@ -31,6 +33,7 @@ import hashlib
 import json
 import os
 import re
+import resource
 import shutil
 import subprocess
 import sys
@@ -58,6 +61,39 @@ NOT_CORE = {
     "test_package.py",
     "test_widget_browser.py",
 }
+# What each end runs by default: the core test files whose outcome hangs on the torch,
+# transformers, accelerate, IPython or Python release, small enough that both ends (downloads,
+# environments, tests, smoke check) fit beside the whole suite in CI's 90 minutes on 2 cores
+# (figures: docs/compatibility.md). ``--all-core`` runs every core file instead. Left out: the
+# files that test the package's own bookkeeping (plans, estimates' tables, the widget, stats,
+# progress, locks, argument parsing), which call torch only through what these files cover.
+END_TESTS = {
+    "test_op_db.py": "every operator of the release's own op database, deferred against eager: "
+    "operator schemas, overloads, the writes kernels make without declaring them",
+    "test_record.py": "recording: the dispatch and torch-function modes, schemas read per overload",
+    "test_replay.py": "replay of the records a set of storages depends on",
+    "test_realized_ops.py": "ops that need real values while recording (item, nonzero, ...)",
+    "test_autograd_in_init.py": "autograd inside a deferred build (grad mode, version counters)",
+    "test_rng.py": "each random op's place in its generator's stream; draw counts checked "
+    "against the kernel at import",
+    "test_mt19937.py": "the CPU generator's MT19937 state layout and the jump-ahead",
+    "test_trunc_normal.py": "trunc_normal_'s fast path against the kernel (failed on 2.10, 2.11)",
+    "test_split_fill.py": "random fills cut across cores equal the serial kernel",
+    "test_stream_fill.py": "a batch's random fills as one run of the stream",
+    "test_init_functions.py": "every torch.nn.init function, deferred against eager",
+    "test_exactness.py": "materialize equals eager construction, model by model",
+    "test_materialize.py": "materialize / dematerialize, the walker of a module's tensors",
+    "test_swap.py": "torch._C._swap_tensor_impl and the autograd state it must keep",
+    "test_sparse.py": "sparse layouts (their constructors and checks change between releases)",
+    "test_from_pretrained.py": "transformers' from_pretrained / from_config, deferred",
+    "test_save_pretrained.py": "save_pretrained of a deferred model against eager's files "
+    "(transformers 5.0 to 5.14 differed)",
+    "test_save.py": "save(): safetensors and torch.save files written tensor by tensor",
+    "test_save_dcp.py": "torch.distributed.checkpoint's writer and metadata",
+    "test_magics.py": "the magics and their tracebacks (IPython 8 on Python 3.10, 9 after)",
+    "test_dry_run.py": "dry_run: the flop counter and the fake-tensor forward",
+    "test_distributed.py": "DTensor / FSDP2 shards made on each rank (gloo)",
+}
 # What an end's pytest needs besides the package and its ``hf`` extra.
 TEST_TOOLS = ["pytest>=8", "pytest-timeout>=2.2", "expecttest>=0.2"]
 PACKAGES = ["python", "torch", "transformers", "accelerate", "ipython", "numpy"]
@@ -67,6 +103,11 @@ def core_tests() -> list[str]:
     """The test files every end runs, relative to the repository root."""
     files = sorted((ROOT / "tests").glob("test_*.py"))
     return [str(p.relative_to(ROOT)) for p in files if p.name not in NOT_CORE]
+
+
+def end_tests() -> list[str]:
+    """The ends' subset (``END_TESTS``), relative to the repository root."""
+    return [f"tests/{name}" for name in END_TESTS]
 
 
 def lowest_pins(project: dict[str, Any]) -> list[str]:
@@ -193,17 +234,24 @@ def merge_rerun(end: str, files: list[str]) -> dict[str, Any]:
     return result
 
 
+def _children_cpu_s() -> float:
+    """CPU seconds (user + system) of the finished subprocesses so far: the tests' cost
+    without the other work of a shared machine, unlike their wall time."""
+    used = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return used.ru_utime + used.ru_stime
+
+
 def run_end(end: str, python: str, requirements: list[str], tests: list[str]) -> dict[str, Any]:
-    """Make the end's environment, run the core tests and the smoke check; its result."""
+    """Make the end's environment, run ``tests`` and the smoke check; its result."""
     start = time.monotonic()
     venv = make_env(end, python, requirements)
-    made = time.monotonic()
+    made, cpu = time.monotonic(), _children_cpu_s()
     vpy = str(venv / "bin" / "python")
     junit = ENDS_DIR / end / "junit.xml"
     junit.unlink(missing_ok=True)
     env = {**os.environ, "PYTHONDONTWRITEBYTECODE": "1"}
     env.pop("PYTHONPATH", None)  # the end's own editable install, not another checkout
-    log(f"{end}: {len(tests)} core test files")
+    log(f"{end}: {len(tests)} test files")
     pytest = [vpy, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={junit}"]
     subprocess.run([*pytest, *tests], cwd=ROOT, env=env)
     smoke = subprocess.run(
@@ -215,9 +263,12 @@ def run_end(end: str, python: str, requirements: list[str], tests: list[str]) ->
         "versions": versions(venv),
         "tests": counts(junit),
         "test_files": None if tests == core_tests() else [Path(t).name for t in tests],
+        "subset": "ends" if tests == end_tests() else None,
         "smoke": "exact" if smoke.returncode == 0 else "differs",
         "install_s": round(made - start),
         "test_s": round(time.monotonic() - made),
+        "test_cpu_s": round(_children_cpu_s() - cpu),
+        "load": round(os.getloadavg()[1], 1),  # the machine's, over the last 5 minutes
     }
     (ENDS_DIR / end / "result.json").write_text(json.dumps(result, indent=1) + "\n")
     return result
@@ -254,7 +305,10 @@ def main() -> int:
         help="comma-separated: newest, lowest, or py3.N (a one-off: that Python, the newest rest)",
     )
     parser.add_argument("--record", action="store_true", help="record results, rewrite the page")
-    parser.add_argument("--tests", nargs="+", help="test files instead of the core tests")
+    parser.add_argument("--tests", nargs="+", help="these test files instead of the ends' subset")
+    parser.add_argument(
+        "--all-core", action="store_true", help="every core test file, not the ends' subset"
+    )
     parser.add_argument(
         "--rerun",
         nargs="+",
@@ -279,14 +333,16 @@ def main() -> int:
         if python is None:
             log(f"{end}: no Python {version} here (python{version} or pyenv): end skipped")
             return 1
-        results.append(run_end(end, python, requirements, args.tests or core_tests()))
+        tests = args.tests or (core_tests() if args.all_core else end_tests())
+        results.append(run_end(end, python, requirements, tests))
     for r in results:
         v, t = r["versions"], r["tests"]
         log(
             f"{r['end']}: python {v['python']}, torch {v['torch']}, transformers "
             f"{v['transformers']}, accelerate {v['accelerate']}: {t['passed']} passed, "
             f"{t['failed']} failed, {t['errors']} errors, {t['skipped']} skipped; smoke "
-            f"{r['smoke']}; install {r['install_s']} s, tests {r['test_s']} s"
+            f"{r['smoke']}; install {r['install_s']} s, tests {r['test_s']} s "
+            f"({r['test_cpu_s']} s CPU)"
         )
     if args.record:
         record(results)
