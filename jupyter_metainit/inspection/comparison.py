@@ -85,7 +85,10 @@ def compare(
         a: a module (deferred, opened from a checkpoint, partly or fully real), a dict of
             tensors, or a checkpoint path (a safetensors file, a sharded checkpoint's index or
             directory, a ``torch.distributed.checkpoint`` directory).
-        b: the same kinds, compared with ``a``.
+        b: the same kinds, compared with ``a``. A transformers model compared with a path is
+            seen as ``save_pretrained`` writes it (the file's names and layout, where
+            transformers renames or fuses weights in memory); a tied weight the file keeps once
+            is compared under each of its names.
         progress: ``True`` for a progress bar, or ``callable(done_bytes, total_bytes)`` (or
             ``callable(done, total, phase)``); raising from it cancels.
 
@@ -129,6 +132,7 @@ def compare(
         ``diff = compare("base/", "finetuned/")``, then
         ``diff[diff.status != "equal"].sort_values("rel_l2", ascending=False)``.
     """
+    a, b = _checkpoint_layout(a, b), _checkpoint_layout(b, a)
     left, right = open_source(a, "compare(): a"), open_source(b, "compare(): b")
     _tie_across(left, right)
     _tie_across(right, left)
@@ -179,6 +183,24 @@ def _measure_pairs(
         for (x, y), one in zip(batch, measured, strict=True):
             out[(x.name, y.name)] = one
     return out
+
+
+def _checkpoint_layout(model: Any, other: Any) -> Any:
+    """A transformers model compared with a checkpoint path, as ``save_pretrained`` writes it:
+    transformers >= 5 renames some weights in memory (GPT-NeoX's ``embed_out`` is
+    ``lm_head``) and fuses others (a mixture of experts'), and writes them back in the file's
+    layout. Deferred tensors stay deferred (the conversion's views and splits are recorded)."""
+    if not isinstance(model, torch.nn.Module) or not isinstance(other, (str, os.PathLike)):
+        return model
+    try:
+        from transformers import PreTrainedModel
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:  # transformers 4, or none: nothing is converted in memory
+        return model
+    if not isinstance(model, PreTrainedModel):
+        return model
+    with torch.no_grad():
+        return dict(revert_weight_conversion(model, dict(model.state_dict(keep_vars=True))))
 
 
 def _tie_across(side: Source, other: Source) -> None:
