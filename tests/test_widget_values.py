@@ -259,3 +259,35 @@ def test_compare_refuses_what_is_neither_a_model_nor_a_path(shell, other):
     w.handle_action({"action": "compare", "other": other})
     assert w.busy == "" and w.comparison == {} and w.error == ""
     assert "nothing was compared" in w.notice["text"].lower()
+
+
+def test_values_of_tensors_edited_in_a_later_cell_are_cleared_saying_why(shell):
+    from jupyter_metainit.jupyter.cell_watch import watch_cells
+
+    watch_cells(shell)
+    net = eager_net()
+    shell.user_ns["net"] = net
+    w = explore(net)
+    w.measure_values()
+    assert w.values["modules"]
+    shell.run_cell("import torch\nwith torch.no_grad():\n    net.layers[1].mlp.weight[0, 0] += 0.5")
+    assert w.values.get("modules") is None
+    assert w.status.startswith("Values cleared: the model's tensors changed")
+
+
+def test_a_comparison_whose_tensors_are_unchanged_outlives_later_cells(shell):
+    from jupyter_metainit.jupyter.cell_watch import watch_cells
+
+    watch_cells(shell)
+    net = deferred_net()
+    shell.user_ns["tuned"] = eager_net()
+    w = explore(net)
+    w.compare_with("tuned")
+    shell.run_cell("x = 1")
+    assert w.comparison["modules"]
+    shell.run_cell("from jupyter_metainit import materialize\nmaterialize(tuned)")
+    assert w.comparison["modules"]  # the other side is not the widget's model
+    shell.user_ns["net"] = net
+    shell.run_cell("materialize(net, rng='fast')")  # other values than the ones compared
+    assert w.comparison.get("modules") is None
+    assert w.status.startswith("Compare cleared")

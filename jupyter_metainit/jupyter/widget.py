@@ -222,6 +222,8 @@ class ModuleTreeWidget(
         self._cancel = threading.Event()
         self._action_lock = threading.Lock()  # check-and-set of `busy`, from any thread
         self._refresh_lock = threading.Lock()
+        # what each Values / Compare result measured (tree_widget/stale_results.py)
+        self._measured: dict[str, tuple] = {}
         self._sync_timer: threading.Timer | None = None
         self._last_progress = 0.0
         self._queued: dict | None = None  # a page action waiting for the running cell to end

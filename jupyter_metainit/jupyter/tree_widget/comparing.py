@@ -18,6 +18,7 @@ import torch
 from jupyter_metainit.core.errors import ArgumentError
 from jupyter_metainit.inspection import compare
 from jupyter_metainit.inspection.sources import open_source
+from jupyter_metainit.jupyter.tree_widget.stale_results import remember_measured
 from jupyter_metainit.jupyter.tree_widget.values import _under
 from jupyter_metainit.jupyter.tree_widget.wording import modules_in_words
 
@@ -139,6 +140,7 @@ def prepare_compare(widget: Any, content: dict) -> tuple[str, Callable[[], str]]
             table = table[[_under(n, scope) for n in table.index]]
         next_id = int(widget.comparison.get("id", 0)) + 1
         widget.comparison = comparison_payload(widget, table, said, next_id)
+        remember_measured(widget, "comparison", scope)
         counts = table["status"].value_counts()
         parts = ", ".join(f"{int(c):,} {s}" for s, c in counts.items())
         return f"Compared {what} with {said} in {{took}}: {parts}."

@@ -16,6 +16,7 @@ import torch
 from jupyter_metainit.core import local_tensor, unique_tensors
 from jupyter_metainit.jupyter.module_tree import NodeStats
 from jupyter_metainit.jupyter.row_schema import ROW, STATS_FIELDS
+from jupyter_metainit.jupyter.tree_widget.stale_results import drop_stale_results
 from jupyter_metainit.jupyter.tree_widget.wording import MODEL_GONE, model_changed_in_words
 
 __all__ = ["FollowsModel"]
@@ -28,6 +29,7 @@ class FollowsModel:
 
     _ids: set[int]
     _refresh_lock: threading.Lock
+    _measured: dict[str, tuple]
     _sync_timer: threading.Timer | None
     _stats: list[NodeStats]
     # the widget's traits and helpers these methods use
@@ -74,6 +76,7 @@ class FollowsModel:
                 if self.refresh() and not self.busy:
                     self.status = ""
                     self.error = ""
+                self._say_stale_results()
 
     def after_cell(self) -> None:
         """After each cell (``cell_watch``): a cell that deleted, replaced or added a module
@@ -81,7 +84,16 @@ class FollowsModel:
         if self.model_gone:
             return
         with contextlib.suppress(Exception):  # never in the way of the user's cells
-            self.model_changed()
+            if not self.model_changed():
+                self._say_stale_results()
+
+    def _say_stale_results(self) -> None:
+        """Drop Values / Compare results whose tensors changed since, and say so."""
+        if self.busy:  # a Values or Compare job sets its result as it ends
+            return
+        notice = drop_stale_results(self)
+        if notice:
+            self.status = notice
 
     def model_changed(self) -> bool:
         """Whether the model was freed, or a module of it added, removed or replaced since the

@@ -15,6 +15,7 @@ from collections.abc import Callable
 from typing import Any
 
 from jupyter_metainit.inspection import stat_tables
+from jupyter_metainit.jupyter.tree_widget.stale_results import remember_measured
 from jupyter_metainit.jupyter.tree_widget.wording import modules_in_words
 
 __all__ = ["HISTOGRAM_BINS", "MODULE_FIELDS", "TENSOR_FIELDS", "prepare_values"]
@@ -48,6 +49,7 @@ def prepare_values(widget: Any, content: dict) -> tuple[str, Callable[[], str]]:
         tensors, modules = stat_tables(state, bins=HISTOGRAM_BINS, progress=progress)
         next_id = int(widget.values.get("id", 0)) + 1
         widget.values = values_payload(widget, tensors, modules, scope, next_id)
+        remember_measured(widget, "values", scope)
         bad = int(tensors["nan"].sum() + tensors["inf"].sum())
         flagged = f" {bad:,} NaN or infinite values (flagged in red)." if bad else ""
         return (
