@@ -81,7 +81,8 @@ def resolve_other(text: Any, namespace: dict | None) -> tuple[Any, str]:
             else ""
         )
         raise ValueError(
-            f"{text!r}: {named}no such file or directory ({path}); type a checkpoint path or "
+            f"{text!r}: {named}no such file or directory"
+            f"{'' if path == text else f' ({path})'}; type a checkpoint path or "
             "a variable holding a model or a state dict. Nothing was compared."
         )
     _check_checkpoint(path)

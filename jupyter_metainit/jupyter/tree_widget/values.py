@@ -53,8 +53,8 @@ def prepare_values(widget: Any, content: dict) -> tuple[str, Callable[[], str]]:
         bad = int(tensors["nan"].sum() + tensors["inf"].sum())
         flagged = f" {bad:,} NaN or infinite values (flagged in red)." if bad else ""
         return (
-            f"Measured the values of {what} ({len(tensors):,} tensors, the model unchanged) in "
-            "{took}." + flagged
+            f"Measured the values of {what}: {len(tensors):,} tensors in {{took}}, the model "
+            "unchanged." + flagged
         )
 
     return "measure the values", job
