@@ -756,6 +756,9 @@ def test_a_dead_kernel_leaves_nothing_clickable_in_the_old_widget(browser, front
     widget.locator(".jmi-disconnected").wait_for(state="visible", timeout=20_000)
     _nothing_clickable(widget)
     assert widget.locator(".jmi-mat-plan").is_disabled()
+    # the banner is the one alarm: the last message (an old error, say) is greyed with the rest
+    message = widget.locator(".jmi-message")
+    assert message.evaluate("(el) => getComputedStyle(el).opacity") == "0.5"
     widget.screenshot(path=str(ARTIFACTS / f"widget-{app}-dead-{how}.png"))
 
 

@@ -145,7 +145,7 @@ function frame(width: number, height: number, label: string, lo: number, hi: num
   const root = svg("svg", { viewBox: `0 0 ${width} ${height}`, width: "100%", class: "jmi-chart", role: "img", "aria-label": label });
   const x0 = 56;
   const top = 8;
-  const bottom = height - 22;
+  const bottom = height - 32; // room for the x ticks and, under them, the axis label
   const y = (v: number) => bottom - (hi > lo ? ((v - lo) / (hi - lo)) * (bottom - top) : (bottom - top) / 2);
   root.append(svg("line", { x1: x0, y1: top, x2: x0, y2: bottom, class: "jmi-axis" }));
   root.append(svg("line", { x1: x0, y1: bottom, x2: width - 6, y2: bottom, class: "jmi-axis" }));
@@ -188,7 +188,7 @@ export function depthChart(points: Array<[number, number | null]>, title: string
   if (path) f.root.insertBefore(svg("path", { d: path.trim(), class: "jmi-line" }), f.root.querySelector("circle"));
   const every = Math.ceil(n / 16);
   points.forEach(([layer], i) => {
-    if (i % every === 0) f.root.append(svg("text", { x: x(i), y: height - 10, "text-anchor": "middle", class: "jmi-tick jmi-xtick" }, String(layer)));
+    if (i % every === 0) f.root.append(svg("text", { x: x(i), y: height - 18, "text-anchor": "middle", class: "jmi-tick jmi-xtick" }, String(layer)));
   });
   return f.root;
 }
