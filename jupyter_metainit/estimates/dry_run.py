@@ -29,15 +29,15 @@ from jupyter_metainit.estimates.forward.attention import (
     transformers_attention,
 )
 from jupyter_metainit.estimates.forward.flops import flop_counter, flops_by_module
-from jupyter_metainit.estimates.forward.inputs import (
+from jupyter_metainit.estimates.forward.model_guard import ModelGuard
+from jupyter_metainit.estimates.forward.nested import map_tensors, tensors_in
+from jupyter_metainit.estimates.forward.reuse import BlockReuse, ReuseMismatch
+from jupyter_metainit.estimates.forward.shape_inputs import (
     ShapeInput,
     default_input_dtype,
     stand_in_tensor,
     typed,
 )
-from jupyter_metainit.estimates.forward.model_guard import ModelGuard
-from jupyter_metainit.estimates.forward.nested import map_tensors, tensors_in
-from jupyter_metainit.estimates.forward.reuse import BlockReuse, ReuseMismatch
 from jupyter_metainit.estimates.memory import DRY_RUN_ATTR, MemoryTable, memory_table
 
 __all__ = ["default_input_dtype", "dry_run", "run_forward"]

@@ -31,7 +31,6 @@ from jupyter_metainit.core.errors import ArgumentError, MetaInitError
 from jupyter_metainit.estimates.dry_run import run_forward
 from jupyter_metainit.estimates.forward.answers import Answers
 from jupyter_metainit.estimates.forward.attention import AttentionPolicy, transformers_attention
-from jupyter_metainit.estimates.forward.inputs import ShapeInput, input_names, typed
 from jupyter_metainit.estimates.forward.nested import cache_of, tensor_bytes_in
 from jupyter_metainit.estimates.forward.saved import (
     each_alone,
@@ -39,6 +38,7 @@ from jupyter_metainit.estimates.forward.saved import (
     shapes_of,
     trace_step,
 )
+from jupyter_metainit.estimates.forward.shape_inputs import ShapeInput, input_names, typed
 from jupyter_metainit.estimates.memory import DRY_RUN_ATTR
 from jupyter_metainit.plan.parts import Part, describe
 
