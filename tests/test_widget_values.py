@@ -291,3 +291,19 @@ def test_a_comparison_whose_tensors_are_unchanged_outlives_later_cells(shell):
     shell.run_cell("materialize(net, rng='fast')")  # other values than the ones compared
     assert w.comparison.get("modules") is None
     assert w.status.startswith("Compare cleared")
+
+
+def test_compare_of_a_model_transformers_renames_with_its_files_is_all_equal(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPTNeoXConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=100, tie_word_embeddings=False,
+    )  # fmt: skip
+    with meta_init():
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path)  # lm_head.weight is written as embed_out.weight
+    w = explore(model)
+    w.compare_with(str(tmp_path))
+    assert w.error == "", w.error
+    assert set(kinds(w).values()) == {"equal"}
+    assert "lm_head.weight" in {r[0] for r in w.comparison["tensors"]}

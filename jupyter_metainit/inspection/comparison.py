@@ -132,7 +132,7 @@ def compare(
         ``diff = compare("base/", "finetuned/")``, then
         ``diff[diff.status != "equal"].sort_values("rel_l2", ascending=False)``.
     """
-    a, b = _checkpoint_layout(a, b), _checkpoint_layout(b, a)
+    (a, named_a), (b, named_b) = _checkpoint_layout(a, b), _checkpoint_layout(b, a)
     left, right = open_source(a, "compare(): a"), open_source(b, "compare(): b")
     _tie_across(left, right)
     _tie_across(right, left)
@@ -149,6 +149,8 @@ def compare(
     for name in [*left.names, *(n for n in right.names if n not in left.names)]:
         rows.append(_row(name, left, right, sums))
         index.append(name)
+    named = {**named_b, **named_a}
+    index = [named.get(n, n) for n in index]
     return pd.DataFrame(rows, index=pd.Index(index, name="tensor"), columns=_COLUMNS)
 
 
@@ -185,22 +187,34 @@ def _measure_pairs(
     return out
 
 
-def _checkpoint_layout(model: Any, other: Any) -> Any:
+def _checkpoint_layout(model: Any, other: Any) -> tuple[Any, dict[str, str]]:
     """A transformers model compared with a checkpoint path, as ``save_pretrained`` writes it:
-    transformers >= 5 renames some weights in memory (GPT-NeoX's ``embed_out`` is
-    ``lm_head``) and fuses others (a mixture of experts'), and writes them back in the file's
-    layout. Deferred tensors stay deferred (the conversion's views and splits are recorded)."""
+    transformers >= 5 renames some weights in memory (GPT-NeoX's ``lm_head`` is ``embed_out``
+    in the file) and fuses others (a mixture of experts'), and writes them back in the file's
+    layout. Deferred tensors stay deferred (the conversion's views and splits are recorded).
+    Also: the file's name -> the model's, for each tensor only renamed (the table names it as
+    the model does)."""
     if not isinstance(model, torch.nn.Module) or not isinstance(other, (str, os.PathLike)):
-        return model
+        return model, {}
     try:
         from transformers import PreTrainedModel
         from transformers.core_model_loading import revert_weight_conversion
     except ImportError:  # transformers 4, or none: nothing is converted in memory
-        return model
+        return model, {}
     if not isinstance(model, PreTrainedModel):
-        return model
+        return model, {}
+    state = dict(model.state_dict(keep_vars=True))
     with torch.no_grad():
-        return dict(revert_weight_conversion(model, dict(model.state_dict(keep_vars=True))))
+        converted = dict(revert_weight_conversion(model, dict(state)))
+    first = {}
+    for name, t in state.items():
+        first.setdefault(id(t), name)
+    named = {
+        k: first[id(t)]
+        for k, t in converted.items()
+        if k not in state and id(t) in first and first[id(t)] not in converted
+    }
+    return converted, named
 
 
 def _tie_across(side: Source, other: Source) -> None:

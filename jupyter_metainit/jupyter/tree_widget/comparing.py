@@ -128,9 +128,11 @@ def prepare_compare(widget: Any, content: dict) -> tuple[str, Callable[[], str]]
 
     def job() -> str:
         scope = [n for n in names if n]
-        state = widget.module.state_dict()
         if scope:
+            state = widget.module.state_dict(keep_vars=True)
             state = {k: v for k, v in state.items() if _under(k, scope)}
+        else:  # the module itself: against a path it is seen in the file's layout (compare)
+            state = widget.module
         b = other.state_dict() if isinstance(other, torch.nn.Module) else other
 
         def progress(done: int, total: int, phase: str = "") -> None:
