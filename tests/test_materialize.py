@@ -799,7 +799,7 @@ def test_dematerialize_says_keep_cache_on_a_real_tensor_does_not_bring_its_recor
     materialize(layer)
     with pytest.warns(UserWarning):
         materialize(layer, keep_cache=True)
-    with pytest.raises(MaterializationError, match="the first time they are materialized"):
+    with pytest.raises(MaterializationError, match="pass keep_cache=True the first time"):
         dematerialize(layer)
     assert not is_deferred(layer)
 

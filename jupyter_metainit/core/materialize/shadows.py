@@ -99,18 +99,24 @@ def why_not_kept(tensors: list[torch.Tensor], what: str) -> str:
     earlier = sum(1 for t in tensors if t in sources and t not in cleared)
     dropped = sum(1 for t in tensors if t in cleared)
     never = len(tensors) - earlier - dropped
+
+    def were(k: int) -> str:
+        return f"{k} {'was' if k == 1 else 'were'}"
+
     reasons = []
     if earlier:
         reasons.append(
-            f"{earlier} were materialized without keep_cache=True, which released their "
+            f"{were(earlier)} materialized without keep_cache=True, which released the "
             "recording (materialize(..., keep_cache=True) on a tensor that is real already "
-            "cannot bring it back: pass keep_cache=True the first time they are materialized)"
+            "cannot bring it back: pass keep_cache=True the first time, as the widget's "
+            "Materialize does, or run the cell that builds the model again)"
         )
     if dropped:
-        reasons.append(f"{dropped} lost their recording to clear_meta_init_cache()")
+        reasons.append(f"{dropped} lost the recording to clear_meta_init_cache()")
     if never:
-        reasons.append(f"{never} were never deferred (made real outside meta_init)")
-    return f"{len(tensors)} tensor(s) {what}: {'; '.join(reasons)}."
+        reasons.append(f"{were(never)} never deferred (made real outside meta_init)")
+    noun = "tensor" if len(tensors) == 1 else "tensors"
+    return f"{len(tensors)} {noun} {what}: {'; '.join(reasons)}."
 
 
 # ---------------------------------------------------------------------------------------------

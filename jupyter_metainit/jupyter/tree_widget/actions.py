@@ -301,7 +301,8 @@ class TreeActions:
             if action == "free" and left:
                 self.error = (
                     f"Could not make all of {what} deferred again: parts were materialized "
-                    "outside this widget without keep_cache=True, so their recipe is gone."
+                    "outside this widget without keep_cache=True, so their recipe is gone. Run "
+                    "the cell that builds the model again to get a model you can free."
                 )
             elif action == "free":
                 self.status = (
