@@ -18,8 +18,11 @@ import torch
 from jupyter_metainit.core.errors import ArgumentError
 from jupyter_metainit.inspection import compare
 from jupyter_metainit.inspection.sources import open_source
-from jupyter_metainit.jupyter.tree_widget.stale_results import remember_measured
-from jupyter_metainit.jupyter.tree_widget.values import _under
+from jupyter_metainit.jupyter.tree_widget.stale_results import (
+    remember_measured,
+    scoped_state,
+    under,
+)
 from jupyter_metainit.jupyter.tree_widget.wording import modules_in_words
 
 __all__ = ["KINDS", "TINY_REL_L2", "kind_of", "prepare_compare"]
@@ -128,11 +131,8 @@ def prepare_compare(widget: Any, content: dict) -> tuple[str, Callable[[], str]]
 
     def job() -> str:
         scope = [n for n in names if n]
-        if scope:
-            state = widget.module.state_dict(keep_vars=True)
-            state = {k: v for k, v in state.items() if _under(k, scope)}
-        else:  # the module itself: against a path it is seen in the file's layout (compare)
-            state = widget.module
+        # the module itself, whole: against a path it is seen in the file's layout (compare)
+        state = scoped_state(widget.module, scope) if scope else widget.module
         b = other.state_dict() if isinstance(other, torch.nn.Module) else other
 
         def progress(done: int, total: int, phase: str = "") -> None:
@@ -140,7 +140,7 @@ def prepare_compare(widget: Any, content: dict) -> tuple[str, Callable[[], str]]
 
         table = compare(state, b, progress=progress)
         if scope:  # the other side's tensors outside the ticked subtrees are not asked about
-            table = table[[_under(n, scope) for n in table.index]]
+            table = table[[under(n, scope) for n in table.index]]
         next_id = int(widget.comparison.get("id", 0)) + 1
         widget.comparison = comparison_payload(widget, table, said, next_id)
         remember_measured(widget, "comparison", scope)

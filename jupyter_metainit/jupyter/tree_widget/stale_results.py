@@ -1,4 +1,5 @@
-"""Values and Compare results about tensors that changed since they were measured: dropped.
+"""Which tensors a Values or Compare result is about, and results whose tensors changed since
+they were measured: dropped.
 
 A result describes the tensors as they were when it was measured. Once one of them is
 materialized (``rng="fast"`` gives other values), freed, replaced or edited in place, the
@@ -12,25 +13,33 @@ A write that bypasses the version counter (``tensor.data.add_(1)``) is not seen.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from typing import Any
 
 import torch
 
 from jupyter_metainit.core import is_deferred, local_tensor
 
-__all__ = ["drop_stale_results", "remember_measured"]
+__all__ = ["drop_stale_results", "remember_measured", "scoped_state", "under"]
 
 # The widget's traits holding results, and how the notice names each.
 _RESULTS = {"values": "Values", "comparison": "Compare"}
 
 
-def _print(module: torch.nn.Module, scope: Iterable[str]) -> tuple:
-    prefixes = tuple(s + "." for s in scope if s)
+def under(name: str, scope: list[str]) -> bool:
+    """Whether tensor or module ``name`` lies inside one of the subtrees ``scope``."""
+    return any(name.startswith(s + ".") for s in scope)
+
+
+def scoped_state(module: torch.nn.Module, scope: list[str]) -> dict[str, torch.Tensor]:
+    """The tensors a Values or Compare of ``scope`` (ticked subtrees; none: the whole model)
+    is about, by ``state_dict`` name: the tensors themselves (no detach recorded per tensor)."""
+    state = module.state_dict(keep_vars=True)
+    return {k: v for k, v in state.items() if under(k, scope)} if scope else dict(state)
+
+
+def _print(module: torch.nn.Module, scope: list[str]) -> tuple:
     out = []
-    for name, t in module.state_dict(keep_vars=True).items():
-        if prefixes and not name.startswith(prefixes):
-            continue
+    for name, t in scoped_state(module, scope).items():
         local = local_tensor(t)
         if is_deferred(local):
             out.append((name, id(t), "deferred"))
@@ -39,9 +48,8 @@ def _print(module: torch.nn.Module, scope: Iterable[str]) -> tuple:
     return tuple(out)
 
 
-def remember_measured(widget: Any, trait: str, scope: Iterable[str]) -> None:
+def remember_measured(widget: Any, trait: str, scope: list[str]) -> None:
     """After ``trait`` (``"values"`` or ``"comparison"``) was set: what it measured."""
-    scope = list(scope)
     widget._measured[trait] = (scope, _print(widget.module, scope))
 
 

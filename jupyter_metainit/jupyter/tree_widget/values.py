@@ -15,7 +15,11 @@ from collections.abc import Callable
 from typing import Any
 
 from jupyter_metainit.inspection import stat_tables
-from jupyter_metainit.jupyter.tree_widget.stale_results import remember_measured
+from jupyter_metainit.jupyter.tree_widget.stale_results import (
+    remember_measured,
+    scoped_state,
+    under,
+)
 from jupyter_metainit.jupyter.tree_widget.wording import modules_in_words
 
 __all__ = ["HISTOGRAM_BINS", "MODULE_FIELDS", "TENSOR_FIELDS", "prepare_values"]
@@ -36,10 +40,8 @@ def prepare_values(widget: Any, content: dict) -> tuple[str, Callable[[], str]]:
     what = modules_in_words(names or [""], widget.var_name)
 
     def job() -> str:
-        state = widget.module.state_dict()
         scope = [n for n in names if n]  # "" (the whole model) takes every tensor
-        if scope:
-            state = {k: v for k, v in state.items() if _under(k, scope)}
+        state = scoped_state(widget.module, scope)
         if not state:
             return f"{what} holds no tensors: nothing to measure."
 
@@ -60,10 +62,6 @@ def prepare_values(widget: Any, content: dict) -> tuple[str, Callable[[], str]]:
     return "measure the values", job
 
 
-def _under(name: str, scope: list[str]) -> bool:
-    return any(name.startswith(s + ".") for s in scope)
-
-
 def _number(value: Any) -> float | int | None:
     """JSON has no NaN or infinity: those are None (the nan/inf counts say why)."""
     value = float(value)
@@ -77,7 +75,7 @@ def values_payload(widget: Any, tensors: Any, modules: Any, scope: list[str], id
     index = widget._tree.index
     rows = []
     for module, row in modules.iterrows():
-        if module in index and (not scope or module in scope or _under(module, scope)):
+        if module in index and (not scope or module in scope or under(module, scope)):
             rows.append([index[module], *(_number(row[f]) for f in MODULE_FIELDS)])
     per_tensor = []
     for name, row in tensors.iterrows():
