@@ -159,12 +159,18 @@ def svg_chart(
         out.append(f'<text x="{x(i):.1f}" y="{y(0) + 16}" text-anchor="middle">{i}</text>')
     for k, (label, values) in enumerate(series.items()):
         color = _PALETTE[k % len(_PALETTE)]
-        out.extend(_bars(values, k, len(series), color, x, y, step) if bars else
-                   [_line(values, color, x, y, label in dashed)])  # fmt: skip
-        out.append(f'<rect x="{width - right + 10}" y="{top + 16 * k}" width="12" height="12" '
-                   f'fill="{color}"/>')  # fmt: skip
-        out.append(f'<text x="{width - right + 28}" y="{top + 16 * k + 10}">'
-                   f"{html.escape(label)}</text>")  # fmt: skip
+        out.extend(
+            _bars(values, k, len(series), color, x, y, step)
+            if bars
+            else [_line(values, color, x, y, label in dashed)]
+        )
+        out.append(
+            f'<rect x="{width - right + 10}" y="{top + 16 * k}" width="12" height="12" '
+            f'fill="{color}"/>'
+        )
+        out.append(
+            f'<text x="{width - right + 28}" y="{top + 16 * k + 10}">{html.escape(label)}</text>'
+        )
     out.append("</svg>")
     return Chart("".join(out), title)
 
@@ -187,14 +193,17 @@ def _line(values: Sequence[float], color: str, x: Scale, y: Scale, dashed: bool)
     return f'<polyline points="{points}" fill="none" stroke="{color}" stroke-width="2"{dash}/>'
 
 
-def _bars(values: Sequence[float], k: int, groups: int, color: str, x: Scale, y: Scale,
-          step: float) -> list[str]:  # fmt: skip
+def _bars(
+    values: Sequence[float], k: int, groups: int, color: str, x: Scale, y: Scale, step: float
+) -> list[str]:
     """Bar ``k`` of ``groups`` side by side at each layer."""
     width = step * 0.8 / groups
     out = []
     for i, v in enumerate(values):
         x0 = x(i) - step * 0.4 + k * width
         top, base = y(float(v)), y(0.0)
-        out.append(f'<rect x="{x0:.1f}" y="{top:.1f}" width="{width:.1f}" '
-                   f'height="{base - top:.1f}" fill="{color}"/>')  # fmt: skip
+        out.append(
+            f'<rect x="{x0:.1f}" y="{top:.1f}" width="{width:.1f}" '
+            f'height="{base - top:.1f}" fill="{color}"/>'
+        )
     return out

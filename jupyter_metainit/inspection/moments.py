@@ -78,10 +78,16 @@ class Moments:
             mean = (self.mean * self.n + other.mean * other.n) / n
             m2 = math.nan
         return Moments(
-            n, mean, m2, self.sumsq + other.sumsq,
-            _nan_min(self.lo, other.lo), _nan_max(self.hi, other.hi),
-            self.zeros + other.zeros, self.nan + other.nan, self.inf + other.inf,
-        )  # fmt: skip
+            n,
+            mean,
+            m2,
+            self.sumsq + other.sumsq,
+            _nan_min(self.lo, other.lo),
+            _nan_max(self.hi, other.hi),
+            self.zeros + other.zeros,
+            self.nan + other.nan,
+            self.inf + other.inf,
+        )
 
     @property
     def std(self) -> float:
@@ -99,8 +105,10 @@ def merge_all(parts: Sequence[Moments]) -> Moments:
         return Moments()
     level = list(parts)
     while len(level) > 1:
-        level = [level[i].merged(level[i + 1]) if i + 1 < len(level) else level[i]
-                 for i in range(0, len(level), 2)]  # fmt: skip
+        level = [
+            level[i].merged(level[i + 1]) if i + 1 < len(level) else level[i]
+            for i in range(0, len(level), 2)
+        ]
     return level[0]
 
 

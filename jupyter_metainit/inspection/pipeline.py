@@ -132,8 +132,9 @@ class Chunks:
         self.progress = progress
         self.pool = _workers()[0]
 
-    def map(self, fn: Callable[..., T], flats: Sequence[Sequence[torch.Tensor]],
-            count: bool = True) -> list[list[T]] | None:  # fmt: skip
+    def map(
+        self, fn: Callable[..., T], flats: Sequence[Sequence[torch.Tensor]], count: bool = True
+    ) -> list[list[T]] | None:
         """``fn(j, *chunk)`` for every chunk of every item ``j`` (``flats[j]``: 1-D tensors of
         equal length, cut together), grouped per item, in order; None once cancelled."""
         jobs = []
@@ -194,8 +195,13 @@ def run_batches(
             recycler.start_batch(nbytes(x) for x in batch)
             values = read(batch, recycler)
             recycler.settle(_tensors(values))
-            pending.append((sum(nbytes(x) for x in batch),
-                            runner.submit(measure, batch, values, chunks), values))  # fmt: skip
+            pending.append(
+                (
+                    sum(nbytes(x) for x in batch),
+                    runner.submit(measure, batch, values, chunks),
+                    values,
+                )
+            )
         while pending:
             collect()
         progress.report()

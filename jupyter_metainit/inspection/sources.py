@@ -194,12 +194,23 @@ def _open_path(path: str, what: str) -> Source:
 
 # safetensors' dtype names -> torch's (the sub-byte and packed ones have no statistics here).
 _SAFETENSORS_DTYPES = {
-    "BOOL": torch.bool, "U8": torch.uint8, "I8": torch.int8, "I16": torch.int16,
-    "U16": torch.uint16, "I32": torch.int32, "U32": torch.uint32, "I64": torch.int64,
-    "U64": torch.uint64, "F16": torch.float16, "BF16": torch.bfloat16, "F32": torch.float32,
-    "F64": torch.float64, "C64": torch.complex64, "F8_E5M2": torch.float8_e5m2,
+    "BOOL": torch.bool,
+    "U8": torch.uint8,
+    "I8": torch.int8,
+    "I16": torch.int16,
+    "U16": torch.uint16,
+    "I32": torch.int32,
+    "U32": torch.uint32,
+    "I64": torch.int64,
+    "U64": torch.uint64,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "F32": torch.float32,
+    "F64": torch.float64,
+    "C64": torch.complex64,
+    "F8_E5M2": torch.float8_e5m2,
     "F8_E4M3": torch.float8_e4m3fn,
-}  # fmt: skip
+}
 
 
 class SafetensorsSource(Source):

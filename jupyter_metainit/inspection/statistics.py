@@ -196,8 +196,9 @@ def _histograms(
     ranges = [(m.lo, m.hi) for m in moments]
     unclear = [j for j, m in enumerate(moments) if m.nan or m.inf]
     if unclear:
-        found = chunks.map(lambda _j, flat: finite_range(flat), [flats[j] for j in unclear],
-                           count=False)  # fmt: skip
+        found = chunks.map(
+            lambda _j, flat: finite_range(flat), [flats[j] for j in unclear], count=False
+        )
         if found is None:
             return None
         for j, parts in zip(unclear, found, strict=True):
@@ -222,10 +223,16 @@ def _histograms(
 def statistic_row(m: Moments) -> dict[str, Any]:
     """The statistics columns of one row."""
     return {
-        "mean": m.mean if m.n else math.nan, "std": m.std, "min": m.lo if m.n else math.nan,
-        "max": m.hi if m.n else math.nan, "absmax": m.absmax, "l2": math.sqrt(m.sumsq),
-        "zeros": m.zeros, "nan": m.nan, "inf": m.inf,
-    }  # fmt: skip
+        "mean": m.mean if m.n else math.nan,
+        "std": m.std,
+        "min": m.lo if m.n else math.nan,
+        "max": m.hi if m.n else math.nan,
+        "absmax": m.absmax,
+        "l2": math.sqrt(m.sumsq),
+        "zeros": m.zeros,
+        "nan": m.nan,
+        "inf": m.inf,
+    }
 
 
 def _tensor_table(source: Source, measured: dict[str, Measured], hist: bool) -> pd.DataFrame:
@@ -260,10 +267,11 @@ def _module_table(source: Source, measured: dict[str, Measured], depth: int | No
             continue
         dtypes = {source.entries[n].dtype for n in names}
         row = {
-            "depth": level, "tensors": len(names),
+            "depth": level,
+            "tensors": len(names),
             "numel": sum(source.entries[n].numel for n in names),
             "dtype": dtype_name(dtypes.pop()) if len(dtypes) == 1 else "mixed",
-        }  # fmt: skip
+        }
         row.update(statistic_row(merge_all([measured[n][0] for n in names])))
         rows.append(row)
         index.append(module)

@@ -105,8 +105,14 @@ def values_to_write(
             on_filled = None if on_part is None else _parts_of(replayed, on_part, rest)
             replay = plan(replayed)
             try:
-                env = execute(replay, torch.device("cpu"), "exact", one_stream=True,
-                              memory=memory, on_filled=on_filled)  # fmt: skip
+                env = execute(
+                    replay,
+                    torch.device("cpu"),
+                    "exact",
+                    one_stream=True,
+                    memory=memory,
+                    on_filled=on_filled,
+                )
             except Exception:
                 _refuse_meta_inputs(replay)
                 raise
@@ -132,9 +138,10 @@ def _refuse_meta_inputs(replay: Plan) -> None:
 
 
 def _parts_of(
-    records: list[TensorRecord], on_part: Callable[[int, int, int, torch.Tensor], None],
+    records: list[TensorRecord],
+    on_part: Callable[[int, int, int, torch.Tensor], None],
     index: list[int],
-) -> Callable[[TensorRecord, int, int, torch.Tensor], None]:  # fmt: skip
+) -> Callable[[TensorRecord, int, int, torch.Tensor], None]:
     """``execute``'s ``on_filled`` for the requested records that are their fill's whole
     storage as it is (the tensor returned is that storage: parts of it are its parts);
     ``records[i]`` is the caller's tensor ``index[i]``."""
@@ -146,8 +153,11 @@ def _parts_of(
         for k in by_storage.get(id(target.storage), ()):
             r = records[k]
             same = (r.size, r.stride, r.offset, r.dtype) == (
-                target.size, target.stride, target.offset, target.dtype
-            )  # fmt: skip
+                target.size,
+                target.stride,
+                target.offset,
+                target.dtype,
+            )
             if same and not r.conj and not r.neg:
                 on_part(index[k], a, b, flat)
 

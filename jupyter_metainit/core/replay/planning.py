@@ -54,10 +54,14 @@ class Plan:
         ``deferred.copy_(torch.empty(3, device="meta"))``): why a replay that failed could not
         run, for an error that says so instead of PyTorch's "Cannot copy out of meta tensor"."""
         return next(
-            (op for op in self.ops for x in (*op.args, *op.kwargs.values())
-             if isinstance(x, External) and x.tensor.is_meta),
+            (
+                op
+                for op in self.ops
+                for x in (*op.args, *op.kwargs.values())
+                if isinstance(x, External) and x.tensor.is_meta
+            ),
             None,
-        )  # fmt: skip
+        )
 
 
 def _writes_before(storage: StorageRecord, seq: int) -> int:

@@ -227,9 +227,14 @@ def shape_fixing_random_ops(ops: list[OpRecord]) -> frozenset[int]:
 
 
 def _run_on_generator_device(
-    op: OpRecord, args: tuple, kwargs: dict, gen: torch.Generator, has_gen: bool,
-    gen_dev: torch.device, device: torch.device,
-) -> Any:  # fmt: skip
+    op: OpRecord,
+    args: tuple,
+    kwargs: dict,
+    gen: torch.Generator,
+    has_gen: bool,
+    gen_dev: torch.device,
+    device: torch.device,
+) -> Any:
     """Exact values come from the recorded generator's device; then they are copied over."""
     cpu_args = tree_map(lambda x: _to(x, gen_dev), args)
     cpu_kwargs = tree_map(lambda x: _to(x, gen_dev), kwargs)
@@ -246,9 +251,13 @@ def _run_on_generator_device(
 
 
 def run_from(
-    op: OpRecord, args: tuple, kwargs: dict, gen: torch.Generator, has_gen: bool,
+    op: OpRecord,
+    args: tuple,
+    kwargs: dict,
+    gen: torch.Generator,
+    has_gen: bool,
     region: tuple[int, int] | None,
-) -> Any:  # fmt: skip
+) -> Any:
     """Run a random op drawing from ``gen``. With ``region``: only that part (a rank's
     shard), leaving ``gen`` unmoved, or None if that was not possible. Large CPU fills run
     on all cores."""

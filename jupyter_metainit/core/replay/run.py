@@ -76,9 +76,14 @@ class _ShapeMismatch:
 class Run:
     """State of one replay: real storages, generator positions, progress."""
 
-    def __init__(self, p: Plan, device: torch.device | None, rng: str,
-                 progress: Progress | None, retain: Callable[[StorageRecord], bool] | None,
-                 ) -> None:  # fmt: skip
+    def __init__(
+        self,
+        p: Plan,
+        device: torch.device | None,
+        rng: str,
+        progress: Progress | None,
+        retain: Callable[[StorageRecord], bool] | None,
+    ) -> None:
         self.plan = p
         self.device = device
         self.random = random_mode(rng)  # exact or fast, chosen once
@@ -178,8 +183,13 @@ class Run:
             t = torch.empty(0, dtype=created.dtype)
             t.set_(self.memory(created.storage.nbytes), 0, created.size, created.stride)
             return t
-        return torch.empty_strided(created.size, created.stride, dtype=created.dtype, device=device,
-                                   pin_memory=made_pinned(created.storage, device))  # fmt: skip
+        return torch.empty_strided(
+            created.size,
+            created.stride,
+            dtype=created.dtype,
+            device=device,
+            pin_memory=made_pinned(created.storage, device),
+        )
 
     def op_device(self, op: OpRecord) -> torch.device:
         if self.device is not None:
@@ -344,11 +354,16 @@ def _copy_storage(t: torch.Tensor) -> torch.Tensor:
 
 
 def execute(
-    p: Plan, device: torch.device | None = None, rng: str = "exact",
-    progress: Progress | None = None, threads: int | None = None,
-    retain: Callable[[StorageRecord], bool] | None = None, one_stream: bool = False,
-    memory: Callable[[int], torch.UntypedStorage] | None = None, on_filled: Filled | None = None,
-) -> dict[int, torch.Tensor]:  # fmt: skip
+    p: Plan,
+    device: torch.device | None = None,
+    rng: str = "exact",
+    progress: Progress | None = None,
+    threads: int | None = None,
+    retain: Callable[[StorageRecord], bool] | None = None,
+    one_stream: bool = False,
+    memory: Callable[[int], torch.UntypedStorage] | None = None,
+    on_filled: Filled | None = None,
+) -> dict[int, torch.Tensor]:
     """Run ``p``; return the real storages of its targets (and of the storages ``retain``
     accepts), keyed by ``id(StorageRecord)``.
 

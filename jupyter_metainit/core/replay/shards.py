@@ -170,9 +170,14 @@ def copy_from_pending_fill(run: Any, op: OpRecord, device: torch.device) -> bool
     numel = whole.storage.nbytes // whole.dtype.itemsize
     at_end = run.random.fill_end(fill_op)
     done = fill_region_into(
-        fill_op.func, numel, dst, src.offset,
-        lambda t, g: call_with_generator(fill_op, (t, *rest), kwargs, g), gen, at_end=at_end,
-    )  # fmt: skip
+        fill_op.func,
+        numel,
+        dst,
+        src.offset,
+        lambda t, g: call_with_generator(fill_op, (t, *rest), kwargs, g),
+        gen,
+        at_end=at_end,
+    )
     if not done:  # not expected (checked when deferred): run the whole fill, then copy
         target = run.real(whole, device)
         call_with_generator(fill_op, (target, *rest), kwargs, gen)

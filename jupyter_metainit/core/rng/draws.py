@@ -161,14 +161,21 @@ def _draws(spec: BurnSpec, nothing: bool = True) -> int | None:
         return None if per is None else per * n
     if f in _NORMAL_OPS:
         return _normal_draws(n, dtype, contiguous)
-    if f in (aten.exponential_.default, aten.cauchy_.default, aten.geometric_.default,
-             aten.bernoulli_.float):  # fmt: skip
+    if f in (
+        aten.exponential_.default,
+        aten.cauchy_.default,
+        aten.geometric_.default,
+        aten.bernoulli_.float,
+    ):
         return 2 * n if dtype in (*_SINGLE, torch.float64) else None
     if f is aten.random_.default:
         if dtype in (torch.int64, torch.float64):
             return 2 * n
-        return n if dtype in (torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool,
-                              *_SINGLE) else None  # fmt: skip
+        return (
+            n
+            if dtype in (torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool, *_SINGLE)
+            else None
+        )
     if f is aten.random_.to:
         return n * _random_range_draws(0, spec.args[1])
     if f is getattr(aten.random_, "from"):
@@ -204,8 +211,9 @@ def _probe(spec: BurnSpec, n: int, nothing: bool) -> BurnSpec:
         args[_FACTORY_SIZE_ARG[f]] = n if f is aten.randperm.generator else [n]
         return BurnSpec(f, tuple(args), spec.kwargs, spec.has_generator, 0)
     dtype = spec.args[0][3]
-    return BurnSpec(f, (("tensor", (n,), (1,), dtype), *spec.args[1:]), spec.kwargs,
-                    spec.has_generator, 0)  # fmt: skip
+    return BurnSpec(
+        f, (("tensor", (n,), (1,), dtype), *spec.args[1:]), spec.kwargs, spec.has_generator, 0
+    )
 
 
 # Random ops whose number of draws depends only on their arguments' sizes, dtypes and scalars,
@@ -239,8 +247,12 @@ def _formula_key(spec: BurnSpec, nothing: bool) -> Any:
         return (spec.func, "draws nothing", scalars, tuple(sorted(map(str, spec.kwargs.items()))))
     geometry = _output_geometry(spec) if spec.func is not aten.native_dropout.default else None
     scalars = tuple(a for a in spec.args[1:] if not isinstance(a, (tuple, list)))
-    return (spec.func, geometry[1] if geometry else None, scalars,
-            tuple(sorted((k, str(v)) for k, v in spec.kwargs.items())))  # fmt: skip
+    return (
+        spec.func,
+        geometry[1] if geometry else None,
+        scalars,
+        tuple(sorted((k, str(v)) for k, v in spec.kwargs.items())),
+    )
 
 
 def _formula_holds(spec: BurnSpec, nothing: bool) -> bool:

@@ -97,9 +97,12 @@ def steps(n: int, a: int, b: int, align: int, step: int) -> list[tuple[int, int]
 
 
 def _fill_in_steps(
-    fill: Callable[[torch.Tensor, torch.Generator], Any], flat: torch.Tensor,
-    gen: torch.Generator, bounds: list[tuple[int, int]], meter: Meter | None,
-) -> None:  # fmt: skip
+    fill: Callable[[torch.Tensor, torch.Generator], Any],
+    flat: torch.Tensor,
+    gen: torch.Generator,
+    bounds: list[tuple[int, int]],
+    meter: Meter | None,
+) -> None:
     """``fill`` each ``flat[a:b]`` of ``bounds`` in turn from ``gen``, counting each step."""
     for a, b in bounds:
         if meter is not None:
@@ -228,8 +231,16 @@ def split_fill(
         return False
     parts = max(1, min(workers, n // MIN_CHUNK))
     bounds = _chunks(n, parts, ALIGN[func])
-    _fill_in_chunks(target, fill_plainly, generator, bounds, draws_per_element(target.dtype),
-                    parts > 1, ALIGN[func], current_meter())  # fmt: skip
+    _fill_in_chunks(
+        target,
+        fill_plainly,
+        generator,
+        bounds,
+        draws_per_element(target.dtype),
+        parts > 1,
+        ALIGN[func],
+        current_meter(),
+    )
     return True
 
 

@@ -87,9 +87,12 @@ REPORT_ELEMENTS = STEP_ELEMENTS
 
 
 def _run_part(
-    fills: list[StreamFill], pieces: list[Piece], start_state: torch.Tensor,
-    on_piece: Callable[[int, int, int], None] | None, meter: Meter,
-) -> torch.Generator:  # fmt: skip
+    fills: list[StreamFill],
+    pieces: list[Piece],
+    start_state: torch.Tensor,
+    on_piece: Callable[[int, int, int], None] | None,
+    meter: Meter,
+) -> torch.Generator:
     """Fill ``pieces`` in order from their stream position, in steps counted by ``meter``
     (which stops it when the work is stopped); returns the generator after them."""
     gen = torch.Generator()
@@ -112,9 +115,11 @@ def _run_part(
 
 
 def fill_stream(
-    fills: list[StreamFill], start_state: torch.Tensor, workers: int,
+    fills: list[StreamFill],
+    start_state: torch.Tensor,
+    workers: int,
     on_piece: Callable[[int, int, int], None] | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """Run ``fills`` (in stream order, from the generator state ``start_state``) on up to
     ``workers`` threads, with the values the single stream gives; returns the generator state
     after the last fill. ``on_piece(i, a, b)``, called from those threads, says that elements
