@@ -1,7 +1,8 @@
 """Generate and write, overlapped, in bounded memory; publish the files only when all are written.
 
 The calling thread produces the values of a batch of consecutive tensors at a time (replay runs
-on every core) while they are written. Three ways to write, the first the file system allows:
+on every core) while they are written. Three ways to write, the first the file system allows
+(``WRITE_VARIABLE`` may start further down):
 ``O_DIRECT`` from the values' own memory (``saving.direct``: the device copies, almost no CPU; a
 writer thread, two batches alive), the files mapped and the values generated into their pages
 (``saving.mapped``: one batch's pages mapped at a time), or ``pwrite`` into the page cache from
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core import progress_callback, telling
+from jupyter_metainit.core.errors import ArgumentError
 from jupyter_metainit.saving.direct import (
     DirectFile,
     DirectWriter,
@@ -35,7 +37,26 @@ from jupyter_metainit.saving.exact_values import Recycler, cpu_values_of_batch
 from jupyter_metainit.saving.mapped import MappedFile, can_map, place_batch
 from jupyter_metainit.saving.safetensors_file import FileEntry, file_order, header_bytes
 
-__all__ = ["Progress", "write_safetensors_files"]
+__all__ = ["WRITE_VARIABLE", "Progress", "write_safetensors_files"]
+
+# The documented switch for the first way to write (docs/saving.md): "direct" (the default),
+# "mapped" or "pwrite"; each still falls back to the next where the file system refuses it. For
+# a file system that takes O_DIRECT but is slow with it, and for the tests of each way.
+WRITE_VARIABLE = "JUPYTER_METAINIT_SAVE_WRITE"
+_WAYS = ("direct", "mapped", "pwrite")
+
+
+def _first_way() -> str:
+    """The way :data:`WRITE_VARIABLE` chooses ("direct" unset; read at each save: cheap)."""
+    text = os.environ.get(WRITE_VARIABLE, "").strip()
+    if not text:
+        return "direct"
+    if text not in _WAYS:
+        raise ArgumentError(
+            f"{WRITE_VARIABLE}={text!r}: give 'direct' (O_DIRECT, the default), 'mapped' (the "
+            "files mapped, through the page cache) or 'pwrite' (or unset it)"
+        )
+    return text
 
 
 class Progress:
@@ -145,9 +166,11 @@ def write_safetensors_files(
             where[entry.name] = (path, offset, entry)
             offset += entry.nbytes
     placed = [where[name] for name in tensors if name in where]
-    if can_write_direct() and _write_direct(headers, sizes, placed, tensors, dtype, progress):
+    first = _first_way()
+    direct = first == "direct" and can_write_direct()
+    if direct and _write_direct(headers, sizes, placed, tensors, dtype, progress):
         return
-    mapped = _map_files(headers, sizes) if can_map() else None
+    mapped = _map_files(headers, sizes) if first != "pwrite" and can_map() else None
     if mapped is None:
         _write_with_writer(headers, placed, tensors, dtype, progress)
         return
