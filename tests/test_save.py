@@ -20,6 +20,7 @@ import jupyter_metainit
 from jupyter_metainit import is_deferred, materialize, meta_init
 from jupyter_metainit.saving import save
 from jupyter_metainit.saving.safetensors_file import FileEntry
+from jupyter_metainit.saving.writer import WRITE_VARIABLE
 
 transformers = pytest.importorskip("transformers")
 
@@ -296,28 +297,22 @@ def test_sharded_fused_experts_land_in_the_shards_save_pretrained_puts_them_in(t
     assert _files(str(tmp_path / "ours")) == _files(str(tmp_path / "eager"))
 
 
-_WRITER = __import__("jupyter_metainit.saving.writer", fromlist=["writer"])
-
-
-def _write_path(monkeypatch, path: str) -> None:
-    """Make ``save`` write the ``path`` way: O_DIRECT where the file system takes it (here),
-    else the files mapped, else pwrite."""
-    # internal probes, no setting chooses a write path: each turned off in turn
-    if path != "direct":
-        monkeypatch.setattr(_WRITER, "can_write_direct", lambda: False)
-    if path == "pwrite":
-        monkeypatch.setattr(_WRITER, "can_map", lambda: False)
-
-
 @pytest.mark.parametrize("path", ["direct", "mapped", "pwrite"])
 def test_every_write_path_gives_the_bytes_of_save_pretrained(tmp_path, monkeypatch, path):
-    _write_path(monkeypatch, path)
+    monkeypatch.setenv(WRITE_VARIABLE, path)  # the way save tries first
     eager, deferred = eager_and_deferred(
         transformers.LlamaForCausalLM, llama_config(tie_word_embeddings=False)
     )
     save(deferred, tmp_path / "ours", max_shard_size="100KB")
     eager.save_pretrained(tmp_path / "eager", max_shard_size="100KB")
     assert _files(str(tmp_path / "ours")) == _files(str(tmp_path / "eager"))
+
+
+def test_an_unknown_write_way_is_refused_and_nothing_is_written(tmp_path, monkeypatch):
+    monkeypatch.setenv(WRITE_VARIABLE, "o_direct")
+    with pytest.raises(jupyter_metainit.ArgumentError, match=r"'direct'.*'mapped'.*'pwrite'"):
+        save({"a": torch.ones(3)}, tmp_path / "ours")
+    assert os.listdir(tmp_path) == []
 
 
 def _large_layers() -> nn.Module:
@@ -328,7 +323,7 @@ def _large_layers() -> nn.Module:
 
 @pytest.mark.parametrize("path", ["direct", "mapped", "pwrite"])
 def test_parts_written_while_generating_give_the_bytes_of_save_file(tmp_path, monkeypatch, path):
-    _write_path(monkeypatch, path)
+    monkeypatch.setenv(WRITE_VARIABLE, path)  # the way save tries first
     eager, deferred = eager_and_deferred(_large_layers)
     save(deferred, tmp_path / "ours")
     save_file(eager.state_dict(), tmp_path / "eager.safetensors", metadata={"format": "pt"})
@@ -421,7 +416,7 @@ _ZERO_ELEMENT_MODELS = {
 def test_tensors_without_elements_anywhere_save_as_save_file_saves_them(
     tmp_path, monkeypatch, path, build
 ):
-    _write_path(monkeypatch, path)
+    monkeypatch.setenv(WRITE_VARIABLE, path)  # the way save tries first
     eager, deferred = eager_and_deferred(_ZERO_ELEMENT_MODELS[build])
     save(deferred, tmp_path / "ours")
     save_file(eager.state_dict(), tmp_path / "eager.safetensors", metadata={"format": "pt"})

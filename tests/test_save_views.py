@@ -14,8 +14,7 @@ from torch import nn
 
 from jupyter_metainit import is_deferred, materialize
 from jupyter_metainit.saving import save
-
-_WRITER = __import__("jupyter_metainit.saving.writer", fromlist=["writer"])
+from jupyter_metainit.saving.writer import WRITE_VARIABLE
 
 
 class _Views(nn.Module):
@@ -40,16 +39,6 @@ def _edited_after_materializing(part: str) -> tuple[nn.Module, nn.Module]:
     return eager, deferred
 
 
-def _write_path(monkeypatch, path: str) -> None:
-    """Make ``save`` write the ``path`` way (as ``test_save``): O_DIRECT where the file system
-    takes it (here), else the files mapped, else pwrite."""
-    # internal probes, no setting chooses a write path: each turned off in turn
-    if path != "direct":
-        monkeypatch.setattr(_WRITER, "can_write_direct", lambda: False)
-    if path == "pwrite":
-        monkeypatch.setattr(_WRITER, "can_map", lambda: False)
-
-
 def _materialized_state(model: nn.Module) -> dict[str, torch.Tensor]:
     materialize(model)
     return {k: v.contiguous() for k, v in model.state_dict().items()}
@@ -59,7 +48,7 @@ def _materialized_state(model: nn.Module) -> dict[str, torch.Tensor]:
 def test_a_view_of_a_materialized_then_edited_parameter_is_saved_with_its_values_now(
     tmp_path, monkeypatch, path
 ):
-    _write_path(monkeypatch, path)
+    monkeypatch.setenv(WRITE_VARIABLE, path)  # the way save tries first
     eager, deferred = _edited_after_materializing("w")
     assert is_deferred(deferred.rows)
     save(deferred, tmp_path / "ours")
@@ -159,7 +148,7 @@ class _ViewBesideLargeFills(nn.Module):
 def test_parts_written_while_generating_land_beside_a_view_of_edited_memory(
     tmp_path, monkeypatch, path
 ):
-    _write_path(monkeypatch, path)
+    monkeypatch.setenv(WRITE_VARIABLE, path)  # the way save tries first
     eager, deferred = eager_and_deferred(_ViewBesideLargeFills)
     materialize(deferred.a.weight)
     with torch.no_grad():

@@ -30,12 +30,14 @@ public face; ``errors`` beside it holds the exceptions.
   of a batch of them, nothing kept or swapped), ``Recycler`` (the memory it computes a batch
   into, handed on from batch to batch), ``source_files`` (the checkpoint files a deferred
   tensor reads), ``telling`` and ``copy_in_steps`` (progress, and Cancel, from inside a batch
-  being generated or copied).
+  being generated or copied), ``in_file_layout`` (a transformers model's tensors in its
+  files' layout, as ``save_pretrained`` writes them).
 """
 
 from __future__ import annotations
 
 from jupyter_metainit.core.materialize.dematerialize import dematerialize
+from jupyter_metainit.core.materialize.file_layout import in_file_layout
 from jupyter_metainit.core.materialize.materialize import materialize
 from jupyter_metainit.core.materialize.progress import progress_callback
 from jupyter_metainit.core.materialize.queries import (
@@ -98,7 +100,7 @@ UPPER_LAYER_FACE = (
     ESTIMATE_ONLY_BITS, Recycler, at_meta_init_edges, available_memory, busy_with, check_flag,
     check_floating_dtype, check_progress, copy_in_steps, copy_user_attributes,
     counted_attributes, dtype_name, events, format_bytes, format_count, format_duration,
-    indexed_device, is_out_of_memory, iter_deferred,
+    in_file_layout, indexed_device, is_out_of_memory, iter_deferred,
     local_tensor, missing_device_reason, named_tensors, noting_whole_intermediates, own_tensors,
     parse_device, parse_dtype, parse_size, plain, progress_callback, source_files, storage_of,
     telling, unique_tensors, values_to_write,

@@ -216,8 +216,7 @@ def run_forward(
     policy = attention or AttentionPolicy(devices=devices_of(module))
     if reuse_repeats:
         try:
-            return _run_once(module, example_inputs, input_dtype, flops, kwargs, policy,
-                             reuse=True)  # fmt: skip
+            return _run_once(module, example_inputs, input_dtype, flops, kwargs, policy, reuse=True)
         except ReuseMismatch:
             pass
     return _run_once(module, example_inputs, input_dtype, flops, kwargs, policy, reuse=False)

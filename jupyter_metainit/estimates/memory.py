@@ -36,8 +36,12 @@ DRY_RUN_ATTR = "_jupyter_metainit_dry_run"
 
 # What a tensor is to the module holding it (own_tensors' kinds).
 PARAMETER, BUFFER, NONPERSISTENT, ATTRIBUTE = 0, 1, 2, 3
-_KINDS = {"parameter": PARAMETER, "buffer": BUFFER, "non-persistent buffer": NONPERSISTENT,
-          "attribute": ATTRIBUTE}  # fmt: skip
+_KINDS = {
+    "parameter": PARAMETER,
+    "buffer": BUFFER,
+    "non-persistent buffer": NONPERSISTENT,
+    "attribute": ATTRIBUTE,
+}
 
 
 class TensorFacts(NamedTuple):

@@ -11,7 +11,7 @@ from typing import Any
 import pandas as pd
 import torch
 
-from jupyter_metainit.core import dtype_name
+from jupyter_metainit.core import dtype_name, in_file_layout
 from jupyter_metainit.inspection.moments import bit_patterns, scratch
 from jupyter_metainit.inspection.pipeline import Chunks, Progress, batches, run_batches
 from jupyter_metainit.inspection.sources import Entry, Source, open_source
@@ -198,14 +198,14 @@ def _checkpoint_layout(model: Any, other: Any) -> tuple[Any, dict[str, str]]:
         return model, {}
     try:
         from transformers import PreTrainedModel
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # transformers 4, or none: nothing is converted in memory
+    except ImportError:  # no transformers: nothing is converted in memory
         return model, {}
     if not isinstance(model, PreTrainedModel):
         return model, {}
     state = dict(model.state_dict(keep_vars=True))
-    with torch.no_grad():
-        converted = dict(revert_weight_conversion(model, dict(state)))
+    converted = in_file_layout(model, state)
+    if converted is None:  # transformers 4: nothing is converted in memory
+        return model, {}
     first = {}
     for name, t in state.items():
         first.setdefault(id(t), name)

@@ -114,8 +114,13 @@ def materialize_parts(
     try:
         for k, (device, parts) in enumerate(groups.items()):
             last = k == len(groups) - 1
-            materialize(parts, device, keep_cache=keep_cache or not last,
-                        progress=_offset(callback, offset, sum(sizes)), **options)  # fmt: skip
+            materialize(
+                parts,
+                device,
+                keep_cache=keep_cache or not last,
+                progress=_offset(callback, offset, sum(sizes)),
+                **options,
+            )
             done += parts
             offset += sizes[k]
     except BaseException:

@@ -47,9 +47,16 @@ def _tensors(part: Part) -> dict[int, tuple]:
     return found
 
 
-def _own_costs(part: Part, weights: int, shared: set[int], activity: Activity,
-               conv: Convention, optimizer: str | float | None, training: bool,
-               scale: float) -> Costs:  # fmt: skip
+def _own_costs(
+    part: Part,
+    weights: int,
+    shared: set[int],
+    activity: Activity,
+    conv: Convention,
+    optimizer: str | float | None,
+    training: bool,
+    scale: float,
+) -> Costs:
     """One part alone; tensors in ``shared`` are counted by an earlier part of its tie group."""
     grads = states = step_all = step_one = 0
     for key, (t, is_param) in _tensors(part).items():
@@ -69,12 +76,14 @@ def _own_costs(part: Part, weights: int, shared: set[int], activity: Activity,
         weights=max(0, weights),
         cache=int(activity.cache.get(part.name, 0) * scale),
         transient=int(activity.transient.get(part.name, 0) * scale),
-        grads=grads, states=states,
+        grads=grads,
+        states=states,
         saved=int(activity.saved.get(part.name, 0) * scale),
-        step_all=step_all, step_one=step_one,
+        step_all=step_all,
+        step_one=step_one,
         # its activations scaled, its gradients at their own precision
         backward=int(activity.backward.get(part.name, 0) * scale) + grads if training else 0,
-    )  # fmt: skip
+    )
 
 
 def _merge(costs: list[Costs]) -> Costs:
@@ -83,17 +92,27 @@ def _merge(costs: list[Costs]) -> Costs:
     saved activations and gradients."""
     saved, grads = sum(c.saved for c in costs), sum(c.grads for c in costs)
     return Costs(
-        weights=sum(c.weights for c in costs), cache=sum(c.cache for c in costs),
-        transient=max(c.transient for c in costs), grads=grads,
-        states=sum(c.states for c in costs), saved=saved,
-        step_all=sum(c.step_all for c in costs), step_one=max(c.step_one for c in costs),
+        weights=sum(c.weights for c in costs),
+        cache=sum(c.cache for c in costs),
+        transient=max(c.transient for c in costs),
+        grads=grads,
+        states=sum(c.states for c in costs),
+        saved=saved,
+        step_all=sum(c.step_all for c in costs),
+        step_one=max(c.step_one for c in costs),
         backward=saved + grads + max(c.backward - c.saved - c.grads for c in costs),
-    )  # fmt: skip
+    )
 
 
-def part_costs(model: nn.Module, parts: list[Part], activity: Activity, conv: Convention, *,
-               optimizer: str | float | None, training: bool
-               ) -> tuple[dict[str, Costs], dict[str, Costs]]:  # fmt: skip
+def part_costs(
+    model: nn.Module,
+    parts: list[Part],
+    activity: Activity,
+    conv: Convention,
+    *,
+    optimizer: str | float | None,
+    training: bool,
+) -> tuple[dict[str, Costs], dict[str, Costs]]:
     """Per part its own costs, and per leader (a part that is no follower) the costs of its
     whole tie group, which always shares one device."""
     weights_of = subtree_bytes(model, dtype=conv.weights)
@@ -118,8 +137,9 @@ def part_costs(model: nn.Module, parts: list[Part], activity: Activity, conv: Co
                 if member.own_only
                 else weights_of[member.name]
             )
-            cost = _own_costs(member, weights, seen & tensors, activity, conv, optimizer,
-                              training, scale)  # fmt: skip
+            cost = _own_costs(
+                member, weights, seen & tensors, activity, conv, optimizer, training, scale
+            )
             own[member.name] = cost
             members.append(cost)
             seen |= tensors

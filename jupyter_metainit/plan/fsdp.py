@@ -40,9 +40,16 @@ def _units(parts: list[Part]) -> list[str]:
     return [p.name for p in parts if p.group and p.name] + [""]
 
 
-def plan_fsdp(model: nn.Module, parts: list[Part], activity: Activity, devices: dict[str, int],
-              own: dict[str, Costs], conv: Convention, world_size: int | None,
-              training: bool) -> Placement:  # fmt: skip
+def plan_fsdp(
+    model: nn.Module,
+    parts: list[Part],
+    activity: Activity,
+    devices: dict[str, int],
+    own: dict[str, Costs],
+    conv: Convention,
+    world_size: int | None,
+    training: bool,
+) -> Placement:
     """Each rank's predicted peak with the repeated blocks as ``fully_shard`` units."""
     if world_size is None:
         world_size = len(devices)
@@ -72,9 +79,15 @@ def plan_fsdp(model: nn.Module, parts: list[Part], activity: Activity, devices: 
         for name in activity.order:
             c = own[name]
             shard = c.grads // world_size
-            backward.add(Costs(transient=c.transient, saved=c.saved, grads=shard,
-                               step_all=c.step_all // world_size,
-                               backward=c.backward))  # fmt: skip
+            backward.add(
+                Costs(
+                    transient=c.transient,
+                    saved=c.saved,
+                    grads=shard,
+                    step_all=c.step_all // world_size,
+                    backward=c.backward,
+                )
+            )
         peak = shards + unsharded + backward.peak
     else:
         forward = Load(False)
@@ -83,8 +96,15 @@ def plan_fsdp(model: nn.Module, parts: list[Part], activity: Activity, devices: 
         peak = shards + unsharded + forward.peak
     parts_table = [(p.label, p.kind, device, own[p.name]) for p in parts]
     return Placement(
-        device_map={"": device}, peak={device: peak}, capacity={device: devices[device]},
-        parts=parts_table, strategy="fsdp", training=training, precision=conv.name,
-        units=units, world_size=world_size, notes=list(activity.notes),
+        device_map={"": device},
+        peak={device: peak},
+        capacity={device: devices[device]},
+        parts=parts_table,
+        strategy="fsdp",
+        training=training,
+        precision=conv.name,
+        units=units,
+        world_size=world_size,
+        notes=list(activity.notes),
         measure_seconds=activity.seconds,
-    )  # fmt: skip
+    )

@@ -65,8 +65,9 @@ def _inside_error(name: str, holder: Part) -> ArgumentError:
     )
 
 
-def resolve_pins(pin: Mapping[str, Any] | None, parts: list[Part], model: nn.Module,
-                 devices: dict[str, int]) -> dict[str, str]:  # fmt: skip
+def resolve_pins(
+    pin: Mapping[str, Any] | None, parts: list[Part], model: nn.Module, devices: dict[str, int]
+) -> dict[str, str]:
     """Leader part name -> device, for every part a pin names (or lies under)."""
     if not pin:
         return {}
@@ -97,8 +98,9 @@ def resolve_pins(pin: Mapping[str, Any] | None, parts: list[Part], model: nn.Mod
     return resolved
 
 
-def compact_device_map(model: nn.Module, parts: list[Part], where: dict[str, str]
-                       ) -> dict[str, str]:  # fmt: skip
+def compact_device_map(
+    model: nn.Module, parts: list[Part], where: dict[str, str]
+) -> dict[str, str]:
     """Part devices, compacted: a module whose parts all go to one device stands for them; a
     module's own tensors placed apart from its children are named one by one."""
     below: dict[str, set[str]] = {}

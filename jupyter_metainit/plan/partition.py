@@ -49,8 +49,18 @@ class Load:
     optimizers do on accelerators; else for one tensor at a time, as on the CPU).
     """
 
-    _SUMS = ("weights", "cache", "transient", "grads", "states", "saved", "forward", "behind",
-             "step_all", "step_one")  # fmt: skip
+    _SUMS = (
+        "weights",
+        "cache",
+        "transient",
+        "grads",
+        "states",
+        "saved",
+        "forward",
+        "behind",
+        "step_all",
+        "step_one",
+    )
     __slots__ = ("foreach", "training", *_SUMS)
 
     def __init__(self, training: bool, foreach: bool = True) -> None:
@@ -92,8 +102,9 @@ class Load:
         return self.weights + self.states + working
 
 
-def _fill(costs: Sequence[Costs], capacities: Sequence[int], start: Sequence[Load],
-          ratio: float) -> list[int] | None:  # fmt: skip
+def _fill(
+    costs: Sequence[Costs], capacities: Sequence[int], start: Sequence[Load], ratio: float
+) -> list[int] | None:
     """Cuts (the first part of each device) filling each device up to ``ratio`` of its
     capacity, or ``None`` when the parts do not all fit that way."""
     if any(load.peak > ratio * cap for load, cap in zip(start, capacities, strict=True)):
@@ -102,8 +113,9 @@ def _fill(costs: Sequence[Costs], capacities: Sequence[int], start: Sequence[Loa
     return cuts if end == len(costs) else None
 
 
-def fill(costs: Sequence[Costs], capacities: Sequence[int], start: Sequence[Load],
-         ratio: float) -> tuple[list[int], int]:  # fmt: skip
+def fill(
+    costs: Sequence[Costs], capacities: Sequence[int], start: Sequence[Load], ratio: float
+) -> tuple[list[int], int]:
     """Fill each device in order up to ``ratio`` of its capacity: the cuts, and how many parts
     found room."""
     cuts = []
@@ -132,8 +144,9 @@ def device_loads(costs: Sequence[Costs], cuts: Sequence[int], start: Sequence[Lo
     return loads
 
 
-def partition(costs: Sequence[Costs], capacities: Sequence[int], start: Sequence[Load]
-              ) -> tuple[list[int], float]:  # fmt: skip
+def partition(
+    costs: Sequence[Costs], capacities: Sequence[int], start: Sequence[Load]
+) -> tuple[list[int], float]:
     """Cuts minimising ``max(peak / capacity)`` and that bottleneck. ``start``: each device's
     load before the sequence (pinned parts)."""
     full = device_loads(costs, [0] + [len(costs)] * (len(capacities) - 1), start)
@@ -154,8 +167,9 @@ def partition(costs: Sequence[Costs], capacities: Sequence[int], start: Sequence
     return best, max(load.peak / cap for load, cap in zip(loads, capacities, strict=True))
 
 
-def partition_by_dp(costs: Sequence[Costs], capacities: Sequence[int], start: Sequence[Load]
-                    ) -> float:  # fmt: skip
+def partition_by_dp(
+    costs: Sequence[Costs], capacities: Sequence[int], start: Sequence[Load]
+) -> float:
     """The least bottleneck over every way of cutting (O(devices x parts^2)): the reference."""
     n, inf = len(costs), float("inf")
     # best[d][i]: least bottleneck placing parts[:i] on devices[:d]

@@ -132,8 +132,9 @@ def check_workload(batch: Any, seq_len: Any, inputs: Any, training: Any) -> tupl
     """The workload as ``measure`` takes it: positional inputs, or ``(name, value)`` pairs
     for keyword ones; a wrong type is an ``ArgumentTypeError`` saying what each argument takes."""
     if not isinstance(training, bool):
-        raise ArgumentTypeError(f"training must be True (one training step) or False (inference), "
-                        f"not {training!r}")  # fmt: skip
+        raise ArgumentTypeError(
+            f"training must be True (one training step) or False (inference), not {training!r}"
+        )
     _check_count(batch, "batch", "the number of samples per step")
     if isinstance(inputs, Mapping):  # keyword inputs; a shape is typed by its name when measured
         if not all(isinstance(name, str) for name in inputs):
@@ -171,8 +172,11 @@ def _check_count(value: Any, name: str, what: str) -> None:
 
 
 def _is_shape(value: Any) -> bool:
-    return isinstance(value, (tuple, torch.Size)) and len(value) > 0 and all(
-        isinstance(d, int) and not isinstance(d, bool) for d in value)  # fmt: skip
+    return (
+        isinstance(value, (tuple, torch.Size))
+        and len(value) > 0
+        and all(isinstance(d, int) and not isinstance(d, bool) for d in value)
+    )
 
 
 def _as_shape(value: Any) -> Any:
@@ -184,7 +188,8 @@ def _as_shape(value: Any) -> Any:
 
 def split_inputs(inputs: tuple) -> tuple[tuple, dict]:
     """Positional inputs, and keyword ones (given as ``(name, value)`` pairs)."""
-    if inputs and all(isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str)
-                      for i in inputs):  # fmt: skip
+    if inputs and all(
+        isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str) for i in inputs
+    ):
         return (), dict(inputs)
     return inputs, {}

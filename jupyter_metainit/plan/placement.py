@@ -48,8 +48,9 @@ __all__ = ["place"]
 _MEASURED: weakref.WeakKeyDictionary[nn.Module, dict[tuple, Activity]] = weakref.WeakKeyDictionary()
 
 
-def _activity(model: nn.Module, parts: list[Part], training: bool, inputs: tuple,
-              policy: AttentionPolicy) -> Activity:  # fmt: skip
+def _activity(
+    model: nn.Module, parts: list[Part], training: bool, inputs: tuple, policy: AttentionPolicy
+) -> Activity:
     # The parts (their names, in order), the workload and how attention is costed decide what
     # is measured.
     key = (
@@ -63,8 +64,9 @@ def _activity(model: nn.Module, parts: list[Part], training: bool, inputs: tuple
     if key not in per_model:
         per_model.clear()  # one workload kept per model: measurements are small, models many
         positional, keywords = split_inputs(inputs)
-        measured = measure(model, parts, training=training, inputs=positional,
-                           kwargs=keywords, attention=policy)  # fmt: skip
+        measured = measure(
+            model, parts, training=training, inputs=positional, kwargs=keywords, attention=policy
+        )
         per_model[key] = measured
         return dataclasses.replace(measured, notes=list(measured.notes))
     return dataclasses.replace(per_model[key], seconds=0.0, notes=list(per_model[key].notes))
@@ -73,8 +75,9 @@ def _activity(model: nn.Module, parts: list[Part], training: bool, inputs: tuple
 def _policy(devices: dict[str, int], conv: Convention, attention: Any) -> AttentionPolicy:
     """What attention is costed for: the plan's devices, at the precision's compute dtype."""
     if not isinstance(attention, str):
-        raise ArgumentTypeError(f"attention must be one of {', '.join(map(repr, KERNELS))}, "
-                        f"not {attention!r}")  # fmt: skip
+        raise ArgumentTypeError(
+            f"attention must be one of {', '.join(map(repr, KERNELS))}, not {attention!r}"
+        )
     if attention not in KERNELS:
         raise ArgumentError(
             f"attention={attention!r}: use 'auto' (the kernel each device runs; the math "
@@ -92,8 +95,12 @@ def _tiers(devices: dict[str, int], pinned: dict[str, str]) -> list[list[str]]:
     return [fast, list(devices)]
 
 
-def _plan(sequence: list[tuple[str, Costs]], devices: dict[str, int], tier: list[str],
-          start: dict[str, Load]) -> tuple[dict[str, str], float]:  # fmt: skip
+def _plan(
+    sequence: list[tuple[str, Costs]],
+    devices: dict[str, int],
+    tier: list[str],
+    start: dict[str, Load],
+) -> tuple[dict[str, str], float]:
     """Leader name -> device for the unpinned sequence on ``tier`` (balanced on the
     accelerators; host memory only takes what they cannot hold)."""
     costs = [c for _, c in sequence]
@@ -114,8 +121,9 @@ def _plan(sequence: list[tuple[str, Costs]], devices: dict[str, int], tier: list
     return where, max(load.peak / devices[d] for load, d in zip(loads, tier, strict=True))
 
 
-def _start_loads(devices: dict[str, int], pinned: dict[str, str], grouped: dict[str, Costs],
-                 training: bool) -> dict[str, Load]:  # fmt: skip
+def _start_loads(
+    devices: dict[str, int], pinned: dict[str, str], grouped: dict[str, Costs], training: bool
+) -> dict[str, Load]:
     start = {d: Load(training, foreach=not is_offload(d)) for d in devices}
     for name, device in pinned.items():
         start[device].add(grouped[name])
@@ -130,9 +138,16 @@ def _start_loads(devices: dict[str, int], pinned: dict[str, str], grouped: dict[
     return start
 
 
-def _pipeline(model: nn.Module, parts: list[Part], activity: Activity, devices: dict[str, int],
-              pinned: dict[str, str], own: dict[str, Costs], grouped: dict[str, Costs],
-              training: bool) -> tuple[dict[str, str], dict[str, int]]:  # fmt: skip
+def _pipeline(
+    model: nn.Module,
+    parts: list[Part],
+    activity: Activity,
+    devices: dict[str, int],
+    pinned: dict[str, str],
+    own: dict[str, Costs],
+    grouped: dict[str, Costs],
+    training: bool,
+) -> tuple[dict[str, str], dict[str, int]]:
     """Part name -> device for every part, and every device's predicted peak."""
     start = _start_loads(devices, pinned, grouped, training)
     leaders = {p.name for p in parts if p.leader is None}
@@ -159,8 +174,9 @@ def _check_options(strategy: Any, world_size: Any, no_split: Any, optimizer: Any
         raise ArgumentTypeError(f"strategy takes 'pipeline' or 'fsdp', not {strategy!r}")
     if world_size is not None and (isinstance(world_size, bool) or not isinstance(world_size, int)):
         raise ArgumentTypeError(f"world_size takes an int >= 1 or None, not {world_size!r}")
-    if optimizer is not None and (isinstance(optimizer, bool) or not isinstance(
-            optimizer, (str, int, float))):  # fmt: skip
+    if optimizer is not None and (
+        isinstance(optimizer, bool) or not isinstance(optimizer, (str, int, float))
+    ):
         raise ArgumentTypeError(
             "optimizer takes a name ('adamw', 'adam', 'sgd', ...), None or a number of state "
             f"bytes per trainable parameter, not {optimizer!r}"
@@ -173,9 +189,11 @@ def _check_options(strategy: Any, world_size: Any, no_split: Any, optimizer: Any
         )
     if strategy == "pipeline" and world_size is not None:
         raise ArgumentError("world_size= is for strategy='fsdp'; a pipeline uses the devices given")
-    if no_split is not None and (isinstance(no_split, str) or not isinstance(
-            no_split, (list, tuple, set, frozenset)) or not all(
-            isinstance(n, str) for n in no_split)):  # fmt: skip
+    if no_split is not None and (
+        isinstance(no_split, str)
+        or not isinstance(no_split, (list, tuple, set, frozenset))
+        or not all(isinstance(n, str) for n in no_split)
+    ):
         raise ArgumentTypeError(
             "no_split must be a list of module names or class names, e.g. "
             f"['LlamaDecoderLayer'] ([] splits every block), not {no_split!r}"
@@ -341,14 +359,15 @@ def place(
     activity.notes += math_notes(activity.attention, list(parsed))
     if not training:
         activity.notes += eval_mode_notes(model)
-    own, grouped = part_costs(model, parts, activity, conv, optimizer=optimizer,
-                              training=training)  # fmt: skip
+    own, grouped = part_costs(model, parts, activity, conv, optimizer=optimizer, training=training)
     workload = f"batch {batch}" + (f", seq_len {seq_len}" if seq_len is not None else "")
     if inputs != ((batch, seq_len),):
         workload = "inputs " + ", ".join(
-            f"{i[0]}={_shape_label(i[1])}" if isinstance(i, tuple) and len(i) == 2 and
-            isinstance(i[0], str) else str(i) for i in inputs
-        )  # fmt: skip
+            f"{i[0]}={_shape_label(i[1])}"
+            if isinstance(i, tuple) and len(i) == 2 and isinstance(i[0], str)
+            else str(i)
+            for i in inputs
+        )
     if strategy == "fsdp":
         from_fsdp = plan_fsdp(model, parts, activity, parsed, own, conv, world_size, training)
         from_fsdp.workload = workload
@@ -356,15 +375,23 @@ def place(
         return from_fsdp
     where, peak = _pipeline(model, parts, activity, parsed, pinned, own, grouped, training)
     result = Placement(
-        device_map=compact_device_map(model, parts, where), peak=peak, capacity=parsed,
-        parts=[(p.label, p.kind, where[p.name], own[p.name])
-               for p in sorted(parts, key=lambda p: activity.order.index(p.name))],
-        training=training, workload=workload, precision=conv.name, notes=list(activity.notes),
+        device_map=compact_device_map(model, parts, where),
+        peak=peak,
+        capacity=parsed,
+        parts=[
+            (p.label, p.kind, where[p.name], own[p.name])
+            for p in sorted(parts, key=lambda p: activity.order.index(p.name))
+        ],
+        training=training,
+        workload=workload,
+        precision=conv.name,
+        notes=list(activity.notes),
         measure_seconds=activity.seconds,
-    )  # fmt: skip
+    )
     if not result.fits:
-        result.advice = _advice(model, parts, activity, parsed, pinned, conv, optimizer,
-                                training, own, grouped)  # fmt: skip
+        result.advice = _advice(
+            model, parts, activity, parsed, pinned, conv, optimizer, training, own, grouped
+        )
     result.seconds = time.perf_counter() - started
     return result
 
@@ -380,8 +407,9 @@ def _alone(costs: Costs, training: bool) -> int:
     return load.peak
 
 
-def _fewest_devices(sequence: list[tuple[str, Costs]], capacity: int, training: bool,
-                    at_least: int) -> int | None:  # fmt: skip
+def _fewest_devices(
+    sequence: list[tuple[str, Costs]], capacity: int, training: bool, at_least: int
+) -> int | None:
     """The fewest devices of ``capacity`` holding the sequence (None: not even 256)."""
 
     def fits(k: int) -> bool:
@@ -398,26 +426,38 @@ def _fewest_devices(sequence: list[tuple[str, Costs]], capacity: int, training: 
     return lo
 
 
-def _advice(model: nn.Module, parts: list[Part], activity: Activity, devices: dict[str, int],
-            pinned: dict[str, str], conv: Convention, optimizer: str | float | None,
-            training: bool, own: dict[str, Costs], grouped: dict[str, Costs]
-            ) -> list[str]:  # fmt: skip
+def _advice(
+    model: nn.Module,
+    parts: list[Part],
+    activity: Activity,
+    devices: dict[str, int],
+    pinned: dict[str, str],
+    conv: Convention,
+    optimizer: str | float | None,
+    training: bool,
+    own: dict[str, Costs],
+    grouped: dict[str, Costs],
+) -> list[str]:
     """What would make a plan that does not fit fit: a smaller dtype, more devices, offload."""
     advice = []
-    widest = max((p.dtype.itemsize for p in model.parameters() if p.dtype.is_floating_point),
-                 default=2)  # fmt: skip
+    widest = max(
+        (p.dtype.itemsize for p in model.parameters() if p.dtype.is_floating_point), default=2
+    )
     if (conv.weights.itemsize if conv.weights else widest) > 2:
         half = convention("bf16")
-        smaller_own, smaller = part_costs(model, parts, activity, half, optimizer=optimizer,
-                                          training=training)  # fmt: skip
+        smaller_own, smaller = part_costs(
+            model, parts, activity, half, optimizer=optimizer, training=training
+        )
         try:
-            _, peak = _pipeline(model, parts, activity, devices, pinned, smaller_own, smaller,
-                                training)  # fmt: skip
+            _, peak = _pipeline(
+                model, parts, activity, devices, pinned, smaller_own, smaller, training
+            )
         except ValueError:
             peak = None
         if peak is not None and all(peak[d] <= devices[d] for d in devices):
-            advice.append("precision='bf16' fits (largest device peak "
-                          f"{format_bytes(max(peak.values()))})")  # fmt: skip
+            advice.append(
+                f"precision='bf16' fits (largest device peak {format_bytes(max(peak.values()))})"
+            )
     leaders = {p.name for p in parts if p.leader is None}
     sequence = [(n, grouped[n]) for n in activity.order if n in leaders]
     fast = [d for d in devices if not is_offload(d)] or list(devices)
@@ -435,8 +475,7 @@ def _advice(model: nn.Module, parts: list[Part], activity: Activity, devices: di
         host = device_budget("cpu")
         with_host = {**devices, "cpu": host}
         try:
-            _, peak = _pipeline(model, parts, activity, with_host, pinned, own, grouped,
-                                training)  # fmt: skip
+            _, peak = _pipeline(model, parts, activity, with_host, pinned, own, grouped, training)
         except ValueError:
             peak = None
         if peak is not None and all(peak[d] <= with_host[d] for d in with_host):

@@ -25,8 +25,13 @@ from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError
 
 __all__ = ["Convention", "convention"]
 
-_HALF = {"bf16": torch.bfloat16, "bfloat16": torch.bfloat16, "fp16": torch.float16,
-         "float16": torch.float16, "half": torch.float16}  # fmt: skip
+_HALF = {
+    "bf16": torch.bfloat16,
+    "bfloat16": torch.bfloat16,
+    "fp16": torch.float16,
+    "float16": torch.float16,
+    "half": torch.float16,
+}
 
 
 @dataclass(frozen=True)

@@ -107,8 +107,7 @@ class Placement:
             >>> is_deferred(model)
             False
         """
-        return cls(device_map=dict(device_map), peak={}, capacity={}, parts=[],
-                   strategy="given")  # fmt: skip
+        return cls(device_map=dict(device_map), peak={}, capacity={}, parts=[], strategy="given")
 
     def materialize_parts(self, model: nn.Module, **options: Any) -> nn.Module:
         """Materialize each part of ``model`` onto its device: what
@@ -161,8 +160,9 @@ class Placement:
     @property
     def over(self) -> dict[str, int]:
         """Bytes beyond capacity, per device that does not fit."""
-        return {d: self.peak[d] - self.capacity[d] for d in self.peak
-                if self.peak[d] > self.capacity[d]}  # fmt: skip
+        return {
+            d: self.peak[d] - self.capacity[d] for d in self.peak if self.peak[d] > self.capacity[d]
+        }
 
     @property
     def balance(self) -> float:
@@ -178,9 +178,16 @@ class Placement:
         ``(peak)`` row with the predicted peak against ``capacity``."""
         rows = []
         for device in self.peak:
-            rows.append({"device": device, "part": "(peak)", "type": "", "peak": self.peak[device],
-                         "capacity": self.capacity[device],
-                         "use": self.peak[device] / self.capacity[device]})  # fmt: skip
+            rows.append(
+                {
+                    "device": device,
+                    "part": "(peak)",
+                    "type": "",
+                    "peak": self.peak[device],
+                    "capacity": self.capacity[device],
+                    "use": self.peak[device] / self.capacity[device],
+                }
+            )
             for name, kind, where, costs in self.parts:
                 if where == device:
                     row = {"device": device, "part": name or "(root)", "type": kind}
@@ -220,8 +227,10 @@ class Placement:
             first = {}
             for name, _, device, _ in self.parts:
                 first.setdefault(device, name)
-            lines.append("  first part per device: " + ", ".join(
-                f"{d}: {n or 'the whole model'}" for d, n in first.items()))  # fmt: skip
+            lines.append(
+                "  first part per device: "
+                + ", ".join(f"{d}: {n or 'the whole model'}" for d, n in first.items())
+            )
         lines += [f"  to fit: {a}" for a in self.advice]
         lines += [f"  note: {n}" for n in self.notes]
         return "\n".join(lines)

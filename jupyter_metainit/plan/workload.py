@@ -100,8 +100,9 @@ def check_takes_token_ids(model: nn.Module) -> None:
     )
 
 
-def _workload_kwargs(model: nn.Module, training: bool, args: tuple,
-                     kwargs: dict[str, Any]) -> dict[str, Any]:  # fmt: skip
+def _workload_kwargs(
+    model: nn.Module, training: bool, args: tuple, kwargs: dict[str, Any]
+) -> dict[str, Any]:
     """What the planned call adds to the user's inputs: ``use_cache`` for inference, and for
     training the ``labels`` the forward takes when none are given (:func:`_labels`)."""
     added: dict[str, Any] = {}
@@ -187,9 +188,14 @@ def _mode(model: nn.Module, training: bool) -> Iterator[None]:
             m.training = mode
 
 
-def _run(model: nn.Module, parts: list[Part], training: bool, inputs: tuple, kwargs: dict,
-         policy: AttentionPolicy
-         ) -> tuple[dict[str, int], dict[str, tuple], Any, Answers]:  # fmt: skip
+def _run(
+    model: nn.Module,
+    parts: list[Part],
+    training: bool,
+    inputs: tuple,
+    kwargs: dict,
+    policy: AttentionPolicy,
+) -> tuple[dict[str, int], dict[str, tuple], Any, Answers]:
     """The dry run (no FLOPs, no table: the figures stay on the modules), with hooks noting
     the parts' order and inputs and the returned cache."""
     order: dict[str, int] = {}
@@ -214,8 +220,9 @@ def _run(model: nn.Module, parts: list[Part], training: bool, inputs: tuple, kwa
     try:
         with _mode(model, training):
             try:
-                answers = run_forward(model, *inputs, flops=False, reuse_repeats=True,
-                                      attention=policy, **kwargs)  # fmt: skip
+                answers = run_forward(
+                    model, *inputs, flops=False, reuse_repeats=True, attention=policy, **kwargs
+                )
             except Exception as e:  # say which step failed, and what usually helps
                 on_meta = any(p.is_meta for p in model.parameters())
                 hint = (
@@ -255,9 +262,15 @@ def _record(module: nn.Module) -> dict[str, Any]:
     return module.__dict__.get(DRY_RUN_ATTR) or {}
 
 
-def measure(model: nn.Module, parts: list[Part], *, training: bool, inputs: tuple,
-            kwargs: dict | None = None, attention: AttentionPolicy | None = None
-            ) -> Activity:  # fmt: skip
+def measure(
+    model: nn.Module,
+    parts: list[Part],
+    *,
+    training: bool,
+    inputs: tuple,
+    kwargs: dict | None = None,
+    attention: AttentionPolicy | None = None,
+) -> Activity:
     """Run the workload once (dry run, plus meta forwards and backwards for training), its
     attention costed as ``attention`` says, and split what it needs over ``parts``."""
     start = time.perf_counter()
@@ -303,8 +316,14 @@ def _every_layer(model: nn.Module) -> Iterator[bool]:
             setattr(holder, name, rate)
 
 
-def _measure(model: nn.Module, parts: list[Part], training: bool, workload: tuple[tuple, dict],
-             policy: AttentionPolicy, activity: Activity) -> None:  # fmt: skip
+def _measure(
+    model: nn.Module,
+    parts: list[Part],
+    training: bool,
+    workload: tuple[tuple, dict],
+    policy: AttentionPolicy,
+    activity: Activity,
+) -> None:
     """``measure``'s figures, into ``activity``: the dry run's per part, then the step's."""
     inputs, kwargs = workload
     order, specs, output, answers = _run(model, parts, training, inputs, kwargs, policy)
@@ -333,15 +352,22 @@ def _measure(model: nn.Module, parts: list[Part], training: bool, workload: tupl
     ran = [p for p in ranked if not p.own_only] or ranked  # the last one holds what follows
     if outside > 0 and ran:
         name = ran[-1].name
-        activity.transient[name] = max(activity.transient[name],
-                                       int(run["peak_activation_bytes"]) - before)  # fmt: skip
+        activity.transient[name] = max(
+            activity.transient[name], int(run["peak_activation_bytes"]) - before
+        )
     if training and ran:
         _measure_step(model, parts, activity, specs, (inputs, kwargs, answers), policy, output)
 
 
-def _measure_step(model: nn.Module, parts: list[Part], activity: Activity,
-                  specs: dict[str, tuple], workload: tuple[tuple, dict, Answers],
-                  policy: AttentionPolicy, output: Any) -> None:  # fmt: skip
+def _measure_step(
+    model: nn.Module,
+    parts: list[Part],
+    activity: Activity,
+    specs: dict[str, tuple],
+    workload: tuple[tuple, dict, Answers],
+    policy: AttentionPolicy,
+    output: Any,
+) -> None:
     """The training step's figures per part: the whole step traced on meta tensors, or where
     the model's whole forward cannot run on them, each part alone (code between parts, such
     as a loss, then estimated)."""
@@ -378,8 +404,11 @@ def _measure_step(model: nn.Module, parts: list[Part], activity: Activity,
         if name in figures.forward:  # its turn's peak, less what the parts before it saved
             activity.transient[name] = max(0, figures.forward[name] - saved_before)
         # ... and going backward, less those and the other parts' gradients
-        activity.backward[name] = (figures.backward[name] - saved_before - (total - grads_upto)
-                                   - grads if name in figures.backward else saved)  # fmt: skip
+        activity.backward[name] = (
+            figures.backward[name] - saved_before - (total - grads_upto) - grads
+            if name in figures.backward
+            else saved
+        )
         activity.saved[name] = saved
         saved_before += saved
 
@@ -401,8 +430,14 @@ def _add_loss(activity: Activity, last: Part, loss: int) -> None:
     activity.transient[name] = max(activity.transient[name], 2 * loss)
 
 
-_DROPOUTS = (nn.Dropout, nn.Dropout1d, nn.Dropout2d, nn.Dropout3d, nn.AlphaDropout,
-             nn.FeatureAlphaDropout)  # fmt: skip
+_DROPOUTS = (
+    nn.Dropout,
+    nn.Dropout1d,
+    nn.Dropout2d,
+    nn.Dropout3d,
+    nn.AlphaDropout,
+    nn.FeatureAlphaDropout,
+)
 
 
 def eval_mode_notes(model: nn.Module) -> list[str]:
@@ -411,8 +446,11 @@ def eval_mode_notes(model: nn.Module) -> list[str]:
     if not model.training:
         return []
     for m in model.modules():
-        rates = [getattr(m, "p", 0.0)] if isinstance(m, _DROPOUTS) else [
-            getattr(m, name, 0.0) for name in ("attention_dropout", "dropout")]  # fmt: skip
+        rates = (
+            [getattr(m, "p", 0.0)]
+            if isinstance(m, _DROPOUTS)
+            else [getattr(m, name, 0.0) for name in ("attention_dropout", "dropout")]
+        )
         if any(isinstance(r, float) and r > 0 for r in rates):
             return [
                 "the model is in training mode: this inference plan is for model.eval(); a "

@@ -121,10 +121,16 @@ def save(
         from jupyter_metainit.saving.dcp import save_dcp  # torch.distributed loads only for dcp
 
         max_file_bytes = None if max_shard_size is None else parse_size(max_shard_size)
-        return save_dcp(obj, destination, dtype=dtype, progress=progress,
-                        max_file_bytes=max_file_bytes)  # fmt: skip
+        return save_dcp(
+            obj, destination, dtype=dtype, progress=progress, max_file_bytes=max_file_bytes
+        )
     state, origin = state_dict_of(obj)
     return write_checkpoint(
-        obj, state, origin, destination, max_shard_size=max_shard_size or "5GB", dtype=dtype,
+        obj,
+        state,
+        origin,
+        destination,
+        max_shard_size=max_shard_size or "5GB",
+        dtype=dtype,
         progress=progress,
-    )  # fmt: skip
+    )

@@ -208,8 +208,9 @@ def _write_item(stream: Any, name: str, item: WriteItem, data: Any) -> WriteResu
                 raise exc.__context__ from None
             raise
     length = stream.tell() - offset
-    return WriteResult(index=item.index, size_in_bytes=length,
-                       storage_data=_StorageInfo(name, offset, length))  # fmt: skip
+    return WriteResult(
+        index=item.index, size_in_bytes=length, storage_data=_StorageInfo(name, offset, length)
+    )
 
 
 def _with_dtype(state: dict[str, Any], dtype: torch.dtype | None) -> dict[str, Any]:
@@ -254,9 +255,13 @@ def _planned_files(
 
 
 def save_dcp(
-    obj: Any, destination: str, *, dtype: torch.dtype | None, progress: Any,
+    obj: Any,
+    destination: str,
+    *,
+    dtype: torch.dtype | None,
+    progress: Any,
     max_file_bytes: int | None = None,
-) -> str:  # fmt: skip
+) -> str:
     """Write ``obj``'s state dict with ``dcp.save`` into ``destination``, staged inside it under
     a name every rank agrees on and put in place by the coordinator at the end (an earlier DCP
     checkpoint's files there are replaced; the directory's other files stay). One file per

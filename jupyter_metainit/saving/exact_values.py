@@ -57,8 +57,10 @@ def cpu_values_of_batch(
 
     parts = None if on_part is None else deferred_part
     computed = values_to_write([locals_[j] for j in which], memory, parts) if which else []
-    out = [t if isinstance(x, DeferredTensor) else cpu_values(t, dtype)
-           for t, x in zip(tensors, locals_, strict=True)]  # fmt: skip
+    out = [
+        t if isinstance(x, DeferredTensor) else cpu_values(t, dtype)
+        for t, x in zip(tensors, locals_, strict=True)
+    ]
     for j, values in zip(which, computed, strict=True):
         if dtype is not None and values.is_floating_point() and values.dtype != dtype:
             cast = torch.empty(values.shape, dtype=dtype)  # ``.to(dtype)``, a Cancel between steps

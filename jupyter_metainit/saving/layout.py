@@ -31,9 +31,17 @@ from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError
 from jupyter_metainit.saving.safetensors_file import FileEntry
 
 __all__ = [
-    "Layout", "check_savable", "file_names", "file_size_errors", "file_size_limit", "parse_size",
-    "plan_layout", "refuse_files_over_the_limit", "state_dict_of", "too_large_error",
-]  # fmt: skip
+    "Layout",
+    "check_savable",
+    "file_names",
+    "file_size_errors",
+    "file_size_limit",
+    "parse_size",
+    "plan_layout",
+    "refuse_files_over_the_limit",
+    "state_dict_of",
+    "too_large_error",
+]
 
 WEIGHTS_NAME = "model.safetensors"
 INDEX_NAME = "model.safetensors.index.json"
@@ -108,8 +116,11 @@ def check_savable(state: dict[str, torch.Tensor], sharded_ok: bool) -> None:
 def _same_region(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Two tensors over the same memory (``storage_of``'s key) covering the same elements."""
     return (a.storage_offset(), a.shape, a.stride(), a.dtype) == (
-        b.storage_offset(), b.shape, b.stride(), b.dtype,
-    )  # fmt: skip
+        b.storage_offset(),
+        b.shape,
+        b.stride(),
+        b.dtype,
+    )
 
 
 def untie(
@@ -151,9 +162,12 @@ def _tied_patterns(obj: Any) -> list[str]:
 
 
 def plan_layout(
-    state: dict[str, torch.Tensor], max_shard_size: int, dtype: torch.dtype | None,
-    total_parameters: int | None, weights_name: str = WEIGHTS_NAME,
-) -> Layout:  # fmt: skip
+    state: dict[str, torch.Tensor],
+    max_shard_size: int,
+    dtype: torch.dtype | None,
+    total_parameters: int | None,
+    weights_name: str = WEIGHTS_NAME,
+) -> Layout:
     """Split ``state`` into shard files as huggingface_hub's ``split_state_dict_into_shards_
     factory`` does: in key order, counting each storage once at its full size, the tensors that
     share a storage in the shard of the first of them. One file is ``weights_name``; shards are
@@ -185,8 +199,9 @@ def plan_layout(
         shard = next(s for s in shards if names[0] in s)
         shard.extend(n for n in names[1:] if n not in shard)
     if len(shards) <= 1:
-        return Layout({weights_name: [entries[n] for n in (shards[0] if shards else [])]},
-                      state, total)  # fmt: skip
+        return Layout(
+            {weights_name: [entries[n] for n in (shards[0] if shards else [])]}, state, total
+        )
     count = len(shards)
     stem = weights_name.removesuffix(".safetensors")
     files = {

@@ -82,8 +82,9 @@ class MappedFile:
 
     def storage(self, offset: int, nbytes: int) -> torch.UntypedStorage:
         """The file's bytes ``[offset, offset + nbytes)`` as a storage (no copy)."""
-        return torch.frombuffer(self.mapping, dtype=torch.uint8, count=nbytes,
-                                offset=offset).untyped_storage()  # fmt: skip
+        return torch.frombuffer(
+            self.mapping, dtype=torch.uint8, count=nbytes, offset=offset
+        ).untyped_storage()
 
     def contains(self, ptr: int) -> bool:
         return self.base <= ptr < self.base + self.size
@@ -119,9 +120,11 @@ class _Slots:
 
 
 def place_batch(
-    batch: list[Placed], values_of: Callable[..., list[torch.Tensor]],
-    check: Callable[[FileEntry, torch.Tensor], None], report: Callable[[int], None],
-) -> None:  # fmt: skip
+    batch: list[Placed],
+    values_of: Callable[..., list[torch.Tensor]],
+    check: Callable[[FileEntry, torch.Tensor], None],
+    report: Callable[[int], None],
+) -> None:
     """Compute one batch into its places in the mapped files (``values_of(tensors_memory)``
     is ``cpu_values_of_batch`` with its tensors and dtype bound), copy the values that did not
     land in their own place (a real tensor, a cast, an unexpected allocation order), then
@@ -130,15 +133,19 @@ def place_batch(
     for (_, _, entry), value in zip(batch, values, strict=True):
         check(entry, value)
     files = {id(mapped): mapped for mapped, _, _ in batch}
-    misplaced = [j for j, ((mapped, offset, _), value) in enumerate(zip(batch, values, strict=True))
-                 if value.numel() and value.data_ptr() != mapped.base + offset]  # fmt: skip
+    misplaced = [
+        j
+        for j, ((mapped, offset, _), value) in enumerate(zip(batch, values, strict=True))
+        if value.numel() and value.data_ptr() != mapped.base + offset
+    ]
     for j in misplaced:  # another tensor's place may be where this one's values are
         if any(f.contains(values[j].data_ptr()) for f in files.values()):
             values[j] = values[j].clone()
     for j, ((mapped, offset, entry), value) in enumerate(zip(batch, values, strict=True)):
         if j in misplaced:
-            place = torch.frombuffer(mapped.mapping, dtype=torch.uint8, count=entry.nbytes,
-                                     offset=offset)  # fmt: skip
+            place = torch.frombuffer(
+                mapped.mapping, dtype=torch.uint8, count=entry.nbytes, offset=offset
+            )
             copy_in_steps(place, value.reshape(-1).view(torch.uint8), counted=False)
             del place
         report(entry.nbytes)

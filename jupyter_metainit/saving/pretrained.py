@@ -69,11 +69,18 @@ def save_deferred(model: Any, original: Callable[..., Any], args: tuple, kwargs:
     names = file_names(options["variant"])
     destination = os.fspath(directory)
     write_checkpoint(
-        model, state, origin, destination,
-        max_shard_size=options["max_shard_size"], dtype=None, progress=None, names=names,
+        model,
+        state,
+        origin,
+        destination,
+        max_shard_size=options["max_shard_size"],
+        dtype=None,
+        progress=None,
+        names=names,
         original_format=bool(options["save_original_format"]),
-        stale=_stale_files(destination, *names), code_files=_code_files(model),
-    )  # fmt: skip
+        stale=_stale_files(destination, *names),
+        code_files=_code_files(model),
+    )
     return None
 
 

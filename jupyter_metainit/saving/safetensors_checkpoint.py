@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from jupyter_metainit.core import in_file_layout
 from jupyter_metainit.saving.layout import (
     INDEX_NAME,
     WEIGHTS_NAME,
@@ -147,11 +148,8 @@ def _original_format(obj: Any, state: dict[str, torch.Tensor]) -> dict[str, torc
     computed: each part is computed when it is written."""
     if not is_transformers_model(obj):
         return state
-    try:
-        from transformers.core_model_loading import revert_weight_conversion
-    except ImportError:  # transformers 4: nothing is converted in memory
-        return state
-    return revert_weight_conversion(obj, state)
+    converted = in_file_layout(obj, state)
+    return state if converted is None else converted
 
 
 def _write_transformers_files(obj: Any, directory: str, dtype: torch.dtype | None) -> None:

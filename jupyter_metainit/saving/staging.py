@@ -195,8 +195,9 @@ def _remove_if_stale(path: str) -> bool:
     except FileNotFoundError:
         if time.time() - os.stat(path).st_mtime < UNOWNED_STALE_SECONDS:
             return False  # maybe a save that is making it now
-        if not all(e.is_file(follow_symlinks=False) or e.name == ".replaced"
-                   for e in os.scandir(path)):  # fmt: skip
+        if not all(
+            e.is_file(follow_symlinks=False) or e.name == ".replaced" for e in os.scandir(path)
+        ):
             return False  # not what a save writes: not ours
         shutil.rmtree(path, ignore_errors=True)
         return True
@@ -216,8 +217,9 @@ def publish_directory(staging: str, destination: str, stale: Callable[[str], boo
     checkpoint's shards, or its single file where this one is sharded), all or nothing: the old
     files are moved aside first, then the new ones in, indexes last; a failure (a file that
     cannot be moved, Ctrl-C) puts everything back as it was before it raises."""
-    new = sorted((n for n in os.listdir(staging) if n != _OWNER),
-                 key=lambda name: (is_index(name), name))  # fmt: skip
+    new = sorted(
+        (n for n in os.listdir(staging) if n != _OWNER), key=lambda name: (is_index(name), name)
+    )
     in_the_way = [n for n in new if os.path.isdir(os.path.join(destination, n))]
     if in_the_way:  # before anything moves: a half-replaced checkpoint is worse than none
         raise IsADirectoryError(

@@ -1,7 +1,8 @@
 """Generate and write, overlapped, in bounded memory; publish the files only when all are written.
 
 The calling thread produces the values of a batch of consecutive tensors at a time (replay runs
-on every core) while they are written. Three ways to write, the first the file system allows:
+on every core) while they are written. Three ways to write, the first the file system allows
+(``WRITE_VARIABLE`` may start further down):
 ``O_DIRECT`` from the values' own memory (``saving.direct``: the device copies, almost no CPU; a
 writer thread, two batches alive), the files mapped and the values generated into their pages
 (``saving.mapped``: one batch's pages mapped at a time), or ``pwrite`` into the page cache from
@@ -24,6 +25,7 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core import progress_callback, telling
+from jupyter_metainit.core.errors import ArgumentError
 from jupyter_metainit.saving.direct import (
     DirectFile,
     DirectWriter,
@@ -35,7 +37,26 @@ from jupyter_metainit.saving.exact_values import Recycler, cpu_values_of_batch
 from jupyter_metainit.saving.mapped import MappedFile, can_map, place_batch
 from jupyter_metainit.saving.safetensors_file import FileEntry, file_order, header_bytes
 
-__all__ = ["Progress", "write_safetensors_files"]
+__all__ = ["WRITE_VARIABLE", "Progress", "write_safetensors_files"]
+
+# The documented switch for the first way to write (docs/saving.md): "direct" (the default),
+# "mapped" or "pwrite"; each still falls back to the next where the file system refuses it. For
+# a file system that takes O_DIRECT but is slow with it, and for the tests of each way.
+WRITE_VARIABLE = "JUPYTER_METAINIT_SAVE_WRITE"
+_WAYS = ("direct", "mapped", "pwrite")
+
+
+def _first_way() -> str:
+    """The way :data:`WRITE_VARIABLE` chooses ("direct" unset; read at each save: cheap)."""
+    text = os.environ.get(WRITE_VARIABLE, "").strip()
+    if not text:
+        return "direct"
+    if text not in _WAYS:
+        raise ArgumentError(
+            f"{WRITE_VARIABLE}={text!r}: give 'direct' (O_DIRECT, the default), 'mapped' (the "
+            "files mapped, through the page cache) or 'pwrite' (or unset it)"
+        )
+    return text
 
 
 class Progress:
@@ -112,9 +133,13 @@ def _write_at(fd: int, offset: int, payload: Any) -> int:
 
 
 def write_safetensors_files(
-    directory: str, files: dict[str, list[FileEntry]], tensors: dict[str, torch.Tensor],
-    dtype: torch.dtype | None, progress: Progress, aliases: dict[str, str] | None = None,
-) -> None:  # fmt: skip
+    directory: str,
+    files: dict[str, list[FileEntry]],
+    tensors: dict[str, torch.Tensor],
+    dtype: torch.dtype | None,
+    progress: Progress,
+    aliases: dict[str, str] | None = None,
+) -> None:
     """Write each file's header, then every tensor's bytes at its place in its file. Tensors
     are computed in the order of ``tensors`` (the model's order, close to the order they were
     made in), a batch of consecutive ones at a time: their fills are then one run of the random
@@ -124,12 +149,15 @@ def write_safetensors_files(
     ``O_DIRECT`` (``_write_direct``), the mapped files (``saving.mapped``), ``pwrite``
     (``_write_with_writer``). ``aliases`` (a dropped duplicate name -> the name written) go
     into the metadata of the file holding that name, as safetensors' ``save_model`` has them."""
-    layout = {os.path.join(directory, name): file_order(entries)
-              for name, entries in files.items()}  # fmt: skip
-    headers = {path: header_bytes(ordered, _metadata(ordered, aliases or {}))
-               for path, ordered in layout.items()}  # fmt: skip
-    sizes = {path: len(headers[path]) + sum(entry.nbytes for entry in ordered)
-             for path, ordered in layout.items()}  # fmt: skip
+    layout = {os.path.join(directory, name): file_order(entries) for name, entries in files.items()}
+    headers = {
+        path: header_bytes(ordered, _metadata(ordered, aliases or {}))
+        for path, ordered in layout.items()
+    }
+    sizes = {
+        path: len(headers[path]) + sum(entry.nbytes for entry in ordered)
+        for path, ordered in layout.items()
+    }
     # (file path, offset, entry) of each tensor to write, in the order of ``tensors``
     where: dict[str, tuple[str, int, FileEntry]] = {}
     for path, ordered in layout.items():
@@ -138,9 +166,11 @@ def write_safetensors_files(
             where[entry.name] = (path, offset, entry)
             offset += entry.nbytes
     placed = [where[name] for name in tensors if name in where]
-    if can_write_direct() and _write_direct(headers, sizes, placed, tensors, dtype, progress):
+    first = _first_way()
+    direct = first == "direct" and can_write_direct()
+    if direct and _write_direct(headers, sizes, placed, tensors, dtype, progress):
         return
-    mapped = _map_files(headers, sizes) if can_map() else None
+    mapped = _map_files(headers, sizes) if first != "pwrite" and can_map() else None
     if mapped is None:
         _write_with_writer(headers, placed, tensors, dtype, progress)
         return
@@ -161,9 +191,13 @@ def write_safetensors_files(
 
 
 def _write_direct(
-    headers: dict[str, bytes], sizes: dict[str, int], placed: list[tuple[str, int, FileEntry]],
-    tensors: dict[str, torch.Tensor], dtype: torch.dtype | None, progress: Progress,
-) -> bool:  # fmt: skip
+    headers: dict[str, bytes],
+    sizes: dict[str, int],
+    placed: list[tuple[str, int, FileEntry]],
+    tensors: dict[str, torch.Tensor],
+    dtype: torch.dtype | None,
+    progress: Progress,
+) -> bool:
     """The ``O_DIRECT`` path (``saving.direct``): a writer thread writes while the values are
     generated, at most two batches alive. False (nothing written) where the file system
     refuses ``O_DIRECT``."""
@@ -200,9 +234,13 @@ def _write_direct(
 
 
 def _direct_batch(
-    batch: list[tuple[DirectFile, int, FileEntry]], tensors: dict[str, torch.Tensor],
-    dtype: torch.dtype | None, regions: Regions, writer: DirectWriter, progress: Progress,
-) -> None:  # fmt: skip
+    batch: list[tuple[DirectFile, int, FileEntry]],
+    tensors: dict[str, torch.Tensor],
+    dtype: torch.dtype | None,
+    regions: Regions,
+    writer: DirectWriter,
+    progress: Progress,
+) -> None:
     """Compute one batch into ``regions`` and queue its writes as :func:`_stream_batch` hands
     them over (the last batch leaves little to write after it); then the batch's end."""
     lock = threading.Lock()  # the files' partly filled blocks, shared by the parts' threads
@@ -223,10 +261,14 @@ def _direct_batch(
 
 
 def _stream_batch(
-    batch: list[tuple[Any, int, FileEntry]], tensors: dict[str, torch.Tensor],
-    dtype: torch.dtype | None, memory: Callable[[int], torch.UntypedStorage],
-    put: Callable[[int, int, torch.Tensor], None], written: Callable[[], int], progress: Progress,
-) -> list[torch.Tensor]:  # fmt: skip
+    batch: list[tuple[Any, int, FileEntry]],
+    tensors: dict[str, torch.Tensor],
+    dtype: torch.dtype | None,
+    memory: Callable[[int], torch.UntypedStorage],
+    put: Callable[[int, int, torch.Tensor], None],
+    written: Callable[[], int],
+    progress: Progress,
+) -> list[torch.Tensor]:
     """Compute one batch into ``memory``, handing each value over to be written as
     ``put(j, start, values)`` (the bytes of tensor ``j`` from byte ``start`` on): each part of
     a fill as soon as it is final (from the replay's threads: the disk writes while the rest is
@@ -251,9 +293,11 @@ def _stream_batch(
 
 
 def _telling_generation(
-    progress: Progress, batch: list[tuple[Any, int, FileEntry]], tensors: dict[str, torch.Tensor],
+    progress: Progress,
+    batch: list[tuple[Any, int, FileEntry]],
+    tensors: dict[str, torch.Tensor],
     written: Callable[[], int] | None = None,
-) -> Any:  # fmt: skip
+) -> Any:
     """While ``batch`` is generated (one large tensor takes seconds), progress told about every
     0.2 s (``telling``): the bytes its fills, then its casts to ``dtype``, have made, as a
     share of the batch's bytes, after the batches begun before it, or ``written()`` once that
@@ -302,9 +346,12 @@ def _map_files(headers: dict[str, bytes], sizes: dict[str, int]) -> dict[str, Ma
 
 
 def _write_with_writer(
-    headers: dict[str, bytes], placed: list[tuple[str, int, FileEntry]],
-    tensors: dict[str, torch.Tensor], dtype: torch.dtype | None, progress: Progress,
-) -> None:  # fmt: skip
+    headers: dict[str, bytes],
+    placed: list[tuple[str, int, FileEntry]],
+    tensors: dict[str, torch.Tensor],
+    dtype: torch.dtype | None,
+    progress: Progress,
+) -> None:
     """The ``pwrite`` path: a writer thread writes a batch while the next is generated, at
     most two batches alive (``_batches``)."""
     slots = threading.Semaphore(2)
@@ -329,9 +376,13 @@ def _write_with_writer(
 
 
 def _write_batch(
-    batch: list[tuple[int, int, FileEntry]], tensors: dict[str, torch.Tensor],
-    dtype: torch.dtype | None, writer: _Writer, recycler: Recycler, progress: Progress,
-) -> None:  # fmt: skip
+    batch: list[tuple[int, int, FileEntry]],
+    tensors: dict[str, torch.Tensor],
+    dtype: torch.dtype | None,
+    writer: _Writer,
+    recycler: Recycler,
+    progress: Progress,
+) -> None:
     """Compute one batch and queue its writes as :func:`_stream_batch` hands them over; the
     last job gives the batch's slot back."""
 

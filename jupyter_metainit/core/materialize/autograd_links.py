@@ -133,9 +133,11 @@ def _storages_read(t: DeferredTensor) -> list[StorageRecord]:
 
 
 def _replay_with_grad(
-    t: DeferredTensor, seeds: dict[int, tuple[StorageRecord, torch.Tensor]],
-    device: torch.device | None, rng: str,
-) -> torch.Tensor:  # fmt: skip
+    t: DeferredTensor,
+    seeds: dict[int, tuple[StorageRecord, torch.Tensor]],
+    device: torch.device | None,
+    rng: str,
+) -> torch.Tensor:
     """Run the ops that computed ``t`` from its leaves, in grad mode, the leaves' real tensors
     standing in for their storages (the leaves' own initialisation is not run again)."""
     full = plan([t._rec])
@@ -165,16 +167,19 @@ def _where(t: DeferredTensor) -> str:
 
 
 def link_non_leaves(
-    tensors: list[DeferredTensor], reals: list[torch.Tensor], device: torch.device | None,
+    tensors: list[DeferredTensor],
+    reals: list[torch.Tensor],
+    device: torch.device | None,
     rng: str,
-) -> None:  # fmt: skip
+) -> None:
     """Replace, in ``reals`` (the real tensors of ``tensors``, same order), those of recorded
     non-leaves by their linked versions, with the attributes set on them."""
     # storage id -> the real leaf over it: the leaves requiring grad of this call
     leaves = {
-        id(t._rec.storage): r for t, r in zip(tensors, reals, strict=True)
+        id(t._rec.storage): r
+        for t, r in zip(tensors, reals, strict=True)
         if t.requires_grad and not _is_recorded_non_leaf(t)
-    }  # fmt: skip
+    }
     for i, t in enumerate(tensors):
         if not _is_recorded_non_leaf(t):
             continue

@@ -144,10 +144,15 @@ def _infer_prefix(names: dict[int, list[str]], keys: set[str]) -> str:
 
 
 def load_for(
-    obj: Any, tensors: list[DeferredTensor], checkpoint: Any, device: torch.device | None,
-    missing: str, dtype: torch.dtype | None = None, root: torch.nn.Module | None = None,
+    obj: Any,
+    tensors: list[DeferredTensor],
+    checkpoint: Any,
+    device: torch.device | None,
+    missing: str,
+    dtype: torch.dtype | None = None,
+    root: torch.nn.Module | None = None,
     file_reads: dict[int, DeferredTensor] | None = None,
-) -> dict[int, torch.Tensor]:  # fmt: skip
+) -> dict[int, torch.Tensor]:
     """Real tensors for ``tensors`` (by ``id``) read from ``checkpoint``.
 
     Tensors absent from the checkpoint raise unless ``missing="init"`` (then they are left out of
@@ -276,8 +281,10 @@ def _recorded_read(path: str, key: str, like: torch.Tensor) -> DeferredTensor:
     with meta_init(), safe_open(path, framework="pt") as f:
         stored = f.get_tensor(key)
         if (stored.dtype, stored.device, stored.stride()) == (
-            like.dtype, like.device, like.stride()
-        ):  # fmt: skip
+            like.dtype,
+            like.device,
+            like.stride(),
+        ):
             return stored
         out = torch.empty_strided(like.shape, like.stride(), dtype=like.dtype, device=like.device)
         out.copy_(stored)
@@ -285,9 +292,10 @@ def _recorded_read(path: str, key: str, like: torch.Tensor) -> DeferredTensor:
 
 
 def load_reals_in_place(
-    reals: list[torch.Tensor], loaded: dict[int, torch.Tensor],
+    reals: list[torch.Tensor],
+    loaded: dict[int, torch.Tensor],
     file_reads: dict[int, DeferredTensor],
-) -> None:  # fmt: skip
+) -> None:
     """Copy checkpoint values into the parts that were real already (same tensor objects)."""
     with torch.no_grad():
         for t in reals:

@@ -114,9 +114,10 @@ def _shadows_to_free(
     a ``MaterializationError`` naming the tensors that cannot be freed, if any."""
     # (the object the user holds, the one that holds the memory): a DTensor and its shard
     tensors = [
-        (t, freeable(t)) for t in collect(obj, "dematerialize")
+        (t, freeable(t))
+        for t in collect(obj, "dematerialize")
         if not isinstance(t, DeferredTensor) and not t.is_meta
-    ]  # fmt: skip
+    ]
     names = _names_in(root) if root is not None else _names_in(obj)
     pairs: list[tuple[torch.Tensor, Shadow]] = []
     refused: list[str] = []

@@ -244,31 +244,41 @@ def _materialize_now(
         shadows.swap_all(call.tensors, new, kept)
         set_grads(call.grads)
         for t in call.tensors:
-            shadows.note_materialized(t, sources[id(t)], how.get(id(t), (None, None))[1],
-                                      id(t) in fast)  # fmt: skip
+            shadows.note_materialized(
+                t, sources[id(t)], how.get(id(t), (None, None))[1], id(t) in fast
+            )
         load_reals_in_place(call.reals, loaded, file_reads)
         for (t, data), stamp in zip(converted, restamps, strict=True):
             t.data = data
             shadows.apply_restamp(t, stamp)
     shadows.remember_realized(call.tensors, records)
     return_when_freed([*call.tensors, *(t for t, _ in converted)])
-    return [
-        *call.tensors, *(t for t in call.reals if id(t) in loaded), *(t for t, _ in converted)
-    ]  # fmt: skip
+    return [*call.tensors, *(t for t in call.reals if id(t) in loaded), *(t for t, _ in converted)]
 
 
 def _read_checkpoint(
-    call: _Call, checkpoint: Any, missing: str, root: torch.nn.Module | None,
+    call: _Call,
+    checkpoint: Any,
+    missing: str,
+    root: torch.nn.Module | None,
     file_reads: dict[int, DeferredTensor],
-) -> dict[int, torch.Tensor]:  # fmt: skip
+) -> dict[int, torch.Tensor]:
     """Values read from ``checkpoint=`` (by tensor ``id``), deferred and real parts alike."""
     if checkpoint is None:
         return {}
     if call.tracker is not None:
         call.tracker.phase("reading checkpoint files")
     with inside_steps(call.tracker):  # each tensor's read told as it goes, in steps
-        loaded = load_for(call.obj, [*call.tensors, *call.reals], checkpoint, call.device,
-                          missing, call.dtype, root, file_reads)  # fmt: skip
+        loaded = load_for(
+            call.obj,
+            [*call.tensors, *call.reals],
+            checkpoint,
+            call.device,
+            missing,
+            call.dtype,
+            root,
+            file_reads,
+        )
     if call.tracker is not None:
         call.tracker.loaded([t for t in call.tensors if id(t) in loaded])
     return loaded
@@ -338,9 +348,7 @@ def _value_sources(
 ) -> dict[int, str]:
     """Where each tensor's values come from (``"checkpoint"`` or ``"init"``), by ``id``."""
     # A tensor's own plan says where its values come from; only worth asking if any file is read.
-    reads_files = any(
-        op.func is read_file_bytes for p, _ in replays.values() for op in p.ops
-    )  # fmt: skip
+    reads_files = any(op.func is read_file_bytes for p, _ in replays.values() for op in p.ops)
     return {
         id(t): "checkpoint" if id(t) in loaded else tensor_source(t) if reads_files else "init"
         for t in tensors
@@ -363,9 +371,12 @@ def _replay(call: _Call, replays: _Replays) -> dict[int, torch.Tensor]:
 
 
 def _real_tensors(
-    call: _Call, loaded: dict[int, torch.Tensor], aliased: dict[int, torch.Tensor],
-    values: dict[int, torch.Tensor], how: dict[int, tuple[str, torch.device | None]],
-) -> tuple[list[torch.Tensor], set[int]]:  # fmt: skip
+    call: _Call,
+    loaded: dict[int, torch.Tensor],
+    aliased: dict[int, torch.Tensor],
+    values: dict[int, torch.Tensor],
+    how: dict[int, tuple[str, torch.device | None]],
+) -> tuple[list[torch.Tensor], set[int]]:
     """The real tensor of each deferred one (same order), and the ids of those whose values
     come from ``rng="fast"`` draws."""
     used: set[int] = set()
@@ -393,9 +404,12 @@ def _real_tensors(
 
 
 def _build_real(
-    t: DeferredTensor, base: torch.Tensor, dtype: torch.dtype | None, used: set[int],
+    t: DeferredTensor,
+    base: torch.Tensor,
+    dtype: torch.dtype | None,
+    used: set[int],
     exact_tensor: bool = False,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """``t``'s real tensor over ``base`` (its storage's memory; with ``exact_tensor``, the
     tensor itself): cast, a Parameter of the recorded class, with the user's attributes."""
     real = base if exact_tensor else real_view(base, t._rec)
@@ -440,7 +454,7 @@ def _warn_unkept(reals: list[torch.Tensor], what: str) -> None:
     now, rather than let a later dematerialize be the first to tell."""
     unkept = [
         t for t in reals if shadows.freeable(t) not in shadows.kept and not is_uninitialized(t)
-    ]  # fmt: skip
+    ]
     if unkept:
         warnings.warn(
             f"keep_cache=True does not apply to the parts of {what} that were real already: "

@@ -58,8 +58,13 @@ def _with_phase(callback: Callable[..., None]) -> ProgressCallback:
         params = inspect.signature(callback).parameters.values()
     except (TypeError, ValueError):
         return lambda done, total, phase="": callback(done, total)
-    takes = any(p.kind is p.VAR_POSITIONAL or p.kind is p.VAR_KEYWORD or p.name == "phase"
-                for p in params) or len(list(params)) >= 3  # fmt: skip
+    takes = (
+        any(
+            p.kind is p.VAR_POSITIONAL or p.kind is p.VAR_KEYWORD or p.name == "phase"
+            for p in params
+        )
+        or len(list(params)) >= 3
+    )
     if takes:
         return callback
     return lambda done, total, phase="": callback(done, total)
@@ -74,8 +79,9 @@ class MemoryProgress(Progress):
     bar as it fills and every call is a chance to cancel. Replay threads tell finished storages
     too: the counts and the calls are serialized."""
 
-    def __init__(self, callback: ProgressCallback, tensors: list[DeferredTensor],
-                 dtype: torch.dtype | None) -> None:  # fmt: skip
+    def __init__(
+        self, callback: ProgressCallback, tensors: list[DeferredTensor], dtype: torch.dtype | None
+    ) -> None:
         self.callback = callback
         self.sizes = storage_sizes(tensors, dtype)
         self.total = sum(self.sizes.values())

@@ -136,8 +136,10 @@ def why_not_reproducible(t: torch.Tensor, holder: Shadow) -> str | None:
     if version_of(t) != holder.version or t.data_ptr() != holder.data_ptr:
         return "was written since it was materialized (trained, loaded into), or cast or moved"
     if (t.dtype, tuple(t.shape), t.stride()) != (
-        recording.dtype, tuple(recording.shape), recording.stride()
-    ):  # fmt: skip
+        recording.dtype,
+        tuple(recording.shape),
+        recording.stride(),
+    ):
         return "was changed since it was materialized (cast or reshaped)"
     if holder.digest is not None and digest(t) != holder.digest:
         return (
@@ -187,9 +189,12 @@ def _changed_sources(recording: DeferredTensor) -> str | None:
 
 
 def shadow_for(
-    t: DeferredTensor, real: torch.Tensor, keep: bool, from_file: bool,
+    t: DeferredTensor,
+    real: torch.Tensor,
+    keep: bool,
+    from_file: bool,
     file_read: DeferredTensor | None,
-) -> tuple[DeferredTensor | None, tuple | None] | None:  # fmt: skip
+) -> tuple[DeferredTensor | None, tuple | None] | None:
     """What ``dematerialize`` will keep for ``t`` once ``real`` is in place: ``(recording,
     digest)``, the recording None for ``t``'s own (the object swapped out), or None for nothing.
 
@@ -258,9 +263,7 @@ def swap_all(
             kept[t] = Shadow(recording, version_of(t), t.data_ptr(), content)
 
 
-def note_materialized(
-    t: torch.Tensor, source: str, on: torch.device | None, fast: bool
-) -> None:  # fmt: skip
+def note_materialized(t: torch.Tensor, source: str, on: torch.device | None, fast: bool) -> None:
     """``t`` is real now: where its values came from, the device they were computed on
     (``device=``; or, for fast draws, which depend on it, the tensor's own), whether they are
     fast; whatever was kept of it while it was freed is done with."""

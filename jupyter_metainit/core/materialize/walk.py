@@ -101,9 +101,13 @@ class _Walk:
 
 
 def _attribute_tensors(
-    name: str, value: object, real: bool, depth: int, entered: set[int] | None = None,
+    name: str,
+    value: object,
+    real: bool,
+    depth: int,
+    entered: set[int] | None = None,
     walk: _Walk | None = None,
-) -> list[OwnTensor]:  # fmt: skip
+) -> list[OwnTensor]:
     if type(value) in _SCALARS:  # most attributes of a model's modules (sizes, flags)
         return []
     if walk is not None and id(value) in walk.full:

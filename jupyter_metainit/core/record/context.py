@@ -312,10 +312,11 @@ class meta_init(contextlib.ContextDecorator):
                 "use `with torch.device('meta'):` instead of meta_init"
             )
         self.dtype = check_floating_dtype(
-            dtype, arg="dtype",
+            dtype,
+            arg="dtype",
             use="it is the block's default floating dtype (use torch.bfloat16, torch.float16, "
             "torch.float32 or torch.float64)",
-        )  # fmt: skip
+        )
         self._entered: list[tuple[bool, Any, contextlib.ExitStack]] = []
 
     def __enter__(self) -> None:

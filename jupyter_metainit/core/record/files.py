@@ -286,8 +286,13 @@ def _mapped(fd: int, region: FileRegion, read_ahead: bool) -> torch.Tensor:
     otherwise pages are read when first used, as eager loading's mapping is)."""
     start = region.offset - region.offset % mmap.ALLOCATIONGRANULARITY
     skip = region.offset - start
-    memory = mmap.mmap(fd, skip + region.nbytes, flags=mmap.MAP_PRIVATE,
-                       prot=mmap.PROT_READ | mmap.PROT_WRITE, offset=start)  # fmt: skip
+    memory = mmap.mmap(
+        fd,
+        skip + region.nbytes,
+        flags=mmap.MAP_PRIVATE,
+        prot=mmap.PROT_READ | mmap.PROT_WRITE,
+        offset=start,
+    )
     if read_ahead and hasattr(memory, "madvise") and hasattr(mmap, "MADV_WILLNEED"):
         memory.madvise(mmap.MADV_WILLNEED)  # read ahead while the digest runs
     return torch.frombuffer(memory, dtype=torch.uint8, offset=skip, count=region.nbytes)

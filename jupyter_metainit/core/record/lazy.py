@@ -48,8 +48,9 @@ def _deferred_materialize(self: Any, shape: Any, device: Any = None, dtype: Any 
     swap_in_place(self, new)
 
 
-def _uninitialized_new(cls: type, requires_grad: bool = True, device: Any = None,
-                       dtype: Any = None) -> Any:  # fmt: skip
+def _uninitialized_new(
+    cls: type, requires_grad: bool = True, device: Any = None, dtype: Any = None
+) -> Any:
     # An uninitialized tensor holds nothing; it stays a plain (meta) tensor until a dry run
     # gives it a shape, and remembers the device its deferred replacement must report.
     target = indexed_device(device) if device is not None else default_device()

@@ -47,9 +47,10 @@ class OpInfo:
         if not self.undeclared_writes:
             return self.mutated
         extra = tuple(
-            i for i, flag in self.undeclared_writes
+            i
+            for i, flag in self.undeclared_writes
             if bound[i] is not None and (flag is None or bool(bound[flag]))
-        )  # fmt: skip
+        )
         return self.mutated + extra
 
 
@@ -84,7 +85,7 @@ def _undeclared_writes(
         (names.index(n), flag_index)
         for n in written
         if n in names and names.index(n) not in mutated
-    )  # fmt: skip
+    )
 
 
 _CACHE: dict[Any, OpInfo] = {}

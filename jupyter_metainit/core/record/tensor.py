@@ -345,9 +345,13 @@ def _host_impls(tensors: list[DeferredTensor]) -> Iterator[None]:
         for t in tensors:
             meta = t._meta
             twin = torch.Tensor._make_wrapper_subclass(
-                DeferredTensor, meta.shape, strides=meta.stride(),
-                storage_offset=meta.storage_offset(), dtype=meta.dtype, device=_CPU,
-            )  # fmt: skip
+                DeferredTensor,
+                meta.shape,
+                strides=meta.stride(),
+                storage_offset=meta.storage_offset(),
+                dtype=meta.dtype,
+                device=_CPU,
+            )
             if meta.is_conj():
                 torch._C._set_conj(twin, True)
             if meta.is_neg():

@@ -38,16 +38,27 @@ from jupyter_metainit.core.runtime.interrupts import critical, handling_interrup
 from jupyter_metainit.core.runtime.plain import plain, subclass_functions_off
 
 __all__ = [
-    "DATA_FACTORIES", "FACTORIES", "LIKE_FACTORIES", "TO_METHODS", "data_factory",
-    "handle_function", "requires_grad_kwarg", "retarget", "rewrite_device",
-]  # fmt: skip
+    "DATA_FACTORIES",
+    "FACTORIES",
+    "LIKE_FACTORIES",
+    "TO_METHODS",
+    "data_factory",
+    "handle_function",
+    "requires_grad_kwarg",
+    "retarget",
+    "rewrite_device",
+]
 
 META = torch.device("meta")
 
 # Python functions that create tensors from data the user hands over: kept as constants.
 DATA_FACTORIES = {
-    torch.tensor, torch.as_tensor, torch.asarray, torch.from_numpy, torch.Tensor.new_tensor,
-}  # fmt: skip
+    torch.tensor,
+    torch.as_tensor,
+    torch.asarray,
+    torch.from_numpy,
+    torch.Tensor.new_tensor,
+}
 # torch functions whose default device is the current default device.
 FACTORIES = {
     torch.empty, torch.empty_strided, torch.zeros, torch.ones, torch.full, torch.rand,

@@ -67,8 +67,12 @@ class subclass_functions_off:
             release_interrupts(raise_pending=exc[0] is None)
 
 
-protect(plain.__enter__, plain.__exit__, subclass_functions_off.__enter__,
-        subclass_functions_off.__exit__)  # fmt: skip
+protect(
+    plain.__enter__,
+    plain.__exit__,
+    subclass_functions_off.__enter__,
+    subclass_functions_off.__exit__,
+)
 
 
 _SEQUENCES = (list, tuple)

@@ -70,8 +70,9 @@ def core_pool(workers: int) -> ThreadPoolExecutor:
     global _pool
     with _pool_lock:
         if _pool is None or _pool._max_workers < workers:
-            _pool = ThreadPoolExecutor(max_workers=workers, thread_name_prefix="jmi-fill",
-                                       initializer=_mark_pool_thread)  # fmt: skip
+            _pool = ThreadPoolExecutor(
+                max_workers=workers, thread_name_prefix="jmi-fill", initializer=_mark_pool_thread
+            )
         return _pool
 
 

@@ -80,8 +80,9 @@ class Replay(TorchFunctionMode):
             return func(*args, **(kwargs or {}))
         read, value = next(self._reads, (None, None))
         if read is not func:
-            raise Diverged(f"the forward read a value ({getattr(func, '__name__', func)}) the "
-                           "dry run did not")  # fmt: skip
+            raise Diverged(
+                f"the forward read a value ({getattr(func, '__name__', func)}) the dry run did not"
+            )
         return value
 
     def made(self, func: Any) -> Any:

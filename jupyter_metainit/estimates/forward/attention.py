@@ -103,16 +103,27 @@ def _read_call(bound: dict[str, Any], dtype: torch.dtype | None, grad: bool) -> 
     if isinstance(mask, torch.Tensor):
         mask_dtype = mask.dtype if mask.dtype == torch.bool or dtype is None else compute
     return _Call(
-        query=_layout(q), key=_layout(k), value=_layout(v),
-        mask=_layout(mask) if isinstance(mask, torch.Tensor) else None, mask_dtype=mask_dtype,
-        dtype=compute, dropout_p=float(bound.get("dropout_p") or 0.0),
-        is_causal=bool(bound.get("is_causal")), enable_gqa=bool(bound.get("enable_gqa")),
+        query=_layout(q),
+        key=_layout(k),
+        value=_layout(v),
+        mask=_layout(mask) if isinstance(mask, torch.Tensor) else None,
+        mask_dtype=mask_dtype,
+        dtype=compute,
+        dropout_p=float(bound.get("dropout_p") or 0.0),
+        is_causal=bool(bound.get("is_causal")),
+        enable_gqa=bool(bound.get("enable_gqa")),
         grad=grad and any(isinstance(t, torch.Tensor) and t.requires_grad for t in (q, k, v)),
-    )  # fmt: skip
+    )
 
 
-def _probe(layout: tuple, batch: dict[int, int], seq: dict[int, int], dtype: torch.dtype,
-           device: str, grad: bool) -> torch.Tensor:  # fmt: skip
+def _probe(
+    layout: tuple,
+    batch: dict[int, int],
+    seq: dict[int, int],
+    dtype: torch.dtype,
+    device: str,
+    grad: bool,
+) -> torch.Tensor:
     """A small tensor like one of the call's: the batch (first) and sequence (second to last)
     sizes shrunk by ``batch`` / ``seq``, heads and head size kept, and the last dimension's
     stride (1 or not) and the storage offset's alignment kept."""
@@ -142,8 +153,10 @@ def _probe_choice(call: _Call, device: str) -> int:
 def _choice(call: _Call, device: str) -> int:
     seq = {n: 2 + i for i, n in enumerate(sorted({call.query[0][-2], call.key[0][-2]} - {0, 1}))}
     batch = {n: 2 for n in (call.query[0][0], call.key[0][0]) if n > 1}
-    q, k, v = (_probe(layout, batch, seq, call.dtype, device, call.grad)
-               for layout in (call.query, call.key, call.value))  # fmt: skip
+    q, k, v = (
+        _probe(layout, batch, seq, call.dtype, device, call.grad)
+        for layout in (call.query, call.key, call.value)
+    )
     mask = None
     if call.mask is not None and call.mask_dtype is not None:
         shape = list(call.mask[0])
@@ -156,9 +169,17 @@ def _choice(call: _Call, device: str) -> int:
         mask = torch.zeros(shape, dtype=call.mask_dtype, device=device)
     on = torch.cuda.device(torch.device(device)) if device.startswith("cuda") else None
     with on or contextlib.nullcontext():
-        return int(torch._fused_sdp_choice(q, k, v, attn_mask=mask, dropout_p=call.dropout_p,
-                                           is_causal=call.is_causal,
-                                           enable_gqa=call.enable_gqa))  # fmt: skip
+        return int(
+            torch._fused_sdp_choice(
+                q,
+                k,
+                v,
+                attn_mask=mask,
+                dropout_p=call.dropout_p,
+                is_causal=call.is_causal,
+                enable_gqa=call.enable_gqa,
+            )
+        )
 
 
 def _cpu(call: _Call) -> _Decision:
@@ -181,8 +202,13 @@ def _cpu(call: _Call) -> _Decision:
 
 def _aligned(call: _Call, alignment: int) -> bool:
     head_q, head_k, head_v = call.query[0][-1], call.key[0][-1], call.value[0][-1]
-    return head_q == head_k and head_q > 0 and head_v > 0 and head_q % alignment == 0 and (
-        head_v % alignment == 0)  # fmt: skip
+    return (
+        head_q == head_k
+        and head_q > 0
+        and head_v > 0
+        and head_q % alignment == 0
+        and (head_v % alignment == 0)
+    )
 
 
 def _dense_ok(call: _Call) -> bool:
@@ -220,13 +246,23 @@ def _absent_cuda(call: _Call) -> _Decision:
         return _Decision(FUSED)  # memory-efficient attention runs on every GPU torch supports
     unsure = "which cannot be checked without the GPU"
     if (efficient and aligned) or flash:
-        return _Decision(MATH, certain=False, reason=(
-            f"SDPA's fused kernels take {dtype} only on GPUs of compute capability 8.0 or newer "
-            f"(A100, L4, H100, RTX 30xx and later), {unsure}"))  # fmt: skip
+        return _Decision(
+            MATH,
+            certain=False,
+            reason=(
+                f"SDPA's fused kernels take {dtype} only on GPUs of compute capability 8.0 or "
+                f"newer (A100, L4, H100, RTX 30xx and later), {unsure}"
+            ),
+        )
     if efficient and call.dtype == torch.float32 and _aligned(call, 1):
-        return _Decision(MATH, certain=False, reason=(
-            f"memory-efficient attention takes head size {q[-1]} in float32 only on GPUs older "
-            f"than compute capability 8.0 (V100, T4), {unsure}"))  # fmt: skip
+        return _Decision(
+            MATH,
+            certain=False,
+            reason=(
+                f"memory-efficient attention takes head size {q[-1]} in float32 only on GPUs "
+                f"older than compute capability 8.0 (V100, T4), {unsure}"
+            ),
+        )
     return _Decision(MATH, reason="no fused kernel takes these inputs (head size, mask, dtype)")
 
 
@@ -251,8 +287,7 @@ def sdpa_kernel(call: _Call, device: str) -> _Decision:
             return _Decision(MATH, reason="SDPA chooses its math kernel there for these inputs")
     if kind == "cuda":
         return _absent_cuda(call)
-    return _Decision(MATH, certain=False,
-                     reason=f"which SDPA kernel {kind} runs is not known here")  # fmt: skip
+    return _Decision(MATH, certain=False, reason=f"which SDPA kernel {kind} runs is not known here")
 
 
 class AttentionKernels(TorchFunctionMode):
@@ -301,9 +336,16 @@ class AttentionKernels(TorchFunctionMode):
             return _FLASH_FOR_CPU(q, k, v, dropout, causal, attn_mask=mask, scale=scale)[0]
         self.tally.math += 1
         return torch.ops.aten._scaled_dot_product_attention_math(
-            q, k, v, mask, dropout, causal, None, scale=scale,
+            q,
+            k,
+            v,
+            mask,
+            dropout,
+            causal,
+            None,
+            scale=scale,
             enable_gqa=bool(bound.get("enable_gqa", False)),
-        )[0]  # fmt: skip
+        )[0]
 
 
 def _attention_configs(model: nn.Module) -> Iterator[Any]:

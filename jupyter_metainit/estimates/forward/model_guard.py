@@ -132,8 +132,10 @@ class ModelGuard:
         for i, m in enumerate(self.modules):
             if self.lazy[i]:
                 # Keep what shape inference made of the lazy slots (and the class it became).
-                for slots, saved in ((m._parameters, self.parameters[i]),
-                                     (m._buffers, self.buffers[i])):  # fmt: skip
+                for slots, saved in (
+                    (m._parameters, self.parameters[i]),
+                    (m._buffers, self.buffers[i]),
+                ):
                     for name, t in saved.items():
                         if t is not None and not is_lazy(t):
                             slots[name] = t

@@ -24,8 +24,19 @@ __all__ = [
 ]
 
 # Argument types of ATen ops that hold no tensor (checked before the slower Mapping test).
-_LEAVES = frozenset({int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
-                     torch.memory_format})  # fmt: skip
+_LEAVES = frozenset(
+    {
+        int,
+        float,
+        bool,
+        str,
+        type(None),
+        torch.dtype,
+        torch.device,
+        torch.layout,
+        torch.memory_format,
+    }
+)
 
 
 def tensor_bytes(t: torch.Tensor) -> int:

@@ -235,8 +235,9 @@ class BlockReuse:
         _, name, key, position = self.blocks[id(module)]
         key = (key, _signature((args, kwargs), self.tracker.index))
         twins = self.measured.setdefault(key, [])
-        twin = next((m for m in twins if same_attributes(m.module, module, position - m.position)),
-                    None)  # fmt: skip
+        twin = next(
+            (m for m in twins if same_attributes(m.module, module, position - m.position)), None
+        )
         if twin is not None and not twin.usable:
             return  # its twin could not be reused: track this one too
         reusing = twin is not None
@@ -307,8 +308,9 @@ class BlockReuse:
         if running is None or running.reusing:
             return
         tracker, created = self.tracker, running.created
-        own = sum(n for t, n in zip(tracker.tensors, tracker.nbytes, strict=True)
-                  if id(t) in created)  # fmt: skip
+        own = sum(
+            n for t, n in zip(tracker.tensors, tracker.nbytes, strict=True) if id(t) in created
+        )
         running.measured.notes[running.ops - 1] = own
 
     def post(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
@@ -338,8 +340,9 @@ class BlockReuse:
                 usable = False  # an earlier tensor among the block's, or a view of one
                 break
             base_output = None if base == i else created[id(tensors[base])]
-            measured.kept.append((created[id(t)], base_output, tracker.nbytes[i], _meta(t),
-                                  counts[i - start]))  # fmt: skip
+            measured.kept.append(
+                (created[id(t)], base_output, tracker.nbytes[i], _meta(t), counts[i - start])
+            )
         measured.usable = usable
 
     def _apply(self, running: _Running) -> None:

@@ -82,8 +82,12 @@ class _Live(TorchDispatchMode):
     each dropped when its storage is freed, never the weights' (``owns``: views of them are
     made all the time); ``on_op`` sees the live bytes after every op."""
 
-    def __init__(self, owns: set[int], on_op: Callable[[int], None] | None = None,
-                 replay: Replay | None = None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        owns: set[int],
+        on_op: Callable[[int], None] | None = None,
+        replay: Replay | None = None,
+    ) -> None:
         super().__init__()
         self.live = 0
         self.peak = 0
@@ -175,9 +179,16 @@ def _roots(output: Any) -> list[torch.Tensor]:
     return [t for t in tensors_in(output) if t.grad_fn is not None]
 
 
-def trace_step(model: nn.Module, parts: Sequence[tuple[str, nn.Module]],
-               owners: Mapping[int, str], args: Any, kwargs: Any, policy: AttentionPolicy,
-               answers: Answers, forced: str = "") -> StepFigures:  # fmt: skip
+def trace_step(
+    model: nn.Module,
+    parts: Sequence[tuple[str, nn.Module]],
+    owners: Mapping[int, str],
+    args: Any,
+    kwargs: Any,
+    policy: AttentionPolicy,
+    answers: Answers,
+    forced: str = "",
+) -> StepFigures:
     """One forward and backward of ``model`` on meta tensors (``args``/``kwargs``:
     ``shapes_of`` the workload's inputs), attention costed by ``policy``, the values it reads
     given by ``answers`` (the dry run's of the same forward), and per part (the
@@ -186,21 +197,33 @@ def trace_step(model: nn.Module, parts: Sequence[tuple[str, nn.Module]],
     ``model(x).loss.backward()`` and a trainer's step free it."""
     stand_ins = _stand_ins(model)
     originals = dict([*model.named_parameters(), *model.named_buffers()])
-    phases = _Phases(parts[0][0] if parts else "", "", StepFigures(),
-                     {t.untyped_storage()._cdata for t in stand_ins.values()})  # fmt: skip
+    phases = _Phases(
+        parts[0][0] if parts else "",
+        "",
+        StepFigures(),
+        {t.untyped_storage()._cdata for t in stand_ins.values()},
+    )
     replay = Replay(answers)
     live = _Live(phases.owns, phases.forward_op, replay)
     handles = []
     for name, module in parts:
         handles.append(module.register_forward_pre_hook(lambda m, a, n=name: phases.start(n)))
-        handles.append(module.register_forward_hook(
-            lambda m, a, out, n=name: _on_backward_start(out, phases, n)))  # fmt: skip
+        handles.append(
+            module.register_forward_hook(
+                lambda m, a, out, n=name: _on_backward_start(out, phases, n)
+            )
+        )
     hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: phases.pack(t, live), lambda t: t)
     try:
         meta = torch.device("meta")  # what the forward makes without a device (a mask) too
         with meta, torch.enable_grad(), hooks, AttentionKernels(policy, forced), replay, live:
-            output = functional_call(model, stand_ins, tuple(_on_meta(args, False)),
-                                     _on_meta(kwargs, False), strict=False)  # fmt: skip
+            output = functional_call(
+                model,
+                stand_ins,
+                tuple(_on_meta(args, False)),
+                _on_meta(kwargs, False),
+                strict=False,
+            )
     finally:
         for handle in handles:
             handle.remove()
@@ -231,8 +254,9 @@ def _on_backward_start(output: Any, phases: _Phases, name: str) -> None:
             t.grad_fn.register_prehook(enter)
 
 
-def backward_figures(module: nn.Module, args: Any, kwargs: Any, policy: AttentionPolicy,
-                     forced: str = "") -> tuple[int, int, int]:  # fmt: skip
+def backward_figures(
+    module: nn.Module, args: Any, kwargs: Any, policy: AttentionPolicy, forced: str = ""
+) -> tuple[int, int, int]:
     """``(saved, peak, grads)`` for ``module`` alone: one forward on meta stand-ins of its
     weights and of its inputs (``args``/``kwargs``: ``shapes_of`` them; floating positional
     ones get gradients, as activations do), then its backward from a gradient of each output;
@@ -243,8 +267,9 @@ def backward_figures(module: nn.Module, args: Any, kwargs: Any, policy: Attentio
     live = _Live(owns)
     hooks = torch.autograd.graph.saved_tensors_hooks(lambda t: phases.pack(t, live), lambda t: t)
     with torch.device("meta"), torch.enable_grad(), hooks, AttentionKernels(policy, forced):
-        out = functional_call(module, stand_ins, _on_meta(args, True), _on_meta(kwargs, False),
-                              strict=False)  # fmt: skip
+        out = functional_call(
+            module, stand_ins, _on_meta(args, True), _on_meta(kwargs, False), strict=False
+        )
     roots = [t for t in tensors_in(out) if t.grad_fn is not None]
     del out
     before = live.live
@@ -253,14 +278,16 @@ def backward_figures(module: nn.Module, args: Any, kwargs: Any, policy: Attentio
             gradients = [torch.empty_like(t) for t in roots]
             live.peak = max(live.peak, live.live)
             torch.autograd.backward(roots, gradients)
-    grads = sum(t.grad.untyped_storage().nbytes() for t in stand_ins.values()
-                if t.grad is not None)  # fmt: skip
+    grads = sum(t.grad.untyped_storage().nbytes() for t in stand_ins.values() if t.grad is not None)
     return sum(phases.figures.saved.values()), max(before, live.peak), grads
 
 
-def each_alone(units: Sequence[tuple[str, nn.Module, str, tuple]], policy: AttentionPolicy,
-               forced: str, fallback: Mapping[str, int]
-               ) -> tuple[dict[str, tuple[int, int]], list[tuple[str, Exception]]]:  # fmt: skip
+def each_alone(
+    units: Sequence[tuple[str, nn.Module, str, tuple]],
+    policy: AttentionPolicy,
+    forced: str,
+    fallback: Mapping[str, int],
+) -> tuple[dict[str, tuple[int, int]], list[tuple[str, Exception]]]:
     """Per unit ``(name, module, group, (args, kwargs) shapes)``, measured alone: ``(saved,
     the most its backward holds beyond its weights' gradients)``, units of one group (identical
     blocks) once. A unit that cannot run on meta tensors gets ``fallback`` (its forward peak)

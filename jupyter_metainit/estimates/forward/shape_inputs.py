@@ -85,8 +85,9 @@ def input_names(module: nn.Module) -> list[str | None]:
     return names
 
 
-def shape_input(module: nn.Module, name: str | None, shape: Any,
-                dtype: torch.dtype | None = None) -> ShapeInput:  # fmt: skip
+def shape_input(
+    module: nn.Module, name: str | None, shape: Any, dtype: torch.dtype | None = None
+) -> ShapeInput:
     """What the input ``name`` of ``module.forward`` given as ``shape`` stands for: ``dtype``
     where given, else the type its name says (integer ids, labels and masks; floats in the
     model's dtype for pixels, features, embeddings; else :func:`default_input_dtype`)."""
@@ -109,8 +110,12 @@ def stand_in_tensor(spec: ShapeInput, device: Any = None) -> torch.Tensor:
     return torch.full(spec.shape, spec.fill, dtype=spec.dtype, device=device)
 
 
-def typed(module: nn.Module, args: tuple, kwargs: Mapping[str, Any] | None = None,
-          dtype: torch.dtype | None = None) -> tuple[tuple, dict[str, Any]]:  # fmt: skip
+def typed(
+    module: nn.Module,
+    args: tuple,
+    kwargs: Mapping[str, Any] | None = None,
+    dtype: torch.dtype | None = None,
+) -> tuple[tuple, dict[str, Any]]:
     """``args`` and ``kwargs`` with every shape in them (a tuple of whole numbers, a
     ``torch.Size``) a :class:`ShapeInput` of the argument it is (``dtype`` where given); the
     positional ones are named by ``module.forward``'s parameters."""

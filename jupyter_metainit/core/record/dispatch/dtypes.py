@@ -91,9 +91,16 @@ class Dtypes:
 
 
 def resolve_dtypes(
-    func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwargs: dict,
-    meta_args: tuple, meta_kwargs: dict, out: Any,
-) -> Dtypes:  # fmt: skip
+    func: Any,
+    info: OpInfo,
+    bound: list,
+    flat: list,
+    args: tuple,
+    kwargs: dict,
+    meta_args: tuple,
+    meta_kwargs: dict,
+    out: Any,
+) -> Dtypes:
     """Make the call's dtype independent of the default dtype in force at replay."""
     if info.dtype_index is not None and not info.takes_tensors:
         # A factory: replay gets the dtype explicitly, never the default in force then.

@@ -45,15 +45,30 @@ def record_fill(func: Any, args: tuple, kwargs: dict) -> DeferredTensor | None:
     rec_kwargs = dict(kwargs)
     if func not in _PLAIN_FILLS:
         meta = self._meta
-        rng, _ = place_random(func, (meta, *args[1:]), kwargs, True, generator,
-                               meta.numel() * meta.element_size(), self.device)  # fmt: skip
+        rng, _ = place_random(
+            func,
+            (meta, *args[1:]),
+            kwargs,
+            True,
+            generator,
+            meta.numel() * meta.element_size(),
+            self.device,
+        )
         if "generator" in rec_kwargs:
             rec_kwargs["generator"] = None
     op = OpRecord(
-        next_seq(), func, (self._rec, *args[1:]), rec_kwargs,
-        () if overwrites is not None else (storage,), (None,), rng, where, None, (storage,),
+        next_seq(),
+        func,
+        (self._rec, *args[1:]),
+        rec_kwargs,
+        () if overwrites is not None else (storage,),
+        (None,),
+        rng,
+        where,
+        None,
+        (storage,),
         () if overwrites is None else (overwrites,),
-    )  # fmt: skip
+    )
     storage.writes.append(op)
     return self
 

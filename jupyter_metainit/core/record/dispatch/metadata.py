@@ -41,8 +41,17 @@ class Unkeyable(Exception):
     pass
 
 
-_SCALARS = (int, float, bool, str, type(None), torch.dtype, torch.device, torch.layout,
-            torch.memory_format)  # fmt: skip
+_SCALARS = (
+    int,
+    float,
+    bool,
+    str,
+    type(None),
+    torch.dtype,
+    torch.device,
+    torch.layout,
+    torch.memory_format,
+)
 
 
 SCALAR_TYPES = frozenset(_SCALARS)
@@ -69,8 +78,13 @@ def _arg_key(x: Any, tensors: bool = True) -> Any:
 def call_key(func: Any, args: tuple, kwargs: dict, tensors: bool = True) -> Any:
     """What an op's result depends on besides values: its arguments' keys and the default
     dtypes in force (``Unkeyable`` if an argument has no key)."""
-    return (func, _global_default_dtype(), dtype_override(), _arg_key(args, tensors),
-            tuple((k, _arg_key(v, tensors)) for k, v in kwargs.items()))  # fmt: skip
+    return (
+        func,
+        _global_default_dtype(),
+        dtype_override(),
+        _arg_key(args, tensors),
+        tuple((k, _arg_key(v, tensors)) for k, v in kwargs.items()),
+    )
 
 
 # Output geometry of ops that create new tensors, by (op, input geometry, scalars): a model's
@@ -96,8 +110,10 @@ def meta_outputs(
         if hit is not None:
             container, outs = hit
             with plain():
-                made = [torch.empty_strided(size, stride, dtype=dtype, device=META)
-                        for size, stride, dtype in outs]  # fmt: skip
+                made = [
+                    torch.empty_strided(size, stride, dtype=dtype, device=META)
+                    for size, stride, dtype in outs
+                ]
             return made[0] if container is None else container(made)
     with plain():
         out = func(*meta_args, **meta_kwargs)
@@ -177,8 +193,11 @@ def probe_layout(
         _probed[key] = None
         tensors = [x for x in iter_args(meta_args, meta_kwargs) if isinstance(x, torch.Tensor)]
         # Outputs count too: small inputs can make a large result (``x.repeat(20000, 20000)``).
-        results = [o for o in (out if isinstance(out, (tuple, list)) else (out,))
-                   if isinstance(o, torch.Tensor)]  # fmt: skip
+        results = [
+            o
+            for o in (out if isinstance(out, (tuple, list)) else (out,))
+            if isinstance(o, torch.Tensor)
+        ]
         probe_bytes = sum(t.untyped_storage().nbytes() for t in tensors) + sum(
             o.numel() * o.element_size() for o in results
         )
@@ -187,8 +206,7 @@ def probe_layout(
             def zeros(x: Any) -> Any:
                 if not isinstance(x, torch.Tensor):
                     return x
-                base = torch.zeros(x.untyped_storage().nbytes() // x.element_size(),
-                                   dtype=x.dtype)  # fmt: skip
+                base = torch.zeros(x.untyped_storage().nbytes() // x.element_size(), dtype=x.dtype)
                 return base.as_strided(x.shape, x.stride(), x.storage_offset())
 
             with plain():
@@ -204,8 +222,10 @@ def probe_layout(
         return out
     outs = out if isinstance(out, (tuple, list)) else (out,)
     with plain():
-        fixed = [torch.empty_strided(size, stride, dtype=o.dtype, device=META)
-                 for o, (size, stride) in zip(outs, geometry, strict=True)]  # fmt: skip
+        fixed = [
+            torch.empty_strided(size, stride, dtype=o.dtype, device=META)
+            for o, (size, stride) in zip(outs, geometry, strict=True)
+        ]
     return type(out)(fixed) if isinstance(out, (tuple, list)) else fixed[0]
 
 
@@ -257,8 +277,11 @@ def output_requires_grad(func: Any, args: tuple, kwargs: dict, out: Any) -> tupl
         if isinstance(x, torch.Tensor):
             flags.append((requires_grad(x), x.dtype))
     outs = out if isinstance(out, (tuple, list)) else (out,)
-    key = (func, tuple(flags),
-           tuple(o.dtype if isinstance(o, torch.Tensor) else None for o in outs))  # fmt: skip
+    key = (
+        func,
+        tuple(flags),
+        tuple(o.dtype if isinstance(o, torch.Tensor) else None for o in outs),
+    )
     if key in _grad_rules:
         return _grad_rules[key]
 
@@ -319,8 +342,11 @@ def _is_set_to(a: torch.Tensor, b: torch.Tensor) -> bool:
     if isinstance(a, DeferredTensor) and isinstance(b, DeferredTensor):
         x, y = a._rec, b._rec
         return x.storage is y.storage and (x.size, x.stride, x.offset, x.dtype) == (
-            y.size, y.stride, y.offset, y.dtype
-        )  # fmt: skip
+            y.size,
+            y.stride,
+            y.offset,
+            y.dtype,
+        )
     if isinstance(a, DeferredTensor) or isinstance(b, DeferredTensor):
         return False  # a deferred tensor has no memory a real one could share
     with plain():

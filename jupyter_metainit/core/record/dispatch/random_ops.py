@@ -25,10 +25,15 @@ from jupyter_metainit.core.runtime.plain import iter_args, map_args, plain
 
 
 def place_random(
-    func: Any, meta_args: tuple, meta_kwargs: dict, has_generator: bool,
-    generator: torch.Generator | None, nbytes: int, device: torch.device,
+    func: Any,
+    meta_args: tuple,
+    meta_kwargs: dict,
+    has_generator: bool,
+    generator: torch.Generator | None,
+    nbytes: int,
+    device: torch.device,
     real_call: tuple[tuple, dict, OpInfo] | None = None,
-) -> tuple[RngUse, Any]:  # fmt: skip
+) -> tuple[RngUse, Any]:
     """The place of a new random op in its generator's stream (see ``record_random``),
     and the op's real outputs when its draw count depends on values (else None).
 
@@ -39,8 +44,7 @@ def place_random(
     it reads (``draws_depend_on_values``): its inputs are computed now and it runs from
     the exact generator state, so the stream after it is exact whatever is materialized later.
     """
-    spec = BurnSpec(func, _spec_args(meta_args), _spec_kwargs(meta_kwargs), has_generator,
-                         nbytes)  # fmt: skip
+    spec = BurnSpec(func, _spec_args(meta_args), _spec_kwargs(meta_kwargs), has_generator, nbytes)
     if generator is None:
         generator = default_generator_for(device)
     gen = generator if generator is not None else torch.default_generator

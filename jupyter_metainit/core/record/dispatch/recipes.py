@@ -52,8 +52,13 @@ def keep_recipe(func: Any, args: tuple, kwargs: dict, out: torch.Tensor, op: OpR
         return
     if len(_recipes) >= _RECIPES_SIZE:
         _recipes.clear()
-    _recipes[key] = (tuple(out.shape), tuple(out.stride()), out.dtype, _copied(op.args),
-                     dict(op.kwargs))  # fmt: skip
+    _recipes[key] = (
+        tuple(out.shape),
+        tuple(out.stride()),
+        out.dtype,
+        _copied(op.args),
+        dict(op.kwargs),
+    )
     recipe_funcs.add(func)
 
 
@@ -74,16 +79,22 @@ def record_from_recipe(func: Any, args: tuple, kwargs: dict) -> DeferredTensor |
     with plain():
         meta = torch.empty_strided(size, stride, dtype=dtype, device=META)
     made, rec, storage = new_output(meta, device, False)
-    op = OpRecord(next_seq(), func, _copied(rec_args), dict(rec_kwargs), (), (rec,), None, where,
-                  None, (), ())  # fmt: skip
+    op = OpRecord(
+        next_seq(), func, _copied(rec_args), dict(rec_kwargs), (), (rec,), None, where, None, (), ()
+    )
     storage.writes.append(op)
     return made
 
 
 def worth_a_recipe(
-    func: Any, info: OpInfo, device: torch.device, out: Any, new_records: list,
-    mutates: list, computed_or_default: bool,
-) -> bool:  # fmt: skip
+    func: Any,
+    info: OpInfo,
+    device: torch.device,
+    out: Any,
+    new_records: list,
+    mutates: list,
+    computed_or_default: bool,
+) -> bool:
     """Whether a recorded call is a plain factory call whose recording a recipe can repeat:
     one new output at offset 0 on the device the call named, nothing random, written, computed
     from values or dependent on the default dtype, and no layout fix-up."""

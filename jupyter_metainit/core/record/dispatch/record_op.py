@@ -102,8 +102,18 @@ def record_op(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwa
     ``rand.generator``), and the default dtype for the few ops whose result dtype comes from it.
     Random ops also get their place in their generator's stream (``rng.streams.record_random``).
     """
-    call = _Call(func, info, bound, flat, args, kwargs, call_site(), output_device(kwargs, flat),
-                 func, (args, kwargs))  # fmt: skip
+    call = _Call(
+        func,
+        info,
+        bound,
+        flat,
+        args,
+        kwargs,
+        call_site(),
+        output_device(kwargs, flat),
+        func,
+        (args, kwargs),
+    )
     if info.generator_overload is not None:
         call.func, call.kwargs = info.generator_overload, {**kwargs, "generator": None}
         call.info = op_info(call.func)
@@ -116,8 +126,17 @@ def record_op(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwa
         return out
     default_dtype: torch.dtype | None = None
     if values is None:  # the meta kernels answered: the dtype may come from the defaults
-        dtypes = resolve_dtypes(call.func, call.info, call.bound, call.flat, call.args,
-                                call.kwargs, call.meta_args, call.meta_kwargs, out)  # fmt: skip
+        dtypes = resolve_dtypes(
+            call.func,
+            call.info,
+            call.bound,
+            call.flat,
+            call.args,
+            call.kwargs,
+            call.meta_args,
+            call.meta_kwargs,
+            out,
+        )
         if dtypes.explicit is not None:
             args, kwargs = dtypes.explicit
             bound = bind_arguments(call.func, args, kwargs)
@@ -158,8 +177,11 @@ def _outputs_metadata(call: _Call) -> tuple[Any, list | None, bool]:
 # the dense meta kernel's (sparse meta kernels are missing: other ops on a sparse tensor and
 # deferred ones get their outputs' metadata by computing their values).
 _SPARSE_FACTOR = {
-    aten.mm.default: 0, aten.mv.default: 0, aten.addmm.default: 1, aten._sparse_addmm.default: 1,
-}  # fmt: skip
+    aten.mm.default: 0,
+    aten.mv.default: 0,
+    aten.addmm.default: 1,
+    aten._sparse_addmm.default: 1,
+}
 
 
 def _dense_for_sparse_factor(func: Any, meta_args: tuple) -> tuple:
@@ -235,18 +257,33 @@ def _record_outputs(call: _Call, out: Any, values: list | None, default_dtype: A
                 call, outs, mutates, values, rec_args, rec_kwargs
             )
         op = OpRecord(
-            next_seq(), call.func, tuple(rec_args), rec_kwargs, tuple(reads.values()),
-            tuple(new_records), rng, call.where, default_dtype, tuple(mutates),
+            next_seq(),
+            call.func,
+            tuple(rec_args),
+            rec_kwargs,
+            tuple(reads.values()),
+            tuple(new_records),
+            rng,
+            call.where,
+            default_dtype,
+            tuple(mutates),
             () if overwrites is None else (overwrites,),
-        )  # fmt: skip
+        )
         if grad:  # a node of eager's autograd graph (a gradient taken later replays it so)
             op.grad_args = frozenset(grad_records)
         if from_values:
             op.shape_from_values = True
         for s in (*created, *mutates):
             s.writes.append(op)
-        if worth_a_recipe(call.func, call.info, call.device, out, new_records, mutates,
-                          values is not None or default_dtype is not None):  # fmt: skip
+        if worth_a_recipe(
+            call.func,
+            call.info,
+            call.device,
+            out,
+            new_records,
+            mutates,
+            values is not None or default_dtype is not None,
+        ):
             keep_recipe(call.func, *call.called_with, out, op)
         if values is not None:
             # Computed anyway: later reads of these outputs start from here.
@@ -329,9 +366,13 @@ def _written_storages(
 
 
 def _place_in_stream(
-    call: _Call, outs: tuple, mutates: list[StorageRecord], values: list | None,
-    rec_args: Any, rec_kwargs: dict,
-) -> tuple[RngUse, list | None, Any, dict]:  # fmt: skip
+    call: _Call,
+    outs: tuple,
+    mutates: list[StorageRecord],
+    values: list | None,
+    rec_args: Any,
+    rec_kwargs: dict,
+) -> tuple[RngUse, list | None, Any, dict]:
     """A random op's place in its generator's stream; its values when placing it computed them
     (then later reads start from there); the recorded arguments with the generator slot
     emptied (replay passes the generator it keeps for the stream)."""
@@ -340,8 +381,16 @@ def _place_in_stream(
     nbytes = sum(o.numel() * o.element_size() for o in outs if isinstance(o, torch.Tensor))
     # An op writing a tensor draws where that tensor lives (`t.uniform_()`).
     on = mutates[0].device if mutates else call.device
-    rng, computed = place_random(call.func, call.meta_args, call.meta_kwargs, info.has_generator,
-                                 gen, nbytes, on, (call.args, call.kwargs, info))  # fmt: skip
+    rng, computed = place_random(
+        call.func,
+        call.meta_args,
+        call.meta_kwargs,
+        info.has_generator,
+        gen,
+        nbytes,
+        on,
+        (call.args, call.kwargs, info),
+    )
     computed_outs = computed if isinstance(computed, (tuple, list)) else [computed]
     if (
         computed is not None

@@ -258,13 +258,18 @@ def run_on_real_memory(func: Any, args: tuple, kwargs: dict, real: dict[int, tor
     autograd as eager's; an in-place op writes the memory and returns the deferred input
     itself, as eagerly."""
     grad = torch.is_grad_enabled()
-    a, k = map_args(lambda x: real.get(id(x), x) if isinstance(x, DeferredTensor) else x,
-                    args, kwargs)  # fmt: skip
+    a, k = map_args(
+        lambda x: real.get(id(x), x) if isinstance(x, DeferredTensor) else x, args, kwargs
+    )
     with plain(), as_eager():
         torch._C._set_grad_enabled(grad)
         out = func(*a, **k)
-    back = {id(v): d for d in iter_args(args, kwargs) if isinstance(d, DeferredTensor)
-            for v in (real[id(d)],)}  # fmt: skip
+    back = {
+        id(v): d
+        for d in iter_args(args, kwargs)
+        if isinstance(d, DeferredTensor)
+        for v in (real[id(d)],)
+    }
     if isinstance(out, torch.Tensor):
         return back.get(id(out), out)
     if isinstance(out, (tuple, list)):

@@ -50,8 +50,9 @@ def _deferred_view(
     the view that makes it require grad makes the base require grad too
     (``pad(mode="circular")``)."""
     r = rg and is_float(out.dtype)
-    made = DeferredTensor(out, TensorRecord(self._rec.storage, out), device, r,
-                          r and torch.is_grad_enabled())  # fmt: skip
+    made = DeferredTensor(
+        out, TensorRecord(self._rec.storage, out), device, r, r and torch.is_grad_enabled()
+    )
     base = getattr(self, "_view_of", None)
     made._view_of = self if base is None else base
     return made

@@ -71,8 +71,10 @@ def record_call(func: Any, args: tuple, kwargs: dict) -> Any:
         flat = iter_args(args, kwargs)
     device = output_device(kwargs, flat)
     with plain():
-        out = func(*map_args(to_meta_or_same, args, kwargs)[0],
-                   **map_args(to_meta_or_same, args, kwargs)[1])  # fmt: skip
+        out = func(
+            *map_args(to_meta_or_same, args, kwargs)[0],
+            **map_args(to_meta_or_same, args, kwargs)[1],
+        )
     outs = list(out) if isinstance(out, (tuple, list)) else [out]
     grad = torch.is_grad_enabled() and any(
         requires_grad(x) for x in flat if isinstance(x, torch.Tensor)
@@ -154,20 +156,28 @@ def record_grad(args: tuple, kwargs: dict) -> tuple[DeferredTensor | None, ...]:
     ]
     rec_kwargs = {
         "grad_outputs": None if grad_outputs is None else [_rec(g) for g in grad_outputs],
-        "retain_graph": a["retain_graph"], "create_graph": a["create_graph"],
-        "allow_unused": allow_unused, "materialize_grads": a["materialize_grads"],
-    }  # fmt: skip
+        "retain_graph": a["retain_graph"],
+        "create_graph": a["create_graph"],
+        "allow_unused": allow_unused,
+        "materialize_grads": a["materialize_grads"],
+    }
     tensors = [*outputs, *inputs, *(g for g in grad_outputs or () if g is not None)]
     reads = tuple({id(t._rec.storage): t._rec.storage for t in tensors}.values())
     written = {id(s): s for op in span for r in op.outputs if r is not None for s in (r.storage,)}
     written.update({id(s): s for op in span for s in op.mutates})
     op = GradCall(
-        next_seq(), torch.autograd.grad, ([t._rec for t in outputs], [t._rec for t in inputs]),
-        rec_kwargs, reads, tuple(g._rec if g is not None else None for g in records), None,
-        call_site(), span=frozenset(o.seq for o in span),
+        next_seq(),
+        torch.autograd.grad,
+        ([t._rec for t in outputs], [t._rec for t in inputs]),
+        rec_kwargs,
+        reads,
+        tuple(g._rec if g is not None else None for g in records),
+        None,
+        call_site(),
+        span=frozenset(o.seq for o in span),
         leaves=frozenset(id(t._rec.storage) for t in inputs),
         span_storages=tuple(written.values()),
-    )  # fmt: skip
+    )
     if a["create_graph"]:  # the gradients are a node of a later gradient's graph
         op.grad_args = frozenset(id(t._rec) for t in tensors if t._rg)
     for g in records:
@@ -199,9 +209,13 @@ def record_autograd(func: Any, args: tuple, kwargs: dict) -> Any:
     create_graph = a["create_graph"]
     gradients = record_grad(
         (tensors, inputs),
-        {"grad_outputs": None if grads is None else _tensors(grads), "allow_unused": True,
-         "retain_graph": a["retain_graph"], "create_graph": create_graph},
-    )  # fmt: skip
+        {
+            "grad_outputs": None if grads is None else _tensors(grads),
+            "allow_unused": True,
+            "retain_graph": a["retain_graph"],
+            "create_graph": create_graph,
+        },
+    )
     with torch.set_grad_enabled(create_graph):
         for leaf, g in zip(inputs, gradients, strict=True):
             if g is None:
