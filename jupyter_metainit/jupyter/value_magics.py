@@ -38,6 +38,11 @@ class ValueMagics(Magics):
         except Exception as exc:  # the user's expression: their mistake, told in one line
             if os.path.exists(os.path.expanduser(text)):
                 return os.path.expanduser(text)
+            if _looks_like_path(text):
+                raise UsageError(
+                    f"%{magic}: no such file or directory: {text!r} (an operand is a Python "
+                    "expression in your namespace or a checkpoint path)"
+                ) from None
             message = str(exc).splitlines()[0] if str(exc).strip() else ""
             kind = f"{message} ({type(exc).__name__})" if message else type(exc).__name__
             raise UsageError(f"%{magic}: cannot evaluate {text!r}: {kind}") from None
@@ -109,6 +114,29 @@ def _as_options(text: str) -> str:
     return text
 
 
+# A checkpoint's file names, for an operand typed as a path that does not exist.
+_CHECKPOINT_SUFFIXES = (".safetensors", ".json", ".bin", ".pt", ".pth", ".ckpt", ".distcp")
+
+
+def _looks_like_path(text: str) -> bool:
+    """An operand typed as a path rather than as Python: a checkpoint's file name
+    (``model.safetensors`` is no Python a user means), or no Python at all with a slash or
+    from ``~`` or ``.`` (``sd[k]/2`` is Python, ``./tuned`` is not)."""
+    text = text.strip()
+    if text.lower().endswith(_CHECKPOINT_SUFFIXES):
+        return True
+    path_like = os.sep in text or "/" in text or text.startswith(("~", "."))
+    return path_like and not _is_python(text)
+
+
+def _is_python(text: str) -> bool:
+    try:
+        compile(text, "<operand>", "eval")
+    except SyntaxError:
+        return False
+    return True
+
+
 def _two_operands(text: str) -> tuple[str, str]:
     """``"a b"`` -> ``("a", "b")``: split at the first space (outside brackets and quotes)
     after which both sides are Python expressions or paths as typed."""
@@ -131,11 +159,7 @@ def _two_operands(text: str) -> tuple[str, str]:
 
 def _operand_text(text: str) -> bool:
     """A Python expression, or a path as typed (no spaces)."""
-    try:
-        compile(text, "<operand>", "eval")
-    except SyntaxError:
-        return not any(c.isspace() for c in text)
-    return True
+    return _is_python(text) or not any(c.isspace() for c in text)
 
 
 def unregister_value_magics(ipython: InteractiveShell) -> None:
