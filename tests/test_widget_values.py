@@ -307,3 +307,40 @@ def test_compare_of_a_model_transformers_renames_with_its_files_is_all_equal(tmp
     assert w.error == "", w.error
     assert set(kinds(w).values()) == {"equal"}
     assert "lm_head.weight" in {r[0] for r in w.comparison["tensors"]}
+
+
+def test_compare_of_a_ticked_row_transformers_renames_with_its_files_is_equal(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPTNeoXConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=100, tie_word_embeddings=False,
+    )  # fmt: skip
+    with meta_init():
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path)  # lm_head.weight is written as embed_out.weight
+    w = explore(model)
+    w.selected = ["lm_head"]
+    w.compare_with(str(tmp_path))
+    assert w.error == "", w.error
+    assert [r[:4] for r in w.comparison["tensors"]] == [
+        ["lm_head.weight", w._tree.index["lm_head"], "equal", "equal"]
+    ]
+
+
+def test_compare_of_ticked_fused_experts_with_their_split_files_colours_their_row(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, vocab_size=100,
+    )  # fmt: skip
+    with meta_init():
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path)  # the fused experts are written split, one file per expert
+    w = explore(model)
+    w.selected = ["model.layers.1.mlp.experts"]
+    w.compare_with(str(tmp_path))
+    assert w.error == "", w.error
+    experts = w._tree.index["model.layers.1.mlp.experts"]
+    assert len(w.comparison["tensors"]) == 12  # 4 experts x w1, w2, w3
+    assert {(r[1], r[2]) for r in w.comparison["tensors"]} == {(experts, "equal")}
+    assert kinds(w)["model.layers.1.mlp.experts"] == "equal"
