@@ -275,6 +275,41 @@ def test_values_of_tensors_edited_in_a_later_cell_are_cleared_saying_why(shell):
     assert w.status.startswith("Values cleared: the model's tensors changed")
 
 
+def measured_eager_net(shell):
+    """An eager net, its widget's Values measured, cells watched: ``net`` in the notebook."""
+    from jupyter_metainit.jupyter.cell_watch import watch_cells
+
+    watch_cells(shell)
+    net = eager_net()
+    shell.user_ns["net"] = net
+    w = explore(net)
+    w.measure_values()
+    assert w.values["modules"]
+    return w
+
+
+def test_values_of_real_tensors_unchanged_outlive_later_cells(shell):
+    w = measured_eager_net(shell)
+    shell.run_cell("x = net.layers[1].mlp.weight.data.clone()\ny = net.norm.weight.sum()")
+    assert w.values["modules"]
+
+
+def test_values_of_a_parameter_given_new_data_are_cleared(shell):
+    w = measured_eager_net(shell)
+    shell.run_cell("import torch\nnet.layers[1].mlp.weight.data = torch.zeros(32, 16)")
+    assert w.values.get("modules") is None
+    assert w.status.startswith("Values cleared: the model's tensors changed")
+
+
+@pytest.mark.parametrize("write", ["copy_(torch.zeros(32, 16))", "mul_(2)", "[0, 0] = 1.5"])
+def test_values_of_a_parameter_written_in_place_through_data_are_cleared(shell, write):
+    w = measured_eager_net(shell)
+    assign = write.startswith("[")
+    shell.run_cell(f"import torch\nnet.layers[1].mlp.weight.data{'' if assign else '.'}{write}")
+    assert w.values.get("modules") is None
+    assert w.status.startswith("Values cleared: the model's tensors changed")
+
+
 def test_a_comparison_whose_tensors_are_unchanged_outlives_later_cells(shell):
     from jupyter_metainit.jupyter.cell_watch import watch_cells
 
