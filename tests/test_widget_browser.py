@@ -205,6 +205,89 @@ def test_deferred_to_cuda_badge_keeps_clear_of_the_size_column_at_700px(browser)
         page.close()
 
 
+def _measured_llama_state(tmp_path) -> dict:
+    """A small Llama's widget state, one layer real and holding a NaN, Values measured and
+    compared with a checkpoint of it (as the values notebook below, without a kernel)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from jupyter_metainit import materialize, save
+    from jupyter_metainit.jupyter.widget import explore
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                      tie_word_embeddings=True)  # fmt: skip
+    with meta_init():
+        model = LlamaForCausalLM(cfg)
+    materialize(model.model.layers[1])
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
+    save(model, tmp_path / "tuned")
+    w = explore(model)
+    w.measure_values()
+    w.compare_with(str(tmp_path / "tuned"))
+    assert w.error == "", w.error
+    return {k: v for k, v in w.get_state().items() if not k.startswith("_")}
+
+
+def _mount_at(
+    browser, state: dict, widths: tuple[int, ...], measure: str, columns: bool = True
+) -> dict:
+    """The harness page at each widget width: ``measure`` evaluated on the widget's root."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1300})
+    _serve_static(page)
+    page.evaluate("(s) => window.mount(s)", state)
+    if not columns:
+        page.locator(".jmi-values-cols").click()  # the NaN flags back beside the names
+    layers = page.locator(".jmi-rows .jmi-row", has=page.locator(".jmi-name[title='model.layers']"))
+    layers.locator(".jmi-caret").click()  # open, and the focused row (its copy button shown)
+    found = {}
+    for width in widths:
+        page.evaluate("(w) => { document.getElementById('host').style.width = w + 'px'; }", width)
+        page.wait_for_timeout(200)
+        found[width] = page.locator(".jmi-root").evaluate(measure)
+    page.close()
+    return found
+
+
+_NAMES_AND_TAGS = """(root) => {
+  const box = (el) => el.getBoundingClientRect();
+  const rows = [...root.querySelectorAll('.jmi-rows .jmi-row')];
+  const cut = rows.map((r) => r.querySelector('.jmi-name'))
+    .filter((n) => n.scrollWidth > n.clientWidth + 1).map((n) => n.title);
+  const tags = rows.map((r) => r.querySelector('.jmi-c-size .jmi-dtype'))
+    .filter((t) => t && t.checkVisibility()).map((t) => Math.round(box(t).left));
+  return { cut, tags: [...new Set(tags)] }; }"""
+
+
+@pytest.mark.parametrize("columns", ["value columns", "no value columns"])
+def test_narrow_rows_keep_their_names_and_the_dtype_tags_in_one_column(browser, tmp_path, columns):
+    state = _measured_llama_state(tmp_path)
+    widths = (330, 580, 700, 968)
+    found = _mount_at(browser, state, widths, _NAMES_AND_TAGS, columns == "value columns")
+    assert all(not f["cut"] for f in found.values()), found  # beside a NaN flag too
+    assert all(len(f["tags"]) <= 1 for f in found.values()), found  # one left edge
+
+
+def test_two_gpus_wrap_the_action_bar_between_its_groups(browser, tmp_path):
+    state = _measured_llama_state(tmp_path)
+    # the devices trait as a two-GPU kernel sends it (no GPU needed to draw the bar)
+    state["devices"] = [
+        {"name": f"cuda:{i}", "label": "NVIDIA H100, 79.1 GiB free"} for i in (0, 1)
+    ]
+    measure = """(root) => {
+      const bar = root.querySelector('.jmi-actions'), sep = bar.querySelector('.jmi-sep');
+      const lines = (g) => new Set([...g.children].map((c) => c.offsetTop)).size;
+      const groups = [...bar.querySelectorAll('.jmi-group')];
+      const [before, after] = [sep.previousElementSibling, sep.nextElementSibling];
+      return { groups: groups.length, split: groups.filter((g) => lines(g) > 1).length,
+               dangling: sep.checkVisibility() && before.offsetTop !== after.offsetTop,
+               wider: bar.scrollWidth > bar.clientWidth + 1 }; }"""
+    found = _mount_at(browser, state, (968, 1300), measure)
+    whole = {"groups": 3, "split": 0, "dangling": False, "wider": False}
+    assert found[968] == whole and found[1300] == whole, found
+
+
 # ---------------------------------------------------------------------------- JupyterLab
 
 
