@@ -855,8 +855,9 @@ _WIDTH_CELLS = [
 
 def _layout_faults(widget) -> list[str]:
     """What a width does wrong: a row without its size (or, with the value columns on, its
-    std in the size's place) or state, a cell pushed under its row, a separator alone at the
-    start or end of a line, anything wider than the widget."""
+    std in the size's place) or state, a cell pushed under its row, a name cut, dtype tags
+    out of their column, a separator alone at the start or end of a line, anything wider than
+    the widget."""
     return widget.evaluate(
         """(root) => {
           const faults = [];
@@ -880,6 +881,13 @@ def _layout_faults(widget) -> list[str]:
               }
             }
           }
+          // a name is whole (the hovered row shows its copy button: it may end in "…")
+          for (const n of root.querySelectorAll('.jmi-rows .jmi-row:not(:hover) .jmi-name')) {
+            if (n.scrollWidth > n.clientWidth + 1) faults.push(`${n.title}: name cut`);
+          }
+          const tags = [...root.querySelectorAll('.jmi-rows .jmi-c-size .jmi-dtype')]
+            .filter(shown).map((t) => Math.round(box(t).left));
+          if (new Set(tags).size > 1) faults.push(`dtype tags at ${[...new Set(tags)]}`);
           const sep = root.querySelector('.jmi-sep');
           if (shown(sep)) {
             const line = (a, b) => box(a).top < box(b).bottom && box(b).top < box(a).bottom;
@@ -1286,11 +1294,12 @@ def _action_bar_lines(widget) -> int:
 
 
 @pytest.mark.parametrize("theme", ["light", "dark"])
-def test_values_and_compare_at_1400_700_and_330_px_in_light_and_dark(browser, frontend, theme):
+def test_values_and_compare_at_1400_700_580_and_330_px_in_light_and_dark(browser, frontend, theme):
     """With the value columns, the chart panel and a comparison with a checkpoint path shown,
-    at each width every row keeps its name, state and key figure (its size; its std in the
-    size's place at ~330 px), no cell falls under its row, no separator dangles, and the
-    action bar takes one line at 1400 px. Screenshots:
+    at each width every row keeps its whole name (beside a NaN flag too), state and key
+    figure (its size; its std in the size's place at ~330 px), the dtype tags one column, no
+    cell falls under its row, no separator dangles, and the action bar takes one line at
+    1400 px. Screenshots:
     test-artifacts/widget-<app>-values-<theme>-<px>.png."""
     app = "jupyterlab4" if frontend["app"] == "jupyterlab" else "notebook7"
     if theme == "dark":
@@ -1304,10 +1313,15 @@ def test_values_and_compare_at_1400_700_and_330_px_in_light_and_dark(browser, fr
     _compare_typed(page, widget, "tuned_ckpt")
     widget.locator(".jmi-message", has_text="Compared").wait_for(timeout=60_000)
     found = {}
-    for width in (1400, 700, 330):
-        page.set_viewport_size({"width": max(width, 700), "height": 1300})
-        if width == 330:  # a notebook beside an open side panel: the widget 330 px wide
-            widget.evaluate("(r) => { r.closest('.jp-OutputArea-output').style.width = '330px'; }")
+    for width in (1400, 700, 580, 330):
+        # below 700: a notebook beside an open side panel, the widget this wide in a window
+        # wide enough to hold it (JupyterLab's own panels take ~370 px of a 700 px window)
+        page.set_viewport_size({"width": 1400 if width < 700 else width, "height": 1300})
+        if width < 700:
+            widget.evaluate(
+                "(r, w) => { r.style.maxWidth = w + 'px'; }",
+                width,  # the widget's own width
+            )
         page.wait_for_timeout(400)
         widget.scroll_into_view_if_needed()
         widget.screenshot(path=str(ARTIFACTS / f"widget-{app}-values-{theme}-{width}.png"))
@@ -1317,6 +1331,7 @@ def test_values_and_compare_at_1400_700_and_330_px_in_light_and_dark(browser, fr
             "bar_lines": _action_bar_lines(widget),
         }
     (ARTIFACTS / f"values-widths-{app}-{theme}.json").write_text(json.dumps(found, indent=1))
+    assert abs(found[580]["widget_px"] - 580) <= 2, found  # each width is the one looked at
     assert all(not f["faults"] for f in found.values()), found
     assert found[1400]["bar_lines"] == 1, found
     std = _row(widget, "model.embed_tokens").locator(".jmi-c-std")
