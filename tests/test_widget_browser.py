@@ -231,9 +231,16 @@ def _measured_llama_state(tmp_path) -> dict:
 
 
 def _mount_at(
-    browser, state: dict, widths: tuple[int, ...], measure: str, columns: bool = True
+    browser,
+    state: dict,
+    widths: tuple[int, ...],
+    measure: str,
+    columns: bool = True,
+    shot: str = "",
 ) -> dict:
-    """The harness page at each widget width: ``measure`` evaluated on the widget's root."""
+    """The harness page at each widget width: ``measure`` evaluated on the widget's root; with
+    ``shot``, screenshots test-artifacts/<shot>-<px>.png (light: the harness has no JupyterLab
+    theme)."""
     page = browser.new_page(viewport={"width": 1400, "height": 1300})
     _serve_static(page)
     page.evaluate("(s) => window.mount(s)", state)
@@ -246,6 +253,9 @@ def _mount_at(
         page.evaluate("(w) => { document.getElementById('host').style.width = w + 'px'; }", width)
         page.wait_for_timeout(200)
         found[width] = page.locator(".jmi-root").evaluate(measure)
+        if shot:
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.locator(".jmi-root").screenshot(path=str(ARTIFACTS / f"{shot}-{width}.png"))
     page.close()
     return found
 
@@ -283,7 +293,7 @@ def test_two_gpus_wrap_the_action_bar_between_its_groups(browser, tmp_path):
       return { groups: groups.length, split: groups.filter((g) => lines(g) > 1).length,
                dangling: sep.checkVisibility() && before.offsetTop !== after.offsetTop,
                wider: bar.scrollWidth > bar.clientWidth + 1 }; }"""
-    found = _mount_at(browser, state, (968, 1300), measure)
+    found = _mount_at(browser, state, (968, 1300), measure, shot="widget-two-gpus")
     whole = {"groups": 3, "split": 0, "dangling": False, "wider": False}
     assert found[968] == whole and found[1300] == whole, found
 
