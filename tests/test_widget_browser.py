@@ -1188,6 +1188,40 @@ _VALUES_CELLS = [
 ]
 
 
+_TWO_GPU_CELLS = [
+    *_FLOW_CELLS[:2],
+    "import jupyter_metainit\n\n(w,) = jupyter_metainit.widgets_of(model)\n"
+    "# the devices trait as a kernel with two GPUs fills it (this one has none)\n"
+    "w.devices = [{'name': f'cuda:{i}', 'label': 'NVIDIA H100 80GB HBM3, 79.1 GiB free'}\n"
+    "             for i in (0, 1)]",
+]
+
+
+@pytest.mark.parametrize("theme", ["light", "dark"])
+def test_two_gpus_wrap_the_action_bar_between_its_groups_in_jupyterlab(browser, jupyterlab, theme):
+    """At 1400 px (JupyterLab with its file browser open) a kernel with two GPUs gives the
+    bar more buttons than one line holds: it wraps between its groups, the separator never
+    alone. Screenshots: test-artifacts/widget-two-gpus-jupyterlab4-<theme>.png."""
+    if theme == "dark":
+        _set_theme(jupyterlab["settings"], "JupyterLab Dark")
+    page = _open_and_build(browser, jupyterlab, f"gpus-{theme}.ipynb", _TWO_GPU_CELLS)
+    _run_cell(page, 2)
+    widget = page.locator(".jmi-root").first
+    widget.locator(".jmi-actions button", has_text="→ cuda:1").wait_for(timeout=10_000)
+    page.wait_for_timeout(400)
+    widget.screenshot(path=str(ARTIFACTS / f"widget-two-gpus-jupyterlab4-{theme}.png"))
+    found = widget.locator(".jmi-actions").evaluate(
+        """(bar) => { const sep = bar.querySelector('.jmi-sep');
+          const lines = (g) => new Set([...g.children].map((c) => c.offsetTop)).size;
+          const groups = [...bar.querySelectorAll('.jmi-group')];
+          const [before, after] = [sep.previousElementSibling, sep.nextElementSibling];
+          return { groups: groups.length, split: groups.filter((g) => lines(g) > 1).length,
+                   dangling: sep.checkVisibility() && before.offsetTop !== after.offsetTop }; }"""
+    )
+    assert found == {"groups": 3, "split": 0, "dangling": False}, found
+    assert _layout_faults(widget) == []
+
+
 def _focus_in_widget(page, step: str) -> None:
     """The keyboard focus is on a control of the widget, never fallen to <body>."""
     focus = _focus(page)
