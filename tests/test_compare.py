@@ -132,10 +132,7 @@ def test_a_model_transformers_converts_in_memory_equals_its_save_pretrained(arch
             vocab_size=100, tie_word_embeddings=False,
         )  # fmt: skip
     else:
-        config = transformers.MixtralConfig(
-            hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, num_local_experts=4, vocab_size=100,
-        )  # fmt: skip
+        config = _mixtral_config()
     eager, deferred = eager_and_deferred(
         lambda: transformers.AutoModelForCausalLM.from_config(config)
     )
@@ -144,6 +141,44 @@ def test_a_model_transformers_converts_in_memory_equals_its_save_pretrained(arch
         assert _all_equal(compare(model, tmp_path))
         assert _all_equal(compare(tmp_path, model))
     assert is_deferred(deferred)
+
+
+def _mixtral_config():
+    return transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, vocab_size=100,
+    )  # fmt: skip
+
+
+def test_a_subtree_of_a_model_transformers_fuses_equals_its_part_of_the_files(tmp_path):
+    eager, deferred = eager_and_deferred(
+        lambda: transformers.AutoModelForCausalLM.from_config(_mixtral_config())
+    )
+    eager.save_pretrained(tmp_path)  # the fused experts are written split, under other names
+    table = compare(deferred, tmp_path, modules="model.layers.0.mlp")
+    assert _all_equal(table)
+    assert sorted(table.index) == sorted(
+        [f"model.layers.0.block_sparse_moe.experts.{e}.{w}.weight"
+         for e in range(4) for w in ("w1", "w2", "w3")]
+        + ["model.layers.0.mlp.gate.weight"]  # only renamed: under the model's name
+    )  # fmt: skip
+    assert is_deferred(deferred)
+
+
+def test_a_subtree_of_a_dict_leaves_the_other_sides_other_tensors_out():
+    eager, deferred = eager_and_deferred(_llama)
+    table = compare(deferred, eager.state_dict(), modules=["model.layers.1"])
+    assert sorted(table.index) == sorted(
+        k for k in eager.state_dict() if k.startswith("model.layers.1.")
+    )
+    assert _all_equal(table)
+
+
+def test_modules_that_a_does_not_have_are_a_clear_error():
+    from jupyter_metainit import ArgumentError
+
+    with pytest.raises(ArgumentError, match=r"'model\.layer\.0' is no submodule of a"):
+        compare(_llama(), _llama(), modules=["model.layer.0"])
 
 
 def test_a_model_opened_under_meta_init_is_read_from_its_files_and_stays_deferred(tmp_path):

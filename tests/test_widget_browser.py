@@ -205,6 +205,99 @@ def test_deferred_to_cuda_badge_keeps_clear_of_the_size_column_at_700px(browser)
         page.close()
 
 
+def _measured_llama_state(tmp_path) -> dict:
+    """A small Llama's widget state, one layer real and holding a NaN, Values measured and
+    compared with a checkpoint of it (as the values notebook below, without a kernel)."""
+    import torch
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from jupyter_metainit import materialize, save
+    from jupyter_metainit.jupyter.widget import explore
+
+    cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+                      num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
+                      tie_word_embeddings=True)  # fmt: skip
+    with meta_init():
+        model = LlamaForCausalLM(cfg)
+    materialize(model.model.layers[1])
+    with torch.no_grad():
+        model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
+    save(model, tmp_path / "tuned")
+    w = explore(model)
+    w.measure_values()
+    w.compare_with(str(tmp_path / "tuned"))
+    assert w.error == "", w.error
+    return {k: v for k, v in w.get_state().items() if not k.startswith("_")}
+
+
+def _mount_at(
+    browser,
+    state: dict,
+    widths: tuple[int, ...],
+    measure: str,
+    columns: bool = True,
+    shot: str = "",
+) -> dict:
+    """The harness page at each widget width: ``measure`` evaluated on the widget's root; with
+    ``shot``, screenshots test-artifacts/<shot>-<px>.png (light: the harness has no JupyterLab
+    theme)."""
+    page = browser.new_page(viewport={"width": 1400, "height": 1300})
+    _serve_static(page)
+    page.evaluate("(s) => window.mount(s)", state)
+    if not columns:
+        page.locator(".jmi-values-cols").click()  # the NaN flags back beside the names
+    layers = page.locator(".jmi-rows .jmi-row", has=page.locator(".jmi-name[title='model.layers']"))
+    layers.locator(".jmi-caret").click()  # open, and the focused row (its copy button shown)
+    found = {}
+    for width in widths:
+        page.evaluate("(w) => { document.getElementById('host').style.width = w + 'px'; }", width)
+        page.wait_for_timeout(200)
+        found[width] = page.locator(".jmi-root").evaluate(measure)
+        if shot:
+            ARTIFACTS.mkdir(exist_ok=True)
+            page.locator(".jmi-root").screenshot(path=str(ARTIFACTS / f"{shot}-{width}.png"))
+    page.close()
+    return found
+
+
+_NAMES_AND_TAGS = """(root) => {
+  const box = (el) => el.getBoundingClientRect();
+  const rows = [...root.querySelectorAll('.jmi-rows .jmi-row')];
+  const cut = rows.map((r) => r.querySelector('.jmi-name'))
+    .filter((n) => n.scrollWidth > n.clientWidth + 1).map((n) => n.title);
+  const tags = rows.map((r) => r.querySelector('.jmi-c-size .jmi-dtype'))
+    .filter((t) => t && t.checkVisibility()).map((t) => Math.round(box(t).left));
+  return { cut, tags: [...new Set(tags)] }; }"""
+
+
+@pytest.mark.parametrize("columns", ["value columns", "no value columns"])
+def test_narrow_rows_keep_their_names_and_the_dtype_tags_in_one_column(browser, tmp_path, columns):
+    state = _measured_llama_state(tmp_path)
+    widths = (330, 580, 700, 968)
+    found = _mount_at(browser, state, widths, _NAMES_AND_TAGS, columns == "value columns")
+    assert all(not f["cut"] for f in found.values()), found  # beside a NaN flag too
+    assert all(len(f["tags"]) <= 1 for f in found.values()), found  # one left edge
+
+
+def test_two_gpus_wrap_the_action_bar_between_its_groups(browser, tmp_path):
+    state = _measured_llama_state(tmp_path)
+    # the devices trait as a two-GPU kernel sends it (no GPU needed to draw the bar)
+    state["devices"] = [
+        {"name": f"cuda:{i}", "label": "NVIDIA H100, 79.1 GiB free"} for i in (0, 1)
+    ]
+    measure = """(root) => {
+      const bar = root.querySelector('.jmi-actions'), sep = bar.querySelector('.jmi-sep');
+      const lines = (g) => new Set([...g.children].map((c) => c.offsetTop)).size;
+      const groups = [...bar.querySelectorAll('.jmi-group')];
+      const [before, after] = [sep.previousElementSibling, sep.nextElementSibling];
+      return { groups: groups.length, split: groups.filter((g) => lines(g) > 1).length,
+               dangling: sep.checkVisibility() && before.offsetTop !== after.offsetTop,
+               wider: bar.scrollWidth > bar.clientWidth + 1 }; }"""
+    found = _mount_at(browser, state, (968, 1300), measure, shot="widget-two-gpus")
+    whole = {"groups": 3, "split": 0, "dangling": False, "wider": False}
+    assert found[968] == whole and found[1300] == whole, found
+
+
 # ---------------------------------------------------------------------------- JupyterLab
 
 
@@ -772,8 +865,9 @@ _WIDTH_CELLS = [
 
 def _layout_faults(widget) -> list[str]:
     """What a width does wrong: a row without its size (or, with the value columns on, its
-    std in the size's place) or state, a cell pushed under its row, a separator alone at the
-    start or end of a line, anything wider than the widget."""
+    std in the size's place) or state, a cell pushed under its row, a name cut, dtype tags
+    out of their column, a separator alone at the start or end of a line, anything wider than
+    the widget."""
     return widget.evaluate(
         """(root) => {
           const faults = [];
@@ -797,6 +891,13 @@ def _layout_faults(widget) -> list[str]:
               }
             }
           }
+          // a name is whole (the hovered row shows its copy button: it may end in "…")
+          for (const n of root.querySelectorAll('.jmi-rows .jmi-row:not(:hover) .jmi-name')) {
+            if (n.scrollWidth > n.clientWidth + 1) faults.push(`${n.title}: name cut`);
+          }
+          const tags = [...root.querySelectorAll('.jmi-rows .jmi-c-size .jmi-dtype')]
+            .filter(shown).map((t) => Math.round(box(t).left));
+          if (new Set(tags).size > 1) faults.push(`dtype tags at ${[...new Set(tags)]}`);
           const sep = root.querySelector('.jmi-sep');
           if (shown(sep)) {
             const line = (a, b) => box(a).top < box(b).bottom && box(b).top < box(a).bottom;
@@ -1087,6 +1188,40 @@ _VALUES_CELLS = [
 ]
 
 
+_TWO_GPU_CELLS = [
+    *_FLOW_CELLS[:2],
+    "import jupyter_metainit\n\n(w,) = jupyter_metainit.widgets_of(model)\n"
+    "# the devices trait as a kernel with two GPUs fills it (this one has none)\n"
+    "w.devices = [{'name': f'cuda:{i}', 'label': 'NVIDIA H100 80GB HBM3, 79.1 GiB free'}\n"
+    "             for i in (0, 1)]",
+]
+
+
+@pytest.mark.parametrize("theme", ["light", "dark"])
+def test_two_gpus_wrap_the_action_bar_between_its_groups_in_jupyterlab(browser, jupyterlab, theme):
+    """At 1400 px (JupyterLab with its file browser open) a kernel with two GPUs gives the
+    bar more buttons than one line holds: it wraps between its groups, the separator never
+    alone. Screenshots: test-artifacts/widget-two-gpus-jupyterlab4-<theme>.png."""
+    if theme == "dark":
+        _set_theme(jupyterlab["settings"], "JupyterLab Dark")
+    page = _open_and_build(browser, jupyterlab, f"gpus-{theme}.ipynb", _TWO_GPU_CELLS)
+    _run_cell(page, 2)
+    widget = page.locator(".jmi-root").first
+    widget.locator(".jmi-actions button", has_text="→ cuda:1").wait_for(timeout=10_000)
+    page.wait_for_timeout(400)
+    widget.screenshot(path=str(ARTIFACTS / f"widget-two-gpus-jupyterlab4-{theme}.png"))
+    found = widget.locator(".jmi-actions").evaluate(
+        """(bar) => { const sep = bar.querySelector('.jmi-sep');
+          const lines = (g) => new Set([...g.children].map((c) => c.offsetTop)).size;
+          const groups = [...bar.querySelectorAll('.jmi-group')];
+          const [before, after] = [sep.previousElementSibling, sep.nextElementSibling];
+          return { groups: groups.length, split: groups.filter((g) => lines(g) > 1).length,
+                   dangling: sep.checkVisibility() && before.offsetTop !== after.offsetTop }; }"""
+    )
+    assert found == {"groups": 3, "split": 0, "dangling": False}, found
+    assert _layout_faults(widget) == []
+
+
 def _focus_in_widget(page, step: str) -> None:
     """The keyboard focus is on a control of the widget, never fallen to <body>."""
     focus = _focus(page)
@@ -1203,11 +1338,12 @@ def _action_bar_lines(widget) -> int:
 
 
 @pytest.mark.parametrize("theme", ["light", "dark"])
-def test_values_and_compare_at_1400_700_and_330_px_in_light_and_dark(browser, frontend, theme):
+def test_values_and_compare_at_1400_700_580_and_330_px_in_light_and_dark(browser, frontend, theme):
     """With the value columns, the chart panel and a comparison with a checkpoint path shown,
-    at each width every row keeps its name, state and key figure (its size; its std in the
-    size's place at ~330 px), no cell falls under its row, no separator dangles, and the
-    action bar takes one line at 1400 px. Screenshots:
+    at each width every row keeps its whole name (beside a NaN flag too), state and key
+    figure (its size; its std in the size's place at ~330 px), the dtype tags one column, no
+    cell falls under its row, no separator dangles, and the action bar takes one line at
+    1400 px. Screenshots:
     test-artifacts/widget-<app>-values-<theme>-<px>.png."""
     app = "jupyterlab4" if frontend["app"] == "jupyterlab" else "notebook7"
     if theme == "dark":
@@ -1221,10 +1357,15 @@ def test_values_and_compare_at_1400_700_and_330_px_in_light_and_dark(browser, fr
     _compare_typed(page, widget, "tuned_ckpt")
     widget.locator(".jmi-message", has_text="Compared").wait_for(timeout=60_000)
     found = {}
-    for width in (1400, 700, 330):
-        page.set_viewport_size({"width": max(width, 700), "height": 1300})
-        if width == 330:  # a notebook beside an open side panel: the widget 330 px wide
-            widget.evaluate("(r) => { r.closest('.jp-OutputArea-output').style.width = '330px'; }")
+    for width in (1400, 700, 580, 330):
+        # below 700: a notebook beside an open side panel, the widget this wide in a window
+        # wide enough to hold it (JupyterLab's own panels take ~370 px of a 700 px window)
+        page.set_viewport_size({"width": 1400 if width < 700 else width, "height": 1300})
+        if width < 700:
+            widget.evaluate(
+                "(r, w) => { r.style.maxWidth = w + 'px'; }",
+                width,  # the widget's own width
+            )
         page.wait_for_timeout(400)
         widget.scroll_into_view_if_needed()
         widget.screenshot(path=str(ARTIFACTS / f"widget-{app}-values-{theme}-{width}.png"))
@@ -1234,6 +1375,7 @@ def test_values_and_compare_at_1400_700_and_330_px_in_light_and_dark(browser, fr
             "bar_lines": _action_bar_lines(widget),
         }
     (ARTIFACTS / f"values-widths-{app}-{theme}.json").write_text(json.dumps(found, indent=1))
+    assert abs(found[580]["widget_px"] - 580) <= 2, found  # each width is the one looked at
     assert all(not f["faults"] for f in found.values()), found
     assert found[1400]["bar_lines"] == 1, found
     std = _row(widget, "model.embed_tokens").locator(".jmi-c-std")

@@ -275,6 +275,41 @@ def test_values_of_tensors_edited_in_a_later_cell_are_cleared_saying_why(shell):
     assert w.status.startswith("Values cleared: the model's tensors changed")
 
 
+def measured_eager_net(shell):
+    """An eager net, its widget's Values measured, cells watched: ``net`` in the notebook."""
+    from jupyter_metainit.jupyter.cell_watch import watch_cells
+
+    watch_cells(shell)
+    net = eager_net()
+    shell.user_ns["net"] = net
+    w = explore(net)
+    w.measure_values()
+    assert w.values["modules"]
+    return w
+
+
+def test_values_of_real_tensors_unchanged_outlive_later_cells(shell):
+    w = measured_eager_net(shell)
+    shell.run_cell("x = net.layers[1].mlp.weight.data.clone()\ny = net.norm.weight.sum()")
+    assert w.values["modules"]
+
+
+def test_values_of_a_parameter_given_new_data_are_cleared(shell):
+    w = measured_eager_net(shell)
+    shell.run_cell("import torch\nnet.layers[1].mlp.weight.data = torch.zeros(32, 16)")
+    assert w.values.get("modules") is None
+    assert w.status.startswith("Values cleared: the model's tensors changed")
+
+
+@pytest.mark.parametrize("write", ["copy_(torch.zeros(32, 16))", "mul_(2)", "[0, 0] = 1.5"])
+def test_values_of_a_parameter_written_in_place_through_data_are_cleared(shell, write):
+    w = measured_eager_net(shell)
+    assign = write.startswith("[")
+    shell.run_cell(f"import torch\nnet.layers[1].mlp.weight.data{'' if assign else '.'}{write}")
+    assert w.values.get("modules") is None
+    assert w.status.startswith("Values cleared: the model's tensors changed")
+
+
 def test_a_comparison_whose_tensors_are_unchanged_outlives_later_cells(shell):
     from jupyter_metainit.jupyter.cell_watch import watch_cells
 
@@ -307,3 +342,40 @@ def test_compare_of_a_model_transformers_renames_with_its_files_is_all_equal(tmp
     assert w.error == "", w.error
     assert set(kinds(w).values()) == {"equal"}
     assert "lm_head.weight" in {r[0] for r in w.comparison["tensors"]}
+
+
+def test_compare_of_a_ticked_row_transformers_renames_with_its_files_is_equal(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.GPTNeoXConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        vocab_size=100, tie_word_embeddings=False,
+    )  # fmt: skip
+    with meta_init():
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path)  # lm_head.weight is written as embed_out.weight
+    w = explore(model)
+    w.selected = ["lm_head"]
+    w.compare_with(str(tmp_path))
+    assert w.error == "", w.error
+    assert [r[:4] for r in w.comparison["tensors"]] == [
+        ["lm_head.weight", w._tree.index["lm_head"], "equal", "equal"]
+    ]
+
+
+def test_compare_of_ticked_fused_experts_with_their_split_files_colours_their_row(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    config = transformers.MixtralConfig(
+        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, num_local_experts=4, vocab_size=100,
+    )  # fmt: skip
+    with meta_init():
+        model = transformers.AutoModelForCausalLM.from_config(config)
+    model.save_pretrained(tmp_path)  # the fused experts are written split, one file per expert
+    w = explore(model)
+    w.selected = ["model.layers.1.mlp.experts"]
+    w.compare_with(str(tmp_path))
+    assert w.error == "", w.error
+    experts = w._tree.index["model.layers.1.mlp.experts"]
+    assert len(w.comparison["tensors"]) == 12  # 4 experts x w1, w2, w3
+    assert {(r[1], r[2]) for r in w.comparison["tensors"]} == {(experts, "equal")}
+    assert kinds(w)["model.layers.1.mlp.experts"] == "equal"

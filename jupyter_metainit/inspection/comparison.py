@@ -4,14 +4,15 @@ from __future__ import annotations
 
 import math
 import os
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
 import pandas as pd
 import torch
 
-from jupyter_metainit.core import dtype_name, in_file_layout
+from jupyter_metainit.core import dtype_name
+from jupyter_metainit.inspection.compared_sides import Layout, check_modules, file_layout, under
 from jupyter_metainit.inspection.moments import bit_patterns, scratch
 from jupyter_metainit.inspection.pipeline import Chunks, Progress, batches, run_batches
 from jupyter_metainit.inspection.sources import Entry, Source, open_source
@@ -70,6 +71,7 @@ def compare(
     a: torch.nn.Module | Mapping[str, torch.Tensor] | str | os.PathLike[str],
     b: torch.nn.Module | Mapping[str, torch.Tensor] | str | os.PathLike[str],
     *,
+    modules: str | Sequence[str] | None = None,
     progress: bool | Callable[[int, int], None] | Callable[[int, int, str], None] | None = None,
 ) -> pd.DataFrame:
     """Compare two models, state dicts or checkpoints tensor by tensor, in bounded memory.
@@ -89,6 +91,11 @@ def compare(
             seen as ``save_pretrained`` writes it (the file's names and layout, where
             transformers renames or fuses weights in memory); a tied weight the file keeps once
             is compared under each of its names.
+        modules: only the tensors of these subtrees of ``a`` (a qualified module name, as
+            ``a.named_modules()`` gives it, or a list of them; ``None`` or ``""``: all), and
+            the tensors of ``b`` that pair with them or lie under the same names. A
+            transformers model against a path is still seen in the file's layout, its part
+            of it: ``compare(model, path, modules="model.layers.0")``.
         progress: ``True`` for a progress bar, or ``callable(done_bytes, total_bytes)`` (or
             ``callable(done, total, phase)``); raising from it cancels.
 
@@ -102,8 +109,10 @@ def compare(
         dtype.
 
     Raises:
-        ArgumentError: a path that is no checkpoint.
-        ArgumentTypeError: ``a`` or ``b`` is not a module, a dict of tensors or a path.
+        ArgumentError: a path that is no checkpoint, or a name in ``modules`` that is no
+            submodule of ``a``.
+        ArgumentTypeError: ``a`` or ``b`` is not a module, a dict of tensors or a path, or
+            ``modules`` is not a name or a list of names.
         KeyboardInterrupt: Ctrl-C, or the exception a ``progress`` callable raised to cancel;
             nothing changed.
 
@@ -132,10 +141,23 @@ def compare(
         ``diff = compare("base/", "finetuned/")``, then
         ``diff[diff.status != "equal"].sort_values("rel_l2", ascending=False)``.
     """
-    (a, named_a), (b, named_b) = _checkpoint_layout(a, b), _checkpoint_layout(b, a)
-    left, right = open_source(a, "compare(): a"), open_source(b, "compare(): b")
+    return compare_layouts(a, b, check_modules(a, modules), progress)[0]
+
+
+def compare_layouts(
+    a: Any, b: Any, scope: list[str], progress: Any, *, origins: bool = False
+) -> tuple[pd.DataFrame, Layout]:
+    """:func:`compare` of the subtrees ``scope`` of ``a`` (checked; ``[]``: all), and ``a``'s
+    layout as read (with ``origins``: which model tensor each row comes from)."""
+    side_a = file_layout(a, b, scope, origins=origins)
+    side_b = file_layout(b, a, [])
+    left = open_source(side_a.tensors, "compare(): a")
+    right = open_source(side_b.tensors, "compare(): b")
     _tie_across(left, right)
     _tie_across(right, left)
+    if scope:  # b's tensors that pair with a's, or lie in the same subtrees
+        left.names = {n: e for n, e in left.names.items() if _kept(n, scope, a)}
+        right.names = {n: e for n, e in right.names.items() if n in left.names or under(n, scope)}
     pairs = [(left.entries[left.names[n]], right.entries[right.names[n]])
              for n in left.names if n in right.names]  # fmt: skip
     pairs = [(x, y) for x, y in pairs if x.shape == y.shape]
@@ -149,9 +171,16 @@ def compare(
     for name in [*left.names, *(n for n in right.names if n not in left.names)]:
         rows.append(_row(name, left, right, sums))
         index.append(name)
-    named = {**named_b, **named_a}
+    named = {**side_b.renamed, **side_a.renamed}
     index = [named.get(n, n) for n in index]
-    return pd.DataFrame(rows, index=pd.Index(index, name="tensor"), columns=_COLUMNS)
+    table = pd.DataFrame(rows, index=pd.Index(index, name="tensor"), columns=_COLUMNS)
+    return table, side_a
+
+
+def _kept(name: str, scope: list[str], a: Any) -> bool:
+    """A name of ``a`` in the subtrees asked about: a path's are filtered here (a module's
+    and a dict's were left out before their conversion)."""
+    return not isinstance(a, (str, os.PathLike)) or under(name, scope)
 
 
 def _measure_pairs(
@@ -185,36 +214,6 @@ def _measure_pairs(
         for (x, y), one in zip(batch, measured, strict=True):
             out[(x.name, y.name)] = one
     return out
-
-
-def _checkpoint_layout(model: Any, other: Any) -> tuple[Any, dict[str, str]]:
-    """A transformers model compared with a checkpoint path, as ``save_pretrained`` writes it:
-    transformers >= 5 renames some weights in memory (GPT-NeoX's ``lm_head`` is ``embed_out``
-    in the file) and fuses others (a mixture of experts'), and writes them back in the file's
-    layout. Deferred tensors stay deferred (the conversion's views and splits are recorded).
-    Also: the file's name -> the model's, for each tensor only renamed (the table names it as
-    the model does)."""
-    if not isinstance(model, torch.nn.Module) or not isinstance(other, (str, os.PathLike)):
-        return model, {}
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # no transformers: nothing is converted in memory
-        return model, {}
-    if not isinstance(model, PreTrainedModel):
-        return model, {}
-    state = dict(model.state_dict(keep_vars=True))
-    converted = in_file_layout(model, state)
-    if converted is None:  # transformers 4: nothing is converted in memory
-        return model, {}
-    first = {}
-    for name, t in state.items():
-        first.setdefault(id(t), name)
-    named = {
-        k: first[id(t)]
-        for k, t in converted.items()
-        if k not in state and id(t) in first and first[id(t)] not in converted
-    }
-    return converted, named
 
 
 def _tie_across(side: Source, other: Source) -> None:

@@ -29,10 +29,33 @@ export function busyWhy(busy: boolean, off: boolean): string {
   return busy ? "Busy: wait for the running action, or Cancel it (key x)" : "";
 }
 
+/** A group of the bar's controls, kept on one line. */
+function group(label: string): HTMLElement {
+  const el = h("div", "jmi-group");
+  el.setAttribute("role", "group");
+  el.setAttribute("aria-label", label);
+  return el;
+}
+
+/** Put `items` in `box`, touching the DOM only when they changed, so focus is never lost. */
+function fill(box: HTMLElement, items: HTMLElement[]): void {
+  const current = [...box.children];
+  if (current.length !== items.length || current.some((el, i) => el !== items[i])) {
+    box.replaceChildren(...items);
+  }
+}
+
 export class ActionBar {
   readonly el = h("div", "jmi-actions");
   private readonly buttons = new Map<string, HTMLButtonElement>();
   private readonly sep = h("span", "jmi-sep");
+  /** The bar wraps between groups, never inside one: materialize and free (one button per
+   *  GPU), then the tools (values, plan, save, compare), then the options after the separator. */
+  private readonly groups = {
+    memory: group("Materialize and free"),
+    tools: group("Measure, plan, save, compare"),
+    options: group("Options"),
+  };
   private table: Action[] = [];
   /** The toolbar item that Tab reaches (roving tabindex): the last one focused. */
   private current: HTMLElement | null = null;
@@ -47,6 +70,7 @@ export class ActionBar {
     this.el.setAttribute("role", "toolbar");
     this.el.setAttribute("aria-label", "Actions on the ticked modules");
     this.sep.setAttribute("aria-hidden", "true");
+    this.el.append(this.groups.memory, this.groups.tools, this.sep, this.groups.options);
     this.el.addEventListener("focusin", (ev) => {
       if (this.items().includes(ev.target as HTMLElement)) this.rove(ev.target as HTMLElement);
     });
@@ -77,17 +101,17 @@ export class ActionBar {
       this.reasons.explain(b, withKey(why || action.what || action.label, action.shortcut));
     }
     for (const control of this.trailing) (control as HTMLSelectElement).disabled = busy || off;
-    const shown = [...this.table.flatMap((a) => (a.button ? [a.button] : [])), this.sep, ...this.trailing];
-    // only touch the DOM when the set of buttons changed, so focus is never lost
-    const current = [...this.el.children];
-    if (current.length !== shown.length || current.some((el, i) => el !== shown[i])) {
-      this.el.replaceChildren(...shown);
-    }
+    const buttons = this.table.flatMap((a) => (a.button ? [a.button] : []));
+    const tools = new Set(["values", "plan", "save", "compare"]);
+    const inTools = new Set(this.table.filter((a) => tools.has(a.id)).map((a) => a.button));
+    fill(this.groups.memory, buttons.filter((b) => !inTools.has(b)));
+    fill(this.groups.tools, buttons.filter((b) => inTools.has(b)));
+    fill(this.groups.options, this.trailing);
     const items = this.items();
     this.rove(this.current && items.includes(this.current) ? this.current : items[0]);
   }
 
-  /** The separator only between items on one line: a wrapped line never starts with it. */
+  /** The separator only between groups on one line: a wrapped line never starts with it. */
   placeSeparator(): void {
     const prev = this.sep.previousElementSibling as HTMLElement | null;
     const next = this.sep.nextElementSibling as HTMLElement | null;
@@ -113,18 +137,19 @@ export class ActionBar {
     return true;
   }
 
+  /** Every button and select of the bar, in order, across its groups. */
+  private controls(): HTMLElement[] {
+    return Object.values(this.groups).flatMap((g) => [...g.children] as HTMLElement[]);
+  }
+
   private items(): HTMLElement[] {
-    return [...this.el.children].filter(
-      (el): el is HTMLElement => el !== this.sep && !(el as HTMLSelectElement).disabled,
-    ) as HTMLElement[];
+    return this.controls().filter((el) => !(el as HTMLSelectElement).disabled);
   }
 
   private rove(item: HTMLElement | undefined): void {
     if (!item) return;
     this.current = item;
-    for (const el of [...this.el.children] as HTMLElement[]) {
-      if (el !== this.sep) el.tabIndex = el === item ? 0 : -1;
-    }
+    for (const el of this.controls()) el.tabIndex = el === item ? 0 : -1;
   }
 
   /** The bar's action table for the current devices. */

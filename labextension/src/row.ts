@@ -158,7 +158,9 @@ export function treeRow(ctx: RowContext, row: VisibleRow, i: number): HTMLElemen
   share.append(track, h("span", "jmi-pct", percent(t.share[n], t.totalBytes)));
   share.title = "Share of the model's memory (a tied tensor counts for its first holder)";
 
-  const size = h("div", "jmi-c-num jmi-c-size", humanBytes(t.bytes[n]));
+  // the figure in a box of its own width, so the dtype tags before it line up in a column
+  const size = h("div", "jmi-c-num jmi-c-size");
+  size.append(h("span", "jmi-bytes", humanBytes(t.bytes[n])));
   if (t.dtype[n]) size.prepend(dtypeTag(t.dtype[n]), " ");
   if (t.source[n]) size.prepend(sourceTag(t.source[n]), " ");
 

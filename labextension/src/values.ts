@@ -83,6 +83,11 @@ export function badFlag(s: Stat): HTMLElement | null {
 export function valueCells(s: Stat | undefined): HTMLElement[] {
   const cell = (cls: string, v: number | null | undefined) => {
     const el = h("div", `jmi-c-num jmi-c-val ${cls}`, s ? statText(v ?? null) : "");
+    // a figure NaN or inf make undefined says so in red: the row's flag where the name has
+    // no room for it (style.css hides the name's flag in narrow widgets)
+    if (s && (v ?? null) === null && badText(s)) {
+      el.replaceChildren(h("span", "jmi-bad-val", s.nan ? "NaN" : "inf"));
+    }
     if (s) el.title = `mean ${statText(s.mean)}, std ${statText(s.std)}, absmax ${statText(s.absmax)}, l2 ${statText(s.l2)}${badText(s) ? `; ${badText(s)}` : ""}`;
     return el;
   };

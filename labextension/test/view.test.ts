@@ -713,6 +713,20 @@ describe("focus and keys", () => {
     expect(stops[0].tabIndex).toBe(-1);
   });
 
+  it("groups the action bar: materialize and free per GPU, the tools, then the options", () => {
+    const devices = [0, 1].map((i) => ({ name: `cuda:${i}`, label: "GPU" }));
+    const { root } = mount(smallTree(), { devices });
+    const groups = [...root.querySelectorAll<HTMLElement>(".jmi-actions > .jmi-group")];
+    const texts = groups.map((g) => [...g.querySelectorAll("button")].map((b) => b.textContent));
+    expect(texts).toEqual([
+      ["Materialize → CPU", "→ cuda:0", "→ cuda:1", "Free"],
+      ["Values", "Plan…", "Save…", "Compare with…"],
+      [],
+    ]);
+    expect(groups[2].querySelectorAll("select").length).toBeGreaterThan(0);
+    expect(groups[1].nextElementSibling!.classList.contains("jmi-sep")).toBe(true);
+  });
+
   it("keeps the focused row in the page when it is scrolled out of view", () => {
     const { root, view } = mount(bigTree());
     view.expandToDepth(99);
@@ -841,6 +855,13 @@ describe("Values", () => {
     expect(rowOfNode(root, 7).querySelector(".jmi-bad")!.textContent).toBe("NaN");
     expect(rowOfNode(root, 7).getAttribute("aria-label")).toContain("holds 1 NaN values");
     expect(rowOfNode(root, 4).querySelector(".jmi-bad")).toBeNull();
+  });
+
+  it("says NaN in the std cell of a row whose std NaN makes undefined", () => {
+    const { root, model } = mount(smallTree(), { expand_depth: 3 });
+    model.set("values", measured);
+    expect(rowOfNode(root, 7).querySelector(".jmi-c-std .jmi-bad-val")!.textContent).toBe("NaN");
+    expect(rowOfNode(root, 3).querySelector(".jmi-c-std .jmi-bad-val")).toBeNull();
   });
 
   it("Shift+V hides and shows the value columns; the NaN flag stays", () => {

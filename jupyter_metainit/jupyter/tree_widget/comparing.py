@@ -16,13 +16,9 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core.errors import ArgumentError
-from jupyter_metainit.inspection import compare
+from jupyter_metainit.inspection.comparison import compare_layouts
 from jupyter_metainit.inspection.sources import open_source
-from jupyter_metainit.jupyter.tree_widget.stale_results import (
-    remember_measured,
-    scoped_state,
-    under,
-)
+from jupyter_metainit.jupyter.tree_widget.stale_results import remember_measured
 from jupyter_metainit.jupyter.tree_widget.wording import modules_in_words
 
 __all__ = ["KINDS", "TINY_REL_L2", "kind_of", "prepare_compare"]
@@ -131,18 +127,16 @@ def prepare_compare(widget: Any, content: dict) -> tuple[str, Callable[[], str]]
 
     def job() -> str:
         scope = [n for n in names if n]
-        # the module itself, whole: against a path it is seen in the file's layout (compare)
-        state = scoped_state(widget.module, scope) if scope else widget.module
         b = other.state_dict() if isinstance(other, torch.nn.Module) else other
 
         def progress(done: int, total: int, phase: str = "") -> None:
             widget._progress(done, total, f"comparing with {said}")
 
-        table = compare(state, b, progress=progress)
-        if scope:  # the other side's tensors outside the ticked subtrees are not asked about
-            table = table[[under(n, scope) for n in table.index]]
+        # against a path, the ticked subtrees are seen in the file's layout, each file tensor
+        # coloured on the row of the model tensor it comes from
+        table, layout = compare_layouts(widget.module, b, scope, progress, origins=True)
         next_id = int(widget.comparison.get("id", 0)) + 1
-        widget.comparison = comparison_payload(widget, table, said, next_id)
+        widget.comparison = comparison_payload(widget, table, said, next_id, layout.origin)
         remember_measured(widget, "comparison", scope)
         counts = table["status"].value_counts()
         parts = ", ".join(f"{int(c):,} {s}" for s, c in counts.items())
@@ -156,14 +150,19 @@ def _number(value: Any) -> float | None:
     return value if math.isfinite(value) else None
 
 
-def comparison_payload(widget: Any, table: Any, other: str, id_: int) -> dict:
+def comparison_payload(
+    widget: Any, table: Any, other: str, id_: int, origin: dict[str, str] | None = None
+) -> dict:
     """The ``comparison`` trait: per tensor ``[name, node, kind, status, rel_l2, max_abs_diff,
-    cosine]``, per node ``[node, worst kind, tensors that differ, largest rel_l2]``."""
+    cosine]``, per node ``[node, worst kind, tensors that differ, largest rel_l2]``. A file's
+    tensor is on the row of the model tensor it comes from (``origin``: file name -> model
+    name, where a fused weight is written split)."""
     index = widget._tree.index
     tensors, nodes = [], {}
+    origin = origin or {}
     for name, row in table.iterrows():
         kind = kind_of(row["status"], float(row["rel_l2"]))
-        owner = name.rpartition(".")[0]
+        owner = origin.get(name, name).rpartition(".")[0]
         rel = _number(row["rel_l2"])
         tensors.append(
             [name, index.get(owner, -1), kind, row["status"], rel,
