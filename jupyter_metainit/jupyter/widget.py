@@ -312,8 +312,23 @@ class ModuleTreeWidget(anywidget.AnyWidget):
     def set_state(self, sync_data: dict) -> None:
         """Apply the page's writes of page-writable traits; refuse the rest, visibly.
 
-        A refused or invalid write is undone on the page (the kernel's value is sent back)
-        and said in a notice; nothing in the kernel changes (``tree_widget/page_trust.py``).
+        What ipywidgets calls for each update from the page. The page may write the selection
+        and the options of the next action; a refused or invalid write is undone on the page
+        (the kernel's value is sent back) and said in a notice, and nothing in the kernel
+        changes (``tree_widget/page_trust.py``).
+
+        Args:
+            sync_data: the traits the page wrote, by name.
+
+        Examples:
+            >>> from torch import nn
+            >>> from jupyter_metainit import explore, meta_init
+            >>> with meta_init():
+            ...     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+            >>> w = explore(model)
+            >>> w.set_state({"selected": ["0"], "busy": "materialize cpu"})
+            >>> w.selected, w.busy, w.notice["text"]
+            (['0'], '', 'Ignored a change of busy from the page: the kernel owns it.')
         """
         apply_page_state(self, sync_data, super().set_state)
 
@@ -338,6 +353,19 @@ class ModuleTreeWidget(anywidget.AnyWidget):
         ``plan_actions.py``, ``save_action.py`` and ``values.py``.  Anything invalid is refused
         with a brief notice and changes nothing; it never replaces the message of the
         running or last action.
+
+        Args:
+            content: the message, as the page sends it.
+
+        Examples:
+            >>> from torch import nn
+            >>> from jupyter_metainit import explore, meta_init
+            >>> with meta_init():
+            ...     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+            >>> w = explore(model)
+            >>> w.handle_action({"action": "exec", "code": "print(1)"})
+            >>> w.notice["text"]
+            "Unknown action 'exec'; nothing was done."
         """
         self._actions.handle(content)
 
@@ -553,7 +581,23 @@ class ModuleTreeWidget(anywidget.AnyWidget):
     def measure_values(self, *, wait: bool = True) -> None:
         """Compute the statistics of the selected subtrees' values (the whole model if none is
         selected) with :func:`jupyter_metainit.stats`, as *Values* does; the model is not
-        changed. The tree then shows them (``w.values`` holds them)."""
+        changed. The tree then shows them (``w.values`` holds them).
+
+        Args:
+            wait: block until it is done.
+
+        Examples:
+            >>> from torch import nn
+            >>> from jupyter_metainit import explore, is_deferred, meta_init
+            >>> with meta_init():
+            ...     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+            >>> w = explore(model)
+            >>> w.measure_values()
+            >>> w.status
+            'Measured the values of model (the whole model): 4 tensors in ... the model unchanged.'
+            >>> is_deferred(model)
+            True
+        """
         self.handle_action({"action": "values", "names": self.selected})
         if wait:
             self.wait()
@@ -561,7 +605,25 @@ class ModuleTreeWidget(anywidget.AnyWidget):
     def compare_with(self, other: str, *, wait: bool = True) -> None:
         """Compare the selected subtrees (the whole model if none is selected) with ``other``,
         a checkpoint path or the name of a model or state dict in the notebook, as
-        *Compare with…* does (``w.comparison`` holds the result); neither side changes."""
+        *Compare with…* does (``w.comparison`` holds the result); neither side changes.
+
+        Args:
+            other: a checkpoint path, or the name of a model or state dict in the notebook.
+            wait: block until it is done.
+
+        Examples:
+            >>> import tempfile
+            >>> from torch import nn
+            >>> from jupyter_metainit import explore, meta_init
+            >>> with meta_init():
+            ...     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+            >>> w = explore(model)
+            >>> with tempfile.TemporaryDirectory() as directory:
+            ...     w.save(directory)
+            ...     w.compare_with(directory)
+            >>> w.status
+            'Compared model (the whole model) with ... in ...: 4 equal.'
+        """
         self.handle_action({"action": "compare", "other": other, "names": self.selected})
         if wait:
             self.wait()
@@ -569,25 +631,91 @@ class ModuleTreeWidget(anywidget.AnyWidget):
     # ------------------------------------------------------------------ following the model
     def refresh(self) -> bool:
         """Recompute every node's totals and state; send the page only the rows that changed.
-        True if any row changed."""
+
+        The widget refreshes by itself after each change the core publishes and each action;
+        call it after changing the model in a way the core does not see.
+
+        Returns:
+            True if any row changed.
+
+        Examples:
+            >>> from torch import nn
+            >>> from jupyter_metainit import explore, meta_init
+            >>> with meta_init():
+            ...     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+            >>> w = explore(model)
+            >>> w.refresh()  # nothing changed since the tree was drawn
+            False
+        """
         return self._follower.refresh()
 
     def model_changed(self) -> bool:
         """Whether the model was freed, or a module of it added, removed or replaced since the
-        tree was drawn; if so the actions are turned off, saying which."""
+        tree was drawn; if so the actions are turned off, saying which (``w.error``).
+
+        Returns:
+            True if the tree no longer shows the model (every action is then off for good).
+
+        Examples:
+            >>> from torch import nn
+            >>> from jupyter_metainit import explore, meta_init
+            >>> with meta_init():
+            ...     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+            >>> w = explore(model)
+            >>> del model[1]
+            >>> w.model_changed(), w.model_gone
+            (True, True)
+            >>> w.error
+            'The model changed since this tree was drawn (`model[1]` was added, removed or ...'
+        """
         return self._follower.model_changed()
 
     def mark_model_gone(self, why: str = MODEL_GONE) -> None:
         """The model was freed, or changed under the tree (``why``): say so, and turn every
-        action off for good (the page greys its buttons, as when the kernel is gone)."""
+        action off for good (the page greys its buttons, as when the kernel is gone).
+
+        Args:
+            why: what ``w.error`` says (by default: the model was freed).
+
+        Examples:
+            >>> from torch import nn
+            >>> from jupyter_metainit import explore
+            >>> w = explore(nn.Linear(2, 2))
+            >>> w.mark_model_gone("The model was replaced.")
+            >>> w.model_gone, w.error
+            (True, 'The model was replaced.')
+        """
         self._follower.mark_model_gone(why)
 
     def after_cell(self) -> None:
         """After each cell: a cell that deleted, replaced or added a module turns the actions
-        off now, not at the next click (``cell_watch`` tells the widget's follower)."""
+        off now, not at the next click; Values and Compare results whose tensors changed are
+        cleared. ``cell_watch`` does it for every widget; this does it for this one.
+
+        Examples:
+            >>> from torch import nn
+            >>> from jupyter_metainit import explore, meta_init
+            >>> with meta_init():
+            ...     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+            >>> w = explore(model)
+            >>> del model[1]  # what a cell does
+            >>> w.after_cell()
+            >>> w.model_gone
+            True
+        """
         self._follower.after_cell()
 
     def close(self) -> None:
+        """Close the widget: the page's view goes, and the widget stops following the model.
+
+        Examples:
+            >>> from torch import nn
+            >>> from jupyter_metainit import explore
+            >>> w = explore(nn.Linear(2, 2))
+            >>> w.close()
+            >>> w.comm is None
+            True
+        """
         follower = getattr(self, "_follower", None)  # None if __init__ failed
         if follower is not None:
             follower.close()

@@ -41,10 +41,11 @@ class WidgetHost(Protocol):
     devices: list[dict[str, str]]
     var_name: str
     comm: Any  # the ipywidgets comm, None once the widget is closed
-    # the tree drawn once from the model (immutable), and what each Values / Compare measured
-    # (tree_widget/stale_results.py)
+    # the tree drawn once from the model (immutable), what each Values / Compare measured
+    # (stale_results.py), and the save asked once to replace a checkpoint (save_action.py)
     _tree: ModuleTree
     _measured: dict[str, tuple]
+    _replace_confirmed: tuple[str, str] | None
 
     @property
     def module(self) -> nn.Module:
