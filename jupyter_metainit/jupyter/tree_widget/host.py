@@ -40,7 +40,7 @@ class WidgetHost(Protocol):
     show_table: bool
     devices: list[dict[str, str]]
     var_name: str
-    comm: Any  # the ipywidgets comm, None once the widget is closed
+    comm: object | None  # the ipywidgets comm, None once the widget is closed
     # the tree drawn once from the model (immutable), what each Values / Compare measured
     # (stale_results.py), and the save asked once to replace a checkpoint (save_action.py)
     _tree: ModuleTree
@@ -52,11 +52,11 @@ class WidgetHost(Protocol):
         """The model shown (``ModelGoneError`` once it was freed)."""
         ...
 
-    def send(self, content: dict, buffers: Any = None) -> None:
+    def send(self, content: dict, buffers: list[bytes] | None = None) -> None:
         """Send a custom message to the page."""
         ...
 
-    def send_state(self, key: Any = None) -> None:
+    def send_state(self, key: str | list[str] | None = None) -> None:
         """Send the kernel's value of these traits to the page (undoes a refused write)."""
         ...
 
