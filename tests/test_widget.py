@@ -527,7 +527,7 @@ def test_a_cell_that_deletes_a_module_turns_the_actions_off_when_it_ends(shell):
 
 def test_an_action_that_fails_unexpectedly_leaves_the_widget_idle_and_says_so(net):
     w = explore(net)
-    w._launch("save", lambda: 1 / 0, ())
+    w._actions.launch("save", lambda: 1 / 0, ())
     assert w.wait(10)
     assert w.busy == "" and "ZeroDivisionError" in w.error
 

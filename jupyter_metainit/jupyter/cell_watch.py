@@ -15,15 +15,17 @@ class _CellWatch:
     The kernel can hand a widget its page messages while a cell runs (whenever the cell lets
     go of the GIL, e.g. in torch ops), so a click's Free could pull weights from under a
     forward pass in that cell.  Page actions that change the model wait for the cell to end
-    instead (see ``ModuleTreeWidget._queue_while_a_cell_runs``).  Only cells that start after
+    instead (see ``tree_widget/actions.ActionRunner``).  Only cells that start after
     the watch is set up are seen: it is set up by ``%load_ext jupyter_metainit`` and by every
     widget made."""
 
     def __init__(self) -> None:
         self.shell: Any = None
         self.running = False
-        self.waiting: weakref.WeakSet[Any] = weakref.WeakSet()  # widgets with a queued action
-        # widgets told after each cell, which may have changed their model's modules
+        # widgets' action runners with a queued action (tree_widget/actions.ActionRunner)
+        self.waiting: weakref.WeakSet[Any] = weakref.WeakSet()
+        # widgets' model followers told after each cell, which may have changed their model's
+        # modules (tree_widget/following.ModelFollower)
         self.followers: weakref.WeakSet[Any] = weakref.WeakSet()
 
     def watch(self, shell: Any) -> None:
@@ -41,11 +43,11 @@ class _CellWatch:
 
     def _ended(self, result: Any = None) -> None:
         self.running = False
-        for widget in list(self.waiting):
-            self.waiting.discard(widget)
-            widget._run_queued()
-        for widget in list(self.followers):
-            widget.after_cell()
+        for runner in list(self.waiting):
+            self.waiting.discard(runner)
+            runner.run_queued()
+        for follower in list(self.followers):
+            follower.after_cell()
 
 
 cells = _CellWatch()

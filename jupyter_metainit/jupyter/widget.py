@@ -10,14 +10,21 @@ when the page writes it. Every widget showing a model follows it whoever changes
 magics, another widget, ``materialize_sharded``): the core publishes what it changed
 (``core.events``), and the widget refreshes once per burst of changes
 (``tree_widget/following.py``), with no polling while idle.
+
+The widget is made of parts that each own their state, constructed with it: an
+``ActionRunner`` (the worker thread, Cancel, the queued click, Materialize and Free), a
+``PlanState`` (the last plan, its options and pins), a ``ModelFollower`` (the rows as last
+measured, the refresh); what they need back from the widget is ``tree_widget/host.WidgetHost``.
+The widget keeps the traits, the selection and the Python API, which hands each call to its
+part.
 """
 
 from __future__ import annotations
 
 import atexit
 import contextlib
+import functools
 import pathlib
-import threading
 import weakref
 from collections.abc import Iterable
 from html import escape
@@ -32,12 +39,11 @@ from jupyter_metainit.core.errors import ArgumentTypeError
 from jupyter_metainit.estimates import memory_table
 from jupyter_metainit.jupyter.cell_watch import cells, watch_cells
 from jupyter_metainit.jupyter.module_tree import ModelGoneError, ModuleTree
-from jupyter_metainit.jupyter.tree_widget.actions import TreeActions
-from jupyter_metainit.jupyter.tree_widget.calls import PlanningCalls
+from jupyter_metainit.jupyter.tree_widget.actions import ActionRunner
 from jupyter_metainit.jupyter.tree_widget.device_fit import fit_per_device, visible_cuda_devices
-from jupyter_metainit.jupyter.tree_widget.following import FollowsModel
-from jupyter_metainit.jupyter.tree_widget.page_trust import PageTrust
-from jupyter_metainit.jupyter.tree_widget.plan_actions import TreePlanning
+from jupyter_metainit.jupyter.tree_widget.following import ModelFollower
+from jupyter_metainit.jupyter.tree_widget.page_trust import apply_page_state, handle_page_message
+from jupyter_metainit.jupyter.tree_widget.plan_actions import PlanState, prepare_job
 from jupyter_metainit.jupyter.tree_widget.wording import MODEL_GONE, SAVED_ADVICE, code_path
 
 __all__ = ["ModuleTreeWidget", "explore", "watch_cells", "widgets_of"]
@@ -113,9 +119,7 @@ def _on_model_freed(widget_ref: weakref.ref) -> Any:
     return freed
 
 
-class ModuleTreeWidget(
-    PageTrust, TreePlanning, PlanningCalls, TreeActions, FollowsModel, anywidget.AnyWidget
-):
+class ModuleTreeWidget(anywidget.AnyWidget):
     """Interactive tree of a model: explore it, select subtrees, materialize or free them.
 
     What ``%%meta_init`` and :func:`explore` display: one row per module with its parameter
@@ -215,23 +219,19 @@ class ModuleTreeWidget(
         self._module_ref = weakref.ref(module, _on_model_freed(weakref.ref(self)))
         self._model_type = type(module).__name__
         self._tree = ModuleTree.build(module)
-        self._stats = self._tree.stats()
-        self._ids = self._tensor_ids()
-        devices, reason = visible_cuda_devices()
-        self._worker: threading.Thread | None = None
-        self._cancel = threading.Event()
-        self._action_lock = threading.Lock()  # check-and-set of `busy`, from any thread
-        self._refresh_lock = threading.Lock()
         # what each Values / Compare result measured (tree_widget/stale_results.py)
         self._measured: dict[str, tuple] = {}
-        self._sync_timer: threading.Timer | None = None
-        self._last_progress = 0.0
-        self._queued: dict | None = None  # a page action waiting for the running cell to end
-        self._placement = None  # the last plan, what *Materialize plan* materializes
-        self._plan_request: dict | None = None  # its options, re-used by pins
-        self._pins: dict[str, str] = {}
+        # the save asked once to replace a checkpoint (tree_widget/save_action.py)
+        self._replace_confirmed: tuple[str, str] | None = None
+        # its parts (what each needs back from the widget: tree_widget/host.WidgetHost)
+        self._follower = ModelFollower(self, self._tree, module)
+        self._plans = PlanState(self)
+        self._actions = ActionRunner(
+            self, self._follower, functools.partial(prepare_job, self, self._plans)
+        )
+        devices, reason = visible_cuda_devices()
         super().__init__(
-            tree=self._tree.to_json(self._stats),
+            tree=self._tree.to_json(self._follower.stats),
             expand_depth=depth,
             var_name=name,
             devices=devices,
@@ -241,8 +241,8 @@ class ModuleTreeWidget(
         self.selection = self._selection_summary()
         self.on_msg(self._on_msg)
         watch_cells()
-        cells.followers.add(self)
-        events.subscribe(self._on_core_change)
+        cells.followers.add(self._follower)
+        events.subscribe(self._follower.on_core_change)
         _live_widgets.add(self)
 
     @property
@@ -255,7 +255,7 @@ class ModuleTreeWidget(
 
     def __repr__(self) -> str:
         # What plain-text front ends (terminals, nbconvert to text) show instead of the tree.
-        root = self._stats[0]
+        root = self._follower.stats[0]
         gone = "" if self._tree.alive else ", model gone"
         return (
             f"ModuleTreeWidget({self._model_type}: {format_count(root.params)} params, "
@@ -263,7 +263,7 @@ class ModuleTreeWidget(
         )
 
     def _summary_line(self) -> str:
-        root = self._stats[0]
+        root = self._follower.stats[0]
         return (
             f"{self._model_type}: {format_count(root.params)} params, "
             f"{format_bytes(root.bytes)}, {root.state or 'no tensors'}"
@@ -308,6 +308,419 @@ class ModuleTreeWidget(
             data, metadata = bundle
             display(data, metadata=metadata, raw=True)
 
+    # ------------------------------------------------------------------ the page's writes
+    def set_state(self, sync_data: dict) -> None:
+        """Apply the page's writes of page-writable traits; refuse the rest, visibly.
+
+        What ipywidgets calls for each update from the page. The page may write the selection
+        and the options of the next action; a refused or invalid write is undone on the page
+        (the kernel's value is sent back) and said in a notice, and nothing in the kernel
+        changes (``tree_widget/page_trust.py``).
+
+        Args:
+            sync_data: the traits the page wrote, by name.
+
+        Examples:
+            >>> from torch import nn
+            >>> from jupyter_metainit import explore, meta_init
+            >>> with meta_init():
+            ...     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+            >>> w = explore(model)
+            >>> w.set_state({"selected": ["0"], "busy": "materialize cpu"})
+            >>> w.selected, w.busy, w.notice["text"]
+            (['0'], '', 'Ignored a change of busy from the page: the kernel owns it.')
+        """
+        apply_page_state(self, sync_data, super().set_state)
+
+    def _handle_msg(self, msg: dict) -> None:
+        # A page message of an unexpected shape is a notice, never a traceback in the kernel.
+        handle_page_message(self, msg, super()._handle_msg)
+
+    def _notify(self, text: str) -> None:
+        self.notice = {"id": int(self.notice.get("id", 0)) + 1, "text": text}
+
+    # ------------------------------------------------------------------ actions
+    def _on_msg(self, _widget: object, content: object, _buffers: object) -> None:
+        self._actions.on_message(content)
+
+    def handle_action(self, content: Any) -> None:
+        """Carry out one action message from the front end (also usable from Python).
+
+        ``{"action": "materialize", "device": "cpu" | "cuda:N" | None, "names": [...]}``,
+        ``{"action": "free", "names": [...]}``, ``{"action": "cancel"}``,
+        ``{"action": "refresh"}`` or ``{"action": "ping"}``; the plan and save actions
+        (``plan``, ``pin``, ``unpin``, ``materialize_plan``, ``save``, ``values``) are described in
+        ``plan_actions.py``, ``save_action.py`` and ``values.py``.  Anything invalid is refused
+        with a brief notice and changes nothing; it never replaces the message of the
+        running or last action.
+
+        Args:
+            content: the message, as the page sends it.
+
+        Examples:
+            >>> from torch import nn
+            >>> from jupyter_metainit import explore, meta_init
+            >>> with meta_init():
+            ...     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+            >>> w = explore(model)
+            >>> w.handle_action({"action": "exec", "code": "print(1)"})
+            >>> w.notice["text"]
+            "Unknown action 'exec'; nothing was done."
+        """
+        self._actions.handle(content)
+
+    def _progress(self, done: int, total: int, phase: str = "") -> None:
+        # The one progress hook every job reports to (the core's callback, save's, values',
+        # compare's): raises ActionCancelled once Cancel was clicked.
+        self._actions.progress(done, total, phase)
+
+    def wait(self, timeout: float | None = None) -> bool:
+        """Block until the running action (a click, or a call with ``wait=False``) ends.
+
+        Use it in code that started an action without waiting, or that must not read the
+        model while a click's materialization runs.
+
+        Args:
+            timeout: the most seconds to wait; ``None`` waits as long as it takes.
+
+        Returns:
+            ``True`` if no action is running any more, ``False`` if ``timeout`` passed first.
+
+        Examples:
+            >>> from torch import nn
+            >>> from jupyter_metainit import explore, is_deferred, meta_init
+            >>> with meta_init():
+            ...     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+            >>> w = explore(model)
+            >>> w.selected = ["0"]
+            >>> w.materialize("cpu", wait=False)  # runs on the widget's worker thread
+            >>> w.wait(), is_deferred(model[0])
+            (True, False)
+        """
+        return self._actions.wait(timeout)
+
+    def materialize(self, device: str | None = None, *, wait: bool = True) -> None:
+        """Materialize the selected subtrees on ``device``, as the *Materialize* buttons do.
+
+        Use it to drive the widget from code, e.g. after setting ``w.selected``: the widget's
+        ``rng`` and ``dtype`` apply, the recording is kept so that :meth:`free` can make the
+        parts deferred again, and the tree, progress and status show it as for a click.
+
+        Args:
+            device: where the tensors go (``"cpu"``, ``"cuda:0"``); ``None``: each tensor goes
+                to the device it was recorded for (an error if this machine lacks it).
+            wait: block until it is done (otherwise it runs on the widget's worker thread;
+                :meth:`wait` waits for it).
+
+        Examples:
+            >>> from torch import nn
+            >>> from jupyter_metainit import explore, is_deferred, meta_init
+            >>> with meta_init():
+            ...     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+            >>> w = explore(model)
+            >>> w.selected = ["0"]
+            >>> w.materialize("cpu")
+            >>> w.status, w.error  # a failure is said in w.error, nothing raised
+            ('Materialized model[0] on cpu in ... ms.', '')
+        """
+        self.handle_action({"action": "materialize", "device": device, "names": self.selected})
+        if wait:
+            self.wait()
+
+    def free(self, *, wait: bool = True) -> None:
+        """Turn the selected subtrees back into deferred tensors, freeing their memory, as the
+        *Free* button does.
+
+        Materializing them again gives the same values; what cannot be freed that way (a part
+        trained or loaded into since) is refused and said in ``w.error``.
+
+        Args:
+            wait: block until it is done.
+
+        Examples:
+            >>> from torch import nn
+            >>> from jupyter_metainit import explore, is_deferred, meta_init
+            >>> with meta_init():
+            ...     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+            >>> w = explore(model)
+            >>> w.selected = ["0"]
+            >>> w.materialize("cpu")
+            >>> w.free()
+            >>> is_deferred(model[0])
+            True
+        """
+        self.handle_action({"action": "free", "names": self.selected})
+        if wait:
+            self.wait()
+
+    def place(
+        self,
+        devices: str,
+        *,
+        batch: int = 1,
+        seq_len: int | None = None,
+        training: bool = False,
+        inputs: str | None = None,
+        precision: str | None = None,
+        wait: bool = True,
+    ) -> None:
+        """Plan where each part goes, as *Plan…* does: :func:`~jupyter_metainit.place` on the
+        worker thread; the tree then shows a device per part and a bar per device.
+
+        Args:
+            devices: as typed in the plan bar: ``"cuda:0=80GiB, cuda:1=80GiB"`` or ``"auto"``.
+            batch: samples per step.
+            seq_len: tokens per sample.
+            training: plan a training step.
+            inputs: as the Inputs field, ``"(8, 3, 224, 224)"``, instead of ``seq_len``.
+            precision: as the Precision field (``None``: as built, ``"bf16"``, ``"fp32"``,
+                ``"bf16-mixed"``); *Materialize plan* then materializes the weights in it.
+            wait: block until it is done.
+
+        Examples:
+            >>> from torch import nn
+            >>> from jupyter_metainit import explore, meta_init
+            >>> with meta_init():
+            ...     model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024))
+            >>> w = explore(model)
+            >>> w.place("cuda:0=6MiB, cuda:1=6MiB", inputs="(8, 1024)")
+            >>> w.status
+            'Planned in ... It fits: cuda:0 4.10 MiB of 6.00 MiB, cuda:1 4.10 MiB of 6.00 MiB.'
+            >>> w.plan["device_map"]
+            {'0': 'cuda:0', '1': 'cuda:0', '2': 'cuda:1'}
+        """
+        self.handle_action(
+            {
+                "action": "plan",
+                "devices": devices,
+                "batch": batch,
+                "seq_len": seq_len,
+                "training": training,
+                "inputs": inputs,
+                "precision": precision,
+            }
+        )
+        if wait:
+            self.wait()
+
+    def pin(self, device: str, *, wait: bool = True) -> None:
+        """Pin the selected subtrees to ``device`` and plan the rest around them, as a row's
+        *Pin* does (after :meth:`place`).
+
+        Args:
+            device: one of the plan's devices.
+            wait: block until it is done.
+
+        Examples:
+            >>> from torch import nn
+            >>> from jupyter_metainit import explore, meta_init
+            >>> with meta_init():
+            ...     model = nn.Sequential(nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, 1024))
+            >>> w = explore(model)
+            >>> w.place("cuda:0=6MiB, cuda:1=6MiB", inputs="(8, 1024)")
+            >>> w.selected = ["0"]
+            >>> w.pin("cuda:1")
+            >>> w.status
+            'Planned in ... Pinned: model[0] → cuda:1.'
+        """
+        self.handle_action({"action": "pin", "names": self.selected, "device": device})
+        if wait:
+            self.wait()
+
+    def materialize_plan(self, *, wait: bool = True) -> None:
+        """Materialize every part on the device the plan gives it, as *Materialize plan* does
+        (after :meth:`place`).
+
+        Args:
+            wait: block until it is done.
+
+        Examples:
+            >>> from torch import nn
+            >>> from jupyter_metainit import explore, is_deferred, meta_init
+            >>> with meta_init():
+            ...     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+            >>> w = explore(model)
+            >>> w.place("cpu=1GiB", inputs="(8, 64)")
+            >>> w.materialize_plan()
+            >>> is_deferred(model), model[1].weight.device
+            (False, device(type='cpu'))
+        """
+        self.handle_action({"action": "materialize_plan"})
+        if wait:
+            self.wait()
+
+    def save(self, path: str, *, format: str = "safetensors", wait: bool = True) -> None:
+        """Save the selected subtree (the whole model if none is selected) to ``path`` with
+        :func:`~jupyter_metainit.save`, as *Save…* does, on the worker thread with progress.
+
+        Args:
+            path: the directory to write (``~`` expands).
+            format: ``"safetensors"`` or ``"dcp"``.
+            wait: block until it is done.
+
+        Examples:
+            >>> import os, tempfile
+            >>> from torch import nn
+            >>> from jupyter_metainit import explore, is_deferred, meta_init
+            >>> with meta_init():
+            ...     model = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+            >>> w = explore(model)
+            >>> with tempfile.TemporaryDirectory() as directory:
+            ...     w.save(directory)
+            ...     os.listdir(directory)
+            ['model.safetensors']
+            >>> is_deferred(model)  # saved without materializing
+            True
+        """
+        self.handle_action(
+            {"action": "save", "path": path, "format": format, "names": self.selected}
+        )
+        if wait:
+            self.wait()
+
+    def measure_values(self, *, wait: bool = True) -> None:
+        """Compute the statistics of the selected subtrees' values (the whole model if none is
+        selected) with :func:`jupyter_metainit.stats`, as *Values* does; the model is not
+        changed. The tree then shows them (``w.values`` holds them).
+
+        Args:
+            wait: block until it is done.
+
+        Examples:
+            >>> from torch import nn
+            >>> from jupyter_metainit import explore, is_deferred, meta_init
+            >>> with meta_init():
+            ...     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+            >>> w = explore(model)
+            >>> w.measure_values()
+            >>> w.status
+            'Measured the values of model (the whole model): 4 tensors in ... the model unchanged.'
+            >>> is_deferred(model)
+            True
+        """
+        self.handle_action({"action": "values", "names": self.selected})
+        if wait:
+            self.wait()
+
+    def compare_with(self, other: str, *, wait: bool = True) -> None:
+        """Compare the selected subtrees (the whole model if none is selected) with ``other``,
+        a checkpoint path or the name of a model or state dict in the notebook, as
+        *Compare with…* does (``w.comparison`` holds the result); neither side changes.
+
+        Args:
+            other: a checkpoint path, or the name of a model or state dict in the notebook.
+            wait: block until it is done.
+
+        Examples:
+            >>> import tempfile
+            >>> from torch import nn
+            >>> from jupyter_metainit import explore, meta_init
+            >>> with meta_init():
+            ...     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+            >>> w = explore(model)
+            >>> with tempfile.TemporaryDirectory() as directory:
+            ...     w.save(directory)
+            ...     w.compare_with(directory)
+            >>> w.status
+            'Compared model (the whole model) with ... in ...: 4 equal.'
+        """
+        self.handle_action({"action": "compare", "other": other, "names": self.selected})
+        if wait:
+            self.wait()
+
+    # ------------------------------------------------------------------ following the model
+    def refresh(self) -> bool:
+        """Recompute every node's totals and state; send the page only the rows that changed.
+
+        The widget refreshes by itself after each change the core publishes and each action;
+        call it after changing the model in a way the core does not see.
+
+        Returns:
+            True if any row changed.
+
+        Examples:
+            >>> from torch import nn
+            >>> from jupyter_metainit import explore, meta_init
+            >>> with meta_init():
+            ...     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+            >>> w = explore(model)
+            >>> w.refresh()  # nothing changed since the tree was drawn
+            False
+        """
+        return self._follower.refresh()
+
+    def model_changed(self) -> bool:
+        """Whether the model was freed, or a module of it added, removed or replaced since the
+        tree was drawn; if so the actions are turned off, saying which (``w.error``).
+
+        Returns:
+            True if the tree no longer shows the model (every action is then off for good).
+
+        Examples:
+            >>> from torch import nn
+            >>> from jupyter_metainit import explore, meta_init
+            >>> with meta_init():
+            ...     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+            >>> w = explore(model)
+            >>> del model[1]
+            >>> w.model_changed(), w.model_gone
+            (True, True)
+            >>> w.error
+            'The model changed since this tree was drawn (`model[1]` was added, removed or ...'
+        """
+        return self._follower.model_changed()
+
+    def mark_model_gone(self, why: str = MODEL_GONE) -> None:
+        """The model was freed, or changed under the tree (``why``): say so, and turn every
+        action off for good (the page greys its buttons, as when the kernel is gone).
+
+        Args:
+            why: what ``w.error`` says (by default: the model was freed).
+
+        Examples:
+            >>> from torch import nn
+            >>> from jupyter_metainit import explore
+            >>> w = explore(nn.Linear(2, 2))
+            >>> w.mark_model_gone("The model was replaced.")
+            >>> w.model_gone, w.error
+            (True, 'The model was replaced.')
+        """
+        self._follower.mark_model_gone(why)
+
+    def after_cell(self) -> None:
+        """After each cell: a cell that deleted, replaced or added a module turns the actions
+        off now, not at the next click; Values and Compare results whose tensors changed are
+        cleared. ``cell_watch`` does it for every widget; this does it for this one.
+
+        Examples:
+            >>> from torch import nn
+            >>> from jupyter_metainit import explore, meta_init
+            >>> with meta_init():
+            ...     model = nn.Sequential(nn.Linear(8, 8), nn.Linear(8, 2))
+            >>> w = explore(model)
+            >>> del model[1]  # what a cell does
+            >>> w.after_cell()
+            >>> w.model_gone
+            True
+        """
+        self._follower.after_cell()
+
+    def close(self) -> None:
+        """Close the widget: the page's view goes, and the widget stops following the model.
+
+        Examples:
+            >>> from torch import nn
+            >>> from jupyter_metainit import explore
+            >>> w = explore(nn.Linear(2, 2))
+            >>> w.close()
+            >>> w.comm is None
+            True
+        """
+        follower = getattr(self, "_follower", None)  # None if __init__ failed
+        if follower is not None:
+            follower.close()
+        super().close()
+
     # ------------------------------------------------------------------ selection
     @traitlets.validate("selected")
     def _validate_selected(self, proposal: dict) -> list[str]:
@@ -321,6 +734,25 @@ class ModuleTreeWidget(
                 raise traitlets.TraitError(f"{name!r} is not a module of this model")
             nodes.append(self._tree.index[name])
         return [self._tree.names[n] for n in self._tree.normalize_selection(nodes)]
+
+    def _check_names(self, names: Any) -> list[str]:
+        if not isinstance(names, list) or not names:
+            raise ValueError("Select at least one module first (tick its checkbox).")
+        try:
+            names = self._normalize(names)
+        except traitlets.TraitError as exc:
+            raise ValueError(f"Refused: {exc}. Nothing was done.") from None
+        for name in names:
+            try:
+                found = self.module.get_submodule(name)
+            except AttributeError:
+                found = None
+            if found is not self._tree.module(self._tree.index[name]):
+                raise ValueError(
+                    f"The model changed since the tree was drawn ({name!r} is no longer the "
+                    "same module); run explore() again."
+                )
+        return names
 
     @traitlets.observe("selected", "dtype")
     def _on_selection(self, _change: dict) -> None:

@@ -11,8 +11,6 @@ the pinned parts; ``unpin`` drops every pin.
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from typing import Any
 
 from torch import nn
@@ -20,14 +18,14 @@ from torch import nn
 from jupyter_metainit.core import (
     dtype_name,
     format_bytes,
-    format_duration,
     materialize,
     parse_dtype,
 )
 from jupyter_metainit.estimates.fit import device_budget
 from jupyter_metainit.jupyter.magic_options import MAX_DIMENSION, input_shapes
-from jupyter_metainit.jupyter.tree_widget.actions import ActionCancelled
+from jupyter_metainit.jupyter.tree_widget.actions import Job
 from jupyter_metainit.jupyter.tree_widget.comparing import prepare_compare
+from jupyter_metainit.jupyter.tree_widget.host import WidgetHost
 from jupyter_metainit.jupyter.tree_widget.save_action import prepare_save
 from jupyter_metainit.jupyter.tree_widget.values import prepare_values
 from jupyter_metainit.jupyter.tree_widget.wording import (
@@ -38,9 +36,7 @@ from jupyter_metainit.plan import Placement, place
 from jupyter_metainit.plan.place_arguments import name_value_pairs
 from jupyter_metainit.plan.precision import convention
 
-__all__ = ["TreePlanning", "parse_device_text", "plan_payload"]
-
-Job = Callable[[], str]
+__all__ = ["PlanState", "parse_device_text", "plan_payload", "prepare_job"]
 
 
 def parse_device_text(text: Any) -> dict[str, Any] | str:
@@ -178,37 +174,40 @@ def plan_payload(
     }
 
 
-class TreePlanning:
-    """Mixin of :class:`~jupyter_metainit.jupyter.widget.ModuleTreeWidget`: plan, pin, save."""
+def prepare_job(host: WidgetHost, plans: PlanState, action: str, content: dict) -> tuple[str, Job]:
+    """Check an action message other than materialize and free; the busy label and the job
+    the worker thread runs (``ActionRunner``'s ``prepare``).
 
-    _placement: Placement | None
-    _plan_request: dict | None
-    _pins: dict[str, str]
-    plan: Any
-    dtype: Any
-    rng: Any
-    devices: Any
-    phase: Any
-    progress: Any
-    error: Any
-    status: Any
-    busy: Any
-    module: Any
-    _tree: Any
-    _stats: Any
-    _progress: Any
-    refresh: Any
-    _check_names: Any
+    Raises:
+        ValueError: the message cannot be carried out (said as a notice; nothing runs).
+    """
+    if action == "save":
+        return prepare_save(host, content)
+    if action == "values":
+        return prepare_values(host, content)
+    if action == "compare":
+        return prepare_compare(host, content)
+    return plans.prepare(action, content)
 
-    def _prepare_job(self, action: str, content: dict) -> tuple[str, Job]:
-        """Check an action message; the busy label and the job the worker thread runs.
+
+class PlanState:
+    """A widget's plan: the last placement, the options it was made with and the pins, and the
+    jobs of *Plan…*, a pin, *Unpin* and *Materialize plan* (which read and replace them).
+
+    Args:
+        host: the widget: its model, tree and options, and its ``plan`` trait (the page's
+            copy of the plan) and ``phase``.
+    """
+
+    def __init__(self, host: WidgetHost) -> None:
+        self._host = host
+        self.placement: Placement | None = None  # the last plan, what *Materialize plan* does
+        self.request: dict | None = None  # its options, re-used by pins
+        self.pins: dict[str, str] = {}
+
+    def prepare(self, action: str, content: dict) -> tuple[str, Job]:
+        """Check a plan, pin, unpin or materialize_plan message; the busy label and the job.
         Raises ValueError (said as a notice) when the message cannot be carried out."""
-        if action == "save":
-            return prepare_save(self, content)
-        if action == "values":
-            return prepare_values(self, content)
-        if action == "compare":
-            return prepare_compare(self, content)
         if action == "materialize_plan":
             return "materialize the plan", self._materialize_plan_job()
         if action == "plan":
@@ -228,68 +227,31 @@ class TreePlanning:
                 )
             devices = parse_device_text(request["devices"])
             return "plan", lambda: self._plan_job(request, devices, {})
-        if self._plan_request is None:
+        if self.request is None:
             raise ValueError("Plan first (Plan…), then pin parts to its devices.")
-        request = self._plan_request
+        request = self.request
         devices = parse_device_text(request["devices"])
         if action == "unpin":
             return "plan", lambda: self._plan_job(request, devices, {}, drop=True)
-        names = self._check_names(content.get("names"))
+        names = self._host._check_names(content.get("names"))
         device = content.get("device")
         if not isinstance(device, str) or device not in (
-            self._placement.capacity if self._placement else {}
+            self.placement.capacity if self.placement else {}
         ):
             raise ValueError(f"Refused: pin to one of the plan's devices, not {device!r}.")
         return "plan", lambda: self._plan_job(request, devices, dict.fromkeys(names, device))
-
-    def _run_job(self, label: str, job: Job) -> None:
-        """The worker thread's job for plan, pin, save and materialize plan: run it, then say
-        what it did (its sentence, ``{took}`` filled in) or why it failed."""
-        before = [s.row() for s in self._tree.stats()]
-        t0 = time.monotonic()
-        try:
-            said = job()
-        except ActionCancelled as exc:
-            self.refresh()
-            changed = [s.row() for s in self._stats] != before
-            self.status = f"Cancelled: {label} stopped; " + (
-                "part of the model changed state, see the badges."
-                if changed
-                else str(exc) or "nothing was changed."
-            )
-        except Exception as exc:
-            self.refresh()
-            changed = [s.row() for s in self._stats] != before
-            self.error = f"Could not {label}: {_sentence(str(exc))}" + (
-                " Part of the model changed state; see the badges."
-                if changed
-                else ""
-                if label == "plan"
-                else " The model was left as it was."
-            )
-        else:
-            self.refresh()
-            # a plan that does not fit is said as a problem (red), not as a success
-            text, problem = said if isinstance(said, tuple) else (said, False)
-            text = text.replace("{took}", format_duration(time.monotonic() - t0))
-            if problem:
-                self.error = text
-            else:
-                self.status = text
-        finally:
-            self.phase = ""
-            self.busy = ""
 
     def _plan_job(
         self, request: dict, devices: Any, pin: dict[str, str], drop: bool = False
     ) -> tuple[str, bool]:
         # a new plan keeps the pins to devices it still has; unpin drops them all
-        kept = {n: d for n, d in self._pins.items() if isinstance(devices, dict) and d in devices}
+        host = self._host
+        kept = {n: d for n, d in self.pins.items() if isinstance(devices, dict) and d in devices}
         pins = {} if drop else {**kept, **pin}
-        self.phase = "planning (a dry run of the workload on meta tensors)"
+        host.phase = "planning (a dry run of the workload on meta tensors)"
         try:
             placement = place(
-                self.module,
+                host.module,
                 devices,
                 batch=request["batch"],
                 seq_len=request["seq_len"],
@@ -299,19 +261,19 @@ class TreePlanning:
                 pin=pins or None,
             )
         except Exception as exc:  # a known cause is said in words, what to do included
-            worded = estimate_failure_in_words(str(exc), _float_dtypes(self.module))
+            worded = estimate_failure_in_words(str(exc), _float_dtypes(host.module))
             if worded is None:
                 raise
             raise ValueError(worded) from None
-        self._placement, self._plan_request, self._pins = placement, request, pins
-        self.plan = plan_payload(placement, self.module, self._tree, request, pins)
+        self.placement, self.request, self.pins = placement, request, pins
+        host.plan = plan_payload(placement, host.module, host._tree, request, pins)
         peaks = ", ".join(
             f"{d} {format_bytes(p)} of {format_bytes(placement.capacity[d])}"
             for d, p in placement.peak.items()
         )
         verdict = "It fits" if placement.fits else "It does NOT fit"
         pinned = (
-            f" Pinned: {modules_in_words(list(pin), self.var_name)} → {next(iter(pin.values()))}."
+            f" Pinned: {modules_in_words(list(pin), host.var_name)} → {next(iter(pin.values()))}."
             if pin
             else ""
         )
@@ -319,10 +281,10 @@ class TreePlanning:
         return f"Planned in {{took}}. {verdict}: {peaks}.{pinned}{advice}", not placement.fits
 
     def _materialize_plan_job(self) -> Job:
-        placement = self._placement
+        placement = self.placement
         if placement is None:
             raise ValueError("Plan first (Plan…): there is no plan to materialize.")
-        usable = {"cpu", *(d["name"] for d in self.devices)}
+        usable = {"cpu", *(d["name"] for d in self._host.devices)}
         missing = sorted(set(placement.device_map.values()) - usable)
         if missing:
             raise ValueError(
@@ -335,18 +297,19 @@ class TreePlanning:
         # the core puts each part on its device under one progress total; a failure or Cancel
         # makes the parts it made deferred again
         # the weights in the plan's precision (what its peaks count), else the bar's dtype
-        planned = convention((self._plan_request or {}).get("precision")).weights
-        dtype = planned or parse_dtype(self.dtype or None)
+        host = self._host
+        planned = convention((self.request or {}).get("precision")).weights
+        dtype = planned or parse_dtype(host.dtype or None)
         materialize(
-            self.module,
+            host.module,
             placement=placement,
             dtype=dtype,
-            rng=self.rng,
+            rng=host.rng,
             keep_cache=True,  # so that Free can make them deferred again
-            progress=self._progress,
+            progress=host._progress,  # the widget's hook, which every job reports to
         )
         counts = ", ".join(f"{d}: {n}" for d, n in _parts_per_device(placement).items())
-        values = "" if self.rng == "exact" else " (RNG fast: not eager's values)"
+        values = "" if host.rng == "exact" else " (RNG fast: not eager's values)"
         cast = f" as {dtype_name(dtype)}" if dtype is not None else ""
         why = " (the plan's precision)" if planned is not None else ""
         return f"Materialized the plan{cast}{why} in {{took}}, parts per device: {counts}{values}."
@@ -364,9 +327,3 @@ def _parts_per_device(placement: Placement) -> dict[str, int]:
     for _, _, device, _ in placement.parts:
         out[device] = out.get(device, 0) + 1
     return out
-
-
-def _sentence(text: str) -> str:
-    """``text`` ending as a sentence does (what follows it is another sentence)."""
-    text = text.rstrip()
-    return text if text.endswith((".", "!", "?")) else text + "."
