@@ -11,7 +11,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -20,6 +20,9 @@ from jupyter_metainit.inspection.comparison import compare_layouts
 from jupyter_metainit.inspection.sources import open_source
 from jupyter_metainit.jupyter.tree_widget.stale_results import remember_measured
 from jupyter_metainit.jupyter.tree_widget.wording import modules_in_words
+
+if TYPE_CHECKING:
+    from jupyter_metainit.jupyter.tree_widget.host import WidgetHost
 
 __all__ = ["KINDS", "TINY_REL_L2", "kind_of", "prepare_compare"]
 
@@ -116,7 +119,7 @@ def _namespace() -> dict | None:
     return None if shell is None else shell.user_ns
 
 
-def prepare_compare(widget: Any, content: dict) -> tuple[str, Callable[[], str]]:
+def prepare_compare(widget: WidgetHost, content: dict) -> tuple[str, Callable[[], str]]:
     """Check a compare message; the busy label and the job. ``{"action": "compare",
     "other": "finetuned/" | "base_model", "names": [...]}``."""
     names = content.get("names") or []
@@ -151,14 +154,15 @@ def _number(value: Any) -> float | None:
 
 
 def comparison_payload(
-    widget: Any, table: Any, other: str, id_: int, origin: dict[str, str] | None = None
+    widget: WidgetHost, table: Any, other: str, id_: int, origin: dict[str, str] | None = None
 ) -> dict:
     """The ``comparison`` trait: per tensor ``[name, node, kind, status, rel_l2, max_abs_diff,
     cosine]``, per node ``[node, worst kind, tensors that differ, largest rel_l2]``. A file's
     tensor is on the row of the model tensor it comes from (``origin``: file name -> model
     name, where a fused weight is written split)."""
     index = widget._tree.index
-    tensors, nodes = [], {}
+    tensors: list[list] = []
+    nodes: dict[int, tuple[str, int, float | None]] = {}
     origin = origin or {}
     for name, row in table.iterrows():
         kind = kind_of(row["status"], float(row["rel_l2"]))

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jupyter_metainit.core import format_bytes, parse_dtype, tensor_values, unique_tensors
 from jupyter_metainit.jupyter.tree_widget.actions import ActionCancelled
@@ -17,12 +17,15 @@ from jupyter_metainit.jupyter.tree_widget.wording import modules_in_words
 from jupyter_metainit.saving import save
 from jupyter_metainit.saving.staging import is_dcp_file
 
+if TYPE_CHECKING:
+    from jupyter_metainit.jupyter.tree_widget.host import WidgetHost
+
 __all__ = ["FORMATS", "prepare_save", "written_in_words"]
 
 FORMATS = ("safetensors", "dcp")
 
 
-def prepare_save(widget: Any, content: dict) -> tuple[str, Callable[[], str]]:
+def prepare_save(widget: WidgetHost, content: dict) -> tuple[str, Callable[[], str]]:
     """Check a save message (a mistake raises ValueError, said as a notice); the busy label
     and the job. ``{"action": "save", "path": "ckpt", "format": "safetensors", "names": [...]}``:
     no name saves the whole model, one name that subtree."""
@@ -84,7 +87,7 @@ def _fast_note(obj: Any) -> str:
     )
 
 
-def _confirm_replacing(widget: Any, destination: str, fmt: str) -> None:
+def _confirm_replacing(widget: WidgetHost, destination: str, fmt: str) -> None:
     """A save that would replace a checkpoint already there asks first: refused once with what
     is there; the same save asked again goes ahead (a page click cannot be undone)."""
     there = _checkpoint_files(destination, fmt)

@@ -18,17 +18,21 @@ taken again after each cell. A larger result's in-place ``.data`` writes are not
 from __future__ import annotations
 
 import zlib
-from typing import Any
+from typing import TYPE_CHECKING
 
 import torch
 
 from jupyter_metainit.core import is_deferred, local_tensor
+
+if TYPE_CHECKING:
+    from jupyter_metainit.jupyter.tree_widget.host import WidgetHost
 
 __all__ = ["DIGEST_BYTES", "drop_stale_results", "remember_measured", "scoped_state", "under"]
 
 #: A result's real tensors up to this many bytes in all are also digested (about 0.1 s a check).
 DIGEST_BYTES = 128 << 20
 _CHUNK = 64 << 20
+_DEVICE_CHUNK = 1 << 20
 
 # The widget's traits holding results, and how the notice names each.
 _RESULTS = {"values": "Values", "comparison": "Compare"}
@@ -47,7 +51,7 @@ def scoped_state(module: torch.nn.Module, scope: list[str]) -> dict[str, torch.T
 
 
 def _print(module: torch.nn.Module, scope: list[str]) -> tuple:
-    out = []
+    out: list[tuple] = []
     for name, t in scoped_state(module, scope).items():
         local = local_tensor(t)
         if is_deferred(local):
@@ -60,7 +64,7 @@ def _print(module: torch.nn.Module, scope: list[str]) -> tuple:
 
 
 def _real(module: torch.nn.Module, scope: list[str]) -> list[torch.Tensor]:
-    tensors = {}
+    tensors: dict[int, torch.Tensor] = {}
     for t in scoped_state(module, scope).values():
         local = local_tensor(t)
         if not is_deferred(local):
@@ -76,12 +80,14 @@ def _digest(t: torch.Tensor) -> tuple[int, ...]:
     if raw.device.type == "cpu":
         view = memoryview(raw.numpy())
         return tuple(zlib.crc32(view[i : i + _CHUNK]) for i in range(0, raw.numel(), _CHUNK))
+    # On a device, small parts: each part's int64 copy and its weights are 16 times its bytes
+    # of device memory, which a user's full GPU may not have to spare.
+    weights = torch.arange(1, _DEVICE_CHUNK + 1, device=raw.device, dtype=torch.int64)
     sums = []
-    for i in range(0, raw.numel(), _CHUNK):
-        part = raw[i : i + _CHUNK].to(torch.int64)
-        weights = torch.arange(1, part.numel() + 1, device=raw.device, dtype=torch.int64)
-        sums.append(int((part * weights).sum()))
-    return tuple(sums)
+    for i in range(0, raw.numel(), _DEVICE_CHUNK):
+        part = raw[i : i + _DEVICE_CHUNK].to(torch.int64)
+        sums.append((part * weights[: part.numel()]).sum())
+    return tuple(torch.stack(sums).tolist()) if sums else ()
 
 
 def _digests(module: torch.nn.Module, scope: list[str]) -> tuple | None:
@@ -93,18 +99,18 @@ def _digests(module: torch.nn.Module, scope: list[str]) -> tuple | None:
         return tuple(_digest(t) for t in tensors)
 
 
-def remember_measured(widget: Any, trait: str, scope: list[str]) -> None:
+def remember_measured(widget: WidgetHost, trait: str, scope: list[str]) -> None:
     """After ``trait`` (``"values"`` or ``"comparison"``) was set: what it measured."""
     widget._measured[trait] = (scope, _print(widget.module, scope), _digests(widget.module, scope))
 
 
-def _changed(widget: Any, scope: list[str], measured: tuple, digests: tuple | None) -> bool:
+def _changed(widget: WidgetHost, scope: list[str], measured: tuple, digests: tuple | None) -> bool:
     if _print(widget.module, scope) != measured:
         return True
     return digests is not None and _digests(widget.module, scope) != digests
 
 
-def drop_stale_results(widget: Any) -> str:
+def drop_stale_results(widget: WidgetHost) -> str:
     """Clear each result whose tensors changed since; the notice to show, or ``""``."""
     dropped = []
     for trait, (scope, measured, digests) in list(widget._measured.items()):

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from jupyter_metainit.inspection import stat_tables
 from jupyter_metainit.jupyter.tree_widget.stale_results import (
@@ -21,6 +21,9 @@ from jupyter_metainit.jupyter.tree_widget.stale_results import (
     under,
 )
 from jupyter_metainit.jupyter.tree_widget.wording import modules_in_words
+
+if TYPE_CHECKING:
+    from jupyter_metainit.jupyter.tree_widget.host import WidgetHost
 
 __all__ = ["HISTOGRAM_BINS", "MODULE_FIELDS", "TENSOR_FIELDS", "prepare_values"]
 
@@ -31,7 +34,7 @@ TENSOR_FIELDS = ("name", "node", *MODULE_FIELDS, "lo", "hi", "counts")
 HISTOGRAM_BINS = 32
 
 
-def prepare_values(widget: Any, content: dict) -> tuple[str, Callable[[], str]]:
+def prepare_values(widget: WidgetHost, content: dict) -> tuple[str, Callable[[], str]]:
     """Check a values message (a mistake raises ValueError, said as a notice); the busy label
     and the job. ``{"action": "values", "names": [...]}``: no name measures the whole model."""
     names = content.get("names") or []
@@ -70,7 +73,9 @@ def _number(value: Any) -> float | int | None:
     return int(value) if value.is_integer() and abs(value) < 2**53 else value
 
 
-def values_payload(widget: Any, tensors: Any, modules: Any, scope: list[str], id_: int) -> dict:
+def values_payload(
+    widget: WidgetHost, tensors: Any, modules: Any, scope: list[str], id_: int
+) -> dict:
     """The ``values`` trait: per tree node and per tensor, the statistics the page shows."""
     index = widget._tree.index
     rows = []
