@@ -26,7 +26,13 @@ def test_along_depth_takes_one_tensor_of_every_block_in_layer_order():
 
 def test_along_depth_matches_the_whole_name_inside_the_block():
     assert along_depth(_table(), "down_proj.weight").empty is False
-    assert along_depth(_table(), "proj.weight").empty
+    with pytest.raises(ValueError, match=r"no row is .proj\.weight. inside a numbered block"):
+        along_depth(_table(), "proj.weight")
+
+
+def test_along_depth_of_a_column_the_table_lacks_names_the_ones_it_has():
+    with pytest.raises(ValueError, match="no column 'rel_l2'; take one of 'std'"):
+        along_depth(_table(), "mlp.down_proj.weight", "rel_l2")
 
 
 def test_along_depth_reads_any_column():

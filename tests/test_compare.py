@@ -276,3 +276,11 @@ def test_comparing_two_checkpoint_directories_follows_the_largest_pair(tmp_path)
     growth = int(out.stdout.split()[-1])
     pair = 2 * 4096 * 2048 * 4
     assert growth <= 2 * pair + (200 << 20), f"peak grew by {growth >> 20} MiB"  # files: 1 GiB
+
+
+def test_two_sides_without_a_common_name_are_said_to_share_none():
+    a = {"layer.weight": torch.ones(2)}
+    b = {"model.layer.weight": torch.ones(2)}
+    with pytest.warns(UserWarning, match="no tensor name is in both a and b"):
+        table = compare(a, b)
+    assert list(table["status"]) == ["only in a", "only in b"]

@@ -253,7 +253,7 @@ def test_something_that_is_not_a_model_is_a_clear_error():
 def test_a_tensor_on_the_meta_device_is_refused():
     with torch.device("meta"):
         model = nn.Linear(4, 3)
-    with pytest.raises(ValueError, match="weight has no values to read: it is meta"):
+    with pytest.raises(ValueError, match="weight has no values to read: it is on PyTorch"):
         stats(model)
 
 
@@ -293,3 +293,17 @@ def test_the_measuring_workers_run_torch_on_one_thread_each():
     stats({"w": torch.randn(1000)})
     workers = pipeline.Chunks(threading.Event(), pipeline.Progress(None, 0, "")).pool
     assert workers.submit(torch.get_num_threads).result() == 1
+
+
+def test_a_file_that_is_no_safetensors_file_is_named_in_the_error(tmp_path):
+    bad = tmp_path / "model.safetensors"
+    bad.write_bytes(b"not a checkpoint")
+    with pytest.raises(ValueError, match=r"model\.safetensors' is not a readable safetensors file"):
+        stats(bad)
+
+
+def test_a_lazy_parameter_before_its_forward_pass_says_to_run_one():
+    with meta_init():
+        model = nn.Sequential(nn.LazyLinear(4))
+    with pytest.raises(ValueError, match=r"before its first forward pass.*run the model once"):
+        stats(model)

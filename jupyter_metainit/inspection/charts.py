@@ -15,6 +15,8 @@ from collections.abc import Callable, Mapping, Sequence
 
 import pandas as pd
 
+from jupyter_metainit.core.errors import ArgumentError
+
 __all__ = ["Chart", "along_depth", "svg_chart"]
 
 _PALETTE = ("#1f77b4", "#d62728", "#2ca02c", "#9467bd", "#8c564b", "#e377c2")
@@ -39,6 +41,10 @@ def along_depth(table: pd.DataFrame, name: str, column: str = "std") -> pd.Serie
         A pandas Series, layer number -> value, in layer order (several rows of one layer,
         as in a model of two stacks, give their mean).
 
+    Raises:
+        ArgumentError: the table has no such column, or no row is ``name`` inside a numbered
+            block.
+
     Examples:
         >>> import torch
         >>> from torch import nn
@@ -56,6 +62,12 @@ def along_depth(table: pd.DataFrame, name: str, column: str = "std") -> pd.Serie
         3    0.073
         Name: std, dtype: float64
     """
+    if column not in table.columns:
+        numeric = [c for c in table.columns if pd.api.types.is_numeric_dtype(table[c])]
+        raise ArgumentError(
+            f"along_depth(): the table has no column {column!r}; take one of "
+            f"{', '.join(map(repr, numeric))}"
+        )
     pattern = re.compile(rf"(?:.*\.)?(\d+)\.(?:.*\.)?{re.escape(name)}")
     layers, values = [], []
     for index, value in zip(table.index, table[column], strict=True):
@@ -63,6 +75,14 @@ def along_depth(table: pd.DataFrame, name: str, column: str = "std") -> pd.Serie
         if match is not None:
             layers.append(int(match.group(1)))
             values.append(value)
+    if not layers:
+        raise ArgumentError(
+            f"along_depth(): no row is {name!r} inside a numbered block (rows look like "
+            f"{str(table.index[0])!r}); give the name inside each block, e.g. "
+            "'self_attn.q_proj.weight'"
+            if len(table.index)
+            else f"along_depth(): the table has no rows to find {name!r} in"
+        )
     series = pd.Series(values, index=layers, name=column, dtype=float)
     return series.groupby(level=0).mean().rename_axis("layer")
 

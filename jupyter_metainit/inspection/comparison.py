@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 import os
+import warnings
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -160,6 +161,8 @@ def compare_layouts(
         right.names = {n: e for n, e in right.names.items() if n in left.names or under(n, scope)}
     pairs = [(left.entries[left.names[n]], right.entries[right.names[n]])
              for n in left.names if n in right.names]  # fmt: skip
+    if left.names and right.names and not pairs:
+        _say_no_common_name(left, right)
     pairs = [(x, y) for x, y in pairs if x.shape == y.shape]
     unique = list({(x.name, y.name): (x, y) for x, y in pairs}.values())
     bar = Progress(progress, sum(x.nbytes + y.nbytes for x, y in unique), "compare")
@@ -175,6 +178,18 @@ def compare_layouts(
     index = [named.get(n, n) for n in index]
     table = pd.DataFrame(rows, index=pd.Index(index, name="tensor"), columns=_COLUMNS)
     return table, side_a
+
+
+def _say_no_common_name(left: Source, right: Source) -> None:
+    """Warn that every row will be "only in a" or "only in b": the sides' names differ
+    (often by a prefix: a base model against its task model's checkpoint)."""
+    a, b = next(iter(left.names)), next(iter(right.names))
+    warnings.warn(
+        f"compare(): no tensor name is in both a and b (a's begin like {a!r}, b's like "
+        f"{b!r}), so every row is 'only in a' or 'only in b'; compare the parts that match, "
+        "e.g. a submodule, or a state dict with the names made the same",
+        stacklevel=4,
+    )
 
 
 def _kept(name: str, scope: list[str], a: Any) -> bool:

@@ -12,11 +12,12 @@ index) a batch of tensors at a time from a mapping of the file (no copy), a
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
 import warnings
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -86,11 +87,18 @@ class TensorSource(Source):
                     "it out, or pass the module"
                 )
             state = tensor_state(t)
-            if state in ("meta", "uninitialized"):
+            if state == "meta":
                 raise ArgumentError(
-                    f"{name} has no values to read: it is {state} (on PyTorch's meta device "
-                    "with no recording, or a lazy module's parameter before its first forward "
-                    "pass); build the model inside jupyter_metainit.meta_init(), or leave it out"
+                    f"{name} has no values to read: it is on PyTorch's meta device with no "
+                    "recording; build the model inside jupyter_metainit.meta_init() (not on "
+                    "device='meta'), or leave it out"
+                )
+            if state == "uninitialized":
+                raise ArgumentError(
+                    f"{name} has no values to read yet: it is a lazy module's parameter "
+                    "(nn.LazyLinear, ...) before its first forward pass, which gives it a shape; "
+                    "run the model once on an example input (inside meta_init too), or leave "
+                    "it out"
                 )
             local = local_tensor(t)
             key = _region(local)
@@ -219,12 +227,11 @@ class SafetensorsSource(Source):
     the batch)."""
 
     def __init__(self, files: list[str]) -> None:
-        from safetensors import safe_open
 
         self.file_of: dict[str, str] = {}
         entries = []
         for file in files:
-            with safe_open(file, framework="pt") as f:
+            with _opened(file) as f:
                 for name in f.keys():  # noqa: SIM118 - a safetensors handle, not a dict
                     part = f.get_slice(name)
                     dtype = _SAFETENSORS_DTYPES.get(part.get_dtype())
@@ -249,6 +256,23 @@ class SafetensorsSource(Source):
             with safe_open(file, framework="pt") as f:
                 values.update((name, f.get_tensor(name)) for name in names)
         return [values[e.name].contiguous() for e in batch]
+
+
+@contextlib.contextmanager
+def _opened(file: str) -> Iterator[Any]:
+    """``safe_open`` of a file named in the error if it is no safetensors file (safetensors
+    says only "header too small" or "invalid header")."""
+    from safetensors import safe_open
+
+    try:
+        handle = safe_open(file, framework="pt")
+    except Exception as exc:  # SafetensorError, OSError: the file, not the caller's code
+        raise ArgumentError(
+            f"{file!r} is not a readable safetensors file ({exc}); give a file written by "
+            "safetensors (save_pretrained, jupyter_metainit.save), or its checkpoint directory"
+        ) from None
+    with handle as f:
+        yield f
 
 
 def open_source(obj: Any, what: str) -> Source:
