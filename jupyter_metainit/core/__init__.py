@@ -43,6 +43,7 @@ from jupyter_metainit.core.materialize.progress import progress_callback
 from jupyter_metainit.core.materialize.queries import (
     is_deferred,
     iter_deferred,
+    no_values_reason,
     source_files,
     tensor_source,
     tensor_state,
@@ -100,8 +101,8 @@ UPPER_LAYER_FACE = (
     ESTIMATE_ONLY_BITS, Recycler, at_meta_init_edges, available_memory, busy_with, check_flag,
     check_floating_dtype, check_progress, copy_in_steps, copy_user_attributes,
     counted_attributes, dtype_name, events, format_bytes, format_count, format_duration,
-    in_file_layout, indexed_device, is_out_of_memory, iter_deferred,
-    local_tensor, missing_device_reason, named_tensors, noting_whole_intermediates, own_tensors,
+    in_file_layout, indexed_device, is_out_of_memory, iter_deferred, local_tensor,
+    missing_device_reason, named_tensors, no_values_reason, noting_whole_intermediates, own_tensors,
     parse_device, parse_dtype, parse_size, plain, progress_callback, source_files, storage_of,
     telling, unique_tensors, values_to_write,
 )  # fmt: skip

@@ -26,6 +26,7 @@ import torch
 from jupyter_metainit.core import (
     DeferredTensor,
     local_tensor,
+    no_values_reason,
     storage_of,
     tensor_state,
     values_to_write,
@@ -86,20 +87,9 @@ class TensorSource(Source):
                     f"{what} takes a dict of tensors; {name!r} holds {type(t).__name__}: leave "
                     "it out, or pass the module"
                 )
-            state = tensor_state(t)
-            if state == "meta":
-                raise ArgumentError(
-                    f"{name} has no values to read: it is on PyTorch's meta device with no "
-                    "recording; build the model inside jupyter_metainit.meta_init() (not on "
-                    "device='meta'), or leave it out"
-                )
-            if state == "uninitialized":
-                raise ArgumentError(
-                    f"{name} has no values to read yet: it is a lazy module's parameter "
-                    "(nn.LazyLinear, ...) before its first forward pass, which gives it a shape; "
-                    "run the model once on an example input (inside meta_init too), or leave "
-                    "it out"
-                )
+            reason = no_values_reason(name, tensor_state(t), "read")
+            if reason is not None:
+                raise ArgumentError(reason)
             local = local_tensor(t)
             key = _region(local)
             names[name] = first.setdefault(key, name)

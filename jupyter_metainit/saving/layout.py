@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core import format_bytes, storage_of, tensor_state
+from jupyter_metainit.core import format_bytes, no_values_reason, storage_of, tensor_state
 from jupyter_metainit.core import parse_size as core_parse_size
 from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError
 from jupyter_metainit.saving.safetensors_file import FileEntry
@@ -99,13 +99,9 @@ def check_savable(state: dict[str, torch.Tensor], sharded_ok: bool) -> None:
     meta device (no recording), a lazy module's uninitialized parameters; and, for one-file
     formats, sharded tensors (each rank holds a part)."""
     for name, t in state.items():
-        where = tensor_state(t)
-        if where in ("meta", "uninitialized"):
-            raise ArgumentError(
-                f"{name} has no values to save: it is {where} (on PyTorch's meta device with no "
-                "recording, or a lazy module's parameter before its first forward pass); build "
-                "the model inside jupyter_metainit.meta_init(), or leave it out of what you save"
-            )
+        reason = no_values_reason(name, tensor_state(t), "save")
+        if reason is not None:
+            raise ArgumentError(reason)
         if not sharded_ok and hasattr(t, "device_mesh"):
             raise ArgumentTypeError(
                 f"{name} is sharded (a DTensor); save a sharded model with format='dcp', where "

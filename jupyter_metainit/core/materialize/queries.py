@@ -24,6 +24,7 @@ from jupyter_metainit.core.replay import plan
 __all__ = [
     "is_deferred",
     "iter_deferred",
+    "no_values_reason",
     "source_files",
     "tensor_source",
     "tensor_state",
@@ -81,6 +82,25 @@ def tensor_state(t: torch.Tensor) -> str:
     if t.is_meta:
         return "meta"
     return str(t.device)
+
+
+def no_values_reason(name: str, state: str, doing: str) -> str | None:
+    """Why tensor ``name`` (its :func:`tensor_state` is ``state``) has no values to ``doing``
+    (``"read"``, ``"save"``), and what to do, in one sentence; ``None`` when it has values. The
+    one wording of ``stats``, ``compare`` and ``save`` for a meta or lazy tensor."""
+    if state == "meta":
+        return (
+            f"{name} has no values to {doing}: it is on PyTorch's meta device with no "
+            "recording; build the model inside jupyter_metainit.meta_init() (not on "
+            "device='meta'), or leave it out"
+        )
+    if state == "uninitialized":
+        return (
+            f"{name} has no values to {doing} yet: it is a lazy module's parameter "
+            "(nn.LazyLinear, ...) before its first forward pass, which gives it a shape; run the "
+            "model once on an example input (inside meta_init too), or leave it out"
+        )
+    return None
 
 
 def tensor_values(t: torch.Tensor) -> str:
