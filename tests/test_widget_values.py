@@ -162,6 +162,44 @@ def test_compare_with_a_variable_colours_rows_by_how_much_they_differ(shell):
     assert w.status.startswith("Compared model (the whole model) with tuned")
 
 
+def compared_with_not_finite(shell):
+    """A widget compared with a state dict whose ``norm.bias`` is ones (the model's is zeros:
+    rel_l2 inf) and whose ``layers.1.mlp.bias`` holds a NaN (rel_l2 NaN)."""
+    state = {k: v.clone() for k, v in eager_net().state_dict().items()}
+    state["norm.bias"].fill_(1.0)
+    state["layers.1.mlp.bias"][0] = math.nan
+    state["layers.2.mlp.weight"].mul_(3)  # a finite large difference beside them
+    shell.user_ns["odd"] = state
+    shell.user_ns["net"] = net = deferred_net()  # the widget holds its model weakly
+    w = explore(net)
+    w.compare_with("odd")
+    assert w.error == "", w.error
+    return w
+
+
+def largest_rel_l2(w) -> dict[str, object]:
+    names = {node: name for name, node in w._tree.index.items()}
+    return {names[r[0]]: r[3] for r in w.comparison["modules"]}
+
+
+def test_compare_sends_an_infinite_rel_l2_as_inf_and_its_parents_take_it(shell):
+    w = compared_with_not_finite(shell)
+    assert tensor_row_of(w, "norm.bias")[2:5] == ["large", "differ", "inf"]
+    assert largest_rel_l2(w)["norm"] == "inf"
+
+
+def test_compare_sends_a_nan_rel_l2_as_nan_and_it_ranks_above_every_number(shell):
+    w = compared_with_not_finite(shell)
+    assert tensor_row_of(w, "layers.1.mlp.bias")[2:6] == ["large", "differ", "nan", "nan"]
+    largest = largest_rel_l2(w)
+    assert (largest["layers.1.mlp"], largest["layers"], largest[""]) == ("nan", "nan", "nan")
+    assert largest["layers.2"] == pytest.approx(2.0)  # 3x - x over x
+
+
+def tensor_row_of(w, name: str) -> list:
+    return next(r for r in w.comparison["tensors"] if r[0] == name)
+
+
 def test_compare_with_a_checkpoint_path_marks_missing_and_reshaped_tensors(tmp_path):
     from safetensors.torch import save_file
 

@@ -915,4 +915,14 @@ describe("Compare with…", () => {
     expect(root.querySelector<HTMLElement>(".jmi-legend")!.hidden).toBe(false);
     expect(rowOfNode(root, 2).className).not.toContain("jmi-cmp");
   });
+
+  it("says a rel_l2 that is not finite as inf or NaN in the tooltip and the accessible name", () => {
+    const { root, model } = mount(smallTree(), { expand_depth: 3 });
+    model.set("comparison", {
+      id: 1, other: "odd", tiny: 1e-3, kinds: [], tensors: [],
+      modules: [[0, "large", 2, "nan"], [1, "large", 1, "inf"], [4, "large", 1, 0]],
+    });
+    expect(rowOfNode(root, 0).title).toBe("vs odd: large difference, 2 tensors differ, rel_l2 up to NaN (not finite)");
+    expect(rowOfNode(root, 1).getAttribute("aria-label")).toContain("vs odd: large difference, 1 tensor differs, rel_l2 up to inf");
+  });
 });
