@@ -366,6 +366,38 @@ def test_a_comparison_whose_tensors_are_unchanged_outlives_later_cells(shell):
     assert w.status.startswith("Compare cleared")
 
 
+def test_materialize_after_values_says_what_it_did_then_that_values_were_cleared(shell):
+    net = deferred_net()
+    shell.user_ns["net"] = net
+    w = explore(net)
+    w.measure_values()
+    w.rng = "fast"  # other values than the ones measured
+    w.selected = [""]
+    w.materialize("cpu")
+    assert w.values.get("modules") is None
+    assert w.status.startswith("Materialized model")
+    assert w.status.endswith(
+        "Values cleared: the model's tensors changed since they were "
+        "measured (materialized, freed or edited). Measure again to see the new values."
+    )
+
+
+def test_free_after_compare_says_what_it_did_then_that_compare_was_cleared(shell):
+    net = deferred_net()
+    shell.user_ns["net"] = net
+    w = explore(net)
+    w.selected = [""]
+    w.materialize("cpu")
+    shell.user_ns["tuned"] = eager_net()
+    w.compare_with("tuned")
+    assert w.comparison["modules"]
+    w.selected = ["layers.1"]
+    w.free()
+    assert w.comparison.get("modules") is None
+    assert w.status.startswith("Freed model.layers[1] (deferred again) in ")
+    assert "Compare cleared" in w.status
+
+
 def test_compare_of_a_model_transformers_renames_with_its_files_is_all_equal(tmp_path):
     transformers = pytest.importorskip("transformers")
     config = transformers.GPTNeoXConfig(
