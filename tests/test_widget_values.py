@@ -289,6 +289,17 @@ def test_compare_refuses_a_missing_path_naming_where_it_looked(tmp_path, monkeyp
     assert f"no such file or directory ({tmp_path}/gone/ckpt)" in text and "\n" not in text
 
 
+def test_a_refused_compare_takes_the_earlier_comparisons_colours_off(shell, tmp_path):
+    shell.user_ns["net"] = net = deferred_net()
+    shell.user_ns["tuned"] = eager_net()
+    w = explore(net)
+    w.compare_with("tuned")
+    assert w.comparison["modules"]
+    w.compare_with(not_a_checkpoint(tmp_path, "broken safetensors"))
+    assert "nothing was compared" in w.notice["text"].lower()
+    assert w.comparison.get("modules") is None
+
+
 @pytest.mark.parametrize("other", ["", "nowhere/at/all", "x" * 5000, 3, "not_a_model"])
 def test_compare_refuses_what_is_neither_a_model_nor_a_path(shell, other):
     shell.user_ns["not_a_model"] = 42

@@ -119,9 +119,19 @@ def _namespace() -> dict | None:
     return None if shell is None else shell.user_ns
 
 
+def _clear_comparison(widget: WidgetHost) -> None:
+    """A new Compare takes the earlier one's colours off at once, as a cell run again clears
+    its output: a Compare that is refused or fails then leaves no colours that look current."""
+    if widget.comparison.get("modules") is not None:
+        widget._measured.pop("comparison", None)
+        widget.comparison = {"id": int(widget.comparison.get("id", 0)) + 1}
+
+
 def prepare_compare(widget: WidgetHost, content: dict) -> tuple[str, Callable[[], str]]:
     """Check a compare message; the busy label and the job. ``{"action": "compare",
     "other": "finetuned/" | "base_model", "names": [...]}``."""
+    if not widget.busy:  # busy: this Compare is refused, the running job's result stands
+        _clear_comparison(widget)
     names = content.get("names") or []
     if names:
         names = widget._check_names(names)
