@@ -757,6 +757,18 @@ describe("a widget that lost its kernel", () => {
     expect(focused()).toBe(root.querySelector(".jmi-disconnected"));
   });
 
+  it("a running action's progress line says it stopped when the kernel dies, and Cancel goes", () => {
+    const { root, model } = mount(smallTree());
+    model.set("busy", "measure the values");
+    model.set("progress", [0, 1024]);
+    model.set("phase", "computing the statistics of the values");
+    const cancel = root.querySelector<HTMLButtonElement>(".jmi-cancel")!;
+    expect(cancel.hidden).toBe(false);
+    model.emit("comm_live_update");
+    expect(root.querySelector(".jmi-progress-text")!.textContent).toBe("measure the values: stopped, the kernel died or was restarted.");
+    expect(cancel.hidden).toBe(true);
+  });
+
   it("says so when the notebook's kernel shuts down, with no message from it", () => {
     const session = fakeSession("idle");
     const { root } = mount(smallTree(), {}, { context: { sessionContext: session }, kernel: session.session.kernel });
