@@ -19,7 +19,11 @@ export class ValuesPanel {
   private roles: string[] = [];
   columns = false;
 
-  constructor(private readonly onColumns: () => void, private readonly nameOf: (node: number) => string) {
+  constructor(
+    private readonly onColumns: () => void,
+    private readonly nameOf: (node: number) => string,
+    private readonly tiedOf: (node: number) => number[] = () => [],
+  ) {
     this.columnsBtn = button("Value columns", "jmi-toggle jmi-values-cols", () => this.toggleColumns());
     this.columnsBtn.setAttribute("aria-pressed", "false");
     this.columnsBtn.setAttribute("aria-keyshortcuts", "Shift+V");
@@ -101,13 +105,25 @@ export class ValuesPanel {
   private renderHistogram(): void {
     const v = this.values;
     if (!v) return;
-    const t = tensorOf(v, this.node);
+    let t = tensorOf(v, this.node);
     const where = this.nameOf(this.node) || "the whole model";
+    let tied = "";
+    if (!t) {
+      // a tied leaf (lm_head sharing the embedding's weight): Values measured the shared
+      // tensor once, under its first holder's name, which is this row's tensor too
+      for (const k of this.tiedOf(this.node)) {
+        t = tensorOf(v, k);
+        if (t) {
+          tied = `${where}, tied to ${t.name}`;
+          break;
+        }
+      }
+    }
     if (!t) {
       this.histEl.replaceChildren(h("div", "jmi-muted", `Histogram: ${where} holds no tensor of its own that Values measured; focus a leaf row (Linear, Embedding…).`));
       return;
     }
-    this.histEl.replaceChildren(h("div", "jmi-chart-title", `Histogram of ${t.name} (${t.counts.length} bins, finite values)`), histogramChart(t, this.width()));
+    this.histEl.replaceChildren(h("div", "jmi-chart-title", `Histogram of ${tied || t.name} (${t.counts.length} bins, finite values)`), histogramChart(t, this.width()));
   }
 }
 

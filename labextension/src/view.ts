@@ -150,6 +150,7 @@ export class TreeView {
         this.renderRows();
       },
       (node) => this.tree.qname[node] ?? "",
+      (node) => this.tree.tied[node] ?? [],
     );
     this.ownActions = this.widgetActions();
     this.focusKeeper = new FocusKeeper(this.el, () => this.focusFallback());

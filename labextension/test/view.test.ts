@@ -897,6 +897,18 @@ describe("Values", () => {
     expect(hist.textContent).toContain("layers.0.attn.weight");
     expect(hist.querySelectorAll("rect").length).toBe(3);
   });
+
+  it("shows a tied leaf's histogram: the shared tensor Values measured under its first holder", () => {
+    const tree = smallTree();
+    tree.nodes[1][ROW.tied] = [9]; // embed and norm share one tensor, measured as embed.weight
+    tree.nodes[9][ROW.tied] = [1];
+    const { root, model } = mount(tree, { expand_depth: 3 });
+    model.set("values", { ...measured, tensors: [["embed.weight", 1, 0, 0.5, 2, 9, 0, 0, -1, 1, [4, 1]]] });
+    rowOfNode(root, 9).focus();
+    const hist = root.querySelector(".jmi-hist-box")!;
+    expect(hist.querySelector(".jmi-chart-title")!.textContent).toBe("Histogram of norm, tied to embed.weight (2 bins, finite values)");
+    expect(hist.querySelectorAll("rect").length).toBe(2);
+  });
 });
 
 describe("Compare with…", () => {
