@@ -201,6 +201,16 @@ describe("TreeView", () => {
     expect(view.focusNode).toBe(0);
   });
 
+  it("says the tie in a tied row's title and accessible name, and its chip names the holder's last part", () => {
+    const tree = smallTree();
+    tree.nodes[5][ROW.tied] = [1]; // layers.0.mlp shares embed's tensor
+    tree.nodes[1][ROW.tied] = [5];
+    const { root } = mount(tree, { expand_depth: 3 });
+    expect(rowOfNode(root, 5).getAttribute("aria-label")).toContain("layers.0.mlp, Linear, 80 B, deferred, tied to embed");
+    expect(rowOfNode(root, 5).title).toBe("tied to embed");
+    expect(rowOfNode(root, 1).querySelector(".jmi-tied")!.textContent).toBe("tied: mlp");
+  });
+
   it("names tied modules and counts shares once", () => {
     const tree = smallTree();
     tree.nodes[1][ROW.tied] = [9];
@@ -865,7 +875,7 @@ describe("Values", () => {
     expect(root.classList.contains("jmi-valued") || root.querySelector(".jmi-valued")).toBeTruthy();
     expect(rowOfNode(root, 3).querySelector(".jmi-c-std")!.textContent).toBe("0.25");
     expect(rowOfNode(root, 7).querySelector(".jmi-bad")!.textContent).toBe("NaN");
-    expect(rowOfNode(root, 7).getAttribute("aria-label")).toContain("holds 1 NaN values");
+    expect(rowOfNode(root, 7).getAttribute("aria-label")).toMatch(/holds 1 NaN value$/);
     expect(rowOfNode(root, 4).querySelector(".jmi-bad")).toBeNull();
   });
 
