@@ -115,6 +115,17 @@ def test_values_count_nan_and_inf_and_send_them_as_json_nulls():
     assert "2 NaN or infinite values" in w.status
 
 
+def test_values_say_one_nan_value_in_the_singular():
+    net = eager_net()
+    with torch.no_grad():
+        net.norm.weight[0] = math.nan
+    w = explore(net)
+    w.selected = ["norm"]
+    w.measure_values()
+    assert "the model unchanged. 1 NaN or infinite value (flagged in red)." in w.status
+    assert ": 2 tensors in " in w.status
+
+
 def test_values_refuse_unknown_names_from_the_page():
     net = deferred_net()
     w = explore(net)
