@@ -205,20 +205,25 @@ def test_deferred_to_cuda_badge_keeps_clear_of_the_size_column_at_700px(browser)
         page.close()
 
 
-def _measured_llama_state(tmp_path) -> dict:
-    """A small Llama's widget state, one layer real and holding a NaN, Values measured and
-    compared with a checkpoint of it (as the values notebook below, without a kernel)."""
-    import torch
+def _llama_small():
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from jupyter_metainit import materialize, save
-    from jupyter_metainit.jupyter.widget import explore
 
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
                       tie_word_embeddings=True)  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
+def _measured_llama_state(tmp_path) -> dict:
+    """A small Llama's widget state, one layer real and holding a NaN, Values measured and
+    compared with a checkpoint of it (as the values notebook below, without a kernel)."""
+    import torch
+
+    from jupyter_metainit import materialize, save
+    from jupyter_metainit.jupyter.widget import explore
+
     with meta_init():
-        model = LlamaForCausalLM(cfg)
+        model = _llama_small()
     materialize(model.model.layers[1])
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
@@ -277,6 +282,39 @@ def test_narrow_rows_keep_their_names_and_the_dtype_tags_in_one_column(browser, 
     found = _mount_at(browser, state, widths, _NAMES_AND_TAGS, columns == "value columns")
     assert all(not f["cut"] for f in found.values()), found  # beside a NaN flag too
     assert all(len(f["tags"]) <= 1 for f in found.values()), found  # one left edge
+
+
+_PLANNED_CUTS = """(root) => {
+  const box = (el) => el.getBoundingClientRect();
+  const cut = (el) => el.scrollWidth > el.clientWidth + 1;
+  const faults = [];
+  for (const row of root.querySelectorAll('.jmi-rows .jmi-row:not(:hover)')) {
+    const name = row.querySelector('.jmi-name');
+    const bytes = row.querySelector('.jmi-bytes'), badge = row.querySelector('.jmi-badge');
+    const dev = row.querySelector('.jmi-c-device .jmi-dev-name');
+    if (cut(name)) faults.push(`${name.title}: name cut`);
+    // a size shown is whole and clear of the state badge (at 330 px the device takes its place)
+    if (bytes.checkVisibility() && (box(bytes).right > box(bytes.parentElement).right + 1
+        || box(bytes).right > box(badge).left)) faults.push(`${name.title}: size cut`);
+    if (cut(badge)) faults.push(`${name.title}: state cut`);
+    if (!dev || cut(dev)) faults.push(`${name.title}: device cut`);
+  }
+  return faults; }"""
+
+
+def test_a_planned_tree_at_330_px_keeps_names_sizes_states_and_devices_whole(browser, tmp_path):
+    """Screenshots: test-artifacts/widget-planned-<px>.png."""
+    from jupyter_metainit.jupyter.widget import explore
+
+    state = _measured_llama_state(tmp_path)
+    with meta_init():
+        model = _llama_small()
+    w = explore(model)
+    w.place("cpu", seq_len=8)
+    assert w.plan.get("devices"), w.error
+    state["plan"] = w.plan
+    found = _mount_at(browser, state, (330, 420), _PLANNED_CUTS, False, "widget-planned")
+    assert all(not f for f in found.values()), found
 
 
 def test_two_gpus_wrap_the_action_bar_between_its_groups(browser, tmp_path):
