@@ -13,6 +13,7 @@ export class ValuesPanel {
   private readonly roleSel = h("select", "jmi-select jmi-role-sel");
   private readonly kindSel = h("select", "jmi-select jmi-kind-sel");
   private readonly chartEl = h("div", "jmi-chart-box");
+  private readonly depthEl = h("span", "jmi-depth-ctl");
   private readonly histEl = h("div", "jmi-chart-box jmi-hist-box");
   private values: Values | null = null;
   private node = 0;
@@ -39,9 +40,8 @@ export class ValuesPanel {
     const controls = h("div", "jmi-values-controls");
     // the statistic and the chart kind stay beside their label; the role (a long tensor
     // name) is the part that goes to its own line in a narrow widget
-    const depth = h("span", "jmi-depth-ctl");
-    depth.append(h("span", "jmi-muted", "Along the depth:"), this.statSel, this.kindSel);
-    controls.append(this.columnsBtn, depth, this.roleSel);
+    this.depthEl.append(h("span", "jmi-muted", "Along the depth:"), this.statSel, this.kindSel);
+    controls.append(this.columnsBtn, this.depthEl, this.roleSel);
     this.el.append(controls, this.chartEl, this.histEl);
     this.el.hidden = true;
     this.el.setAttribute("role", "region");
@@ -66,6 +66,10 @@ export class ValuesPanel {
     this.roleSel.replaceChildren(...this.roles.map((r) => option(r, r)));
     this.roleSel.value = this.roles.includes(keep) ? keep : (this.roles[0] ?? "");
     this.roleSel.disabled = !this.roles.length;
+    // no repeated blocks: no chart along the depth, so none of its controls (an empty
+    // tensor list and a statistic that chooses nothing); the chart box says why
+    this.roleSel.hidden = !this.roles.length;
+    this.depthEl.hidden = !this.roles.length;
     if (first && !this.columns) this.toggleColumns();
     this.renderChart();
     this.renderHistogram();

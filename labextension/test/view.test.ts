@@ -908,6 +908,17 @@ describe("Values", () => {
     expect(hist.querySelectorAll("rect").length).toBe(3);
   });
 
+  it("shows no depth controls, only why, when the measured tensors have no repeated blocks", () => {
+    const { root, model } = mount(smallTree(), { expand_depth: 3 });
+    model.set("values", { ...measured, tensors: [["norm.weight", 9, 0, 0.5, 2, 9, 0, 0, -1, 1, [4, 1]]] });
+    expect(root.querySelector<HTMLElement>(".jmi-role-sel")!.hidden).toBe(true);
+    expect(root.querySelector<HTMLElement>(".jmi-depth-ctl")!.hidden).toBe(true);
+    expect(root.querySelector(".jmi-chart-box")!.textContent).toContain("No repeated blocks");
+    model.set("values", measured); // blocks again: the controls come back
+    expect(root.querySelector<HTMLElement>(".jmi-role-sel")!.hidden).toBe(false);
+    expect(root.querySelector<HTMLElement>(".jmi-depth-ctl")!.hidden).toBe(false);
+  });
+
   it("shows a tied leaf's histogram: the shared tensor Values measured under its first holder", () => {
     const tree = smallTree();
     tree.nodes[1][ROW.tied] = [9]; // embed and norm share one tensor, measured as embed.weight
