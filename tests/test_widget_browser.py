@@ -317,6 +317,34 @@ def test_a_planned_tree_at_330_px_keeps_names_sizes_states_and_devices_whole(bro
     assert all(not f for f in found.values()), found
 
 
+_TIE_CHIPS = """(root) => [...root.querySelectorAll('.jmi-rows .jmi-row')].flatMap((row) => {
+  const chip = row.querySelector('.jmi-tied');
+  if (!chip) return [];
+  const c = chip.getBoundingClientRect(), rest = chip.querySelector('.jmi-chip-rest');
+  const r = rest.getBoundingClientRect();
+  const tags = row.querySelector('.jmi-tags').getBoundingClientRect();
+  const shown = c.width > 0 && c.top < tags.bottom - 1;
+  const whole = r.width > 0 && r.top < c.bottom - 1 && r.right <= c.right + 0.5;
+  const gone = !rest.checkVisibility() || r.top >= c.bottom - 1;
+  return [{ name: row.querySelector('.jmi-name').title, shown, whole, gone,
+            label: row.getAttribute('aria-label') }]; })"""
+
+
+def test_a_tie_chip_shows_its_holder_whole_or_not_at_all_and_the_label_names_it(browser, tmp_path):
+    """At every width the tie is in the row's accessible name; its chip (when the row has room
+    for "tied") never shows the holder's name cut. Screenshots: widget-tied-<px>.png."""
+    state = _measured_llama_state(tmp_path)
+    found = _mount_at(browser, state, (330, 650, 968), _TIE_CHIPS, False, "widget-tied")
+    for width, chips in found.items():
+        assert {c["name"] for c in chips} == {"model.embed_tokens", "lm_head"}, (width, chips)
+        for c in chips:
+            other = "lm_head" if c["name"] != "lm_head" else "model.embed_tokens"
+            assert f"tied to {other}" in c["label"], (width, c)
+            assert not c["shown"] or c["whole"] or c["gone"], (width, c)
+    lm_head = next(c for c in found[968] if c["name"] == "lm_head")
+    assert lm_head["shown"] and lm_head["whole"], found[968]
+
+
 def test_two_gpus_wrap_the_action_bar_between_its_groups(browser, tmp_path):
     state = _measured_llama_state(tmp_path)
     # the devices trait as a two-GPU kernel sends it (no GPU needed to draw the bar)
