@@ -129,8 +129,9 @@ export function treeRow(ctx: RowContext, row: VisibleRow, i: number): HTMLElemen
     const names = tied.map((k) => t.qname[k] || "(model)");
     // compact: the holder's last name ("embed_tokens"), and only "tied" in a narrow widget
     // (style.css); the whole names are in the title and the row's accessible name
-    const chip = keyedChip("jmi-chip jmi-tied", "tied", "");
-    chip.append(h("span", "jmi-chip-rest", `: ${shortName(names[0])}${names.length > 1 ? ` +${names.length - 1}` : ""}`));
+    const chip = h("span", "jmi-chip jmi-tied");
+    chip.style.setProperty("--jmi-key", "calc(5.5ch + 12px)"); // "tied", as keyedChip counts
+    chip.append(h("span", "jmi-chip-key", "tied"), h("span", "jmi-chip-rest", `: ${shortName(names[0])}${names.length > 1 ? ` +${names.length - 1}` : ""}`));
     chip.title = `Shares a tensor with ${names.join(", ")}: counted once, and real or deferred together`;
     tags.unshift(chip);
   }
