@@ -921,6 +921,29 @@ def test_a_dead_kernel_leaves_nothing_clickable_in_the_old_widget(browser, front
     widget.screenshot(path=str(ARTIFACTS / f"widget-{app}-dead-{how}.png"))
 
 
+_BIG_VALUES_CELLS = [
+    "%load_ext jupyter_metainit",
+    "%%meta_init\nfrom torch import nn\n\n"
+    "big = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(32)])",  # 2 GiB, deferred
+]
+
+
+def test_a_kernel_restarted_during_values_says_the_action_stopped_and_hides_cancel(
+    browser, jupyterlab
+):
+    page = _open_and_build(browser, jupyterlab, "restart-values.ipynb", _BIG_VALUES_CELLS)
+    widget = page.locator(".jmi-root").first
+    widget.locator(".jmi-values").click()
+    progress = widget.locator(".jmi-progress-text", has_text="measure the values")
+    progress.wait_for(timeout=30_000)  # seconds of work: 2 GiB of values
+    _restart_kernel(page)
+    widget.locator(".jmi-disconnected").wait_for(state="visible", timeout=20_000)
+    stopped = "measure the values: stopped, the kernel died or was restarted."
+    assert progress.inner_text() == stopped
+    assert widget.locator(".jmi-cancel").is_hidden()
+    widget.screenshot(path=str(ARTIFACTS / "widget-jupyterlab4-restarted-during-values.png"))
+
+
 # ---------------------------------------------------------------------------- widths and themes
 
 _WIDTH_CELLS = [
