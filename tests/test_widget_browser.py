@@ -205,20 +205,25 @@ def test_deferred_to_cuda_badge_keeps_clear_of_the_size_column_at_700px(browser)
         page.close()
 
 
-def _measured_llama_state(tmp_path) -> dict:
-    """A small Llama's widget state, one layer real and holding a NaN, Values measured and
-    compared with a checkpoint of it (as the values notebook below, without a kernel)."""
-    import torch
+def _llama_small():
     from transformers import LlamaConfig, LlamaForCausalLM
-
-    from jupyter_metainit import materialize, save
-    from jupyter_metainit.jupyter.widget import explore
 
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=4,
                       num_attention_heads=4, num_key_value_heads=2, vocab_size=256,
                       tie_word_embeddings=True)  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
+def _measured_llama_state(tmp_path) -> dict:
+    """A small Llama's widget state, one layer real and holding a NaN, Values measured and
+    compared with a checkpoint of it (as the values notebook below, without a kernel)."""
+    import torch
+
+    from jupyter_metainit import materialize, save
+    from jupyter_metainit.jupyter.widget import explore
+
     with meta_init():
-        model = LlamaForCausalLM(cfg)
+        model = _llama_small()
     materialize(model.model.layers[1])
     with torch.no_grad():
         model.model.layers[1].mlp.down_proj.weight[0, 0] = float("nan")
@@ -277,6 +282,67 @@ def test_narrow_rows_keep_their_names_and_the_dtype_tags_in_one_column(browser, 
     found = _mount_at(browser, state, widths, _NAMES_AND_TAGS, columns == "value columns")
     assert all(not f["cut"] for f in found.values()), found  # beside a NaN flag too
     assert all(len(f["tags"]) <= 1 for f in found.values()), found  # one left edge
+
+
+_PLANNED_CUTS = """(root) => {
+  const box = (el) => el.getBoundingClientRect();
+  const cut = (el) => el.scrollWidth > el.clientWidth + 1;
+  const faults = [];
+  for (const row of root.querySelectorAll('.jmi-rows .jmi-row:not(:hover)')) {
+    const name = row.querySelector('.jmi-name');
+    const bytes = row.querySelector('.jmi-bytes'), badge = row.querySelector('.jmi-badge');
+    const dev = row.querySelector('.jmi-c-device .jmi-dev-name');
+    if (cut(name)) faults.push(`${name.title}: name cut`);
+    // a size shown is whole and clear of the state badge (at 330 px the device takes its place)
+    if (bytes.checkVisibility() && (box(bytes).right > box(bytes.parentElement).right + 1
+        || box(bytes).right > box(badge).left)) faults.push(`${name.title}: size cut`);
+    if (cut(badge)) faults.push(`${name.title}: state cut`);
+    if (!dev || cut(dev)) faults.push(`${name.title}: device cut`);
+  }
+  return faults; }"""
+
+
+def test_a_planned_tree_at_330_px_keeps_names_sizes_states_and_devices_whole(browser, tmp_path):
+    """Screenshots: test-artifacts/widget-planned-<px>.png."""
+    from jupyter_metainit.jupyter.widget import explore
+
+    state = _measured_llama_state(tmp_path)
+    with meta_init():
+        model = _llama_small()
+    w = explore(model)
+    w.place("cpu", seq_len=8)
+    assert w.plan.get("devices"), w.error
+    state["plan"] = w.plan
+    found = _mount_at(browser, state, (330, 420), _PLANNED_CUTS, False, "widget-planned")
+    assert all(not f for f in found.values()), found
+
+
+_TIE_CHIPS = """(root) => [...root.querySelectorAll('.jmi-rows .jmi-row')].flatMap((row) => {
+  const chip = row.querySelector('.jmi-tied');
+  if (!chip) return [];
+  const c = chip.getBoundingClientRect(), rest = chip.querySelector('.jmi-chip-rest');
+  const r = rest.getBoundingClientRect();
+  const tags = row.querySelector('.jmi-tags').getBoundingClientRect();
+  const shown = c.width > 0 && c.top < tags.bottom - 1;
+  const whole = r.width > 0 && r.top < c.bottom - 1 && r.right <= c.right + 0.5;
+  const gone = !rest.checkVisibility() || r.top >= c.bottom - 1;
+  return [{ name: row.querySelector('.jmi-name').title, shown, whole, gone,
+            label: row.getAttribute('aria-label') }]; })"""
+
+
+def test_a_tie_chip_shows_its_holder_whole_or_not_at_all_and_the_label_names_it(browser, tmp_path):
+    """At every width the tie is in the row's accessible name; its chip (when the row has room
+    for "tied") never shows the holder's name cut. Screenshots: widget-tied-<px>.png."""
+    state = _measured_llama_state(tmp_path)
+    found = _mount_at(browser, state, (330, 650, 968), _TIE_CHIPS, False, "widget-tied")
+    for width, chips in found.items():
+        assert {c["name"] for c in chips} == {"model.embed_tokens", "lm_head"}, (width, chips)
+        for c in chips:
+            other = "lm_head" if c["name"] != "lm_head" else "model.embed_tokens"
+            assert f"tied to {other}" in c["label"], (width, c)
+            assert not c["shown"] or c["whole"] or c["gone"], (width, c)
+    lm_head = next(c for c in found[968] if c["name"] == "lm_head")
+    assert lm_head["shown"] and lm_head["whole"], found[968]
 
 
 def test_two_gpus_wrap_the_action_bar_between_its_groups(browser, tmp_path):
@@ -853,6 +919,29 @@ def test_a_dead_kernel_leaves_nothing_clickable_in_the_old_widget(browser, front
     message = widget.locator(".jmi-message")
     assert message.evaluate("(el) => getComputedStyle(el).opacity") == "0.5"
     widget.screenshot(path=str(ARTIFACTS / f"widget-{app}-dead-{how}.png"))
+
+
+_BIG_VALUES_CELLS = [
+    "%load_ext jupyter_metainit",
+    "%%meta_init\nfrom torch import nn\n\n"
+    "big = nn.Sequential(*[nn.Linear(4096, 4096) for _ in range(32)])",  # 2 GiB, deferred
+]
+
+
+def test_a_kernel_restarted_during_values_says_the_action_stopped_and_hides_cancel(
+    browser, jupyterlab
+):
+    page = _open_and_build(browser, jupyterlab, "restart-values.ipynb", _BIG_VALUES_CELLS)
+    widget = page.locator(".jmi-root").first
+    widget.locator(".jmi-values").click()
+    progress = widget.locator(".jmi-progress-text", has_text="measure the values")
+    progress.wait_for(timeout=30_000)  # seconds of work: 2 GiB of values
+    _restart_kernel(page)
+    widget.locator(".jmi-disconnected").wait_for(state="visible", timeout=20_000)
+    stopped = "measure the values: stopped, the kernel died or was restarted."
+    assert progress.inner_text() == stopped
+    assert widget.locator(".jmi-cancel").is_hidden()
+    widget.screenshot(path=str(ARTIFACTS / "widget-jupyterlab4-restarted-during-values.png"))
 
 
 # ---------------------------------------------------------------------------- widths and themes

@@ -115,6 +115,17 @@ def test_values_count_nan_and_inf_and_send_them_as_json_nulls():
     assert "2 NaN or infinite values" in w.status
 
 
+def test_values_say_one_nan_value_in_the_singular():
+    net = eager_net()
+    with torch.no_grad():
+        net.norm.weight[0] = math.nan
+    w = explore(net)
+    w.selected = ["norm"]
+    w.measure_values()
+    assert "the model unchanged. 1 NaN or infinite value (flagged in red)." in w.status
+    assert ": 2 tensors in " in w.status
+
+
 def test_values_refuse_unknown_names_from_the_page():
     net = deferred_net()
     w = explore(net)
@@ -160,6 +171,44 @@ def test_compare_with_a_variable_colours_rows_by_how_much_they_differ(shell):
     row = next(r for r in w.comparison["tensors"] if r[0] == "layers.1.mlp.weight")
     assert row[2:5] == ["large", "differ", 1.0]  # rel_l2 of 2x - x over x: exactly 1
     assert w.status.startswith("Compared model (the whole model) with tuned")
+
+
+def compared_with_not_finite(shell):
+    """A widget compared with a state dict whose ``norm.bias`` is ones (the model's is zeros:
+    rel_l2 inf) and whose ``layers.1.mlp.bias`` holds a NaN (rel_l2 NaN)."""
+    state = {k: v.clone() for k, v in eager_net().state_dict().items()}
+    state["norm.bias"].fill_(1.0)
+    state["layers.1.mlp.bias"][0] = math.nan
+    state["layers.2.mlp.weight"].mul_(3)  # a finite large difference beside them
+    shell.user_ns["odd"] = state
+    shell.user_ns["net"] = net = deferred_net()  # the widget holds its model weakly
+    w = explore(net)
+    w.compare_with("odd")
+    assert w.error == "", w.error
+    return w
+
+
+def largest_rel_l2(w) -> dict[str, object]:
+    names = {node: name for name, node in w._tree.index.items()}
+    return {names[r[0]]: r[3] for r in w.comparison["modules"]}
+
+
+def test_compare_sends_an_infinite_rel_l2_as_inf_and_its_parents_take_it(shell):
+    w = compared_with_not_finite(shell)
+    assert tensor_row_of(w, "norm.bias")[2:5] == ["large", "differ", "inf"]
+    assert largest_rel_l2(w)["norm"] == "inf"
+
+
+def test_compare_sends_a_nan_rel_l2_as_nan_and_it_ranks_above_every_number(shell):
+    w = compared_with_not_finite(shell)
+    assert tensor_row_of(w, "layers.1.mlp.bias")[2:6] == ["large", "differ", "nan", "nan"]
+    largest = largest_rel_l2(w)
+    assert (largest["layers.1.mlp"], largest["layers"], largest[""]) == ("nan", "nan", "nan")
+    assert largest["layers.2"] == pytest.approx(2.0)  # 3x - x over x
+
+
+def tensor_row_of(w, name: str) -> list:
+    return next(r for r in w.comparison["tensors"] if r[0] == name)
 
 
 def test_compare_with_a_checkpoint_path_marks_missing_and_reshaped_tensors(tmp_path):
@@ -251,6 +300,17 @@ def test_compare_refuses_a_missing_path_naming_where_it_looked(tmp_path, monkeyp
     assert f"no such file or directory ({tmp_path}/gone/ckpt)" in text and "\n" not in text
 
 
+def test_a_refused_compare_takes_the_earlier_comparisons_colours_off(shell, tmp_path):
+    shell.user_ns["net"] = net = deferred_net()
+    shell.user_ns["tuned"] = eager_net()
+    w = explore(net)
+    w.compare_with("tuned")
+    assert w.comparison["modules"]
+    w.compare_with(not_a_checkpoint(tmp_path, "broken safetensors"))
+    assert "nothing was compared" in w.notice["text"].lower()
+    assert w.comparison.get("modules") is None
+
+
 @pytest.mark.parametrize("other", ["", "nowhere/at/all", "x" * 5000, 3, "not_a_model"])
 def test_compare_refuses_what_is_neither_a_model_nor_a_path(shell, other):
     shell.user_ns["not_a_model"] = 42
@@ -326,6 +386,38 @@ def test_a_comparison_whose_tensors_are_unchanged_outlives_later_cells(shell):
     shell.run_cell("materialize(net, rng='fast')")  # other values than the ones compared
     assert w.comparison.get("modules") is None
     assert w.status.startswith("Compare cleared")
+
+
+def test_materialize_after_values_says_what_it_did_then_that_values_were_cleared(shell):
+    net = deferred_net()
+    shell.user_ns["net"] = net
+    w = explore(net)
+    w.measure_values()
+    w.rng = "fast"  # other values than the ones measured
+    w.selected = [""]
+    w.materialize("cpu")
+    assert w.values.get("modules") is None
+    assert w.status.startswith("Materialized model")
+    assert w.status.endswith(
+        "Values cleared: the model's tensors changed since they were "
+        "measured (materialized, freed or edited). Measure again to see the new values."
+    )
+
+
+def test_free_after_compare_says_what_it_did_then_that_compare_was_cleared(shell):
+    net = deferred_net()
+    shell.user_ns["net"] = net
+    w = explore(net)
+    w.selected = [""]
+    w.materialize("cpu")
+    shell.user_ns["tuned"] = eager_net()
+    w.compare_with("tuned")
+    assert w.comparison["modules"]
+    w.selected = ["layers.1"]
+    w.free()
+    assert w.comparison.get("modules") is None
+    assert w.status.startswith("Freed model.layers[1] (deferred again) in ")
+    assert "Compare cleared" in w.status
 
 
 def test_compare_of_a_model_transformers_renames_with_its_files_is_all_equal(tmp_path):

@@ -15,17 +15,31 @@ export const KIND_WORDS: Record<string, string> = {
   shape: "shape differs",
 };
 
+/** A measure as the kernel sends it: a number, or "inf" / "-inf" / "nan" (JSON has no inf). */
+export type Measure = number | "inf" | "-inf" | "nan";
+
 /** Per tree node: the worst kind under it, how many tensors differ, the largest rel_l2. */
 export interface Compared {
   other: string;
   tiny: number;
-  nodes: Map<number, { kind: string; differ: number; relL2: number | null }>;
+  nodes: Map<number, { kind: string; differ: number; relL2: Measure | null }>;
+}
+
+function readMeasure(v: unknown): Measure | null {
+  if (typeof v === "number") return v;
+  return v === "inf" || v === "-inf" || v === "nan" ? v : null;
+}
+
+/** A measure in words: the number, "inf", or "NaN (not finite)". */
+export function measureText(v: Measure | null): string {
+  if (v === "nan") return "NaN (not finite)";
+  return typeof v === "string" ? v : statText(v);
 }
 
 export function readComparison(raw: any): Compared | null {
   if (!raw || !Array.isArray(raw.modules)) return null;
-  const nodes = new Map<number, { kind: string; differ: number; relL2: number | null }>();
-  for (const [node, kind, differ, rel] of raw.modules) nodes.set(Number(node), { kind: String(kind), differ: Number(differ) || 0, relL2: typeof rel === "number" ? rel : null });
+  const nodes = new Map<number, { kind: string; differ: number; relL2: Measure | null }>();
+  for (const [node, kind, differ, rel] of raw.modules) nodes.set(Number(node), { kind: String(kind), differ: Number(differ) || 0, relL2: readMeasure(rel) });
   return { other: String(raw.other ?? ""), tiny: Number(raw.tiny) || 1e-3, nodes };
 }
 
@@ -34,7 +48,7 @@ export function comparedText(c: Compared, node: number): string {
   const n = c.nodes.get(node);
   if (!n) return "";
   const differ = n.differ ? `, ${n.differ} tensor${n.differ > 1 ? "s" : ""} differ${n.differ > 1 ? "" : "s"}` : "";
-  const rel = n.relL2 !== null && n.kind !== "equal" ? `, rel_l2 up to ${statText(n.relL2)}` : "";
+  const rel = n.relL2 !== null && n.kind !== "equal" ? `, rel_l2 up to ${measureText(n.relL2)}` : "";
   return `vs ${c.other}: ${KIND_WORDS[n.kind] ?? n.kind}${differ}${rel}`;
 }
 

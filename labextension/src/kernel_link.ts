@@ -39,6 +39,8 @@ export interface LinkEvents {
 export class KernelLink {
   /** The kernel is gone (comm closed, kernel restarted or dead). */
   disconnected = false;
+  /** Why, once disconnected: GONE_KERNEL, GONE_WIDGET or NOT_CONNECTED. */
+  why = "";
   /** A message was sent that the kernel has not answered yet for a while: it is busy. */
   waiting = false;
   readonly disconnectedEl = h("div", "jmi-disconnected");
@@ -150,6 +152,7 @@ export class KernelLink {
   setDisconnected(why = GONE_KERNEL): void {
     if (this.disconnected) return;
     this.disconnected = true;
+    this.why = why;
     for (const timer of this.pending.values()) clearTimeout(timer);
     this.pending.clear();
     this.blocking.clear();

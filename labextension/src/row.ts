@@ -55,13 +55,14 @@ export function treeRow(ctx: RowContext, row: VisibleRow, i: number): HTMLElemen
     (chip && chip.textContent !== "—" ? `, planned on ${chip.textContent}` : "") +
     (pin ? `, pinned to ${pin}` : "");
   const cmp = ctx.compared?.nodes.get(n);
-  if (cmp) {
-    el.classList.add(`jmi-cmp-${cmp.kind}`);
-    el.title = ctx.comparedText(n);
-  }
+  if (cmp) el.classList.add(`jmi-cmp-${cmp.kind}`);
   const m = ctx.values?.modules.get(n);
-  const holds = m && badText(m) ? `, holds ${badText(m)} values` : "";
-  el.setAttribute("aria-label", `${t.qname[n] || "the whole model"}, ${t.type[n]}, ${humanBytes(t.bytes[n])}, ${stateText(t.state[n], t.target[n])}${on}${holds}${cmp ? `; ${ctx.comparedText(n)}` : ""}`);
+  const holds = m && badText(m) ? `, holds ${badText(m)} value${badCount(m) === 1 ? "" : "s"}` : "";
+  // the tie is said whatever the width (its chip may be hidden in a narrow widget)
+  const tiedTo = t.tied[n].length ? `tied to ${t.tied[n].map((k) => t.qname[k] || "the whole model").join(", ")}` : "";
+  if (tiedTo) el.title = tiedTo;
+  if (cmp) el.title = [tiedTo, ctx.comparedText(n)].filter(Boolean).join("; ");
+  el.setAttribute("aria-label", `${t.qname[n] || "the whole model"}, ${t.type[n]}, ${humanBytes(t.bytes[n])}, ${stateText(t.state[n], t.target[n])}${tiedTo ? `, ${tiedTo}` : ""}${on}${holds}${cmp ? `; ${ctx.comparedText(n)}` : ""}`);
   el.tabIndex = n === ctx.focusNode ? 0 : -1;
   if (n === ctx.focusNode) el.classList.add("jmi-focus");
 
@@ -126,7 +127,11 @@ export function treeRow(ctx: RowContext, row: VisibleRow, i: number): HTMLElemen
   const tied = t.tied[n];
   if (tied.length) {
     const names = tied.map((k) => t.qname[k] || "(model)");
-    const chip = keyedChip("jmi-chip jmi-tied", "tied", `: ${names[0]}${names.length > 1 ? ` +${names.length - 1}` : ""}`);
+    // compact: the holder's last name ("embed_tokens"), and only "tied" in a narrow widget
+    // (style.css); the whole names are in the title and the row's accessible name
+    const chip = h("span", "jmi-chip jmi-tied");
+    chip.style.setProperty("--jmi-key", "calc(5.5ch + 12px)"); // "tied", as keyedChip counts
+    chip.append(h("span", "jmi-chip-key", "tied"), h("span", "jmi-chip-rest", `: ${shortName(names[0])}${names.length > 1 ? ` +${names.length - 1}` : ""}`));
     chip.title = `Shares a tensor with ${names.join(", ")}: counted once, and real or deferred together`;
     tags.unshift(chip);
   }
@@ -183,4 +188,16 @@ export function treeRow(ctx: RowContext, row: VisibleRow, i: number): HTMLElemen
     el.append(cell);
   }
   return el;
+}
+
+/** A tied holder's compact name: its last part ("embed_tokens"), or the last two where the last
+ *  is an index ("layers.0"). */
+function shortName(qname: string): string {
+  const parts = qname.split(".");
+  const last = parts.length > 1 && /^\d+$/.test(parts[parts.length - 1]) ? parts.slice(-2) : parts.slice(-1);
+  return last.join(".");
+}
+
+function badCount(s: { nan: number; inf: number }): number {
+  return (s.nan || 0) + (s.inf || 0);
 }

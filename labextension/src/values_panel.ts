@@ -13,13 +13,18 @@ export class ValuesPanel {
   private readonly roleSel = h("select", "jmi-select jmi-role-sel");
   private readonly kindSel = h("select", "jmi-select jmi-kind-sel");
   private readonly chartEl = h("div", "jmi-chart-box");
+  private readonly depthEl = h("span", "jmi-depth-ctl");
   private readonly histEl = h("div", "jmi-chart-box jmi-hist-box");
   private values: Values | null = null;
   private node = 0;
   private roles: string[] = [];
   columns = false;
 
-  constructor(private readonly onColumns: () => void, private readonly nameOf: (node: number) => string) {
+  constructor(
+    private readonly onColumns: () => void,
+    private readonly nameOf: (node: number) => string,
+    private readonly tiedOf: (node: number) => number[] = () => [],
+  ) {
     this.columnsBtn = button("Value columns", "jmi-toggle jmi-values-cols", () => this.toggleColumns());
     this.columnsBtn.setAttribute("aria-pressed", "false");
     this.columnsBtn.setAttribute("aria-keyshortcuts", "Shift+V");
@@ -35,9 +40,8 @@ export class ValuesPanel {
     const controls = h("div", "jmi-values-controls");
     // the statistic and the chart kind stay beside their label; the role (a long tensor
     // name) is the part that goes to its own line in a narrow widget
-    const depth = h("span", "jmi-depth-ctl");
-    depth.append(h("span", "jmi-muted", "Along the depth:"), this.statSel, this.kindSel);
-    controls.append(this.columnsBtn, depth, this.roleSel);
+    this.depthEl.append(h("span", "jmi-muted", "Along the depth:"), this.statSel, this.kindSel);
+    controls.append(this.columnsBtn, this.depthEl, this.roleSel);
     this.el.append(controls, this.chartEl, this.histEl);
     this.el.hidden = true;
     this.el.setAttribute("role", "region");
@@ -62,6 +66,10 @@ export class ValuesPanel {
     this.roleSel.replaceChildren(...this.roles.map((r) => option(r, r)));
     this.roleSel.value = this.roles.includes(keep) ? keep : (this.roles[0] ?? "");
     this.roleSel.disabled = !this.roles.length;
+    // no repeated blocks: no chart along the depth, so none of its controls (an empty
+    // tensor list and a statistic that chooses nothing); the chart box says why
+    this.roleSel.hidden = !this.roles.length;
+    this.depthEl.hidden = !this.roles.length;
     if (first && !this.columns) this.toggleColumns();
     this.renderChart();
     this.renderHistogram();
@@ -101,13 +109,25 @@ export class ValuesPanel {
   private renderHistogram(): void {
     const v = this.values;
     if (!v) return;
-    const t = tensorOf(v, this.node);
+    let t = tensorOf(v, this.node);
     const where = this.nameOf(this.node) || "the whole model";
+    let tied = "";
+    if (!t) {
+      // a tied leaf (lm_head sharing the embedding's weight): Values measured the shared
+      // tensor once, under its first holder's name, which is this row's tensor too
+      for (const k of this.tiedOf(this.node)) {
+        t = tensorOf(v, k);
+        if (t) {
+          tied = `${where}, tied to ${t.name}`;
+          break;
+        }
+      }
+    }
     if (!t) {
       this.histEl.replaceChildren(h("div", "jmi-muted", `Histogram: ${where} holds no tensor of its own that Values measured; focus a leaf row (Linear, Embedding…).`));
       return;
     }
-    this.histEl.replaceChildren(h("div", "jmi-chart-title", `Histogram of ${t.name} (${t.counts.length} bins, finite values)`), histogramChart(t, this.width()));
+    this.histEl.replaceChildren(h("div", "jmi-chart-title", `Histogram of ${tied || t.name} (${t.counts.length} bins, finite values)`), histogramChart(t, this.width()));
   }
 }
 

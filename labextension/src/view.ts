@@ -10,7 +10,7 @@ import { badge, codePath, dtypeTag, fitAmounts } from "./cells";
 import { button, h, Reasons } from "./dom";
 import { FocusKeeper } from "./focus";
 import { humanBytes, humanCount } from "./format";
-import { GONE_KERNEL, GONE_WIDGET, KernelLink } from "./kernel_link";
+import { GONE_KERNEL, GONE_WIDGET, KernelLink, NOT_CONNECTED } from "./kernel_link";
 import { type Action, actionFor, declareKey, keyList, type Target, withKey } from "./keys";
 import { type Plan, PlanBar, planHead, SaveBar } from "./plan";
 import { ROW_HEIGHT, type RowContext, treeRow } from "./row";
@@ -18,6 +18,13 @@ import { CompareBar, comparedText, type Compared, readComparison } from "./compa
 import { readValues, type Values } from "./values";
 import { ValuesPanel } from "./values_panel";
 import { type PatchRow, Tree, type TreeJSON, type VisibleRow } from "./tree";
+
+/** The running action's progress line once the widget is disconnected, by why. */
+const STOPPED_WHY: Record<string, string> = {
+  [GONE_KERNEL]: "the kernel died or was restarted",
+  [GONE_WIDGET]: "this widget was closed in the kernel",
+  [NOT_CONNECTED]: "no kernel is connected",
+};
 
 /** The part of anywidget's model this view uses. */
 export interface WidgetModel {
@@ -116,6 +123,7 @@ export class TreeView {
         this.applyOff();
         this.renderRows();
         this.renderTable();
+        this.renderProgress();
       },
     });
     this.cancelBtn = button("Cancel", "jmi-cancel", () => this.request({ action: "cancel" }));
@@ -142,6 +150,7 @@ export class TreeView {
         this.renderRows();
       },
       (node) => this.tree.qname[node] ?? "",
+      (node) => this.tree.tied[node] ?? [],
     );
     this.ownActions = this.widgetActions();
     this.focusKeeper = new FocusKeeper(this.el, () => this.focusFallback());
@@ -804,6 +813,12 @@ export class TreeView {
     // "materialize cpu: 1.0 GiB / 2.0 GiB (50%) · phase", or "free: phase" before any amount
     const said = [amount, phase].filter(Boolean).join(" · ");
     this.progressText.textContent = busy ? [`${busy}:`, said].filter(Boolean).join(" ") : "";
+    // The kernel (or this widget in it) is gone mid-action: nothing more will come of it, so
+    // the line says it stopped, and Cancel, which could reach no one, goes.
+    const gone = this.link.disconnected;
+    this.cancelBtn.hidden = gone;
+    this.progressEl.classList.toggle("jmi-stopped", gone);
+    if (gone && busy) this.progressText.textContent = `${busy}: stopped, ${STOPPED_WHY[this.link.why] ?? "the kernel is gone"}.`;
     this.focusKeeper.schedule(); // Cancel went with the progress line: the row takes the focus
   }
 

@@ -50,3 +50,57 @@ describe("colours", () => {
     expect(contrast(light, "#ffffff")).toBeGreaterThanOrEqual(3);
   });
 });
+
+// JupyterLab 4's light and dark themes (@jupyterlab/theme-*-extension/index.css): the colours
+// the widget's variables take there; a text colour with alpha is blended over its background.
+const THEMES: Record<string, Record<string, string>> = {
+  light: {
+    "--jp-ui-font-color1": "rgba(0,0,0,.87)", "--jp-ui-font-color2": "rgba(0,0,0,.54)",
+    "--jp-ui-font-color3": "rgba(0,0,0,.38)", "--jp-layout-color1": "#ffffff",
+    "--jp-layout-color2": "#eeeeee", "--jp-layout-color3": "#bdbdbd", "--jp-warn-color1": "#f57c00",
+  },
+  dark: {
+    "--jp-ui-font-color1": "rgba(255,255,255,.87)", "--jp-ui-font-color2": "rgba(255,255,255,.54)",
+    "--jp-ui-font-color3": "rgba(255,255,255,.38)", "--jp-layout-color1": "#212121",
+    "--jp-layout-color2": "#424242", "--jp-layout-color3": "#616161", "--jp-warn-color1": "#ff9800",
+  },
+};
+
+/** A declaration's colour in a theme: var(--jmi-x) -> the root's var(--jp-y, fallback) -> the theme's. */
+function themed(block: string, name: string, theme: string): string {
+  const m = new RegExp(`(?:^|[;{\\s])${name}:\\s*var\\((--jmi-[a-z0-9-]+)\\)`).exec(block);
+  expect(m, `${name} in ${block}`).not.toBeNull();
+  const root = rule(".jmi-root");
+  const jp = new RegExp(`${m![1]}:\\s*var\\((--jp-[a-z0-9-]+)`).exec(root);
+  expect(jp, m![1]).not.toBeNull();
+  const value = THEMES[theme][jp![1]];
+  expect(value, jp![1]).toBeDefined();
+  return value;
+}
+
+function rgb(colour: string, over = "#ffffff"): string {
+  const m = /^rgba\((\d+),(\d+),(\d+),([\d.]+)\)$/.exec(colour.replace(/\s/g, ""));
+  if (!m) return colour;
+  const a = Number(m[4]);
+  const bg = [1, 3, 5].map((i) => parseInt(over.slice(i, i + 2), 16));
+  return "#" + [1, 2, 3].map((k) => Math.round(a * Number(m[k]) + (1 - a) * bg[k - 1]).toString(16).padStart(2, "0")).join("");
+}
+
+describe("text in JupyterLab's themes", () => {
+  // [selector, what it is, the background it sits on]
+  const cases: Array<[string, string, string]> = [
+    [".jmi-chip", "the ×N, identical chip", "background"],
+    [".jmi-state-none", "the — state badge", "--jp-layout-color1"],
+    [".jmi-also", "also makes … real (tied)", "--jp-layout-color1"],
+  ];
+  for (const theme of ["light", "dark"]) {
+    for (const [sel, what, on] of cases) {
+      it(`${what} has a contrast of at least 4.5:1 in the ${theme} theme`, () => {
+        const block = rule(sel);
+        const bg = on === "background" ? themed(block, "background", theme) : THEMES[theme][on];
+        expect(contrast(rgb(themed(block, "color", theme), bg), bg)).toBeGreaterThanOrEqual(4.5);
+      });
+    }
+  }
+});
+

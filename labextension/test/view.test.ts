@@ -201,6 +201,16 @@ describe("TreeView", () => {
     expect(view.focusNode).toBe(0);
   });
 
+  it("says the tie in a tied row's title and accessible name, and its chip names the holder's last part", () => {
+    const tree = smallTree();
+    tree.nodes[5][ROW.tied] = [1]; // layers.0.mlp shares embed's tensor
+    tree.nodes[1][ROW.tied] = [5];
+    const { root } = mount(tree, { expand_depth: 3 });
+    expect(rowOfNode(root, 5).getAttribute("aria-label")).toContain("layers.0.mlp, Linear, 80 B, deferred, tied to embed");
+    expect(rowOfNode(root, 5).title).toBe("tied to embed");
+    expect(rowOfNode(root, 1).querySelector(".jmi-tied")!.textContent).toBe("tied: mlp");
+  });
+
   it("names tied modules and counts shares once", () => {
     const tree = smallTree();
     tree.nodes[1][ROW.tied] = [9];
@@ -757,6 +767,18 @@ describe("a widget that lost its kernel", () => {
     expect(focused()).toBe(root.querySelector(".jmi-disconnected"));
   });
 
+  it("a running action's progress line says it stopped when the kernel dies, and Cancel goes", () => {
+    const { root, model } = mount(smallTree());
+    model.set("busy", "measure the values");
+    model.set("progress", [0, 1024]);
+    model.set("phase", "computing the statistics of the values");
+    const cancel = root.querySelector<HTMLButtonElement>(".jmi-cancel")!;
+    expect(cancel.hidden).toBe(false);
+    model.emit("comm_live_update");
+    expect(root.querySelector(".jmi-progress-text")!.textContent).toBe("measure the values: stopped, the kernel died or was restarted.");
+    expect(cancel.hidden).toBe(true);
+  });
+
   it("says so when the notebook's kernel shuts down, with no message from it", () => {
     const session = fakeSession("idle");
     const { root } = mount(smallTree(), {}, { context: { sessionContext: session }, kernel: session.session.kernel });
@@ -853,7 +875,7 @@ describe("Values", () => {
     expect(root.classList.contains("jmi-valued") || root.querySelector(".jmi-valued")).toBeTruthy();
     expect(rowOfNode(root, 3).querySelector(".jmi-c-std")!.textContent).toBe("0.25");
     expect(rowOfNode(root, 7).querySelector(".jmi-bad")!.textContent).toBe("NaN");
-    expect(rowOfNode(root, 7).getAttribute("aria-label")).toContain("holds 1 NaN values");
+    expect(rowOfNode(root, 7).getAttribute("aria-label")).toMatch(/holds 1 NaN value$/);
     expect(rowOfNode(root, 4).querySelector(".jmi-bad")).toBeNull();
   });
 
@@ -885,6 +907,29 @@ describe("Values", () => {
     expect(hist.textContent).toContain("layers.0.attn.weight");
     expect(hist.querySelectorAll("rect").length).toBe(3);
   });
+
+  it("shows no depth controls, only why, when the measured tensors have no repeated blocks", () => {
+    const { root, model } = mount(smallTree(), { expand_depth: 3 });
+    model.set("values", { ...measured, tensors: [["norm.weight", 9, 0, 0.5, 2, 9, 0, 0, -1, 1, [4, 1]]] });
+    expect(root.querySelector<HTMLElement>(".jmi-role-sel")!.hidden).toBe(true);
+    expect(root.querySelector<HTMLElement>(".jmi-depth-ctl")!.hidden).toBe(true);
+    expect(root.querySelector(".jmi-chart-box")!.textContent).toContain("No repeated blocks");
+    model.set("values", measured); // blocks again: the controls come back
+    expect(root.querySelector<HTMLElement>(".jmi-role-sel")!.hidden).toBe(false);
+    expect(root.querySelector<HTMLElement>(".jmi-depth-ctl")!.hidden).toBe(false);
+  });
+
+  it("shows a tied leaf's histogram: the shared tensor Values measured under its first holder", () => {
+    const tree = smallTree();
+    tree.nodes[1][ROW.tied] = [9]; // embed and norm share one tensor, measured as embed.weight
+    tree.nodes[9][ROW.tied] = [1];
+    const { root, model } = mount(tree, { expand_depth: 3 });
+    model.set("values", { ...measured, tensors: [["embed.weight", 1, 0, 0.5, 2, 9, 0, 0, -1, 1, [4, 1]]] });
+    rowOfNode(root, 9).focus();
+    const hist = root.querySelector(".jmi-hist-box")!;
+    expect(hist.querySelector(".jmi-chart-title")!.textContent).toBe("Histogram of norm, tied to embed.weight (2 bins, finite values)");
+    expect(hist.querySelectorAll("rect").length).toBe(2);
+  });
 });
 
 describe("Compare with…", () => {
@@ -914,5 +959,15 @@ describe("Compare with…", () => {
     expect(rowOfNode(root, 9).getAttribute("aria-label")).toContain("vs base: missing on one side");
     expect(root.querySelector<HTMLElement>(".jmi-legend")!.hidden).toBe(false);
     expect(rowOfNode(root, 2).className).not.toContain("jmi-cmp");
+  });
+
+  it("says a rel_l2 that is not finite as inf or NaN in the tooltip and the accessible name", () => {
+    const { root, model } = mount(smallTree(), { expand_depth: 3 });
+    model.set("comparison", {
+      id: 1, other: "odd", tiny: 1e-3, kinds: [], tensors: [],
+      modules: [[0, "large", 2, "nan"], [1, "large", 1, "inf"], [4, "large", 1, 0]],
+    });
+    expect(rowOfNode(root, 0).title).toBe("vs odd: large difference, 2 tensors differ, rel_l2 up to NaN (not finite)");
+    expect(rowOfNode(root, 1).getAttribute("aria-label")).toContain("vs odd: large difference, 1 tensor differs, rel_l2 up to inf");
   });
 });

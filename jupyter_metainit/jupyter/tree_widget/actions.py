@@ -9,6 +9,7 @@ Progress reaches the page at most ``1 / PROGRESS_INTERVAL_S`` times a second. Th
 
 from __future__ import annotations
 
+import contextlib
 import threading
 import time
 from collections.abc import Callable
@@ -31,6 +32,7 @@ from jupyter_metainit.jupyter.module_tree import ModelGoneError
 from jupyter_metainit.jupyter.tree_widget.device_fit import fit_per_device
 from jupyter_metainit.jupyter.tree_widget.following import ModelFollower
 from jupyter_metainit.jupyter.tree_widget.host import WidgetHost
+from jupyter_metainit.jupyter.tree_widget.stale_results import drop_stale_results
 from jupyter_metainit.jupyter.tree_widget.wording import (
     failure_in_words,
     materialized_in_words,
@@ -311,8 +313,19 @@ class ActionRunner:
                     + tied_too
                 )
         finally:
+            self._say_stale_results()
             host.phase = ""
             host.busy = ""
+
+    def _say_stale_results(self) -> None:
+        """As an action ends: drop the Values / Compare results it made stale, the note after
+        the action's own message (the refresh that follows the core's change would otherwise
+        drop them later, its note replacing the message)."""
+        host = self._host
+        with contextlib.suppress(Exception):  # a model gone is said by the refresh
+            notice = drop_stale_results(host)
+            if notice:
+                host.status = f"{host.status} {notice}" if host.status else notice
 
     def _carry_out(self, action: str, modules: list[nn.Module], device: str) -> tuple[int, str]:
         """Materialize or free ``modules``; for an exact materialization, also how many tensors
@@ -370,6 +383,7 @@ class ActionRunner:
             else:
                 host.status = text
         finally:
+            self._say_stale_results()
             host.phase = ""
             host.busy = ""
 

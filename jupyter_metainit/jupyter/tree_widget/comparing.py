@@ -119,9 +119,19 @@ def _namespace() -> dict | None:
     return None if shell is None else shell.user_ns
 
 
+def _clear_comparison(widget: WidgetHost) -> None:
+    """A new Compare takes the earlier one's colours off at once, as a cell run again clears
+    its output: a Compare that is refused or fails then leaves no colours that look current."""
+    if widget.comparison.get("modules") is not None:
+        widget._measured.pop("comparison", None)
+        widget.comparison = {"id": int(widget.comparison.get("id", 0)) + 1}
+
+
 def prepare_compare(widget: WidgetHost, content: dict) -> tuple[str, Callable[[], str]]:
     """Check a compare message; the busy label and the job. ``{"action": "compare",
     "other": "finetuned/" | "base_model", "names": [...]}``."""
+    if not widget.busy:  # busy: this Compare is refused, the running job's result stands
+        _clear_comparison(widget)
     names = content.get("names") or []
     if names:
         names = widget._check_names(names)
@@ -148,30 +158,50 @@ def prepare_compare(widget: WidgetHost, content: dict) -> tuple[str, Callable[[]
     return "compare", job
 
 
-def _number(value: Any) -> float | None:
+#: How a measure that is not finite travels (JSON has no inf or NaN); the page shows the word.
+NOT_FINITE = {math.inf: "inf", -math.inf: "-inf"}
+
+
+def _number(value: Any) -> float | str:
+    """A measure as JSON carries it: the number, or ``"inf"``, ``"-inf"`` or ``"nan"``."""
     value = float(value)
-    return value if math.isfinite(value) else None
+    if math.isfinite(value):
+        return value
+    return NOT_FINITE.get(value, "nan")
+
+
+def _larger(value: float, than: float | None) -> bool:
+    """Whether rel_l2 ``value`` is the new largest: a NaN (not finite, its size unknown) and inf
+    rank above every number, so a parent's "up to" never leaves them out."""
+    if than is None:
+        return True
+    rank = (math.isnan(value), value if not math.isnan(value) else 0.0)
+    return rank > (math.isnan(than), than if not math.isnan(than) else 0.0)
 
 
 def comparison_payload(
     widget: WidgetHost, table: Any, other: str, id_: int, origin: dict[str, str] | None = None
 ) -> dict:
     """The ``comparison`` trait: per tensor ``[name, node, kind, status, rel_l2, max_abs_diff,
-    cosine]``, per node ``[node, worst kind, tensors that differ, largest rel_l2]``. A file's
+    cosine]``, per node ``[node, worst kind, tensors that differ, largest rel_l2]``; a measure
+    that is not finite is the string ``"inf"``, ``"-inf"`` or ``"nan"`` (a NaN ranks as the
+    largest rel_l2), a missing or reshaped tensor's are None. A file's
     tensor is on the row of the model tensor it comes from (``origin``: file name -> model
     name, where a fused weight is written split)."""
     index = widget._tree.index
     tensors: list[list] = []
-    nodes: dict[int, tuple[str, int, float | None]] = {}
+    nodes: dict[int, tuple[str, int, float | None]] = {}  # the largest rel_l2 as a float
     origin = origin or {}
     for name, row in table.iterrows():
         kind = kind_of(row["status"], float(row["rel_l2"]))
         owner = origin.get(name, name).rpartition(".")[0]
-        rel = _number(row["rel_l2"])
+        # a missing or reshaped tensor has no measures (NaN in the table): none, not "nan"
+        measured = kind in ("equal", "tiny", "large")
+        rel = float(row["rel_l2"]) if measured else None
         tensors.append(
-            [name, index.get(owner, -1), kind, row["status"], rel,
-             _number(row["max_abs_diff"]), _number(row["cosine"])]
-        )  # fmt: skip
+            [name, index.get(owner, -1), kind, row["status"]]
+            + [_number(row[m]) if measured else None for m in ("rel_l2", "max_abs_diff", "cosine")]
+        )
         parts = owner.split(".") if owner else []
         for k in range(len(parts) + 1):
             node = index.get(".".join(parts[:k]))
@@ -182,7 +212,7 @@ def comparison_payload(
                 worst = kind
             if kind != "equal":
                 differ += 1
-            if rel is not None and (largest is None or rel > largest):
+            if rel is not None and _larger(rel, largest):
                 largest = rel
             nodes[node] = (worst, differ, largest)
     return {
@@ -191,5 +221,8 @@ def comparison_payload(
         "kinds": list(KINDS),
         "tiny": TINY_REL_L2,
         "tensors": tensors,
-        "modules": [[node, *v] for node, v in nodes.items()],
+        "modules": [
+            [node, worst, differ, None if largest is None else _number(largest)]
+            for node, (worst, differ, largest) in nodes.items()
+        ],
     }

@@ -56,13 +56,18 @@ def prepare_values(widget: WidgetHost, content: dict) -> tuple[str, Callable[[],
         widget.values = values_payload(widget, tensors, modules, scope, next_id)
         remember_measured(widget, "values", scope)
         bad = int(tensors["nan"].sum() + tensors["inf"].sum())
-        flagged = f" {bad:,} NaN or infinite values (flagged in red)." if bad else ""
+        flagged = f" {_count(bad, 'NaN or infinite value')} (flagged in red)." if bad else ""
         return (
-            f"Measured the values of {what}: {len(tensors):,} tensors in {{took}}, the model "
-            "unchanged." + flagged
+            f"Measured the values of {what}: {_count(len(tensors), 'tensor')} in {{took}}, the "
+            "model unchanged." + flagged
         )
 
     return "measure the values", job
+
+
+def _count(n: int, noun: str) -> str:
+    """``"1 tensor"``, ``"2 tensors"``."""
+    return f"{n:,} {noun}{'' if n == 1 else 's'}"
 
 
 def _number(value: Any) -> float | int | None:
