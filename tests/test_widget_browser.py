@@ -673,8 +673,11 @@ def test_widget_follows_the_model_and_works_from_the_keyboard(browser, frontend)
     widget = page.locator(".jmi-root")
 
     # tied weights are named on both holders
-    assert _row(widget, "model.embed_tokens").locator(".jmi-tied").inner_text() == "tied: lm_head"
-    assert _row(widget, "lm_head").locator(".jmi-tied").inner_text() == "tied: model.embed_tokens"
+    # (the chip's text: its two parts, the holder's on a line the chip hides when narrow)
+    assert _row(widget, "model.embed_tokens").locator(".jmi-tied").text_content() == "tied: lm_head"
+    # the chip names the holder by its last name, the row's title by its whole name
+    assert _row(widget, "lm_head").locator(".jmi-tied").text_content() == "tied: embed_tokens"
+    assert "tied to model.embed_tokens" in (_row(widget, "lm_head").get_attribute("title") or "")
 
     # a magic in a later cell shows in the widget above, with no refresh
     _run_cell(page, 2)
