@@ -35,9 +35,13 @@ class PairSums:
 
     def merged(self, other: PairSums) -> PairSums:
         return PairSums(
-            self.equal and other.equal, _nan_max(self.max_abs_diff, other.max_abs_diff),
-            self.dd + other.dd, self.aa + other.aa, self.bb + other.bb, self.ab + other.ab,
-        )  # fmt: skip
+            self.equal and other.equal,
+            _nan_max(self.max_abs_diff, other.max_abs_diff),
+            self.dd + other.dd,
+            self.aa + other.aa,
+            self.bb + other.bb,
+            self.ab + other.ab,
+        )
 
 
 def _nan_max(a: float, b: float) -> float:
@@ -159,8 +163,11 @@ def compare_layouts(
     if scope:  # b's tensors that pair with a's, or lie in the same subtrees
         left.names = {n: e for n, e in left.names.items() if _kept(n, scope, a)}
         right.names = {n: e for n, e in right.names.items() if n in left.names or under(n, scope)}
-    pairs = [(left.entries[left.names[n]], right.entries[right.names[n]])
-             for n in left.names if n in right.names]  # fmt: skip
+    pairs = [
+        (left.entries[left.names[n]], right.entries[right.names[n]])
+        for n in left.names
+        if n in right.names
+    ]
     if left.names and right.names and not pairs:
         _say_no_common_name(left, right)
     pairs = [(x, y) for x, y in pairs if x.shape == y.shape]
@@ -244,12 +251,16 @@ def _row(name: str, left: Source, right: Source, sums: dict) -> dict[str, Any]:
     x = left.entries[left.names[name]] if name in left.names else None
     y = right.entries[right.names[name]] if name in right.names else None
     row: dict[str, Any] = {
-        "shape_a": x.shape if x else None, "shape_b": y.shape if y else None,
+        "shape_a": x.shape if x else None,
+        "shape_b": y.shape if y else None,
         "dtype_a": dtype_name(x.dtype) if x else None,
         "dtype_b": dtype_name(y.dtype) if y else None,
         "numel": _numel(x, y),
-        "equal": False, "max_abs_diff": math.nan, "rel_l2": math.nan, "cosine": math.nan,
-    }  # fmt: skip
+        "equal": False,
+        "max_abs_diff": math.nan,
+        "rel_l2": math.nan,
+        "cosine": math.nan,
+    }
     if x is None or y is None:
         row["status"] = "only in b" if x is None else "only in a"
         return row

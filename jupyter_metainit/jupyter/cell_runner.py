@@ -39,9 +39,12 @@ class CellFailed(Exception):
 # last line of the user's own code.
 _PACKAGE_DIR = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
 _LIBRARY_DIRS = tuple(
-    {os.path.abspath(p) + os.sep for key in ("purelib", "platlib", "stdlib")
-     if (p := sysconfig.get_paths().get(key))}
-)  # fmt: skip
+    {
+        os.path.abspath(p) + os.sep
+        for key in ("purelib", "platlib", "stdlib")
+        if (p := sysconfig.get_paths().get(key))
+    }
+)
 
 
 def _is_ours(frame: types.FrameType) -> bool:
@@ -70,10 +73,13 @@ def user_traceback(error: BaseException) -> None:
     if first_ours is None:
         return
     later_user = next(
-        (i for i in range(first_ours, len(frames))
-         if not _is_ours(frames[i].tb_frame) and not _is_library(frames[i].tb_frame)),
+        (
+            i
+            for i in range(first_ours, len(frames))
+            if not _is_ours(frames[i].tb_frame) and not _is_library(frames[i].tb_frame)
+        ),
         None,
-    )  # fmt: skip
+    )
 
     def user(i: int) -> bool:
         return not _is_ours(frames[i].tb_frame) and not _is_library(frames[i].tb_frame)

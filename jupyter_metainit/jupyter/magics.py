@@ -186,10 +186,10 @@ class MetaInitMagics(Magics):
         start = time.perf_counter()
         # keep_cache: so that %dematerialize can make it deferred again later.
         one_line_errors(
-            "materialize", lambda: materialize(obj, device, dtype=dtype, rng=args.rng,
-                                               keep_cache=True),
+            "materialize",
+            lambda: materialize(obj, device, dtype=dtype, rng=args.rng, keep_cache=True),
             {"device='cpu'": f" With the magic: %materialize {expr} --device cpu"},
-        )  # fmt: skip
+        )
         elapsed = time.perf_counter() - start
         print(f"materialized {summary_line(expr, obj)} in {format_duration(elapsed)}")
 
@@ -218,9 +218,13 @@ class MetaInitMagics(Magics):
 
     @magic_arguments()
     @argument("expr", nargs="*", metavar="EXPR PATH", help="Module (or state dict), directory.")
-    @argument("--format", choices=("safetensors", "dcp"), default="safetensors",
-              help="safetensors: what save_pretrained writes (default); dcp: "
-              "torch.distributed.checkpoint.")  # fmt: skip
+    @argument(
+        "--format",
+        choices=("safetensors", "dcp"),
+        default="safetensors",
+        help="safetensors: what save_pretrained writes (default); dcp: "
+        "torch.distributed.checkpoint.",
+    )
     @argument("--dtype", metavar="DT", help="Cast floating tensors to this dtype as written.")
     @argument("--max-shard-size", metavar="SIZE", help="Most bytes a file holds (5GB; dcp: all).")
     @line_magic
@@ -251,9 +255,17 @@ class MetaInitMagics(Magics):
             raise UsageError(f"%save: unexpected argument(s) {' '.join(args.expr)!r}")
         dtype = parse_dtype(args.dtype)
         start, destination = time.perf_counter(), expand_path(path)
-        one_line_errors("save", lambda: save_checkpoint(obj, destination, format=args.format,
-                                              max_shard_size=args.max_shard_size, dtype=dtype,
-                                              progress=True))  # fmt: skip
+        one_line_errors(
+            "save",
+            lambda: save_checkpoint(
+                obj,
+                destination,
+                format=args.format,
+                max_shard_size=args.max_shard_size,
+                dtype=dtype,
+                progress=True,
+            ),
+        )
         elapsed = time.perf_counter() - start
         print(f"saved {expr} to {destination} ({args.format}) in {format_duration(elapsed)}")
 
@@ -360,11 +372,19 @@ class MetaInitMagics(Magics):
                 )
             )
             pins = name_value_pairs(args.pin or "", option="--pin", example="lm_head=cuda:0")
-            return place(obj, devices, batch=args.batch, seq_len=args.seq_len,
-                         inputs=input_shapes(args.inputs),
-                         training=args.training, optimizer=args.optimizer,
-                         precision=args.precision, pin=pins or None,
-                         strategy=args.strategy, world_size=args.world_size)  # fmt: skip
+            return place(
+                obj,
+                devices,
+                batch=args.batch,
+                seq_len=args.seq_len,
+                inputs=input_shapes(args.inputs),
+                training=args.training,
+                optimizer=args.optimizer,
+                precision=args.precision,
+                pin=pins or None,
+                strategy=args.strategy,
+                world_size=args.world_size,
+            )
 
         plan = one_line_errors("place", plan_it, reword=as_options)
         return plan.table if args.table else plan

@@ -87,9 +87,11 @@ class ValueMagics(Magics):
         if args.bins is not None and per != "tensor":
             raise UsageError("%stats: --bins gives a histogram per tensor; drop --per module")
         obj = self._operand("stats", text)
-        return one_line_errors("stats", lambda: stats(obj, per=per, bins=args.bins,
-                                                      depth=args.depth, progress=True),
-                               reword=_as_options)  # fmt: skip
+        return one_line_errors(
+            "stats",
+            lambda: stats(obj, per=per, bins=args.bins, depth=args.depth, progress=True),
+            reword=_as_options,
+        )
 
     @magic_arguments()
     @argument("expr", nargs="*", metavar="A B", help="Two models, state dicts or paths.")
