@@ -322,14 +322,7 @@ def test_compare_refuses_what_is_neither_a_model_nor_a_path(shell, other):
 
 
 def test_values_of_tensors_edited_in_a_later_cell_are_cleared_saying_why(shell):
-    from jupyter_metainit.jupyter.cell_watch import watch_cells
-
-    watch_cells(shell)
-    net = eager_net()
-    shell.user_ns["net"] = net
-    w = explore(net)
-    w.measure_values()
-    assert w.values["modules"]
+    w = measured_eager_net(shell)
     shell.run_cell("import torch\nwith torch.no_grad():\n    net.layers[1].mlp.weight[0, 0] += 0.5")
     assert w.values.get("modules") is None
     assert w.status.startswith("Values cleared: the model's tensors changed")

@@ -374,6 +374,12 @@ class ModuleTreeWidget(anywidget.AnyWidget):
         # compare's): raises ActionCancelled once Cancel was clicked.
         self._actions.progress(done, total, phase)
 
+    def _request(self, content: dict, wait: bool) -> None:
+        """What a button sends, from code: the action, then (``wait``) its end."""
+        self.handle_action(content)
+        if wait:
+            self.wait()
+
     def wait(self, timeout: float | None = None) -> bool:
         """Block until the running action (a click, or a call with ``wait=False``) ends.
 
@@ -423,9 +429,7 @@ class ModuleTreeWidget(anywidget.AnyWidget):
             >>> w.status, w.error  # a failure is said in w.error, nothing raised
             ('Materialized model[0] on cpu in ... ms.', '')
         """
-        self.handle_action({"action": "materialize", "device": device, "names": self.selected})
-        if wait:
-            self.wait()
+        self._request({"action": "materialize", "device": device, "names": self.selected}, wait)
 
     def free(self, *, wait: bool = True) -> None:
         """Turn the selected subtrees back into deferred tensors, freeing their memory, as the
@@ -449,9 +453,7 @@ class ModuleTreeWidget(anywidget.AnyWidget):
             >>> is_deferred(model[0])
             True
         """
-        self.handle_action({"action": "free", "names": self.selected})
-        if wait:
-            self.wait()
+        self._request({"action": "free", "names": self.selected}, wait)
 
     def place(
         self,
@@ -489,7 +491,7 @@ class ModuleTreeWidget(anywidget.AnyWidget):
             >>> w.plan["device_map"]
             {'0': 'cuda:0', '1': 'cuda:0', '2': 'cuda:1'}
         """
-        self.handle_action(
+        self._request(
             {
                 "action": "plan",
                 "devices": devices,
@@ -498,10 +500,9 @@ class ModuleTreeWidget(anywidget.AnyWidget):
                 "training": training,
                 "inputs": inputs,
                 "precision": precision,
-            }
+            },
+            wait,
         )
-        if wait:
-            self.wait()
 
     def pin(self, device: str, *, wait: bool = True) -> None:
         """Pin the selected subtrees to ``device`` and plan the rest around them, as a row's
@@ -523,9 +524,7 @@ class ModuleTreeWidget(anywidget.AnyWidget):
             >>> w.status
             'Planned in ... Pinned: model[0] → cuda:1.'
         """
-        self.handle_action({"action": "pin", "names": self.selected, "device": device})
-        if wait:
-            self.wait()
+        self._request({"action": "pin", "names": self.selected, "device": device}, wait)
 
     def materialize_plan(self, *, wait: bool = True) -> None:
         """Materialize every part on the device the plan gives it, as *Materialize plan* does
@@ -545,9 +544,7 @@ class ModuleTreeWidget(anywidget.AnyWidget):
             >>> is_deferred(model), model[1].weight.device
             (False, device(type='cpu'))
         """
-        self.handle_action({"action": "materialize_plan"})
-        if wait:
-            self.wait()
+        self._request({"action": "materialize_plan"}, wait)
 
     def save(self, path: str, *, format: str = "safetensors", wait: bool = True) -> None:
         """Save the selected subtree (the whole model if none is selected) to ``path`` with
@@ -572,11 +569,9 @@ class ModuleTreeWidget(anywidget.AnyWidget):
             >>> is_deferred(model)  # saved without materializing
             True
         """
-        self.handle_action(
-            {"action": "save", "path": path, "format": format, "names": self.selected}
+        self._request(
+            {"action": "save", "path": path, "format": format, "names": self.selected}, wait
         )
-        if wait:
-            self.wait()
 
     def measure_values(self, *, wait: bool = True) -> None:
         """Compute the statistics of the selected subtrees' values (the whole model if none is
@@ -598,9 +593,7 @@ class ModuleTreeWidget(anywidget.AnyWidget):
             >>> is_deferred(model)
             True
         """
-        self.handle_action({"action": "values", "names": self.selected})
-        if wait:
-            self.wait()
+        self._request({"action": "values", "names": self.selected}, wait)
 
     def compare_with(self, other: str, *, wait: bool = True) -> None:
         """Compare the selected subtrees (the whole model if none is selected) with ``other``,
@@ -624,9 +617,7 @@ class ModuleTreeWidget(anywidget.AnyWidget):
             >>> w.status
             'Compared model (the whole model) with ... in ...: 4 equal.'
         """
-        self.handle_action({"action": "compare", "other": other, "names": self.selected})
-        if wait:
-            self.wait()
+        self._request({"action": "compare", "other": other, "names": self.selected}, wait)
 
     # ------------------------------------------------------------------ following the model
     def refresh(self) -> bool:

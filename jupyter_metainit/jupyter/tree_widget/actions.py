@@ -352,23 +352,24 @@ class ActionRunner:
         run it, then say what it did (its sentence, ``{took}`` filled in) or why it failed."""
         host, follower = self._host, self._follower
         before = [s.row() for s in host._tree.stats()]
+
+        def changed() -> bool:  # after a failure: did part of the model change state anyway?
+            follower.refresh()
+            return [s.row() for s in follower.stats] != before
+
         t0 = time.monotonic()
         try:
             said = job()
         except ActionCancelled as exc:
-            follower.refresh()
-            changed = [s.row() for s in follower.stats] != before
             host.status = f"Cancelled: {label} stopped; " + (
                 "part of the model changed state, see the badges."
-                if changed
+                if changed()
                 else str(exc) or "nothing was changed."
             )
         except Exception as exc:
-            follower.refresh()
-            changed = [s.row() for s in follower.stats] != before
             host.error = f"Could not {label}: {_sentence(str(exc))}" + (
                 " Part of the model changed state; see the badges."
-                if changed
+                if changed()
                 else ""
                 if label == "plan"
                 else " The model was left as it was."
