@@ -50,9 +50,9 @@ def scoped_state(module: torch.nn.Module, scope: list[str]) -> dict[str, torch.T
     return {k: v for k, v in state.items() if under(k, scope)} if scope else dict(state)
 
 
-def _print(module: torch.nn.Module, scope: list[str]) -> tuple:
+def _print(state: dict[str, torch.Tensor]) -> tuple:
     out: list[tuple] = []
-    for name, t in scoped_state(module, scope).items():
+    for name, t in state.items():
         local = local_tensor(t)
         if is_deferred(local):
             out.append((name, id(t), "deferred"))
@@ -63,9 +63,9 @@ def _print(module: torch.nn.Module, scope: list[str]) -> tuple:
     return tuple(out)
 
 
-def _real(module: torch.nn.Module, scope: list[str]) -> list[torch.Tensor]:
+def _real(state: dict[str, torch.Tensor]) -> list[torch.Tensor]:
     tensors: dict[int, torch.Tensor] = {}
-    for t in scoped_state(module, scope).values():
+    for t in state.values():
         local = local_tensor(t)
         if not is_deferred(local):
             tensors.setdefault(id(local), local)  # a tied tensor once
@@ -90,9 +90,9 @@ def _digest(t: torch.Tensor) -> tuple[int, ...]:
     return tuple(torch.stack(sums).tolist()) if sums else ()
 
 
-def _digests(module: torch.nn.Module, scope: list[str]) -> tuple | None:
+def _digests(state: dict[str, torch.Tensor]) -> tuple | None:
     """The digests of the result's real tensors, or None past DIGEST_BYTES (not taken)."""
-    tensors = _real(module, scope)
+    tensors = _real(state)
     if sum(t.numel() * t.element_size() for t in tensors) > DIGEST_BYTES:
         return None
     with torch.no_grad():
@@ -101,13 +101,15 @@ def _digests(module: torch.nn.Module, scope: list[str]) -> tuple | None:
 
 def remember_measured(widget: WidgetHost, trait: str, scope: list[str]) -> None:
     """After ``trait`` (``"values"`` or ``"comparison"``) was set: what it measured."""
-    widget._measured[trait] = (scope, _print(widget.module, scope), _digests(widget.module, scope))
+    state = scoped_state(widget.module, scope)
+    widget._measured[trait] = (scope, _print(state), _digests(state))
 
 
 def _changed(widget: WidgetHost, scope: list[str], measured: tuple, digests: tuple | None) -> bool:
-    if _print(widget.module, scope) != measured:
+    state = scoped_state(widget.module, scope)
+    if _print(state) != measured:
         return True
-    return digests is not None and _digests(widget.module, scope) != digests
+    return digests is not None and _digests(state) != digests
 
 
 def drop_stale_results(widget: WidgetHost) -> str:
