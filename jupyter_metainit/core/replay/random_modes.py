@@ -25,6 +25,7 @@ from torch.utils._pytree import tree_map
 from jupyter_metainit.core.record.graph import OpRecord
 from jupyter_metainit.core.replay.parallel import components, stream_parts
 from jupyter_metainit.core.rng.draws import known_draws
+from jupyter_metainit.core.rng.native_fill import native_normal
 from jupyter_metainit.core.rng.positions import fast_generator, state_before
 from jupyter_metainit.core.rng.scratch import run_random
 from jupyter_metainit.core.rng.split_fill import FILLS, fill_region, split_fill
@@ -276,10 +277,20 @@ def _to(x: Any, device: torch.device) -> Any:
     return x
 
 
+_NORMAL_ = torch.ops.aten.normal_.default
+
+
 def call_with_generator(
     op: OpRecord, args: tuple, kwargs: dict, gen: torch.Generator | None
 ) -> Any:
-    """Call ``op.func`` with ``gen`` in its generator slot (positional or keyword)."""
+    """Call ``op.func`` with ``gen`` in its generator slot (positional or keyword). A CPU
+    ``normal_`` runs on the native kernel where it applies (the same bits, faster: see
+    Note [the native normal_ is trusted only after it is checked])."""
+    if op.func is _NORMAL_ and gen is not None and args:
+        mean = args[1] if len(args) > 1 else kwargs.get("mean", 0.0)
+        std = args[2] if len(args) > 2 else kwargs.get("std", 1.0)
+        if native_normal(args[0], mean, std, gen):
+            return args[0]
     kw = dict(kwargs)
     names = [a.name for a in op.func._schema.arguments]
     if "generator" in names:

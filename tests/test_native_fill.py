@@ -1,0 +1,163 @@
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from jupyter_metainit.core.rng.native_fill import (
+    ENV_SWITCH,
+    MIN_ELEMENTS,
+    native_normal,
+    native_normal_status,
+)
+
+HAS_COMPILER = bool(os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++"))
+needs_kernel = pytest.mark.skipif(
+    not HAS_COMPILER or not native_normal_status().startswith("on"),
+    reason=f"the native normal_ is off here: {native_normal_status()}",
+)
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16]
+
+
+def _pair(seed: int, skip: int = 0) -> tuple[torch.Generator, torch.Generator]:
+    gens = torch.Generator().manual_seed(seed), torch.Generator().manual_seed(seed)
+    for g in gens:  # some draws in: the state is in the middle of its 624-word block
+        torch.empty(skip, dtype=torch.int64).random_(0, 2, generator=g)
+    return gens
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
+def test_the_native_normal_is_on_where_a_compiler_is() -> None:
+    assert native_normal_status().startswith("on: "), native_normal_status()
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("n", [MIN_ELEMENTS, MIN_ELEMENTS + 1, MIN_ELEMENTS + 15, 16 * 4099 + 9])
+def test_the_native_normal_gives_torchs_bits_and_generator_state(
+    dtype: torch.dtype, n: int
+) -> None:
+    ours, theirs = _pair(n, skip=n % 613)
+    expected = torch.empty(n, dtype=dtype).normal_(0.25, 0.02, generator=theirs)
+    got = torch.empty(n, dtype=dtype)
+    assert native_normal(got, 0.25, 0.02, ours)
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(ours.get_state(), theirs.get_state())
+
+
+@needs_kernel
+def test_consecutive_native_fills_continue_the_stream_as_torch_does() -> None:
+    ours, theirs = _pair(3)
+    for n in (MIN_ELEMENTS + 5, 1000 * 624 + 3, MIN_ELEMENTS):
+        expected = torch.empty(n, dtype=torch.bfloat16).normal_(generator=theirs)
+        got = torch.empty(n, dtype=torch.bfloat16)
+        assert native_normal(got, 0.0, 1.0, ours)
+        assert torch.equal(got.view(torch.int16), expected.view(torch.int16))
+    assert torch.equal(ours.get_state(), theirs.get_state())
+
+
+@needs_kernel
+def test_a_native_fill_counts_as_an_in_place_write() -> None:
+    t = torch.empty(MIN_ELEMENTS)
+    before = t._version
+    assert native_normal(t, 0.0, 1.0, torch.Generator().manual_seed(0))
+    assert t._version == before + 1
+
+
+@pytest.mark.parametrize(
+    "make",
+    [
+        lambda: torch.empty(MIN_ELEMENTS - 1),  # small: torch's kernel
+        lambda: torch.empty(2 * MIN_ELEMENTS)[::2],  # not contiguous
+        lambda: torch.empty(MIN_ELEMENTS, dtype=torch.float64),  # another dtype
+        lambda: torch.empty(MIN_ELEMENTS, device="meta"),
+        lambda: torch.empty(MIN_ELEMENTS, requires_grad=True),  # torch refuses it in-place
+    ],
+    ids=["small", "strided", "float64", "meta", "requires-grad"],
+)
+def test_the_native_normal_leaves_what_it_does_not_copy_to_torch(make) -> None:
+    t = make()
+    gen = torch.Generator().manual_seed(0)
+    state = gen.get_state()
+    assert not native_normal(t, 0.0, 1.0, gen)
+    assert torch.equal(gen.get_state(), state)
+
+
+@pytest.mark.parametrize("std", [-1.0, float("nan"), float("inf")])
+def test_arguments_torch_would_refuse_or_make_nan_go_to_torch(std: float) -> None:
+    assert not native_normal(torch.empty(MIN_ELEMENTS), 0.0, std, torch.Generator())
+
+
+def test_the_switch_turns_the_native_normal_off(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_SWITCH, "0")
+    assert native_normal_status() == f"off: {ENV_SWITCH}=0"
+    assert not native_normal(torch.empty(MIN_ELEMENTS), 0.0, 1.0, torch.Generator())
+
+
+_MATERIALIZE_A_BF16_LLAMA_BLOCK = textwrap.dedent(
+    """
+    import torch
+    from jupyter_metainit import materialize, meta_init
+    from jupyter_metainit.core.rng.native_fill import native_normal_status
+
+    def build():
+        torch.manual_seed(0)
+        layer = torch.nn.Linear(256, 688, dtype=torch.bfloat16)
+        torch.nn.init.normal_(layer.weight, std=0.02)
+        return layer
+    eager = build()
+    with meta_init():
+        deferred = build()
+    materialize(deferred)
+    assert torch.equal(deferred.weight.view(torch.int16), eager.weight.view(torch.int16))
+    assert torch.equal(deferred.bias.view(torch.int16), eager.bias.view(torch.int16))
+    print(native_normal_status())
+    """
+)
+
+
+@pytest.mark.parametrize(
+    "env, said",
+    [
+        ({"CXX": "/nonexistent/c++"}, "off: building it failed"),
+        ({"JUPYTER_METAINIT_CACHE": "/proc/no-such-place"}, "off: cannot write its cache"),
+        ({ENV_SWITCH: "0"}, f"off: {ENV_SWITCH}=0"),
+    ],
+    ids=["no-compiler", "cache-unwritable", "switched-off"],
+)
+def test_without_the_native_normal_replay_is_exact_on_torchs_kernel(
+    env: dict[str, str], said: str, tmp_path
+) -> None:
+    env = {**os.environ, "JUPYTER_METAINIT_CACHE": str(tmp_path), **env}
+    done = subprocess.run(
+        [sys.executable, "-c", _MATERIALIZE_A_BF16_LLAMA_BLOCK],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip().startswith(said), done.stdout
+
+
+@pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
+def test_a_fresh_cache_builds_the_kernel_and_replay_is_exact_on_it(tmp_path) -> None:
+    env = {**os.environ, "JUPYTER_METAINIT_CACHE": str(tmp_path)}
+    done = subprocess.run(
+        [sys.executable, "-c", _MATERIALIZE_A_BF16_LLAMA_BLOCK],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.startswith("on: "), done.stdout
+    assert [p.suffix for p in (tmp_path / "native").iterdir()] == [".so"]  # no temporary left
