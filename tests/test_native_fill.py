@@ -13,13 +13,14 @@ from jupyter_metainit.core.rng.native_fill import (
     ENV_SWITCH,
     MIN_ELEMENTS,
     native_normal,
-    native_normal_status,
+    native_status,
+    native_uniform,
 )
 
 HAS_COMPILER = bool(os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++"))
 needs_kernel = pytest.mark.skipif(
-    not HAS_COMPILER or not native_normal_status().startswith("on"),
-    reason=f"the native normal_ is off here: {native_normal_status()}",
+    not HAS_COMPILER or not native_status().startswith("on"),
+    reason=f"the native normal_ is off here: {native_status()}",
 )
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
@@ -34,7 +35,7 @@ def _pair(seed: int, skip: int = 0) -> tuple[torch.Generator, torch.Generator]:
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
 def test_the_native_normal_is_on_where_a_compiler_is() -> None:
-    assert native_normal_status().startswith("on: "), native_normal_status()
+    assert native_status().startswith("on: "), native_status()
 
 
 @needs_kernel
@@ -47,6 +48,21 @@ def test_the_native_normal_gives_torchs_bits_and_generator_state(
     expected = torch.empty(n, dtype=dtype).normal_(0.25, 0.02, generator=theirs)
     got = torch.empty(n, dtype=dtype)
     assert native_normal(got, 0.25, 0.02, ours)
+    assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+    assert torch.equal(ours.get_state(), theirs.get_state())
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("bounds", [(-0.05, 0.05), (0.0, 1.0), (-1e-3, 1e-3)], ids=str)
+def test_the_native_uniform_gives_torchs_bits_and_generator_state(
+    dtype: torch.dtype, bounds: tuple[float, float]
+) -> None:
+    n = 16 * 4099 + 9
+    ours, theirs = _pair(n, skip=7)
+    expected = torch.empty(n, dtype=dtype).uniform_(*bounds, generator=theirs)
+    got = torch.empty(n, dtype=dtype)
+    assert native_uniform(got, *bounds, ours)
     assert torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
     assert torch.equal(ours.get_state(), theirs.get_state())
 
@@ -94,9 +110,16 @@ def test_arguments_torch_would_refuse_or_make_nan_go_to_torch(std: float) -> Non
     assert not native_normal(torch.empty(MIN_ELEMENTS), 0.0, std, torch.Generator())
 
 
+@pytest.mark.parametrize(
+    "bounds", [(0.0, -1.0), (0.0, float("nan")), (float("-inf"), 0.0)], ids=str
+)
+def test_bounds_torch_would_refuse_or_make_nan_go_to_torch(bounds: tuple[float, float]) -> None:
+    assert not native_uniform(torch.empty(MIN_ELEMENTS), *bounds, torch.Generator())
+
+
 def test_the_switch_turns_the_native_normal_off(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv(ENV_SWITCH, "0")
-    assert native_normal_status() == f"off: {ENV_SWITCH}=0"
+    assert native_status() == f"off: {ENV_SWITCH}=0"
     assert not native_normal(torch.empty(MIN_ELEMENTS), 0.0, 1.0, torch.Generator())
 
 
@@ -104,12 +127,13 @@ _MATERIALIZE_A_BF16_LLAMA_BLOCK = textwrap.dedent(
     """
     import torch
     from jupyter_metainit import materialize, meta_init
-    from jupyter_metainit.core.rng.native_fill import native_normal_status
+    from jupyter_metainit.core.rng.native_fill import native_status
 
     def build():
         torch.manual_seed(0)
-        layer = torch.nn.Linear(256, 688, dtype=torch.bfloat16)
+        layer = torch.nn.Linear(256, 688, dtype=torch.bfloat16)  # kaiming_uniform_, uniform_
         torch.nn.init.normal_(layer.weight, std=0.02)
+        torch.nn.init.uniform_(layer.bias, -0.5, 0.5)
         return layer
     eager = build()
     with meta_init():
@@ -117,7 +141,7 @@ _MATERIALIZE_A_BF16_LLAMA_BLOCK = textwrap.dedent(
     materialize(deferred)
     assert torch.equal(deferred.weight.view(torch.int16), eager.weight.view(torch.int16))
     assert torch.equal(deferred.bias.view(torch.int16), eager.bias.view(torch.int16))
-    print(native_normal_status())
+    print(native_status())
     """
 )
 
@@ -125,7 +149,7 @@ _MATERIALIZE_A_BF16_LLAMA_BLOCK = textwrap.dedent(
 @pytest.mark.parametrize(
     "env, said",
     [
-        ({"CXX": "/nonexistent/c++"}, "off: building it failed"),
+        ({"CXX": "/nonexistent/c++"}, "off: building them failed"),
         ({"JUPYTER_METAINIT_CACHE": "/proc/no-such-place"}, "off: cannot write its cache"),
         ({ENV_SWITCH: "0"}, f"off: {ENV_SWITCH}=0"),
     ],

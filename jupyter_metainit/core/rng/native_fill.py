@@ -1,25 +1,27 @@
-"""``normal_`` on the CPU about four times faster than torch's kernel, with the same bits.
+"""``normal_`` and ``uniform_`` on the CPU three to four times faster than torch's kernels, with
+the same bits.
 
-When and why: every deferred tensor initialised with ``normal_`` (every ``transformers`` model)
-is made by replaying that ``normal_``; on the CPU torch's kernel spends most of its time per draw
-(a call into the generator per 32-bit number, a cast per element), about 6 ns an element in
-bfloat16. :func:`native_normal` runs the same algorithm as one tight loop
-(``native/normal_fill.cpp``): the same MT19937 draws, the same uniforms, torch's own Box-Muller
-code of each block of 16 (its ``avx_mathfun.h`` on AVX2 machines, where torch uses it), the same
+When and why: every deferred tensor initialised at random (``normal_`` in every ``transformers``
+model, ``uniform_`` in ``nn.Linear``'s and ``nn.Conv``'s own init) is made by replaying that
+fill; on the CPU torch's kernels spend most of their time per draw (a call into the generator
+per 32-bit number, a cast per element), about 6 ns an element for a bfloat16 ``normal_``.
+:func:`native_normal` and :func:`native_uniform` run the same algorithms as tight loops
+(``native/fills.cpp``): the same MT19937 draws, the same uniforms, torch's own Box-Muller code
+of each block of 16 (its ``avx_mathfun.h`` on AVX2 machines, where torch uses it), the same
 roundings, so the same values and the same generator state after, about 1.4 ns an element.
-Replay calls it for every CPU ``normal_`` it makes (``replay.random_modes.call_with_generator``);
+Replay calls them for every CPU fill it makes (``replay.random_modes.call_with_generator``):
 ``materialize``, ``save`` and ``stats`` of deferred models all gain.
 
-Note [the native normal_ is trusted only after it is checked]:
+Note [the native fills are trusted only after they are checked]:
 The kernel is compiled on first use with the machine's C++ compiler (``$CXX``, else ``c++`` or
 ``g++``) into a cache directory (``$JUPYTER_METAINIT_CACHE``, else ``$XDG_CACHE_HOME`` or
 ``~/.cache``, then ``jupyter_metainit/native``), once per machine, torch version and source.
-Before it fills anything in a process, it is compared with torch's own ``normal_`` for that
+Before a fill runs in a process, it is compared with torch's own kernel for that op and
 dtype, bit for bit, values and generator state, over sizes with and without a partial last
 block and generators in the middle of their 624-word block. Anything else (no compiler, a
 failed build, another PyTorch whose kernel differs, a CPU capability it does not copy) leaves
 torch's kernel in use: the values never depend on whether this runs. ``JUPYTER_METAINIT_NATIVE=0``
-turns it off; :func:`native_normal_status` says whether it is on and why not.
+turns them off; :func:`native_status` says whether they are on and why not.
 """
 
 from __future__ import annotations
@@ -42,7 +44,7 @@ import torch
 from jupyter_metainit.core.rng.segments import raw_get_state, raw_set_state
 from jupyter_metainit.core.runtime.plain import plain
 
-__all__ = ["MIN_ELEMENTS", "native_normal", "native_normal_status"]
+__all__ = ["MIN_ELEMENTS", "native_normal", "native_status", "native_uniform"]
 
 ENV_SWITCH = "JUPYTER_METAINIT_NATIVE"
 ENV_CACHE = "JUPYTER_METAINIT_CACHE"
@@ -50,13 +52,14 @@ ENV_CACHE = "JUPYTER_METAINIT_CACHE"
 # Below this many elements the generator state's round trip (about 10 us) outweighs the gain.
 MIN_ELEMENTS = 1 << 12
 
-_SOURCE = Path(__file__).with_name("native") / "normal_fill.cpp"
+_SOURCE = Path(__file__).with_name("native") / "fills.cpp"
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
 _lock = threading.Lock()
-_kernel: Callable[..., int] | None = None
-_reason: str | None = None  # why there is no kernel (None: not tried yet, or there is one)
-_checked: dict[torch.dtype, bool] = {}
+_kernels: dict[str, Callable[..., int]] | None = None  # "normal", "uniform" -> the C function
+_where = ""  # the library's path
+_reason: str | None = None  # why there are no kernels (None: not tried yet, or there are)
+_checked: dict[tuple[str, torch.dtype], bool] = {}
 
 
 def native_normal(t: Any, mean: float, std: float, generator: Any) -> bool:
@@ -72,6 +75,64 @@ def native_normal(t: Any, mean: float, std: float, generator: Any) -> bool:
         True if ``t`` was filled (bit-identical to torch's kernel, the generator advanced the
         same); False where it does not apply or the kernel is off: call torch's ``normal_``.
     """
+    ok = _finite(mean, std) and std >= 0
+    return ok and _fill("normal", t, mean, std, generator)
+
+
+def native_uniform(t: Any, low: float, high: float, generator: Any) -> bool:
+    """``t.uniform_(low, high, generator=generator)`` by the native kernel, when it applies.
+
+    Args:
+        t: as for :func:`native_normal`.
+        low, high: as ``uniform_``'s ``from`` and ``to`` take them (finite, ``low <= high``).
+        generator: a CPU ``torch.Generator``, moved as ``uniform_`` would move it.
+
+    Returns:
+        True if ``t`` was filled (bit-identical to torch's kernel); False otherwise: call
+        torch's ``uniform_``.
+    """
+    ok = _finite(low, high) and low <= high and high - low <= _FLOAT_MAX
+    return ok and _fill("uniform", t, low, high, generator)
+
+
+def native_status() -> str:
+    """Whether the native fills are in use in this process, and if not, why.
+
+    Returns:
+        ``"on: ..."`` with the kernels' variant and file (and any op and dtype left to torch),
+        or ``"off: ..."`` with the reason.
+
+    Example:
+        >>> from jupyter_metainit.core.rng.native_fill import native_status
+        >>> native_status().split(":")[0] in ("on", "off")
+        True
+    """
+    if os.environ.get(ENV_SWITCH, "1") == "0":
+        return f"off: {ENV_SWITCH}=0"
+    kernels = _get_kernels()
+    if kernels is None:
+        return f"off: {_reason}"
+    pairs = [(op, d) for op in kernels for d in _DTYPES]
+    differs = [f"{op}_ {str(d).removeprefix('torch.')}" for op, d in pairs if not _exact(op, d)]
+    if len(differs) == len(pairs):
+        return "off: they differ from this PyTorch's kernels (torch's are used)"
+    note = f" (torch's kernel for {', '.join(differs)}: ours differs there)" if differs else ""
+    return f"on: the {_variant()[0]} kernels, {_where}{note}"
+
+
+def _finite(a: Any, b: Any) -> bool:
+    return (
+        isinstance(a, (int, float))
+        and isinstance(b, (int, float))
+        and math.isfinite(a)
+        and math.isfinite(b)
+    )
+
+
+_FLOAT_MAX = torch.finfo(torch.float32).max
+
+
+def _fill(op: str, t: Any, a: float, b: float, generator: Any) -> bool:
     code = _DTYPES.get(getattr(t, "dtype", None))
     if (
         code is None
@@ -82,51 +143,25 @@ def native_normal(t: Any, mean: float, std: float, generator: Any) -> bool:
         or t.numel() < MIN_ELEMENTS
         or not t.is_contiguous()
         or (t.requires_grad and torch.is_grad_enabled())  # torch refuses in-place on a leaf
-        or not (math.isfinite(mean) and math.isfinite(std) and std >= 0)
         or os.environ.get(ENV_SWITCH, "1") == "0"
     ):
         return False
-    kernel = _get_kernel()
-    if kernel is None or not _exact(t.dtype, kernel):
+    kernels = _get_kernels()
+    if kernels is None or not _exact(op, t.dtype):
         return False
-    return _run(kernel, t, code, mean, std, generator)
-
-
-def native_normal_status() -> str:
-    """Whether the native ``normal_`` is in use in this process, and if not, why.
-
-    Returns:
-        ``"on: ..."`` with the kernel's variant and file, or ``"off: ..."`` with the reason.
-
-    Example:
-        >>> from jupyter_metainit.core.rng.native_fill import native_normal_status
-        >>> native_normal_status().split(":")[0] in ("on", "off")
-        True
-    """
-    if os.environ.get(ENV_SWITCH, "1") == "0":
-        return f"off: {ENV_SWITCH}=0"
-    kernel = _get_kernel()
-    if kernel is None:
-        return f"off: {_reason}"
-    differs = [str(d).removeprefix("torch.") for d in _DTYPES if not _exact(d, kernel)]
-    if len(differs) == len(_DTYPES):
-        return "off: it differs from this PyTorch's normal_ (torch's kernel is used)"
-    variant, _ = _variant()
-    where = getattr(kernel, "_jmi_path", "")
-    note = f" (torch's kernel for {', '.join(differs)}: it differs there)" if differs else ""
-    return f"on: the {variant} kernel, {where}{note}"
+    return _run(kernels[op], t, code, a, b, generator)
 
 
 def _run(
     kernel: Callable[..., int],
     t: torch.Tensor,
     code: int,
-    mean: float,
-    std: float,
+    a: float,
+    b: float,
     generator: torch.Generator,
 ) -> bool:
     state = raw_get_state(generator)  # a copy, updated in place by the kernel
-    if kernel(t.data_ptr(), code, t.numel(), mean, std, state.data_ptr()) != 0:
+    if kernel(t.data_ptr(), code, t.numel(), a, b, state.data_ptr()) != 0:
         return False
     raw_set_state(generator, state)
     torch.autograd.graph.increment_version(t)  # an in-place write, as torch's kernel counts it
@@ -153,57 +188,52 @@ def _cache_dir() -> Path:
     return Path(root) / "native"
 
 
-def _get_kernel() -> Callable[..., int] | None:
-    global _kernel, _reason
-    if _kernel is not None or _reason is not None:
-        return _kernel
+def _get_kernels() -> dict[str, Callable[..., int]] | None:
+    global _kernels, _reason
+    if _kernels is not None or _reason is not None:
+        return _kernels
     with _lock:
-        if _kernel is None and _reason is None:
+        if _kernels is None and _reason is None:
             try:
-                _kernel = _load()
+                _kernels = _load()
             except _Unavailable as e:
                 _reason = str(e)
-    return _kernel
+    return _kernels
 
 
 class _Unavailable(Exception):
     pass
 
 
-def _load() -> Callable[..., int]:
+def _load() -> dict[str, Callable[..., int]]:
+    global _where
     compiler = os.environ.get("CXX") or shutil.which("c++") or shutil.which("g++")
     if not compiler:
-        raise _Unavailable("no C++ compiler ($CXX, c++ or g++) to build it")
+        raise _Unavailable("no C++ compiler ($CXX, c++ or g++) to build them")
     variant, flags = _variant()
     if variant == "avx2" and not (Path(flags[-1][2:]) / "ATen/native/cpu/avx_mathfun.h").exists():
-        raise _Unavailable("this PyTorch has no ATen/native/cpu/avx_mathfun.h to build it from")
+        raise _Unavailable("this PyTorch has no ATen/native/cpu/avx_mathfun.h to build them from")
     flags = ["-O3", "-std=c++17", "-fPIC", "-shared", *flags]
     source = _SOURCE.read_bytes()
-    key = hashlib.sha256(
-        b"\0".join(
-            [source, " ".join(flags).encode(), torch.__version__.encode(), compiler.encode()]
-        )
-    ).hexdigest()[:16]
+    parts = [source, " ".join(flags).encode(), torch.__version__.encode(), compiler.encode()]
+    key = hashlib.sha256(b"\0".join(parts)).hexdigest()[:16]
     directory = _cache_dir()
-    path = directory / f"normal_fill-{variant}-{key}.so"
+    path = directory / f"fills-{variant}-{key}.so"
     if not path.exists():
         _build(compiler, flags, directory, path)
     try:
         library = ctypes.CDLL(str(path))
     except OSError as e:
         raise _Unavailable(f"could not load {path}: {e}") from None
-    kernel = library.jmi_normal_fill
-    kernel.argtypes = [
-        ctypes.c_void_p,
-        ctypes.c_int,
-        ctypes.c_int64,
-        ctypes.c_double,
-        ctypes.c_double,
-        ctypes.c_void_p,
-    ]
-    kernel.restype = ctypes.c_int
-    kernel._jmi_path = str(path)  # type: ignore[attr-defined]
-    return kernel
+    kernels = {}
+    for op, symbol in (("normal", "jmi_normal_fill"), ("uniform", "jmi_uniform_fill")):
+        kernel = getattr(library, symbol)
+        kernel.argtypes = [ctypes.c_void_p, ctypes.c_int, ctypes.c_int64, ctypes.c_double,
+                           ctypes.c_double, ctypes.c_void_p]  # fmt: skip
+        kernel.restype = ctypes.c_int
+        kernels[op] = kernel
+    _where = str(path)
+    return kernels
 
 
 def _build(compiler: str, flags: list[str], directory: Path, path: Path) -> None:
@@ -211,7 +241,7 @@ def _build(compiler: str, flags: list[str], directory: Path, path: Path) -> None
     building the same file at the same time leaves one whole file)."""
     try:
         directory.mkdir(parents=True, exist_ok=True)
-        fd, temporary = tempfile.mkstemp(suffix=".so", dir=directory)
+        fd, temporary = tempfile.mkstemp(suffix=".so.tmp", dir=directory)
         os.close(fd)
     except OSError as e:
         raise _Unavailable(f"cannot write its cache directory {directory}: {e}") from None
@@ -225,51 +255,50 @@ def _build(compiler: str, flags: list[str], directory: Path, path: Path) -> None
         )
         if done.returncode != 0:
             first = (done.stderr.strip().splitlines() or ["?"])[0]
-            raise _Unavailable(f"building it failed ({compiler}): {first}")
+            raise _Unavailable(f"building them failed ({compiler}): {first}")
         os.replace(temporary, path)
     except (OSError, subprocess.SubprocessError) as e:
-        raise _Unavailable(f"building it failed ({compiler}): {e}") from None
+        raise _Unavailable(f"building them failed ({compiler}): {e}") from None
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
 
 
-def _exact(dtype: torch.dtype, kernel: Callable[..., int]) -> bool:
-    """Once per dtype and process: the kernel gives torch's values and generator state."""
-    ok = _checked.get(dtype)
+def _exact(op: str, dtype: torch.dtype) -> bool:
+    """Once per op, dtype and process: the kernel gives torch's values and generator state."""
+    ok = _checked.get((op, dtype))
     if ok is None:
         with _lock, plain():
-            ok = _checked.get(dtype)
+            ok = _checked.get((op, dtype))
             if ok is None:
-                ok = _same_as_torch(dtype, kernel)
-                _checked[dtype] = ok
+                ok = _same_as_torch(op, dtype)
+                _checked[op, dtype] = ok
     return ok
 
 
-def _same_as_torch(dtype: torch.dtype, kernel: Callable[..., int]) -> bool:
-    code = _DTYPES[dtype]
-    cases = [
-        (16, 0.0, 1.0, 0),
-        (17, 0.0, 1.0, 5),
-        (16 * 41 + 9, 0.5, 0.02, 623),
-        (MIN_ELEMENTS + 7, -3.0, 7.5, 1),
-        (1 << 16, 0.0, 0.02, 0),
-        (1 << 16, 1.0, 0.0, 17),
-    ]
-    for n, mean, std, skip in cases:
-        ours, theirs = (
-            torch.Generator().manual_seed(n + skip),
-            torch.Generator().manual_seed(n + skip),
-        )
+# (elements, a, b, draws made before): partial last blocks, generators mid-block, a zero spread
+_CASES = {
+    "normal": [(16, 0.0, 1.0, 0), (17, 0.0, 1.0, 5), (16 * 41 + 9, 0.5, 0.02, 623),
+               (MIN_ELEMENTS + 7, -3.0, 7.5, 1), (1 << 16, 0.0, 0.02, 0),
+               (1 << 16, 1.0, 0.0, 17)],
+    "uniform": [(1, 0.0, 1.0, 0), (17, -1.0, 1.0, 5), (16 * 41 + 9, -0.0625, 0.0625, 623),
+                (MIN_ELEMENTS + 7, -3.0, 7.5, 1), (1 << 16, 0.0, 1.0, 0),
+                (1 << 16, 2.0, 2.0, 17), (1 << 16, -1e-3, 1e-3, 3)],
+}  # fmt: skip
+
+
+def _same_as_torch(op: str, dtype: torch.dtype) -> bool:
+    kernel = (_kernels or {})[op]
+    for n, a, b, skip in _CASES[op]:
+        ours = torch.Generator().manual_seed(n + skip)
+        theirs = torch.Generator().manual_seed(n + skip)
         for g in (ours, theirs):  # mid-block: ``skip`` draws in
             torch.empty(skip, dtype=torch.int64).random_(0, 2, generator=g)
-        expected = torch.empty(n, dtype=dtype).normal_(mean, std, generator=theirs)
+        expected = getattr(torch.empty(n, dtype=dtype), f"{op}_")(a, b, generator=theirs)
         got = torch.empty(n, dtype=dtype)
-        if not _run(kernel, got, code, mean, std, ours):
+        if not _run(kernel, got, _DTYPES[dtype], a, b, ours):
             return False
-        if not (
-            torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
-            and torch.equal(ours.get_state(), theirs.get_state())
-        ):
+        same = torch.equal(got.view(torch.uint8), expected.view(torch.uint8))
+        if not (same and torch.equal(ours.get_state(), theirs.get_state())):
             return False
     return True

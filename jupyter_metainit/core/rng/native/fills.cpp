@@ -1,8 +1,8 @@
-// PyTorch's CPU normal_ (aten/src/ATen/native/cpu/DistributionTemplates.h: normal_fill with
-// NormalFill16<float>) for float32, bfloat16 and float16, written again without its per-draw
-// overheads: the same MT19937 draws (ATen/core/MT19937RNGEngine.h), the same uniforms, the
-// same Box-Muller of each block of 16, the same roundings, so the same bits and the same
-// generator state after. Compiled on first use by core/rng/native_fill.py, which trusts it only
+// PyTorch's CPU normal_ and uniform_ (aten/src/ATen/native/cpu/DistributionTemplates.h:
+// normal_fill with NormalFill16<float>, uniform_kernel) for float32, bfloat16 and float16,
+// written again without their per-draw overheads: the same MT19937 draws
+// (ATen/core/MT19937RNGEngine.h), the same uniforms, the same Box-Muller of each block of 16,
+// the same roundings, so the same bits and the same generator state after. Compiled on first use by core/rng/native_fill.py, which trusts it only
 // after comparing it with torch's own kernel in the process (values and generator state).
 //
 // JMI_AVX2: torch's AVX2 kernel (log256_ps/sincos256_ps from torch's own avx_mathfun.h, an FMA
@@ -191,7 +191,76 @@ void normal_fill(void *out, int64_t size, float mean, float sd, Engine &e) {
   }
 }
 
+// uniform_kernel: each element one draw, ``x * (to - from) + from`` in float (written as torch
+// writes it, so the compiler contracts it where torch's build does), cast to the dtype; a value
+// the cast rounds up to ``to`` becomes ``from``.
+inline float dtype_value(uint16_t bits, int kind) {
+  uint32_t u;
+  if (kind == 1) {
+    u = (uint32_t)bits << 16;
+    float f;
+    std::memcpy(&f, &u, 4);
+    return f;
+  }
+#ifdef JMI_AVX2
+  return _cvtsh_ss(bits);
+#else
+  // c10::detail::fp16_ieee_to_fp32_value for the finite values a uniform_ makes
+  const uint32_t sign = (uint32_t)(bits & 0x8000u) << 16;
+  uint32_t exp = (bits >> 10) & 0x1fu, man = bits & 0x3ffu;
+  if (exp == 0) {
+    float f = (float)man * 0x1.0p-24f;
+    std::memcpy(&u, &f, 4);
+    u |= sign;
+  } else {
+    u = sign | ((exp + 112u) << 23) | (man << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+#endif
+}
+
+template <int kDtype>
+void uniform_fill(void *out, int64_t size, float from, float to, float from_s, float to_s, Engine &e) {
+  alignas(64) uint32_t raw[kTile];
+  for (int64_t i = 0; i < size; i += kTile) {
+    const int64_t n = size - i < kTile ? size - i : kTile;
+    e.draws(raw, n);
+    for (int64_t j = 0; j < n; j++) {
+      const float x = (float)(raw[j] & 0xffffffu) * (1.0f / 16777216.0f);
+      const float v = (x * (to - from) + from);
+      if (kDtype == 0) {
+        ((float *)out)[i + j] = v == to_s ? from_s : v;
+      } else {
+        const uint16_t b = kDtype == 1 ? to_bf16(v) : to_f16(v);
+        ((uint16_t *)out)[i + j] =
+            dtype_value(b, kDtype) == to_s ? (kDtype == 1 ? to_bf16(from_s) : to_f16(from_s)) : b;
+      }
+    }
+  }
+}
+
 }  // namespace
+
+// uniform_(from, to) of ``size`` contiguous elements at ``out`` (dtype as below), drawing from
+// ``state`` (updated in place).
+extern "C" int jmi_uniform_fill(void *out, int dtype, int64_t size, double from, double to,
+                                uint8_t *state) {
+  if (size < 1 || dtype < 0 || dtype > 2) return -1;
+  Engine e;
+  e.load(state);
+  if (e.left < 1 || e.next + (uint64_t)e.left > (uint64_t)kN + 1) return -1;
+  const float f = (float)from, t = (float)to;
+  // from/to as the dtype holds them (static_cast<scalar_t>(double): through float)
+  const float fs = dtype == 0 ? f : dtype_value(dtype == 1 ? to_bf16(f) : to_f16(f), dtype);
+  const float ts = dtype == 0 ? t : dtype_value(dtype == 1 ? to_bf16(t) : to_f16(t), dtype);
+  if (dtype == 0) uniform_fill<0>(out, size, f, t, fs, ts, e);
+  else if (dtype == 1) uniform_fill<1>(out, size, f, t, fs, ts, e);
+  else uniform_fill<2>(out, size, f, t, fs, ts, e);
+  e.store(state);
+  return 0;
+}
 
 // normal_(mean, std) of ``size`` (>= 16) contiguous elements at ``out`` (dtype 0: float32,
 // 1: bfloat16, 2: float16), drawing from the generator state ``state`` (its 5056 bytes, updated
