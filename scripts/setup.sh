@@ -6,7 +6,8 @@
 # Steps: create .venv with `python3` (override with PYTHON=...), install the CPU build of torch
 # FIRST at an exact version (a bare `torch` requirement would pull a multi-GB CUDA build), then
 # `pip install -e ".[test]"`, make sure the Jupyter kernel is the venv's python, install Debian's
-# chromium for the browser tests (root only, never Playwright's own browser download) and run
+# chromium for the browser tests (root only, never Playwright's own browser download) and g++ if
+# there is no C++ compiler (the native fills; root only), and run
 # `npm ci` in labextension/ when it has a package.json and npm is present (front-end tests only:
 # the built extension is committed, users need no Node).
 #
@@ -99,6 +100,19 @@ if [ "${SETUP_SKIP_CHROMIUM:-0}" != 1 ] && ! [ -x /usr/bin/chromium ]; then
     else
         log "warning: /usr/bin/chromium missing and not root: browser tests will be skipped"
         log "         (as root: apt-get update && apt-get install -y chromium)"
+    fi
+fi
+
+# 5b. a C++ compiler: the native normal_/uniform_ kernels are built with it on first use (without
+# one, torch's slower kernels are used and their tests are skipped) -----------------------------
+if ! command -v c++ >/dev/null 2>&1 && ! command -v g++ >/dev/null 2>&1; then
+    if [ "$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1; then
+        log "installing Debian's g++ (the native fills)"
+        export DEBIAN_FRONTEND=noninteractive
+        apt-get -o DPkg::Lock::Timeout=600 update -qq
+        apt-get -o DPkg::Lock::Timeout=600 install -y -qq g++ >/dev/null
+    else
+        log "warning: no C++ compiler: the native fills stay off and their tests are skipped"
     fi
 fi
 

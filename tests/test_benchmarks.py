@@ -21,7 +21,7 @@ SCRIPTS = {
     "bench_materialize.py": ["### Whole model", "meta_init + materialize", "torch.equal"],
     "bench_memory_cycles.py": ["### RSS after each cycle's del", "### Against eager"],
     "bench_progress.py": ["### Progress events and cancel latency", "### Cost of the steps"],
-    "bench_rng.py": ["### Jump ahead", "draws skipped"],
+    "bench_rng.py": ["### Jump ahead", "draws skipped", "### Fills on one thread", "same bits"],
     "bench_save.py": [
         "bfloat16 model, largest tensor",
         "generation floor",
