@@ -12,6 +12,7 @@ import torch
 from jupyter_metainit.core.rng.native_fill import (
     ENV_SWITCH,
     MIN_ELEMENTS,
+    native_covers,
     native_normal,
     native_status,
     native_uniform,
@@ -33,6 +34,13 @@ def _pair(seed: int, skip: int = 0) -> tuple[torch.Generator, torch.Generator]:
     return gens
 
 
+def _skip_unless_covered(op: str, dtype: torch.dtype) -> None:
+    """Where this PyTorch makes ``op`` in ``dtype`` another way (2.12's bfloat16 normal_), the
+    native kernel leaves it to torch's; what replay gives there is tested elsewhere."""
+    if not native_covers(op, dtype):
+        pytest.skip(f"torch's kernel makes {op}_ {dtype} here: {native_status()}")
+
+
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
 def test_the_native_normal_is_on_where_a_compiler_is() -> None:
     assert native_status().startswith("on: "), native_status()
@@ -44,6 +52,7 @@ def test_the_native_normal_is_on_where_a_compiler_is() -> None:
 def test_the_native_normal_gives_torchs_bits_and_generator_state(
     dtype: torch.dtype, n: int
 ) -> None:
+    _skip_unless_covered("normal", dtype)
     ours, theirs = _pair(n, skip=n % 613)
     expected = torch.empty(n, dtype=dtype).normal_(0.25, 0.02, generator=theirs)
     got = torch.empty(n, dtype=dtype)
@@ -58,6 +67,7 @@ def test_the_native_normal_gives_torchs_bits_and_generator_state(
 def test_the_native_uniform_gives_torchs_bits_and_generator_state(
     dtype: torch.dtype, bounds: tuple[float, float]
 ) -> None:
+    _skip_unless_covered("uniform", dtype)
     n = 16 * 4099 + 9
     ours, theirs = _pair(n, skip=7)
     expected = torch.empty(n, dtype=dtype).uniform_(*bounds, generator=theirs)
@@ -69,6 +79,7 @@ def test_the_native_uniform_gives_torchs_bits_and_generator_state(
 
 @needs_kernel
 def test_consecutive_native_fills_continue_the_stream_as_torch_does() -> None:
+    _skip_unless_covered("normal", torch.bfloat16)
     ours, theirs = _pair(3)
     for n in (MIN_ELEMENTS + 5, 1000 * 624 + 3, MIN_ELEMENTS):
         expected = torch.empty(n, dtype=torch.bfloat16).normal_(generator=theirs)

@@ -44,7 +44,7 @@ import torch
 from jupyter_metainit.core.rng.segments import raw_get_state, raw_set_state
 from jupyter_metainit.core.runtime.plain import plain
 
-__all__ = ["MIN_ELEMENTS", "native_normal", "native_status", "native_uniform"]
+__all__ = ["MIN_ELEMENTS", "native_covers", "native_normal", "native_status", "native_uniform"]
 
 ENV_SWITCH = "JUPYTER_METAINIT_NATIVE"
 ENV_CACHE = "JUPYTER_METAINIT_CACHE"
@@ -113,11 +113,23 @@ def native_status() -> str:
     if kernels is None:
         return f"off: {_reason}"
     pairs = [(op, d) for op in kernels for d in _DTYPES]
-    differs = [f"{op}_ {str(d).removeprefix('torch.')}" for op, d in pairs if not _exact(op, d)]
+    differs = [
+        f"{op}_ {str(d).removeprefix('torch.')}" for op, d in pairs if not native_covers(op, d)
+    ]
     if len(differs) == len(pairs):
         return "off: they differ from this PyTorch's kernels (torch's are used)"
     note = f" (torch's kernel for {', '.join(differs)}: ours differs there)" if differs else ""
     return f"on: the {_variant()[0]} kernels, {_where}{note}"
+
+
+def native_covers(op: str, dtype: torch.dtype) -> bool:
+    """Whether the native kernel makes ``op`` (``"normal"`` or ``"uniform"``) in ``dtype`` in
+    this process: it is built, not switched off, and gives this PyTorch's bits (PyTorch 2.12,
+    for one, made bfloat16 and float16 ``normal_`` values another way: torch's kernel runs)."""
+    if os.environ.get(ENV_SWITCH, "1") == "0" or dtype not in _DTYPES:
+        return False
+    kernels = _get_kernels()
+    return kernels is not None and op in kernels and _exact(op, dtype)
 
 
 def _finite(a: Any, b: Any) -> bool:
