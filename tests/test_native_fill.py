@@ -97,6 +97,11 @@ def test_a_native_fill_counts_as_an_in_place_write() -> None:
     assert t._version == before + 1
 
 
+def _inference_tensor() -> torch.Tensor:
+    with torch.inference_mode():
+        return torch.empty(MIN_ELEMENTS)
+
+
 @pytest.mark.parametrize(
     "make",
     [
@@ -105,8 +110,9 @@ def test_a_native_fill_counts_as_an_in_place_write() -> None:
         lambda: torch.empty(MIN_ELEMENTS, dtype=torch.float64),  # another dtype
         lambda: torch.empty(MIN_ELEMENTS, device="meta"),
         lambda: torch.empty(MIN_ELEMENTS, requires_grad=True),  # torch refuses it in-place
+        lambda: _inference_tensor(),  # torch refuses it in-place outside inference mode
     ],
-    ids=["small", "strided", "float64", "meta", "requires-grad"],
+    ids=["small", "strided", "float64", "meta", "requires-grad", "inference"],
 )
 def test_the_native_normal_leaves_what_it_does_not_copy_to_torch(make) -> None:
     t = make()
@@ -114,6 +120,10 @@ def test_the_native_normal_leaves_what_it_does_not_copy_to_torch(make) -> None:
     state = gen.get_state()
     assert not native_normal(t, 0.0, 1.0, gen)
     assert torch.equal(gen.get_state(), state)
+
+
+def test_the_process_default_generator_is_left_to_torchs_locked_kernel() -> None:
+    assert not native_normal(torch.empty(MIN_ELEMENTS), 0.0, 1.0, torch.default_generator)
 
 
 @pytest.mark.parametrize("std", [-1.0, float("nan"), float("inf")])

@@ -150,11 +150,13 @@ def _fill(op: str, t: Any, a: float, b: float, generator: Any) -> bool:
         code is None
         or type(t) not in (torch.Tensor, torch.nn.Parameter)
         or not isinstance(generator, torch.Generator)
+        or generator is torch.default_generator  # others may draw from it meanwhile: torch locks it
         or t.device.type != "cpu"
         or generator.device.type != "cpu"
         or t.numel() < MIN_ELEMENTS
         or not t.is_contiguous()
         or (t.requires_grad and torch.is_grad_enabled())  # torch refuses in-place on a leaf
+        or (t.is_inference() and not torch.is_inference_mode_enabled())  # and this too
         or os.environ.get(ENV_SWITCH, "1") == "0"
     ):
         return False
