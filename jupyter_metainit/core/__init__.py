@@ -31,7 +31,8 @@ public face; ``errors`` beside it holds the exceptions.
   into, handed on from batch to batch), ``source_files`` (the checkpoint files a deferred
   tensor reads), ``telling`` and ``copy_in_steps`` (progress, and Cancel, from inside a batch
   being generated or copied), ``in_file_layout`` (a transformers model's tensors in its
-  files' layout, as ``save_pretrained`` writes them).
+  files' layout, as ``save_pretrained`` writes them);
+- ``ATEN_SCALAR_TYPES``: the argument types of ATen ops that hold no tensor.
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ from jupyter_metainit.core.materialize.walk import (
     unique_tensors,
 )
 from jupyter_metainit.core.record.context import at_meta_init_edges, is_meta_init, meta_init
+from jupyter_metainit.core.record.dispatch.metadata import ATEN_SCALAR_TYPES
 from jupyter_metainit.core.record.tensor import DeferredTensor
 from jupyter_metainit.core.replay import Recycler, noting_whole_intermediates, values_to_write
 from jupyter_metainit.core.runtime import events
@@ -98,9 +100,10 @@ __all__ = [
 
 # The upper layers' face (see the docstring): public names of the core, not listed for users.
 UPPER_LAYER_FACE = (
-    ESTIMATE_ONLY_BITS, Recycler, at_meta_init_edges, available_memory, busy_with, check_flag,
-    check_floating_dtype, check_progress, copy_in_steps, copy_user_attributes,
-    counted_attributes, dtype_name, events, format_bytes, format_count, format_duration,
+    ATEN_SCALAR_TYPES, ESTIMATE_ONLY_BITS, Recycler, at_meta_init_edges, available_memory,
+    busy_with, check_flag, check_floating_dtype, check_progress, copy_in_steps,
+    copy_user_attributes, counted_attributes, dtype_name, events, format_bytes, format_count,
+    format_duration,
     in_file_layout, indexed_device, is_out_of_memory, iter_deferred, local_tensor,
     missing_device_reason, named_tensors, no_values_reason, noting_whole_intermediates, own_tensors,
     parse_device, parse_dtype, parse_size, plain, progress_callback, source_files, storage_of,

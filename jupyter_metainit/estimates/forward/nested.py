@@ -11,6 +11,8 @@ from typing import Any
 
 import torch
 
+from jupyter_metainit.core import ATEN_SCALAR_TYPES
+
 __all__ = [
     "cache_of",
     "generators_in",
@@ -22,21 +24,6 @@ __all__ = [
     "tensor_bytes_in",
     "tensors_in",
 ]
-
-# Argument types of ATen ops that hold no tensor (checked before the slower Mapping test).
-_LEAVES = frozenset(
-    {
-        int,
-        float,
-        bool,
-        str,
-        type(None),
-        torch.dtype,
-        torch.device,
-        torch.layout,
-        torch.memory_format,
-    }
-)
 
 
 def tensor_bytes(t: torch.Tensor) -> int:
@@ -63,7 +50,7 @@ def tensors_in(obj: Any) -> Iterator[torch.Tensor]:
 def _collect_tensors(obj: Any, found: list[torch.Tensor]) -> None:
     if isinstance(obj, torch.Tensor):
         found.append(obj)
-    elif type(obj) in _LEAVES:
+    elif type(obj) in ATEN_SCALAR_TYPES:  # before the slower Mapping test
         return
     elif isinstance(obj, (list, tuple)):
         for item in obj:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from jupyter_metainit.core.record.dispatch.inputs import call_site
-from jupyter_metainit.core.record.dispatch.metadata import OVERWRITES_SELF, SCALAR_TYPES
+from jupyter_metainit.core.record.dispatch.metadata import ATEN_SCALAR_TYPES, OVERWRITES_SELF
 from jupyter_metainit.core.record.dispatch.random_ops import place_random
 from jupyter_metainit.core.record.graph import OpRecord, StorageRecord, next_seq
 from jupyter_metainit.core.record.tensor import DeferredTensor
@@ -27,7 +27,7 @@ def record_fill(func: Any, args: tuple, kwargs: dict) -> DeferredTensor | None:
     its general machinery (binding, meta kernels, dtypes: a fill changes none of them). None
     when an argument is not a plain value (``record_op`` then takes it)."""
     for a in args[1:]:
-        if type(a) not in SCALAR_TYPES:
+        if type(a) not in ATEN_SCALAR_TYPES:
             return None
     generator = None
     for k, v in kwargs.items():
@@ -35,7 +35,7 @@ def record_fill(func: Any, args: tuple, kwargs: dict) -> DeferredTensor | None:
             if v is not None and not isinstance(v, torch.Generator):
                 return None
             generator = v
-        elif type(v) not in SCALAR_TYPES:
+        elif type(v) not in ATEN_SCALAR_TYPES:
             return None
     self: DeferredTensor = args[0]
     where = call_site()

@@ -54,14 +54,16 @@ _SCALARS = (
 )
 
 
-SCALAR_TYPES = frozenset(_SCALARS)
+# Argument types of ATen ops that hold no tensor: one home for the recorder's argument keys and
+# for ``estimates``' walk of an op's arguments (``core.ATEN_SCALAR_TYPES``).
+ATEN_SCALAR_TYPES = frozenset(_SCALARS)
 
 
 def _arg_key(x: Any, tensors: bool = True) -> Any:
     """A hashable key of an argument: values of plain ones, geometry of tensors (``tensors``;
     else a tensor is ``Unkeyable``)."""
     kind = type(x)
-    if kind in SCALAR_TYPES:
+    if kind in ATEN_SCALAR_TYPES:
         return (kind, x)
     if tensors and isinstance(x, torch.Tensor):
         return (x.shape, x.stride(), x.dtype, x.storage_offset())
