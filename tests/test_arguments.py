@@ -12,6 +12,7 @@ from jupyter_metainit.core.runtime.arguments import (
     indexed_device,
     parse_device,
     parse_dtype,
+    parse_path,
     parse_size,
 )
 
@@ -137,3 +138,45 @@ def test_the_same_name_has_the_same_default_everywhere():
     assert default(jm.memory_table, "optimizer") == default(jm.summary, "optimizer")
     assert default(jm.memory_table, "optimizer") == default(jm.place, "optimizer") == "adamw"
     assert default(jm.materialize, "rng") is default(materialize_sharded, "rng") is None
+
+
+def test_a_tilde_is_the_home_directory_in_every_path(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert parse_path("~/ckpt") == str(tmp_path / "ckpt")
+    assert parse_path("~/ckpt", typed=True) == str(tmp_path / "ckpt")
+
+
+def test_typed_text_expands_environment_variables_as_a_shell(monkeypatch, tmp_path):
+    monkeypatch.setenv("CKPTS", str(tmp_path))
+    assert parse_path(" $CKPTS/a ", typed=True) == str(tmp_path / "a")
+    assert parse_path("${CKPTS}/a", typed=True) == str(tmp_path / "a")
+
+
+def test_a_python_path_naming_an_environment_variable_is_refused_with_the_fix(monkeypatch):
+    monkeypatch.setenv("CKPTS", "/somewhere")
+    with pytest.raises(jm.ArgumentError, match=r"does not expand \$CKPTS.*os.path.expandvars"):
+        parse_path("$CKPTS/a", "path")
+
+
+def test_a_python_path_with_a_literal_dollar_is_kept(tmp_path, monkeypatch):
+    monkeypatch.setenv("CKPTS", "/somewhere")
+    (tmp_path / "$CKPTS").mkdir()
+    assert parse_path(tmp_path / "$CKPTS") == str(tmp_path / "$CKPTS")  # it exists: as written
+    assert parse_path("$NOT_AN_ENV_VARIABLE_HERE/a") == "$NOT_AN_ENV_VARIABLE_HERE/a"
+
+
+def test_save_refuses_a_dollar_path_and_writes_nothing(monkeypatch, tmp_path):
+    monkeypatch.setenv("CKPTS", str(tmp_path))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(jm.ArgumentError, match=r"\$CKPTS"):
+        jm.save(nn.Linear(2, 2), "$CKPTS/x")
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_stats_and_compare_read_a_tilde_path_as_save_writes_it(monkeypatch, tmp_path):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    model = nn.Linear(2, 2)
+    jm.save(model, "~/x")
+    assert (tmp_path / "x").is_dir()
+    assert sorted(jm.stats("~/x").index) == ["bias", "weight"]
+    assert (jm.compare(model, "~/x")["status"] == "equal").all()

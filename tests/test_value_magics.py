@@ -77,6 +77,18 @@ def test_compare_magic_reads_a_checkpoint_path(ip, tmp_path):
     assert (table["status"] == "equal").all()
 
 
+def test_stats_and_compare_magics_read_paths_as_save_does(ip, tmp_path, monkeypatch):
+    monkeypatch.setenv("HOME", str(tmp_path))
+    monkeypatch.setenv("CKPTS", str(tmp_path))
+    ok(ip, '%save e "~/my ckpt"')
+    names = ["0.bias", "0.weight", "1.0.bias", "1.0.weight"]
+    assert sorted(_value(ip, '%stats "~/my ckpt"').index) == names
+    assert (_value(ip, '%compare m "$CKPTS/my ckpt"')["status"] == "equal").all()
+    ok(ip, "%save e $CKPTS/plain")
+    assert (_value(ip, "%compare m $CKPTS/plain")["status"] == "equal").all()
+    assert _value(ip, "%stats ~/plain")["max"].notna().all()
+
+
 @pytest.mark.parametrize(
     ("line", "expected"),
     [
@@ -92,6 +104,7 @@ def test_compare_magic_reads_a_checkpoint_path(ip, tmp_path):
         ("%compare m nothere/", "%compare: no such file or directory: 'nothere/'"),
         ("%stats ./nope", "%stats: no such file or directory: './nope'"),
         ("%stats ~/nope", "%stats: no such file or directory: '~/nope'"),
+        ('%stats "~/no pe"', "%stats: stats(): no such file or directory"),
         ("%stats /no/such/dir", "%stats: no such file or directory: '/no/such/dir'"),
         ("%stats nope.safetensors", "%stats: no such file or directory: 'nope.safetensors'"),
         ("%compare m nope/model.safetensors", "%compare: no such file or directory"),

@@ -22,7 +22,7 @@ public face; ``errors`` beside it holds the exceptions.
 - for ``materialize_sharded``: ``iter_deferred``, ``progress_callback``,
   ``noting_whole_intermediates``;
 - one parser per kind of argument (Note [One argument policy] in ``runtime/arguments``):
-  ``parse_device``, ``indexed_device``, ``parse_dtype``, ``parse_size``;
+  ``parse_device``, ``indexed_device``, ``parse_dtype``, ``parse_size``, ``parse_path``;
 - one helper per concept: ``missing_device_reason``, ``dtype_name``, ``available_memory``,
   ``is_out_of_memory``, ``local_tensor`` (a DTensor's
   local shard), ``copy_user_attributes`` (the user's attributes onto a real tensor);
@@ -76,6 +76,7 @@ from jupyter_metainit.core.runtime.arguments import (
     missing_device_reason,
     parse_device,
     parse_dtype,
+    parse_path,
     parse_size,
 )
 from jupyter_metainit.core.runtime.format import format_bytes, format_count, format_duration
@@ -105,6 +106,6 @@ UPPER_LAYER_FACE = (
     copy_user_attributes, counted_attributes, dtype_name, events, format_bytes, format_count,
     format_duration, in_file_layout, indexed_device, is_out_of_memory, iter_deferred, local_tensor,
     missing_device_reason, named_tensors, no_values_reason, noting_whole_intermediates, own_tensors,
-    parse_device, parse_dtype, parse_size, plain, progress_callback, source_files, storage_of,
-    telling, unique_tensors, values_to_write,
+    parse_device, parse_dtype, parse_path, parse_size, plain, progress_callback, source_files,
+    storage_of, telling, unique_tensors, values_to_write,
 )  # fmt: skip

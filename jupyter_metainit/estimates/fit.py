@@ -9,7 +9,7 @@ import pandas as pd
 import torch
 from torch import nn
 
-from jupyter_metainit.core import available_memory, meta_init, parse_size
+from jupyter_metainit.core import available_memory, meta_init, parse_path, parse_size
 from jupyter_metainit.core.errors import ArgumentError
 from jupyter_metainit.estimates._arguments import check_budget, check_device, require_module
 from jupyter_metainit.estimates.memory import memory_table
@@ -57,7 +57,7 @@ def _looks_local(path: str) -> bool:
 
 def _model_from_path(path: str) -> nn.Module:
     """An empty (deferred) model from a local directory or hub name with a transformers config."""
-    local = Path(path).expanduser()
+    local = Path(parse_path(path, "fits()"))
     if local.is_file():
         raise ArgumentError(
             f"fits({path!r}): that is a file; pass the model's directory (the one with its "

@@ -27,6 +27,7 @@ from jupyter_metainit.core import (
     DeferredTensor,
     local_tensor,
     no_values_reason,
+    parse_path,
     storage_of,
     tensor_state,
     values_to_write,
@@ -175,9 +176,10 @@ def _safetensors_files(path: str) -> list[str] | None:
     return files or None
 
 
-def _open_path(path: str, what: str) -> Source:
+def _open_path(path: str, what: str, typed: Any) -> Source:
     if not os.path.exists(path):
-        raise FileNotFoundError(f"{what}: no such file or directory: {path!r}")
+        expanded = f" ({path})" if path != typed else ""
+        raise FileNotFoundError(f"{what}: no such file or directory: {typed!r}{expanded}")
     if os.path.isdir(path) and os.path.exists(os.path.join(path, ".metadata")):
         return DcpSource(path)
     files = _safetensors_files(path)
@@ -275,7 +277,8 @@ def open_source(obj: Any, what: str) -> Source:
     if isinstance(obj, dict):
         return TensorSource(dict(obj), what)
     if isinstance(obj, (str, os.PathLike)):
-        return _open_path(os.fspath(obj), what)
+        path = parse_path(obj, what if ":" in what else f"{what}: path")
+        return _open_path(path, what, os.fspath(obj))
     raise ArgumentTypeError(
         f"{what} takes a module, a dict of tensors (a state dict) or a checkpoint path (a "
         f"safetensors file or directory, a DCP directory); got {type(obj).__name__}"

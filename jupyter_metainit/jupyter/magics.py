@@ -19,10 +19,15 @@ from IPython.core.error import UsageError
 from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, cell_magic, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
-from IPython.utils.path import expand_path
 from torch import nn
 
-from jupyter_metainit.core import dematerialize, format_duration, materialize, meta_init
+from jupyter_metainit.core import (
+    dematerialize,
+    format_duration,
+    materialize,
+    meta_init,
+    parse_path,
+)
 from jupyter_metainit.core.errors import ArgumentTypeError
 from jupyter_metainit.jupyter.cell_models import (
     is_set_up,
@@ -254,7 +259,7 @@ class MetaInitMagics(Magics):
         if args.expr:
             raise UsageError(f"%save: unexpected argument(s) {' '.join(args.expr)!r}")
         dtype = parse_dtype(args.dtype)
-        start, destination = time.perf_counter(), expand_path(path)
+        start, destination = time.perf_counter(), parse_path(path, "PATH", typed=True)
         one_line_errors(
             "save",
             lambda: save_checkpoint(

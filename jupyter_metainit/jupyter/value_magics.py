@@ -18,6 +18,7 @@ from IPython.core.interactiveshell import InteractiveShell
 from IPython.core.magic import Magics, line_magic, magics_class
 from IPython.core.magic_arguments import argument, magic_arguments, parse_argstring
 
+from jupyter_metainit.core import parse_path
 from jupyter_metainit.inspection import compare, stats
 from jupyter_metainit.jupyter.magic_options import one_line_errors, split_expression
 
@@ -36,8 +37,9 @@ class ValueMagics(Magics):
         try:
             value = self.shell.ev(text)
         except Exception as exc:  # the user's expression: their mistake, told in one line
-            if os.path.exists(os.path.expanduser(text)):
-                return os.path.expanduser(text)
+            typed = parse_path(text, typed=True)  # ~ and $VARS, as %save reads its PATH
+            if os.path.exists(typed):
+                return typed
             if _looks_like_path(text):
                 raise UsageError(
                     f"%{magic}: no such file or directory: {text!r} (an operand is a Python "
@@ -48,6 +50,8 @@ class ValueMagics(Magics):
             raise UsageError(f"%{magic}: cannot evaluate {text!r}: {kind}") from None
         if isinstance(value, torch.Tensor):
             return {text: value}
+        if isinstance(value, (str, os.PathLike)):  # a path typed on the line, quoted
+            return parse_path(value, typed=True)
         return value
 
     def _options(self, magic: str, line: str) -> tuple[str, Any]:

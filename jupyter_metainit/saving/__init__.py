@@ -15,7 +15,7 @@ from typing import Literal
 
 import torch
 
-from jupyter_metainit.core import check_progress, parse_dtype
+from jupyter_metainit.core import check_progress, parse_dtype, parse_path
 from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError
 from jupyter_metainit.saving.layout import parse_size, state_dict_of
 from jupyter_metainit.saving.safetensors_checkpoint import write_checkpoint
@@ -116,7 +116,7 @@ def save(
             f"dtype= casts floating-point tensors to another floating-point dtype (bfloat16, "
             f"float16, float32, ...); {dtype} is not one. Nothing was written."
         )
-    destination = checked_destination(os.path.expanduser(os.fspath(path)))
+    destination = checked_destination(parse_path(path, "path"))
     if format == "dcp":
         from jupyter_metainit.saving.dcp import save_dcp  # torch.distributed loads only for dcp
 

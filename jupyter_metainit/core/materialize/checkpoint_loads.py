@@ -18,6 +18,7 @@ from jupyter_metainit.core.errors import ArgumentError, ArgumentTypeError, Mater
 from jupyter_metainit.core.materialize import shadows
 from jupyter_metainit.core.materialize.walk import named_tensors
 from jupyter_metainit.core.record.tensor import DeferredTensor
+from jupyter_metainit.core.runtime.arguments import parse_path
 from jupyter_metainit.core.runtime.interrupts import copy_in_steps
 from jupyter_metainit.core.runtime.plain import plain
 
@@ -42,7 +43,7 @@ def _paths(checkpoint: Any) -> list[str]:
             raise ArgumentTypeError(
                 f"checkpoint= takes {_WHAT}; got {type(item).__name__} in the list"
             )
-        path = os.fsdecode(os.fspath(item))
+        path = parse_path(item, "checkpoint=")
         if os.path.isdir(path):
             found = sorted(
                 f for f in os.listdir(path) if f.endswith((".safetensors", ".index.json"))

@@ -15,6 +15,12 @@ so that the same spelling means the same thing everywhere:
   transformers reads ``max_shard_size``), ``"500MB"``, ``"1.5TiB"``. A lowercase final ``b``
   (``"5gb"``) is refused: transformers reads it as *bits*, people mean bytes.
 
+- a path is a ``str`` or an ``os.PathLike``; ``~`` is the home directory everywhere. Text typed
+  into a magic or a widget field is read as a shell reads it: ``$NAME`` and ``${NAME}`` are
+  environment variables too. A path given in Python keeps ``$`` as written, as ``open`` does;
+  where that names an environment variable and no such file exists, it is refused
+  (:func:`parse_path`), so ``save(m, "$HOME/x")`` never makes a folder called ``$HOME``.
+
 A wrong type is an :class:`~jupyter_metainit.core.errors.ArgumentTypeError` (a ``TypeError``), a
 wrong value an :class:`~jupyter_metainit.core.errors.ArgumentError` (a ``ValueError``); both name
 the argument as the user wrote it. Each caller adds only its own wording around them (a magic's
@@ -24,6 +30,7 @@ the argument as the user wrote it. Each caller adds only its own wording around 
 from __future__ import annotations
 
 import math
+import os
 import re
 from typing import Any
 
@@ -38,6 +45,7 @@ __all__ = [
     "check_progress",
     "dtype_name",
     "indexed_device",
+    "parse_path",
     "missing_device_reason",
     "parse_device",
     "parse_dtype",
@@ -259,6 +267,43 @@ def parse_size(size: Any, arg: str = "size") -> int:
     if not math.isfinite(value):
         raise ArgumentError(f"{arg}={size!r} is not a size: it is past any memory there is")
     return int(value)
+
+
+_VARIABLE = re.compile(r"\$(\w+|\{\w+\})")
+
+
+def parse_path(path: Any, arg: str = "path", *, typed: bool = False) -> str:
+    """A file system path from a ``str`` or ``os.PathLike``, the one reading of every layer.
+
+    ``~`` is the home directory. With ``typed`` (text a person typed into a magic or a widget
+    field), ``$NAME`` and ``${NAME}`` are environment variables, as in a shell. Without it (a path
+    given in Python), ``$`` stays as written, as ``open`` keeps it, and a path that does not exist
+    but whose ``$NAME`` is an environment variable is refused: it almost surely meant the
+    variable.
+
+    Examples:
+        >>> import os
+        >>> parse_path("~/ckpt") == os.path.join(os.path.expanduser("~"), "ckpt")
+        True
+        >>> parse_path("$HOME/ckpt", typed=True) == os.path.expandvars("$HOME/ckpt")
+        True
+    """
+    if not isinstance(path, (str, bytes, os.PathLike)):
+        raise ArgumentTypeError(f"{arg} must be a path (a str or os.PathLike), not {path!r}")
+    text = os.fspath(path)
+    if not isinstance(text, str):
+        text = os.fsdecode(text)
+    if typed:
+        return os.path.expandvars(os.path.expanduser(text.strip()))  # as IPython's expand_path
+    expanded = os.path.expanduser(text)
+    if "$" in expanded and not os.path.exists(expanded):
+        names = [m.group(1).strip("{}") for m in _VARIABLE.finditer(expanded)]
+        if any(name in os.environ for name in names):
+            raise ArgumentError(
+                f"{arg}={text!r}: Python does not expand ${names[0]} in a path; pass "
+                f"os.path.expandvars({text!r}), or write the path out"
+            )
+    return expanded
 
 
 def missing_device_reason(d: torch.device) -> str | None:

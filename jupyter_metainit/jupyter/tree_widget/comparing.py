@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from jupyter_metainit.core import parse_path
 from jupyter_metainit.core.errors import ArgumentError
 from jupyter_metainit.inspection.comparison import compare_layouts
 from jupyter_metainit.inspection.sources import open_source
@@ -75,7 +76,7 @@ def resolve_other(text: Any, namespace: dict | None) -> tuple[Any, str]:
             f"Refused: {text} is a {type(obj).__name__}, not a model or a state dict; "
             "nothing was compared."
         )
-    path = os.path.abspath(os.path.expanduser(text))
+    path = os.path.abspath(parse_path(text, typed=True))
     if not os.path.exists(path):
         named = (
             f"no model or state dict named {text} in the notebook and "

@@ -11,7 +11,13 @@ import os
 from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
-from jupyter_metainit.core import format_bytes, parse_dtype, tensor_values, unique_tensors
+from jupyter_metainit.core import (
+    format_bytes,
+    parse_dtype,
+    parse_path,
+    tensor_values,
+    unique_tensors,
+)
 from jupyter_metainit.jupyter.tree_widget.actions import ActionCancelled
 from jupyter_metainit.jupyter.tree_widget.wording import modules_in_words
 from jupyter_metainit.saving import save
@@ -45,7 +51,7 @@ def prepare_save(widget: WidgetHost, content: dict) -> tuple[str, Callable[[], s
             "Select one subtree to save it alone, or none to save the whole model; "
             "nothing was saved."
         )
-    destination = os.path.abspath(os.path.expanduser(path.strip()))
+    destination = os.path.abspath(parse_path(path, typed=True))
     _confirm_replacing(widget, destination, fmt)
     what = modules_in_words(names or [""], widget.var_name)
     dtype = parse_dtype(widget.dtype or None)
