@@ -1,5 +1,6 @@
 """Lazy modules (``nn.LazyLinear``) inside ``meta_init``: uninitialized parameters stay shapeless
-until a dry run gives them a shape, then become deferred tensors on the device they were meant for.
+until a dry run gives them a shape, then become deferred tensors on the device they were meant for,
+in the dtype eager code gives them (left to the default: the block's ``meta_init(dtype=)``).
 
 ``UninitializedParameter``/``UninitializedBuffer`` are patched while any ``meta_init`` block is
 active (counted, so nested and concurrent blocks share one patch); outside a block the patched
