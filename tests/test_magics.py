@@ -202,6 +202,20 @@ def test_dtype_option_sets_default_dtype(ip, spelling):
     assert torch.get_default_dtype() == torch.float32
 
 
+def test_dtype_option_reaches_a_lazy_layer_run_in_init(ip):
+    code = (
+        "class Net(nn.Module):\n"
+        "    def __init__(self):\n"
+        "        super().__init__()\n"
+        "        self.conv = nn.LazyConv2d(4, 3)\n"
+        "        self.conv(torch.randn(1, 2, 8, 8))\n"
+    )
+    ok(ip, code)
+    ok(ip, "%%meta_init --no-display --dtype float64\nm = Net()")
+    conv = ip.user_ns["m"].conv
+    assert conv.weight.dtype == conv.bias.dtype == torch.float64 and is_deferred(conv)
+
+
 def test_help_lists_every_option(ip):
     out = ok(ip, "%%meta_init?")
     for option in ("--no-display", "--table", "--device DEV", "--dtype DT", "--depth N"):

@@ -756,3 +756,60 @@ def test_a_foreach_out_variant_writes_its_out_list_as_eager():
     expected, got = eager_and_deferred(add_into)
     materialize(got)
     assert all(torch.equal(g, e) for g, e in zip(got, expected, strict=True))
+
+
+# Calls eager PyTorch refuses for mixing float64 and float32 while PyTorch's meta kernels accept
+# them (each ATen op the recorder checks: mm, addmm, addmm_, addbmm, mv, convolution, nll_loss).
+_F64, _F32 = torch.float64, torch.float32
+_MIXED_DTYPES = {
+    "mm": lambda: torch.ones(2, 3, dtype=_F64) @ torch.ones(3, 4),
+    "linear": lambda: nn.functional.linear(torch.ones(2, 3, dtype=_F64), torch.ones(4, 3)),
+    "linear bias": lambda: nn.functional.linear(
+        torch.ones(2, 3, dtype=_F64), torch.ones(4, 3, dtype=_F64), torch.ones(4)
+    ),
+    "addmm_": lambda: torch.ones(2, 4, dtype=_F64).addmm_(torch.ones(2, 3), torch.ones(3, 4)),
+    "addbmm": lambda: torch.addbmm(
+        torch.ones(2, 4, dtype=_F64), torch.ones(1, 2, 3, dtype=_F64), torch.ones(1, 3, 4)
+    ),
+    "mv": lambda: torch.ones(2, 3, dtype=_F64) @ torch.ones(3),
+    "conv2d": lambda: nn.functional.conv2d(
+        torch.ones(1, 2, 5, 5, dtype=_F64), torch.ones(3, 2, 3, 3)
+    ),
+    "cross_entropy weight": lambda: nn.functional.cross_entropy(
+        torch.ones(2, 3, dtype=_F64), torch.zeros(2, dtype=torch.long), weight=torch.ones(3)
+    ),
+}
+
+
+@pytest.mark.parametrize("name", list(_MIXED_DTYPES))
+def test_mixed_dtypes_eager_refuses_are_refused_while_recording(name):
+    call = _MIXED_DTYPES[name]
+    with pytest.raises(RuntimeError):
+        call()
+    with meta_init(), pytest.raises(RuntimeError, match="to have the same dtype"):
+        call()
+
+
+def test_mixed_dtypes_error_says_what_to_cast():
+    with meta_init():
+        x, w = torch.ones(2, 3, dtype=torch.float64), torch.ones(4, 3)
+        with pytest.raises(RuntimeError, match=r"self: torch.float64, mat2: torch.float32.*cast"):
+            nn.functional.linear(x, w)
+
+
+def test_lazy_layer_made_before_a_float64_block_refuses_a_float64_input():
+    layer = nn.LazyLinear(3)  # float32, as eager's made under the float32 default
+    with meta_init(dtype=torch.float64), pytest.raises(RuntimeError, match="same dtype"):
+        layer(torch.randn(2, 5))
+
+
+def test_same_dtype_products_under_a_float64_block_equal_eager():
+    def build() -> tuple[nn.Module, torch.Tensor]:
+        m = nn.Sequential(nn.Conv2d(2, 3, 3), nn.Flatten(), nn.Linear(27, 2))
+        return m, m(torch.randn(1, 2, 5, 5))
+
+    (eager, eager_out), (m, out) = eager_and_deferred(build, dtype=torch.float64)
+    assert out.dtype == torch.float64
+    materialize(m)
+    assert_same(eager, m)
+    assert torch.equal(materialize(out), eager_out)

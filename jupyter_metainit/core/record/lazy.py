@@ -1,5 +1,6 @@
 """Lazy modules (``nn.LazyLinear``) inside ``meta_init``: uninitialized parameters stay shapeless
-until a dry run gives them a shape, then become deferred tensors on the device they were meant for.
+until a dry run gives them a shape, then become deferred tensors on the device they were meant for,
+in the dtype eager code gives them (left to the default: the block's ``meta_init(dtype=)``).
 
 ``UninitializedParameter``/``UninitializedBuffer`` are patched while any ``meta_init`` block is
 active (counted, so nested and concurrent blocks share one patch); outside a block the patched
@@ -15,7 +16,7 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core.record.state import default_device, tls
+from jupyter_metainit.core.record.state import default_device, default_dtype, tls
 from jupyter_metainit.core.runtime.arguments import indexed_device
 from jupyter_metainit.core.runtime.interrupts import critical
 from jupyter_metainit.core.runtime.plain import plain
@@ -52,8 +53,13 @@ def _uninitialized_new(
     cls: type, requires_grad: bool = True, device: Any = None, dtype: Any = None
 ) -> Any:
     # An uninitialized tensor holds nothing; it stays a plain (meta) tensor until a dry run
-    # gives it a shape, and remembers the device its deferred replacement must report.
+    # gives it a shape, and remembers the device its deferred replacement must report. Its
+    # dtype is the one ``materialize`` gives the parameter: left to the default, that is the
+    # block's (``meta_init(dtype=)``), as eager's would be under ``set_default_dtype``;
+    # ``plain`` below would read the process-wide default instead.
     target = indexed_device(device) if device is not None else default_device()
+    if dtype is None:
+        dtype = default_dtype()
     with plain():
         data = torch.empty(0, device=_META, dtype=dtype)
     obj = torch.Tensor._make_subclass(cls, data, requires_grad)

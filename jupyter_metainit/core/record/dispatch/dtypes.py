@@ -6,6 +6,9 @@ in force then**. A factory whose dtype was left to the default gets it as an exp
 argument; an op whose floating result comes from the default (``int_t / 16``) is rewritten with
 its dtype explicit where that changes no value, else its ``OpRecord`` keeps the default dtype
 it ran under (``default_dtype``; replay runs it under ``state.default_dtype_as``).
+
+Also owned here: the same-dtype checks eager kernels make and PyTorch's meta kernels skip
+(:func:`check_same_dtypes`), so a mixed-dtype matmul fails where it is written, as eagerly.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core.record.dispatch.inputs import is_float
+from jupyter_metainit.core.record.dispatch.inputs import call_site, is_float
 from jupyter_metainit.core.record.dispatch.metadata import meta_outputs
 from jupyter_metainit.core.record.ops import OpInfo
 from jupyter_metainit.core.record.state import (
@@ -128,3 +131,47 @@ def resolve_dtypes(
         with default_dtype_as(default_dtype):
             out = meta_outputs(func, bound, meta_args, meta_kwargs)
     return Dtypes(kwargs, meta_kwargs, out, default_dtype)
+
+
+# Ops whose CPU and CUDA kernels refuse inputs of different dtypes ("expected m1 and m2 to have
+# the same dtype") while their meta kernels accept them and answer with the first input's dtype:
+# by name, the arguments that must share one dtype (every overload but ``out_dtype`` ones).
+# Without the check a float64 x float32 matmul is recorded and fails only at materialize.
+_SAME_DTYPE: dict[str, tuple[str, ...]] = {
+    "mm": ("self", "mat2"),
+    "addmm": ("self", "mat1", "mat2"),
+    "addmm_": ("self", "mat1", "mat2"),
+    "_addmm_activation": ("self", "mat1", "mat2"),
+    "addbmm": ("self", "batch1", "batch2"),
+    "addbmm_": ("self", "batch1", "batch2"),
+    "mv": ("self", "vec"),
+    "convolution": ("input", "weight"),
+    "nll_loss_forward": ("self", "weight"),
+    "nll_loss2d_forward": ("self", "weight"),
+}
+_same_dtype_slots: dict[Any, tuple[int, ...]] = {}  # per overload, read once
+
+
+def check_same_dtypes(func: Any, info: OpInfo, bound: list) -> None:
+    """Raise eager's ``RuntimeError`` where ``func`` is given tensors of different dtypes that
+    its real kernels refuse and its meta kernel would let through (``_SAME_DTYPE``)."""
+    slots = _same_dtype_slots.get(func)
+    if slots is None:
+        names = _SAME_DTYPE.get(func._schema.name.split("::")[-1], ())
+        if "out_dtype" in info.arg_names:
+            names = ()
+        slots = _same_dtype_slots[func] = tuple(
+            info.arg_index(n) for n in names if n in info.arg_names
+        )
+    if not slots:
+        return
+    tensors = [(info.arg_names[i], bound[i]) for i in slots if isinstance(bound[i], torch.Tensor)]
+    dtypes = {t.dtype for _, t in tensors}
+    if len(dtypes) > 1:
+        got = ", ".join(f"{name}: {t.dtype}" for name, t in tensors)
+        raise RuntimeError(
+            f"{func} expects {' and '.join(n for n, _ in tensors)} to have the same dtype, but "
+            f"got {got} (called at {call_site()}); eager PyTorch refuses this too: cast one of "
+            "them (x.to(layer.weight.dtype)), or build the model under the dtype of its inputs "
+            "(meta_init(dtype=...))"
+        )

@@ -23,7 +23,7 @@ from typing import Any
 
 import torch
 
-from jupyter_metainit.core.record.dispatch.dtypes import resolve_dtypes
+from jupyter_metainit.core.record.dispatch.dtypes import check_same_dtypes, resolve_dtypes
 from jupyter_metainit.core.record.dispatch.fills import full_overwrite
 from jupyter_metainit.core.record.dispatch.inputs import (
     META,
@@ -118,6 +118,7 @@ def record_op(func: Any, info: OpInfo, bound: list, flat: list, args: tuple, kwa
         call.func, call.kwargs = info.generator_overload, {**kwargs, "generator": None}
         call.info = op_info(call.func)
         call.bound = bind_arguments(call.func, args, call.kwargs)
+    check_same_dtypes(call.func, call.info, call.bound)
     call.meta_args, call.meta_kwargs = map_args(meta_of, call.args, call.kwargs)
     if "device" in call.meta_kwargs and call.meta_kwargs["device"] is not None:
         call.meta_kwargs["device"] = META
