@@ -111,14 +111,11 @@ export function copyIcon(): SVGSVGElement {
 }
 
 /** A chip whose key ("tied", "×4") is what must show, in two parts: the key, and the rest
- *  (", identical", ": lm_head"), which shows whole or not at all (it wraps onto the chip's hidden
- *  second line; never "×4, iden…"), and where the key does not fit the chip goes
- *  (style.css: .jmi-tags). Its text reads whole: "×4, identical". */
+ *  (", identical", ": lm_head"), each shown whole or not at all where the row has no room
+ *  (style.css: .jmi-tags), never "×4, iden…". Its text reads whole: "×4, identical". */
 export function keyedChip(cls: string, key: string, rest: string): HTMLElement {
   const chip = h("span", cls);
   chip.append(h("span", "jmi-chip-key", key), h("span", "jmi-chip-rest", rest));
-  // ch is the width of "0" in the chip's font: the key and its padding
-  chip.style.setProperty("--jmi-key", `calc(${key.length + 1.5}ch + 12px)`);
   return chip;
 }
 

@@ -498,9 +498,9 @@ describe("tags beside a name", () => {
     expect(box.firstElementChild!.className).toBe("jmi-tags-spacer");
     // the fast tag is never wrapped away: it sits before the chips, outside their box
     expect(box.previousElementSibling!.textContent).toBe("fast");
-    // each chip's key decides whether it shows (style.css: its flex basis)
-    const keys = [...box.querySelectorAll<HTMLElement>(".jmi-chip")].map((c) => c.style.getPropertyValue("--jmi-key"));
-    expect(keys).toEqual(["calc(5.5ch + 12px)", "calc(3.5ch + 12px)"]);
+    // each chip's key and rest are items of their own (style.css: each shows whole or goes)
+    const parts = [...box.querySelectorAll<HTMLElement>(".jmi-chip > span")].map((c) => c.className);
+    expect(parts).toEqual(["jmi-chip-key", "jmi-chip-rest", "jmi-chip-key", "jmi-chip-rest"]);
   });
 });
 
