@@ -1220,7 +1220,9 @@ def _cut_tags(widget) -> list[str]:
     return widget.evaluate(
         """(root) => [...root.querySelectorAll('.jmi-tags')].flatMap((box) => {
           const b = box.getBoundingClientRect();
-          return [...box.children].filter((t) => {
+          // a chip draws no box: its key and its rest are the tags' items
+          const items = box.querySelectorAll(':scope > :not(.jmi-chip), :scope > .jmi-chip > *');
+          return [...items].filter((t) => {
             const r = t.getBoundingClientRect();
             const shown = r.width > 0 && r.top < b.bottom - 1;
             return shown && r.right > b.right + 0.5;
@@ -1579,3 +1581,60 @@ def test_names_chips_and_tie_marks_at_700_580_and_330_px_planned_or_not_in_jupyt
     assert layers.locator(".jmi-chip").get_attribute("title") == (
         "4 identical LlamaDecoderLayer blocks"
     )
+
+
+def test_every_action_is_reachable_from_the_keyboard_at_330_px_in_jupyterlab(browser, jupyterlab):
+    """The widget 330 px wide, the tree focused: each action's key works with the focus kept
+    in the widget (on the row, or in its bar's first field and back with Escape), Shift+Tab
+    from the row reaches every button of the action bar, and the focus never falls to <body>.
+    Screenshot: test-artifacts/widget-jupyterlab4-keys-330.png."""
+    page = _open_and_build(browser, jupyterlab, "keys-330.ipynb", _VALUES_CELLS, 1300)
+    _run_cell(page, 2)  # layer 1 real
+    _run_cell(page, 3)  # a checkpoint to compare with
+    widget = page.locator(".jmi-root").first
+    _at_width(page, widget, 330)
+    _row(widget, "model.layers").locator(".jmi-c-size").click()
+    page.keyboard.press("ArrowRight")
+    _row(widget, "model.layers.2").wait_for(timeout=5_000)
+    for _ in range(3):
+        page.keyboard.press("ArrowDown")
+    _on_row(page, "model.layers.2")
+
+    # m, f, v act on the focused row and leave the focus on it
+    page.keyboard.press("m")
+    _row(widget, "model.layers.2").locator(".jmi-badge", has_text="cpu").wait_for(timeout=60_000)
+    _on_row(page, "model.layers.2")
+    page.keyboard.press("f")
+    _row(widget, "model.layers.2").locator(".jmi-badge", has_text="deferred").wait_for(
+        timeout=60_000
+    )
+    _on_row(page, "model.layers.2")
+    page.keyboard.press("v")
+    widget.locator(".jmi-message", has_text="Measured the values").wait_for(timeout=60_000)
+    _on_row(page, "model.layers.2")
+    # p, s, d open their bars with the focus in the first field; Escape goes back to the row
+    for key, field in (
+        ("p", "jmi-plan-devices"),
+        ("s", "jmi-save-path"),
+        ("d", "jmi-compare-other"),
+    ):
+        page.keyboard.press(key)
+        _focus_in_widget(page, key)
+        assert field in _focus(page)["cls"], (key, _focus(page))
+        page.keyboard.press("Escape")
+        _on_row(page, "model.layers.2")
+    widget.screenshot(path=str(ARTIFACTS / "widget-jupyterlab4-keys-330.png"))
+
+    # Shift+Tab from the row to the action bar (one stop, a toolbar): → walks every button of
+    # it, wrapped on several lines, and Tab goes back to the row; the focus never on <body>
+    page.keyboard.press("Shift+Tab")
+    assert _focus(page)["bar"], _focus(page)
+    reached = []
+    for _ in range(20):
+        _focus_in_widget(page, f"toolbar after {reached}")
+        reached.append(page.evaluate("() => document.activeElement.textContent.trim()"))
+        page.keyboard.press("ArrowRight")
+    for label in ("Materialize → CPU", "Free", "Values", "Compare with…", "Plan…", "Save…"):
+        assert label in reached, (label, reached)
+    page.keyboard.press("Tab")
+    _on_row(page, "model.layers.2")
