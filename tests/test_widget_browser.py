@@ -302,7 +302,9 @@ _PLANNED_CUTS = """(root) => {
   return faults; }"""
 
 
-def test_a_planned_tree_at_330_px_keeps_names_sizes_states_and_devices_whole(browser, tmp_path):
+def test_a_planned_tree_at_330_to_580_px_keeps_names_sizes_states_and_devices_whole(
+    browser, tmp_path
+):
     """Screenshots: test-artifacts/widget-planned-<px>.png."""
     from jupyter_metainit.jupyter.widget import explore
 
@@ -313,19 +315,20 @@ def test_a_planned_tree_at_330_px_keeps_names_sizes_states_and_devices_whole(bro
     w.place("cpu", seq_len=8)
     assert w.plan.get("devices"), w.error
     state["plan"] = w.plan
-    found = _mount_at(browser, state, (330, 420), _PLANNED_CUTS, False, "widget-planned")
+    found = _mount_at(browser, state, (330, 420, 580), _PLANNED_CUTS, False, "widget-planned")
     assert all(not f for f in found.values()), found
 
 
 _TIE_CHIPS = """(root) => [...root.querySelectorAll('.jmi-rows .jmi-row')].flatMap((row) => {
   const chip = row.querySelector('.jmi-tied');
   if (!chip) return [];
-  const c = chip.getBoundingClientRect(), rest = chip.querySelector('.jmi-chip-rest');
-  const r = rest.getBoundingClientRect();
+  // the chip draws no box of its own: its key and its rest are items of the tags' line
+  const c = chip.querySelector('.jmi-chip-key').getBoundingClientRect();
+  const rest = chip.querySelector('.jmi-chip-rest'), r = rest.getBoundingClientRect();
   const tags = row.querySelector('.jmi-tags').getBoundingClientRect();
-  const shown = c.width > 0 && c.top < tags.bottom - 1;
-  const whole = r.width > 0 && r.top < c.bottom - 1 && r.right <= c.right + 0.5;
-  const gone = !rest.checkVisibility() || r.top >= c.bottom - 1;
+  const shown = c.width > 0 && c.top < tags.bottom - 1 && c.right <= tags.right + 0.5;
+  const whole = r.width > 0 && r.top < tags.bottom - 1 && r.right <= tags.right + 0.5;
+  const gone = !rest.checkVisibility() || r.top >= tags.bottom - 1;
   return [{ name: row.querySelector('.jmi-name').title, shown, whole, gone,
             label: row.getAttribute('aria-label') }]; })"""
 
@@ -1217,7 +1220,9 @@ def _cut_tags(widget) -> list[str]:
     return widget.evaluate(
         """(root) => [...root.querySelectorAll('.jmi-tags')].flatMap((box) => {
           const b = box.getBoundingClientRect();
-          return [...box.children].filter((t) => {
+          // a chip draws no box: its key and its rest are the tags' items
+          const items = box.querySelectorAll(':scope > :not(.jmi-chip), :scope > .jmi-chip > *');
+          return [...items].filter((t) => {
             const r = t.getBoundingClientRect();
             const shown = r.width > 0 && r.top < b.bottom - 1;
             return shown && r.right > b.right + 0.5;
@@ -1472,3 +1477,164 @@ def test_values_and_compare_at_1400_700_580_and_330_px_in_light_and_dark(browser
     assert found[1400]["bar_lines"] == 1, found
     std = _row(widget, "model.embed_tokens").locator(".jmi-c-std")
     assert std.is_visible() and 0.015 < float(std.inner_text()) < 0.025  # at 330 px
+
+
+# ---------------------------------------------------------------------------- narrow widths
+
+_NARROW_FAULTS = """(root) => {
+  const faults = [];
+  const box = (el) => el.getBoundingClientRect();
+  const shown = (el) => el && el.checkVisibility() && box(el).width > 0;
+  for (const row of root.querySelectorAll('.jmi-rows .jmi-row')) {
+    const name = row.querySelector('.jmi-name'), cell = box(row.querySelector('.jmi-c-name'));
+    const q = name.title;
+    // the name whole, hovered or focused (its copy button takes only the room left)
+    if (name.scrollWidth > name.clientWidth + 1 || box(name).right > cell.right + 1) {
+      faults.push(`${q}: name cut`);
+    }
+    const flag = row.querySelector('.jmi-c-name .jmi-bad');
+    if (shown(flag) && box(flag).right > cell.right + 1) faults.push(`${q}: flag cut`);
+    // a chip: its key ("x4") and its rest (", identical") each whole on the tags' line (the
+    // rest beside its key) or not there
+    for (const chip of row.querySelectorAll('.jmi-tags > .jmi-chip')) {
+      const tags = box(chip.parentElement);
+      const key = chip.querySelector('.jmi-chip-key'), rest = chip.querySelector('.jmi-chip-rest');
+      const on = (el) => shown(el) && box(el).top < tags.bottom - 1;
+      if (on(key) && box(key).right > tags.right + 0.5) faults.push(`${q}: chip key cut`);
+      if (on(rest) && (!on(key) || box(rest).right > tags.right + 0.5)) {
+        faults.push(`${q}: "${chip.textContent}" cut`);
+      }
+    }
+    // a tied row: its mark shows whole in the name's cell, clear of the name
+    if (row.title.includes('tied to')) {
+      const mark = row.querySelector('.jmi-tie-mark');
+      if (!shown(mark) || box(mark).width < 10) faults.push(`${q}: no tie mark`);
+      else if (box(mark).left < cell.left - 0.5 || box(mark).right > box(name).left + 0.5) {
+        faults.push(`${q}: tie mark out of place`);
+      }
+      if (!row.getAttribute('aria-label').includes('tied to')) faults.push(`${q}: tie unsaid`);
+    }
+    const dev = row.querySelector('.jmi-c-device .jmi-dev-name');
+    if (root.querySelector('.jmi-planned') && (!shown(dev) || dev.scrollWidth > dev.clientWidth + 1
+        || box(dev).right > box(row.querySelector('.jmi-c-device')).right + 1)) {
+      faults.push(`${q}: device cut`);
+    }
+  }
+  if (root.scrollWidth > root.clientWidth + 1) faults.push('wider than the widget');
+  return faults; }"""
+
+
+def _plan_in_the_widget(widget) -> None:
+    """Plan… in the widget for two (pretend) GPUs: the device column shows."""
+    widget.locator(".jmi-plan-toggle").click()
+    widget.locator(".jmi-plan-devices").fill("cuda:0=900KiB, cuda:1=900KiB")
+    widget.locator(".jmi-planbar input[type=number]").nth(0).fill("2")
+    widget.locator(".jmi-planbar input[type=number]").nth(1).fill("64")
+    widget.locator(".jmi-planbar input[type=number]").nth(1).press("Enter")
+    widget.locator(".jmi-planhead .jmi-devbar").nth(1).wait_for(timeout=60_000)
+    widget.locator(".jmi-colhead .jmi-c-device").wait_for(timeout=10_000)
+
+
+def _at_width(page, widget, width: int) -> None:
+    """The widget ``width`` px wide in a 1400 px window (a notebook beside side panels)."""
+    widget.evaluate("(r, w) => { r.style.maxWidth = w + 'px'; }", width)
+    page.wait_for_timeout(400)
+    widget.scroll_into_view_if_needed()
+
+
+@pytest.mark.parametrize("theme", ["light", "dark"])
+def test_names_chips_and_tie_marks_at_700_580_and_330_px_planned_or_not_in_jupyterlab(
+    browser, jupyterlab, theme
+):
+    """A tied Llama with repeated layers, a NaN flagged, the embeddings' row focused and
+    hovered, before and after Plan…: at each width every name shows whole (its NaN flag too),
+    a repeated-blocks (xN) or tied chip shows whole, as its key alone, or not at all, a tied
+    row keeps its ⇄ mark, and a planned row its device. Screenshots:
+    test-artifacts/widget-jupyterlab4-narrow-<theme>-<plain|planned>-<px>.png."""
+    if theme == "dark":
+        _set_theme(jupyterlab["settings"], "JupyterLab Dark")
+    page = _open_and_build(browser, jupyterlab, f"narrow-{theme}.ipynb", _VALUES_CELLS, 1300)
+    widget = _values_measured(page)
+    page.keyboard.press("Shift+V")  # the NaN flags beside the names
+    _row(widget, "model.layers").locator(".jmi-caret").click()
+    found: dict[str, dict] = {}
+    for planned in ("plain", "planned"):
+        if planned == "planned":
+            _at_width(page, widget, 1400)
+            _plan_in_the_widget(widget)
+        _row(widget, "model.embed_tokens").locator(".jmi-c-size").click()  # focused, hovered
+        for width in (700, 580, 330):
+            _at_width(page, widget, width)
+            shot = f"widget-jupyterlab4-narrow-{theme}-{planned}-{width}.png"
+            widget.screenshot(path=str(ARTIFACTS / shot))
+            found[f"{planned}-{width}"] = {
+                "widget_px": round(widget.bounding_box()["width"]),
+                "faults": widget.evaluate(_NARROW_FAULTS),
+                "marks": widget.locator(".jmi-rows .jmi-tie-mark").count(),
+            }
+    (ARTIFACTS / f"narrow-jupyterlab4-{theme}.json").write_text(json.dumps(found, indent=1))
+    assert all(abs(f["widget_px"] - int(k[-3:])) <= 2 for k, f in found.items()), found
+    assert all(not f["faults"] for f in found.values()), found
+    assert all(f["marks"] == 2 for f in found.values()), found  # embed_tokens and lm_head
+    layers = _row(widget, "model.layers")
+    assert "4 identical LlamaDecoderLayer blocks" in layers.get_attribute("aria-label")
+    assert layers.locator(".jmi-chip").get_attribute("title") == (
+        "4 identical LlamaDecoderLayer blocks"
+    )
+
+
+def test_every_action_is_reachable_from_the_keyboard_at_330_px_in_jupyterlab(browser, jupyterlab):
+    """The widget 330 px wide, the tree focused: each action's key works with the focus kept
+    in the widget (on the row, or in its bar's first field and back with Escape), Shift+Tab
+    from the row reaches every button of the action bar, and the focus never falls to <body>.
+    Screenshot: test-artifacts/widget-jupyterlab4-keys-330.png."""
+    page = _open_and_build(browser, jupyterlab, "keys-330.ipynb", _VALUES_CELLS, 1300)
+    _run_cell(page, 2)  # layer 1 real
+    _run_cell(page, 3)  # a checkpoint to compare with
+    widget = page.locator(".jmi-root").first
+    _at_width(page, widget, 330)
+    _row(widget, "model.layers").locator(".jmi-c-size").click()
+    page.keyboard.press("ArrowRight")
+    _row(widget, "model.layers.2").wait_for(timeout=5_000)
+    for _ in range(3):
+        page.keyboard.press("ArrowDown")
+    _on_row(page, "model.layers.2")
+
+    # m, f, v act on the focused row and leave the focus on it
+    page.keyboard.press("m")
+    _row(widget, "model.layers.2").locator(".jmi-badge", has_text="cpu").wait_for(timeout=60_000)
+    _on_row(page, "model.layers.2")
+    page.keyboard.press("f")
+    _row(widget, "model.layers.2").locator(".jmi-badge", has_text="deferred").wait_for(
+        timeout=60_000
+    )
+    _on_row(page, "model.layers.2")
+    page.keyboard.press("v")
+    widget.locator(".jmi-message", has_text="Measured the values").wait_for(timeout=60_000)
+    _on_row(page, "model.layers.2")
+    # p, s, d open their bars with the focus in the first field; Escape goes back to the row
+    for key, field in (
+        ("p", "jmi-plan-devices"),
+        ("s", "jmi-save-path"),
+        ("d", "jmi-compare-other"),
+    ):
+        page.keyboard.press(key)
+        _focus_in_widget(page, key)
+        assert field in _focus(page)["cls"], (key, _focus(page))
+        page.keyboard.press("Escape")
+        _on_row(page, "model.layers.2")
+    widget.screenshot(path=str(ARTIFACTS / "widget-jupyterlab4-keys-330.png"))
+
+    # Shift+Tab from the row to the action bar (one stop, a toolbar): → walks every button of
+    # it, wrapped on several lines, and Tab goes back to the row; the focus never on <body>
+    page.keyboard.press("Shift+Tab")
+    assert _focus(page)["bar"], _focus(page)
+    reached = []
+    for _ in range(20):
+        _focus_in_widget(page, f"toolbar after {reached}")
+        reached.append(page.evaluate("() => document.activeElement.textContent.trim()"))
+        page.keyboard.press("ArrowRight")
+    for label in ("Materialize → CPU", "Free", "Values", "Compare with…", "Plan…", "Save…"):
+        assert label in reached, (label, reached)
+    page.keyboard.press("Tab")
+    _on_row(page, "model.layers.2")

@@ -110,13 +110,36 @@ export function copyIcon(): SVGSVGElement {
   return svg;
 }
 
-/** A chip whose key ("tied", "×4") is what must show: where the rest does not fit it ends in an
- *  ellipsis, and where the key does not fit the chip goes (style.css: .jmi-tags). */
+/** A chip whose key ("tied", "×4") is what must show, in two parts: the key, and the rest
+ *  (", identical", ": lm_head"), each shown whole or not at all where the row has no room
+ *  (style.css: .jmi-tags), never "×4, iden…". Its text reads whole: "×4, identical". */
 export function keyedChip(cls: string, key: string, rest: string): HTMLElement {
-  const chip = h("span", cls, key + rest);
-  // ch is the width of "0" in the chip's font: the key, the ellipsis, the padding
-  chip.style.setProperty("--jmi-key", `calc(${key.length + 1.5}ch + 12px)`);
+  const chip = h("span", cls);
+  chip.append(h("span", "jmi-chip-key", key), h("span", "jmi-chip-rest", rest));
   return chip;
+}
+
+/** Two opposed arrows ("⇄"), drawn in the text colour: a tied row's mark, which shows at every
+ *  width (the chip saying with whom may not). An SVG, not the glyph: fonts vary. */
+export function tieIcon(): SVGSVGElement {
+  const svg = document.createElementNS(SVG_NS, "svg");
+  svg.setAttribute("viewBox", "0 0 16 16");
+  svg.setAttribute("width", "12");
+  svg.setAttribute("height", "12");
+  svg.setAttribute("aria-hidden", "true");
+  svg.setAttribute("focusable", "false");
+  svg.classList.add("jmi-icon");
+  for (const d of ["M2 5.5h11M10 2.5l3 3-3 3", "M14 10.5H3M6 7.5l-3 3 3 3"]) {
+    const arrow = document.createElementNS(SVG_NS, "path");
+    arrow.setAttribute("d", d);
+    arrow.setAttribute("fill", "none");
+    arrow.setAttribute("stroke", "currentColor");
+    arrow.setAttribute("stroke-width", "1.6");
+    arrow.setAttribute("stroke-linecap", "round");
+    arrow.setAttribute("stroke-linejoin", "round");
+    svg.append(arrow);
+  }
+  return svg;
 }
 
 /** A push pin, drawn in the text colour: a pinned part of a plan. */

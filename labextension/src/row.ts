@@ -3,7 +3,7 @@
 // are made for the ones in view only (the tree is virtually scrolled) and made again on change.
 
 import { badge, codePath, dtypeTag, fastTag, sourceTag, stateText } from "./cells";
-import { appendHighlighted, cellWith, copyIcon, h, keyedChip } from "./dom";
+import { appendHighlighted, cellWith, copyIcon, h, keyedChip, tieIcon } from "./dom";
 import { humanBytes, humanCount, percent } from "./format";
 import { deviceChip, pinMark, pinnedTo, type Plan } from "./plan";
 import { CHECKED, PARTIAL, type Tree, type VisibleRow } from "./tree";
@@ -61,8 +61,9 @@ export function treeRow(ctx: RowContext, row: VisibleRow, i: number): HTMLElemen
   // the tie is said whatever the width (its chip may be hidden in a narrow widget)
   const tiedTo = t.tied[n].length ? `tied to ${t.tied[n].map((k) => t.qname[k] || "the whole model").join(", ")}` : "";
   if (tiedTo) el.title = tiedTo;
+  const repeated = repeatedText(t, n);
   if (cmp) el.title = [tiedTo, ctx.comparedText(n)].filter(Boolean).join("; ");
-  el.setAttribute("aria-label", `${t.qname[n] || "the whole model"}, ${t.type[n]}, ${humanBytes(t.bytes[n])}, ${stateText(t.state[n], t.target[n])}${tiedTo ? `, ${tiedTo}` : ""}${on}${holds}${cmp ? `; ${ctx.comparedText(n)}` : ""}`);
+  el.setAttribute("aria-label", `${t.qname[n] || "the whole model"}, ${t.type[n]}, ${humanBytes(t.bytes[n])}, ${stateText(t.state[n], t.target[n])}${tiedTo ? `, ${tiedTo}` : ""}${repeated.text ? `, ${repeated.text}` : ""}${on}${holds}${cmp ? `; ${ctx.comparedText(n)}` : ""}`);
   el.tabIndex = n === ctx.focusNode ? 0 : -1;
   if (n === ctx.focusNode) el.classList.add("jmi-focus");
 
@@ -96,43 +97,38 @@ export function treeRow(ctx: RowContext, row: VisibleRow, i: number): HTMLElemen
   copy.setAttribute("aria-label", `Copy ${code}`);
   copy.setAttribute("aria-keyshortcuts", "C");
   copy.dataset.code = code;
-  nameCell.append(caret, name, copy);
-  // The chips beside the name, most important first (tied, repeated): each shows
-  // whole or not at all, never cut to "t…" (style.css: .jmi-tags wraps what does not fit
-  // onto a hidden second line); their text stays in the row's title and aria-label.
+  // in a box that gives way first and wraps the button onto a hidden line: on a hovered or
+  // focused row it shows whole where there is room, and never takes the name's
+  const copyBox = h("span", "jmi-copybox");
+  copyBox.append(h("span", "jmi-tags-spacer"), copy);
+  nameCell.append(caret, name, copyBox);
+  // A tied row's mark: an icon that shows at every width (in a leaf's empty caret slot, so it
+  // takes no room from the name), whatever room its chip finds.
+  const tied = t.tied[n];
+  const names = tied.map((k) => t.qname[k] || "(model)");
+  const sharesWith = `Shares a tensor with ${names.join(", ")}: counted once, and real or deferred together`;
+  if (tied.length) {
+    const mark = hasKids ? h("span", "jmi-tie-mark") : caret;
+    mark.classList.add("jmi-tie-mark");
+    mark.append(tieIcon());
+    mark.title = sharesWith;
+    if (hasKids) nameCell.insertBefore(mark, name);
+  }
+  // The chips beside the name, most important first (tied, repeated): each shows whole, or its
+  // key alone ("tied", "×4"), or not at all, never cut to "×4, iden…" (style.css: .jmi-tags
+  // wraps what does not fit onto a hidden line); their text stays in the row's title or
+  // accessible name.
   const tags: HTMLElement[] = [];
-  const rep = t.repeatedChildren(n);
-  // "identical" only while it holds: a block cast to another dtype since differs
-  if (rep) {
-    const same = t.stillIdentical(t.children[n][0], rep[0]);
-    const chip = keyedChip("jmi-chip", `×${rep[0]}`, same ? ", identical" : ", same structure");
-    chip.title = same
-      ? `${rep[0]} identical ${rep[1]} blocks`
-      : `${rep[0]} ${rep[1]} blocks built identical; their dtypes or sizes now differ`;
-    tags.push(chip);
-  } else if (
-    hasKids &&
-    t.repN[n] > 1 &&
-    t.repI[n] === 0 &&
-    t.children[t.parent[n]].length !== t.repN[n]
-  ) {
-    // a run of identical blocks among other children; leaves (two equal Linears) are not blocks
-    const same = t.stillIdentical(n, t.repN[n]);
-    const chip = keyedChip("jmi-chip", `×${t.repN[n]}`, same ? ", identical" : ", same structure");
-    chip.title = same
-      ? `This ${t.type[n]} and the next ${t.repN[n] - 1} are identical blocks`
-      : `This ${t.type[n]} and the next ${t.repN[n] - 1} were built identical; their dtypes or sizes now differ`;
+  if (repeated.text) {
+    const chip = keyedChip("jmi-chip", `×${repeated.count}`, repeated.same ? ", identical" : ", same structure");
+    chip.title = repeated.title;
     tags.push(chip);
   }
-  const tied = t.tied[n];
   if (tied.length) {
-    const names = tied.map((k) => t.qname[k] || "(model)");
-    // compact: the holder's last name ("embed_tokens"), and only "tied" in a narrow widget
-    // (style.css); the whole names are in the title and the row's accessible name
-    const chip = h("span", "jmi-chip jmi-tied");
-    chip.style.setProperty("--jmi-key", "calc(5.5ch + 12px)"); // "tied", as keyedChip counts
-    chip.append(h("span", "jmi-chip-key", "tied"), h("span", "jmi-chip-rest", `: ${shortName(names[0])}${names.length > 1 ? ` +${names.length - 1}` : ""}`));
-    chip.title = `Shares a tensor with ${names.join(", ")}: counted once, and real or deferred together`;
+    // the holder's last name ("embed_tokens"), "tied" alone where that does not fit; the
+    // whole names are in the title and the row's accessible name
+    const chip = keyedChip("jmi-chip jmi-tied", "tied", `: ${shortName(names[0])}${names.length > 1 ? ` +${names.length - 1}` : ""}`);
+    chip.title = sharesWith;
     tags.unshift(chip);
   }
 
@@ -188,6 +184,30 @@ export function treeRow(ctx: RowContext, row: VisibleRow, i: number): HTMLElemen
     el.append(cell);
   }
   return el;
+}
+
+/** What a row's ×N chip says in full: its count, whether the blocks are still identical (one
+ *  cast to another dtype since differs), and its words for the chip's title and the row's
+ *  accessible name; no text where the row starts no run of repeated blocks. */
+function repeatedText(t: Tree, n: number): { count: number; same: boolean; text: string; title: string } {
+  const rep = t.repeatedChildren(n);
+  if (rep) {
+    const same = t.stillIdentical(t.children[n][0], rep[0]);
+    const title = same
+      ? `${rep[0]} identical ${rep[1]} blocks`
+      : `${rep[0]} ${rep[1]} blocks built identical; their dtypes or sizes now differ`;
+    return { count: rep[0], same, text: title, title };
+  }
+  // a run of identical blocks among other children; leaves (two equal Linears) are not blocks
+  const run = t.repN[n];
+  if (t.children[n].length > 0 && run > 1 && t.repI[n] === 0 && t.children[t.parent[n]].length !== run) {
+    const same = t.stillIdentical(n, run);
+    const title = same
+      ? `This ${t.type[n]} and the next ${run - 1} are identical blocks`
+      : `This ${t.type[n]} and the next ${run - 1} were built identical; their dtypes or sizes now differ`;
+    return { count: run, same, text: `first of ${run} ${same ? "identical" : "same-structure"} ${t.type[n]} blocks`, title };
+  }
+  return { count: 0, same: false, text: "", title: "" };
 }
 
 /** A tied holder's compact name: its last part ("embed_tokens"), or the last two where the last

@@ -211,6 +211,27 @@ describe("TreeView", () => {
     expect(rowOfNode(root, 1).querySelector(".jmi-tied")!.textContent).toBe("tied: mlp");
   });
 
+  it("marks a tied leaf with an icon in its empty caret slot and a tied parent before its name", () => {
+    const tree = smallTree();
+    tree.nodes[2][ROW.tied] = [1]; // layers (a parent) and embed (a leaf) share a tensor
+    tree.nodes[1][ROW.tied] = [2];
+    const { root } = mount(tree);
+    const leaf = rowOfNode(root, 1).querySelector<HTMLElement>(".jmi-c-name")!;
+    expect([...leaf.children].map((c) => c.className).slice(0, 2)).toEqual(["jmi-caret jmi-leaf jmi-tie-mark", "jmi-name"]);
+    expect(leaf.querySelector(".jmi-tie-mark svg")!.getAttribute("aria-hidden")).toBe("true");
+    expect(leaf.querySelector<HTMLElement>(".jmi-tie-mark")!.title).toContain("Shares a tensor with layers");
+    const parent = rowOfNode(root, 2).querySelector<HTMLElement>(".jmi-c-name")!;
+    expect([...parent.children].map((c) => c.className).slice(0, 3)).toEqual(["jmi-caret", "jmi-tie-mark", "jmi-name"]);
+  });
+
+  it("writes a ×N chip as its key and its rest, and says the blocks in the row's accessible name", () => {
+    const { root } = mount(smallTree());
+    const chip = rowOfNode(root, 2).querySelector<HTMLElement>(".jmi-chip")!;
+    expect([...chip.children].map((c) => c.textContent)).toEqual(["×2", ", identical"]);
+    expect(chip.title).toBe("2 identical Block blocks");
+    expect(rowOfNode(root, 2).getAttribute("aria-label")).toContain(", 2 identical Block blocks");
+  });
+
   it("names tied modules and counts shares once", () => {
     const tree = smallTree();
     tree.nodes[1][ROW.tied] = [9];
@@ -477,9 +498,9 @@ describe("tags beside a name", () => {
     expect(box.firstElementChild!.className).toBe("jmi-tags-spacer");
     // the fast tag is never wrapped away: it sits before the chips, outside their box
     expect(box.previousElementSibling!.textContent).toBe("fast");
-    // each chip's key decides whether it shows (style.css: its flex basis)
-    const keys = [...box.querySelectorAll<HTMLElement>(".jmi-chip")].map((c) => c.style.getPropertyValue("--jmi-key"));
-    expect(keys).toEqual(["calc(5.5ch + 12px)", "calc(3.5ch + 12px)"]);
+    // each chip's key and rest are items of their own (style.css: each shows whole or goes)
+    const parts = [...box.querySelectorAll<HTMLElement>(".jmi-chip > span")].map((c) => c.className);
+    expect(parts).toEqual(["jmi-chip-key", "jmi-chip-rest", "jmi-chip-key", "jmi-chip-rest"]);
   });
 });
 
