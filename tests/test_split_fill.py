@@ -66,6 +66,8 @@ def test_exact_materialization_splits_large_fills_and_equals_eager(monkeypatch):
 
     # internal spy: nothing public says how a fill was cut
     monkeypatch.setattr(_split_fill, "_fill_in_chunks", counting)
+    # internal cost: on the native kernels this 8.6 M fill is not worth a jump on two cores
+    monkeypatch.setattr(_split_fill, "JUMP_SECONDS", 0.0)
     torch.manual_seed(0)
     eager = torch.nn.Linear(4096, 2100)
     torch.nn.init.normal_(eager.weight, std=0.02)
@@ -183,6 +185,12 @@ def test_a_slice_filled_through_pieces_equals_the_whole_fill(
     # a part that runs to the fill's end reports where the whole fill leaves the generator
     assert len(ends) == (1 if first + length == n else len(ends))
     assert all(torch.equal(state, whole_gen.get_state()) for state in ends)
+
+
+def test_a_fill_is_cut_only_where_that_saves_a_quarter_of_its_time():
+    assert _split_fill.worth_cutting(1.0, 4) == 4
+    assert _split_fill.worth_cutting(_split_fill.JUMP_SECONDS * 2, 2) == 1  # the jump eats it
+    assert _split_fill.worth_cutting(0.5, 1) == 1
 
 
 def test_consecutive_last_shards_continue_the_stream_exactly():

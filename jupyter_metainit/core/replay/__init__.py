@@ -18,13 +18,13 @@ from __future__ import annotations
 
 from jupyter_metainit.core.record.value_reader import use_value_reader
 from jupyter_metainit.core.replay.current_values import (
-    Recycler,
     ReplayValueReader,
     compute_values,
     values_to_write,
 )
 from jupyter_metainit.core.replay.planning import Plan, plan
 from jupyter_metainit.core.replay.realized import real_view
+from jupyter_metainit.core.replay.recycler import Recycler
 from jupyter_metainit.core.replay.run import Run, execute
 from jupyter_metainit.core.replay.shards import noting_whole_intermediates
 from jupyter_metainit.core.replay.steps import Progress

@@ -6,7 +6,7 @@ as recording's value reader. It continues from values earlier reads computed (ke
 ``read_cache``) and keeps what it computes for the next read.
 
 :func:`values_to_write` is the read path of ``save`` and ``stats``: a batch of tensors at a
-time, nothing kept, into memory a :class:`Recycler` hands from one batch to the next (new
+time, nothing kept, into memory a ``recycler.Recycler`` hands from one batch to the next (new
 memory costs a page fault per page on first touch: filling it with a bfloat16 ``normal_`` takes
 about a quarter longer than filling memory already touched, and a model repeats its tensors'
 sizes layer after layer).
@@ -14,8 +14,7 @@ sizes layer after layer).
 
 from __future__ import annotations
 
-import threading
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -35,7 +34,7 @@ from jupyter_metainit.core.runtime.interrupts import handling_interrupts
 from jupyter_metainit.core.runtime.lock import exclusive
 from jupyter_metainit.core.runtime.plain import plain
 
-__all__ = ["Recycler", "ReplayValueReader", "compute_values", "values_to_write"]
+__all__ = ["ReplayValueReader", "compute_values", "values_to_write"]
 
 
 def _constant_value(r: TensorRecord) -> torch.Tensor | None:
@@ -210,72 +209,3 @@ class ReplayValueReader:
 
     def real_view(self, record: TensorRecord, grad: bool) -> torch.Tensor | None:
         return realized_view(record, grad)
-
-
-class Recycler:
-    """Storages handed from finished batches to the next ones; one per save or measurement.
-
-    ``recycler(nbytes)`` (the replay's ``memory``: ``values_to_write(batch, recycler)``) gives a
-    kept storage of that size or a new one, and remembers it (a strong reference: its address
-    cannot be another tensor's while known). Only storages it handed out come back through
-    :meth:`give_back`, once the caller is done with them, so a model's real tensor (or a file's
-    mapping) is never reused. :meth:`start_batch` drops what the next batch will not take before
-    it is computed (at most two batches' memory is alive), :meth:`settle` forgets what a
-    batch's replay took but does not return (intermediates, freed by the replay).
-
-    Example::
-
-        recycler = Recycler()
-        for batch in batches:
-            recycler.start_batch(t.nbytes for t in batch)
-            values = values_to_write(batch, recycler)
-            recycler.settle(values)
-            use(values)
-            recycler.give_back(values)
-    """
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._handed: dict[int, torch.UntypedStorage] = {}  # data_ptr -> storage handed out
-        self._this_batch: set[int] = set()  # data_ptrs handed out for the batch being made
-        self._kept: dict[int, list[torch.UntypedStorage]] = {}  # nbytes -> free storages
-
-    def __call__(self, nbytes: int) -> torch.UntypedStorage:
-        with self._lock:
-            free = self._kept.get(nbytes)
-            storage = free.pop() if free else None
-        if storage is None:
-            storage = torch.UntypedStorage(nbytes)
-        with self._lock:
-            self._handed[storage.data_ptr()] = storage
-            self._this_batch.add(storage.data_ptr())
-        return storage
-
-    def start_batch(self, sizes: Iterable[int]) -> None:
-        """Drop the kept storages a batch of tensors of ``sizes`` bytes will not take."""
-        wanted: dict[int, int] = {}
-        for n in sizes:
-            wanted[n] = wanted.get(n, 0) + 1
-        with self._lock:
-            for n in list(self._kept):
-                del self._kept[n][wanted.get(n, 0) :]
-                if not self._kept[n]:
-                    del self._kept[n]
-            self._this_batch = set()
-
-    def settle(self, values: Iterable[torch.Tensor]) -> None:
-        """Forget the storages handed out for this batch that are not among its ``values``."""
-        out = {t.untyped_storage().data_ptr() for t in values}
-        with self._lock:
-            for ptr in self._this_batch - out:
-                self._handed.pop(ptr, None)
-            self._this_batch = set()
-
-    def give_back(self, done: Iterable[torch.Tensor]) -> None:
-        """Keep the storages of ``done`` (written or measured, referenced nowhere else) that
-        were handed out here; each once."""
-        with self._lock:
-            for t in done:
-                storage = self._handed.pop(t.untyped_storage().data_ptr(), None)
-                if storage is not None:
-                    self._kept.setdefault(storage.nbytes(), []).append(storage)

@@ -21,7 +21,13 @@ from jupyter_metainit.core.replay.random_modes import call_with_generator
 from jupyter_metainit.core.replay.steps import counting_ops
 from jupyter_metainit.core.rng.draws import draws_per_element, known_draws
 from jupyter_metainit.core.rng.positions import state_before
-from jupyter_metainit.core.rng.split_fill import ALIGN, FILLS, split_is_exact
+from jupyter_metainit.core.rng.split_fill import (
+    ALIGN,
+    FILLS,
+    fill_seconds,
+    split_is_exact,
+    worth_cutting,
+)
 from jupyter_metainit.core.rng.stream_fill import StreamFill, fill_stream
 from jupyter_metainit.core.runtime.interrupts import check
 from jupyter_metainit.core.runtime.plain import map_args
@@ -127,7 +133,9 @@ def run_stream_fills(
             on_filled(targets[i], a, b, fills[i].target)
 
     with counting_ops(run, [i for i, *_ in picked], sum(f.target.nbytes for f in fills)):
-        end = fill_stream(fills, start, workers, on_piece)  # stops between two steps
+        seconds = sum(fill_seconds(op.func, t.dtype, t.storage.nbytes // t.dtype.itemsize)
+                      for _, op, t in picked)  # fmt: skip
+        end = fill_stream(fills, start, worth_cutting(seconds, workers), on_piece)
     check()  # a Ctrl-C held back in the last step; nothing is kept
     seg.add_checkpoint(index, end)
     for i, *_ in picked:

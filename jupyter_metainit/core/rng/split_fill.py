@@ -29,6 +29,7 @@ import torch
 
 from jupyter_metainit.core.rng.draws import draws_per_element
 from jupyter_metainit.core.rng.mt19937 import jump_state
+from jupyter_metainit.core.rng.native_fill import native_covers
 from jupyter_metainit.core.runtime.interrupts import Meter, current_meter
 from jupyter_metainit.core.runtime.plain import plain
 from jupyter_metainit.core.runtime.pool import available_cores, core_pool
@@ -40,9 +41,11 @@ __all__ = [
     "cut_point",
     "fill_region",
     "fill_region_into",
+    "fill_seconds",
     "split_fill",
     "split_is_exact",
     "steps",
+    "worth_cutting",
 ]
 
 aten = torch.ops.aten
@@ -56,6 +59,30 @@ MIN_CHUNK = 1 << 22
 # A region fill costs a jump to its start: worth it when it skips at least this many elements
 # (and their memory: a shard's peak stays its own size).
 MIN_SKIP = 1 << 22
+# A jump-ahead to a new distance costs about this long (its polynomial power, then applying it);
+# a fill on one core, about this long an element on the native kernels and on torch's. A fill is
+# cut across cores only where that saves a quarter of its time (:func:`worth_cutting`): with the
+# native kernels a 64 MiB batch on two cores is made faster by one thread than by two, one of
+# which jumps first.
+JUMP_SECONDS = 0.015
+_NATIVE_SECONDS, _TORCH_SECONDS = 1.5e-9, 6e-9
+_NATIVE_NAMES = {aten.normal_.default: "normal", aten.uniform_.default: "uniform"}
+
+
+def fill_seconds(func: Any, dtype: torch.dtype, elements: int) -> float:
+    """About how long a fill of ``elements`` takes on one core."""
+    native = func in _NATIVE_NAMES and native_covers(_NATIVE_NAMES[func], dtype)
+    return elements * (_NATIVE_SECONDS if native else _TORCH_SECONDS)
+
+
+def worth_cutting(seconds: float, parts: int) -> int:
+    """``parts``, or 1 where cutting ``seconds`` of fills into that many parts (each part but
+    the first after a jump) would not save a quarter of the time."""
+    if parts > 1 and JUMP_SECONDS + seconds / parts > 0.75 * seconds:
+        return 1
+    return parts
+
+
 # A fill over this many elements is made in steps of about this many on each thread (about 10 to
 # 30 ms each): between two, its progress is counted and a Cancel or Ctrl-C stops it. A step costs
 # a few microseconds of Python.
@@ -229,7 +256,7 @@ def split_fill(
     fill_plainly = _plainly(fill)
     if not split_is_exact(func, target.dtype, fill_plainly):
         return False
-    parts = max(1, min(workers, n // MIN_CHUNK))
+    parts = worth_cutting(fill_seconds(func, target.dtype, n), max(1, min(workers, n // MIN_CHUNK)))
     bounds = _chunks(n, parts, ALIGN[func])
     _fill_in_chunks(
         target,
