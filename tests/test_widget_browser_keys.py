@@ -39,11 +39,12 @@ def jupyterlab():
         yield server
 
 
-def _built(browser, server: dict, name: str, theme: str = "light"):
-    """The small Llama's widget in JupyterLab (``theme``), and its page."""
+def _built(browser, server: dict, name: str, theme: str = "light", height: int = 900):
+    """The small Llama's widget in JupyterLab (``theme``; the page 1400 px wide and ``height``
+    px high), and the page."""
     if theme == "dark":
         wb._set_theme(server["settings"], "JupyterLab Dark")
-    page = wb._open_and_build(browser, server, name, wb._FLOW_CELLS[:2], height=900)
+    page = wb._open_and_build(browser, server, name, wb._FLOW_CELLS[:2], height=height)
     return page, page.locator(".jmi-root").first
 
 
@@ -89,8 +90,9 @@ _IN_VIEW = """(row) => {
 def test_the_key_list_keeps_the_focused_row_in_view_at_330_px(browser, jupyterlab):
     """At 330 px the key list (?) above the tree is taller than what is left below the
     focused row: the notebook scrolls so that the row stays in view, focused.
-    Screenshot: test-artifacts/widget-jupyterlab4-keylist-330.png."""
-    page, widget = _built(browser, jupyterlab, "keylist.ipynb")
+    Screenshot (the page): test-artifacts/widget-jupyterlab4-keylist-330.png."""
+    # a view lower than the widget, as on a laptop: the row at its bottom, the notebook scrolled
+    page, widget = _built(browser, jupyterlab, "keylist.ipynb", height=640)
     wb._at_width(page, widget, 330)
     _focus_row(page, widget, "model")
     page.keyboard.press("End")
@@ -101,7 +103,7 @@ def test_the_key_list_keeps_the_focused_row_in_view_at_330_px(browser, jupyterla
     page.keyboard.press("?")
     widget.locator(".jmi-notice", has_text="Keys").wait_for(timeout=5_000)
     page.wait_for_timeout(300)
-    widget.screenshot(path=str(wb.ARTIFACTS / "widget-jupyterlab4-keylist-330.png"))
+    page.screenshot(path=str(wb.ARTIFACTS / "widget-jupyterlab4-keylist-330.png"))  # as seen
     wb._on_row(page, "lm_head")
     assert row.evaluate(_IN_VIEW), row.bounding_box()
 
