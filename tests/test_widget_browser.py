@@ -1178,7 +1178,8 @@ def test_a_plan_made_in_the_widget_shows_each_parts_device_in_jupyterlab(browser
     widget.locator(".jmi-message.jmi-ok", has_text="It fits").wait_for(timeout=10_000)
     _doc_shot(widget, "widget-plan-1400.png")
     assert _cut_tags(widget) == []
-    page.set_viewport_size({"width": 700, "height": 1000})
+    # high enough for the whole widget: a taller one is shot under the status bar
+    page.set_viewport_size({"width": 700, "height": 1400})
     page.wait_for_timeout(300)
     widget.scroll_into_view_if_needed()
     assert _row(widget, "model.layers.3").locator(".jmi-c-device").is_visible()
