@@ -268,8 +268,10 @@ def _mount_at(
 _NAMES_AND_TAGS = """(root) => {
   const box = (el) => el.getBoundingClientRect();
   const rows = [...root.querySelectorAll('.jmi-rows .jmi-row')];
+  // a long name's head (dom.ts: appendName) ends in an ellipsis when cut: count it
   const cut = rows.map((r) => r.querySelector('.jmi-name'))
-    .filter((n) => n.scrollWidth > n.clientWidth + 1).map((n) => n.title);
+    .filter((n) => [n, ...n.children].some((e) => e.scrollWidth > e.clientWidth + 1))
+    .map((n) => n.title);
   const tags = rows.map((r) => r.querySelector('.jmi-c-size .jmi-dtype'))
     .filter((t) => t && t.checkVisibility()).map((t) => Math.round(box(t).left));
   return { cut, tags: [...new Set(tags)] }; }"""
@@ -292,7 +294,7 @@ _PLANNED_CUTS = """(root) => {
     const name = row.querySelector('.jmi-name');
     const bytes = row.querySelector('.jmi-bytes'), badge = row.querySelector('.jmi-badge');
     const dev = row.querySelector('.jmi-c-device .jmi-dev-name');
-    if (cut(name)) faults.push(`${name.title}: name cut`);
+    if (cut(name) || [...name.children].some(cut)) faults.push(`${name.title}: name cut`);
     // a size shown is whole and clear of the state badge (at 330 px the device takes its place)
     if (bytes.checkVisibility() && (box(bytes).right > box(bytes.parentElement).right + 1
         || box(bytes).right > box(badge).left)) faults.push(`${name.title}: size cut`);
@@ -988,7 +990,10 @@ def _layout_faults(widget) -> list[str]:
           }
           // a name is whole (the hovered row shows its copy button: it may end in "…")
           for (const n of root.querySelectorAll('.jmi-rows .jmi-row:not(:hover) .jmi-name')) {
-            if (n.scrollWidth > n.clientWidth + 1) faults.push(`${n.title}: name cut`);
+            // a long name's head (dom.ts: appendName) ends in an ellipsis when cut
+            if ([n, ...n.children].some((e) => e.scrollWidth > e.clientWidth + 1)) {
+              faults.push(`${n.title}: name cut`);
+            }
           }
           const tags = [...root.querySelectorAll('.jmi-rows .jmi-c-size .jmi-dtype')]
             .filter(shown).map((t) => Math.round(box(t).left));
@@ -1173,7 +1178,8 @@ def test_a_plan_made_in_the_widget_shows_each_parts_device_in_jupyterlab(browser
     widget.locator(".jmi-message.jmi-ok", has_text="It fits").wait_for(timeout=10_000)
     _doc_shot(widget, "widget-plan-1400.png")
     assert _cut_tags(widget) == []
-    page.set_viewport_size({"width": 700, "height": 1000})
+    # high enough for the whole widget: a taller one is shot under the status bar
+    page.set_viewport_size({"width": 700, "height": 1400})
     page.wait_for_timeout(300)
     widget.scroll_into_view_if_needed()
     assert _row(widget, "model.layers.3").locator(".jmi-c-device").is_visible()
@@ -1489,7 +1495,8 @@ _NARROW_FAULTS = """(root) => {
     const name = row.querySelector('.jmi-name'), cell = box(row.querySelector('.jmi-c-name'));
     const q = name.title;
     // the name whole, hovered or focused (its copy button takes only the room left)
-    if (name.scrollWidth > name.clientWidth + 1 || box(name).right > cell.right + 1) {
+    const headCut = [...name.children].some((e) => e.scrollWidth > e.clientWidth + 1);
+    if (name.scrollWidth > name.clientWidth + 1 || headCut || box(name).right > cell.right + 1) {
       faults.push(`${q}: name cut`);
     }
     const flag = row.querySelector('.jmi-c-name .jmi-bad');

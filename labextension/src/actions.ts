@@ -249,9 +249,17 @@ export class ActionBar {
         bar.hidden = !bar.hidden;
         b.classList.toggle("jmi-on", !bar.hidden);
         b.setAttribute("aria-expanded", String(!bar.hidden));
-        if (!bar.hidden) bar.querySelector<HTMLElement>("input, select")?.focus();
+        if (!bar.hidden) focusFirstField(bar);
       },
       focusAfter: () => (bar.hidden ? null : bar.querySelector<HTMLElement>("input, select")),
     };
   }
+}
+
+/** Focus a bar's first field; its text (a prefilled "auto", the last path) selected, so that
+ *  typing replaces it, as JupyterLab's rename and save dialogs do. */
+function focusFirstField(bar: HTMLElement): void {
+  const field = bar.querySelector<HTMLElement>("input, select");
+  field?.focus();
+  if (field instanceof HTMLInputElement && field.type === "text") field.select();
 }

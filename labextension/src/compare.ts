@@ -2,7 +2,7 @@
 // kernel, asks the kernel to `compare` (tree_widget/comparing.py), and the row colours that show
 // the answer (the `comparison` trait): equal, tiny (rel_l2 <= 1e-3), large, missing, shape.
 
-import { type BarHost } from "./plan";
+import { type BarHost, submitOrSay } from "./plan";
 import { busyWhy } from "./actions";
 import { h, labelled, setEnabled } from "./dom";
 import { statText } from "./values";
@@ -67,9 +67,9 @@ export class CompareBar {
     this.goBtn.type = "submit";
     this.el.addEventListener("submit", (ev) => {
       ev.preventDefault();
-      if (this.goBtn.getAttribute("aria-disabled") !== "true") {
-        this.host.request({ action: "compare", other: this.other.value, names: this.host.get("selected") ?? [] });
-      }
+      submitOrSay(host, this.goBtn, "Compare", () =>
+        this.host.request({ action: "compare", other: this.other.value, names: this.host.get("selected") ?? [] }),
+      );
     });
     for (const [kind, words] of Object.entries(KIND_WORDS)) {
       const item = h("span", `jmi-legend-item jmi-cmp-${kind}`);

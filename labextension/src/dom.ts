@@ -72,13 +72,53 @@ export function cellWith(child: HTMLElement, cls: string): HTMLElement {
 
 /** `text` with the first match of the filter `query` marked. */
 export function appendHighlighted(el: HTMLElement, text: string, query: string): void {
+  appendMarked(el, text, 0, text.length, matchOf(text, query));
+}
+
+/** Where the filter `query` first matches `text`: [start, end), or null. */
+function matchOf(text: string, query: string): [number, number] | null {
   const q = query.trim().toLowerCase();
   const at = q ? text.toLowerCase().indexOf(q) : -1;
-  if (at < 0) {
-    el.append(text);
+  return at < 0 ? null : [at, at + q.length];
+}
+
+/** `text.slice(from, to)`, the part of `match` inside it marked. */
+function appendMarked(el: HTMLElement, text: string, from: number, to: number, match: [number, number] | null): void {
+  const a = match ? Math.min(Math.max(match[0], from), to) : to;
+  const b = match ? Math.min(Math.max(match[1], from), to) : to;
+  if (a > from) el.append(text.slice(from, a));
+  if (b > a) el.append(h("mark", "jmi-hl", text.slice(a, b)));
+  if (to > b) el.append(text.slice(b, to));
+}
+
+/** Where a long name's end starts: its last `_` part(s), 3 to 10 characters (`layernorm`,
+ *  `block_12`), else its last 6 characters; 0 for a name too short to cut. */
+export function nameEndAt(name: string): number {
+  if (name.length <= 10) return 0;
+  for (let p = name.lastIndexOf("_"); p > 0; p = name.lastIndexOf("_", p - 1)) {
+    const end = name.length - p - 1;
+    if (end > 10) break;
+    if (end >= 3) return p + 1;
+  }
+  return name.length - 6;
+}
+
+/** A tree name, `query`'s match marked. A long one in two parts whose head gives way first
+ *  (style.css: .jmi-name-head), so that a narrow tree shows `post_att…layernorm`: its end,
+ *  which tells `input_layernorm` from `post_attention_layernorm`, stays. */
+export function appendName(el: HTMLElement, name: string, query: string): void {
+  const at = nameEndAt(name);
+  const match = matchOf(name, query);
+  if (!at) {
+    appendMarked(el, name, 0, name.length, match);
     return;
   }
-  el.append(text.slice(0, at), h("mark", "jmi-hl", text.slice(at, at + q.length)), text.slice(at + q.length));
+  const head = h("span", "jmi-name-head");
+  const end = h("span", "jmi-name-end");
+  appendMarked(head, name, 0, at, match);
+  appendMarked(end, name, at, name.length, match);
+  el.classList.add("jmi-name-split");
+  el.append(head, end);
 }
 
 const SVG_NS = "http://www.w3.org/2000/svg";

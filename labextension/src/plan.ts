@@ -131,6 +131,15 @@ export interface BarHost {
   get(name: string): any;
   /** Say what a button does or why it is unavailable, to the mouse and the keyboard (Reasons). */
   explain(b: HTMLButtonElement, why: string): void;
+  /** Say something in the widget's live region (its notice), e.g. why Enter did nothing. */
+  say(text: string): void;
+}
+
+/** Enter in a bar's field: run it, or, with its button unavailable, say why in the live region
+ *  (a screen reader hears nothing from a disabled button) and leave the focus in the field. */
+export function submitOrSay(host: BarHost, b: HTMLButtonElement, label: string, run: () => void): void {
+  if (b.getAttribute("aria-disabled") !== "true") run();
+  else host.say(`${label}: ${b.title || "not available now"}`);
 }
 
 /** Available or not (focusable either way), with what it does or why not; `dead`: the widget is
@@ -190,7 +199,7 @@ export class PlanBar {
     // Enter in any field plans, as the button does
     this.el.addEventListener("submit", (ev) => {
       ev.preventDefault();
-      if (this.planBtn.getAttribute("aria-disabled") !== "true") this.submit();
+      submitOrSay(host, this.planBtn, "Plan", () => this.submit());
     });
     this.pinSel.setAttribute("aria-label", "Device to pin the selected parts to");
     this.pinBtn = button("Pin selection", "jmi-pin", () =>
@@ -313,7 +322,7 @@ export class SaveBar {
     this.saveBtn.type = "submit";
     this.el.addEventListener("submit", (ev) => {
       ev.preventDefault();
-      if (this.saveBtn.getAttribute("aria-disabled") !== "true") this.submit();
+      submitOrSay(host, this.saveBtn, "Save", () => this.submit());
     });
     const row = h("div", "jmi-bar-row");
     row.append(labelled("Save to", this.path), this.format, this.saveBtn, this.what);

@@ -3,7 +3,7 @@
 // are made for the ones in view only (the tree is virtually scrolled) and made again on change.
 
 import { badge, codePath, dtypeTag, fastTag, sourceTag, stateText } from "./cells";
-import { appendHighlighted, cellWith, copyIcon, h, keyedChip, tieIcon } from "./dom";
+import { appendHighlighted, appendName, cellWith, copyIcon, h, keyedChip, tieIcon } from "./dom";
 import { humanBytes, humanCount, percent } from "./format";
 import { deviceChip, pinMark, pinnedTo, type Plan } from "./plan";
 import { CHECKED, PARTIAL, type Tree, type VisibleRow } from "./tree";
@@ -78,13 +78,15 @@ export function treeRow(ctx: RowContext, row: VisibleRow, i: number): HTMLElemen
   cbCell.append(cb);
 
   const nameCell = h("div", "jmi-c-name");
-  // the indent narrows with the widget (style.css: --jmi-indent), so deep names keep room
-  nameCell.style.paddingLeft = `calc(${row.depth} * var(--jmi-indent, 16px))`;
+  // the indent narrows with the widget and, below the first two levels, with depth
+  // (style.css: --jmi-indent, --jmi-indent-deep), so that deep names keep their room
+  const top = Math.min(row.depth, 2);
+  nameCell.style.paddingLeft = `calc(${top} * var(--jmi-indent, 16px) + ${row.depth - top} * var(--jmi-indent-deep, 12px))`;
   const caret = h("span", `jmi-caret${hasKids ? "" : " jmi-leaf"}`, hasKids ? (open ? "▾" : "▸") : "");
   caret.setAttribute("aria-hidden", "true");
   const name = h("span", "jmi-name");
   const label = n === 0 ? "(model)" : t.name[n];
-  appendHighlighted(name, label, row.match ? ctx.query : "");
+  appendName(name, label, row.match ? ctx.query : "");
   name.title = t.qname[n] || "the whole model";
   // the path as code the magics take, to copy (shown on hover and on the focused row)
   const code = codePath(ctx.varName, t.qname[n]);

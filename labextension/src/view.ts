@@ -136,6 +136,7 @@ export class TreeView {
       request: (c: Record<string, unknown>) => this.request(c),
       get: (k: string) => model.get(k),
       explain: (b: HTMLButtonElement, why: string) => this.reasons.explain(b, why),
+      say: (text: string) => this.sayNotice(text),
     };
     this.planBar = new PlanBar(host);
     this.saveBar = new SaveBar(host);
@@ -465,6 +466,17 @@ export class TreeView {
     this.noticeEl.textContent = text;
     this.noticeEl.hidden = false;
     this.noticeTimer = window.setTimeout(() => (this.noticeEl.hidden = true), ms);
+    this.keepFocusInView();
+  }
+
+  /** Text shown above the tree (a notice, the key list, a message) pushes the rows down, and
+   *  nothing scrolls the notebook after them: bring the focused element back into view (at a
+   *  narrow width the key list alone is taller than the notebook's view). */
+  private keepFocusInView(): void {
+    const active = document.activeElement;
+    if (active instanceof HTMLElement && active !== this.el && this.el.contains(active)) {
+      active.scrollIntoView({ block: "nearest" });
+    }
   }
 
   /** Where focus goes when its element goes away: the tree row, or, in a widget that lost
@@ -844,6 +856,7 @@ export class TreeView {
     this.messageEl.className = `jmi-message${err ? " jmi-error" : status ? " jmi-ok" : ""}`;
     this.messageEl.textContent = err || status;
     this.messageEl.hidden = !(err || status);
+    if (err || status) this.keepFocusInView();
   }
 
   private renderNotice(): void {
