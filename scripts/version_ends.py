@@ -79,6 +79,8 @@ END_TESTS = {
     "test_mt19937.py": "the CPU generator's MT19937 state layout and the jump-ahead",
     "test_trunc_normal.py": "trunc_normal_'s fast path against the kernel (failed on 2.10, 2.11)",
     "test_split_fill.py": "random fills cut across cores equal the serial kernel",
+    "test_native_fill.py": "the native normal_/uniform_ against the release's own kernels "
+    "(2.12 makes bfloat16/float16 normal_ another way: torch's kernel runs there)",
     "test_stream_fill.py": "a batch's random fills as one run of the stream",
     "test_init_functions.py": "every torch.nn.init function, deferred against eager",
     "test_exactness.py": "materialize equals eager construction, model by model",
