@@ -123,15 +123,21 @@ export function appendName(el: HTMLElement, name: string, query: string): void {
 
 const SVG_NS = "http://www.w3.org/2000/svg";
 
-/** Two overlapping sheets, the usual "copy" icon, drawn in the text colour. */
-export function copyIcon(): SVGSVGElement {
+/** An empty 16-unit icon of `size` px, hidden from assistive technology (the row says it). */
+function iconSvg(size: number): SVGSVGElement {
   const svg = document.createElementNS(SVG_NS, "svg");
   svg.setAttribute("viewBox", "0 0 16 16");
-  svg.setAttribute("width", "12");
-  svg.setAttribute("height", "12");
+  svg.setAttribute("width", String(size));
+  svg.setAttribute("height", String(size));
   svg.setAttribute("aria-hidden", "true");
   svg.setAttribute("focusable", "false");
   svg.classList.add("jmi-icon");
+  return svg;
+}
+
+/** Two overlapping sheets, the usual "copy" icon, drawn in the text colour. */
+export function copyIcon(): SVGSVGElement {
+  const svg = iconSvg(12);
   // the front sheet whole, the back one as the corner that shows behind it: no fill needed,
   // so it reads on any row background (hover, selected, dark)
   const back = document.createElementNS(SVG_NS, "path");
@@ -162,13 +168,7 @@ export function keyedChip(cls: string, key: string, rest: string): HTMLElement {
 /** Two opposed arrows ("⇄"), drawn in the text colour: a tied row's mark, which shows at every
  *  width (the chip saying with whom may not). An SVG, not the glyph: fonts vary. */
 export function tieIcon(): SVGSVGElement {
-  const svg = document.createElementNS(SVG_NS, "svg");
-  svg.setAttribute("viewBox", "0 0 16 16");
-  svg.setAttribute("width", "12");
-  svg.setAttribute("height", "12");
-  svg.setAttribute("aria-hidden", "true");
-  svg.setAttribute("focusable", "false");
-  svg.classList.add("jmi-icon");
+  const svg = iconSvg(12);
   for (const d of ["M2 5.5h11M10 2.5l3 3-3 3", "M14 10.5H3M6 7.5l-3 3 3 3"]) {
     const arrow = document.createElementNS(SVG_NS, "path");
     arrow.setAttribute("d", d);
@@ -184,13 +184,7 @@ export function tieIcon(): SVGSVGElement {
 
 /** A push pin, drawn in the text colour: a pinned part of a plan. */
 export function pinIcon(): SVGSVGElement {
-  const svg = document.createElementNS(SVG_NS, "svg");
-  svg.setAttribute("viewBox", "0 0 16 16");
-  svg.setAttribute("width", "11");
-  svg.setAttribute("height", "11");
-  svg.setAttribute("aria-hidden", "true");
-  svg.setAttribute("focusable", "false");
-  svg.classList.add("jmi-icon");
+  const svg = iconSvg(11);
   const head = document.createElementNS(SVG_NS, "path");
   head.setAttribute("d", "M5 1.5h6l-1 4.5 2.5 3h-9L6 6z");
   head.setAttribute("fill", "currentColor");
