@@ -167,6 +167,21 @@ _MATERIALIZE_A_BF16_LLAMA_BLOCK = textwrap.dedent(
 )
 
 
+def _materialize_in_a_fresh_process(env: dict[str, str]) -> str:
+    """Run the block above in a new Python with ``env`` added; its exactness asserts must hold
+    there. Returns what it printed: the native fills' status in that process."""
+    done = subprocess.run(
+        [sys.executable, "-c", _MATERIALIZE_A_BF16_LLAMA_BLOCK],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
 @pytest.mark.parametrize(
     "env, said",
     [
@@ -179,30 +194,12 @@ _MATERIALIZE_A_BF16_LLAMA_BLOCK = textwrap.dedent(
 def test_without_the_native_normal_replay_is_exact_on_torchs_kernel(
     env: dict[str, str], said: str, tmp_path
 ) -> None:
-    env = {**os.environ, "JUPYTER_METAINIT_CACHE": str(tmp_path), **env}
-    done = subprocess.run(
-        [sys.executable, "-c", _MATERIALIZE_A_BF16_LLAMA_BLOCK],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.strip().startswith(said), done.stdout
+    said_there = _materialize_in_a_fresh_process({"JUPYTER_METAINIT_CACHE": str(tmp_path), **env})
+    assert said_there.startswith(said), said_there
 
 
 @pytest.mark.skipif(not HAS_COMPILER, reason="no C++ compiler")
 def test_a_fresh_cache_builds_the_kernel_and_replay_is_exact_on_it(tmp_path) -> None:
-    env = {**os.environ, "JUPYTER_METAINIT_CACHE": str(tmp_path)}
-    done = subprocess.run(
-        [sys.executable, "-c", _MATERIALIZE_A_BF16_LLAMA_BLOCK],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=300,
-        check=False,
-    )
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.startswith("on: "), done.stdout
+    said_there = _materialize_in_a_fresh_process({"JUPYTER_METAINIT_CACHE": str(tmp_path)})
+    assert said_there.startswith("on: "), said_there
     assert [p.suffix for p in (tmp_path / "native").iterdir()] == [".so"]  # no temporary left

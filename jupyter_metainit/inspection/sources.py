@@ -176,10 +176,10 @@ def _safetensors_files(path: str) -> list[str] | None:
     return files or None
 
 
-def _open_path(path: str, what: str, typed: Any) -> Source:
+def _open_path(path: str, what: str, as_given: str) -> Source:
     if not os.path.exists(path):
-        expanded = f" ({path})" if path != typed else ""
-        raise FileNotFoundError(f"{what}: no such file or directory: {typed!r}{expanded}")
+        expanded = f" ({path})" if path != as_given else ""
+        raise FileNotFoundError(f"{what}: no such file or directory: {as_given!r}{expanded}")
     if os.path.isdir(path) and os.path.exists(os.path.join(path, ".metadata")):
         return DcpSource(path)
     files = _safetensors_files(path)
