@@ -157,13 +157,10 @@ def _fill(op: str, t: Any, a: float, b: float, generator: Any) -> bool:
         or not t.is_contiguous()
         or (t.requires_grad and torch.is_grad_enabled())  # torch refuses in-place on a leaf
         or (t.is_inference() and not torch.is_inference_mode_enabled())  # and this too
-        or os.environ.get(ENV_SWITCH, "1") == "0"
+        or not native_covers(op, t.dtype)
     ):
         return False
-    kernels = _get_kernels()
-    if kernels is None or not _exact(op, t.dtype):
-        return False
-    return _run(kernels[op], t, code, a, b, generator)
+    return _run((_kernels or {})[op], t, code, a, b, generator)
 
 
 def _run(
