@@ -25,7 +25,7 @@ from torch.utils._pytree import tree_map
 from jupyter_metainit.core.record.graph import OpRecord
 from jupyter_metainit.core.replay.parallel import components, stream_parts
 from jupyter_metainit.core.rng.draws import known_draws
-from jupyter_metainit.core.rng.native_fill import native_normal, native_uniform
+from jupyter_metainit.core.rng.native_fill import native_call
 from jupyter_metainit.core.rng.positions import fast_generator, state_before
 from jupyter_metainit.core.rng.scratch import run_random
 from jupyter_metainit.core.rng.split_fill import FILLS, fill_region, split_fill
@@ -277,26 +277,14 @@ def _to(x: Any, device: torch.device) -> Any:
     return x
 
 
-# op -> its native fill and its two scalar arguments (name, default)
-_NATIVE: dict[Any, tuple[Callable[..., bool], tuple[str, float], tuple[str, float]]] = {
-    torch.ops.aten.normal_.default: (native_normal, ("mean", 0.0), ("std", 1.0)),
-    torch.ops.aten.uniform_.default: (native_uniform, ("from", 0.0), ("to", 1.0)),
-}
-
-
 def call_with_generator(
     op: OpRecord, args: tuple, kwargs: dict, gen: torch.Generator | None
 ) -> Any:
     """Call ``op.func`` with ``gen`` in its generator slot (positional or keyword). A CPU
     ``normal_`` or ``uniform_`` runs on the native kernels where they apply (the same bits,
     faster: see Note [the native fills are trusted only after they are checked])."""
-    native = _NATIVE.get(op.func)
-    if native is not None and gen is not None and args:
-        fill, (a_name, a_default), (b_name, b_default) = native
-        a = args[1] if len(args) > 1 else kwargs.get(a_name, a_default)
-        b = args[2] if len(args) > 2 else kwargs.get(b_name, b_default)
-        if fill(args[0], a, b, gen):
-            return args[0]
+    if gen is not None and native_call(op.func, args, kwargs, gen):
+        return args[0]
     kw = dict(kwargs)
     names = [a.name for a in op.func._schema.arguments]
     if "generator" in names:

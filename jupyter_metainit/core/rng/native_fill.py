@@ -44,7 +44,15 @@ import torch
 from jupyter_metainit.core.rng.segments import raw_get_state, raw_set_state
 from jupyter_metainit.core.runtime.plain import plain
 
-__all__ = ["MIN_ELEMENTS", "native_covers", "native_normal", "native_status", "native_uniform"]
+__all__ = [
+    "MIN_ELEMENTS",
+    "NATIVE_OPS",
+    "native_call",
+    "native_covers",
+    "native_normal",
+    "native_status",
+    "native_uniform",
+]
 
 ENV_SWITCH = "JUPYTER_METAINIT_NATIVE"
 ENV_CACHE = "JUPYTER_METAINIT_CACHE"
@@ -55,11 +63,35 @@ MIN_ELEMENTS = 1 << 12
 _SOURCE = Path(__file__).with_name("native") / "fills.cpp"
 _DTYPES = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 
+aten = torch.ops.aten
+
+# The ATen ops the native kernels make -> their kernel's name.
+NATIVE_OPS = {aten.normal_.default: "normal", aten.uniform_.default: "uniform"}
+# Each op's two scalar arguments: (name, default) as its schema has them.
+_SCALARS = {"normal": (("mean", 0.0), ("std", 1.0)), "uniform": (("from", 0.0), ("to", 1.0))}
+
 _lock = threading.Lock()
 _kernels: dict[str, Callable[..., int]] | None = None  # "normal", "uniform" -> the C function
 _where = ""  # the library's path
 _reason: str | None = None  # why there are no kernels (None: not tried yet, or there are)
 _checked: dict[tuple[str, torch.dtype], bool] = {}
+
+
+def native_call(func: Any, args: tuple, kwargs: dict, generator: Any) -> bool:
+    """``func(*args, **kwargs)`` drawing from ``generator``, by the native kernel where it applies:
+    ``func`` one of :data:`NATIVE_OPS` and its tensor and arguments as the kernel takes them.
+
+    Returns:
+        True if done (``args[0]`` filled); False otherwise: call ``func`` itself.
+    """
+    op = NATIVE_OPS.get(func)
+    if op is None or not args:
+        return False
+    (a_name, a_default), (b_name, b_default) = _SCALARS[op]
+    a = args[1] if len(args) > 1 else kwargs.get(a_name, a_default)
+    b = args[2] if len(args) > 2 else kwargs.get(b_name, b_default)
+    fill = native_normal if op == "normal" else native_uniform
+    return fill(args[0], a, b, generator)
 
 
 def native_normal(t: Any, mean: float, std: float, generator: Any) -> bool:

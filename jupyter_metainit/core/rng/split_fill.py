@@ -29,7 +29,7 @@ import torch
 
 from jupyter_metainit.core.rng.draws import draws_per_element
 from jupyter_metainit.core.rng.mt19937 import jump_state
-from jupyter_metainit.core.rng.native_fill import native_covers
+from jupyter_metainit.core.rng.native_fill import NATIVE_OPS, native_covers
 from jupyter_metainit.core.runtime.interrupts import Meter, current_meter
 from jupyter_metainit.core.runtime.plain import plain
 from jupyter_metainit.core.runtime.pool import available_cores, core_pool
@@ -66,12 +66,11 @@ MIN_SKIP = 1 << 22
 # which jumps first.
 JUMP_SECONDS = 0.015
 _NATIVE_SECONDS, _TORCH_SECONDS = 1.5e-9, 6e-9
-_NATIVE_NAMES = {aten.normal_.default: "normal", aten.uniform_.default: "uniform"}
 
 
 def fill_seconds(func: Any, dtype: torch.dtype, elements: int) -> float:
     """About how long a fill of ``elements`` takes on one core."""
-    native = func in _NATIVE_NAMES and native_covers(_NATIVE_NAMES[func], dtype)
+    native = func in NATIVE_OPS and native_covers(NATIVE_OPS[func], dtype)
     return elements * (_NATIVE_SECONDS if native else _TORCH_SECONDS)
 
 
